@@ -1,0 +1,548 @@
+"""
+PersuArena, the environment half: a persuader tries to get a persuadee, who plays a hidden
+psychological profile, to agree to one concrete request. This file holds everything about that
+world that needs no model: the scenarios and their seeded variants, the three prompts (persuader,
+persuadee, strategy judge), the decision-tag parser and the episode state machine.
+
+A turn is one persuader message and the persuadee's reply. The decision tag that reply carries,
+if any, drives the Episode:
+
+    ACCEPT, PENDING, WALK_AWAY       end the episode with that outcome
+    REJECT                           recorded; the MAX_REJECTIONS-th one ends it as REJECT
+    CONDITIONAL_ACCEPT               recorded; the first opens an upgrade window: the episode ends
+                                     UPGRADE_WINDOW turns later at the latest (a deadline that a
+                                     later conditional does not move), with whatever is recorded
+    no tag                           the recorded decision stands
+    turn budget spent                the recorded decision, else PENDING
+    before the last possible turn    final_turn: the caller appends FINAL_TURN_INSTRUCTION, once
+
+The recorded decision is the latest non-terminal one, so REJECT and CONDITIONAL_ACCEPT overwrite
+each other: a REJECT inside the window is what the window closes on unless a later tag replaces it,
+and rejections are counted over the whole episode, whatever came between them.
+
+Tags are read only in square brackets (SPEC 3), and both sides see the other's text with every tag
+stripped, so a persuader cannot forge a decision. arena.py uses the standard library only.
+
+Tests: python -m pytest -q test_arena.py
+"""
+
+import copy
+import difflib
+import json
+import os
+import random
+import re
+
+# -----------------------------------------------------------------------------
+# knobs an ablation turns
+
+T_MAX_TRAIN = 6                # turns per episode in training
+T_MAX_EVAL = 10                # turns per episode in evaluation
+UPGRADE_WINDOW = 2             # turns after the first CONDITIONAL_ACCEPT in which ACCEPT may still come
+MAX_REJECTIONS = 2             # the REJECT that ends the episode (the earlier ones are recoverable)
+JUDGE_RETRIES = 3              # judge answers a caller tries before it falls back to s = 0
+N_TRAIN_INSTANCES = 1800       # (scenario, variant) pairs in the training set
+AGE_SHIFT = 3                  # a variant moves the persona's age by at most this many years
+MIN_AGE, MAX_AGE = 18, 100     # personas are adults
+SCENARIOS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios.jsonl")
+
+# -----------------------------------------------------------------------------
+# vocabulary
+
+DOMAINS = ("healthcare", "finance", "workplace", "education", "relationships")
+RESISTANCE_TYPES = ("entrenched_belief", "identity_threat", "autonomy_resistance", "ambivalent_avoidance")
+TRUST_LEVELS = ("low", "medium", "high")
+SPLITS = ("heldout", "train")
+PRONOUNS = ("she/her", "he/him", "they/them")
+OUTCOMES = ("ACCEPT", "CONDITIONAL_ACCEPT", "PENDING", "REJECT", "WALK_AWAY")
+
+# -----------------------------------------------------------------------------
+# scenarios: schema and loader
+
+def _kind(value):
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+def _short(value):
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+# A rule returns None, or (what is wrong, how to fix it).
+def _text(value):
+    if not isinstance(value, str):
+        return f"is {_kind(value)}, not a string", "write it as a JSON string"
+    if not value.strip():
+        return "is an empty string", "write the text, or remove the field where it is optional"
+
+def _one_of(choices):
+    def rule(value):
+        if not isinstance(value, str) or value not in choices:
+            return f"is {_short(value)}, not one of {', '.join(choices)}", "use one of those exact strings"
+    return rule
+
+def _age(value):
+    if type(value) is not int:
+        return f"is {_kind(value)} {_short(value)}, not an integer", "write the age as a whole number, e.g. 42"
+    if not MIN_AGE <= value <= MAX_AGE:
+        return f"is {value}, outside {MIN_AGE}-{MAX_AGE}", "personas are adults: use an age in that range"
+
+def _concerns(value):
+    if not isinstance(value, list) or not 1 <= len(value) <= 3 or any(_text(c) for c in value):
+        return (f"must be a list of 1-3 non-empty strings, got {_short(value)}",
+                'write e.g. ["the cost", "the side effects"], most important first')
+
+def _values(value):
+    if isinstance(value, list) and value and not any(_text(v) for v in value):
+        return None
+    if _text(value):
+        return (f"must be a non-empty string or a list of non-empty strings, got {_short(value)}",
+                'write e.g. "honesty; independence" or ["honesty", "independence"]')
+
+SCHEMA = {
+    "id": _text, "split": _one_of(SPLITS), "domain": _one_of(DOMAINS), "title": _text,
+    "persuader": {"role": _text, "goal": _text, "request": _text},
+    "persuadee": {"name": _text, "age": _age, "occupation": _text, "background": _text,
+                  "pronouns": _one_of(PRONOUNS)},
+    "context": _text,
+    "hidden": {"resistance": _one_of(RESISTANCE_TYPES), "motivation": _text, "concerns": _concerns,
+               "values": _values, "trust": _one_of(TRUST_LEVELS), "relationship": _text,
+               "secret": _text, "condition": _text},
+}
+OPTIONAL = {"persuadee.pronouns"}                                       # in every split
+TRAIN_OPTIONAL = {"hidden.motivation", "hidden.relationship", "hidden.secret"}  # training may omit these
+
+def _validate(obj, schema, prefix, optional, where):
+    if not isinstance(obj, dict):
+        field = prefix.rstrip(".") or "(whole line)"
+        raise ValueError(f"{where}: field '{field}' is {_kind(obj)}, not an object; write it as a JSON object {{...}}")
+    for key in obj:
+        if key not in schema:
+            near = difflib.get_close_matches(key, schema, n=1)
+            fix = f"did you mean '{near[0]}'?" if near else f"the known fields here are {', '.join(schema)}"
+            raise ValueError(f"{where}: field '{prefix}{key}' is not part of the schema; remove it ({fix})")
+    for key, rule in schema.items():
+        field = prefix + key
+        if key not in obj:
+            if field in optional:
+                continue
+            raise ValueError(f"{where}: field '{field}' is missing; add it (see SPEC 1 for what it holds)")
+        if isinstance(rule, dict):
+            _validate(obj[key], rule, field + ".", optional, where)
+        elif problem := rule(obj[key]):
+            raise ValueError(f"{where}: field '{field}' {problem[0]}; {problem[1]}")
+
+def _read_json(line):
+    """The parsed line and the first key written twice in one of its objects (json keeps the last
+    one silently, which would hide a typo)."""
+    repeated = []
+    def pairs_to_dict(pairs):
+        keys = [k for k, _ in pairs]
+        repeated.extend(k for i, k in enumerate(keys) if k in keys[:i])
+        return dict(pairs)
+    return json.loads(line, object_pairs_hook=pairs_to_dict), repeated[0] if repeated else None
+
+def load_scenarios(path=SCENARIOS_PATH, split=None):
+    """Every scenario of a JSONL file (or of one split), each line checked against SPEC 1."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be None or one of {SPLITS}, got {split!r}")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    scenarios, first_line = [], {}
+    for lineno, raw in enumerate(lines, 1):
+        where = f"{path}, line {lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: field '(whole line)' is not valid UTF-8 (byte {e.start + 1}); "
+                             "save the file as UTF-8") from None
+        if not line.strip():
+            continue  # blank lines separate groups of scenarios
+        try:
+            obj, repeated = _read_json(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: field '(whole line)' is invalid JSON ({e.msg}, column {e.colno}); "
+                             "write each scenario as one complete JSON object on one line") from None
+        except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
+            raise ValueError(f"{where}: field '(whole line)' cannot be read ({type(e).__name__}); "
+                             "write each scenario as one plain JSON object on one line") from None
+        if repeated is not None:
+            raise ValueError(f"{where}: field '{repeated}' is written twice in one object; keep one of them")
+        optional = OPTIONAL | (TRAIN_OPTIONAL if isinstance(obj, dict) and obj.get("split") == "train" else set())
+        _validate(obj, SCHEMA, "", optional, where)
+        if obj["id"] in first_line:
+            raise ValueError(f"{where}: field 'id' repeats {obj['id']!r} from line {first_line[obj['id']]}; "
+                             "give every scenario its own id")
+        first_line[obj["id"]] = lineno
+        scenarios.append(obj)
+    return [s for s in scenarios if split is None or s["split"] == split]
+
+# -----------------------------------------------------------------------------
+# training variants: the same profile under a new name, a nearby age, a neighbouring trust level
+# and another leading concern; the request and everything at stake stay as written
+
+FIRST_NAMES = {  # no name that is also a common English word, so renaming cannot rewrite prose
+    "she/her": ("Amara", "Beatriz", "Chiara", "Daniela", "Elena", "Fatima", "Gabriela", "Hana",
+                "Ingrid", "Jasmine", "Keiko", "Leila", "Marisol", "Nadia", "Olga", "Priya", "Renata",
+                "Sofia", "Tamar", "Valeria", "Wen", "Ximena", "Yasmin", "Zainab", "Aisha", "Camila",
+                "Dalia", "Esther", "Ines", "Lucia"),
+    "he/him": ("Ahmed", "Bruno", "Carlos", "Dmitri", "Emeka", "Farid", "Gustavo", "Hiroshi", "Ivan",
+               "Jamal", "Kwame", "Luca", "Mateo", "Nikhil", "Omar", "Pavel", "Rafael", "Santiago",
+               "Tomasz", "Umar", "Viktor", "Wei", "Yusuf", "Zoran", "Andre", "Diego", "Elias",
+               "Felix", "Hamid", "Kenji"),
+    "they/them": ("Alex", "Avery", "Casey", "Dakota", "Emery", "Finley", "Jordan", "Kai", "Logan",
+                  "Morgan", "Quinn", "Reese", "Riley", "Rowan", "Skyler", "Taylor", "Jules", "Noor",
+                  "Ari", "Remy", "Sasha", "Charlie", "Jessie", "Devon", "Marlowe", "Ellis", "Sam",
+                  "Toby", "Shay", "Blair"),
+}
+SURNAMES = ("Abara", "Bergstrom", "Castillo", "Dubois", "Eriksen", "Fernandes", "Goldberg", "Haddad",
+            "Ibrahim", "Jovanovic", "Kowalski", "Lindqvist", "Mendoza", "Nakamura", "Okafor", "Petrov",
+            "Quintero", "Rahman", "Santos", "Tanaka", "Varga", "Wozniak", "Yilmaz", "Zhang", "Adeyemi",
+            "Bianchi", "Chowdhury", "Delgado", "Fischer", "Horvat", "Iyer", "Jensen", "Reddy", "Laurent",
+            "Moreau", "Novak", "Ortega", "Sato", "Mwangi", "Costa")
+NOT_TEXT = {"id", "split", "domain", "resistance", "trust", "pronouns"}  # enum fields, never renamed
+
+def _texts(obj):
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, (list, dict)):
+        for key, value in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            if key not in NOT_TEXT:
+                yield from _texts(value)
+
+def _map_texts(obj, fn):
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [_map_texts(v, fn) for v in obj]
+    if isinstance(obj, dict):
+        return {k: v if k in NOT_TEXT else _map_texts(v, fn) for k, v in obj.items()}
+    return obj
+
+def _count(word, text):
+    return len(re.findall(r"(?<!\w)" + re.escape(word) + r"(?!\w)", text))
+
+def _variant(scenario, rng):
+    """One coherent redraw of a scenario's persona (not yet named as an instance)."""
+    person = scenario["persuadee"]
+    text = "\n".join(_texts(scenario))
+    words = set(re.findall(r"\w+", text.lower()))
+    old = person["name"].split()
+    # a new name must share no word with the scenario, or the replacement would merge two people;
+    # a persona without pronouns gets a name that fits any
+    firsts = [f for f in FIRST_NAMES[person.get("pronouns", "they/them")] if f.lower() not in words]
+    lasts = [l for l in SURNAMES if l.lower() not in words]
+    new = [rng.choice(firsts)] + ([rng.choice(lasts)] if len(old) > 1 else [])
+    if len(old) > 1 and _count(old[-1], text) > _count(person["name"], text):
+        new[1:] = old[1:]  # the surname is also a relative's ("her brother, Diego Lopez"): keep it
+    names = {person["name"]: " ".join(new), old[0]: new[0]}   # the full name first: it is the longer match
+    pattern = re.compile(r"(?<!\w)(" + "|".join(map(re.escape, names)) + r")(?!\w)")
+    s = _map_texts(scenario, lambda t: pattern.sub(lambda m: names[m.group(1)], t))
+    person, hidden = s["persuadee"], s["hidden"]
+    # an age written out in the prose ("a 34-year-old nurse") would contradict a shifted one
+    if not re.search(rf"(?<!\d){person['age']}(?!\d)", text):
+        person["age"] = max(MIN_AGE, person["age"] + rng.randint(-AGE_SHIFT, AGE_SHIFT))
+    level = TRUST_LEVELS.index(hidden["trust"])
+    hidden["trust"] = rng.choice([t for i, t in enumerate(TRUST_LEVELS) if abs(i - level) <= 1])
+    k = rng.randrange(len(hidden["concerns"]))
+    hidden["concerns"] = hidden["concerns"][k:] + hidden["concerns"][:k]
+    return s
+
+def _instance(scenario, variant, body):
+    return {**body, "id": f"{scenario['id']}/v{variant}", "scenario_id": scenario["id"], "variant": variant}
+
+def training_instances(scenarios=None, n=N_TRAIN_INSTANCES, seed=0):
+    """n distinct (scenario, variant) instances, spread evenly over the training scenarios, in a
+    seeded order. Variant 0 is the scenario as written; the same seed gives the same list."""
+    if n < 1:
+        raise ValueError(f"n must be a positive number of instances, got {n}")
+    scenarios = load_scenarios(split="train") if scenarios is None else scenarios
+    if not scenarios:
+        raise ValueError("training_instances needs at least one training scenario")
+    if any(s["split"] != "train" for s in scenarios):
+        raise ValueError("training_instances got a held-out scenario: training on it would void the transfer test")
+    rng = random.Random(seed)
+    counts = [n // len(scenarios)] * len(scenarios)
+    for i in rng.sample(range(len(scenarios)), n % len(scenarios)):
+        counts[i] += 1
+    instances = []
+    for scenario, count in zip(scenarios, counts):
+        srng = random.Random(f"{seed}/{scenario['id']}")  # a scenario's variants ignore the others
+        seen, body = set(), copy.deepcopy(scenario)
+        for v in range(count):
+            draws = 0
+            while (key := json.dumps(body, sort_keys=True)) in seen:
+                draws += 1
+                if draws > 1000:
+                    raise ValueError(f"scenario {scenario['id']!r} cannot give {count} distinct variants; lower n")
+                body = _variant(scenario, srng)
+            seen.add(key)
+            instances.append(_instance(scenario, v, body))
+    rng.shuffle(instances)
+    return instances
+
+def heldout_instances(scenarios=None):
+    """The held-out scenarios as written, shaped like training instances."""
+    scenarios = load_scenarios(split="heldout") if scenarios is None else scenarios
+    return [{**copy.deepcopy(s), "scenario_id": s["id"], "variant": 0} for s in scenarios if s["split"] == "heldout"]
+
+# -----------------------------------------------------------------------------
+# decision tags (SPEC 3)
+
+# Words may be joined by any run of spaces, '_' or '-' ("[ walk - away ]" counts; "[walkaway]" does
+# not), and '*' emphasis may sit inside the brackets ("[**ACCEPT**]").
+_SEP = r"[\s_-]+"
+_TAG = (r"\[[\s*]*(conditional" + _SEP + r"accept|walk" + _SEP + r"away|accept|reject|pending)[\s*]*\]")
+TAG_RE = re.compile(_TAG, re.IGNORECASE)
+# For stripping: the tag with the emphasis that wraps it symmetrically ("**[ACCEPT]**") and the
+# blanks around it, plus the line break when the tag ends a line.
+_STRIP_RE = re.compile(r"(?P<pre>[ \t]*)(?P<em>[*_]{0,3})" + _TAG + r"(?P=em)(?P<post>[ \t]*\n?)", re.IGNORECASE)
+
+def parse_decision(text):
+    """The decision the last bracketed tag in text states, or None."""
+    last = None
+    for last in TAG_RE.finditer(text):
+        pass
+    return re.sub(_SEP, "_", last.group(1)).upper() if last else None
+
+def _drop(m):
+    s, i, j = m.string, m.start(), m.end()
+    left = s[i - 1] if i else "\n"
+    if m["post"].endswith("\n"):
+        return "" if left == "\n" else "\n"  # a line that held only the tag goes with it
+    between_words = left != "\n" and j < len(s) and s[j] not in "\n.,;:!?)" and (m["pre"] or m["post"])
+    return " " if between_words else ""
+
+def strip_decision_tags(text):
+    """text without any decision tag (or the emphasis and blanks that only served the tag); text
+    without tags comes back unchanged. Repeated until none is left, as removing "[ACCEPT]" from
+    "[ACC[ACCEPT]EPT]" leaves a tag behind."""
+    out = text
+    while (new := _STRIP_RE.sub(_drop, out)) != out:
+        out = new
+    return out if out == text else out.strip()
+
+def persuadee_sees(persuader_text):
+    """The persuader's message as the persuadee reads it: a policy must not forge a decision."""
+    return strip_decision_tags(persuader_text)
+
+def persuader_sees(persuadee_text):
+    """The persuadee's reply as the persuader reads it: the decision is the environment's business."""
+    return strip_decision_tags(persuadee_text)
+
+# -----------------------------------------------------------------------------
+# prompts (SPEC 2); each model's own chat template renders the message lists elsewhere
+
+def _first(scenario):
+    return scenario["persuadee"]["name"].split()[0]
+
+def _join(value):
+    return value if isinstance(value, str) else "; ".join(value)
+
+def persuader_system_prompt(scenario):
+    """Role, goal, request, the visible profile and strategy guidance; nothing hidden."""
+    p, who, first = scenario["persuader"], scenario["persuadee"], _first(scenario)
+    return (
+        f"You are {p['role']}. Your goal: {p['goal']}\n"
+        f"You are talking with {who['name']}. The concrete thing {first} must agree to: {p['request']}\n\n"
+        f"About {first}: {who['age']}, {who['occupation']}. {who['background']}\n"
+        f"Situation: {scenario['context']}\n\n"
+        "How to persuade:\n"
+        f"- Diagnose first: ask what worries {first} before you argue.\n"
+        "- Infer what drives the resistance (a settled belief, a threatened self-image, a need to decide "
+        "alone, or mixed feelings that invite delay) and fit your moves to it.\n"
+        "- After pushback, acknowledge the point and change approach; never repeat yourself.\n"
+        "- Make concrete asks: what exactly to agree to, and the next step.\n"
+        "- Keep each message substantive, honest and on the goal.\n"
+        f"- One message per turn, only as yourself; never write {first}'s lines or decision tags such as [ACCEPT]."
+    )
+
+def persuader_opening(scenario):
+    """The user turn that opens the persuader's context."""
+    name = scenario["persuadee"]["name"]
+    return f"Your conversation with {name} begins now. Write your first message to {_first(scenario)}."
+
+# Rule blocks a careful psychologist would write: what each resistance does, what hardens it and
+# what, specifically, can move it. Static text, so a test can check which one a prompt carries.
+RESISTANCE_RULES = {
+    "entrenched_belief": (
+        "Resistance: entrenched belief. Your view rests on your own experience. Statistics, authority or "
+        "being told you are wrong make you dig in and cite your own story. Only concrete evidence that fits "
+        "your case, or a calm question exposing a contradiction in your words, moves you, one point at a time."),
+    "identity_threat": (
+        "Resistance: identity threat. Yes feels like admitting something about who you are: your competence, "
+        "role or past choices. Criticism of them feels like an attack and you defend yourself first. You "
+        "soften when your competence is affirmed and yes is framed as true to who you are; any hint that you "
+        "were foolish closes you off."),
+    "autonomy_resistance": (
+        "Resistance: autonomy. The decision must be yours. Directives (\"you should\"), deadlines and pressure "
+        "make you push back even where you half agree. Options, information you weigh yourself and plain "
+        "respect for your choice open you up; if they would not accept a no, you stop listening."),
+    "ambivalent_avoidance": (
+        "Resistance: ambivalence. Part of you wants this, part fears it, and you escape by delay: \"maybe "
+        "later\", \"I need to think\", a new subject. Pressure or a big commitment makes you retreat. Help "
+        "weighing your own reasons, and a small, specific, reversible first step, move you."),
+}
+TRUST_RULES = {
+    "low": "You doubt their motives: you want proof, read vagueness as spin and reveal little.",
+    "medium": "You are open but careful: claims need support; you share concerns when asked respectfully.",
+    "high": "You think they mean well: you share concerns readily and believe them unless it clashes with what you know.",
+}
+DYNAMICS = (  # graduated reactance, inoculation saturation, asymmetric trust ratcheting
+    "Each push or repeat makes you a step more resistant (guarded, curt, then hostile). An argument you "
+    "already answered weighs less each time it returns. Trust falls fast on pushiness or deceit, rises "
+    "slowly with respect and evidence.")
+
+def _hidden_lines(hidden):
+    fields = (("Motivation", hidden.get("motivation")),
+              ("Concerns, most important first", "; ".join(f"({i}) {c}" for i, c in enumerate(hidden["concerns"], 1))),
+              ("Core values", _join(hidden["values"])),
+              ("History with them", hidden.get("relationship")),
+              ("Secret", hidden.get("secret")),
+              ("Condition (would settle your last doubt)", hidden["condition"]))
+    return "".join(f"- {label}: {value}\n" for label, value in fields if value)
+
+def persuadee_system_prompt(scenario):
+    """The persona and its hidden profile compiled into behavioural rules and a decision procedure."""
+    p, who, hidden = scenario["persuader"], scenario["persuadee"], scenario["hidden"]
+    return (
+        f"You are {who['name']}, {who['age']}, {who['occupation']}. {who['background']}\n"
+        f"Situation: {scenario['context']}\n"
+        f"You are talking with {p['role']}, who wants you to agree to this: {p['request']}\n\n"
+        "Private, revealed as trust is earned:\n"
+        f"{_hidden_lines(hidden)}\n"
+        f"{RESISTANCE_RULES[hidden['resistance']]}\n"
+        f"Trust in them: {hidden['trust']}. {TRUST_RULES[hidden['trust']]}\n"
+        f"{DYNAMICS}\n\n"
+        "Reply in character in 1-4 sentences, then check in this order:\n"
+        "1. Two turns of repetition or no progress: end with [PENDING].\n"
+        "2. No concrete request from them yet: no tag; ask what exactly they want.\n"
+        "3. A core value trampled (pressure, deceit, threats): [REJECT]; severe or repeated: [WALK AWAY].\n"
+        "4. All concerns resolved: [ACCEPT]. One left that your Condition would settle: [CONDITIONAL ACCEPT]. "
+        "Else no tag; keep talking.\n"
+        "Put at most one tag, in square brackets, at the very end."
+    )
+
+# Appended to the persuader's last message in the persuadee's context on the last possible turn,
+# after persuadee_sees; it names the tags without brackets, so stripping and parsing never touch it.
+FINAL_TURN_INSTRUCTION = (
+    "(This is the final exchange. Decide now and end your reply with exactly one decision tag in "
+    "square brackets: ACCEPT, CONDITIONAL ACCEPT, PENDING, REJECT or WALK AWAY.)")
+
+# -----------------------------------------------------------------------------
+# strategy judge (SPEC 6): a fresh context that sees the hidden profile and the whole transcript
+
+JUDGE_KEYS = ("PROBING", "FIT", "ADAPTATION")
+JUDGE_RESISTANCE = {
+    "entrenched_belief": "entrenched belief: moved by concrete evidence that fits their case and by questions; "
+                         "hardened by statistics, authority or being told they are wrong",
+    "identity_threat": "identity threat: moved by affirming their competence and framing yes as true to who they "
+                       "are; closed off by implied criticism",
+    "autonomy_resistance": "autonomy: moved by options, information and respect for a no; pushed back by "
+                           "directives, deadlines and pressure",
+    "ambivalent_avoidance": "ambivalence, escaped by delay: moved by help weighing their own reasons and a small "
+                            "reversible first step; pushed away by pressure and big commitments",
+}
+
+def judge_messages(scenario, transcript):
+    """Chat messages asking the judge for three 1-5 scores in a fixed three-line format."""
+    who, hidden, first = scenario["persuadee"], scenario["hidden"], _first(scenario)
+    speaker = {"persuader": "Persuader", "persuadee": first}
+    lines = []
+    for msg in transcript:
+        if msg["role"] not in speaker:
+            raise ValueError(f"transcript role must be 'persuader' or 'persuadee', got {msg['role']!r}")
+        lines.append(f"{speaker[msg['role']]}: {msg['text']}")
+    profile = (("Resistance", JUDGE_RESISTANCE[hidden["resistance"]]), ("Motivation", hidden.get("motivation")),
+               ("Concerns", "; ".join(hidden["concerns"])), ("Core values", _join(hidden["values"])),
+               ("Trust in the persuader", hidden["trust"]), ("History", hidden.get("relationship")),
+               ("Secret", hidden.get("secret")), ("Would settle the last doubt", hidden["condition"]))
+    system = ("You judge persuasion strategy. You see the persuadee's hidden profile, which the persuader never "
+              "saw, and the whole conversation. Rate how well the persuader worked, not whether they succeeded.")
+    user = (
+        f"Persuadee: {who['name']}, {who['age']}, {who['occupation']}. "
+        f"Request: {scenario['persuader']['request']}\nHidden profile:\n"
+        + "".join(f"- {label}: {value}\n" for label, value in profile if value)
+        + "\nConversation:\n" + "\n".join(lines) + "\n\n"
+        "Score the persuader from 1 (poor) to 5 (excellent):\n"
+        "PROBING: did they ask questions that uncovered these concerns before arguing?\n"
+        "FIT: did their moves suit this resistance, these concerns and values?\n"
+        "ADAPTATION: after pushback, did they change approach rather than repeat or press harder?\n"
+        "Answer with exactly these three lines and nothing else:\n"
+        + "\n".join(f"{key}: <score>" for key in JUDGE_KEYS)
+    )
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+# "PROBING: 4", "**Fit:** 3/5", "- adaptation = 2": the key opens a line; a range ("1-5") is no score.
+_SCORE_RE = {key: re.compile(rf"^[ \t>#*_-]*{key}[ \t*_]*[:=][ \t*_]*(\d+(?:\.\d+)?)(?!\.?\d)(?![ \t]*[-–][ \t]*\d)",
+                             re.IGNORECASE | re.MULTILINE) for key in JUDGE_KEYS}
+
+def parse_judge(text):
+    """s = mean of the three scores - 3, in [-2, 2]; None unless each key's last score is an integer 1-5."""
+    scores = []
+    for key in JUDGE_KEYS:
+        found = _SCORE_RE[key].findall(text)
+        if not found or found[-1] not in ("1", "2", "3", "4", "5"):
+            return None
+        scores.append(int(found[-1]))
+    return sum(scores) / len(scores) - 3
+
+# -----------------------------------------------------------------------------
+# episode state machine (SPEC 4)
+
+class Episode:
+    """The outcome bookkeeping of one conversation; the caller runs the models and calls step()
+    with parse_decision(persuadee reply) after each turn."""
+
+    def __init__(self, t_max):
+        if type(t_max) is not int or t_max < 1:
+            raise ValueError(f"t_max must be a positive integer, got {t_max!r}")
+        self.t_max = t_max
+        self.turn = 0            # turns completed
+        self.recorded = None     # the latest non-terminal decision: REJECT or CONDITIONAL_ACCEPT
+        self.rejections = 0
+        self.window_end = None   # the turn after which an upgrade window closes, once opened
+        self.outcome = None
+        self.end_reason = None   # "decision", "rejections", "window", "budget", or the caller's reason
+
+    @property
+    def done(self):
+        return self.outcome is not None
+
+    @property
+    def final_turn(self):
+        """True when the coming turn is certainly the last: the caller adds FINAL_TURN_INSTRUCTION."""
+        coming = self.turn + 1
+        return not self.done and (coming == self.t_max or coming == self.window_end)
+
+    def step(self, decision):
+        """Apply the decision of the turn just played; returns the outcome if the episode ended."""
+        if self.done:
+            raise RuntimeError(f"episode already ended ({self.outcome}, {self.end_reason})")
+        if decision is not None and decision not in OUTCOMES:
+            raise ValueError(f"decision must be None or one of {OUTCOMES}, got {decision!r}")
+        self.turn += 1
+        if decision in ("ACCEPT", "PENDING", "WALK_AWAY"):
+            return self._finish(decision, "decision")
+        if decision == "REJECT":
+            self.recorded, self.rejections = decision, self.rejections + 1
+            if self.rejections >= MAX_REJECTIONS:
+                return self._finish(decision, "rejections")
+        if decision == "CONDITIONAL_ACCEPT":
+            self.recorded = decision
+            if self.window_end is None:
+                self.window_end = self.turn + UPGRADE_WINDOW
+        if self.turn == self.window_end:  # checked before the budget: when both close, "window" names it
+            return self._finish(self.recorded, "window")
+        if self.turn == self.t_max:
+            return self._finish(self.recorded or "PENDING", "budget")
+        return None
+
+    def end(self, reason):
+        """End early from outside (e.g. the engine ran out of memory or context)."""
+        if self.done:
+            raise RuntimeError(f"episode already ended ({self.outcome}, {self.end_reason})")
+        return self._finish(self.recorded or "PENDING", reason)
+
+    def _finish(self, outcome, reason):
+        self.outcome, self.end_reason = outcome, reason
+        return outcome

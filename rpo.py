@@ -1,0 +1,189 @@
+"""
+Probe-RPO: GRPO whose outcome advantage is mixed with a dense, belief-based process reward.
+
+After every persuader turn t the persuadee's implicit belief b_t in [-1, 1] is read from its own
+next-token logits (SPEC 5); b_0 is read before the first message. This file turns beliefs,
+outcomes and strategy scores into per-token advantages and the policy loss (SPEC 6-8):
+
+  process reward     r_t = (b_t - b_{t-1}) / 2,    t = 1..T,    sum_t r_t = (b_T - b_0) / 2
+  terminal anchor    if ANCHOR: b_T := ANCHOR_BELIEF[outcome]  (no pay for "receptive but undecided")
+  outcome reward     R = GOAL[outcome] + STRATEGY_WEIGHT * s,   s in [-2, 2] from the strategy judge
+  group advantage    for a group of G episodes of one scenario instance, episode i, turn t:
+                       A_out_i  = (R_i - mean_j R_j) / (std_j R_j + STD_EPS)   (std with ddof = 1;
+                                  0 for a dead group, all R equal, and for a group of one)
+                       D_{i,t}  = sum_{k >= t} r_{i,k}                          (dense return-to-go)
+                       D~_{i,t} = D_{i,t} - mean over every (j, k) of the group of D_{j,k}
+                       A_{i,t}  = A_out_i + LAMBDA * D~_{i,t}          (LAMBDA = 0: plain GRPO)
+  token loss         every token the persuader generated in message t carries A_{i,t}; with
+                       rho = exp(logp - old_logp),  d = ref_logp - logp,
+                       k3  = exp(d) - d - 1   (>= 0, unbiased KL(pi || pi_ref) estimator)
+                       l   = -min(rho A, clip(rho, 1 - CLIP_LOW, 1 + CLIP_HIGH) A) + KL_BETA k3
+                       L   = sum over persuader tokens of l / N,  N = persuader tokens in the global
+                             batch (all ranks, all micro-batches): summed micro-batch losses = mean.
+
+Alignment: token_logprobs returns [B, L-1] for ids[:, 1:], so a per-token quantity built over the
+L input positions (token_advantages, the persuader mask) is sliced [:, 1:] before policy_loss.
+
+Tests: python -m pytest -q test_rpo.py
+"""
+import math
+
+import torch
+
+LAMBDA = 0.5  # weight of the dense process term; 0 recovers outcome-only GRPO
+ANCHOR = True  # replace the last belief by the outcome's anchor belief
+GOAL = {"ACCEPT": 3.0, "CONDITIONAL_ACCEPT": 1.0, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -2.0}  # goal reward per outcome
+ANCHOR_BELIEF = {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -1.0}  # b_T under ANCHOR
+STRATEGY_WEIGHT = 0.5  # weight of the judge's strategy score s in the outcome reward
+CLIP_LOW = 0.2  # ratio clipped below at 1 - CLIP_LOW
+CLIP_HIGH = 0.28  # ratio clipped above at 1 + CLIP_HIGH (asymmetric, "clip-higher")
+KL_BETA = 0.01  # weight of the k3 penalty against the frozen initial policy
+STD_EPS = 1e-6  # added to the group std, as in TRL and verl
+DIAG_EPS = 1e-9  # |A| above this counts as a nonzero advantage in step_diagnostics
+
+
+# -----------------------------------------------------------------------------
+# rewards
+
+def process_rewards(beliefs, outcome, anchor=ANCHOR):
+    """[b_0..b_T] -> [r_1..r_T], r_t = (b_t - b_{t-1}) / 2; b_T anchored to the outcome if asked."""
+    b = [float(x) for x in beliefs]
+    if len(b) < 2:
+        return []
+    if anchor:
+        b[-1] = ANCHOR_BELIEF[outcome]
+    return [(b[t] - b[t - 1]) / 2 for t in range(1, len(b))]
+
+
+def outcome_reward(outcome, strategy):
+    return GOAL[outcome] + STRATEGY_WEIGHT * float(strategy)
+
+
+# -----------------------------------------------------------------------------
+# advantages
+
+def _is_dead(outcome_rewards):
+    # a group of one has no baseline, a group of equal rewards no signal
+    return len(outcome_rewards) < 2 or max(outcome_rewards) == min(outcome_rewards)
+
+
+def _group_terms(outcome_rewards, process_rewards):
+    """One group -> (A_out per episode, centred dense return-to-go D~ per episode and turn)."""
+    R = [float(x) for x in outcome_rewards]
+    assert len(R) == len(process_rewards), "one list of process rewards per episode"
+    G = len(R)
+    if _is_dead(R):
+        a_out = [0.0] * G
+    else:
+        mean = sum(R) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in R) / (G - 1))
+        a_out = [(x - mean) / (std + STD_EPS) for x in R]
+    D = []
+    for r in process_rewards:  # return-to-go, right to left
+        d, acc = [0.0] * len(r), 0.0
+        for t in reversed(range(len(r))):
+            acc += float(r[t])
+            d[t] = acc
+        D.append(d)
+    # one baseline pooled over all turns of the group: a per-turn-index baseline is biased when the
+    # policy decides how long the episode lasts (verl issue 7244)
+    n = sum(len(d) for d in D)
+    pool = sum(sum(d) for d in D) / n if n else 0.0
+    return a_out, [[x - pool for x in d] for d in D]
+
+
+def group_advantages(outcome_rewards, process_rewards, lam=LAMBDA):
+    """G outcome rewards and G lists of process rewards (ragged) -> A_{i,t} as G lists."""
+    a_out, dense = _group_terms(outcome_rewards, process_rewards)
+    return [[a + lam * x for x in d] for a, d in zip(a_out, dense)]
+
+
+def token_advantages(turn_ids, advantages):
+    """turn_ids [L] (t >= 1 on persuader tokens of message t, else 0) -> float [L]: A_t there, 0 elsewhere."""
+    table = torch.tensor([0.0] + [float(a) for a in advantages], device=turn_ids.device)
+    return table[turn_ids]
+
+
+def batch_token_advantages(turn_ids, advantages):
+    """Batched token_advantages: turn_ids [B, L], advantages a list of B (ragged) lists -> [B, L]."""
+    B = turn_ids.shape[0]
+    assert len(advantages) == B
+    table = torch.zeros(B, 1 + max((len(a) for a in advantages), default=0), device=turn_ids.device)
+    for i, a in enumerate(advantages):
+        table[i, 1:1 + len(a)] = torch.tensor([float(x) for x in a])
+    return table.gather(1, turn_ids)
+
+
+# -----------------------------------------------------------------------------
+# log-probs and loss
+
+def token_logprobs(logits, ids, temperature=1.0):
+    """log softmax(logits[:, :-1] / temperature) at ids[:, 1:], float32 [B, L-1].
+
+    One row at a time, via logsumexp + gather, so at most one [L, V] float32 copy is made per row
+    (the copy autograd keeps anyway) instead of a full log_softmax over [B, L, V].
+    """
+    out = []
+    for b in range(logits.shape[0]):
+        row = logits[b, :-1].float()  # no copy for float32 logits
+        if temperature != 1.0:
+            row = row / temperature  # must match the sampling distribution softmax(logits / T)
+        picked = row.gather(-1, ids[b, 1:, None]).squeeze(-1)
+        out.append(picked - torch.logsumexp(row, dim=-1))
+    return torch.stack(out)
+
+
+def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
+                clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA):
+    """Clipped token-level surrogate + beta * k3 over masked tokens, summed and divided by the
+    GLOBAL persuader-token count num_tokens. All tensors share one shape; ref_logp may be None."""
+    mask = mask.bool()
+    # zero the log-ratio off the mask before exp: unmasked positions may hold anything (padding),
+    # and exp(inf) * 0 would turn their exactly-zero gradient into nan
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(-ratio * advantages, -clipped * advantages)
+    if ref_logp is not None:
+        d = torch.where(mask, ref_logp - logp, torch.zeros_like(logp))
+        k3 = torch.exp(d) - d - 1
+        per_token = per_token + beta * k3
+    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / max(float(num_tokens), 1.0)
+
+    with torch.no_grad():
+        n = int(mask.sum())
+        # clipped "in the direction that matters": the clip removes this token's gradient
+        hit = ((advantages > 0) & (ratio > 1 + clip_high)) | ((advantages < 0) & (ratio < 1 - clip_low))
+        stats = {
+            "kl": float(k3[mask].sum()) / n if n and ref_logp is not None else 0.0,
+            "clip_frac": float(hit[mask].sum()) / n if n else 0.0,
+            "ratio_mean": float(ratio[mask].sum()) / n if n else 0.0,
+            "tokens": n,
+        }
+    return loss, stats
+
+
+# -----------------------------------------------------------------------------
+# per-step logging (SPEC 7)
+
+def step_diagnostics(groups, lam=LAMBDA):
+    """groups: list of (outcome_rewards, process_rewards) -> dead/rescued/dense/negative shares."""
+    dead = rescued = 0
+    abs_dense = abs_total = 0.0
+    turns = negative = 0
+    for R, P in groups:
+        _, dense = _group_terms(R, P)
+        A = group_advantages(R, P, lam)
+        if _is_dead(R):
+            dead += 1
+            rescued += any(abs(x) > DIAG_EPS for a in A for x in a)
+        abs_dense += sum(abs(lam * x) for d in dense for x in d)
+        abs_total += sum(abs(x) for a in A for x in a)
+        turns += sum(len(r) for r in P)
+        negative += sum(x < 0 for r in P for x in r)
+    return {
+        "dead_group_share": dead / len(groups) if groups else 0.0,
+        "dead_rescued_share": rescued / dead if dead else 0.0,
+        "dense_share": abs_dense / abs_total if abs_total else 0.0,
+        "negative_process_share": negative / turns if turns else 0.0,
+    }

@@ -1,0 +1,261 @@
+"""Tests for rpo.py. Expected values are worked out by hand in each test, never read off the code."""
+import math
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import rpo
+
+EPS = rpo.STD_EPS
+
+
+def close(a, b, tol=1e-9):
+    """Nested lists of floats equal within tol, with the same ragged shape."""
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
+    return abs(a - b) <= tol
+
+
+# -----------------------------------------------------------------------------
+# rewards
+
+def test_process_rewards_without_anchor():
+    r = rpo.process_rewards([0.0, 0.4, -0.2, 0.6], "ACCEPT", anchor=False)
+    assert close(r, [0.2, -0.3, 0.4])
+    assert close(sum(r), (0.6 - 0.0) / 2)  # telescopes to (b_T - b_0) / 2
+
+
+def test_process_rewards_anchor_replaces_last_belief():
+    beliefs = [0.0, 0.4, -0.2, 0.6]
+    # last reward = (anchor - (-0.2)) / 2; the earlier ones are untouched
+    last = {"ACCEPT": 0.6, "CONDITIONAL_ACCEPT": 0.35, "PENDING": 0.1, "REJECT": -0.4, "WALK_AWAY": -0.4}
+    anchor = {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -1.0}
+    for outcome in last:
+        r = rpo.process_rewards(beliefs, outcome, anchor=True)
+        assert close(r, [0.2, -0.3, last[outcome]])
+        assert close(sum(r), (anchor[outcome] - 0.0) / 2)
+    assert rpo.ANCHOR is True
+    assert close(rpo.process_rewards(beliefs, "ACCEPT"), [0.2, -0.3, 0.6])  # default anchors
+
+
+def test_process_rewards_short_episodes():
+    assert rpo.process_rewards([0.3], "PENDING") == []  # T = 0
+    assert close(rpo.process_rewards([0.2, 0.9], "PENDING"), [(0.0 - 0.2) / 2])
+    assert close(rpo.process_rewards([0.2, 0.9], "PENDING", anchor=False), [0.35])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-1, 1), min_size=2, max_size=12))
+def test_process_rewards_telescope(beliefs):
+    r = rpo.process_rewards(beliefs, "REJECT", anchor=False)
+    assert len(r) == len(beliefs) - 1
+    assert abs(sum(r) - (beliefs[-1] - beliefs[0]) / 2) < 1e-9
+    assert all(abs(x) <= 1 for x in r)
+
+
+def test_outcome_reward():
+    assert rpo.outcome_reward("ACCEPT", 1.0) == 3.0 + 0.5 * 1.0
+    assert rpo.outcome_reward("CONDITIONAL_ACCEPT", 0.5) == 1.0 + 0.25
+    assert rpo.outcome_reward("PENDING", 0.0) == 0.0
+    assert rpo.outcome_reward("REJECT", 2.0) == -1.0 + 1.0
+    assert rpo.outcome_reward("WALK_AWAY", -2.0) == -2.0 - 1.0
+
+
+# -----------------------------------------------------------------------------
+# advantages
+
+def test_group_advantage_outcome_only_by_hand():
+    # R = [3, 0, 0]: mean 1, deviations (2, -1, -1), var (4 + 1 + 1) / 2 = 3, std sqrt(3)
+    s = math.sqrt(3) + EPS
+    P = [[0.2, 0.3], [-0.1], [0.0, 0.1, -0.2]]
+    A = rpo.group_advantages([3.0, 0.0, 0.0], P, lam=0.0)
+    assert close(A, [[2 / s, 2 / s], [-1 / s], [-1 / s, -1 / s, -1 / s]], 1e-12)
+
+
+def test_group_advantage_dense_ragged_by_hand():
+    s = math.sqrt(3) + EPS
+    P = [[0.2, 0.3], [-0.1], [0.0, 0.1, -0.2]]
+    # return-to-go: [0.5, 0.3], [-0.1], [-0.1, -0.1, -0.2]; pooled mean over 6 turns = 0.3 / 6 = 0.05
+    # centred: [0.45, 0.25], [-0.15], [-0.15, -0.15, -0.25]; times lambda = 0.5
+    A = rpo.group_advantages([3.0, 0.0, 0.0], P, lam=0.5)
+    assert close(A, [[2 / s + 0.225, 2 / s + 0.125], [-1 / s - 0.075],
+                     [-1 / s - 0.075, -1 / s - 0.075, -1 / s - 0.125]], 1e-12)
+    assert rpo.LAMBDA == 0.5
+    assert close(rpo.group_advantages([3.0, 0.0, 0.0], P), A, 0.0)  # default lambda
+
+
+def test_lambda_zero_is_plain_grpo():
+    R = [1.5, -2.0, 3.25, 0.0, 1.0]
+    mean, std = statistics.mean(R), statistics.stdev(R)  # stdev: ddof = 1
+    grpo = [(r - mean) / (std + EPS) for r in R]
+    P1 = [[0.1], [0.4, -0.3], [], [0.2, 0.2, 0.2], [-0.5]]
+    P2 = [[-0.9], [0.0, 0.7], [], [0.1, -0.1, 0.3], [0.5]]
+    A1 = rpo.group_advantages(R, P1, lam=0.0)
+    assert close(A1, [[g] * len(p) for g, p in zip(grpo, P1)], 1e-12)
+    assert A1 == rpo.group_advantages(R, P2, lam=0.0)  # exactly: beliefs play no part at lambda 0
+
+
+def test_dead_group_rescued_by_dense_term():
+    P = [[0.2], [-0.1], [0.3, 0.0]]
+    assert rpo.group_advantages([1.0, 1.0, 1.0], P, lam=0.0) == [[0.0], [0.0], [0.0, 0.0]]
+    # return-to-go [0.2], [-0.1], [0.3, 0.0]; pooled mean 0.4 / 4 = 0.1; centred [0.1], [-0.2], [0.2, -0.1]
+    A = rpo.group_advantages([1.0, 1.0, 1.0], P, lam=0.5)
+    assert close(A, [[0.05], [-0.1], [0.1, -0.05]], 1e-12)
+    # equal beliefs everywhere: nothing to learn from
+    assert close(rpo.group_advantages([2.0, 2.0], [[0.0], [0.0, 0.0]], lam=0.5), [[0.0], [0.0, 0.0]], 0.0)
+
+
+def test_group_of_one():
+    assert rpo.group_advantages([3.0], [[0.1, 0.2]], lam=0.0) == [[0.0, 0.0]]
+    # return-to-go [0.3, 0.2], pooled mean 0.25, centred [0.05, -0.05], times 0.5
+    assert close(rpo.group_advantages([3.0], [[0.1, 0.2]], lam=0.5), [[0.025, -0.025]], 1e-12)
+    assert close(rpo.group_advantages([3.0], [[0.4]], lam=0.5), [[0.0]], 0.0)
+
+
+def test_token_advantages_maps_turns():
+    ids = torch.tensor([0, 0, 1, 1, 1, 0, 0, 2, 2, 0, 3, 0])
+    out = rpo.token_advantages(ids, [0.5, -1.0, 2.0])
+    assert out.dtype == torch.float32
+    assert out.tolist() == [0.0, 0.0, 0.5, 0.5, 0.5, 0.0, 0.0, -1.0, -1.0, 0.0, 2.0, 0.0]
+
+
+def test_batch_token_advantages_ragged():
+    ids = torch.tensor([[0, 1, 1, 0, 2, 2], [0, 0, 1, 0, 0, 0]])
+    out = rpo.batch_token_advantages(ids, [[0.25, -0.75], [1.5]])
+    assert out.tolist() == [[0.0, 0.25, 0.25, 0.0, -0.75, -0.75], [0.0, 0.0, 1.5, 0.0, 0.0, 0.0]]
+
+
+# -----------------------------------------------------------------------------
+# log-probs
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_matches_naive(temperature):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 6, 13)).requires_grad_()
+    ids = torch.randint(0, 13, (2, 6))
+    got = rpo.token_logprobs(logits, ids, temperature)
+    naive = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert got.shape == (2, 5)
+    torch.testing.assert_close(got, naive, atol=1e-6, rtol=0)
+    w = torch.randn(2, 5)
+    g_got, = torch.autograd.grad((got * w).sum(), logits)
+    g_naive, = torch.autograd.grad((naive * w).sum(), logits)
+    torch.testing.assert_close(g_got, g_naive, atol=1e-6, rtol=0)
+
+
+def test_token_logprobs_bf16_logits_give_float32():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 4, 9).bfloat16()
+    ids = torch.randint(0, 9, (1, 4))
+    got = rpo.token_logprobs(logits, ids)
+    assert got.dtype == torch.float32
+    naive = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(got, naive, atol=1e-6, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# loss
+
+def grad_of_loss(logp, old, ref, adv, mask, n, **kw):
+    logp = logp.clone().requires_grad_()
+    loss, stats = rpo.policy_loss(logp, old, ref, adv, mask, n, **kw)
+    g, = torch.autograd.grad(loss, logp)
+    return loss, g, stats
+
+
+def test_loss_gradient_on_policy_is_minus_advantage():
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.1, -4.0, -1.2, -0.7]])
+    mask = torch.tensor([[True, True, False, True], [False, True, True, False]])
+    old = torch.where(mask, logp, torch.full_like(logp, -1e4))  # garbage off the mask: exp would overflow
+    adv = torch.tensor([[1.5, -2.0, 9.0, 0.7], [9.0, 3.0, -1.0, 9.0]])  # nonzero off the mask too
+    n = 10  # global count (other ranks / micro-batches hold the rest)
+    loss, g, stats = grad_of_loss(logp, old, None, adv, mask, n, beta=0.0)
+    expected = [[-1.5 / n, 2.0 / n, 0.0, -0.7 / n], [0.0, -3.0 / n, 1.0 / n, 0.0]]
+    torch.testing.assert_close(g, torch.tensor(expected), atol=1e-7, rtol=0)
+    assert (g[~mask] == 0).all()
+    assert abs(loss.item() - (-(1.5 - 2.0 + 0.7 + 3.0 - 1.0) / n)) < 1e-7
+    assert stats["clip_frac"] == 0.0 and abs(stats["ratio_mean"] - 1.0) < 1e-7 and stats["kl"] == 0.0
+
+
+def test_loss_clipping():
+    ratio = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1])
+    adv = torch.tensor([2.0, -2.0, -2.0, 2.0, 1.0])
+    old = torch.zeros(5)
+    logp = torch.log(ratio)
+    mask = torch.ones(5, dtype=torch.bool)
+    n = 5
+    loss, g, stats = grad_of_loss(logp, old, None, adv, mask, n, beta=0.0)
+    # d(-rho A)/d logp = -rho A where unclipped; zero where the clip binds (A > 0 above 1.28, A < 0 below 0.8)
+    expected = [0.0, 1.5 * 2.0 / n, 0.0, -0.5 * 2.0 / n, -1.1 / n]
+    torch.testing.assert_close(g, torch.tensor(expected), atol=1e-7, rtol=0)
+    # per token: -1.28*2, -(-3), -(0.8*-2), -(0.5*2), -1.1  -> sum -0.06
+    assert abs(loss.item() - (-2.56 + 3.0 + 1.6 - 1.0 - 1.1) / n) < 1e-6
+    assert stats["clip_frac"] == 2 / 5
+    assert abs(stats["ratio_mean"] - 5.1 / 5) < 1e-6
+
+
+def test_k3_penalty():
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    delta = torch.tensor([0.0, math.log(2), -math.log(2)])  # ref - logp
+    ref, adv, mask, n, beta = logp + delta, torch.zeros(3), torch.ones(3, dtype=torch.bool), 3, 0.5
+    loss, g, stats = grad_of_loss(logp, logp, ref, adv, mask, n, beta=beta)
+    # k3 = e^d - d - 1: 0, 1 - ln2 (> 0), 1/2 + ln2 - 1 (> 0); the two sum to 1/2
+    k3 = [0.0, 1 - math.log(2), math.log(2) - 0.5]
+    assert k3[1] > 0 and k3[2] > 0
+    assert abs(loss.item() - beta * sum(k3) / n) < 1e-6
+    assert abs(stats["kl"] - 0.5 / 3) < 1e-6
+    # d k3 / d logp = 1 - e^d: 0, -1, 1/2
+    torch.testing.assert_close(g, torch.tensor([0.0, -beta / n, 0.5 * beta / n]), atol=1e-7, rtol=0)
+    loss0, g0, _ = grad_of_loss(logp, logp, None, adv, mask, n, beta=beta)  # no reference: no penalty
+    assert loss0.item() == 0.0 and (g0 == 0).all()
+
+
+def test_advantage_sign_flips_gradient():
+    ratio = torch.tensor([0.9, 1.0, 1.2])  # inside [0.8, 1.28]: no clip for either sign
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    logp, old, mask, n = torch.log(ratio), torch.zeros(3), torch.ones(3, dtype=torch.bool), 4
+    _, g_pos, _ = grad_of_loss(logp, old, None, adv, mask, n, beta=0.0)
+    _, g_neg, _ = grad_of_loss(logp, old, None, -adv, mask, n, beta=0.0)
+    torch.testing.assert_close(g_pos, torch.tensor([-0.9 / 4, 0.5 / 4, -2.4 / 4]), atol=1e-7, rtol=0)
+    torch.testing.assert_close(g_neg, -g_pos, atol=1e-7, rtol=0)
+
+
+def test_micro_batches_sum_to_full_batch():
+    torch.manual_seed(2)
+    logp = -torch.rand(5, 7) * 3
+    old = logp + 0.3 * torch.randn(5, 7)
+    ref = logp + 0.3 * torch.randn(5, 7)
+    adv = torch.randn(5, 7)
+    mask = torch.rand(5, 7) > 0.4
+    n = int(mask.sum())
+    whole, g_whole, _ = grad_of_loss(logp, old, ref, adv, mask, n)
+    parts, grads = 0.0, []
+    for sl in (slice(0, 2), slice(2, 5)):
+        loss, g, _ = grad_of_loss(logp[sl], old[sl], ref[sl], adv[sl], mask[sl], n)
+        parts, grads = parts + loss.item(), grads + [g]
+    assert abs(parts - whole.item()) < 1e-6
+    torch.testing.assert_close(torch.cat(grads), g_whole, atol=1e-7, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# diagnostics
+
+def test_step_diagnostics_by_hand():
+    a = 1 / (math.sqrt(2) + EPS)  # R = [1, -1]: mean 0, std sqrt(2)
+    groups = [
+        ([1.0, -1.0], [[0.2], [-0.2]]),  # live; centred return-to-go +-0.2 -> dense +-0.1
+        ([0.0, 0.0], [[0.4], [0.0, -0.2]]),  # dead; return-to-go 0.4 | -0.2, -0.2, pooled mean 0 -> rescued
+        ([2.0, 2.0], [[0.1], [0.1]]),  # dead; both return-to-go equal the pool -> all zero
+        ([3.0], [[-0.3]]),  # group of one, one turn -> dead, all zero
+    ]
+    d = rpo.step_diagnostics(groups, lam=0.5)
+    assert d["dead_group_share"] == 3 / 4
+    assert abs(d["dead_rescued_share"] - 1 / 3) < 1e-12
+    # |dense|: 0.1 + 0.1 + 0.2 + 0.1 + 0.1 = 0.6; |A|: 2 (a + 0.1) + 0.4
+    assert abs(d["dense_share"] - 0.6 / (2 * (a + 0.1) + 0.4)) < 1e-12
+    assert d["negative_process_share"] == 3 / 8  # -0.2, -0.2, -0.3 among 8 turns
+    d0 = rpo.step_diagnostics(groups, lam=0.0)
+    assert d0["dead_rescued_share"] == 0.0 and d0["dense_share"] == 0.0
+    assert d0["dead_group_share"] == 3 / 4 and d0["negative_process_share"] == 3 / 8
