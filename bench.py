@@ -1,0 +1,370 @@
+"""
+bench.py: the persuasion rollout workload on the paged engine against two Hugging Face baselines.
+
+Workload (defaults): DIALOGUES dialogues with different personas, the first held-out scenarios of
+arena.load_scenarios(split="heldout") taken one per (domain, resistance) cell (then in file order);
+TURNS turns, MAX_NEW_TOKENS new tokens a message, greedy, float32 (bfloat16 on a GPU); the three
+probes after each persuadee reply plus b_0 before the first message; SmolLM2-135M-Instruct on a CPU.
+Every implementation plays the same dialogue logic: arena.Episode (a dialogue ends early on a
+decision tag, at the same place in all three), tags stripped by persuadee_sees/persuader_sees,
+FINAL_TURN_INSTRUCTION appended to the persuader's message on the final turn.
+
+Implementations, in one process on one model object, each warmed up on a tiny run first:
+  engine             rollout.rollout_episodes on two rollout.Engine (paged KV cache, every token
+                     prefilled once, probes read in forks of the cached context)
+  hf generate        model.generate on left-padded batches, the whole history re-templated
+                     (apply_chat_template, tokenize=False) and re-encoded every turn; probes as full
+                     forwards of history + question, batched over dialogues (last-position logits)
+  hf generate_batch  model.generate_batch (continuous batching) on the re-encoded history, probes as
+                     above; called with warmup=False: its warm-up pre-captures CUDA graphs (on a CPU
+                     it costs ~12 s a call and captures nothing), so the manager build is timed, the
+                     warm-up is not
+
+Metrics:
+  tok/s            sampled message tokens of both sides (a stop token counted once) / wall time of
+                   the whole dialogue loop (prefill, decode and probes)
+  probe_share      time in probe reads / time generating persuadee replies
+  prefilled_twice  tokens run through the model - probe question tokens - unique conversation
+                   tokens, where a conversation's unique tokens are the longest prefix of it that
+                   any forward held (engine: cache.lengths of each conversation sequence when it is
+                   freed; probe tokens: Engine.tokens_prefilled counted inside probes.read_engine).
+                   Padding is not counted. For the engine it is 0 when nothing is prefilled twice.
+  greedy_match     every message text of the engine's dialogues equals hf generate's
+  floors           decode step >= weight bytes / memory bandwidth (a sum over a big tensor);
+                   prefill >= 2 * params * tokens / matmul rate ([512, hidden] x [hidden,
+                   2 * intermediate], i.e. [512, 576] x [576, 3072] for SmolLM2); params = the
+                   decoder layers' weights (the lm_head only runs on last tokens). The engine's
+                   decode step and prefill rate are its forward calls (sampling excluded).
+
+    PYTHONPATH=. python bench.py                                           # full workload (minutes)
+    PYTHONPATH=. python bench.py --dialogues 2 --turns 1 --max-new-tokens 8  # quick check
+    PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --json  # GPU, 4B random model
+"""
+import argparse
+import json
+import time
+
+import torch
+
+import arena
+import probes
+import rollout
+
+MODEL = "smollm2"
+DIALOGUES = 8
+TURNS = 3
+MAX_NEW_TOKENS = 48
+BANDWIDTH_MB = 512  # tensor summed for the memory bandwidth (beyond any cache)
+MATMUL_ROWS = 512   # tokens in the prefill matmul probe
+RANDOM_CONFIGS = {  # --random-init: Qwen3 size classes built on the device, SmolLM2 tokenizer
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "qwen3-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),  # smoke test
+}
+
+
+def load(args, dtype):
+    if not args.random_init:
+        return rollout.load_model(args.model, dtype, args.device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    tok = AutoTokenizer.from_pretrained(rollout.smollm2_path())
+    cfg = Qwen3Config(**RANDOM_CONFIGS[args.random_init], vocab_size=151936, rope_theta=1e6,
+                      max_position_embeddings=40960, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval(), tok
+
+
+def pick_instances(n):
+    """The first held-out scenarios, one per (domain, resistance) cell, then the rest in order."""
+    seen, first, rest = set(), [], []
+    for s in arena.load_scenarios(split="heldout"):
+        cell = (s["domain"], s["hidden"]["resistance"])
+        (rest if cell in seen else first).append(s)
+        seen.add(cell)
+    return (first + rest)[:n]
+
+
+def best_time(fn, sync, reps=5):
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def machine(model, device, dtype, sync):
+    """Memory bandwidth (bytes/s) and matmul rate (FLOP/s) of this device, in the model's dtype."""
+    x = torch.ones(BANDWIDTH_MB * 2**20 // 4, device=device)
+    bandwidth = x.numel() * 4 / best_time(x.sum, sync)
+    cfg = model.config
+    a = torch.randn(MATMUL_ROWS, cfg.hidden_size, device=device, dtype=dtype)
+    b = torch.randn(cfg.hidden_size, 2 * cfg.intermediate_size, device=device, dtype=dtype)
+    return bandwidth, 2 * a.shape[0] * a.shape[1] * b.shape[1] / best_time(lambda: a @ b, sync)
+
+
+def run_engine(model, tok, instances, turns, max_new, sync):
+    er, ee = rollout.Engine(model, tok), rollout.Engine(model, tok)
+    st = dict(reply=0.0, probe=0.0, probe_tokens=0, gen=0, unique=0, in_probe=False, started=False,
+              dec_t=0.0, dec_n=0, dec_b=0, dec_kv=0, pre_t=0.0, pre_tok=0)
+
+    def wrap(eng, is_ee):
+        generate, forward, free = eng.generate, eng.forward, eng.free
+
+        def timed_generate(sids, *a, **k):
+            st["started"] = True
+            t = time.perf_counter()
+            outs = generate(sids, *a, **k)
+            st["reply"] += (time.perf_counter() - t) * is_ee
+            st["gen"] += sum(len(ids) for ids, _, _ in outs)
+            return outs
+
+        def timed_forward(sids):
+            n = [len(eng.pending[s]) for s in sids]
+            kv = sum(eng.length(s) for s in sids)
+            t = time.perf_counter()
+            out = forward(sids)
+            sync()
+            dt = time.perf_counter() - t
+            if max(n) == 1:
+                st["dec_t"] += dt
+                st["dec_n"] += 1
+                st["dec_b"] += len(sids)
+                st["dec_kv"] += kv
+            else:
+                st["pre_t"] += dt
+                st["pre_tok"] += sum(n)
+            return out
+
+        def counted_free(sid):
+            if st["started"] and not st["in_probe"]:  # a conversation, not a root or a probe fork
+                st["unique"] += eng.cache.lengths[sid]
+            free(sid)
+        eng.generate, eng.forward, eng.free = timed_generate, timed_forward, counted_free
+
+    wrap(er, False)
+    wrap(ee, True)
+    read = probes.read_engine
+
+    def timed_read(engine, sids):
+        st["in_probe"], n0, t = True, engine.tokens_prefilled, time.perf_counter()
+        try:
+            return read(engine, sids)
+        finally:
+            st["probe"] += time.perf_counter() - t
+            st["probe_tokens"] += engine.tokens_prefilled - n0
+            st["in_probe"] = False
+    probes.read_engine = timed_read
+    try:
+        t0 = time.perf_counter()
+        eps = rollout.rollout_episodes(er, ee, instances, t_max=turns, persuader_temperature=0,
+                                       persuadee_temperature=0, max_new_tokens=max_new)
+        st["wall"] = time.perf_counter() - t0
+    finally:
+        probes.read_engine = read
+    fed = er.tokens_prefilled + ee.tokens_prefilled
+    st["twice"] = fed - st["probe_tokens"] - st["unique"]
+    st["conv"] = fed - st["probe_tokens"]
+    st["dialogues"] = [[m["text"] for m in e["transcript"]] for e in eps]
+    st["probes"] = [e["probes"] for e in eps]
+    return st
+
+
+@torch.no_grad()
+def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
+    from transformers import GenerationConfig
+    dev, stop = next(model.parameters()).device, rollout.stop_ids(model, tok)
+    side, pad = tok.padding_side, tok.pad_token
+    tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
+    cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=stop,
+                           pad_token_id=tok.pad_token_id)
+    questions = [f"{probes.INSTRUCTION} {q}" for q in probes.PROBES.values()]
+    q_lens = [len(t) for t in probes.probe_ids(tok)[0]]
+    st = dict(reply=0.0, probe=0.0, gen=0, conv=0, probe_tokens=0)
+    ds = [dict(er=[{"role": "system", "content": arena.persuader_system_prompt(i)},
+                   {"role": "user", "content": arena.persuader_opening(i)}],
+               ee=[{"role": "system", "content": arena.persuadee_system_prompt(i)}],
+               state=arena.Episode(turns), texts=[], probes=[], fed={"er": 0, "ee": 0})
+          for i in instances]
+
+    def feed(d, key, n):  # n conversation tokens of one side went through the model
+        st["conv"] += n
+        d["fed"][key] = max(d["fed"][key], n)
+
+    def generate(batch, key):
+        texts = [rollout.render(tok, d[key], True) for d in batch]
+        if batch_api:
+            prompts = [rollout.encode(tok, t) for t in texts]
+            res = list(model.generate_batch(inputs=prompts, generation_config=cfg,
+                                            warmup=False).values())
+            if len(res) != len(prompts) or any(r.error for r in res):
+                raise RuntimeError(f"generate_batch failed: {[r.error for r in res]}")
+            outs, lens = [r.generated_tokens for r in res], [len(p) for p in prompts]
+        else:
+            enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(dev)
+            new = model.generate(**enc, generation_config=cfg)[:, enc.input_ids.shape[1]:]
+            outs = [next((ids[:i + 1] for i, t in enumerate(ids) if t in stop), ids)
+                    for ids in new.tolist()]
+            lens = enc.attention_mask.sum(1).tolist()
+        for d, n, ids in zip(batch, lens, outs):
+            feed(d, key, n + len(ids) - 1)  # the last sampled token is never fed
+            st["gen"] += len(ids)
+        return [tok.decode(ids, skip_special_tokens=True).strip() for ids in outs]
+
+    def read_probes(batch):
+        t, values = time.perf_counter(), []
+        for q, q_len in zip(questions, q_lens):
+            texts = [rollout.render(tok, d["ee"] + [{"role": "user", "content": q}], True)
+                     for d in batch]
+            enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(dev)
+            pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding shifts positions
+            logits = model(**enc, position_ids=pos, logits_to_keep=1).logits[:, -1]
+            values.append(probes.values_from_logits(logits, tok).cpu())
+            for d, n in zip(batch, enc.attention_mask.sum(1).tolist()):
+                feed(d, "ee", n - q_len)
+                st["probe_tokens"] += q_len
+        for d, v in zip(batch, torch.stack(values, 1).tolist()):
+            d["probes"].append(v)
+        st["probe"] += time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    read_probes(ds)  # b_0
+    active = ds
+    while active:
+        for d, text in zip(active, generate(active, "er")):
+            d["er"].append({"role": "assistant", "content": text})
+            d["texts"].append(text)
+            seen = arena.persuadee_sees(text)
+            if d["state"].final_turn:
+                seen = f"{seen}\n\n{arena.FINAL_TURN_INSTRUCTION}"
+            d["ee"].append({"role": "user", "content": seen})
+        t = time.perf_counter()
+        replies = generate(active, "ee")
+        sync()
+        st["reply"] += time.perf_counter() - t
+        for d, text in zip(active, replies):
+            d["ee"].append({"role": "assistant", "content": text})
+            d["texts"].append(text)
+            d["state"].step(arena.parse_decision(text))
+        read_probes(active)
+        for d in active:
+            if not d["state"].done:
+                d["er"].append({"role": "user", "content": arena.persuader_sees(d["texts"][-1])})
+        active = [d for d in active if not d["state"].done]
+    st["wall"] = time.perf_counter() - t0
+    tok.padding_side, tok.pad_token = side, pad
+    st["twice"] = st["conv"] - sum(sum(d["fed"].values()) for d in ds)
+    st["dialogues"], st["probes"] = [d["texts"] for d in ds], [d["probes"] for d in ds]
+    return st
+
+
+def first_mismatch(tok, a, b):
+    """(dialogue, message, token index) of the first difference between two sets of dialogues."""
+    for i, (da, db) in enumerate(zip(a, b)):
+        for m in range(max(len(da), len(db))):
+            if m >= len(da) or m >= len(db):
+                return i, m, 0
+            ta, tb = rollout.encode(tok, da[m]), rollout.encode(tok, db[m])
+            if ta != tb:
+                return i, m, next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y),
+                                  min(len(ta), len(tb)))
+    return None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 (default on cpu) or bfloat16 (on gpu)")
+    p.add_argument("--dialogues", type=int, default=DIALOGUES)
+    p.add_argument("--turns", type=int, default=TURNS)
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    p.add_argument("--skip-baselines", action="store_true")
+    p.add_argument("--random-init", choices=sorted(RANDOM_CONFIGS), default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    model, tok = load(args, dtype)
+    instances = pick_instances(args.dialogues)
+    er_len = [len(rollout.encode(tok, rollout.render(tok, [
+        {"role": "system", "content": arena.persuader_system_prompt(i)},
+        {"role": "user", "content": arena.persuader_opening(i)}], True))) for i in instances]
+    ee_len = [len(rollout.encode(tok, rollout.render(tok, [
+        {"role": "system", "content": arena.persuadee_system_prompt(i)}], False)))
+        for i in instances]
+    bandwidth, flops = machine(model, args.device, dtype, sync)
+    impls = {"engine": run_engine}
+    if not args.skip_baselines:
+        impls["hf generate"] = run_hf
+        impls["hf generate_batch"] = lambda *a: run_hf(*a, batch_api=True)
+    res = {}
+    for name, fn in impls.items():
+        fn(model, tok, instances[:2], 1, 4, sync)  # warm-up
+        try:
+            res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
+        except Exception as e:  # report a failing baseline instead of a number
+            print(f"{name} failed: {type(e).__name__}: {e}")
+    for r in res.values():
+        r["tok_s"] = r["gen"] / r["wall"]
+        r["share"] = r["probe"] / r["reply"] if r["reply"] else None
+
+    layer_params = sum(q.numel() for q in model.model.layers.parameters())
+    itemsize, cfg = dtype.itemsize, model.config
+    decode_floor = (layer_params + model.lm_head.weight.numel()) * itemsize / bandwidth
+    e = res["engine"]
+    kv_bytes = (e["dec_kv"] / max(e["dec_n"], 1) * 2 * cfg.num_hidden_layers
+                * cfg.num_key_value_heads * rollout.fused_weights(model)["head_dim"] * itemsize)
+    decode_ms = 1e3 * e["dec_t"] / max(e["dec_n"], 1)
+    prefill_tok_s, prefill_floor = e["pre_tok"] / e["pre_t"], flops / (2 * layer_params)
+    hf, cb = res.get("hf generate"), res.get("hf generate_batch")
+    mismatch = first_mismatch(tok, e["dialogues"], hf["dialogues"]) if hf else None
+
+    name = args.random_init or args.model
+    print(f"workload: {len(instances)} dialogues x {args.turns} turns, {args.max_new_tokens} new "
+          f"tokens, greedy, {dtype} on {args.device}, {name}; mean prompt: persuader system+"
+          f"opening {sum(er_len) / len(er_len):.0f} tok, persuadee system "
+          f"{sum(ee_len) / len(ee_len):.0f} tok")
+    print(f"machine: memory {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s "
+          f"[{MATMUL_ROWS}, {cfg.hidden_size}] x [{cfg.hidden_size}, {2 * cfg.intermediate_size}]")
+    print(f"{'implementation':<18}{'wall s':>8}{'msg tok':>9}{'tok/s':>8}{'reply s':>9}"
+          f"{'probe s':>9}{'probe/reply':>12}{'conv prefill':>14}{'prefilled twice':>17}")
+    for k, r in res.items():
+        print(f"{k:<18}{r['wall']:>8.1f}{r['gen']:>9}{r['tok_s']:>8.1f}{r['reply']:>9.1f}"
+              f"{r['probe']:>9.1f}{r['share']:>12.2f}{r['conv']:>14}{r['twice']:>17}")
+    speed = {k: e["tok_s"] / r["tok_s"] if r else None for k, r in (("gen", hf), ("cb", cb))}
+    if hf:
+        print(f"speedup: {speed['gen']:.2f}x vs hf generate"
+              + (f", {speed['cb']:.2f}x vs hf generate_batch" if cb else ""))
+        diff = max((abs(x - y) for a, b in zip(e["probes"], hf["probes"]) for pa, pb in zip(a, b)
+                    for x, y in zip(pa, pb)), default=0.0)
+        print(f"greedy_match: {mismatch is None}" + (
+            f" (first mismatch: dialogue {mismatch[0]}, message {mismatch[1]}, token {mismatch[2]})"
+            if mismatch else f"; probe values max |engine - hf| = {diff:.2e}"))
+    print(f"engine decode step {decode_ms:.1f} ms at batch {e['dec_b'] / max(e['dec_n'], 1):.1f} "
+          f"(floor {decode_floor * 1e3:.1f} ms weights only, "
+          f"{(decode_floor + kv_bytes / bandwidth) * 1e3:.1f} ms with KV reads); prefill "
+          f"{prefill_tok_s:.0f} tok/s (floor {prefill_floor:.0f} tok/s)")
+    if args.json:
+        print(json.dumps(dict(
+            engine_tok_s=e["tok_s"], hf_generate_tok_s=hf and hf["tok_s"],
+            hf_generate_batch_tok_s=cb and cb["tok_s"], speedup_vs_generate=speed["gen"],
+            speedup_vs_generate_batch=speed["cb"], probe_share=e["share"],
+            probe_share_generate=hf and hf["share"], probe_share_generate_batch=cb and cb["share"],
+            prefilled_twice=e["twice"], prefilled_twice_generate=hf and hf["twice"],
+            greedy_match=(mismatch is None) if hf else None, first_mismatch=mismatch,
+            decode_step_ms=decode_ms, decode_floor_ms=decode_floor * 1e3,
+            prefill_tok_s=prefill_tok_s, prefill_floor_tok_s=prefill_floor, device=args.device,
+            dtype=str(dtype), model=name, dialogues=len(instances), turns=args.turns,
+            max_new_tokens=args.max_new_tokens)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Shared test fixtures: tiny random models and a tokenizer built in code, nothing downloaded."""
+import pytest
+import torch
+
+import rollout
+
+
+
+def tiny_model(arch="llama", seed=0, **overrides):
+    """A random decoder (~0.2M parameters) with grouped-query attention; initialised with peaked
+    logits so that greedy decoding has no near-ties that float rounding could flip."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    kw = dict(vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+              initializer_range=0.1, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    if arch == "qwen3":
+        kw["head_dim"] = 16
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return rollout.tiny_tokenizer()
+
+
+def short_scenario(i, split="train", resistance="entrenched_belief"):
+    """A valid scenario with one-line fields, so tiny-model runs stay fast."""
+    return {"id": f"{split}-{i:04d}", "split": split, "domain": "healthcare",
+            "title": f"Flu shot {i}",
+            "persuader": {"role": "nurse", "goal": "vaccinate", "request": f"get the shot on day {i}"},
+            "persuadee": {"name": "Ana Ruiz", "pronouns": "she/her", "age": 40 + i,
+                          "occupation": "baker", "background": "Works early shifts."},
+            "context": "At the clinic desk.",
+            "hidden": {"resistance": resistance, "motivation": "stay well", "concerns": ["side effects"],
+                       "values": ["honesty", "family"], "trust": "medium", "relationship": "new",
+                       "secret": "fainted once", "condition": "a leaflet on side effects"}}
+
+
+@pytest.fixture
+def short_scenarios(tmp_path):
+    """A scenarios.jsonl of four short training and two short held-out scenarios."""
+    import json
+    path = tmp_path / "scenarios.jsonl"
+    rows = [short_scenario(i) for i in range(1, 5)] + [short_scenario(i, "heldout") for i in (1, 2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)

@@ -1,0 +1,404 @@
+"""
+train.py: Probe-RPO, online RL for the persuader against a frozen persuadee.
+
+Each step (rpo.py has the equations):
+  1. sample INSTANCES scenario instances; roll out GROUP_SIZE episodes of each with the current
+     policy against the frozen persuadee (rollout.py), probes read after every reply (probes.py);
+  2. the strategy judge scores each transcript; R = GOAL[outcome] + STRATEGY_WEIGHT * s;
+  3. A_{i,t} = A_out_i + LAMBDA * (D_{i,t} - mean D), on every token of persuader message t;
+  4. one clipped-surrogate + k3-KL update on the persuader's own tokens, the loss summed over
+     micro-batches and ranks and divided by the global persuader-token count; grad clipping;
+  5. the rollout engine is pointed at the new weights.
+Groups are sharded across ranks (torchrun); the actor is sharded with FSDP (fully_shard); the
+reference, persuadee and judge are frozen and unsharded. Checkpoints are Hugging Face folders
+(the policy loads with AutoModelForCausalLM.from_pretrained) plus the optimizer, written to a
+temporary folder and renamed, so a run killed at any moment resumes from the last one.
+
+    python train.py                                # cpu preset (the default without CUDA)
+    python train.py --steps 50 --lam 0 --name grpo # an ablation: outcome-only GRPO
+    python train.py --name NAME --resume           # continue a killed run
+    torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import arena
+import rollout
+import rpo
+
+PRESETS = {
+    "paper": dict(persuader="Qwen/Qwen3-4B-Instruct-2507", persuadee="Qwen/Qwen3-14B",
+                  judge=None, dtype="bfloat16", steps=200, instances=16, group_size=8,
+                  t_max=arena.T_MAX_TRAIN, eval_t_max=arena.T_MAX_EVAL, lr=1e-6,
+                  max_new_tokens=256, micro_batch=4, eval_every=20, eval_limit=120,
+                  save_every=20),
+    "cpu": dict(persuader="smollm2", persuadee="smollm2", judge=None, dtype="float32", steps=3,
+                instances=2, group_size=4, t_max=2, eval_t_max=3, lr=1e-5, max_new_tokens=32,
+                micro_batch=2, eval_every=0, eval_limit=4, save_every=1),
+    "tiny": dict(persuader="random:tiny-llama", persuadee="random:tiny-qwen3", judge=None,
+                 dtype="float32", steps=4, instances=2, group_size=2, t_max=2, eval_t_max=2,
+                 lr=1e-3, max_new_tokens=4, micro_batch=2, eval_every=0, eval_limit=2,
+                 save_every=2),
+}
+LAMBDA = rpo.LAMBDA                 # dense process-reward weight; 0 = outcome-only GRPO
+ANCHOR = rpo.ANCHOR                 # anchor b_T to the outcome
+KL_BETA = rpo.KL_BETA               # k3 KL weight against the initial policy
+CLIP_LOW, CLIP_HIGH = rpo.CLIP_LOW, rpo.CLIP_HIGH  # ratio clip range
+PERSUADER_TEMPERATURE = 1.0         # policy sampling temperature (no top-k/top-p: exact pi_old)
+PERSUADEE_TEMPERATURE = 0.7         # the persuadee's visible replies are sampled
+GRAD_CLIP = 1.0                     # max global grad norm
+WEIGHT_DECAY = 0.0                  # AdamW weight decay
+SEED = 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="paper on CUDA, cpu otherwise; every value below overrides it")
+    for key in ("persuader", "persuadee", "dtype"):
+        p.add_argument(f"--{key}")
+    p.add_argument("--judge", help="judge model (default: the persuadee's); 'none' gives s = 0")
+    for key in ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
+                "micro_batch", "eval_every", "eval_limit", "save_every"):
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--lam", type=float, default=LAMBDA)
+    p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=ANCHOR)
+    p.add_argument("--kl-beta", type=float, default=KL_BETA)
+    p.add_argument("--clip-low", type=float, default=CLIP_LOW)
+    p.add_argument("--clip-high", type=float, default=CLIP_HIGH)
+    p.add_argument("--persuader-temperature", type=float, default=PERSUADER_TEMPERATURE)
+    p.add_argument("--persuadee-temperature", type=float, default=PERSUADEE_TEMPERATURE)
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--name", default=None, help="run folder runs/NAME (default: preset and time)")
+    p.add_argument("--out", default="runs")
+    p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
+    p.add_argument("--scenarios", default=arena.SCENARIOS_PATH)
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    args.preset = args.preset or ("paper" if cuda else "cpu")
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.resume and not (Path(args.out) / args.name / "latest").exists():
+        p.error(f"--resume: no checkpoint in {Path(args.out) / args.name} (look for a 'latest' "
+                "file there, or drop --resume to start a new run)")
+    return args
+
+# -----------------------------------------------------------------------------
+# distributed set-up and the actor
+
+
+def setup_distributed():
+    """(rank, world, device); one process per GPU under torchrun, gloo on CPU."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def all_sum(value, device):
+    """Sum a number over ranks (a no-op in one process)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor(float(value), device=device, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def shard(model, world):
+    """FSDP2: each decoder layer, then the root, sharded over the ranks."""
+    if world == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+@torch.no_grad()
+def copy_weights(policy, rollout_model):
+    """Gather the sharded actor, one parameter at a time, into the rollout copy on every rank."""
+    target = dict(rollout_model.named_parameters())
+    for name, p in policy.named_parameters():
+        target[name].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+
+# -----------------------------------------------------------------------------
+# one step
+
+
+def step_instances(instances, args, step, rank, world):
+    """This step's instances (the same on every rank, drawn from the step number) and this
+    rank's share of them."""
+    chosen = random.Random(args.seed * 100003 + step).sample(instances, args.instances)
+    return chosen[rank::world]
+
+
+def advantages(records, group_size, args):
+    """Rewards and Probe-RPO advantages for this rank's groups; returns per-episode turn
+    advantages and the (outcome rewards, process rewards) of each group for diagnostics."""
+    groups, per_episode = [], []
+    for g in range(0, len(records), group_size):
+        group = records[g:g + group_size]
+        outcome = [rpo.outcome_reward(r["outcome"], r["judge"]) for r in group]
+        process = [rpo.process_rewards(r["beliefs"], r["outcome"], args.anchor) for r in group]
+        groups.append((outcome, process))
+        per_episode += rpo.group_advantages(outcome, process, args.lam)
+    return per_episode, groups
+
+
+def policy_update(policy, reference, optimizer, records, turn_advantages, args, device, world):
+    """One optimizer step on the persuader tokens of this rank's episodes."""
+    tokens_here = sum(sum(1 for t in r["turn_ids"][1:] if t) for r in records)
+    num_tokens = all_sum(tokens_here, device)
+    stats = dict(loss=0.0, kl=0.0, clip_frac=0.0, ratio_mean=0.0)
+    policy.train()
+    for i in range(0, len(records), args.micro_batch):
+        batch = records[i:i + args.micro_batch]
+        width = max(len(r["ids"]) for r in batch)
+        pad = lambda key, fill, dtype: torch.tensor(
+            [r[key] + [fill] * (width - len(r[key])) for r in batch], dtype=dtype, device=device)
+        ids, turn_ids = pad("ids", 0, torch.long), pad("turn_ids", 0, torch.long)
+        old = pad("logprobs", 0.0, torch.float32)[:, 1:]
+        adv = rpo.batch_token_advantages(turn_ids.cpu(), turn_advantages[i:i + len(batch)])
+        adv, mask = adv[:, 1:].to(device), turn_ids[:, 1:] > 0
+        temperature = args.persuader_temperature or 1.0  # greedy records log-probs at T = 1
+        logp = rpo.token_logprobs(policy(ids).logits, ids, temperature)
+        ref = None
+        if args.kl_beta > 0:
+            with torch.no_grad():
+                ref = rpo.token_logprobs(reference(ids).logits, ids, temperature)
+        loss, s = rpo.policy_loss(logp, old, ref, adv, mask, num_tokens, args.clip_low,
+                                  args.clip_high, args.kl_beta)
+        # FSDP averages gradients over ranks; the loss is already a global mean, so undo it
+        (loss * world).backward()
+        stats["loss"] += loss.item()
+        for k in ("kl", "clip_frac", "ratio_mean"):
+            stats[k] += s[k] * s["tokens"] / max(num_tokens, 1)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), GRAD_CLIP)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    policy.eval()
+    stats = {k: all_sum(v, device) for k, v in stats.items()}
+    stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                               else grad_norm)
+    stats["persuader_tokens"] = num_tokens
+    return stats
+
+
+def step_metrics(step, records, groups, update, times, args, device):
+    """One metrics line: rewards, outcome shares, belief change, rpo diagnostics, timings."""
+    n = all_sum(len(records), device)
+    total = lambda values: all_sum(sum(values), device)
+    m = dict(step=step, episodes=n)
+    m["reward_mean"] = total(sum(g[0]) for g in groups) / n
+    for o in arena.OUTCOMES:
+        m[f"outcome_{o}"] = total(r["outcome"] == o for r in records) / n
+    m["belief_change"] = total(r["beliefs"][-1] - r["beliefs"][0] for r in records) / n
+    m["turns_mean"] = total(r["turns"] for r in records) / n
+    m["judge_mean"] = total(r["judge"] for r in records) / n
+    diag = rpo.step_diagnostics(groups, args.lam)
+    m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in diag.items()})
+    m.update(update)
+    m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in times.items()})
+    m["tokens_per_s"] = update["persuader_tokens"] / max(times["rollout_s"], 1e-9)
+    if device.type == "cuda":
+        m["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        import resource
+        m["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return m
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+
+def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank):
+    """Write checkpoint-STEP atomically (temporary folder, then rename), then point `latest` at
+    it (temporary file, then rename) and drop older checkpoints."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(policy, optimizer, options=options)
+    if rank == 0:
+        final = run_dir / f"checkpoint-{step}"
+        tmp = run_dir / f".checkpoint-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped = getattr(policy, "module", policy)
+        unwrapped.save_pretrained(tmp, state_dict=model_sd)
+        tokenizer.save_pretrained(tmp)
+        torch.save(dict(step=step, optimizer=optim_sd, torch_rng=torch.get_rng_state()),
+                   tmp / "trainer.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = run_dir / ".latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, run_dir / "latest")
+        for old in run_dir.glob("checkpoint-*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_checkpoint(run_dir, policy, optimizer, device):
+    """Restore the policy and optimizer from runs/NAME/latest; returns the step it was saved at."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    folder = run_dir / (run_dir / "latest").read_text().strip()
+    state = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=False)
+    model_sd = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        model_sd.update(load_file(f))
+    tied = getattr(policy.config, "tie_word_embeddings", False)
+    if tied and "lm_head.weight" not in model_sd:
+        model_sd["lm_head.weight"] = model_sd["model.embed_tokens.weight"]
+    set_state_dict(policy, optimizer, model_state_dict=model_sd,
+                   optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(full_state_dict=True, strict=False))
+    torch.set_rng_state(state["torch_rng"])
+    return state["step"]
+
+# -----------------------------------------------------------------------------
+# the loop
+
+
+def load(name, dtype, device):
+    model, tokenizer = rollout.load_model(name, dtype=getattr(torch, dtype), device=device)
+    return model.requires_grad_(False), tokenizer
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = setup_distributed()
+    torch.manual_seed(args.seed + rank)
+    run_dir = Path(args.out) / args.name
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if args.preset == "cpu" and not torch.cuda.is_available():
+        say(f"no CUDA device: cpu preset ({args.persuader} as persuader, persuadee and judge)")
+    say(f"run {run_dir}  preset {args.preset}  ranks {world}  lambda {args.lam}  "
+        f"anchor {args.anchor}  G {args.group_size}  instances/step {args.instances}")
+    if args.instances % world:
+        sys.exit(f"train.py: --instances {args.instances} must be a multiple of the number of "
+                 f"ranks ({world}) so that every rank rolls out whole groups")
+
+    # the actor (trained, sharded), its rollout copy, the frozen reference, persuadee and judge
+    policy, tokenizer = load(args.persuader, args.dtype, device)
+    reference = load(args.persuader, args.dtype, device)[0] if args.kl_beta > 0 else None
+    if args.persuadee == args.persuader and reference is not None:
+        persuadee_model, persuadee_tok = reference, tokenizer  # same frozen weights: share them
+    else:
+        persuadee_model, persuadee_tok = load(args.persuadee, args.dtype, device)
+    policy.requires_grad_(True)
+    rollout_model = load(args.persuader, args.dtype, device)[0] if world > 1 else policy
+    policy = shard(policy, world)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
+    start = 0
+    if args.resume:
+        start = load_checkpoint(run_dir, policy, optimizer, device)
+        say(f"resumed from step {start}")
+    if world > 1:
+        copy_weights(policy, rollout_model)
+    actor = rollout.Engine(rollout_model, tokenizer)
+    persuadee = rollout.Engine(persuadee_model, persuadee_tok)
+    judge = (None if args.judge == "none" else
+             rollout.Engine(*load(args.judge, args.dtype, device)) if args.judge else persuadee)
+
+    instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(vars(args), indent=2))
+        metrics_path = run_dir / "metrics.jsonl"
+        kept = [l for l in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
+                if json.loads(l)["step"] <= start]  # steps after the checkpoint are redone
+        metrics_path.write_text("".join(l + "\n" for l in kept))
+    history = []
+    for step in range(start + 1, args.steps + 1):
+        times = {}
+        t0 = time.perf_counter()
+        mine = step_instances(instances, args, step, rank, world)
+        bar = tqdm(total=len(mine) * args.group_size, desc=f"step {step} rollout",
+                   disable=rank != 0, leave=False)
+        records = rollout.rollout_episodes(
+            actor, persuadee, mine, args.t_max, group_size=args.group_size,
+            seed=args.seed * 1000003 + step * 1009 + rank,
+            persuader_temperature=args.persuader_temperature,
+            persuadee_temperature=args.persuadee_temperature, max_new_tokens=args.max_new_tokens,
+            progress=bar, timings=times)
+        bar.close()
+        times["rollout_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if judge is not None:
+            episode_instances = [inst for inst in mine for _ in range(args.group_size)]
+            scores = rollout.judge_scores(judge, episode_instances,
+                                          [r["transcript"] for r in records], seed=step)
+            for r, s in zip(records, scores):
+                r["judge"] = s
+        times["judge_s"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        turn_adv, groups = advantages(records, args.group_size, args)
+        update = policy_update(policy, reference, optimizer, records, turn_adv, args, device,
+                               world)
+        if world > 1:
+            copy_weights(policy, rollout_model)
+        actor.refresh(rollout_model)
+        times["update_s"] = time.perf_counter() - t2
+        times["step_s"] = time.perf_counter() - t0
+        m = step_metrics(step, records, groups, update, times, args, device)
+        history.append(m)
+        if rank == 0:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(m) + "\n")
+            say(f"step {step}: reward {m['reward_mean']:+.3f}  accept "
+                f"{m['outcome_ACCEPT']:.0%}  belief change {m['belief_change']:+.3f}  loss "
+                f"{m['loss']:+.4f}  kl {m['kl']:.4f}  dead {m['dead_group_share']:.0%}  "
+                f"{m['step_s']:.1f}s (rollout {m['rollout_s']:.1f}, probes {m['probe_s']:.1f}, "
+                f"judge {m['judge_s']:.1f}, update {m['update_s']:.1f})")
+            if step % max(args.save_every, 1) == 0 or step == 1:
+                (run_dir / f"samples-{step}.json").write_text(json.dumps(
+                    [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"],
+                          beliefs=r["beliefs"]) for r in records[:2]], indent=1))
+        if args.eval_every and step % args.eval_every == 0:
+            evaluate(actor, persuadee, args, step, rank, run_dir)
+        if step % max(args.save_every, 1) == 0 or step == args.steps:
+            save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    say(f"done: metrics in {run_dir / 'metrics.jsonl'}, policy in {run_dir / 'checkpoint-*'}")
+    return history
+
+
+def evaluate(actor, persuadee, args, step, rank, run_dir):
+    """Held-out evaluation through eval.py, on rank 0, written to runs/NAME/eval-STEP."""
+    if rank == 0:
+        import eval as evaluation
+        instances = arena.heldout_instances(arena.load_scenarios(args.scenarios))[:args.eval_limit]
+        summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
+                                      t_max=args.eval_t_max, seed=args.seed)
+        print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "
+              f"full-or-conditional {summary['full_or_conditional']:.1%}")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
