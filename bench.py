@@ -16,9 +16,11 @@ Implementations, in one process on one model object, each warmed up on a tiny ru
                      (apply_chat_template, tokenize=False) and re-encoded every turn; probes as full
                      forwards of history + question, batched over dialogues (last-position logits)
   hf generate_batch  model.generate_batch (continuous batching) on the re-encoded history, probes as
-                     above; called with warmup=False: its warm-up pre-captures CUDA graphs (on a CPU
-                     it costs ~12 s a call and captures nothing), so the manager build is timed, the
-                     warm-up is not
+                     above. Knobs: warmup=False (its warm-up captures CUDA graphs only) and
+                     ContinuousBatchingConfig(num_blocks=) sized to the call's prompts + new tokens:
+                     by default it sizes its KV cache to ~90% of free memory (of all RAM on a CPU)
+                     and allocates it on every call, which is the ~12 s a call on a CPU. Its other
+                     per-call set-up and tear-down (~1.5 s on a CPU: threads, gc) is timed.
 
 Metrics:
   tok/s            sampled message tokens of both sides (a stop token counted once) / wall time of
@@ -29,8 +31,12 @@ Metrics:
                    any forward held (engine: cache.lengths of each conversation sequence when it is
                    freed; probe tokens: Engine.tokens_prefilled counted inside probes.read_engine).
                    Padding is not counted. For the engine it is 0 when nothing is prefilled twice.
-  greedy_match     every message text of the engine's dialogues equals hf generate's
-  floors           decode step >= weight bytes / memory bandwidth (a sum over a big tensor);
+  greedy_match     every message text of the engine's dialogues equals hf generate's. The hf
+                   contexts hold the stripped message text re-templated, the engine's the sampled
+                   ids, so where a message ends in whitespace the contexts (and probe values) differ
+                   while the texts match; the largest probe difference is printed with it.
+  floors           decode step >= bytes of the layers and lm_head / memory bandwidth (a sum over a
+                   big tensor; the KV reads of the step are added in a second figure);
                    prefill >= 2 * params * tokens / matmul rate ([512, hidden] x [hidden,
                    2 * intermediate], i.e. [512, 576] x [576, 3072] for SmolLM2); params = the
                    decoder layers' weights (the lm_head only runs on last tokens). The engine's
@@ -56,6 +62,7 @@ TURNS = 3
 MAX_NEW_TOKENS = 48
 BANDWIDTH_MB = 512  # tensor summed for the memory bandwidth (beyond any cache)
 MATMUL_ROWS = 512   # tokens in the prefill matmul probe
+PAGE_SIZE = 256     # tokens a continuous-batching block holds (ContinuousBatchingConfig default)
 RANDOM_CONFIGS = {  # --random-init: Qwen3 size classes built on the device, SmolLM2 tokenizer
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128),
@@ -77,6 +84,13 @@ def load(args, dtype):
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval(), tok
+
+
+def opening_messages(inst):
+    """The persuader's context (system + opening user turn) and the persuadee's (system)."""
+    return ([{"role": "system", "content": arena.persuader_system_prompt(inst)},
+             {"role": "user", "content": arena.persuader_opening(inst)}],
+            [{"role": "system", "content": arena.persuadee_system_prompt(inst)}])
 
 
 def pick_instances(n):
@@ -179,7 +193,7 @@ def run_engine(model, tok, instances, turns, max_new, sync):
 
 @torch.no_grad()
 def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
     dev, stop = next(model.parameters()).device, rollout.stop_ids(model, tok)
     side, pad = tok.padding_side, tok.pad_token
     tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
@@ -188,11 +202,8 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
     questions = [f"{probes.INSTRUCTION} {q}" for q in probes.PROBES.values()]
     q_lens = [len(t) for t in probes.probe_ids(tok)[0]]
     st = dict(reply=0.0, probe=0.0, gen=0, conv=0, probe_tokens=0)
-    ds = [dict(er=[{"role": "system", "content": arena.persuader_system_prompt(i)},
-                   {"role": "user", "content": arena.persuader_opening(i)}],
-               ee=[{"role": "system", "content": arena.persuadee_system_prompt(i)}],
-               state=arena.Episode(turns), texts=[], probes=[], fed={"er": 0, "ee": 0})
-          for i in instances]
+    ds = [dict(zip(("er", "ee"), opening_messages(i)), state=arena.Episode(turns), texts=[],
+               probes=[], fed={"er": 0, "ee": 0}) for i in instances]
 
     def feed(d, key, n):  # n conversation tokens of one side went through the model
         st["conv"] += n
@@ -202,8 +213,10 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
         texts = [rollout.render(tok, d[key], True) for d in batch]
         if batch_api:
             prompts = [rollout.encode(tok, t) for t in texts]
-            res = list(model.generate_batch(inputs=prompts, generation_config=cfg,
-                                            warmup=False).values())
+            pages = -(-sum(len(q) + max_new for q in prompts) // PAGE_SIZE) + len(prompts)
+            res = list(model.generate_batch(
+                inputs=prompts, generation_config=cfg, warmup=False,
+                continuous_batching_config=ContinuousBatchingConfig(num_blocks=pages)).values())
             if len(res) != len(prompts) or any(r.error for r in res):
                 raise RuntimeError(f"generate_batch failed: {[r.error for r in res]}")
             outs, lens = [r.generated_tokens for r in res], [len(p) for p in prompts]
@@ -294,12 +307,9 @@ def main():
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     model, tok = load(args, dtype)
     instances = pick_instances(args.dialogues)
-    er_len = [len(rollout.encode(tok, rollout.render(tok, [
-        {"role": "system", "content": arena.persuader_system_prompt(i)},
-        {"role": "user", "content": arena.persuader_opening(i)}], True))) for i in instances]
-    ee_len = [len(rollout.encode(tok, rollout.render(tok, [
-        {"role": "system", "content": arena.persuadee_system_prompt(i)}], False)))
-        for i in instances]
+    er_len, ee_len = zip(*[[len(rollout.encode(tok, rollout.render(tok, m, gen)))
+                            for m, gen in zip(opening_messages(i), (True, False))]
+                           for i in instances])
     bandwidth, flops = machine(model, args.device, dtype, sync)
     impls = {"engine": run_engine}
     if not args.skip_baselines:
@@ -307,7 +317,7 @@ def main():
         impls["hf generate_batch"] = lambda *a: run_hf(*a, batch_api=True)
     res = {}
     for name, fn in impls.items():
-        fn(model, tok, instances[:2], 1, 4, sync)  # warm-up
+        fn(model, tok, instances[:1], 1, 2, sync)  # warm-up
         try:
             res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
         except Exception as e:  # report a failing baseline instead of a number

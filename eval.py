@@ -17,7 +17,7 @@ signed-rank test on the goal reward.
     python eval.py --persuader A --persuader B --persuadee C --persuadee D   # cross-persuadee grid
     python eval.py --compare evals/A evals/B                    # paired comparison, B against A
     python eval.py --plot-run runs/NAME                         # training curves -> curves.png
-    python eval.py --play heldout-017                           # one episode, printed turn by turn
+    python eval.py --play heldout-017                           # you are the persuader, in the terminal
 """
 
 import argparse
@@ -46,6 +46,7 @@ T_MAX = 10
 TRAINING_KEYS = ("ids", "turn_ids", "logprobs")  # rollout's token stream, of no use once scored
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
+FIDELITY_SAMPLES = 4  # contexts whose fork read-out is checked against a full forward
 Z95 = 1.959964  # two-sided 95% normal quantile for the confidence bands
 EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
 SATURATION = 0.95  # a probe value beyond this carries almost no gradient of belief
@@ -443,27 +444,6 @@ def save_run(out_dir, episodes, summary):
     plot_probes(episodes, out_dir / "probes.png")
 
 
-def format_episode(ep):
-    """A transcript for the terminal, with the belief and the three probes after each reply."""
-    def reading(t):
-        return f"  belief b_{t} = {ep['beliefs'][t]:+.3f}  (" + \
-            ", ".join(f"{p} {v:+.2f}" for p, v in zip(PROBES, ep["probes"][t])) + ")"
-    lines = [f"{ep['scenario_id']}  domain={ep['domain']}  resistance={ep['resistance']}", reading(0)]
-    turn = 0
-    for msg in ep["transcript"]:
-        if msg["role"] == "persuader":
-            turn += 1
-            lines.append(f"\n[turn {turn}] persuader: {msg['text']}")
-        else:
-            tag = f"   [{msg['decision']}]" if msg.get("decision") else ""
-            lines.append(f"[turn {turn}] persuadee: {msg['text']}{tag}")
-            if turn < len(ep["beliefs"]):  # a reply cut off by the context limit is never probed
-                lines.append(reading(turn))
-    judge = "-" if ep.get("judge") is None else f"{ep['judge']:+.2f}"
-    lines.append(f"\noutcome {ep['outcome']} after {ep['turns']} turns ({ep['end_reason']}), judge {judge}")
-    return "\n".join(lines)
-
-
 # -----------------------------------------------------------------------------
 # model-driven modes (rollout/arena import torch, so they load only here)
 
@@ -472,11 +452,11 @@ def _slug(name):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip("/"))  # whole path: checkpoints share leaf names
 
 
-def _engine(name, models):
+def _load(name, models):
     import rollout
     if name not in models:  # one copy of the weights per name, a fresh Engine per role
         models[name] = rollout.load_model(name)
-    return rollout.Engine(*models[name])
+    return models[name]
 
 
 def _instances(split):
@@ -490,33 +470,120 @@ def _instances(split):
         sys.exit(f"eval.py: cannot load the {split} scenarios: {e}")
 
 
-def _episodes(persuader, persuadee, instances, *, seed, t_max, models):
+def fidelity_contexts(tokenizer, instances, episodes, n):
+    """Persuadee contexts after the first reply of n episodes, for the probe fidelity check.
+
+    Built from the transcript text: a measurement of fork against reference on identical ids,
+    not a conversation that continues."""
+    import arena
     import rollout
-    p_engine, q_engine = _engine(persuader, models), _engine(persuadee, models)
-    # SPEC 6: the strategy judge is the persuadee's model in a fresh context
-    episodes = rollout.rollout_episodes(p_engine, q_engine, instances, t_max, seed=seed, judge=q_engine)
+    contexts = []
+    for inst, ep in list(zip(instances, episodes))[:n]:
+        messages = [{"role": "system", "content": arena.persuadee_system_prompt(inst)}]
+        for m in ep["transcript"][:2]:
+            role = "user" if m["role"] == "persuader" else "assistant"
+            messages.append({"role": role, "content": m["text"]})
+        contexts.append(rollout.encode(tokenizer, rollout.render(tokenizer, messages, False)))
+    return contexts
+
+
+def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, names=("", ""),
+             fidelity=FIDELITY_SAMPLES):
+    """One seeded episode per instance with rollout Engines; saves the run, returns its summary.
+
+    The strategy judge is the persuadee's model in a fresh context (SPEC 6)."""
+    import probes
+    import rollout
+    episodes = rollout.rollout_episodes(persuader, persuadee, instances, t_max, seed=seed,
+                                        judge=persuadee)
     for ep in episodes:
         for key in TRAINING_KEYS:
             ep.pop(key, None)
-        ep.update(persuader=persuader, persuadee=persuadee, seed=seed)
-    return episodes
-
-
-def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, models):
-    """One seeded episode per instance; saves the run to out_dir and returns its summary."""
-    episodes = _episodes(persuader, persuadee, instances, seed=seed, t_max=t_max, models=models)
+        ep.update(persuader=names[0], persuadee=names[1], seed=seed)
     summary = summarize(episodes)
+    if fidelity:
+        contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, fidelity)
+        summary["probe_fidelity"] = probe_fidelity(
+            probes.read_beliefs(persuadee.model, persuadee.tokenizer, contexts).tolist(),
+            probes.read_beliefs_reference(persuadee.model, persuadee.tokenizer, contexts).tolist())
     save_run(out_dir, episodes, summary)
     return summary
 
 
-def play(scenario_id, persuader, persuadee, *, seed, t_max):
-    """Play one episode on one scenario (held-out or training) and print it turn by turn."""
+def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, models):
+    """Load the two models by name (once each) and evaluate."""
+    import rollout
+    engines = [rollout.Engine(*_load(name, models)) for name in (persuader, persuadee)]
+    return evaluate(*engines, instances, out_dir, t_max=t_max, seed=seed,
+                    names=(persuader, persuadee))
+
+
+def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print):
+    """You are the persuader: type each message; the model persuadee answers and you see its
+    three probe values and the belief change of the turn. The transcript is saved under
+    evals/play-SCENARIO_ID-TIME like any episode."""
+    import time
+
+    import torch
+
+    import arena
+    import probes
+    import rollout
     found = [inst for split in ("heldout", "train") for inst in _instances(split) if inst["id"] == scenario_id]
     if not found:
         sys.exit(f"eval.py: unknown scenario id {scenario_id!r}; use an id from scenarios.jsonl, e.g. heldout-017")
-    [ep] = _episodes(persuader, persuadee, found[:1], seed=seed, t_max=t_max, models={})
-    print(format_episode(ep))
+    inst = found[0]
+    engine = rollout.Engine(*_load(persuadee, {}))
+    tok = engine.tokenizer
+    gen = torch.Generator(engine.device).manual_seed(seed)
+    write(f"== {inst['title']} ({inst['id']})\nYou are {inst['persuader']['role']}. "
+          f"Goal: {inst['persuader']['goal']}\nRequest: {inst['persuader']['request']}\n"
+          f"They: {inst['persuadee']['name']}, {inst['persuadee']['age']}, "
+          f"{inst['persuadee']['occupation']}. {inst['context']}\n(empty line or Ctrl-D: stop)")
+    system = [{"role": "system", "content": arena.persuadee_system_prompt(inst)}]
+    sid = engine.new(rollout.encode(tok, rollout.render(tok, system, False)))
+    engine.forward([sid])
+    values = probes.read_engine(engine, [sid])[0].tolist()
+    episode, transcript, probe_rows = arena.Episode(t_max), [], [values]
+    while not episode.done:
+        try:
+            text = read(f"turn {episode.turn + 1}/{t_max} you> ").strip()
+        except EOFError:
+            text = ""
+        if not text:
+            episode.end("stopped")
+            break
+        transcript.append({"role": "persuader", "text": text, "decision": None})
+        seen = arena.persuadee_sees(text)
+        if episode.final_turn:
+            seen = f"{seen}\n\n{arena.FINAL_TURN_INSTRUCTION}"
+        engine.pending[sid] += rollout.turn_ids(tok, seen)
+        [(ids, _, reason)] = engine.generate([sid], rollout.MAX_NEW_TOKENS, 0.7, None, gen)
+        reply = tok.decode(ids, skip_special_tokens=True).strip()
+        decision = arena.parse_decision(reply)
+        transcript.append({"role": "persuadee", "text": reply, "decision": decision})
+        if reason in ("context", "cache"):
+            episode.end(reason)
+            break
+        episode.step(decision)
+        engine.pending[sid] += rollout.closing_ids(tok, ids)
+        engine.forward([sid])
+        before = sum(values) / 3
+        values = probes.read_engine(engine, [sid])[0].tolist()
+        probe_rows.append(values)
+        write(f"{inst['persuadee']['name']}: {reply}")
+        write("   " + "  ".join(f"{k} {v:+.2f}" for k, v in zip(PROBES, values)) +
+              f"   belief {sum(values) / 3:+.2f} ({sum(values) / 3 - before:+.2f})")
+    beliefs = [sum(v) / 3 for v in probe_rows]
+    ep = dict(id=inst["id"], scenario_id=inst["id"], domain=inst["domain"],
+              resistance=inst["hidden"]["resistance"], outcome=episode.outcome,
+              turns=len(beliefs) - 1, end_reason=episode.end_reason, transcript=transcript,
+              beliefs=beliefs, probes=probe_rows, judge=None, persuader="human",
+              persuadee=persuadee, seed=seed)
+    out_dir = Path(EVALS_DIR) / f"play-{inst['id']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    save_run(out_dir, [ep], summarize([ep]))
+    write(f"outcome {episode.outcome} after {episode.turn} turns; saved to {out_dir}")
+    return ep
 
 
 # -----------------------------------------------------------------------------
@@ -535,7 +602,7 @@ def parse_args(argv=None):
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two eval directories, B against A")
     mode.add_argument("--plot-run", metavar="DIR", help="plot DIR/metrics.jsonl into DIR/curves.png")
-    mode.add_argument("--play", metavar="SCENARIO_ID", help="play one episode and print it")
+    mode.add_argument("--play", metavar="SCENARIO_ID", help="you persuade the model persuadee, in the terminal")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         ap.exit(2, f"eval.py: --limit must be at least 1, got {args.limit}\n")
@@ -559,9 +626,9 @@ def main(argv=None):
             sys.exit(f"eval.py: {e}")
         return
     if args.play:
-        if len(args.persuader) > 1 or len(args.persuadee) > 1:
-            sys.exit("eval.py: --play takes one --persuader and one --persuadee")
-        play(args.play, args.persuader[0], args.persuadee[0], seed=args.seed, t_max=args.t_max)
+        if len(args.persuadee) > 1:
+            sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")
+        play(args.play, args.persuadee[0], seed=args.seed, t_max=args.t_max)
         return
     instances = _instances(args.scenarios)[:args.limit]
     pairs = [(p, q) for p in args.persuader for q in args.persuadee]

@@ -459,13 +459,15 @@ class Batch:
             tables[b, :len(cache.tables[s])] = torch.tensor(cache.tables[s])
         self.tables = tables.to(dev)
         self.q_max, self.kv_max = int(q_lens.max()), int(kv_lens.max())
+        # queries are padded on the left to [B, Q]: padded row i of sequence b is its position
+        # kv_len - Q + i, the bottom-right causal alignment flash-attn uses as well
         if not engine.use_flash:
-            q_pos = kv_lens[:, None] - q_lens[:, None] + torch.arange(self.q_max)  # [B, Q]
+            q_pos = (kv_lens[:, None] - self.q_max + torch.arange(self.q_max)).clamp(min=0)
             kv_pos = torch.arange(n_blocks * bs)
             mask = (kv_pos[None, None] <= q_pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
-            self.mask = mask[:, None].to(dev)  # [B, 1, Q, K]
+            self.mask = mask[:, None].to(dev)  # [B, 1, Q, K]; padding rows see key 0 (no NaN)
         row = torch.repeat_interleave(torch.arange(B), q_lens)
-        col = positions - (kv_lens - q_lens)[row]
+        col = positions - (kv_lens - self.q_max)[row]
         self.pad_index = (row * self.q_max + col).to(dev)  # packed token -> [B * Q] row
 
     def gather(self, pool):
@@ -502,11 +504,9 @@ class Batch:
 
 
 def generate(model, prompts, max_new_tokens, temperature=0.0, stop_ids=None, seed=None,
-             top_p=None, block_size=None, tokenizer=None):
+             top_p=None, block_size=None):
     """Token ids in, token ids out, through the paged engine (stop token kept, like HF)."""
-    engine = Engine(model, tokenizer, block_size=block_size,
-                    num_blocks=sum(-(-(len(p) + max_new_tokens) // (block_size or BLOCK_SIZE))
-                                   for p in prompts) + len(prompts))
+    engine = Engine(model, block_size=block_size)
     generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
     sids = [engine.new(p) for p in prompts]
     outs = engine.generate(sids, max_new_tokens, temperature, top_p, generator,

@@ -288,19 +288,13 @@ def test_probe_fidelity():
         ev.probe_fidelity([0.1, 0.2], [0.1])
 
 
-def test_format_episode():
-    text = ev.format_episode(SIX[1])
-    assert "belief b_0 = +0.200" in text and "belief b_3 = +0.600" in text
-    assert "[turn 3] persuadee: reply 3   [CONDITIONAL_ACCEPT]" in text
-    assert "outcome CONDITIONAL_ACCEPT after 3 turns" in text
-
-
 @pytest.mark.parametrize("argv, needle", [
     (["--compare", "{tmp}/nope", "{tmp}/B"], "nope does not exist"),
     (["--compare", "{tmp}/empty", "{tmp}/B"], "episodes.jsonl does not exist"),
     (["--plot-run", "{tmp}/nope"], "is not a directory"),
     (["--plot-run", "{tmp}/empty"], "metrics.jsonl does not exist"),
     (["--limit", "0"], "--limit must be at least 1"),
+    (["--play", "heldout-999"], "unknown scenario id"),
 ])
 def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "empty").mkdir()
@@ -319,3 +313,36 @@ def test_cli_subprocess_no_traceback():
     assert p.returncode != 0
     assert p.stderr.strip().splitlines() == [
         "eval.py: /nonexistent does not exist; pass an eval directory such as evals/NAME"]
+
+
+# -----------------------------------------------------------------------------
+# model-driven modes on tiny random models
+
+
+def test_evaluate_writes_a_run_and_probe_fidelity(tmp_path):
+    import arena
+    import rollout
+    model, tok = rollout.load_model("random:tiny-qwen3")
+    instances = arena.heldout_instances()[:2]
+    engines = [rollout.Engine(model, tok, num_blocks=3000) for _ in range(2)]
+    summary = ev.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2)
+    assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
+    saved = ev.load_episodes(tmp_path / "run")
+    assert [e["id"] for e in saved] == [i["id"] for i in instances]
+    assert not any(k in saved[0] for k in ev.TRAINING_KEYS)
+    for name in ("summary.json", "beliefs.png", "probes.png"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+
+
+def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    typed = iter(["Hello, could we talk about the appointment?", "Could we book it for Tuesday?", ""])
+    shown = []
+    ep = ev.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, read=lambda _: next(typed),
+                 write=shown.append)
+    assert [m["role"] for m in ep["transcript"]] == ["persuader", "persuadee"] * 2
+    assert ep["transcript"][0]["text"] == "Hello, could we talk about the appointment?"
+    assert ep["end_reason"] == "stopped" and len(ep["probes"]) == 3 == len(ep["beliefs"])
+    assert sum("belief" in line for line in shown) == 2
+    [saved] = ev.load_episodes(next((tmp_path / "evals").iterdir()))
+    assert saved["transcript"] == ep["transcript"]
