@@ -124,37 +124,36 @@ def machine(model, device, dtype, sync):
     return bandwidth, 2 * a.shape[0] * a.shape[1] * b.shape[1] / best_time(lambda: a @ b, sync)
 
 
+def add(st, **kw):
+    for k, v in kw.items():
+        st[k] += v
+
+
 def run_engine(model, tok, instances, turns, max_new, sync):
+    """rollout.rollout_episodes with timers around the persuadee's generate, every forward and
+    probes.read_engine (patched on the engine instances and the module, restored afterwards)."""
     er, ee = rollout.Engine(model, tok), rollout.Engine(model, tok)
-    st = dict(reply=0.0, probe=0.0, probe_tokens=0, gen=0, unique=0, in_probe=False, started=False,
-              dec_t=0.0, dec_n=0, dec_b=0, dec_kv=0, pre_t=0.0, pre_tok=0)
+    st = dict(reply=0.0, probe=0.0, probe_tokens=0, gen=0, unique=0, dec_t=0.0, dec_n=0, dec_b=0,
+              dec_kv=0, pre_t=0.0, pre_tok=0, in_probe=False, started=False)
 
     def wrap(eng, is_ee):
         generate, forward, free = eng.generate, eng.forward, eng.free
 
         def timed_generate(sids, *a, **k):
-            st["started"] = True
-            t = time.perf_counter()
+            st["started"], t = True, time.perf_counter()
             outs = generate(sids, *a, **k)
-            st["reply"] += (time.perf_counter() - t) * is_ee
-            st["gen"] += sum(len(ids) for ids, _, _ in outs)
+            add(st, reply=(time.perf_counter() - t) * is_ee, gen=sum(len(o[0]) for o in outs))
             return outs
 
         def timed_forward(sids):
-            n = [len(eng.pending[s]) for s in sids]
-            kv = sum(eng.length(s) for s in sids)
+            n, kv = [len(eng.pending[s]) for s in sids], sum(eng.length(s) for s in sids)
             t = time.perf_counter()
             out = forward(sids)
             sync()
-            dt = time.perf_counter() - t
-            if max(n) == 1:
-                st["dec_t"] += dt
-                st["dec_n"] += 1
-                st["dec_b"] += len(sids)
-                st["dec_kv"] += kv
+            if max(n) == 1:  # a decode step
+                add(st, dec_t=time.perf_counter() - t, dec_n=1, dec_b=len(sids), dec_kv=kv)
             else:
-                st["pre_t"] += dt
-                st["pre_tok"] += sum(n)
+                add(st, pre_t=time.perf_counter() - t, pre_tok=sum(n))
             return out
 
         def counted_free(sid):
@@ -163,8 +162,6 @@ def run_engine(model, tok, instances, turns, max_new, sync):
             free(sid)
         eng.generate, eng.forward, eng.free = timed_generate, timed_forward, counted_free
 
-    wrap(er, False)
-    wrap(ee, True)
     read = probes.read_engine
 
     def timed_read(engine, sids):
@@ -172,9 +169,10 @@ def run_engine(model, tok, instances, turns, max_new, sync):
         try:
             return read(engine, sids)
         finally:
-            st["probe"] += time.perf_counter() - t
-            st["probe_tokens"] += engine.tokens_prefilled - n0
+            add(st, probe=time.perf_counter() - t, probe_tokens=engine.tokens_prefilled - n0)
             st["in_probe"] = False
+    wrap(er, False)
+    wrap(ee, True)
     probes.read_engine = timed_read
     try:
         t0 = time.perf_counter()
@@ -183,9 +181,10 @@ def run_engine(model, tok, instances, turns, max_new, sync):
         st["wall"] = time.perf_counter() - t0
     finally:
         probes.read_engine = read
-    fed = er.tokens_prefilled + ee.tokens_prefilled
-    st["twice"] = fed - st["probe_tokens"] - st["unique"]
-    st["conv"] = fed - st["probe_tokens"]
+        for eng in (er, ee):  # back to the class methods (this also breaks the closure cycles)
+            del eng.generate, eng.forward, eng.free
+    st["conv"] = er.tokens_prefilled + ee.tokens_prefilled - st["probe_tokens"]
+    st["twice"] = st["conv"] - st["unique"]
     st["dialogues"] = [[m["text"] for m in e["transcript"]] for e in eps]
     st["probes"] = [e["probes"] for e in eps]
     return st
@@ -193,7 +192,7 @@ def run_engine(model, tok, instances, turns, max_new, sync):
 
 @torch.no_grad()
 def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
     dev, stop = next(model.parameters()).device, rollout.stop_ids(model, tok)
     side, pad = tok.padding_side, tok.pad_token
     tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
@@ -206,12 +205,13 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
                probes=[], fed={"er": 0, "ee": 0}) for i in instances]
 
     def feed(d, key, n):  # n conversation tokens of one side went through the model
-        st["conv"] += n
+        add(st, conv=n)
         d["fed"][key] = max(d["fed"][key], n)
 
     def generate(batch, key):
         texts = [rollout.render(tok, d[key], True) for d in batch]
         if batch_api:
+            from transformers import ContinuousBatchingConfig
             prompts = [rollout.encode(tok, t) for t in texts]
             pages = -(-sum(len(q) + max_new for q in prompts) // PAGE_SIZE) + len(prompts)
             res = list(model.generate_batch(
@@ -228,7 +228,7 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
             lens = enc.attention_mask.sum(1).tolist()
         for d, n, ids in zip(batch, lens, outs):
             feed(d, key, n + len(ids) - 1)  # the last sampled token is never fed
-            st["gen"] += len(ids)
+            add(st, gen=len(ids))
         return [tok.decode(ids, skip_special_tokens=True).strip() for ids in outs]
 
     def read_probes(batch):
@@ -242,10 +242,10 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
             values.append(probes.values_from_logits(logits, tok).cpu())
             for d, n in zip(batch, enc.attention_mask.sum(1).tolist()):
                 feed(d, "ee", n - q_len)
-                st["probe_tokens"] += q_len
+                add(st, probe_tokens=q_len)
         for d, v in zip(batch, torch.stack(values, 1).tolist()):
             d["probes"].append(v)
-        st["probe"] += time.perf_counter() - t
+        add(st, probe=time.perf_counter() - t)
 
     t0 = time.perf_counter()
     read_probes(ds)  # b_0
@@ -261,7 +261,7 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
         t = time.perf_counter()
         replies = generate(active, "ee")
         sync()
-        st["reply"] += time.perf_counter() - t
+        add(st, reply=time.perf_counter() - t)
         for d, text in zip(active, replies):
             d["ee"].append({"role": "assistant", "content": text})
             d["texts"].append(text)
@@ -303,8 +303,9 @@ def main():
     p.add_argument("--random-init", choices=sorted(RANDOM_CONFIGS), default=None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    gpu = args.device.startswith("cuda")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     model, tok = load(args, dtype)
     instances = pick_instances(args.dialogues)
     er_len, ee_len = zip(*[[len(rollout.encode(tok, rollout.render(tok, m, gen)))
@@ -317,63 +318,65 @@ def main():
         impls["hf generate_batch"] = lambda *a: run_hf(*a, batch_api=True)
     res = {}
     for name, fn in impls.items():
-        fn(model, tok, instances[:1], 1, 2, sync)  # warm-up
         try:
+            fn(model, tok, instances[:1], 1, 2, sync)  # warm-up
             res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
-        except Exception as e:  # report a failing baseline instead of a number
+        except Exception as e:  # a failing baseline is reported, not given a number
             print(f"{name} failed: {type(e).__name__}: {e}")
     for r in res.values():
-        r["tok_s"] = r["gen"] / r["wall"]
-        r["share"] = r["probe"] / r["reply"] if r["reply"] else None
+        r["tok_s"], r["share"] = r["gen"] / r["wall"], r["probe"] / max(r["reply"], 1e-9)
 
+    e, hf, cb = res["engine"], res.get("hf generate"), res.get("hf generate_batch")
+    cfg, n_dec = model.config, max(e["dec_n"], 1)
     layer_params = sum(q.numel() for q in model.model.layers.parameters())
-    itemsize, cfg = dtype.itemsize, model.config
-    decode_floor = (layer_params + model.lm_head.weight.numel()) * itemsize / bandwidth
-    e = res["engine"]
-    kv_bytes = (e["dec_kv"] / max(e["dec_n"], 1) * 2 * cfg.num_hidden_layers
-                * cfg.num_key_value_heads * rollout.fused_weights(model)["head_dim"] * itemsize)
-    decode_ms = 1e3 * e["dec_t"] / max(e["dec_n"], 1)
-    prefill_tok_s, prefill_floor = e["pre_tok"] / e["pre_t"], flops / (2 * layer_params)
-    hf, cb = res.get("hf generate"), res.get("hf generate_batch")
+    decode_floor = (layer_params + model.lm_head.weight.numel()) * dtype.itemsize / bandwidth
+    kv_bytes = (e["dec_kv"] / n_dec * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+                * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+                * dtype.itemsize)
     mismatch = first_mismatch(tok, e["dialogues"], hf["dialogues"]) if hf else None
+    out = dict(
+        engine_tok_s=e["tok_s"], hf_generate_tok_s=hf and hf["tok_s"],
+        hf_generate_batch_tok_s=cb and cb["tok_s"],
+        speedup_vs_generate=hf and e["tok_s"] / hf["tok_s"],
+        speedup_vs_generate_batch=cb and e["tok_s"] / cb["tok_s"],
+        probe_share=e["share"], probe_share_generate=hf and hf["share"],
+        probe_share_generate_batch=cb and cb["share"], prefilled_twice=e["twice"],
+        prefilled_twice_generate=hf and hf["twice"],
+        greedy_match=hf and mismatch is None, first_mismatch=mismatch,
+        probe_max_diff_generate=hf and max(abs(x - y) for a, b in zip(e["probes"], hf["probes"])
+                                           for pa, pb in zip(a, b) for x, y in zip(pa, pb)),
+        decode_step_ms=1e3 * e["dec_t"] / n_dec, decode_floor_ms=1e3 * decode_floor,
+        decode_floor_kv_ms=1e3 * (decode_floor + kv_bytes / bandwidth),
+        decode_batch=e["dec_b"] / n_dec, prefill_tok_s=e["pre_tok"] / e["pre_t"],
+        prefill_floor_tok_s=flops / (2 * layer_params), bandwidth_gb_s=bandwidth / 1e9,
+        matmul_gflop_s=flops / 1e9, device=args.device, dtype=str(dtype).split(".")[-1],
+        model=args.random_init or args.model, dialogues=len(instances), turns=args.turns,
+        max_new_tokens=args.max_new_tokens)
 
-    name = args.random_init or args.model
-    print(f"workload: {len(instances)} dialogues x {args.turns} turns, {args.max_new_tokens} new "
-          f"tokens, greedy, {dtype} on {args.device}, {name}; mean prompt: persuader system+"
-          f"opening {sum(er_len) / len(er_len):.0f} tok, persuadee system "
-          f"{sum(ee_len) / len(ee_len):.0f} tok")
-    print(f"machine: memory {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s "
-          f"[{MATMUL_ROWS}, {cfg.hidden_size}] x [{cfg.hidden_size}, {2 * cfg.intermediate_size}]")
+    print(f"workload: {out['dialogues']} dialogues x {args.turns} turns, {args.max_new_tokens} new "
+          f"tokens, greedy, {out['dtype']} on {args.device}, {out['model']}; mean prompt tokens: "
+          f"persuader system+opening {sum(er_len) / len(er_len):.0f}, persuadee system "
+          f"{sum(ee_len) / len(ee_len):.0f}")
+    print(f"machine: memory {out['bandwidth_gb_s']:.1f} GB/s, matmul {out['matmul_gflop_s']:.0f} "
+          f"GFLOP/s [{MATMUL_ROWS}, {cfg.hidden_size}] x [{cfg.hidden_size}, "
+          f"{2 * cfg.intermediate_size}]")
     print(f"{'implementation':<18}{'wall s':>8}{'msg tok':>9}{'tok/s':>8}{'reply s':>9}"
           f"{'probe s':>9}{'probe/reply':>12}{'conv prefill':>14}{'prefilled twice':>17}")
     for k, r in res.items():
         print(f"{k:<18}{r['wall']:>8.1f}{r['gen']:>9}{r['tok_s']:>8.1f}{r['reply']:>9.1f}"
               f"{r['probe']:>9.1f}{r['share']:>12.2f}{r['conv']:>14}{r['twice']:>17}")
-    speed = {k: e["tok_s"] / r["tok_s"] if r else None for k, r in (("gen", hf), ("cb", cb))}
     if hf:
-        print(f"speedup: {speed['gen']:.2f}x vs hf generate"
-              + (f", {speed['cb']:.2f}x vs hf generate_batch" if cb else ""))
-        diff = max((abs(x - y) for a, b in zip(e["probes"], hf["probes"]) for pa, pb in zip(a, b)
-                    for x, y in zip(pa, pb)), default=0.0)
-        print(f"greedy_match: {mismatch is None}" + (
-            f" (first mismatch: dialogue {mismatch[0]}, message {mismatch[1]}, token {mismatch[2]})"
-            if mismatch else f"; probe values max |engine - hf| = {diff:.2e}"))
-    print(f"engine decode step {decode_ms:.1f} ms at batch {e['dec_b'] / max(e['dec_n'], 1):.1f} "
-          f"(floor {decode_floor * 1e3:.1f} ms weights only, "
-          f"{(decode_floor + kv_bytes / bandwidth) * 1e3:.1f} ms with KV reads); prefill "
-          f"{prefill_tok_s:.0f} tok/s (floor {prefill_floor:.0f} tok/s)")
+        print(f"speedup: {out['speedup_vs_generate']:.2f}x vs hf generate" + (
+            f", {out['speedup_vs_generate_batch']:.2f}x vs hf generate_batch" if cb else ""))
+        where = "dialogue {}, message {}, token {}".format(*mismatch) if mismatch else "none"
+        print(f"greedy_match: {out['greedy_match']} (first mismatch: {where}); probe values "
+              f"max |engine - hf generate| = {out['probe_max_diff_generate']:.2e}")
+    print(f"engine decode step {out['decode_step_ms']:.1f} ms at batch {out['decode_batch']:.1f} "
+          f"(floor {out['decode_floor_ms']:.1f} ms for the weights, {out['decode_floor_kv_ms']:.1f}"
+          f" ms with the KV reads); prefill {out['prefill_tok_s']:.0f} tok/s (floor "
+          f"{out['prefill_floor_tok_s']:.0f} tok/s)")
     if args.json:
-        print(json.dumps(dict(
-            engine_tok_s=e["tok_s"], hf_generate_tok_s=hf and hf["tok_s"],
-            hf_generate_batch_tok_s=cb and cb["tok_s"], speedup_vs_generate=speed["gen"],
-            speedup_vs_generate_batch=speed["cb"], probe_share=e["share"],
-            probe_share_generate=hf and hf["share"], probe_share_generate_batch=cb and cb["share"],
-            prefilled_twice=e["twice"], prefilled_twice_generate=hf and hf["twice"],
-            greedy_match=(mismatch is None) if hf else None, first_mismatch=mismatch,
-            decode_step_ms=decode_ms, decode_floor_ms=decode_floor * 1e3,
-            prefill_tok_s=prefill_tok_s, prefill_floor_tok_s=prefill_floor, device=args.device,
-            dtype=str(dtype), model=name, dialogues=len(instances), turns=args.turns,
-            max_new_tokens=args.max_new_tokens)))
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import probes
 
 BLOCK_SIZE = 16           # tokens per KV block on the PyTorch path (flash-attn needs 256)
 CACHE_GB_CPU = 2.0        # KV pool size on a CPU
-CACHE_FRACTION_GPU = 0.3  # share of free GPU memory given to the KV pool
+CACHE_FRACTION_GPU = 0.15  # share of free GPU memory given to each engine's KV pool
 MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
 MAX_NEW_TOKENS = 256      # per message
 JUDGE_MAX_NEW_TOKENS = 48  # the judge answers three short lines
@@ -300,10 +300,16 @@ class PagedCache:
             self.refs[old] -= 1
             self.refs[new] = 1
             table[-1] = new
+        fresh = []
         while len(table) * bs < self.lengths[sid] + n:
-            b = self.free_blocks.pop()
-            self.refs[b] = 1
-            table.append(b)
+            fresh.append(self.free_blocks.pop())
+            self.refs[fresh[-1]] = 1
+            table.append(fresh[-1])
+        if fresh:  # attention reads whole blocks and masks the unwritten tail, but a masked NaN
+            # or inf left in reused memory would still poison the softmax (0 * inf), so zero it
+            index = torch.tensor(fresh, device=self.k.device)
+            for pool in (self.k, self.v):
+                pool.view(pool.shape[0], self.num_blocks, bs, *pool.shape[2:])[:, index] = 0
 
     def slots(self, sid, start, n):
         """Flat pool positions of tokens start..start+n-1 of a sequence."""

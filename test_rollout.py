@@ -246,3 +246,24 @@ def test_smollm2_plays_two_dialogues_end_to_end():
     torch.testing.assert_close(probes.read_beliefs(model, tokenizer, [ctx]),
                                probes.read_beliefs_reference(model, tokenizer, [ctx]),
                                atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_engine_matches_hf_generate(arch):
+    """The GPU twin of the CPU equivalence test (float32, PyTorch attention path)."""
+    model = tiny_model(arch).cuda()
+    ours = rollout.generate(model, PROMPTS, 24)
+    ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    assert ours == ref
+
+
+def test_unwritten_pool_memory_never_reaches_the_logits():
+    """Attention copies whole blocks; whatever sits in their unwritten tail must stay masked
+    out, even non-finite garbage in memory the pool reuses."""
+    engine = rollout.Engine(tiny_model("llama"), block_size=8, num_blocks=8)
+    engine.cache.k.fill_(float("nan"))
+    engine.cache.v.fill_(float("-inf"))
+    logits = engine.forward([engine.new(PROMPTS[1]), engine.new(PROMPTS[0][:5])])
+    assert logits.isfinite().all()

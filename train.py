@@ -60,6 +60,7 @@ PERSUADER_TEMPERATURE = 1.0         # policy sampling temperature (no top-k/top-
 PERSUADEE_TEMPERATURE = 0.7         # the persuadee's visible replies are sampled
 GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
+GRAD_CHECKPOINTING = True           # on GPUs: recompute activations in the backward pass
 SEED = 0
 
 
@@ -183,11 +184,11 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
         adv = rpo.batch_token_advantages(turn_ids.cpu(), turn_advantages[i:i + len(batch)])
         adv, mask = adv[:, 1:].to(device), turn_ids[:, 1:] > 0
         temperature = args.persuader_temperature or 1.0  # greedy records log-probs at T = 1
-        logp = rpo.token_logprobs(policy(ids).logits, ids, temperature)
+        logp = rpo.token_logprobs(policy(ids, use_cache=False).logits, ids, temperature)
         ref = None
         if args.kl_beta > 0:
             with torch.no_grad():
-                ref = rpo.token_logprobs(reference(ids).logits, ids, temperature)
+                ref = rpo.token_logprobs(reference(ids, use_cache=False).logits, ids, temperature)
         loss, s = rpo.policy_loss(logp, old, ref, adv, mask, num_tokens, args.clip_low,
                                   args.clip_high, args.kl_beta)
         # FSDP averages gradients over ranks; the loss is already a global mean, so undo it
@@ -309,6 +310,8 @@ def main(argv=None):
     else:
         persuadee_model, persuadee_tok = load(args.persuadee, args.dtype, device)
     policy.requires_grad_(True)
+    if GRAD_CHECKPOINTING and device.type == "cuda":
+        policy.gradient_checkpointing_enable()
     rollout_model = load(args.persuader, args.dtype, device)[0] if world > 1 else policy
     policy = shard(policy, world)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
