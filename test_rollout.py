@@ -267,3 +267,40 @@ def test_unwritten_pool_memory_never_reaches_the_logits():
     engine.cache.v.fill_(float("-inf"))
     logits = engine.forward([engine.new(PROMPTS[1]), engine.new(PROMPTS[0][:5])])
     assert logits.isfinite().all()
+
+
+def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
+    """A parseable verdict gives s = mean - 3; an unparseable one is retried JUDGE_RETRIES times,
+    each retry a fork of the once-prefilled prompt, then scores 0."""
+    answers = {0: "PROBING: 5\nFIT: 4\nADAPTATION: 3", 1: "I cannot say."}
+    attempts = []
+
+    def generate(self, sids, *args, **kwargs):
+        outs = []
+        for s in sids:
+            which = 0 if self.length(s) == lengths[0] else 1
+            attempts.append(which)
+            ids = rollout.encode(self.tokenizer, answers[which]) + [self.stop_ids[0]]
+            outs.append((ids, [0.0] * len(ids), "stop"))
+        return outs
+    monkeypatch.setattr(rollout.Engine, "generate", generate)
+    scenarios = arena.load_scenarios(split="heldout")[:2]
+    transcripts = [[{"role": "persuader", "text": "Hello."}], [{"role": "persuader", "text": "Hi there, friend."}]]
+    judge = rollout.Engine(tiny_model("llama"), tokenizer, num_blocks=2000)
+    lengths = [len(rollout.encode(tokenizer, rollout.render(tokenizer, arena.judge_messages(s, t), True)))
+               for s, t in zip(scenarios, transcripts)]
+    assert lengths[0] != lengths[1]
+    assert rollout.judge_scores(judge, scenarios, transcripts) == [1.0, 0.0]
+    assert sorted(attempts) == [0] + [1] * arena.JUDGE_RETRIES
+    assert judge.tokens_prefilled == sum(lengths) - 2  # prompts once; last tokens stay pending
+    assert len(judge.cache.free_blocks) == 2000
+    # two transcripts of one instance: their shared opening (profile) is prefilled only once
+    judge.tokens_prefilled = 0
+    attempts.clear()
+    assert rollout.judge_scores(judge, [scenarios[0]] * 2, transcripts) == [1.0, 0.0]
+    group = [rollout.encode(tokenizer, rollout.render(tokenizer, arena.judge_messages(scenarios[0], t), True))
+             for t in transcripts]
+    shared = rollout.common_prefix(group)
+    assert shared > 100
+    assert judge.tokens_prefilled == sum(map(len, group)) - shared - 2
+    assert len(judge.cache.free_blocks) == 2000

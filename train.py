@@ -180,15 +180,21 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
         pad = lambda key, fill, dtype: torch.tensor(
             [r[key] + [fill] * (width - len(r[key])) for r in batch], dtype=dtype, device=device)
         ids, turn_ids = pad("ids", 0, torch.long), pad("turn_ids", 0, torch.long)
-        old = pad("logprobs", 0.0, torch.float32)[:, 1:]
         adv = rpo.batch_token_advantages(turn_ids.cpu(), turn_advantages[i:i + len(batch)])
-        adv, mask = adv[:, 1:].to(device), turn_ids[:, 1:] > 0
+        # logits only where some row predicts a persuader token: the lm_head and softmax over the
+        # vocabulary are skipped for the prompts and the persuadee's text
+        keep = (turn_ids[:, 1:] > 0).any(0).nonzero()[:, 0]
+        targets, mask = ids[:, keep + 1], turn_ids[:, keep + 1] > 0
+        old = pad("logprobs", 0.0, torch.float32)[:, keep + 1]
+        adv = adv[:, 1:].to(device)[:, keep]
         temperature = args.persuader_temperature or 1.0  # greedy records log-probs at T = 1
-        logp = rpo.token_logprobs(policy(ids, use_cache=False).logits, ids, temperature)
+        logits = policy(ids, use_cache=False, logits_to_keep=keep).logits
+        logp = rpo.target_logprobs(logits, targets, temperature)
         ref = None
         if args.kl_beta > 0:
             with torch.no_grad():
-                ref = rpo.token_logprobs(reference(ids, use_cache=False).logits, ids, temperature)
+                logits = reference(ids, use_cache=False, logits_to_keep=keep).logits
+                ref = rpo.target_logprobs(logits, targets, temperature)
         loss, s = rpo.policy_loss(logp, old, ref, adv, mask, num_tokens, args.clip_low,
                                   args.clip_high, args.kl_beta)
         # FSDP averages gradients over ranks; the loss is already a global mean, so undo it
