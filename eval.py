@@ -47,6 +47,8 @@ TRAINING_KEYS = ("ids", "turn_ids", "logprobs")  # rollout's token stream, of no
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
 FIDELITY_SAMPLES = 4  # contexts whose fork read-out is checked against a full forward
+GPU_MAX_NEW_TOKENS = 256  # per message, as in training (SPEC 9)
+CPU_MAX_NEW_TOKENS = 64  # per message on a CPU, so that --limit 4 takes minutes
 Z95 = 1.959964  # two-sided 95% normal quantile for the confidence bands
 EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
 SATURATION = 0.95  # a probe value beyond this carries almost no gradient of belief
@@ -488,14 +490,14 @@ def fidelity_contexts(tokenizer, instances, episodes, n):
 
 
 def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, names=("", ""),
-             fidelity=FIDELITY_SAMPLES):
+             fidelity=FIDELITY_SAMPLES, max_new_tokens=GPU_MAX_NEW_TOKENS):
     """One seeded episode per instance with rollout Engines; saves the run, returns its summary.
 
     The strategy judge is the persuadee's model in a fresh context (SPEC 6)."""
     import probes
     import rollout
     episodes = rollout.rollout_episodes(persuader, persuadee, instances, t_max, seed=seed,
-                                        judge=persuadee)
+                                        judge=persuadee, max_new_tokens=max_new_tokens)
     for ep in episodes:
         for key in TRAINING_KEYS:
             ep.pop(key, None)
@@ -510,15 +512,17 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, n
     return summary
 
 
-def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, models):
+def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, models,
+             max_new_tokens=GPU_MAX_NEW_TOKENS):
     """Load the two models by name (once each) and evaluate."""
     import rollout
     engines = [rollout.Engine(*_load(name, models)) for name in (persuader, persuadee)]
     return evaluate(*engines, instances, out_dir, t_max=t_max, seed=seed,
-                    names=(persuader, persuadee))
+                    names=(persuader, persuadee), max_new_tokens=max_new_tokens)
 
 
-def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print):
+def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
+         max_new_tokens=GPU_MAX_NEW_TOKENS):
     """You are the persuader: type each message; the model persuadee answers and you see its
     three probe values and the belief change of the turn. The transcript is saved under
     evals/play-SCENARIO_ID-TIME like any episode."""
@@ -558,7 +562,7 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print):
         if episode.final_turn:
             seen = f"{seen}\n\n{arena.FINAL_TURN_INSTRUCTION}"
         engine.pending[sid] += rollout.turn_ids(tok, seen)
-        [(ids, _, reason)] = engine.generate([sid], rollout.MAX_NEW_TOKENS, 0.7, None, gen)
+        [(ids, _, reason)] = engine.generate([sid], max_new_tokens, 0.7, None, gen)
         reply = tok.decode(ids, skip_special_tokens=True).strip()
         decision = arena.parse_decision(reply)
         transcript.append({"role": "persuadee", "text": reply, "decision": decision})
@@ -599,6 +603,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", help=f"run name; output goes to {EVALS_DIR}/NAME")
     ap.add_argument("--t-max", type=int, default=T_MAX, help="turn budget per episode")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"per message (default {GPU_MAX_NEW_TOKENS} with CUDA, {CPU_MAX_NEW_TOKENS} on a CPU)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two eval directories, B against A")
     mode.add_argument("--plot-run", metavar="DIR", help="plot DIR/metrics.jsonl into DIR/curves.png")
@@ -625,10 +631,14 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             sys.exit(f"eval.py: {e}")
         return
+    if args.max_new_tokens is None:  # the model-driven modes only: torch loads here
+        import torch
+        args.max_new_tokens = GPU_MAX_NEW_TOKENS if torch.cuda.is_available() else CPU_MAX_NEW_TOKENS
     if args.play:
         if len(args.persuadee) > 1:
             sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")
-        play(args.play, args.persuadee[0], seed=args.seed, t_max=args.t_max)
+        play(args.play, args.persuadee[0], seed=args.seed, t_max=args.t_max,
+             max_new_tokens=args.max_new_tokens)
         return
     instances = _instances(args.scenarios)[:args.limit]
     pairs = [(p, q) for p in args.persuader for q in args.persuadee]
@@ -637,7 +647,8 @@ def main(argv=None):
     models, results = {}, {}
     for p, q in pairs:
         out_dir = Path(EVALS_DIR) / base if len(pairs) == 1 else Path(EVALS_DIR) / base / f"{_slug(p)}_vs_{_slug(q)}"
-        results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, models=models)
+        results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, models=models,
+                                   max_new_tokens=args.max_new_tokens)
         print(f"\n== persuader {p}, persuadee {q} -> {out_dir}\n{format_table(results[(p, q)])}")
     if len(pairs) > 1:
         print("\n" + grid_table(results))

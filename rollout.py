@@ -603,26 +603,29 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     er_tok, ee_tok = persuader.tokenizer, persuadee.tokenizer
     gen_er = torch.Generator(persuader.device).manual_seed(seed)
     gen_ee = torch.Generator(persuadee.device).manual_seed(seed + 1)
-    episodes = []
+    # each system prompt is prefilled once per instance and shared by its group through forks;
+    # the persuader's last prompt token stays pending so that every fork samples its own message
+    roots = []
     for inst in instances:
         er_msgs = [{"role": "system", "content": arena.persuader_system_prompt(inst)},
                    {"role": "user", "content": arena.persuader_opening(inst)}]
         ee_msgs = [{"role": "system", "content": arena.persuadee_system_prompt(inst)}]
         er_ids = encode(er_tok, render(er_tok, er_msgs, True))
-        ee_ids = encode(ee_tok, render(ee_tok, ee_msgs, False))
-        # each system prompt is prefilled once per instance and shared by its group through forks;
-        # the persuader's last prompt token stays pending so that every fork samples its own message
-        er_root, ee_root = persuader.new(er_ids[:-1]), persuadee.new(ee_ids)
+        er_root = persuader.new(er_ids[:-1])
+        ee_root = persuadee.new(encode(ee_tok, render(ee_tok, ee_msgs, False)))
         for engine, root in ((persuader, er_root), (persuadee, ee_root)):
             if engine.overflow(root):
                 raise RuntimeError(
                     f"rollout.py: the system prompt of {inst['id']} ({engine.length(root)} tokens) "
                     f"does not fit the {engine.overflow(root)}; give the Engine more blocks "
                     "(CACHE_GB_CPU, CACHE_FRACTION_GPU) or roll out fewer episodes at once.")
-        persuader.forward([er_root])
-        persuadee.forward([ee_root])
-        with clock(timings, "probe_s"):
-            b0 = probes.read_engine(persuadee, [ee_root])[0].tolist()
+        roots.append((inst, er_ids, er_root, ee_root))
+    persuader.forward([r[2] for r in roots])
+    persuadee.forward([r[3] for r in roots])
+    with clock(timings, "probe_s"):
+        b0s = probes.read_engine(persuadee, [r[3] for r in roots]).tolist()
+    episodes = []
+    for (inst, er_ids, er_root, ee_root), b0 in zip(roots, b0s):
         for _ in range(group_size):
             er, ee = persuader.fork(er_root), persuadee.fork(ee_root)
             persuader.pending[er] = er_ids[-1:]

@@ -402,7 +402,8 @@ def evaluate(actor, persuadee, args, step, rank, run_dir):
         import eval as evaluation
         instances = arena.heldout_instances(arena.load_scenarios(args.scenarios))[:args.eval_limit]
         summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
-                                      t_max=args.eval_t_max, seed=args.seed)
+                                      t_max=args.eval_t_max, seed=args.seed,
+                                      max_new_tokens=args.max_new_tokens)
         print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "
               f"full-or-conditional {summary['full_or_conditional']:.1%}")
     if dist.is_initialized():
