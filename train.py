@@ -21,13 +21,11 @@ temporary folder and renamed, so a run killed at any moment resumes from the las
 """
 import argparse
 import json
-import math
 import os
 import random
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
