@@ -63,27 +63,14 @@ MAX_NEW_TOKENS = 48
 BANDWIDTH_MB = 512  # tensor summed for the memory bandwidth (beyond any cache)
 MATMUL_ROWS = 512   # tokens in the prefill matmul probe
 PAGE_SIZE = 256     # tokens a continuous-batching block holds (ContinuousBatchingConfig default)
-RANDOM_CONFIGS = {  # --random-init: Qwen3 size classes built on the device, SmolLM2 tokenizer
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-    "qwen3-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),  # smoke test
-}
 
 
 def load(args, dtype):
     if not args.random_init:
         return rollout.load_model(args.model, dtype, args.device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    from transformers import AutoTokenizer  # a random model of a paper size, SmolLM2's tokenizer
     tok = AutoTokenizer.from_pretrained(rollout.smollm2_path())
-    cfg = Qwen3Config(**RANDOM_CONFIGS[args.random_init], vocab_size=151936, rope_theta=1e6,
-                      max_position_embeddings=40960, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model.eval(), tok
+    return rollout.random_model(args.random_init, dtype, args.device, tokenizer=tok)
 
 
 def opening_messages(inst):
@@ -300,7 +287,7 @@ def main():
     p.add_argument("--turns", type=int, default=TURNS)
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     p.add_argument("--skip-baselines", action="store_true")
-    p.add_argument("--random-init", choices=sorted(RANDOM_CONFIGS), default=None)
+    p.add_argument("--random-init", choices=sorted(rollout.RANDOM_CONFIGS), default=None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     gpu = args.device.startswith("cuda")

@@ -7,18 +7,10 @@ import rollout
 
 
 def tiny_model(arch="llama", seed=0, **overrides):
-    """A random decoder (~0.2M parameters) with grouped-query attention; initialised with peaked
-    logits so that greedy decoding has no near-ties that float rounding could flip."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-    kw = dict(vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-              initializer_range=0.1, eos_token_id=2, bos_token_id=1, pad_token_id=0)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    if arch == "qwen3":
-        kw["head_dim"] = 16
-    kw.update(overrides)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32).eval()
+    """A random decoder (~0.2M parameters, grouped-query attention) from rollout.RANDOM_CONFIGS,
+    initialised with peaked logits so that greedy decoding has no near-ties."""
+    return rollout.random_model(f"tiny-{arch}", seed=seed,
+                                **{"max_position_embeddings": 2048, **overrides})[0]
 
 
 @pytest.fixture(scope="session")

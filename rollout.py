@@ -64,6 +64,8 @@ except ImportError:
 RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for timing paper sizes
     "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=16,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, head_dim=128,
@@ -100,18 +102,24 @@ def tiny_tokenizer():
                                    pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE)
 
 
-def random_model(name, dtype=torch.float32, device="cpu", seed=0):
-    """An untrained model of a RANDOM_CONFIGS shape with the tiny tokenizer; no download."""
+def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None, **overrides):
+    """An untrained model of a RANDOM_CONFIGS shape (config fields overridable), with the tiny
+    tokenizer unless one is given; no download."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    spec = dict(RANDOM_CONFIGS[name])
-    spec.setdefault("vocab_size", 640)
+    tokenizer = tokenizer or tiny_tokenizer()
+    spec = dict(RANDOM_CONFIGS[name], max_position_embeddings=32768, eos_token_id=2,
+                bos_token_id=1, pad_token_id=0)
+    if tokenizer.name_or_path:  # a real tokenizer: its own special ids
+        spec.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    spec.setdefault("vocab_size", max(640, len(tokenizer)))
     spec.setdefault("initializer_range", 0.1 if name.startswith("tiny") else 0.02)
-    config = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768,
-                                  eos_token_id=2, bos_token_id=1, pad_token_id=0, **spec)
+    spec.update(overrides)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval(), tiny_tokenizer()
+    return model.eval(), tokenizer
 
 
 def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
@@ -692,8 +700,8 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
             ids = closing_ids(er_tok, e["er_ids"]) + turn_ids(er_tok, reply)
             persuader.pending[e["er"]] += ids
             append(e, ids)
-            if persuader.overflow(e["er"]):
-                e["state"].end(persuader.overflow(e["er"]))
+            if reason := persuader.overflow(e["er"]):
+                e["state"].end(reason)
         for e in active:
             if e["state"].done:
                 persuader.free(e["er"])

@@ -356,3 +356,37 @@ def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
         assert abs(a[3][key] - b[3][key]) <= 1e-6 * max(1.0, abs(a[3][key])), key
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(tmp_path / "killed" / "checkpoint-4")
+
+
+def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
+    """train.policy_update on a tiny model: garbage sampling log-probs and advantages outside
+    the persuader's messages change no gradient; a persuader token's log-prob does."""
+    import copy
+    import argparse as ap
+
+    import torch
+
+    import rollout
+    model = rollout.random_model("tiny-llama")[0]
+    args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=0.01, clip_low=0.2,
+                        clip_high=0.28)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 600, (2, 12)).tolist()
+    turn_ids = [[0, 0, 0, 1, 1, 0, 0, 2, 2, 0, 0, 0], [0, 0, 1, 1, 1, 0, 2, 0, 0, 0, 0, 0]]
+    def records(logprob):
+        return [dict(ids=i, turn_ids=t, logprobs=[logprob(k, tt) for k, tt in enumerate(t)])
+                for i, t in zip(ids, turn_ids)]
+    def grads(recs, adv):
+        policy = copy.deepcopy(model).requires_grad_(True)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+        policy.zero_grad()
+        stats = train.policy_update(policy, model, opt, recs, adv, args, torch.device("cpu"), 1)
+        return stats["grad_norm"], policy
+    clean = records(lambda k, t: -2.0 if t else 0.0)
+    garbage = records(lambda k, t: -2.0 if t else -1e4 + k)
+    adv = [[0.5, -1.0], [1.5, 0.25]]
+    base, _ = grads(clean, adv)
+    assert base > 0
+    assert grads(garbage, adv)[0] == pytest.approx(base, rel=1e-6)
+    moved = records(lambda k, t: -2.5 if t == 2 else (-2.0 if t else 0.0))
+    assert grads(moved, adv)[0] != pytest.approx(base, rel=1e-3)
