@@ -132,10 +132,10 @@ def run_engine(model, tok, instances, turns, max_new, sync):
             add(st, reply=(time.perf_counter() - t) * is_ee, gen=sum(len(o[0]) for o in outs))
             return outs
 
-        def timed_forward(sids):
+        def timed_forward(sids, *args):
             n, kv = [len(eng.pending[s]) for s in sids], sum(eng.length(s) for s in sids)
             t = time.perf_counter()
-            out = forward(sids)
+            out = forward(sids, *args)
             sync()
             if max(n) == 1:  # a decode step
                 add(st, dec_t=time.perf_counter() - t, dec_n=1, dec_b=len(sids), dec_kv=kv)

