@@ -19,8 +19,11 @@ for the whole episode:
 
 flash-attn's paged kernels serve the attention when flash-attn is installed and a GPU is present
 (they need BLOCK_SIZE divisible by 256); PyTorch SDPA over gathered blocks serves it everywhere
-else. The forward is written here against the Hugging Face weights of Llama, Qwen2 and Qwen3, and
-tested token for token against Hugging Face `generate` (test_rollout.py).
+else: one padded call on a GPU; on a CPU one causal call a sequence for prefill, and for decode two
+batched products over a dense copy of the batch's cache that lives for one generate call
+(Batch lists the five paths). The forward is written here against the Hugging Face weights of
+Llama, Qwen2 and Qwen3, and tested token for token against Hugging Face `generate` on every path
+(test_rollout.py).
 
     python -m pytest -q test_rollout.py      # engine tests on tiny random models
     python bench.py                          # the rollout workload against two baselines
