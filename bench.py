@@ -45,10 +45,12 @@ Metrics:
     PYTHONPATH=. python bench.py                                           # full workload (minutes)
     PYTHONPATH=. python bench.py --dialogues 2 --turns 1 --max-new-tokens 8  # quick check
     PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --json  # GPU, 4B random model
+    PYTHONPATH=. python bench.py --skip-baselines --profile trace.json   # where the engine's time goes
 """
 import argparse
 import json
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -128,7 +130,8 @@ def run_engine(model, tok, instances, turns, max_new, sync):
 
         def timed_generate(sids, *a, **k):
             st["started"], t = True, time.perf_counter()
-            outs = generate(sids, *a, **k)
+            with torch.profiler.record_function("persuadee reply" if is_ee else "persuader message"):
+                outs = generate(sids, *a, **k)
             add(st, reply=(time.perf_counter() - t) * is_ee, gen=sum(len(o[0]) for o in outs))
             return outs
 
@@ -154,7 +157,8 @@ def run_engine(model, tok, instances, turns, max_new, sync):
     def timed_read(engine, sids):
         st["in_probe"], n0, t = True, engine.tokens_prefilled, time.perf_counter()
         try:
-            return read(engine, sids)
+            with torch.profiler.record_function("probe read"):
+                return read(engine, sids)
         finally:
             add(st, probe=time.perf_counter() - t, probe_tokens=engine.tokens_prefilled - n0)
             st["in_probe"] = False
@@ -278,6 +282,27 @@ def first_mismatch(tok, a, b):
     return None
 
 
+@contextmanager
+def profiled(trace, gpu):
+    """Under --profile: torch.profiler around the engine's run; prints the three labelled ranges
+    (persuader message, persuadee reply, probe read) and the operations that cost most."""
+    if not trace:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    rows = prof.key_averages()
+    key = "device_time_total" if gpu else "cpu_time_total"
+    for r in rows:
+        if r.key in ("persuader message", "persuadee reply", "probe read"):
+            print(f"{r.key:18s} x{r.count:3d}  cpu {r.cpu_time_total / 1e6:8.2f} s"
+                  + (f"  device {r.device_time_total / 1e6:8.2f} s" if gpu else ""))
+    print(rows.table(sort_by=f"self_{key}", row_limit=20))
+    prof.export_chrome_trace(trace)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("--model", default=MODEL)
@@ -289,6 +314,8 @@ def main():
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--random-init", choices=sorted(rollout.RANDOM_CONFIGS), default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", metavar="TRACE", help="profile the engine's run: print the operations "
+                   "inside probe reads and persuadee replies, write a chrome trace to TRACE")
     args = p.parse_args()
     gpu = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
@@ -307,7 +334,8 @@ def main():
     for name, fn in impls.items():
         try:
             fn(model, tok, instances[:1], 1, 2, sync)  # warm-up
-            res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
+            with profiled(args.profile if name == "engine" else None, gpu):
+                res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
         except Exception as e:  # a failing baseline is reported, not given a number
             print(f"{name} failed: {type(e).__name__}: {e}")
     for r in res.values():
