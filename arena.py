@@ -321,9 +321,11 @@ def strip_decision_tags(text):
         out = new
     return out if out == text else out.strip()
 
-def persuadee_sees(persuader_text):
-    """The persuader's message as the persuadee reads it: a policy must not forge a decision."""
-    return strip_decision_tags(persuader_text)
+def persuadee_sees(persuader_text, final_turn=False):
+    """The persuader's message as the persuadee reads it: a policy must not forge a decision. On
+    the final turn FINAL_TURN_INSTRUCTION follows it, in the persuadee's context only."""
+    seen = strip_decision_tags(persuader_text)
+    return f"{seen}\n\n{FINAL_TURN_INSTRUCTION}" if final_turn else seen
 
 def persuader_sees(persuadee_text):
     """The persuadee's reply as the persuader reads it: the decision is the environment's business."""
@@ -360,6 +362,11 @@ def persuader_opening(scenario):
     """The user turn that opens the persuader's context."""
     name = scenario["persuadee"]["name"]
     return f"Your conversation with {name} begins now. Write your first message to {_first(scenario)}."
+
+def persuader_messages(scenario):
+    """The persuader's context before its first message: system prompt and opening user turn."""
+    return [{"role": "system", "content": persuader_system_prompt(scenario)},
+            {"role": "user", "content": persuader_opening(scenario)}]
 
 # Rule blocks a careful psychologist would write: what each resistance does, what hardens it and
 # what, specifically, can move it. Static text, so a test can check which one a prompt carries.
@@ -421,6 +428,10 @@ def persuadee_system_prompt(scenario):
         "Else no tag; keep talking.\n"
         "Put at most one tag, in square brackets, at the very end."
     )
+
+def persuadee_messages(scenario):
+    """The persuadee's context before the first message: its system prompt."""
+    return [{"role": "system", "content": persuadee_system_prompt(scenario)}]
 
 # Appended to the persuader's last message in the persuadee's context on the last possible turn,
 # after persuadee_sees; it names the tags without brackets, so stripping and parsing never touch it.

@@ -77,9 +77,7 @@ def load(args, dtype):
 
 def opening_messages(inst):
     """The persuader's context (system + opening user turn) and the persuadee's (system)."""
-    return ([{"role": "system", "content": arena.persuader_system_prompt(inst)},
-             {"role": "user", "content": arena.persuader_opening(inst)}],
-            [{"role": "system", "content": arena.persuadee_system_prompt(inst)}])
+    return arena.persuader_messages(inst), arena.persuadee_messages(inst)
 
 
 def pick_instances(n):
@@ -245,9 +243,7 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
         for d, text in zip(active, generate(active, "er")):
             d["er"].append({"role": "assistant", "content": text})
             d["texts"].append(text)
-            seen = arena.persuadee_sees(text)
-            if d["state"].final_turn:
-                seen = f"{seen}\n\n{arena.FINAL_TURN_INSTRUCTION}"
+            seen = arena.persuadee_sees(text, d["state"].final_turn)
             d["ee"].append({"role": "user", "content": seen})
         t = time.perf_counter()
         replies = generate(active, "ee")

@@ -481,7 +481,7 @@ def fidelity_contexts(tokenizer, instances, episodes, n):
     import rollout
     contexts = []
     for inst, ep in list(zip(instances, episodes))[:n]:
-        messages = [{"role": "system", "content": arena.persuadee_system_prompt(inst)}]
+        messages = arena.persuadee_messages(inst)
         for m in ep["transcript"][:2]:
             role = "user" if m["role"] == "persuader" else "assistant"
             messages.append({"role": role, "content": m["text"]})
@@ -544,8 +544,7 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
           f"Goal: {inst['persuader']['goal']}\nRequest: {inst['persuader']['request']}\n"
           f"They: {inst['persuadee']['name']}, {inst['persuadee']['age']}, "
           f"{inst['persuadee']['occupation']}. {inst['context']}\n(empty line or Ctrl-D: stop)")
-    system = [{"role": "system", "content": arena.persuadee_system_prompt(inst)}]
-    sid = engine.new(rollout.encode(tok, rollout.render(tok, system, False)))
+    sid = engine.new(rollout.encode(tok, rollout.render(tok, arena.persuadee_messages(inst), False)))
     engine.forward([sid])
     values = probes.read_engine(engine, [sid])[0].tolist()
     episode, transcript, probe_rows = arena.Episode(t_max), [], [values]
@@ -558,10 +557,7 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
             episode.end("stopped")
             break
         transcript.append({"role": "persuader", "text": text, "decision": None})
-        seen = arena.persuadee_sees(text)
-        if episode.final_turn:
-            seen = f"{seen}\n\n{arena.FINAL_TURN_INSTRUCTION}"
-        engine.pending[sid] += rollout.turn_ids(tok, seen)
+        engine.pending[sid] += rollout.turn_ids(tok, arena.persuadee_sees(text, episode.final_turn))
         [(ids, _, reason)] = engine.generate([sid], max_new_tokens, 0.7, None, gen)
         reply = tok.decode(ids, skip_special_tokens=True).strip()
         decision = arena.parse_decision(reply)

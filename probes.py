@@ -18,6 +18,8 @@ hold the two within 1e-4.
 
     python -m pytest -q test_rollout.py -k probe
 """
+import functools
+
 import torch
 
 import rollout
@@ -36,6 +38,7 @@ def answer_ids(tokenizer, words):
     return sorted({rollout.encode(tokenizer, w)[0] for w in words})
 
 
+@functools.cache  # rendered once per tokenizer, not once per read
 def probe_ids(tokenizer):
     """The three probe turns as ids appended to a closed context, and their shared prefix length."""
     turns = [rollout.turn_ids(tokenizer, f"{INSTRUCTION} {q}") for q in PROBES.values()]

@@ -552,11 +552,6 @@ class Batch:
         self.engine, self.copy, self.slots = engine, decode_copy, slots.to(dev)
         self.kv_lens = kv_lens
         B, bs = len(sids), cache.block_size
-        n_blocks = max(len(cache.tables[s]) for s in sids)
-        tables = torch.zeros(B, n_blocks, dtype=torch.long)
-        for b, s in enumerate(sids):
-            tables[b, :len(cache.tables[s])] = torch.tensor(cache.tables[s])
-        self.tables = tables.to(dev)
         self.q_max, self.kv_max = int(q_lens.max()), int(kv_lens.max())
         if engine.use_flash:
             self.path = "flash"
@@ -566,9 +561,15 @@ class Batch:
             self.path = "decode" if decode_copy is None else "copy"
         else:
             self.path = "split"
-        if self.path == "copy":
+        if self.path == "copy":  # the copy is dense: no block tables to build
             assert decode_copy.sids == list(sids)
             self.copy_rows, self.copy_positions = torch.arange(B, device=dev), positions.to(dev)
+        else:
+            n_blocks = max(len(cache.tables[s]) for s in sids)
+            tables = torch.zeros(B, n_blocks, dtype=torch.long)
+            for b, s in enumerate(sids):
+                tables[b, :len(cache.tables[s])] = torch.tensor(cache.tables[s])
+            self.tables = tables.to(dev)
         if self.path in ("copy", "decode"):  # additive mask [B * kv_heads, 1, K]: 0 or -inf
             kv_pos = torch.arange(self.kv_max if self.path == "copy" else n_blocks * bs)
             bias = torch.zeros(B, 1, len(kv_pos)).masked_fill_(kv_pos >= kv_lens[:, None, None],
@@ -637,7 +638,7 @@ class Batch:
 
     def pad(self, q):
         """Packed queries [N, H, D] -> [B, Q, H, D], left-padded with zeros."""
-        B, (H, D) = len(self.tables), q.shape[1:]
+        B, (H, D) = len(self.kv_lens), q.shape[1:]
         padded = q.new_zeros(B * self.q_max, H, D).index_copy_(0, self.pad_index, q)
         return padded.view(B, self.q_max, H, D)
 
@@ -709,7 +710,8 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                      max_new_tokens=MAX_NEW_TOKENS, judge=None, progress=None, timings=None):
     """Play G = group_size episodes of every instance to the end, all in one batch.
 
-    `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s.
+    `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
+    and judge_s.
     Returns one record per episode (instance-major): outcome, transcript, beliefs b_0..b_T and
     probe values, judge score, and the persuader-side token stream for training: `ids`,
     `turn_ids` (t for the tokens the policy sampled in message t, else 0) and `logprobs`."""
@@ -720,12 +722,10 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     # the persuader's last prompt token stays pending so that every fork samples its own message
     roots = []
     for inst in instances:
-        er_msgs = [{"role": "system", "content": arena.persuader_system_prompt(inst)},
-                   {"role": "user", "content": arena.persuader_opening(inst)}]
-        ee_msgs = [{"role": "system", "content": arena.persuadee_system_prompt(inst)}]
-        er_ids = encode(er_tok, render(er_tok, er_msgs, True))
+        er_ids = encode(er_tok, render(er_tok, arena.persuader_messages(inst), True))
         er_root = persuader.new(er_ids[:-1])
-        ee_root = persuadee.new(encode(ee_tok, render(ee_tok, ee_msgs, False)))
+        ee_ids = encode(ee_tok, render(ee_tok, arena.persuadee_messages(inst), False))
+        ee_root = persuadee.new(ee_ids)
         for engine, root in ((persuader, er_root), (persuadee, ee_root)):
             if engine.overflow(root):
                 raise RuntimeError(
@@ -769,9 +769,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
             if reason in ("context", "cache"):
                 e["state"].end(reason)
                 continue
-            seen = arena.persuadee_sees(text)
-            if e["state"].final_turn:  # ephemeral: in this context only, never in a transcript
-                seen = f"{seen}\n\n{arena.FINAL_TURN_INSTRUCTION}"
+            seen = arena.persuadee_sees(text, e["state"].final_turn)  # never in a transcript
             persuadee.pending[e["ee"]] += turn_ids(ee_tok, seen)
             speaking.append(e)
         # the persuadee replies; its message is closed and its beliefs read in forks
@@ -816,8 +814,9 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
             progress.update(len(episodes) - len(active) - progress.n)
     scores = [0.0] * len(episodes)
     if judge is not None:
-        scores = judge_scores(judge, [e["inst"] for e in episodes],
-                              [e["transcript"] for e in episodes], seed)
+        with clock(timings, "judge_s"):
+            scores = judge_scores(judge, [e["inst"] for e in episodes],
+                                  [e["transcript"] for e in episodes], seed)
     return [dict(
         id=e["inst"]["id"], scenario_id=e["inst"].get("scenario_id", e["inst"]["id"]),
         domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
@@ -846,7 +845,8 @@ def judge_scores(judge, instances, transcripts, seed=0):
         groups.setdefault(inst["id"], []).append(i)
     roots, bases = [], [None] * len(prompts)
     for members in groups.values():
-        shared = min(common_prefix([prompts[i] for i in members]), min(len(prompts[i]) for i in members) - 1)
+        ours = [prompts[i] for i in members]
+        shared = min(common_prefix(ours), min(map(len, ours)) - 1)  # each keeps its last token
         roots.append(judge.new(prompts[members[0]][:shared]))
         if judge.overflow(roots[-1]):
             continue  # too long to judge: those transcripts score 0

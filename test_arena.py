@@ -153,8 +153,9 @@ def test_persuader_written_tags_never_reach_the_persuadee():
     assert arena.persuader_sees("Maybe. [PENDING]") == "Maybe."
 
 def test_final_turn_instruction_survives_stripping_and_names_every_tag():
-    text = arena.persuadee_sees("Last message. [ACCEPT]") + "\n\n" + arena.FINAL_TURN_INSTRUCTION
+    text = arena.persuadee_sees("Last message. [ACCEPT]", final_turn=True)
     assert strip_decision_tags(text) == text == "Last message.\n\n" + arena.FINAL_TURN_INSTRUCTION
+    assert arena.persuadee_sees("Last message. [ACCEPT]") == "Last message."
     assert parse_decision(arena.FINAL_TURN_INSTRUCTION) is None
     for word in ("ACCEPT", "CONDITIONAL ACCEPT", "PENDING", "REJECT", "WALK AWAY", "final"):
         assert word in arena.FINAL_TURN_INSTRUCTION

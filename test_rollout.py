@@ -232,6 +232,26 @@ def test_persuader_tags_never_reach_the_persuadee(tokenizer, monkeypatch):
     assert seen and all(arena.parse_decision(s) is None for s in seen)
 
 
+def test_final_turn_instruction_reaches_the_persuadee_on_the_last_turn_only(tokenizer,
+                                                                           monkeypatch):
+    """With T_max = 3 and no decision, the persuadee's context receives the persuader's three
+    messages, and only the third carries FINAL_TURN_INSTRUCTION; the transcript never does."""
+    seen = []
+    original = rollout.turn_ids
+    monkeypatch.setattr(rollout, "turn_ids", lambda tok, content, *a, **k: (
+        seen.append(content), original(tok, content, *a, **k))[1])
+    model = tiny_model("llama")
+    er, ee = rollout.Engine(model, tokenizer, num_blocks=400), rollout.Engine(model, tokenizer, num_blocks=400)
+    er.generate = fake_generate("Try it for a week.").__get__(er)
+    ee.generate = fake_generate("Let me think.").__get__(ee)
+    [record] = rollout.rollout_episodes(er, ee, arena.load_scenarios(split="heldout")[:1], 3)
+    to_persuadee = [s for s in seen if s.startswith("Try it")]
+    assert to_persuadee == ["Try it for a week."] * 2 + [
+        "Try it for a week.\n\n" + arena.FINAL_TURN_INSTRUCTION]
+    assert record["turns"] == 3 and record["outcome"] == "PENDING"
+    assert all(arena.FINAL_TURN_INSTRUCTION not in m["text"] for m in record["transcript"])
+
+
 def fake_generate(text):
     def generate(self, sids, *args, **kwargs):
         ids = rollout.encode(self.tokenizer, text) + [self.stop_ids[0]]
@@ -285,8 +305,8 @@ def test_smollm2_plays_two_dialogues_end_to_end():
         assert r["transcript"][0]["role"] == "persuader" and r["transcript"][0]["text"]
         assert all(-1 <= b <= 1 for b in r["beliefs"]) and len(r["beliefs"]) == r["turns"] + 1
     assert len(er.cache.free_blocks) == er.cache.num_blocks
-    ctx = rollout.encode(tokenizer, rollout.render(tokenizer, [
-        {"role": "system", "content": arena.persuadee_system_prompt(scenarios[0])}], False))
+    ctx = rollout.encode(tokenizer, rollout.render(tokenizer, arena.persuadee_messages(scenarios[0]),
+                                                   False))
     torch.testing.assert_close(probes.read_beliefs(model, tokenizer, [ctx]),
                                probes.read_beliefs_reference(model, tokenizer, [ctx]),
                                atol=1e-4, rtol=0)

@@ -340,27 +340,19 @@ def main(argv=None):
         metrics_path.write_text("".join(l + "\n" for l in kept))
     history = []
     for step in range(start + 1, args.steps + 1):
-        times = {}
         t0 = time.perf_counter()
         mine = step_instances(instances, args, step, rank, world)
         bar = tqdm(total=len(mine) * args.group_size, desc=f"step {step} rollout",
                    disable=rank != 0, leave=False)
+        times = dict(judge_s=0.0)
         records = rollout.rollout_episodes(
             actor, persuadee, mine, args.t_max, group_size=args.group_size,
             seed=args.seed * 1000003 + step * 1009 + rank,
             persuader_temperature=args.persuader_temperature,
             persuadee_temperature=args.persuadee_temperature, max_new_tokens=args.max_new_tokens,
-            progress=bar, timings=times)
+            judge=judge, progress=bar, timings=times)
         bar.close()
-        times["rollout_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        if judge is not None:
-            episode_instances = [inst for inst in mine for _ in range(args.group_size)]
-            scores = rollout.judge_scores(judge, episode_instances,
-                                          [r["transcript"] for r in records], seed=step)
-            for r, s in zip(records, scores):
-                r["judge"] = s
-        times["judge_s"] = time.perf_counter() - t1
+        times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
         t2 = time.perf_counter()
         turn_adv, groups = advantages(records, args.group_size, args)
         update = policy_update(policy, reference, optimizer, records, turn_adv, args, device,
