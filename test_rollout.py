@@ -68,7 +68,11 @@ def test_prefill_in_pieces_matches_full_forward(arch, paths):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_probe_fork_read_matches_reference(arch, tokenizer):
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_probe_fork_read_matches_reference(arch, shared_prefix, tokenizer, monkeypatch):
+    """Both read-outs (the opening prefilled once and forked per question, a CPU's; each question
+    whole in one forward, a GPU's) equal plain full forwards of context + question."""
+    monkeypatch.setattr(probes, "SHARED_PREFIX_DEVICES", ("cpu",) if shared_prefix else ())
     model = tiny_model(arch)
     contexts = [rollout.encode(tokenizer, rollout.render(tokenizer, msgs, False)) for msgs in [
         [{"role": "system", "content": "You are Ana, a nurse."}],
@@ -166,7 +170,7 @@ def test_thousands_of_forks_and_frees_leak_nothing():
     engine.forward([root])
     for i in range(2000):
         child = engine.fork(root)
-        engine.cache.reserve(child, 1 + i % 9)  # copy-on-write plus fresh blocks
+        engine.cache.reserve([child], [1 + i % 9])  # copy-on-write plus fresh blocks
         engine.cache.lengths[child] += 1 + i % 9
         grandchild = engine.fork(child)
         engine.free(child)
