@@ -262,9 +262,12 @@ def fused_weights(model):
 
 
 def rms_norm(x, weight, eps):
-    dtype = x.dtype
-    x = x.float()
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * weight
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, accumulated in float32 (PyTorch's
+    own op: one fused kernel on a GPU where a hand-written one launches eight). A 2-D weight holds
+    one row per head (Qwen3's q/k norms)."""
+    if weight.dim() == 1:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x, weight.shape[-1:], eps=eps) * weight
 
 
 def rotate(x, cos, signed_sin):
@@ -600,7 +603,10 @@ class Batch:
             q_pos = (kv_lens[:, None] - self.q_max + torch.arange(self.q_max)).clamp(min=0)
             kv_pos = torch.arange(n_blocks * bs)
             mask = (kv_pos[None, None] <= q_pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
-            self.mask = mask[:, None].to(dev)  # [B, 1, Q, K]; padding rows see key 0 (no NaN)
+            mask = mask[:, None].to(dev)  # [B, 1, Q, K]; padding rows see key 0 (no NaN)
+            # additive, built once: SDPA would otherwise turn a boolean mask into this every layer
+            self.mask = torch.zeros(mask.shape, dtype=engine.dtype, device=dev)
+            self.mask.masked_fill_(~mask, -math.inf)
         if self.path == "split":  # sequence b's queries: packed rows lo..hi, its last keys
             ends = torch.cumsum(q_lens, 0).tolist()
             self.spans = [(end - n, end, kv) for end, n, kv in
