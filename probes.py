@@ -34,10 +34,9 @@ PROBES = {  # all positively valenced: Yes favours the persuader
 }
 YES_WORDS = ("Yes", " Yes", "yes", " yes")
 NO_WORDS = ("No", " No", "no", " no")
-SHARED_PREFIX_DEVICES = ("cpu",)  # where the questions' common opening is prefilled once (a CPU:
-# compute is the cost); elsewhere a forward costs its kernel launches, and one beats two
 
 
+@functools.cache  # encoded once per tokenizer, not on every read
 def answer_ids(tokenizer, words):
     return sorted({rollout.encode(tokenizer, w)[0] for w in words})
 
@@ -46,10 +45,7 @@ def answer_ids(tokenizer, words):
 def probe_ids(tokenizer):
     """The three probe turns as ids appended to a closed context, and their shared prefix length."""
     turns = [rollout.turn_ids(tokenizer, f"{INSTRUCTION} {q}") for q in PROBES.values()]
-    shared = 0
-    while all(len(t) > shared + 1 and t[shared] == turns[0][shared] for t in turns):
-        shared += 1
-    return turns, shared
+    return turns, rollout.shared_stem(turns)
 
 
 def values_from_logits(logits, tokenizer):
@@ -63,11 +59,11 @@ def values_from_logits(logits, tokenizer):
 def read_engine(engine, sids):
     """Probe values [n, 3] for sequences whose context is closed and fully cached.
 
-    Per sequence, one fork per question, all in one forward; on SHARED_PREFIX_DEVICES the
-    questions' common opening is first prefilled once, in a fork of its own that the question
+    Per sequence, one fork per question, all in one forward; on rollout.COMPUTE_BOUND_DEVICES
+    the questions' common opening is first prefilled once, in a fork of its own that the question
     forks then fork again. Every fork is freed at the end, leaving the parents untouched."""
     turns, shared = probe_ids(engine.tokenizer)
-    if engine.device.type not in SHARED_PREFIX_DEVICES:
+    if engine.device.type not in rollout.COMPUTE_BOUND_DEVICES:
         shared = 0
     out = []
     step = max(1, len(engine.cache.free_blocks) // (2 * len(turns) + 2))  # forks that fit the pool

@@ -51,7 +51,8 @@ CACHE_GB_CPU = 2.0        # KV pool size on a CPU
 CACHE_FRACTION_GPU = 0.15  # share of free GPU memory given to each engine's KV pool
 MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
-PER_SEQUENCE_DEVICES = ("cpu",)  # attention a sequence at a time there; elsewhere one padded call
+COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: attention a
+# sequence at a time, decode over a dense copy, the probes' common opening prefilled once
 DECODE_COPY_GB = 1.0      # on those devices decode reads a dense copy of the batch's cache this big
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
@@ -489,9 +490,9 @@ class Engine:
         return logits.float()
 
     def decode_copy(self, sids, max_new_tokens):
-        """A DecodeCopy for a run of decode steps of `sids`, or None: off PER_SEQUENCE_DEVICES,
+        """A DecodeCopy for a run of decode steps of `sids`, or None: off COMPUTE_BOUND_DEVICES,
         before a multi-token prefill, or past DECODE_COPY_GB."""
-        if (self.use_flash or self.device.type not in PER_SEQUENCE_DEVICES
+        if (self.use_flash or self.device.type not in COMPUTE_BOUND_DEVICES
                 or any(len(self.pending[s]) != 1 for s in sids)):
             return None
         capacity = max(self.length(s) for s in sids) + max_new_tokens
@@ -561,7 +562,7 @@ class Batch:
       flash   flash-attn reads the pool through the block tables (queries padded on the left)
       padded  PyTorch elsewhere on a GPU: blocks gathered, one SDPA call, queries padded on the
               left and a mask (few kernel launches, which is what counts there)
-    and on PER_SEQUENCE_DEVICES (a CPU), where padding costs compute and calls are cheap:
+    and on COMPUTE_BOUND_DEVICES (a CPU), where padding costs compute and calls are cheap:
       split   prefill: one SDPA call a sequence over its gathered keys, no padding
       copy    decode over a DecodeCopy: one query a sequence, two batched products
       decode  the same products over blocks gathered each step (when the copy would not fit)"""
@@ -574,7 +575,7 @@ class Batch:
         self.q_max, self.kv_max = int(q_lens.max()), int(kv_lens.max())
         if engine.use_flash:
             self.path = "flash"
-        elif dev.type not in PER_SEQUENCE_DEVICES:
+        elif dev.type not in COMPUTE_BOUND_DEVICES:
             self.path = "padded"
         elif self.q_max == 1:
             self.path = "decode" if decode_copy is None else "copy"
@@ -755,10 +756,11 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                     f"does not fit the {engine.overflow(root)}; give the Engine more blocks "
                     "(CACHE_GB_CPU, CACHE_FRACTION_GPU) or roll out fewer episodes at once.")
         roots.append((inst, er_ids, er_root, ee_root))
-    persuader.forward([r[2] for r in roots])
-    persuadee.forward([r[3] for r in roots])
+    er_roots, ee_roots = [r[2] for r in roots], [r[3] for r in roots]
+    persuader.forward(er_roots)
+    persuadee.forward(ee_roots)
     with clock(timings, "probe_s"):
-        b0s = probes.read_engine(persuadee, [r[3] for r in roots]).tolist()
+        b0s = probes.read_engine(persuadee, ee_roots).tolist()
     episodes = []
     for (inst, er_ids, er_root, ee_root), b0 in zip(roots, b0s):
         for _ in range(group_size):
@@ -848,9 +850,10 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
 
 
-def common_prefix(seqs):
-    n = min(map(len, seqs))
-    return next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
+def shared_stem(seqs):
+    """Length of the longest common prefix of token lists that still leaves each its last token
+    (os.path.commonprefix compares any sequences element by element)."""
+    return min(len(os.path.commonprefix(seqs)), min(map(len, seqs)) - 1)
 
 
 def judge_scores(judge, instances, transcripts, seed=0):
@@ -868,7 +871,7 @@ def judge_scores(judge, instances, transcripts, seed=0):
     roots, bases = [], [None] * len(prompts)
     for members in groups.values():
         ours = [prompts[i] for i in members]
-        shared = min(common_prefix(ours), min(map(len, ours)) - 1)  # each keeps its last token
+        shared = shared_stem(ours)
         roots.append(judge.new(prompts[members[0]][:shared]))
         if judge.overflow(roots[-1]):
             continue  # too long to judge: those transcripts score 0

@@ -17,7 +17,7 @@ PROMPTS = [[5, 9, 14, 3, 77, 120, 8, 41, 19, 66, 7, 301, 45, 12, 99, 4, 18, 250,
 
 PATHS = {"split+copy": {},  # a CPU's: prefill a sequence at a time, decode over a dense copy
          "split+gather": {"DECODE_COPY_GB": 0},  # the copy would not fit: gather every step
-         "padded": {"PER_SEQUENCE_DEVICES": ()}}  # a GPU's without flash-attn
+         "padded": {"COMPUTE_BOUND_DEVICES": ()}}  # a GPU's without flash-attn
 
 
 @pytest.fixture(params=list(PATHS))
@@ -68,11 +68,9 @@ def test_prefill_in_pieces_matches_full_forward(arch, paths):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("shared_prefix", [True, False])
-def test_probe_fork_read_matches_reference(arch, shared_prefix, tokenizer, monkeypatch):
+def test_probe_fork_read_matches_reference(arch, tokenizer, paths):
     """Both read-outs (the opening prefilled once and forked per question, a CPU's; each question
-    whole in one forward, a GPU's) equal plain full forwards of context + question."""
-    monkeypatch.setattr(probes, "SHARED_PREFIX_DEVICES", ("cpu",) if shared_prefix else ())
+    whole in one forward, the padded path's) equal plain full forwards of context + question."""
     model = tiny_model(arch)
     contexts = [rollout.encode(tokenizer, rollout.render(tokenizer, msgs, False)) for msgs in [
         [{"role": "system", "content": "You are Ana, a nurse."}],
@@ -368,7 +366,7 @@ def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
     assert rollout.judge_scores(judge, [scenarios[0]] * 2, transcripts) == [1.0, 0.0]
     group = [rollout.encode(tokenizer, rollout.render(tokenizer, arena.judge_messages(scenarios[0], t), True))
              for t in transcripts]
-    shared = rollout.common_prefix(group)
+    shared = next(i for i, (a, b) in enumerate(zip(*group)) if a != b)
     assert shared > 100
     assert judge.tokens_prefilled == sum(map(len, group)) - shared - 2
     assert len(judge.cache.free_blocks) == 2000

@@ -359,8 +359,8 @@ def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
 
 
 def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
-    """train.policy_update on a tiny model: garbage sampling log-probs and advantages outside
-    the persuader's messages change no gradient; a persuader token's log-prob does."""
+    """train.policy_update on a tiny model: garbage sampling log-probs outside the persuader's
+    messages change no gradient; a persuader token's log-prob does."""
     import copy
     import argparse as ap
 
