@@ -10,7 +10,7 @@ decision tag, at the same place in all three), tags stripped by persuadee_sees/p
 FINAL_TURN_INSTRUCTION appended to the persuader's message on the final turn.
 
 Implementations, in one process on one model object, each warmed up on a tiny run first:
-  engine             rollout.rollout_episodes on two rollout.Engine (paged KV cache, every token
+  engine             rollout.rollout_episodes on two engine.Engine (paged KV cache, every token
                      prefilled once, probes read in forks of the cached context)
   hf generate        model.generate on left-padded batches, the whole history re-templated
                      (apply_chat_template, tokenize=False) and re-encoded every turn; probes as full
@@ -56,6 +56,8 @@ from contextlib import contextmanager
 import torch
 
 import arena
+import engine
+import models
 import probes
 import rollout
 
@@ -70,10 +72,10 @@ PAGE_SIZE = 256     # tokens a continuous-batching block holds (ContinuousBatchi
 
 def load(args, dtype):
     if not args.random_init:
-        return rollout.load_model(args.model, dtype, args.device)
+        return models.load_model(args.model, dtype, args.device)
     from transformers import AutoTokenizer  # a random model of a paper size, SmolLM2's tokenizer
-    tok = AutoTokenizer.from_pretrained(rollout.smollm2_path())
-    return rollout.random_model(args.random_init, dtype, args.device, tokenizer=tok)
+    tok = AutoTokenizer.from_pretrained(models.smollm2_path())
+    return models.random_model(args.random_init, dtype, args.device, tokenizer=tok)
 
 
 def opening_messages(inst):
@@ -120,7 +122,7 @@ def add(st, **kw):
 def run_engine(model, tok, instances, turns, max_new, sync):
     """rollout.rollout_episodes with timers around the persuadee's generate, every forward and
     probes.read_engine (patched on the engine instances and the module, restored afterwards)."""
-    er, ee = rollout.Engine(model, tok), rollout.Engine(model, tok)
+    er, ee = engine.Engine(model, tok), engine.Engine(model, tok)
     st = dict(reply=0.0, probe=0.0, probe_tokens=0, gen=0, unique=0, dec_t=0.0, dec_n=0, dec_b=0,
               dec_kv=0, pre_t=0.0, pre_tok=0, in_probe=False, started=False)
 
@@ -183,7 +185,7 @@ def run_engine(model, tok, instances, turns, max_new, sync):
 @torch.no_grad()
 def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
     from transformers import GenerationConfig
-    dev, stop = next(model.parameters()).device, rollout.stop_ids(model, tok)
+    dev, stop = next(model.parameters()).device, engine.stop_ids(model, tok)
     side, pad = tok.padding_side, tok.pad_token
     tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
     cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=stop,
@@ -199,10 +201,10 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
         d["fed"][key] = max(d["fed"][key], n)
 
     def generate(batch, key):
-        texts = [rollout.render(tok, d[key], True) for d in batch]
+        texts = [models.render(tok, d[key], True) for d in batch]
         if batch_api:
             from transformers import ContinuousBatchingConfig
-            prompts = [rollout.encode(tok, t) for t in texts]
+            prompts = [models.encode(tok, t) for t in texts]
             pages = -(-sum(len(q) + max_new for q in prompts) // PAGE_SIZE) + len(prompts)
             res = list(model.generate_batch(
                 inputs=prompts, generation_config=cfg, warmup=False,
@@ -224,7 +226,7 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
     def read_probes(batch):
         t, values = time.perf_counter(), []
         for q, q_len in zip(questions, q_lens):
-            texts = [rollout.render(tok, d["ee"] + [{"role": "user", "content": q}], True)
+            texts = [models.render(tok, d["ee"] + [{"role": "user", "content": q}], True)
                      for d in batch]
             enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(dev)
             pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding shifts positions
@@ -272,7 +274,7 @@ def first_mismatch(tok, a, b):
         for m in range(max(len(da), len(db))):
             if m >= len(da) or m >= len(db):
                 return i, m, 0
-            ta, tb = rollout.encode(tok, da[m]), rollout.encode(tok, db[m])
+            ta, tb = models.encode(tok, da[m]), models.encode(tok, db[m])
             if ta != tb:
                 return i, m, next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y),
                                   min(len(ta), len(tb)))
@@ -309,22 +311,22 @@ def main():
     p.add_argument("--turns", type=int, default=TURNS)
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     p.add_argument("--skip-baselines", action="store_true")
-    p.add_argument("--random-init", choices=sorted(rollout.RANDOM_CONFIGS), default=None)
+    p.add_argument("--random-init", choices=sorted(models.RANDOM_CONFIGS), default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", metavar="TRACE", help="profile the engine's run: print the operations "
                    "inside probe reads and persuadee replies, write a chrome trace to TRACE")
     p.add_argument("--cudnn-attention", action="store_true", help="let the engine's SDPA calls use "
-                   "cuDNN too (rollout.SDPA_BACKENDS leaves it out), to measure what that costs")
+                   "cuDNN too (engine.SDPA_BACKENDS leaves it out), to measure what that costs")
     args = p.parse_args()
     if args.cudnn_attention:
-        rollout.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-                                 *rollout.SDPA_BACKENDS]
+        engine.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                                 *engine.SDPA_BACKENDS]
     gpu = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     model, tok = load(args, dtype)
     instances = pick_instances(args.dialogues)
-    er_len, ee_len = zip(*[[len(rollout.encode(tok, rollout.render(tok, m, gen)))
+    er_len, ee_len = zip(*[[len(models.encode(tok, models.render(tok, m, gen)))
                             for m, gen in zip(opening_messages(i), (True, False))]
                            for i in instances])
     bandwidth, flops = machine(model, args.device, dtype, sync)

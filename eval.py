@@ -454,11 +454,11 @@ def _slug(name):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip("/"))  # whole path: checkpoints share leaf names
 
 
-def _load(name, models):
-    import rollout
-    if name not in models:  # one copy of the weights per name, a fresh Engine per role
-        models[name] = rollout.load_model(name)
-    return models[name]
+def _load(name, loaded):
+    import models
+    if name not in loaded:  # one copy of the weights per name, a fresh Engine per role
+        loaded[name] = models.load_model(name)
+    return loaded[name]
 
 
 def _instances(split):
@@ -478,14 +478,14 @@ def fidelity_contexts(tokenizer, instances, episodes, n):
     Built from the transcript text: a measurement of fork against reference on identical ids,
     not a conversation that continues."""
     import arena
-    import rollout
+    import models
     contexts = []
     for inst, ep in list(zip(instances, episodes))[:n]:
         messages = arena.persuadee_messages(inst)
         for m in ep["transcript"][:2]:
             role = "user" if m["role"] == "persuader" else "assistant"
             messages.append({"role": role, "content": m["text"]})
-        contexts.append(rollout.encode(tokenizer, rollout.render(tokenizer, messages, False)))
+        contexts.append(models.encode(tokenizer, models.render(tokenizer, messages, False)))
     return contexts
 
 
@@ -512,11 +512,11 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, n
     return summary
 
 
-def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, models,
+def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
              max_new_tokens=GPU_MAX_NEW_TOKENS):
     """Load the two models by name (once each) and evaluate."""
-    import rollout
-    engines = [rollout.Engine(*_load(name, models)) for name in (persuader, persuadee)]
+    import engine
+    engines = [engine.Engine(*_load(name, loaded)) for name in (persuader, persuadee)]
     return evaluate(*engines, instances, out_dir, t_max=t_max, seed=seed,
                     names=(persuader, persuadee), max_new_tokens=max_new_tokens)
 
@@ -531,22 +531,24 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
     import torch
 
     import arena
+    import engine
+    import models
     import probes
     import rollout
     found = [inst for split in ("heldout", "train") for inst in _instances(split) if inst["id"] == scenario_id]
     if not found:
         sys.exit(f"eval.py: unknown scenario id {scenario_id!r}; use an id from scenarios.jsonl, e.g. heldout-017")
     inst = found[0]
-    engine = rollout.Engine(*_load(persuadee, {}))
-    tok = engine.tokenizer
-    gen = torch.Generator(engine.device).manual_seed(seed)
+    persuadee_engine = engine.Engine(*_load(persuadee, {}))
+    tok = persuadee_engine.tokenizer
+    gen = torch.Generator(persuadee_engine.device).manual_seed(seed)
     write(f"== {inst['title']} ({inst['id']})\nYou are {inst['persuader']['role']}. "
           f"Goal: {inst['persuader']['goal']}\nRequest: {inst['persuader']['request']}\n"
           f"They: {inst['persuadee']['name']}, {inst['persuadee']['age']}, "
           f"{inst['persuadee']['occupation']}. {inst['context']}\n(empty line or Ctrl-D: stop)")
-    sid = engine.new(rollout.encode(tok, rollout.render(tok, arena.persuadee_messages(inst), False)))
-    engine.forward([sid])
-    values = probes.read_engine(engine, [sid])[0].tolist()
+    sid = persuadee_engine.new(models.encode(tok, models.render(tok, arena.persuadee_messages(inst), False)))
+    persuadee_engine.forward([sid])
+    values = probes.read_engine(persuadee_engine, [sid])[0].tolist()
     episode, transcript, probe_rows = arena.Episode(t_max), [], [values]
     while not episode.done:
         try:
@@ -557,21 +559,18 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
             episode.end("stopped")
             break
         transcript.append({"role": "persuader", "text": text, "decision": None})
-        engine.pending[sid] += rollout.turn_ids(tok, arena.persuadee_sees(text, episode.final_turn))
-        [(ids, _, reason)] = engine.generate([sid], max_new_tokens, 0.7, None, gen)
-        reply = tok.decode(ids, skip_special_tokens=True).strip()
-        decision = arena.parse_decision(reply)
-        transcript.append({"role": "persuadee", "text": reply, "decision": decision})
-        if reason in ("context", "cache"):
-            episode.end(reason)
+        [reply] = rollout.persuadee_turn(persuadee_engine, [sid], [text], [episode.final_turn],
+                                         temperature=0.7, top_p=None,
+                                         max_new_tokens=max_new_tokens, generator=gen)
+        transcript.append({"role": "persuadee", "text": reply["text"], "decision": reply["decision"]})
+        if reply["reason"] in ("context", "cache"):
+            episode.end(reply["reason"])
             break
-        episode.step(decision)
-        engine.pending[sid] += rollout.closing_ids(tok, ids)
-        engine.forward([sid])
+        episode.step(reply["decision"])
         before = sum(values) / 3
-        values = probes.read_engine(engine, [sid])[0].tolist()
+        values = reply["probes"]
         probe_rows.append(values)
-        write(f"{inst['persuadee']['name']}: {reply}")
+        write(f"{inst['persuadee']['name']}: {reply['text']}")
         write("   " + "  ".join(f"{k} {v:+.2f}" for k, v in zip(PROBES, values)) +
               f"   belief {sum(values) / 3:+.2f} ({sum(values) / 3 - before:+.2f})")
     beliefs = [sum(v) / 3 for v in probe_rows]
@@ -640,10 +639,10 @@ def main(argv=None):
     pairs = [(p, q) for p in args.persuader for q in args.persuadee]
     base = args.name or (f"{_slug(pairs[0][0])}_vs_{_slug(pairs[0][1])}_{args.scenarios}_s{args.seed}"
                          if len(pairs) == 1 else f"grid_{args.scenarios}_s{args.seed}")
-    models, results = {}, {}
+    loaded, results = {}, {}
     for p, q in pairs:
         out_dir = Path(EVALS_DIR) / base if len(pairs) == 1 else Path(EVALS_DIR) / base / f"{_slug(p)}_vs_{_slug(q)}"
-        results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, models=models,
+        results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,
                                    max_new_tokens=args.max_new_tokens)
         print(f"\n== persuader {p}, persuadee {q} -> {out_dir}\n{format_table(results[(p, q)])}")
     if len(pairs) > 1:

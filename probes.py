@@ -10,7 +10,7 @@ prompt, one forward step. Nothing of it enters a transcript. For each probe
 with the ids the first tokens of "Yes", " Yes", "yes", " yes" (and likewise "No"); the belief is
 b = mean(v_CA, v_PE, v_AC). In logit space p = sigmoid(lse(yes) - lse(no)), so v = tanh(d / 2).
 
-The fork shares the conversation's KV blocks (rollout.PagedCache), so a read costs the probe's own
+The fork shares the conversation's KV blocks (engine.PagedCache), so a read costs the probe's own
 tokens only. The three questions share their opening (the turn header and the instruction): on a
 CPU, where the cost is compute, it is prefilled once in one fork and forked again per question;
 on a GPU, where a forward costs its kernel launches, each question's fork takes all of its
@@ -18,13 +18,14 @@ tokens, and a read is a single forward. `read_beliefs_reference` computes the sa
 plain full forward of each context plus question, with no cache; the tests hold the two within
 1e-4 on every path.
 
-    python -m pytest -q test_rollout.py -k probe
+    python -m pytest -q test_probes.py
 """
 import functools
 
 import torch
 
-import rollout
+import engine
+import models
 
 INSTRUCTION = "Answer only Yes or No."  # goes first so the three questions share a longer prefix
 PROBES = {  # all positively valenced: Yes favours the persuader
@@ -38,14 +39,14 @@ NO_WORDS = ("No", " No", "no", " no")
 
 @functools.cache  # encoded once per tokenizer, not on every read
 def answer_ids(tokenizer, words):
-    return sorted({rollout.encode(tokenizer, w)[0] for w in words})
+    return sorted({models.encode(tokenizer, w)[0] for w in words})
 
 
 @functools.cache  # rendered once per tokenizer, not once per read
 def probe_ids(tokenizer):
     """The three probe turns as ids appended to a closed context, and their shared prefix length."""
-    turns = [rollout.turn_ids(tokenizer, f"{INSTRUCTION} {q}") for q in PROBES.values()]
-    return turns, rollout.shared_stem(turns)
+    turns = [models.turn_ids(tokenizer, f"{INSTRUCTION} {q}") for q in PROBES.values()]
+    return turns, engine.shared_stem(turns)
 
 
 def values_from_logits(logits, tokenizer):
@@ -56,45 +57,41 @@ def values_from_logits(logits, tokenizer):
     return torch.tanh((yes - no) / 2)
 
 
-def read_engine(engine, sids):
+def read_engine(eng, sids):
     """Probe values [n, 3] for sequences whose context is closed and fully cached.
 
-    Per sequence, one fork per question, all in one forward; on rollout.COMPUTE_BOUND_DEVICES
+    Per sequence, one fork per question, all in one forward; on engine.COMPUTE_BOUND_DEVICES
     the questions' common opening is first prefilled once, in a fork of its own that the question
     forks then fork again. Every fork is freed at the end, leaving the parents untouched."""
-    turns, shared = probe_ids(engine.tokenizer)
-    if engine.device.type not in rollout.COMPUTE_BOUND_DEVICES:
+    turns, shared = probe_ids(eng.tokenizer)
+    if eng.device.type not in engine.COMPUTE_BOUND_DEVICES:
         shared = 0
     out = []
-    step = max(1, len(engine.cache.free_blocks) // (2 * len(turns) + 2))  # forks that fit the pool
+    step = max(1, len(eng.cache.free_blocks) // (2 * len(turns) + 2))  # forks that fit the pool
     for i in range(0, len(sids), step):
         chunk = parents = sids[i:i + step]
         if shared:
-            parents = [engine.fork(s) for s in chunk]
-            for parent in parents:
-                engine.pending[parent] = turns[0][:shared]
-            engine.forward(parents)
+            parents = [eng.fork(s, turns[0][:shared]) for s in chunk]
+            eng.forward(parents)
         leaves = []
         for parent in parents:
             for t in turns:
-                leaf = engine.fork(parent)
-                engine.pending[leaf] = t[shared:]
-                leaves.append(leaf)
-        logits = engine.forward(leaves)
+                leaves.append(eng.fork(parent, t[shared:]))
+        logits = eng.forward(leaves)
         for s in leaves + (parents if shared else []):
-            engine.free(s)
-        out.append(values_from_logits(logits, engine.tokenizer).view(len(chunk), len(turns)))
+            eng.free(s)
+        out.append(values_from_logits(logits, eng.tokenizer).view(len(chunk), len(turns)))
     return torch.cat(out).cpu()
 
 
 def read_beliefs(model, tokenizer, contexts):
     """Probe values [n, 3] (order CA, PE, AC) for closed contexts given as token ids, via forks."""
-    engine = rollout.Engine(model, tokenizer)
-    sids = [engine.new(c) for c in contexts]
-    engine.forward(sids)
-    values = read_engine(engine, sids)
+    eng = engine.Engine(model, tokenizer)
+    sids = [eng.new(c) for c in contexts]
+    eng.forward(sids)
+    values = read_engine(eng, sids)
     for s in sids:
-        engine.free(s)
+        eng.free(s)
     return values
 
 

@@ -321,10 +321,11 @@ def test_cli_subprocess_no_traceback():
 
 def test_evaluate_writes_a_run_and_probe_fidelity(tmp_path):
     import arena
-    import rollout
-    model, tok = rollout.load_model("random:tiny-qwen3")
+    import engine
+    import models
+    model, tok = models.load_model("random:tiny-qwen3")
     instances = arena.heldout_instances()[:2]
-    engines = [rollout.Engine(model, tok, num_blocks=3000) for _ in range(2)]
+    engines = [engine.Engine(model, tok, num_blocks=3000) for _ in range(2)]
     summary = ev.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2)
     assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
     saved = ev.load_episodes(tmp_path / "run")

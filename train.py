@@ -33,6 +33,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import arena
+import engine
+import models
 import rollout
 import rpo
 
@@ -288,7 +290,7 @@ def load_checkpoint(run_dir, policy, optimizer, device):
 
 
 def load(name, dtype, device):
-    model, tokenizer = rollout.load_model(name, dtype=getattr(torch, dtype), device=device)
+    model, tokenizer = models.load_model(name, dtype=getattr(torch, dtype), device=device)
     return model.requires_grad_(False), tokenizer
 
 
@@ -325,10 +327,10 @@ def main(argv=None):
         say(f"resumed from step {start}")
     if world > 1:
         copy_weights(policy, rollout_model)
-    actor = rollout.Engine(rollout_model, tokenizer)
-    persuadee = rollout.Engine(persuadee_model, persuadee_tok)
+    actor = engine.Engine(rollout_model, tokenizer)
+    persuadee = engine.Engine(persuadee_model, persuadee_tok)
     judge = (None if args.judge == "none" else
-             rollout.Engine(*load(args.judge, args.dtype, device)) if args.judge else persuadee)
+             engine.Engine(*load(args.judge, args.dtype, device)) if args.judge else persuadee)
 
     instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
     if rank == 0:

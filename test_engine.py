@@ -1,0 +1,193 @@
+"""Engine tests: the paged cache and its forward against plain Hugging Face computations."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine
+import rpo
+from conftest import tiny_model
+
+ARCHS = ["llama", "qwen3", "qwen2"]
+PROMPTS = [[5, 9, 14, 3, 77, 120, 8, 41, 19, 66, 7, 301, 45, 12, 99, 4, 18, 250, 33, 61, 5, 88],
+           [17, 4, 230],
+           list(range(40, 100))]
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_matches_hf_generate(arch, block_size, paths):
+    model = tiny_model(arch)
+    ours = engine.generate(model, PROMPTS, 24, block_size=block_size)
+    assert ours == [hf_greedy(model, p, 24) for p in PROMPTS]
+
+
+def test_stop_tokens_and_max_new_tokens():
+    model = tiny_model("llama")
+    free = hf_greedy(model, PROMPTS[0], 12)
+    stop = free[5]
+    out = engine.generate(model, [PROMPTS[0], PROMPTS[1]], 12, stop_ids=[stop])
+    assert out[0] == free[:free.index(stop) + 1]  # ends at the stop token, which is kept
+    assert len(out[1]) <= 12
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_in_pieces_matches_full_forward(arch, paths):
+    """Ragged batch, each sequence prefilled in two chunks (the second reading the first from
+    the cache): last-token logits equal a plain full forward."""
+    model = tiny_model(arch)
+    eng = engine.Engine(model, block_size=4, num_blocks=64)
+    sids = [eng.new(p[:len(p) // 2]) for p in PROMPTS]
+    eng.forward(sids)
+    for sid, p in zip(sids, PROMPTS):
+        eng.append(sid, p[len(p) // 2:])
+    logits = eng.forward(sids)
+    for row, p in zip(logits, PROMPTS):
+        ref = model(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("top_p", [None, 0.9])
+def test_sampling_logprobs_equal_training_forward(top_p, paths):
+    """The recorded log-prob of each sampled token equals log_softmax(logits / T) of a plain
+    full forward over prompt + sample (the training-side computation); top-p renormalises."""
+    model, temperature = tiny_model("qwen3"), 0.7
+    eng = engine.Engine(model, block_size=4, num_blocks=64)
+    gen = torch.Generator().manual_seed(0)
+    sids = [eng.new(p) for p in PROMPTS]
+    outs = eng.generate(sids, 10, temperature, top_p, gen, stop_ids=[])
+    for prompt, (ids, logps, _) in zip(PROMPTS, outs):
+        seq = torch.tensor([prompt + ids])
+        ref = rpo.token_logprobs(model(seq).logits, seq, temperature)[0, len(prompt) - 1:]
+        if top_p is None:
+            torch.testing.assert_close(torch.tensor(logps), ref, atol=1e-4, rtol=0)
+        else:  # truncation only raises a kept token's probability
+            assert (torch.tensor(logps) >= ref - 1e-5).all()
+
+
+def test_decode_attention_matches_sdpa():
+    """The two-product grouped-query decode attention equals SDPA with a boolean key mask."""
+    torch.manual_seed(0)
+    B, H, Hkv, K, D = 3, 6, 2, 11, 8
+    q, keys, values = torch.randn(B, H, D), torch.randn(B, Hkv, K, D), torch.randn(B, Hkv, K, D)
+    visible = torch.arange(K) < torch.tensor([11, 4, 1])[:, None, None]  # [B, 1, K]
+    bias = torch.zeros(B, 1, K).masked_fill(~visible, float("-inf")).repeat_interleave(Hkv, 0)
+    ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible[:, None],
+                                         enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(engine.decode_attention(q, keys, values, bias), ref)
+
+
+def test_decode_steps_leave_the_pool_complete(paths):
+    """Decode over a DecodeCopy must still write every token into the pool: after a generate in
+    which sequences stop at different steps (the copy is rebuilt as the batch shrinks), a prefill
+    that reads the pool gives the logits of a plain full forward."""
+    model = tiny_model("qwen3")
+    free = engine.generate(model, PROMPTS, 12)
+    stop = free[0][3]  # the first prompt stops after 4 tokens, the others later or never
+    eng = engine.Engine(model, block_size=4, num_blocks=128)
+    sids = [eng.new(p) for p in PROMPTS]
+    outs = eng.generate(sids, 12, stop_ids=[stop])
+    assert outs[0][0] == free[0][:4] and len({len(ids) for ids, _, _ in outs}) > 1
+    for sid in sids:
+        eng.append(sid, [3, 5, 8])
+    logits = eng.forward(sids)
+    for row, prompt, (ids, _, _) in zip(logits, PROMPTS, outs):
+        ref = model(torch.tensor([prompt + ids + [3, 5, 8]])).logits[0, -1]
+        torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
+
+
+def test_fork_shares_blocks_and_never_changes_parent():
+    model = tiny_model("llama")
+    eng = engine.Engine(model, block_size=4, num_blocks=32)
+    parent = eng.new(PROMPTS[0][:10])  # 2 full blocks + a partial one
+    eng.forward([parent])
+    table, k_before = list(eng.cache.tables[parent]), eng.cache.k.clone()
+    child = eng.fork(parent)
+    assert eng.cache.tables[child] == table and eng.cache.refs[table[0]] == 2
+    eng.append(child, [7, 8, 9])
+    eng.forward([child])
+    assert eng.cache.tables[parent] == table and eng.cache.lengths[parent] == 10
+    assert eng.cache.tables[child][:2] == table[:2]  # full blocks still shared
+    assert eng.cache.tables[child][2] != table[2]  # the partial one was copied on write
+    for b in table:
+        sl = slice(b * 4, b * 4 + 4)
+        assert torch.equal(eng.cache.k[:, sl], k_before[:, sl])
+    eng.append(parent, [7, 8, 9])
+    torch.testing.assert_close(eng.forward([parent]),
+                               model(torch.tensor([PROMPTS[0][:10] + [7, 8, 9]])).logits[:, -1],
+                               atol=1e-4, rtol=0)
+
+
+def test_thousands_of_forks_and_frees_leak_nothing():
+    eng = engine.Engine(tiny_model("llama"), block_size=4, num_blocks=40)
+    root = eng.new(PROMPTS[2][:14])
+    eng.forward([root])
+    for i in range(2000):
+        child = eng.fork(root)
+        eng.cache.reserve([child], [1 + i % 9])  # copy-on-write plus fresh blocks
+        eng.cache.lengths[child] += 1 + i % 9
+        grandchild = eng.fork(child)
+        eng.free(child)
+        eng.free(grandchild)
+    eng.free(root)
+    assert len(eng.cache.free_blocks) == 40 and not any(eng.cache.refs)
+
+
+def test_pool_and_context_overflow_end_cleanly():
+    model = tiny_model("llama", max_position_embeddings=30)
+    eng = engine.Engine(model, block_size=4, num_blocks=10)
+    long_a, long_b = eng.new(PROMPTS[2][:20]), eng.new(PROMPTS[0][:20])
+    outs = eng.generate([long_a, long_b], 50, stop_ids=[])
+    reasons = {r for _, _, r in outs}
+    assert reasons <= {"cache", "context"} and "cache" in reasons  # 10 blocks = 40 tokens
+    total = sum(eng.length(s) for s in (long_a, long_b))
+    assert total <= 40 + 2  # each keeps at most its last sampled token pending
+    eng.free(long_a)
+    outs = eng.generate([long_b], 50, stop_ids=[])
+    assert outs[0][2] == "context" and eng.length(long_b) <= 31
+
+
+@pytest.mark.skipif(engine.flash_attn_with_kvcache is None or not torch.cuda.is_available(),
+                    reason="flash-attn and a GPU are needed for the paged flash kernels")
+def test_flash_path_matches_sdpa_path():
+    model = tiny_model("qwen3").cuda()
+    flash = engine.Engine(model, block_size=256, num_blocks=8)
+    sdpa = engine.Engine(model, block_size=256, num_blocks=8)
+    sdpa.use_flash = False
+    outs = []
+    for eng in (flash, sdpa):
+        sids = [eng.new(p) for p in PROMPTS]
+        outs.append(eng.forward(sids))
+        for s in sids:
+            eng.append(s, [3])
+        outs.append(eng.forward(sids))
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-3, rtol=0)
+    torch.testing.assert_close(outs[1], outs[3], atol=1e-3, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_engine_matches_hf_generate(arch):
+    """The GPU twin of the CPU equivalence test (float32, PyTorch attention path)."""
+    model = tiny_model(arch).cuda()
+    ours = engine.generate(model, PROMPTS, 24)
+    ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    assert ours == ref
+
+
+def test_unwritten_pool_memory_never_reaches_the_logits(paths):
+    """Attention copies whole blocks; whatever sits in their unwritten tail must stay masked
+    out, even non-finite garbage in memory the pool reuses."""
+    eng = engine.Engine(tiny_model("llama"), block_size=8, num_blocks=8)
+    eng.cache.k.fill_(float("nan"))
+    eng.cache.v.fill_(float("-inf"))
+    logits = eng.forward([eng.new(PROMPTS[1]), eng.new(PROMPTS[0][:5])])
+    assert logits.isfinite().all()
+
+
