@@ -47,6 +47,13 @@ Metrics:
     PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --json  # GPU, 4B random model
     PYTHONPATH=. python bench.py --skip-baselines --profile trace.json   # where the engine's time goes
     PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --skip-baselines --cudnn-attention
+
+The GPU check of the decode step (issue: decode step <= 2x the weight + KV floor, probe share
+<= 5%, graph capture time): random Qwen3-4B shape, bf16, 16 dialogues, 256 new tokens a message
+(README, "Measured", says how to carry the tokenizer to a machine without network):
+
+    PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --dialogues 16 \
+        --max-new-tokens 256 --skip-baselines --json
 """
 import argparse
 import json
@@ -163,18 +170,29 @@ def run_engine(model, tok, instances, turns, max_new, sync):
         finally:
             add(st, probe=time.perf_counter() - t, probe_tokens=engine.tokens_prefilled - n0)
             st["in_probe"] = False
+    run_steps = engine.DecodeBatch.run
+
+    def timed_run(batch, running, keys, steps, sampling):
+        t = time.perf_counter()
+        out = run_steps(batch, running, keys, steps, sampling)  # ends in one read-back: synced
+        add(st, dec_t=time.perf_counter() - t, dec_n=steps, dec_b=steps * len(running),
+            dec_kv=steps * sum(batch.engine.cached(s) for s in running))
+        return out
     wrap(er, False)
     wrap(ee, True)
     probes.read_engine = timed_read
+    engine.DecodeBatch.run = timed_run
     try:
         t0 = time.perf_counter()
-        eps = rollout.rollout_episodes(er, ee, instances, t_max=turns, persuader_temperature=0,
-                                       persuadee_temperature=0, max_new_tokens=max_new)
+        eps = rollout.rollout_episodes(er, ee, instances, t_max=turns, persuader_sampling=engine.GREEDY,
+                                       persuadee_sampling=engine.GREEDY, max_new_tokens=max_new)
         st["wall"] = time.perf_counter() - t0
     finally:
         probes.read_engine = read
+        engine.DecodeBatch.run = run_steps
         for eng in (er, ee):  # back to the class methods (this also breaks the closure cycles)
             del eng.generate, eng.forward, eng.free
+    st["graph_capture_s"] = er.graph_capture_s + ee.graph_capture_s
     st["conv"] = er.tokens_prefilled + ee.tokens_prefilled - st["probe_tokens"]
     st["twice"] = st["conv"] - st["unique"]
     st["dialogues"] = [[m["text"] for m in e["transcript"]] for e in eps]
@@ -370,7 +388,7 @@ def main():
         prefill_floor_tok_s=flops / (2 * layer_params), bandwidth_gb_s=bandwidth / 1e9,
         matmul_gflop_s=flops / 1e9, device=args.device, dtype=str(dtype).split(".")[-1],
         model=args.random_init or args.model, dialogues=len(instances), turns=args.turns,
-        max_new_tokens=args.max_new_tokens)
+        max_new_tokens=args.max_new_tokens, graph_capture_s=e["graph_capture_s"])
 
     print(f"workload: {out['dialogues']} dialogues x {args.turns} turns, {args.max_new_tokens} new "
           f"tokens, greedy, {out['dtype']} on {args.device}, {out['model']}; mean prompt tokens: "
@@ -393,7 +411,8 @@ def main():
     print(f"engine decode step {out['decode_step_ms']:.1f} ms at batch {out['decode_batch']:.1f} "
           f"(floor {out['decode_floor_ms']:.1f} ms for the weights, {out['decode_floor_kv_ms']:.1f}"
           f" ms with the KV reads); prefill {out['prefill_tok_s']:.0f} tok/s (floor "
-          f"{out['prefill_floor_tok_s']:.0f} tok/s)")
+          f"{out['prefill_floor_tok_s']:.0f} tok/s)" + (
+              f"; CUDA graph capture {out['graph_capture_s']:.2f} s" if gpu else ""))
     if args.json:
         print(json.dumps(out))
 

@@ -29,6 +29,9 @@ Llama, Qwen2 and Qwen3, and tested token for token against Hugging Face `generat
 """
 import math
 import os
+import time
+import zlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +42,15 @@ CACHE_GB_CPU = 2.0        # KV pool size on a CPU
 CACHE_FRACTION_GPU = 0.15  # share of free GPU memory given to each engine's KV pool
 MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
-COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: attention a
-# sequence at a time, decode over a dense copy, the probes' common opening prefilled once
-DECODE_COPY_GB = 1.0      # on those devices decode reads a dense copy of the batch's cache this big
+COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
+# attention a sequence at a time, the probes' common opening prefilled once
+DECODE_COPY_GB = 1.0      # a decode batch's dense copy of its cache may take this much on a CPU
+DECODE_COPY_FRACTION_GPU = 0.10  # ... and this share of free memory on a GPU
+SYNC_EVERY = 8            # decode steps between host checks for stop tokens (no sync per token)
+BATCH_BUCKETS = (1, 2, 4, 8)  # decode batch shapes, then multiples of BATCH_STEP (nano-vllm's)
+BATCH_STEP = 16
+CAPACITY_BUCKET = 256     # a decode batch's capacity is rounded up to this many tokens
+CUDA_GRAPHS = True        # on CUDA, capture each decode shape once as a graph and replay it
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
 # forward here has a new one (the batch, its queries and its block-rounded keys all vary)
@@ -140,33 +149,121 @@ def decode_attention(q, keys, values, key_bias):
     return torch.bmm(torch.softmax(scores, -1), values.reshape(B * Hkv, K, D)).view(B, H, D)
 
 
-def sample(logits, temperature, top_p, generator):
-    """Next tokens and their log-probs under the distribution actually sampled from."""
+def rope(w, positions, dtype):
+    """cos and signed sin [N, 1, head_dim] of each token's position (rotate-half RoPE)."""
+    freqs = positions[:, None].float() * w["inv_freq"][None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos = (emb.cos() * w["rope_scale"]).to(dtype)[:, None]
+    sin = (emb.sin() * w["rope_scale"]).to(dtype)[:, None]
+    sin[..., :sin.shape[-1] // 2] *= -1
+    return cos, sin
+
+
+def decoder(w, ids, positions, attend):
+    """Final hidden states [N, hidden] of a packed batch of tokens; attend(layer, q, k, v) is the
+    attention path, which also stores k and v wherever the path keeps them."""
+    x = w["embed"][ids]
+    cos, sin = rope(w, positions, x.dtype)
+    H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
+    with sdpa_kernel(SDPA_BACKENDS):
+        for i, lw in enumerate(w["layers"]):
+            h = rms_norm(x, lw["ln1"], w["eps"])
+            qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
+            qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
+            if "qk_norm" in lw:
+                qk = rms_norm(qk, lw["qk_norm"], w["eps"])
+            qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
+            q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
+            x = x + linear(attend(i, q, k, v).reshape(len(ids), H * D), lw["o"])
+            gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
+            x = x + linear(F.silu(gate).mul_(up), lw["down"])
+    return x
+
+
+def lm_logits(w, x):
+    return linear(rms_norm(x, w["norm"], w["eps"]), w["lm_head"])
+
+
+class Sampling(NamedTuple):
+    """How a role samples. Temperature 0 is greedy; top_p / top_k truncate the distribution (for
+    the frozen roles: the persuader samples the whole tempered distribution, so that the
+    log-probs it records are exactly pi_old)."""
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+GREEDY = Sampling()
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """A 32-bit avalanche hash of int64 tensors holding 32-bit values (odd multipliers below
+    2**31, so no product leaves int64)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & MASK32
+    return x ^ (x >> 16)
+
+
+def stream_key(*parts):
+    """The 32-bit key of one random stream, from any parts (seed, instance id, group index, side)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def uniform_noise(keys, positions, vocab):
+    """u in (0, 1) for every (row, token id): a pure function of the row's stream key, the
+    position the sampled token will take and the id (counter-based, 24 bits). A sequence's draws
+    therefore never depend on the rows beside it, the pool, the admission order or the ranks."""
+    base = mix32(mix32(keys & MASK32) ^ (positions & MASK32))
+    x = mix32((base[:, None] + torch.arange(vocab, device=keys.device)) & MASK32)
+    return ((x >> 8).float() + 0.5) * 2.0 ** -24
+
+
+def sample(logits, sampling, keys, positions):
+    """Next tokens and their log-probs under the distribution actually sampled from.
+
+    Gumbel-max: argmax(log p + g), g = -log(-log u), draws exactly from p; p is softmax(logits / T),
+    restricted to the top_k ids and to the smallest set of mass >= top_p when those are given."""
     logits = logits.float()
-    if temperature == 0:
+    if sampling.temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-    logp = torch.log_softmax(logits / temperature, -1)
-    if top_p is not None and top_p < 1.0:
+    logp = torch.log_softmax(logits / sampling.temperature, -1)
+    if sampling.top_k:
+        kth = logp.topk(min(sampling.top_k, logp.shape[-1]), -1).values[:, -1:]
+        logp = torch.log_softmax(logp.masked_fill(logp < kth, -math.inf), -1)
+    if sampling.top_p is not None and sampling.top_p < 1.0:
         sorted_logp, order = logp.sort(-1, descending=True)
-        outside = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= top_p
+        outside = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= sampling.top_p
         logp = logp.scatter(-1, order, sorted_logp.masked_fill(outside, -math.inf))
         logp = torch.log_softmax(logp, -1)
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, positions, logp.shape[-1])))
+    tokens = (logp + gumbel).argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def batch_bucket(n):
+    """The decode batch shape for n sequences: BATCH_BUCKETS, then multiples of BATCH_STEP."""
+    return next((b for b in BATCH_BUCKETS if n <= b), -(-n // BATCH_STEP) * BATCH_STEP)
+
 
 # -----------------------------------------------------------------------------
 # the paged cache and the engine
 
 
 class PagedCache:
-    """A pool of KV blocks shared by many sequences through block tables and reference counts."""
+    """A pool of KV blocks shared by many sequences through block tables and reference counts.
+
+    Outside a generate call a sequence's table holds exactly the blocks its length needs. One
+    more block, `scratch`, is never handed out: padded decode rows write there."""
 
     def __init__(self, n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype, device):
-        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (n_layers, (num_blocks + 1) * block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size, self.num_blocks, self.scratch = block_size, num_blocks, num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.refs = [0] * num_blocks
         self.tables, self.lengths = {}, {}
@@ -186,32 +283,42 @@ class PagedCache:
 
     def free(self, sid):
         for b in self.tables.pop(sid):
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free_blocks.append(b)
+            self._release(b)
         del self.lengths[sid]
 
+    def _release(self, block):
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free_blocks.append(block)
+
+    def trim(self, sid):
+        """Give back the blocks past a sequence's length (reserved for tokens never written)."""
+        table, keep = self.tables[sid], -(-self.lengths[sid] // self.block_size)
+        while len(table) > keep:
+            self._release(table.pop())
+
     def blocks_needed(self, sid, n):
-        """Blocks a write of n tokens takes: new ones, plus one if a shared partial block is hit."""
-        length, table = self.lengths[sid], self.tables[sid]
-        new = -(-(length + n) // self.block_size) - len(table)
-        shared_partial = length % self.block_size and self.refs[table[-1]] > 1
-        return new + bool(shared_partial and n > 0)
+        """Blocks a write of n tokens takes: new ones, plus one if it starts in a shared block."""
+        length, table, bs = self.lengths[sid], self.tables[sid], self.block_size
+        if n <= 0:
+            return 0
+        new = max(0, -(-(length + n) // bs) - len(table))
+        return new + bool(length % bs and self.refs[table[length // bs]] > 1)
 
     def reserve(self, sids, counts):
-        """Make room for counts[i] more tokens in each sequence: copy-on-write a shared partial
-        last block, add fresh blocks. The block copies and the zeroing run as one operation each
-        for the whole batch (a probe read forks dozens of sequences at once)."""
+        """Make room for counts[i] more tokens in each sequence: copy-on-write the shared block
+        the write starts in, add fresh blocks. The block copies and the zeroing run as one
+        operation each for the whole batch (a probe read forks dozens of sequences at once)."""
         bs, copies, fresh = self.block_size, [], []
         for sid, n in zip(sids, counts):
-            table = self.tables[sid]
-            if n > 0 and self.lengths[sid] % bs and self.refs[table[-1]] > 1:
-                old, new = table[-1], self.free_blocks.pop()
+            table, length = self.tables[sid], self.lengths[sid]
+            if n > 0 and length % bs and self.refs[table[length // bs]] > 1:
+                old, new = table[length // bs], self.free_blocks.pop()
                 self.refs[old] -= 1
                 self.refs[new] = 1
-                table[-1] = new
+                table[length // bs] = new
                 copies.append((old, new))
-            while len(table) * bs < self.lengths[sid] + n:
+            while len(table) * bs < length + n:
                 fresh.append(self.free_blocks.pop())
                 self.refs[fresh[-1]] = 1
                 table.append(fresh[-1])
@@ -222,7 +329,7 @@ class PagedCache:
         index = index.to(self.k.device)
         sources, targets, zero = index[:n], index[n:2 * n], index[2 * n:]
         for pool in (self.k, self.v):
-            blocks = pool.view(pool.shape[0], self.num_blocks, bs, *pool.shape[2:])
+            blocks = pool.view(pool.shape[0], self.num_blocks + 1, bs, *pool.shape[2:])
             if n:
                 blocks[:, targets] = blocks[:, sources]
             # attention reads whole blocks and masks the unwritten tail, but a masked NaN or inf
@@ -240,8 +347,9 @@ class PagedCache:
 class Engine:
     """A model's weights plus its paged cache: sequences in, logits and samples out.
 
-    Each sequence may hold `pending` tokens: known, not yet run through the model (the last
-    sampled token, or text queued by the dialogue). The next forward call prefills them."""
+    Each sequence may hold pending tokens: known, not yet run through the model (the last sampled
+    token, or text the dialogue appended). The next forward that includes it runs them. Callers
+    own sequences through new / append / fork / free and never touch the cache's tables."""
 
     def __init__(self, model, tokenizer=None, block_size=None, num_blocks=None):
         self.model, self.tokenizer = model, tokenizer
@@ -252,23 +360,28 @@ class Engine:
         self.use_flash = self.use_flash and self.block_size % 256 == 0
         self.refresh()
         w = self.w
+        self.token_bytes = 2 * len(w["layers"]) * w["n_kv_heads"] * w["head_dim"] * self.dtype.itemsize
+        cuda = self.device.type == "cuda"
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         if num_blocks is None:
-            per_block = 2 * len(w["layers"]) * self.block_size * w["n_kv_heads"] * w["head_dim"]
-            per_block *= self.dtype.itemsize
-            budget = (torch.cuda.mem_get_info(self.device)[0] * CACHE_FRACTION_GPU
-                      if self.device.type == "cuda" else CACHE_GB_CPU * 2**30)
-            num_blocks = min(int(budget // per_block), MAX_BLOCKS)
+            budget = free * CACHE_FRACTION_GPU if cuda else CACHE_GB_CPU * 2**30
+            num_blocks = min(int(budget // (self.token_bytes * self.block_size)), MAX_BLOCKS)
+        self.copy_budget = free * DECODE_COPY_FRACTION_GPU if cuda else DECODE_COPY_GB * 2**30
         self.cache = PagedCache(len(w["layers"]), w["n_kv_heads"], w["head_dim"], num_blocks,
                                 self.block_size, self.dtype, self.device)
         self.pending = {}
         self.stop_ids = stop_ids(model, tokenizer) if tokenizer is not None else []
         self.tokens_prefilled = 0
+        self.decode_batches = {}  # (batch, capacity) -> DecodeBatch, kept on CUDA for its graphs
+        self.graph_pool = None
+        self.graph_capture_s = 0.0  # time spent capturing decode graphs (CUDA)
 
     def refresh(self, model=None):
         """Point the engine at the (updated) weights of `model`; the cache is kept."""
         self.model = model or self.model
         with torch.no_grad():
             self.w = fused_weights(self.model)
+        self.decode_batches = {}  # graphs captured the old weights' addresses
 
     def new(self, tokens=()):
         sid = self.cache.new()
@@ -299,138 +412,323 @@ class Engine:
         """Tokens of a sequence already in the cache."""
         return self.cache.lengths[sid]
 
-    def overflow(self, sid):
-        """Why a sequence cannot take its pending tokens ("context", "cache"), or None."""
-        n = len(self.pending[sid])
-        if self.cache.lengths[sid] + n > self.w["max_len"]:
+    @property
+    def free_blocks(self):
+        return len(self.cache.free_blocks)
+
+    @property
+    def max_len(self):
+        return self.w["max_len"]
+
+    def blocks_for(self, sid, n):
+        """Blocks the sequence takes to grow by n tokens from its cached length."""
+        return self.cache.blocks_needed(sid, n)
+
+    def overflow(self, sid, n=None):
+        """Why a sequence cannot take its pending tokens (or n tokens): "context", "cache" (the
+        pool, were the sequence alone), or None."""
+        n = len(self.pending[sid]) if n is None else n
+        if self.cache.lengths[sid] + n > self.max_len:
             return "context"
         if self.cache.blocks_needed(sid, n) > len(self.cache.free_blocks):
             return "cache"
         return None
 
+    def admit(self, sids, counts):
+        """The sequences, in order, whose next counts[i] tokens the pool takes together."""
+        room, taken = len(self.cache.free_blocks), []
+        for sid, n in zip(sids, counts):
+            need = self.cache.blocks_needed(sid, n)
+            if need <= room:
+                room -= need
+                taken.append(sid)
+        return taken
+
     @torch.no_grad()
-    def forward(self, sids, decode_copy=None):
+    def forward(self, sids):
         """Run every sequence's pending tokens; return each sequence's last-token logits [B, V].
-        With a DecodeCopy of exactly these sequences (one pending token each), attention reads it."""
+
+        The blocks of the whole batch, copy-on-write included, are checked before anything is
+        written: a batch the pool cannot take raises and leaves every sequence as it was."""
         w, cache = self.w, self.cache
         news = [self.pending[s] for s in sids]
         assert all(news), "every sequence in a forward needs at least one pending token"
+        counts = [len(t) for t in news]
+        if any(self.overflow(s) == "context" for s in sids):
+            raise RuntimeError("engine.py: a sequence in this forward would pass the model's "
+                               f"context of {self.max_len} tokens; check Engine.overflow first")
+        if len(self.admit(sids, counts)) < len(sids):
+            need = sum(cache.blocks_needed(s, n) for s, n in zip(sids, counts))
+            raise RuntimeError(f"engine.py: this forward of {len(sids)} sequences needs {need} KV "
+                               f"blocks, the pool has {len(cache.free_blocks)} free; run the "
+                               "sequences Engine.admit returns, or fewer at once")
         starts = [cache.lengths[s] for s in sids]
-        cache.reserve(sids, [len(t) for t in news])
-        q_lens = torch.tensor([len(t) for t in news])
+        cache.reserve(sids, counts)
+        q_lens = torch.tensor(counts)
         kv_lens = torch.tensor(starts) + q_lens
         ids = torch.tensor([t for toks in news for t in toks], device=self.device)
         positions = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, news)])
         slots = torch.cat([cache.slots(s, st, len(t)) for s, st, t in zip(sids, starts, news)])
-        batch = Batch(self, sids, q_lens, kv_lens, positions, slots, decode_copy)
-        x = w["embed"][ids]
-        freqs = positions.to(self.device)[:, None].float() * w["inv_freq"][None]
-        emb = torch.cat([freqs, freqs], -1)
-        cos = (emb.cos() * w["rope_scale"]).to(x.dtype)[:, None]
-        sin = (emb.sin() * w["rope_scale"]).to(x.dtype)[:, None]
-        sin[..., :sin.shape[-1] // 2] *= -1
-        H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
-        with sdpa_kernel(SDPA_BACKENDS):
-            for i, lw in enumerate(w["layers"]):
-                h = rms_norm(x, lw["ln1"], w["eps"])
-                qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
-                qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
-                if "qk_norm" in lw:
-                    qk = rms_norm(qk, lw["qk_norm"], w["eps"])
-                qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
-                q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
-                x = x + linear(batch.attention(i, q, k, v).reshape(len(ids), H * D), lw["o"])
-                gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
-                x = x + linear(F.silu(gate).mul_(up), lw["down"])
+        batch = Batch(self, sids, q_lens, kv_lens, positions, slots)
+        x = decoder(w, ids, positions.to(self.device), batch.attention)
         last = torch.cumsum(q_lens, 0).to(self.device) - 1
-        logits = linear(rms_norm(x[last], w["norm"], w["eps"]), w["lm_head"])
-        for s, n in zip(sids, map(len, news)):
+        logits = lm_logits(w, x[last])
+        for s, n in zip(sids, counts):
             cache.lengths[s] += n
             self.pending[s] = []
         self.tokens_prefilled += len(ids)
         return logits.float()
 
-    def decode_copy(self, sids, max_new_tokens):
-        """A DecodeCopy for a run of decode steps of `sids`, or None: off COMPUTE_BOUND_DEVICES,
-        before a multi-token prefill, or past DECODE_COPY_GB."""
-        if (self.use_flash or self.device.type not in COMPUTE_BOUND_DEVICES
-                or any(len(self.pending[s]) != 1 for s in sids)):
-            return None
-        capacity = max(self.length(s) for s in sids) + max_new_tokens
-        k = self.cache.k
-        size = 2 * k.shape[0] * len(sids) * capacity * k[0, 0].numel() * k.itemsize
-        return DecodeCopy(self.cache, sids, capacity) if size <= DECODE_COPY_GB * 2**30 else None
-
-    def generate(self, sids, max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, top_p=None,
-                 generator=None, stop_ids=None):
+    def generate(self, sids, max_new_tokens=MAX_NEW_TOKENS, sampling=GREEDY, keys=None,
+                 stop_ids=None):
         """Sample a message for each sequence after its pending tokens.
 
+        keys[i] is sequence i's random stream (stream_key); token j of a sequence is drawn from
+        noise keyed by (key, position), so what a sequence samples does not depend on the rows
+        beside it. The first step runs every pending token in one ragged forward; the rest run on
+        a fixed-shape DecodeBatch, SYNC_EVERY steps between host checks.
+
         Returns, per sequence, (token ids, log-probs, finish reason): "stop" (the stop token is
-        the last id), "length", "context" or "cache" (the sequence could not grow; it ends
-        cleanly with what it has). The last sampled token stays pending in the sequence."""
+        the last id), "length", "context" (the model's context is full) or "cache" (the pool
+        could not take its next tokens; it ends cleanly with what it has). The last sampled
+        token stays pending in the sequence."""
         stop = set(self.stop_ids if stop_ids is None else stop_ids)
+        keys = dict(zip(sids, keys if keys is not None else [0] * len(sids)))
         out = {s: ([], [], None) for s in sids}
-        active, copy = list(sids), None
-        while active:
-            for s in list(active):
-                reason = self.overflow(s)
-                if reason:
-                    out[s] = (*out[s][:2], reason)
-                    active.remove(s)
-            if not active:
-                break
-            if copy is None or copy.sids != active:  # a new batch (or a smaller one): copy again
-                copy = self.decode_copy(active, max_new_tokens)
-            tokens, logps = sample(self.forward(active, copy), temperature, top_p, generator)
-            for s, t, lp in zip(active, tokens.tolist(), logps.tolist()):
-                ids, lps, _ = out[s]
-                ids.append(t)
-                lps.append(lp)
-                self.pending[s] = [t]
-                if t in stop:
-                    out[s] = (ids, lps, "stop")
-                elif len(ids) >= max_new_tokens:
-                    out[s] = (ids, lps, "length")
-            active = [s for s in active if out[s][2] is None]
+        first = self._admit_step(list(sids), [len(self.pending[s]) for s in sids], out)
+        if first:
+            logits = self.forward(first)
+            tokens, logps = sample(logits, sampling, self._tensor([keys[s] for s in first]),
+                                   self._tensor([self.cached(s) for s in first]))
+            for s, t, lp in zip(first, tokens.tolist(), logps.tolist()):
+                self._take(s, [t], [lp], out, stop, max_new_tokens)
+        active = [s for s in sids if out[s][2] is None]
+        if active:
+            capacity = self._capacity(active, max_new_tokens)
+            rows = len(active)  # as many rows a DecodeBatch as its dense copy has room for
+            while rows and batch_bucket(rows) * capacity * self.token_bytes > self.copy_budget:
+                rows -= 1
+            if not rows:  # a single row's copy would not fit: the ragged forward, step by step
+                self._decode_eager(active, max_new_tokens, sampling, keys, out, stop)
+            for i in range(0, len(active), rows) if rows else ():
+                self._decode(active[i:i + rows], capacity, max_new_tokens, sampling, keys, out,
+                             stop)
+        for s in sids:
+            self.cache.trim(s)
         return [out[s] for s in sids]
 
+    def _tensor(self, values):
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
-class DecodeCopy:
-    """The keys and values of a fixed batch of sequences, gathered once into dense tensors
-    [layers, B, kv_heads, capacity, head_dim] for a run of decode steps.
+    def _capacity(self, sids, max_new_tokens):
+        longest = max(self.cached(s) for s in sids) + max_new_tokens + SYNC_EVERY
+        return -(-min(longest, self.max_len + SYNC_EVERY) // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
-    On the PyTorch path a decode step would otherwise gather every block of every sequence again,
-    in every layer, to add one token. The pool stays the cache of record: each step writes its
-    keys and values into both."""
+    def _admit_step(self, sids, counts, out):
+        """The sequences whose next counts[i] tokens fit, in order; the others end, "context"
+        where the model's context is full, else "cache" (nothing frees blocks inside a call)."""
+        fits = [s for s, n in zip(sids, counts) if self.cached(s) + n <= self.max_len]
+        for s in set(sids) - set(fits):
+            out[s] = (*out[s][:2], "context")
+        taken = self.admit(fits, [n for s, n in zip(sids, counts) if s in fits])
+        for s in set(fits) - set(taken):
+            out[s] = (*out[s][:2], "cache")
+        return taken
 
-    def __init__(self, cache, sids, capacity):
-        self.sids = list(sids)
+    def _take(self, sid, tokens, logps, out, stop, max_new_tokens):
+        """Record the tokens a sequence sampled until a stop token or its limit; the last one
+        taken stays pending. Returns how many were taken."""
+        ids, lps, _ = out[sid]
+        for n, (t, lp) in enumerate(zip(tokens, logps), 1):
+            ids.append(t)
+            lps.append(lp)
+            reason = ("stop" if t in stop else "length" if len(ids) >= max_new_tokens else None)
+            if reason:
+                out[sid] = (ids, lps, reason)
+                break
+        self.pending[sid] = ids[-1:]
+        return n
+
+    def _decode(self, sids, capacity, max_new_tokens, sampling, keys, out, stop):
+        """Decode windows of SYNC_EVERY fixed-shape steps until every sequence has ended."""
+        shape = (batch_bucket(len(sids)), capacity)
+        batch = self.decode_batches.get(shape) or DecodeBatch(self, *shape)
+        if self.device.type == "cuda":
+            self.decode_batches[shape] = batch
+        batch.begin(sids)
+        active = list(sids)
+        while active:
+            room = [min(SYNC_EVERY, max_new_tokens - len(out[s][0]), self.max_len - self.cached(s))
+                    for s in active]
+            for s, n in zip(active, room):
+                if n <= 0:  # the model's context is full
+                    out[s] = (*out[s][:2], "context")
+            room = {s: n for s, n in zip(active, room) if n > 0}
+            active = list(room)
+            running = self._admit_step(active, [room[s] for s in active], out)
+            if not running:
+                return
+            steps = max(room[s] for s in running)
+            self.cache.reserve(running, [room[s] for s in running])
+            tokens, logps = batch.run(running, [keys[s] for s in running], steps, sampling)
+            for s in running:
+                row, n = batch.sids.index(s), room[s]
+                taken = self._take(s, tokens[row][:n], logps[row][:n], out, stop, max_new_tokens)
+                self.cache.lengths[s] += taken  # each step wrote its input token
+                self.tokens_prefilled += taken
+            active = [s for s in active if out[s][2] is None]
+
+    def _decode_eager(self, sids, max_new_tokens, sampling, keys, out, stop):
+        """Decode through the ragged forward, one step at a time (a row too big to copy)."""
+        active = list(sids)
+        while active:
+            running = self._admit_step(active, [1] * len(active), out)
+            if not running:
+                return
+            logits = self.forward(running)
+            tokens, logps = sample(logits, sampling, self._tensor([keys[s] for s in running]),
+                                   self._tensor([self.cached(s) for s in running]))
+            for s, t, lp in zip(running, tokens.tolist(), logps.tolist()):
+                self._take(s, [t], [lp], out, stop, max_new_tokens)
+            active = [s for s in running if out[s][2] is None]
+
+
+class DecodeBatch:
+    """Fixed-shape decode steps for one (batch bucket, capacity): every tensor a step reads lives
+    here on the device and keeps its shape and address, so that on CUDA a step is captured once
+    as a graph and replayed; on a CPU the same step runs eagerly.
+
+        rows      B = batch_bucket(sequences); rows past the sequences and rows not running are
+                  padded and inert: they write into the pool's scratch block and the copy's
+                  scratch column, their position does not move, their samples are discarded
+        k, v      each row's keys and values, dense [layers, B, kv_heads, capacity + 1, head_dim],
+                  gathered from the pool once per generate call; each step writes its token into
+                  both, so the pool stays the cache of record
+        metadata  tokens, positions, the running mask, stream keys and block tables, written from
+                  the host once a window of SYNC_EVERY steps; the mask of visible keys is built on
+                  the device from the positions"""
+
+    def __init__(self, engine, rows, capacity):
+        cache, dev = engine.cache, engine.device
+        self.engine, self.capacity, self.block_size = engine, capacity, cache.block_size
         layers, _, kv_heads, head_dim = cache.k.shape
-        self.k = cache.k.new_empty(layers, len(sids), kv_heads, capacity, head_dim)
-        self.v = torch.empty_like(self.k)
-        for row, sid in enumerate(sids):
+        self.k = cache.k.new_zeros(layers, rows, kv_heads, capacity + 1, head_dim)
+        self.v = torch.zeros_like(self.k)
+        new = lambda fill=0, dtype=torch.long: torch.full((rows,), fill, dtype=dtype, device=dev)
+        self.tokens, self.positions, self.keys = new(), new(), new()
+        self.live = new(False, torch.bool)
+        self.tables = torch.full((rows, capacity // cache.block_size + 1), cache.scratch,
+                                 dtype=torch.long, device=dev)
+        self.rows, self.kv_pos = torch.arange(rows, device=dev), torch.arange(capacity, device=dev)
+        self.graphs = {}
+
+    def begin(self, sids):
+        """Gather the cached keys and values of these sequences into the dense copy."""
+        cache, self.sids = self.engine.cache, list(sids)
+        for row, sid in enumerate(self.sids):
             n = cache.lengths[sid]
-            slots = cache.slots(sid, 0, n).to(cache.k.device)
+            slots = cache.slots(sid, 0, n).to(self.k.device)
             for copy, pool in ((self.k, cache.k), (self.v, cache.v)):
                 copy[:, row, :, :n] = pool[:, slots].transpose(1, 2)
-                copy[:, row, :, n:] = 0  # masked, but 0 * garbage could still be NaN
+
+    def load(self, running, keys):
+        """Host -> device, once a window: which rows run, their pending token, position, key
+        and block table."""
+        eng, rows = self.engine, len(self.tokens)
+        live, tokens, positions, key = ([0] * rows for _ in range(4))
+        tables = torch.full(self.tables.shape, eng.cache.scratch, dtype=torch.long)
+        for row, sid in enumerate(self.sids):
+            positions[row] = eng.cached(sid)
+            table = eng.cache.tables[sid][:tables.shape[1]]
+            tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+        for sid, k in zip(running, keys):
+            row = self.sids.index(sid)
+            live[row], tokens[row], key[row] = 1, eng.pending[sid][0], k
+        for dst, src in ((self.live, live), (self.tokens, tokens), (self.positions, positions),
+                         (self.keys, key)):
+            dst.copy_(torch.tensor(src, dtype=dst.dtype))
+        self.tables.copy_(tables)
+        return max(positions[self.sids.index(s)] for s in running)
+
+    def step(self, extent, sampling):
+        """One decode step of every row, keys visible up to `extent` (the capacity in a graph)."""
+        eng, w, cache, bs = self.engine, self.engine.w, self.engine.cache, self.block_size
+        pos = self.positions
+        block = self.tables.gather(1, (pos // bs).clamp(max=self.tables.shape[1] - 1)[:, None])[:, 0]
+        slots = torch.where(self.live, block * bs + pos % bs, cache.scratch * bs)
+        column = torch.where(self.live, pos.clamp(max=self.capacity - 1), self.capacity)
+        hidden = self.kv_pos[:extent] > column[:, None, None]
+        bias = torch.zeros(hidden.shape, dtype=eng.dtype, device=pos.device)
+        bias = bias.masked_fill_(hidden, -math.inf).repeat_interleave(w["n_kv_heads"], 0)
+
+        def attend(layer, q, k, v):
+            cache.k[layer][slots] = k
+            cache.v[layer][slots] = v
+            self.k[layer][self.rows, :, column] = k
+            self.v[layer][self.rows, :, column] = v
+            return decode_attention(q, self.k[layer][:, :, :extent], self.v[layer][:, :, :extent],
+                                    bias)
+
+        logits = lm_logits(w, decoder(w, self.tokens, pos, attend))
+        tokens, logps = sample(logits, sampling, self.keys, pos + 1)
+        self.tokens.copy_(torch.where(self.live, tokens, self.tokens))
+        self.positions.add_(self.live.long())
+        return tokens, logps
+
+    @torch.no_grad()
+    def run(self, running, keys, steps, sampling):
+        """`steps` decode steps of the running sequences; tokens and log-probs per row as lists,
+        read back once."""
+        start = self.load(running, keys)
+        graph = self.engine.device.type == "cuda" and CUDA_GRAPHS
+        tokens = torch.empty(len(self.tokens), steps, dtype=torch.long, device=self.k.device)
+        logps = torch.empty(tokens.shape, dtype=torch.float32, device=self.k.device)
+        for j in range(steps):
+            t, lp = (self.replay(sampling) if graph else
+                     self.step(min(start + j + 1, self.capacity), sampling))
+            tokens[:, j], logps[:, j] = t, lp
+        return tokens.tolist(), logps.tolist()
+
+    def replay(self, sampling):
+        """The step as a CUDA graph, captured on first use for this sampling (while every row is
+        inert, so that capturing writes nothing but scratch)."""
+        if sampling not in self.graphs:
+            start = time.perf_counter()
+            live = self.live.clone()
+            self.live.zero_()
+            if self.engine.graph_pool is None:
+                self.engine.graph_pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.step(self.capacity, sampling)  # warm-up outside the graph
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.engine.graph_pool):
+                outputs = self.step(self.capacity, sampling)
+            self.graphs[sampling] = (graph, outputs)
+            self.live.copy_(live)
+            self.engine.graph_capture_s += time.perf_counter() - start
+        graph, outputs = self.graphs[sampling]
+        graph.replay()
+        return outputs
 
 
 class Batch:
     """Per-forward attention metadata: where each sequence's new keys go and its keys come from.
 
-    Attention takes one of five paths, by device and shape:
+    This is the ragged, eager forward (prefill, probe forks, and decode where no DecodeBatch
+    fits); generate's decode steps run on DecodeBatch. Attention takes one of four paths:
       flash   flash-attn reads the pool through the block tables (queries padded on the left)
       padded  PyTorch elsewhere on a GPU: blocks gathered, one SDPA call, queries padded on the
               left and a mask (few kernel launches, which is what counts there)
     and on COMPUTE_BOUND_DEVICES (a CPU), where padding costs compute and calls are cheap:
       split   prefill: one SDPA call a sequence over its gathered keys, no padding
-      copy    decode over a DecodeCopy: one query a sequence, two batched products
-      decode  the same products over blocks gathered each step (when the copy would not fit)"""
+      decode  one query a sequence: two batched products over its gathered blocks"""
 
-    def __init__(self, engine, sids, q_lens, kv_lens, positions, slots, decode_copy=None):
+    def __init__(self, engine, sids, q_lens, kv_lens, positions, slots):
         cache, dev = engine.cache, engine.device
-        self.engine, self.copy, self.slots = engine, decode_copy, slots.to(dev)
+        self.engine, self.slots = engine, slots.to(dev)
         self.kv_lens = kv_lens
         B, bs = len(sids), cache.block_size
         self.q_max, self.kv_max = int(q_lens.max()), int(kv_lens.max())
@@ -438,21 +736,15 @@ class Batch:
             self.path = "flash"
         elif dev.type not in COMPUTE_BOUND_DEVICES:
             self.path = "padded"
-        elif self.q_max == 1:
-            self.path = "decode" if decode_copy is None else "copy"
         else:
-            self.path = "split"
-        if self.path == "copy":  # the copy is dense: no block tables to build
-            assert decode_copy.sids == list(sids)
-            self.copy_rows, self.copy_positions = torch.arange(B, device=dev), positions.to(dev)
-        else:
-            n_blocks = max(len(cache.tables[s]) for s in sids)
-            tables = torch.zeros(B, n_blocks, dtype=torch.long)
-            for b, s in enumerate(sids):
-                tables[b, :len(cache.tables[s])] = torch.tensor(cache.tables[s])
-            self.tables = tables.to(dev)
-        if self.path in ("copy", "decode"):  # additive mask [B * kv_heads, 1, K]: 0 or -inf
-            kv_pos = torch.arange(self.kv_max if self.path == "copy" else n_blocks * bs)
+            self.path = "decode" if self.q_max == 1 else "split"
+        n_blocks = max(len(cache.tables[s]) for s in sids)
+        tables = torch.zeros(B, n_blocks, dtype=torch.long)
+        for b, s in enumerate(sids):
+            tables[b, :len(cache.tables[s])] = torch.tensor(cache.tables[s])
+        self.tables = tables.to(dev)
+        if self.path == "decode":  # additive mask [B * kv_heads, 1, K]: 0 or -inf
+            kv_pos = torch.arange(n_blocks * bs)
             bias = torch.zeros(B, 1, len(kv_pos)).masked_fill_(kv_pos >= kv_lens[:, None, None],
                                                                -math.inf)
             self.bias = bias.repeat_interleave(engine.w["n_kv_heads"], 0).to(dev, engine.dtype)
@@ -489,12 +781,6 @@ class Batch:
         cache = self.engine.cache
         cache.k[layer][self.slots] = k
         cache.v[layer][self.slots] = v
-        if self.path == "copy":
-            keys, values = self.copy.k[layer], self.copy.v[layer]
-            keys[self.copy_rows, :, self.copy_positions] = k
-            values[self.copy_rows, :, self.copy_positions] = v
-            return decode_attention(q, keys[:, :, :self.kv_max], values[:, :, :self.kv_max],
-                                    self.bias)
         if self.path == "flash":
             bs = cache.block_size
             out = flash_attn_with_kvcache(
@@ -530,14 +816,14 @@ class Batch:
 # token ids in, token ids out
 
 
-def generate(model, prompts, max_new_tokens, temperature=0.0, stop_ids=None, seed=None,
-             top_p=None, block_size=None):
-    """Token ids in, token ids out, through the paged engine (stop token kept, like HF)."""
+def generate(model, prompts, max_new_tokens, sampling=GREEDY, stop_ids=None, seed=0,
+             block_size=None):
+    """Token ids in, token ids out, through the paged engine (stop token kept, like HF); prompt
+    i samples from the stream stream_key(seed, i)."""
     engine = Engine(model, block_size=block_size)
-    generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
     sids = [engine.new(p) for p in prompts]
-    outs = engine.generate(sids, max_new_tokens, temperature, top_p, generator,
-                           stop_ids=stop_ids or [])
+    outs = engine.generate(sids, max_new_tokens, sampling,
+                           [stream_key(seed, i) for i in range(len(sids))], stop_ids or [])
     for s in sids:
         engine.free(s)
     return [ids for ids, _, _ in outs]
@@ -547,4 +833,3 @@ def shared_stem(seqs):
     """Length of the longest common prefix of token lists that still leaves each its last token
     (os.path.commonprefix compares any sequences element by element)."""
     return min(len(os.path.commonprefix(seqs)), min(map(len, seqs)) - 1)
-

@@ -489,20 +489,57 @@ def fidelity_contexts(tokenizer, instances, episodes, n):
     return contexts
 
 
-def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, names=("", ""),
-             fidelity=FIDELITY_SAMPLES, max_new_tokens=GPU_MAX_NEW_TOKENS):
-    """One seeded episode per instance with rollout Engines; saves the run, returns its summary.
+def sampling_preset():
+    """The rollout.SAMPLING preset for this machine: "paper" with CUDA, "cpu" without."""
+    import torch
+    return "paper" if torch.cuda.is_available() else "cpu"
 
-    The strategy judge is the persuadee's model in a fresh context (SPEC 6)."""
+
+def distributed():
+    """(rank, world): under torchrun the held-out scenarios are sharded over the ranks (the
+    process group is started here when the caller has not); else (0, 1)."""
+    import torch
+    import torch.distributed as dist
+    if "RANK" not in os.environ:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, names=("", ""),
+             fidelity=FIDELITY_SAMPLES, max_new_tokens=GPU_MAX_NEW_TOKENS, preset=None,
+             rank=0, world=1):
+    """One seeded episode per instance with rollout Engines; rank 0 saves the run; every rank
+    returns its summary.
+
+    Under torchrun (world > 1) each rank plays instances[rank::world] and the records are
+    gathered; an episode's record does not depend on its rank (rollout's keyed random streams),
+    so the summary equals one process's. The strategy judge is the persuadee's model in a fresh
+    context (SPEC 6)."""
     import probes
     import rollout
-    episodes = rollout.rollout_episodes(persuader, persuadee, instances, t_max, seed=seed,
-                                        judge=persuadee, max_new_tokens=max_new_tokens)
+    er_sampling, ee_sampling = rollout.SAMPLING[preset or sampling_preset()]
+    mine = rollout.rollout_episodes(persuader, persuadee, instances[rank::world], t_max, seed=seed,
+                                    judge=persuadee, max_new_tokens=max_new_tokens,
+                                    persuader_sampling=er_sampling, persuadee_sampling=ee_sampling)
+    if world > 1:
+        import torch.distributed as dist
+        shards = [None] * world
+        dist.all_gather_object(shards, mine)
+        order = {inst["id"]: i for i, inst in enumerate(instances)}
+        episodes = sorted((ep for shard in shards for ep in shard), key=lambda ep: order[ep["id"]])
+    else:
+        episodes = mine
     for ep in episodes:
         for key in TRAINING_KEYS:
             ep.pop(key, None)
         ep.update(persuader=names[0], persuadee=names[1], seed=seed)
     summary = summarize(episodes)
+    if rank:
+        return summary
     if fidelity:
         contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, fidelity)
         summary["probe_fidelity"] = probe_fidelity(
@@ -513,12 +550,15 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, n
 
 
 def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
-             max_new_tokens=GPU_MAX_NEW_TOKENS):
-    """Load the two models by name (once each) and evaluate."""
+             max_new_tokens=GPU_MAX_NEW_TOKENS, kv_blocks=None):
+    """Load the two models by name (once each) and evaluate (sharded under torchrun)."""
     import engine
-    engines = [engine.Engine(*_load(name, loaded)) for name in (persuader, persuadee)]
+    rank, world = distributed()
+    engines = [engine.Engine(*_load(name, loaded), num_blocks=kv_blocks)
+               for name in (persuader, persuadee)]
     return evaluate(*engines, instances, out_dir, t_max=t_max, seed=seed,
-                    names=(persuader, persuadee), max_new_tokens=max_new_tokens)
+                    names=(persuader, persuadee), max_new_tokens=max_new_tokens, rank=rank,
+                    world=world)
 
 
 def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
@@ -528,20 +568,18 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
     evals/play-SCENARIO_ID-TIME like any episode."""
     import time
 
-    import torch
-
     import arena
     import engine
     import models
     import probes
     import rollout
+    preset = sampling_preset()
     found = [inst for split in ("heldout", "train") for inst in _instances(split) if inst["id"] == scenario_id]
     if not found:
         sys.exit(f"eval.py: unknown scenario id {scenario_id!r}; use an id from scenarios.jsonl, e.g. heldout-017")
     inst = found[0]
     persuadee_engine = engine.Engine(*_load(persuadee, {}))
     tok = persuadee_engine.tokenizer
-    gen = torch.Generator(persuadee_engine.device).manual_seed(seed)
     write(f"== {inst['title']} ({inst['id']})\nYou are {inst['persuader']['role']}. "
           f"Goal: {inst['persuader']['goal']}\nRequest: {inst['persuader']['request']}\n"
           f"They: {inst['persuadee']['name']}, {inst['persuadee']['age']}, "
@@ -559,9 +597,11 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
             episode.end("stopped")
             break
         transcript.append({"role": "persuader", "text": text, "decision": None})
-        [reply] = rollout.persuadee_turn(persuadee_engine, [sid], [text], [episode.final_turn],
-                                         temperature=0.7, top_p=None,
-                                         max_new_tokens=max_new_tokens, generator=gen)
+        heard = rollout.persuadee_heard(tok, text, episode.final_turn)
+        [reply] = rollout.persuadee_turn(
+            persuadee_engine, [sid], [heard], sampling=rollout.SAMPLING[preset][1],
+            max_new_tokens=max_new_tokens,
+            keys=[engine.stream_key(seed, inst["id"], episode.turn, "persuadee")])
         transcript.append({"role": "persuadee", "text": reply["text"], "decision": reply["decision"]})
         if reply["reason"] in ("context", "cache"):
             episode.end(reply["reason"])
@@ -598,6 +638,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", help=f"run name; output goes to {EVALS_DIR}/NAME")
     ap.add_argument("--t-max", type=int, default=T_MAX, help="turn budget per episode")
+    ap.add_argument("--kv-blocks", type=int, help="KV pool size of each engine, in blocks "
+                    "(default: engine.CACHE_GB_CPU or CACHE_FRACTION_GPU of free memory)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help=f"per message (default {GPU_MAX_NEW_TOKENS} with CUDA, {CPU_MAX_NEW_TOKENS} on a CPU)")
     mode = ap.add_mutually_exclusive_group()
@@ -643,9 +685,10 @@ def main(argv=None):
     for p, q in pairs:
         out_dir = Path(EVALS_DIR) / base if len(pairs) == 1 else Path(EVALS_DIR) / base / f"{_slug(p)}_vs_{_slug(q)}"
         results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,
-                                   max_new_tokens=args.max_new_tokens)
-        print(f"\n== persuader {p}, persuadee {q} -> {out_dir}\n{format_table(results[(p, q)])}")
-    if len(pairs) > 1:
+                                   max_new_tokens=args.max_new_tokens, kv_blocks=args.kv_blocks)
+        if distributed()[0] == 0:
+            print(f"\n== persuader {p}, persuadee {q} -> {out_dir}\n{format_table(results[(p, q)])}")
+    if len(pairs) > 1 and distributed()[0] == 0:
         print("\n" + grid_table(results))
 
 

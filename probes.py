@@ -66,8 +66,11 @@ def read_engine(eng, sids):
     turns, shared = probe_ids(eng.tokenizer)
     if eng.device.type not in engine.COMPUTE_BOUND_DEVICES:
         shared = 0
-    out = []
-    step = max(1, len(eng.cache.free_blocks) // (2 * len(turns) + 2))  # forks that fit the pool
+    out, need = [], read_blocks(eng)
+    if need > eng.free_blocks:
+        raise RuntimeError(f"probes.py: a probe read takes up to {need} KV blocks, the pool has "
+                           f"{eng.free_blocks} free; leave room for it (rollout reserves it)")
+    step = eng.free_blocks // need  # sequences whose forks the pool takes at once
     for i in range(0, len(sids), step):
         chunk = parents = sids[i:i + step]
         if shared:
@@ -82,6 +85,21 @@ def read_engine(eng, sids):
             eng.free(s)
         out.append(values_from_logits(logits, eng.tokenizer).view(len(chunk), len(turns)))
     return torch.cat(out).cpu()
+
+
+def longest_question(tokenizer):
+    """Tokens the longest probe turn adds to a context."""
+    return max(map(len, probe_ids(tokenizer)[0]))
+
+
+def read_blocks(eng):
+    """KV blocks one sequence's probe read can take at most: a fork writing n tokens may copy the
+    block it starts in and takes ceil(n / block_size) more."""
+    turns, shared = probe_ids(eng.tokenizer)
+    if eng.device.type not in engine.COMPUTE_BOUND_DEVICES:
+        shared = 0
+    fork = lambda n: 1 + -(-n // eng.block_size)
+    return (fork(shared) if shared else 0) + sum(fork(len(t) - shared) for t in turns)
 
 
 def read_beliefs(model, tokenizer, contexts):

@@ -1,5 +1,5 @@
 """
-rollout.py: the dialogues. Episodes of a persuader and a persuadee, played on two engine.
+rollout.py: the dialogues. Episodes of a persuader and a persuadee, scheduled onto two engines.
 
 A persuasion dialogue is two growing contexts, the persuader's and the persuadee's. Each turn only
 appends: the persuader's new message goes into the persuadee's context, the reply into the
@@ -7,12 +7,24 @@ persuader's, so every token of a conversation is prefilled exactly once (engine.
 reply the persuadee's beliefs are read in forks of its context (probes.py); at the end a frozen
 judge scores each transcript.
 
+Scheduling, so that any number of episodes completes on any pool that holds one of them:
+    admit    groups in order, while both pools keep room for the group's prompts plus one
+             message per episode; each instance's prompts are prefilled once and forked G times
+    round    the episodes whose next message fits the pool (its worst case: MAX_NEW_TOKENS, the
+             probe forks) run it; the others wait untouched; finished episodes free their blocks
+             and the queue refills (continuous admission)
+    stall    when no episode can move, the youngest is freed and put back in the queue: its
+             random streams are keyed by (seed, instance, group index, side), so its replay is
+             the same episode. An episode ends "cache" only when it cannot fit a pool alone.
+A persuader message whose reply never came (the episode ended "cache" or "context" in between)
+is kept in the transcript but masked out of the loss: its tokens get turn id 0, since no
+belief change and no decision answers it.
+
     python -m pytest -q test_rollout.py
 """
 import time
+from collections import deque
 from contextlib import contextmanager
-
-import torch
 
 import arena
 import engine
@@ -20,6 +32,15 @@ import models
 import probes
 
 JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
+SAMPLING = {  # per preset: (persuader, persuadee). The persuader samples its whole tempered
+    # distribution (pi_old exact); the frozen persuadee may truncate. paper: Qwen3 non-thinking
+    # as its makers advise; cpu: SmolLM2-135M, chosen by reading its samples (README)
+    "paper": (engine.Sampling(1.0), engine.Sampling(0.7, top_p=0.8, top_k=20)),
+    "cpu": (engine.Sampling(0.6), engine.Sampling(0.6, top_p=0.9, top_k=50)),
+}
+PERSUADER_SAMPLING, PERSUADEE_SAMPLING = SAMPLING["paper"]
+JUDGE_RETRY_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the judge's sampled retries
+CUT_OFF = ("context", "cache")  # end reasons of a message that could not be completed
 
 
 @contextmanager
@@ -31,137 +52,55 @@ def clock(timings, key):
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
-def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
-                     persuader_temperature=1.0, persuadee_temperature=0.7, top_p=None,
-                     max_new_tokens=engine.MAX_NEW_TOKENS, judge=None, progress=None, timings=None):
-    """Play G = group_size episodes of every instance to the end, all in one batch.
+def prompt_ids(persuader_tok, persuadee_tok, instance):
+    """The persuader's prompt (ending in its generation prompt) and the persuadee's system turn."""
+    er = models.encode(persuader_tok, models.render(persuader_tok,
+                                                    arena.persuader_messages(instance), True))
+    ee = models.encode(persuadee_tok, models.render(persuadee_tok,
+                                                    arena.persuadee_messages(instance), False))
+    return er, ee
 
-    `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
-    and judge_s.
-    Returns one record per episode (instance-major): outcome, transcript, beliefs b_0..b_T and
-    probe values, judge score, and the persuader-side token stream for training: `ids`,
-    `turn_ids` (t for the tokens the policy sampled in message t, else 0) and `logprobs`."""
-    er_tok, ee_tok = persuader.tokenizer, persuadee.tokenizer
-    gen_er = torch.Generator(persuader.device).manual_seed(seed)
-    gen_ee = torch.Generator(persuadee.device).manual_seed(seed + 1)
-    # each system prompt is prefilled once per instance and shared by its group through forks;
-    # the persuader's last prompt token stays pending so that every fork samples its own message
-    roots = []
+
+def prompt_problems(persuader, persuadee, instances):
+    """{instance id: why it cannot be played}, for prompts longer than a model's context (with
+    room left for one message)."""
+    problems = {}
     for inst in instances:
-        er_ids = models.encode(er_tok, models.render(er_tok, arena.persuader_messages(inst), True))
-        er_root = persuader.new(er_ids[:-1])
-        ee_ids = models.encode(ee_tok, models.render(ee_tok, arena.persuadee_messages(inst), False))
-        ee_root = persuadee.new(ee_ids)
-        for eng, root in ((persuader, er_root), (persuadee, ee_root)):
-            if eng.overflow(root):
-                raise RuntimeError(
-                    f"rollout.py: the system prompt of {inst['id']} ({eng.length(root)} tokens) "
-                    f"does not fit the {eng.overflow(root)}; give the Engine more blocks "
-                    "(CACHE_GB_CPU, CACHE_FRACTION_GPU) or roll out fewer episodes at once.")
-        roots.append((inst, er_ids, er_root, ee_root))
-    er_roots, ee_roots = [r[2] for r in roots], [r[3] for r in roots]
-    persuader.forward(er_roots)
-    persuadee.forward(ee_roots)
-    with clock(timings, "probe_s"):
-        b0s = probes.read_engine(persuadee, ee_roots).tolist()
-    episodes = []
-    for (inst, er_ids, er_root, ee_root), b0 in zip(roots, b0s):
-        for _ in range(group_size):
-            er, ee = persuader.fork(er_root, er_ids[-1:]), persuadee.fork(ee_root)
-            episodes.append(dict(inst=inst, er=er, ee=ee, state=arena.Episode(t_max),
-                                 ids=list(er_ids), turn_ids=[0] * len(er_ids),
-                                 logprobs=[0.0] * len(er_ids), transcript=[], probes=[b0],
-                                 beliefs=[sum(b0) / 3]))
-        persuader.free(er_root)
-        persuadee.free(ee_root)
-
-    def append(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training
-        e["ids"] += ids
-        e["turn_ids"] += [turn] * len(ids)
-        e["logprobs"] += logprobs or [0.0] * len(ids)
-
-    active = list(episodes)
-    while active:
-        # the persuader speaks; its tags are stripped before the persuadee reads the message
-        with clock(timings, "persuader_s"):
-            outs = persuader.generate([e["er"] for e in active], max_new_tokens,
-                                      persuader_temperature, top_p, gen_er)
-        speaking = []
-        for e, (ids, logprobs, reason) in zip(active, outs):
-            text = er_tok.decode(ids, skip_special_tokens=True).strip()
-            append(e, ids, e["state"].turn + 1, logprobs)
-            e["er_ids"] = ids
-            e["transcript"].append({"role": "persuader", "text": text, "decision": None})
-            if reason in ("context", "cache"):
-                e["state"].end(reason)
-                continue
-            speaking.append(e)
-        # the persuadee replies; its message is closed and its beliefs read in forks
-        replies = persuadee_turn(persuadee, [e["ee"] for e in speaking],
-                                 [e["transcript"][-1]["text"] for e in speaking],
-                                 [e["state"].final_turn for e in speaking],
-                                 temperature=persuadee_temperature, top_p=top_p,
-                                 max_new_tokens=max_new_tokens, generator=gen_ee, timings=timings)
-        for e, reply in zip(speaking, replies):
-            e["transcript"].append({"role": "persuadee", "text": reply["text"],
-                                    "decision": reply["decision"]})
-            if reply["reason"] in ("context", "cache"):
-                e["state"].end(reply["reason"])
-                continue
-            e["state"].step(reply["decision"])
-            e["probes"].append(reply["probes"])
-            e["beliefs"].append(sum(reply["probes"]) / 3)
-        # the persuader reads the reply, tags stripped
-        for e in active:
-            if e["state"].done:
-                continue
-            reply = arena.persuader_sees(e["transcript"][-1]["text"])
-            ids = models.closing_ids(er_tok, e["er_ids"]) + models.turn_ids(er_tok, reply)
-            persuader.append(e["er"], ids)
-            append(e, ids)
-            if reason := persuader.overflow(e["er"]):
-                e["state"].end(reason)
-        for e in active:
-            if e["state"].done:
-                persuader.free(e["er"])
-                persuadee.free(e["ee"])
-        active = [e for e in active if not e["state"].done]
-        if progress is not None:
-            progress.update(len(episodes) - len(active) - progress.n)
-    scores = [0.0] * len(episodes)
-    if judge is not None:
-        with clock(timings, "judge_s"):
-            scores = judge_scores(judge, [e["inst"] for e in episodes],
-                                  [e["transcript"] for e in episodes], seed)
-    return [dict(
-        id=e["inst"]["id"], scenario_id=e["inst"].get("scenario_id", e["inst"]["id"]),
-        domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
-        outcome=e["state"].outcome, turns=len(e["beliefs"]) - 1,
-        end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
-        probes=e["probes"], judge=score, ids=e["ids"], turn_ids=e["turn_ids"],
-        logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
+        for side, eng, ids in zip(("persuader", "persuadee"), (persuader, persuadee),
+                                  prompt_ids(persuader.tokenizer, persuadee.tokenizer, inst)):
+            if len(ids) + engine.MAX_NEW_TOKENS // 4 > eng.max_len:
+                problems[inst["id"]] = (f"the {side} prompt of {inst['id']} is {len(ids)} tokens, "
+                                        f"the model's context {eng.max_len}")
+    return problems
 
 
+def persuadee_heard(tokenizer, text, final_turn):
+    """Ids of the persuader's message as the persuadee receives it: tags stripped, the final-turn
+    instruction added on the last turn (never part of any transcript)."""
+    return models.turn_ids(tokenizer, arena.persuadee_sees(text, final_turn))
 
-def persuadee_turn(persuadee, sids, messages, final_turns, *, temperature, top_p, max_new_tokens,
-                   generator=None, timings=None):
-    """The persuadee's half of a turn, for each sequence: the persuader's message enters its
-    context (tags stripped, the final-turn instruction added where due, never in a transcript),
-    it replies, its reply is closed and its beliefs are read in forks.
+
+def persuadee_turn(persuadee, sids, heard, *, sampling, max_new_tokens, keys=None,
+                   timings=None):
+    """The persuadee's half of a turn, for each sequence: the message it heard (persuadee_heard)
+    enters its context, it replies, its reply is closed and its beliefs are read in forks.
 
     Returns per sequence {text, decision, reason, probes}; a reply cut off by the cache or the
-    context ("context", "cache") has no probes, and its sequence is left as it is."""
+    context has no probes."""
     tok = persuadee.tokenizer
-    for sid, text, final in zip(sids, messages, final_turns):
-        persuadee.append(sid, models.turn_ids(tok, arena.persuadee_sees(text, final)))
+    for sid, ids in zip(sids, heard):
+        persuadee.append(sid, ids)
     with clock(timings, "persuadee_s"):
-        outs = persuadee.generate(sids, max_new_tokens, temperature, top_p, generator)
+        outs = persuadee.generate(sids, max_new_tokens, sampling, keys)
     replies, closed = [], []
     for sid, (ids, _, reason) in zip(sids, outs):
         text = tok.decode(ids, skip_special_tokens=True).strip()
+        if (reason not in CUT_OFF and persuadee.length(sid) + len(models.closing_ids(tok, ids))
+                + probes.longest_question(tok) > persuadee.max_len):
+            reason = "context"  # no room left to close the reply and ask the probes
         replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
                             probes=None))
-        if reason not in ("context", "cache"):
+        if reason not in CUT_OFF:
             persuadee.append(sid, models.closing_ids(tok, ids))
             closed.append((sid, replies[-1]))
     if closed:
@@ -174,18 +113,240 @@ def persuadee_turn(persuadee, sids, messages, final_turns, *, temperature, top_p
     return replies
 
 
-def judge_scores(judge, instances, transcripts, seed=0):
-    """Strategy score s per transcript: greedy first, then sampled retries, then 0.
+def message_blocks(eng, max_new_tokens):
+    """Blocks one more message of a sequence can take at most (one more for copy-on-write)."""
+    return -(-max_new_tokens // eng.block_size) + 1
 
-    Prompts are prefilled once: the part a group shares (the instruction and the hidden profile
-    of its instance) in one root, each transcript in a fork of it, each attempt in a fork of that."""
-    gen = torch.Generator(judge.device).manual_seed(seed + 2)
+
+def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
+                     persuader_sampling=PERSUADER_SAMPLING, persuadee_sampling=PERSUADEE_SAMPLING,
+                     max_new_tokens=engine.MAX_NEW_TOKENS, judge=None, max_active=None,
+                     progress=None, timings=None):
+    """Play G = group_size episodes of every instance to the end, scheduled onto the pools.
+
+    `max_active` caps the episodes in play at once (default: as many as the pools take).
+    `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
+    and judge_s. Returns one record per episode (instance-major): outcome, transcript, beliefs
+    b_0..b_T and probe values, judge score, and the persuader-side token stream for training:
+    `ids`, `turn_ids` (t for the tokens the policy sampled in message t, else 0) and
+    `logprobs`."""
+    problems = prompt_problems(persuader, persuadee, instances)
+    if problems:
+        raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
+                         "out (rollout.prompt_problems finds them) or use a longer-context model.")
+    er_tok, ee_tok = persuader.tokenizer, persuadee.tokenizer
+    queue = deque((i, list(range(group_size))) for i in range(len(instances)))
+    active, done = [], {}
+    er_step = message_blocks(persuader, max_new_tokens)
+    ee_step = message_blocks(persuadee, max_new_tokens) + probes.read_blocks(persuadee)
+
+    def admit(index, members):
+        """Prefill an instance's prompts once, read b_0, fork one episode per member."""
+        inst = instances[index]
+        er_ids, ee_ids = prompt_ids(er_tok, ee_tok, inst)
+        er_root, ee_root = persuader.new(er_ids[:-1]), persuadee.new(ee_ids)
+        with clock(timings, "persuader_s"):
+            persuader.forward([er_root])
+        with clock(timings, "persuadee_s"):
+            persuadee.forward([ee_root])
+        with clock(timings, "probe_s"):
+            b0 = probes.read_engine(persuadee, [ee_root])[0].tolist()
+        for g in members:
+            key = (seed, inst["id"], g)
+            active.append(dict(
+                index=index, g=g, inst=inst, state=arena.Episode(t_max), phase="speak",
+                er=persuader.fork(er_root, er_ids[-1:]), ee=persuadee.fork(ee_root),
+                er_key=engine.stream_key(*key, "persuader"), ee_key=engine.stream_key(*key, "persuadee"),
+                ids=list(er_ids), turn_ids=[0] * len(er_ids), logprobs=[0.0] * len(er_ids),
+                transcript=[], probes=[b0], beliefs=[sum(b0) / 3]))
+        persuader.free(er_root)
+        persuadee.free(ee_root)
+
+    def fits_group(index, members):
+        """Room on both pools for the prompts, b_0's forks and one message per member."""
+        er_ids, ee_ids = prompt_ids(er_tok, ee_tok, instances[index])
+        blocks = lambda eng, n: -(-n // eng.block_size)
+        er_need = blocks(persuader, len(er_ids)) + len(members) * er_step
+        ee_need = blocks(persuadee, len(ee_ids)) + len(members) * ee_step
+        return er_need <= persuader.free_blocks and ee_need <= persuadee.free_blocks
+
+    def finish(e, reason=None):
+        if reason:
+            e["state"].end(reason)
+        persuader.free(e["er"])
+        persuadee.free(e["ee"])
+        done[e["index"], e["g"]] = e
+        active.remove(e)
+
+    def split_head(n):  # the queue's first group, as its first n members and the rest
+        index, members = queue.popleft()
+        queue.extendleft([(index, members[n:]), (index, members[:n])])
+
+    def refill():
+        while queue:
+            allowed = len(queue[0][1]) if max_active is None else max_active - len(active)
+            if allowed <= 0:
+                return
+            if allowed < len(queue[0][1]):
+                split_head(allowed)
+            index, members = queue[0]
+            if not fits_group(index, members):
+                if active:
+                    return
+                if len(members) > 1:  # alone in the pools and still too big: one at a time
+                    split_head(1)
+                    continue
+                queue.popleft()  # one episode does not fit empty pools: it can never start
+                done[index, members[0]] = dict(index=index, g=members[0], inst=instances[index],
+                                               state=arena.Episode(t_max), transcript=[],
+                                               probes=[], beliefs=[], ids=[], turn_ids=[],
+                                               logprobs=[])
+                done[index, members[0]]["state"].end("cache")
+                continue
+            queue.popleft()
+            admit(index, members)
+
+    def preempt():
+        """Free the youngest episode and queue it to be replayed from the start, once another
+        episode has finished (else it would be admitted straight back into the same stall)."""
+        e = active.pop()
+        persuader.free(e["er"])
+        persuadee.free(e["ee"])
+        queue.appendleft((e["index"], [e["g"]]))
+        return len(done)
+
+    def append(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training
+        e["ids"] += ids
+        e["turn_ids"] += [turn] * len(ids)
+        e["logprobs"] += logprobs or [0.0] * len(ids)
+
+    def mask_last_message(e):
+        """The last persuader message got no reply: no loss on its tokens (module docstring)."""
+        turn = e["state"].turn + 1
+        e["turn_ids"] = [0 if t == turn else t for t in e["turn_ids"]]
+
+    held = -1  # len(done) at the last preemption: no admission until an episode finishes
+    refill()
+    while active or queue:
+        moved = False
+        speakers = [e for e in active if e["phase"] == "speak"]
+        speakers = persuader.admit([e["er"] for e in speakers],
+                                   [persuader.length(e["er"]) - persuader.cached(e["er"])
+                                    + max_new_tokens for e in speakers])
+        speakers = [e for e in active if e["er"] in set(speakers) and e["phase"] == "speak"]
+        if speakers:
+            moved = True
+            with clock(timings, "persuader_s"):
+                outs = persuader.generate([e["er"] for e in speakers], max_new_tokens,
+                                          persuader_sampling, [e["er_key"] for e in speakers])
+            for e, (ids, logprobs, reason) in zip(speakers, outs):
+                text = er_tok.decode(ids, skip_special_tokens=True).strip()
+                append(e, ids, e["state"].turn + 1, logprobs)
+                e["er_ids"] = ids
+                e["transcript"].append({"role": "persuader", "text": text, "decision": None})
+                if reason in CUT_OFF:
+                    mask_last_message(e)
+                    finish(e, reason)
+                    continue
+                e["heard"] = persuadee_heard(ee_tok, text, e["state"].final_turn)
+                e["phase"] = "reply"
+        listeners = [e for e in active if e["phase"] == "reply"]
+        room, chosen = persuadee.free_blocks - probes.read_blocks(persuadee), []
+        for e in listeners:
+            need = persuadee.blocks_for(e["ee"], len(e["heard"]) + max_new_tokens + 8)
+            if need <= room:
+                room -= need
+                chosen.append(e)
+        if chosen:
+            moved = True
+            replies = persuadee_turn(persuadee, [e["ee"] for e in chosen],
+                                     [e.pop("heard") for e in chosen], sampling=persuadee_sampling,
+                                     max_new_tokens=max_new_tokens,
+                                     keys=[e["ee_key"] for e in chosen], timings=timings)
+            for e, reply in zip(chosen, replies):
+                e["transcript"].append({"role": "persuadee", "text": reply["text"],
+                                        "decision": reply["decision"]})
+                if reply["reason"] in CUT_OFF:
+                    mask_last_message(e)
+                    finish(e, reply["reason"])
+                    continue
+                e["state"].step(reply["decision"])
+                e["probes"].append(reply["probes"])
+                e["beliefs"].append(sum(reply["probes"]) / 3)
+                if e["state"].done:
+                    finish(e)
+                    continue
+                # the persuader reads the reply, tags stripped
+                seen = arena.persuader_sees(reply["text"])
+                ids = models.closing_ids(er_tok, e["er_ids"]) + models.turn_ids(er_tok, seen)
+                persuader.append(e["er"], ids)
+                append(e, ids)
+                e["phase"] = "speak"
+                if persuader.overflow(e["er"]) == "context":
+                    finish(e, "context")
+        if not moved and active:
+            if len(active) == 1:  # alone in the pools and still stuck: it cannot fit
+                finish(active[0], "cache")
+            else:
+                held = preempt()
+        if len(done) > held or not active:
+            refill()
+        if progress is not None:
+            progress.update(len(done) - progress.n)
+    episodes = [done[i, g] for i in range(len(instances)) for g in range(group_size)]
+    scores = [0.0] * len(episodes)
+    if judge is not None:
+        with clock(timings, "judge_s"):
+            scores = judge_scores(judge, [e["inst"] for e in episodes],
+                                  [e["transcript"] for e in episodes], seed,
+                                  [e["g"] for e in episodes])
+    return [dict(
+        id=e["inst"]["id"], scenario_id=e["inst"].get("scenario_id", e["inst"]["id"]),
+        domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
+        outcome=e["state"].outcome, turns=max(len(e["beliefs"]) - 1, 0),
+        end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
+        probes=e["probes"], judge=score, ids=e["ids"], turn_ids=e["turn_ids"],
+        logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
+
+
+def judge_scores(judge, instances, transcripts, seed=0, group_indices=None):
+    """Strategy score s per transcript: greedy first, then sampled retries, then 0; in chunks of
+    instances that the judge's pool takes at once (a chunk's prompts plus its answers)."""
+    group_indices = group_indices or list(range(len(instances)))
     tok = judge.tokenizer
     prompts = [models.encode(tok, models.render(tok, arena.judge_messages(inst, transcript), True))
                for inst, transcript in zip(instances, transcripts)]
     groups = {}
     for i, inst in enumerate(instances):
         groups.setdefault(inst["id"], []).append(i)
+    scores, chunk, room = [0.0] * len(prompts), [], judge.free_blocks
+    answer = message_blocks(judge, JUDGE_MAX_NEW_TOKENS)
+    for members in list(groups.values()) + [None]:
+        need = 0 if members is None else sum(-(-len(prompts[i]) // judge.block_size) + answer
+                                             for i in members)
+        if chunk and (members is None or need > room):
+            for i, s in zip(chunk, judge_chunk(judge, [prompts[i] for i in chunk],
+                                               [instances[i]["id"] for i in chunk],
+                                               [engine.stream_key(seed, instances[i]["id"],
+                                                                  group_indices[i], "judge")
+                                                for i in chunk])):
+                scores[i] = s
+            chunk, room = [], judge.free_blocks
+        if members is not None:
+            chunk += members
+            room -= need
+    return scores
+
+
+def judge_chunk(judge, prompts, group_ids, keys):
+    """Scores of prompts that fit the judge's pool together.
+
+    Prompts are prefilled once: the part a group shares (the instruction and the hidden profile
+    of its instance) in one root, each transcript in a fork of it, each attempt in a fork of that."""
+    tok = judge.tokenizer
+    groups = {}
+    for i, gid in enumerate(group_ids):
+        groups.setdefault(gid, []).append(i)
     roots, bases = [], [None] * len(prompts)
     for members in groups.values():
         ours = [prompts[i] for i in members]
@@ -197,17 +358,18 @@ def judge_scores(judge, instances, transcripts, seed=0):
         for i in members:
             bases[i] = judge.fork(roots[-1], prompts[i][shared:-1])  # the last token starts each attempt
     scores = [0.0 if b is None or judge.overflow(b) else None for b in bases]
-    waiting = [bases[i] for i, s in enumerate(scores) if s is None and judge.length(bases[i]) > judge.cached(bases[i])]
+    waiting = [bases[i] for i, s in enumerate(scores)
+               if s is None and judge.length(bases[i]) > judge.cached(bases[i])]
     if waiting:
-        judge.forward(waiting)
+        judge.forward(waiting)  # the chunk was sized to fit (judge_scores)
     for attempt in range(arena.JUDGE_RETRIES):
         todo = [i for i, s in enumerate(scores) if s is None]
         if not todo:
             break
-        sids = []
-        for i in todo:
-            sids.append(judge.fork(bases[i], prompts[i][-1:]))
-        outs = judge.generate(sids, JUDGE_MAX_NEW_TOKENS, 0.0 if attempt == 0 else 0.7, None, gen)
+        sids = [judge.fork(bases[i], prompts[i][-1:]) for i in todo]
+        sampling = engine.GREEDY if attempt == 0 else JUDGE_RETRY_SAMPLING
+        outs = judge.generate(sids, JUDGE_MAX_NEW_TOKENS, sampling,
+                              [engine.stream_key(keys[i], attempt) for i in todo])
         for i, sid, (ids, _, _) in zip(todo, sids, outs):
             scores[i] = arena.parse_judge(tok.decode(ids, skip_special_tokens=True))
             judge.free(sid)

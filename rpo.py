@@ -108,6 +108,11 @@ def batch_token_advantages(turn_ids, advantages):
     """Batched token_advantages: turn_ids [B, L], advantages a list of B (ragged) lists -> [B, L]."""
     B = turn_ids.shape[0]
     assert len(advantages) == B
+    for i, (row, a) in enumerate(zip(turn_ids.max(1).values.tolist(), advantages)):
+        if row > len(a):  # a message tagged with a turn that has no advantage: never a silent 0
+            raise ValueError(f"rpo.py: episode {i} has tokens of persuader message {row} but "
+                             f"advantages for {len(a)} turns; a message without a reply must "
+                             "carry turn id 0 (rollout.py masks it)")
     table = torch.zeros(B, 1 + max((len(a) for a in advantages), default=0), device=turn_ids.device)
     for i, a in enumerate(advantages):
         table[i, 1:1 + len(a)] = torch.tensor([float(x) for x in a])

@@ -58,9 +58,8 @@ def test_sampling_logprobs_equal_training_forward(top_p, paths):
     full forward over prompt + sample (the training-side computation); top-p renormalises."""
     model, temperature = tiny_model("qwen3"), 0.7
     eng = engine.Engine(model, block_size=4, num_blocks=64)
-    gen = torch.Generator().manual_seed(0)
     sids = [eng.new(p) for p in PROMPTS]
-    outs = eng.generate(sids, 10, temperature, top_p, gen, stop_ids=[])
+    outs = eng.generate(sids, 10, engine.Sampling(temperature, top_p), [1, 2, 3], stop_ids=[])
     for prompt, (ids, logps, _) in zip(PROMPTS, outs):
         seq = torch.tensor([prompt + ids])
         ref = rpo.token_logprobs(model(seq).logits, seq, temperature)[0, len(prompt) - 1:]
@@ -191,3 +190,99 @@ def test_unwritten_pool_memory_never_reaches_the_logits(paths):
     assert logits.isfinite().all()
 
 
+
+
+# -----------------------------------------------------------------------------
+# capacity: a batch is reserved whole, nothing is written when it does not fit
+
+
+def test_generate_on_a_pool_too_small_for_the_batch_never_raises():
+    """Two 4-token sequences with one pending token each on a 3-block pool of 4-token blocks:
+    only one of them can take a block. It generates as it would alone; the other ends "cache"
+    untouched (no IndexError)."""
+    model = tiny_model("llama")
+    eng = engine.Engine(model, block_size=4, num_blocks=3)
+    a, b = eng.new(PROMPTS[0][:4]), eng.new(PROMPTS[1] + [6])
+    eng.forward([a, b])
+    eng.append(a, PROMPTS[0][4:5])
+    eng.append(b, [11])
+    assert eng.overflow(a) is None and eng.overflow(b) is None  # each would fit alone
+    (ids_a, _, reason_a), (ids_b, _, reason_b) = eng.generate([a, b], 3, stop_ids=[])
+    assert ids_a == hf_greedy(model, PROMPTS[0][:5], 3) and reason_a == "length"
+    assert ids_b == [] and reason_b == "cache" and eng.cached(b) == 4 and eng.pending[b] == [11]
+
+
+def test_forward_that_does_not_fit_raises_and_changes_nothing():
+    model = tiny_model("llama")
+    eng = engine.Engine(model, block_size=4, num_blocks=4)
+    a = eng.new(PROMPTS[0][:8])
+    eng.forward([a])
+    b, c = eng.fork(a, [1, 2, 3, 4, 5]), eng.fork(a, [6])  # b needs 2 blocks, c 1: 3 > 2 free
+    tables = {s: list(eng.cache.tables[s]) for s in (a, b, c)}
+    with pytest.raises(RuntimeError, match="needs 3 KV blocks, the pool has 2 free"):
+        eng.forward([b, c])
+    assert eng.free_blocks == 2 and {s: eng.cache.tables[s] for s in (a, b, c)} == tables
+    assert eng.admit([b, c], [5, 1]) == [b]  # what the caller may run instead
+    assert eng.cached(b) == 8 and eng.pending[b] == [1, 2, 3, 4, 5]
+
+
+# -----------------------------------------------------------------------------
+# the fixed-shape decode step and batch-invariant sampling
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_rows_change_no_other_row(arch, paths):
+    """Three sequences decode in a bucket of four rows (one padded), and one stops early and
+    turns inert: each row's tokens and log-probs equal the same sequence decoded alone (a bucket
+    of one), under greedy and under sampling."""
+    model = tiny_model(arch)
+    stop = engine.generate(model, [PROMPTS[1]], 5)[0][2]  # PROMPTS[1] stops after 3 tokens
+    for sampling in (engine.GREEDY, engine.Sampling(1.0, top_p=0.95)):
+        eng = engine.Engine(model, block_size=4, num_blocks=200)
+        together = eng.generate([eng.new(p) for p in PROMPTS], 20, sampling, [7, 8, 9], [stop])
+        assert engine.batch_bucket(3) == 4 and (sampling.temperature or together[1][2] == "stop")
+        for prompt, key, (ids, logps, reason) in zip(PROMPTS, [7, 8, 9], together):
+            [(alone, alone_logps, alone_reason)] = eng.generate([eng.new(prompt)], 20, sampling,
+                                                                [key], [stop])
+            assert ids == alone and reason == alone_reason
+            torch.testing.assert_close(torch.tensor(logps), torch.tensor(alone_logps),
+                                       atol=1e-5, rtol=0)
+
+
+def test_a_sequences_samples_follow_its_key_not_its_batch():
+    """Sampled at T = 1: the same key gives the same tokens whether a sequence runs alone, with
+    others, or after a pool refill; another key gives other tokens."""
+    model = tiny_model("qwen2")
+    sampling = engine.Sampling(1.0)
+    eng = engine.Engine(model, block_size=4, num_blocks=300)
+    alone = eng.generate([eng.new(PROMPTS[2])], 16, sampling, [42], [])[0][0]
+    mixed = eng.generate([eng.new(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[1])], 16,
+                         sampling, [1, 42, 3], [])[1][0]
+    other = eng.generate([eng.new(PROMPTS[2])], 16, sampling, [43], [])[0][0]
+    assert alone == mixed and alone != other
+
+
+def test_gumbel_sampling_draws_the_tempered_truncated_distribution():
+    """20,000 draws from one row of logits (keys fixed, positions counting): frequencies match
+    softmax(logits / T) within 4 standard errors; top_k and top_p leave out exactly the tail."""
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    n = 20000
+    rows, keys, positions = logits.expand(n, -1), torch.full((n,), 5), torch.arange(n)
+    for sampling, kept in ((engine.Sampling(0.8), 5), (engine.Sampling(1.0, top_k=3), 3),
+                           (engine.Sampling(1.0, top_p=0.75), 2)):
+        p = torch.softmax(logits / sampling.temperature, -1)
+        p = torch.where(torch.arange(5) < kept, p, 0.0)
+        p = p / p.sum()
+        tokens, logps = engine.sample(rows, sampling, keys, positions)
+        freq = torch.bincount(tokens, minlength=5).float() / n
+        assert (freq[kept:] == 0).all()
+        assert ((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-9).all(), (sampling, freq, p)
+        torch.testing.assert_close(logps, p.log()[tokens])
+
+
+def test_uniform_noise_is_a_pure_function_of_key_position_and_id():
+    keys, positions = torch.tensor([3, 3, 4]), torch.tensor([10, 11, 10])
+    u = engine.uniform_noise(keys, positions, 1000)
+    assert ((u > 0) & (u < 1)).all() and not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    torch.testing.assert_close(engine.uniform_noise(keys[:1], positions[:1], 1000), u[:1])
+    assert abs(u.mean().item() - 0.5) < 0.02

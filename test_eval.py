@@ -347,3 +347,46 @@ def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatc
     assert sum("belief" in line for line in shown) == 2
     [saved] = ev.load_episodes(next((tmp_path / "evals").iterdir()))
     assert saved["transcript"] == ep["transcript"]
+
+
+def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path):
+    """The main table's scale in miniature: every held-out scenario, one episode each, on pools
+    of 400 blocks of 16 tokens (a few episodes at a time): no episode ends "cache"."""
+    import arena
+    import engine
+    import models
+    model, tok = models.load_model("random:tiny-qwen3")
+    instances = arena.heldout_instances()
+    assert len(instances) == 120
+    engines = [engine.Engine(model, tok, num_blocks=400) for _ in range(2)]
+    summary = ev.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=0,
+                          max_new_tokens=4)
+    episodes = ev.load_episodes(tmp_path / "run")
+    assert summary["n"] == 120 and [e["id"] for e in episodes] == [i["id"] for i in instances]
+    assert not any(e["end_reason"] in ("cache", "context") for e in episodes)
+    assert all(eng.free_blocks == 400 for eng in engines)
+
+
+def test_two_ranks_write_the_summary_of_one_process(tmp_path):
+    """torchrun --nproc_per_node 2 eval.py shards the scenarios over the ranks; rank 0 gathers
+    them: episodes.jsonl and summary.json equal one process's."""
+    common = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+              "--limit", "6", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600"]
+    runs = {}
+    for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run",
+                                                 "--nproc_per_node", "2", "--master_port", "29533"])):
+        cmd = [sys.executable, *launcher, str(Path(ev.__file__)), *common, "--name", name]
+        p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        runs[name] = tmp_path / ev.EVALS_DIR / name
+    one, two = (ev.load_episodes(runs[k]) for k in ("one", "two"))
+    assert len(one) == 6 == len(two)
+    for a, b in zip(one, two):  # texts exactly; beliefs to float noise (other batch neighbours)
+        assert {k: v for k, v in a.items() if k not in ("beliefs", "probes")} == \
+               {k: v for k, v in b.items() if k not in ("beliefs", "probes")}
+        assert sum(a["probes"], []) == pytest.approx(sum(b["probes"], []), abs=1e-5)
+    summary = lambda k: json.loads((runs[k] / "summary.json").read_text())
+    flat = lambda s, pre="": ({f"{pre}{k}": v for key, val in s.items() if key != "probe_fidelity"
+                               for k, v in (flat(val, f"{key}.").items() if isinstance(val, dict)
+                                            else [(key, val)])})
+    assert flat(summary("one")) == pytest.approx(flat(summary("two")), abs=1e-5)

@@ -1,4 +1,5 @@
 """Dialogue tests: episodes played on two engines, the persuadee's turn, the judge."""
+import pytest
 import torch
 
 import arena
@@ -18,7 +19,7 @@ def test_dialogue_rollout_returns_blocks_and_consistent_streams(tokenizer):
     er = engine.Engine(er_model, tokenizer, block_size=8, num_blocks=2000)
     ee = engine.Engine(ee_model, tokenizer, block_size=8, num_blocks=2000)
     records = rollout.rollout_episodes(er, ee, scenarios, 2, group_size=2, seed=3,
-                                       max_new_tokens=6, persuader_temperature=1.0)
+                                       max_new_tokens=6, persuader_sampling=engine.Sampling(1.0))
     assert len(records) == 4 and [r["id"] for r in records][::2] == [s["id"] for s in scenarios]
     assert len(er.cache.free_blocks) == 2000 and len(ee.cache.free_blocks) == 2000
     for r in records:
@@ -47,8 +48,8 @@ def test_persuader_tags_never_reach_the_persuadee(tokenizer, monkeypatch):
         seen.append(content), original(tok, content, *a, **k))[1])
     monkeypatch.setattr(engine.Engine, "generate", fake_generate("We agree [ACCEPT] **[Accept]**"))
     scenario = arena.load_scenarios(split="heldout")[0]
-    model = tiny_model("llama")
-    er, ee = engine.Engine(model, tokenizer, num_blocks=400), engine.Engine(model, tokenizer, num_blocks=400)
+    model = tiny_model("llama", max_position_embeddings=8192)  # real prompts, tiny tokenizer
+    er, ee = engine.Engine(model, tokenizer, num_blocks=1000), engine.Engine(model, tokenizer, num_blocks=1000)
     rollout.rollout_episodes(er, ee, [scenario], 1)
     assert seen and all(arena.parse_decision(s) is None for s in seen)
 
@@ -61,8 +62,8 @@ def test_final_turn_instruction_reaches_the_persuadee_on_the_last_turn_only(toke
     original = models.turn_ids
     monkeypatch.setattr(models, "turn_ids", lambda tok, content, *a, **k: (
         seen.append(content), original(tok, content, *a, **k))[1])
-    model = tiny_model("llama")
-    er, ee = engine.Engine(model, tokenizer, num_blocks=400), engine.Engine(model, tokenizer, num_blocks=400)
+    model = tiny_model("llama", max_position_embeddings=8192)  # real prompts, tiny tokenizer
+    er, ee = engine.Engine(model, tokenizer, num_blocks=1000), engine.Engine(model, tokenizer, num_blocks=1000)
     er.generate = fake_generate("Try it for a week.").__get__(er)
     ee.generate = fake_generate("Let me think.").__get__(ee)
     [record] = rollout.rollout_episodes(er, ee, arena.load_scenarios(split="heldout")[:1], 3)
@@ -137,3 +138,74 @@ def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
     assert shared > 100
     assert judge.tokens_prefilled == sum(map(len, group)) - shared - 2
     assert len(judge.cache.free_blocks) == 2000
+
+
+# -----------------------------------------------------------------------------
+# the scheduler: any pool that holds one episode, the same records
+
+
+def play_on(pool, instances, tokenizer, max_active=None, **kw):
+    """Six sampled episodes of three instances on pools of `pool` blocks of 16 tokens."""
+    er = engine.Engine(tiny_model("llama"), tokenizer, block_size=16, num_blocks=pool)
+    ee = engine.Engine(tiny_model("qwen3", seed=1), tokenizer, block_size=16, num_blocks=pool)
+    records = rollout.rollout_episodes(
+        er, ee, instances, 3, group_size=2, seed=5, persuader_sampling=engine.Sampling(1.0),
+        persuadee_sampling=engine.Sampling(0.9, top_p=0.95), max_new_tokens=6, judge=ee,
+        max_active=max_active, **kw)
+    assert er.free_blocks == pool and ee.free_blocks == pool  # every block came back
+    return records
+
+
+def test_records_do_not_depend_on_the_pool_or_the_admission_size(tokenizer):
+    """A pool that holds all six episodes, one that holds about one at a time (episodes wait and
+    are preempted and replayed), and one episode at a time: token ids and transcripts equal,
+    beliefs within 1e-5. A pool too small for one episode alone ends each one "cache"."""
+    from conftest import short_scenario
+    instances = [short_scenario(i) for i in range(1, 4)]
+    big = play_on(4000, instances, tokenizer)
+    assert {r["end_reason"] for r in big} == {"budget"}
+    for records in (play_on(100, instances, tokenizer), play_on(4000, instances, tokenizer, 1)):
+        for a, b in zip(big, records, strict=True):
+            assert (a["ids"], a["turn_ids"], a["transcript"]) == (b["ids"], b["turn_ids"],
+                                                                  b["transcript"])
+            torch.testing.assert_close(torch.tensor(a["beliefs"]), torch.tensor(b["beliefs"]),
+                                       atol=1e-5, rtol=0)
+            assert a["judge"] == b["judge"]
+    assert {r["end_reason"] for r in play_on(40, instances, tokenizer)} == {"cache"}
+
+
+def test_a_message_without_a_reply_is_masked_out_of_the_loss(tokenizer):
+    """The persuadee's context fills during turn 2: the episode ends "context" with one turn
+    scored; message 2 stays in the transcript, its sampled tokens carry turn id 0, and the
+    advantages of one turn map onto the stream (an unmasked stream is refused, never a 0)."""
+    from conftest import short_scenario
+    inst = short_scenario(1)
+    _, ee_prompt = rollout.prompt_ids(tokenizer, tokenizer, inst)
+    er = engine.Engine(tiny_model("llama"), tokenizer, num_blocks=400)
+    ee_model = tiny_model("qwen3", seed=1, max_position_embeddings=len(ee_prompt) + 70)
+    ee = engine.Engine(ee_model, tokenizer, num_blocks=400)
+    [r] = rollout.rollout_episodes(er, ee, [inst], 4, max_new_tokens=6,
+                                   persuader_sampling=engine.GREEDY,
+                                   persuadee_sampling=engine.GREEDY)
+    assert r["end_reason"] == "context" and r["turns"] == 1 and len(r["beliefs"]) == 2
+    assert [m["role"] for m in r["transcript"]][:3] == ["persuader", "persuadee", "persuader"]
+    sampled = [t for t, lp in zip(r["turn_ids"], r["logprobs"]) if lp != 0.0]
+    first = sampled.index(0)  # message 1's tokens are tagged 1, message 2's are not
+    assert set(sampled[:first]) == {1} and set(sampled[first:]) == {0} and len(sampled) > first
+    ids = torch.tensor([r["turn_ids"]])
+    assert rpo.batch_token_advantages(ids, [[0.5]]).sum() == 0.5 * sampled.count(1)
+    unmasked = torch.tensor([[2 if lp != 0.0 and t == 0 else t
+                              for t, lp in zip(r["turn_ids"], r["logprobs"])]])
+    with pytest.raises(ValueError, match="turn id 0"):
+        rpo.batch_token_advantages(unmasked, [[0.5]])
+
+
+def test_a_prompt_longer_than_the_context_is_named_before_anything_runs(tokenizer):
+    from conftest import short_scenario
+    inst = short_scenario(2)
+    short = tiny_model("llama", max_position_embeddings=256)
+    er, ee = engine.Engine(short, tokenizer), engine.Engine(short, tokenizer)
+    assert set(rollout.prompt_problems(er, ee, [inst])) == {inst["id"]}
+    with pytest.raises(ValueError, match=f"prompt of {inst['id']} is \\d+ tokens"):
+        rollout.rollout_episodes(er, ee, [inst], 2)
+    assert er.free_blocks == er.cache.num_blocks

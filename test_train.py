@@ -53,11 +53,12 @@ def metrics(run_dir):
 
 def test_two_ranks_match_one_process(tmp_path, short_scenarios):
     """torchrun with 2 CPU ranks (gloo, FSDP) and one process, same global batch: the same loss,
-    gradient norm, KL and rewards at step 1 and, after one sharded AdamW step, at step 2. Greedy
-    sampling makes the rollouts independent of how groups are split over ranks."""
+    gradient norm, KL and rewards at step 1 and, after one sharded AdamW step, at step 2, with
+    both sides sampling: each episode's random streams are keyed by (seed, instance, group
+    index, side), never by the rank or the batch it shares."""
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2",
-                     "--instances", "2", "--group-size", "2", "--persuader-temperature", "0",
-                     "--persuadee-temperature", "0", "--max-new-tokens", "6"]
+                     "--instances", "2", "--group-size", "2", "--persuader-temperature", "1",
+                     "--persuadee-temperature", "0.7", "--max-new-tokens", "6"]
     one = run_script(["train.py", *common, "--name", "one"])
     two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                       "29517", "train.py", *common, "--name", "two"])

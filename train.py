@@ -43,21 +43,19 @@ PRESETS = {
                   judge=None, dtype="bfloat16", steps=200, instances=16, group_size=8,
                   t_max=arena.T_MAX_TRAIN, eval_t_max=arena.T_MAX_EVAL, lr=1e-6,
                   max_new_tokens=256, micro_batch=4, eval_every=20, eval_limit=120,
-                  save_every=20),
+                  save_every=20, sampling="paper"),
     "cpu": dict(persuader="smollm2", persuadee="smollm2", judge=None, dtype="float32", steps=3,
                 instances=2, group_size=4, t_max=2, eval_t_max=3, lr=1e-5, max_new_tokens=32,
-                micro_batch=2, eval_every=0, eval_limit=4, save_every=1),
+                micro_batch=2, eval_every=0, eval_limit=4, save_every=1, sampling="cpu"),
     "tiny": dict(persuader="random:tiny-llama", persuadee="random:tiny-qwen3", judge=None,
                  dtype="float32", steps=4, instances=2, group_size=2, t_max=2, eval_t_max=2,
                  lr=1e-3, max_new_tokens=4, micro_batch=2, eval_every=0, eval_limit=2,
-                 save_every=2),
+                 save_every=2, sampling="paper"),
 }
 LAMBDA = rpo.LAMBDA                 # dense process-reward weight; 0 = outcome-only GRPO
 ANCHOR = rpo.ANCHOR                 # anchor b_T to the outcome
 KL_BETA = rpo.KL_BETA               # k3 KL weight against the initial policy
 CLIP_LOW, CLIP_HIGH = rpo.CLIP_LOW, rpo.CLIP_HIGH  # ratio clip range
-PERSUADER_TEMPERATURE = 1.0         # policy sampling temperature (no top-k/top-p: exact pi_old)
-PERSUADEE_TEMPERATURE = 0.7         # the persuadee's visible replies are sampled
 GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
 GRAD_CHECKPOINTING = True           # on GPUs: recompute activations in the backward pass
@@ -81,8 +79,11 @@ def parse_args(argv=None):
     p.add_argument("--kl-beta", type=float, default=KL_BETA)
     p.add_argument("--clip-low", type=float, default=CLIP_LOW)
     p.add_argument("--clip-high", type=float, default=CLIP_HIGH)
-    p.add_argument("--persuader-temperature", type=float, default=PERSUADER_TEMPERATURE)
-    p.add_argument("--persuadee-temperature", type=float, default=PERSUADEE_TEMPERATURE)
+    p.add_argument("--persuader-temperature", type=float,
+                   help="default: the preset's rollout.SAMPLING (no top-k/top-p: exact pi_old)")
+    p.add_argument("--persuadee-temperature", type=float, help="default: the preset's")
+    p.add_argument("--persuadee-top-p", type=float, help="default: the preset's")
+    p.add_argument("--persuadee-top-k", type=int, help="default: the preset's")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--name", default=None, help="run folder runs/NAME (default: preset and time)")
     p.add_argument("--out", default="runs")
@@ -93,6 +94,12 @@ def parse_args(argv=None):
     args.preset = args.preset or ("paper" if cuda else "cpu")
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    er, ee = rollout.SAMPLING[args.sampling]  # the roles' sampling (rollout.SAMPLING)
+    defaults = dict(persuader_temperature=er.temperature, persuadee_temperature=ee.temperature,
+                    persuadee_top_p=ee.top_p, persuadee_top_k=ee.top_k)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
             setattr(args, key, value)
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.resume and not (Path(args.out) / args.name / "latest").exists():
@@ -333,6 +340,12 @@ def main(argv=None):
              engine.Engine(*load(args.judge, args.dtype, device)) if args.judge else persuadee)
 
     instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
+    problems = rollout.prompt_problems(actor, persuadee, instances)  # found once, up front
+    if problems:
+        say(f"skipping {len(problems)} training instances that do not fit a context, e.g. "
+            f"{next(iter(problems.values()))}")
+        instances = [inst for inst in instances if inst["id"] not in problems]
+    args.skipped_instances = len(problems)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(vars(args), indent=2))
@@ -349,9 +362,11 @@ def main(argv=None):
         times = dict(judge_s=0.0)
         records = rollout.rollout_episodes(
             actor, persuadee, mine, args.t_max, group_size=args.group_size,
-            seed=args.seed * 1000003 + step * 1009 + rank,
-            persuader_temperature=args.persuader_temperature,
-            persuadee_temperature=args.persuadee_temperature, max_new_tokens=args.max_new_tokens,
+            seed=args.seed * 1000003 + step * 1009,  # not the rank: records are rank-free
+            persuader_sampling=engine.Sampling(args.persuader_temperature),
+            persuadee_sampling=engine.Sampling(args.persuadee_temperature,
+                                                       args.persuadee_top_p, args.persuadee_top_k),
+            max_new_tokens=args.max_new_tokens,
             judge=judge, progress=bar, timings=times)
         bar.close()
         times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
@@ -389,17 +404,19 @@ def main(argv=None):
 
 
 def evaluate(actor, persuadee, args, step, rank, run_dir):
-    """Held-out evaluation through eval.py, on rank 0, written to runs/NAME/eval-STEP."""
+    """Held-out evaluation through eval.py, the scenarios sharded over the ranks; rank 0 writes
+    runs/NAME/eval-STEP."""
+    import eval as evaluation
+    instances = arena.heldout_instances(arena.load_scenarios(args.scenarios))[:args.eval_limit]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
+                                  t_max=args.eval_t_max, seed=args.seed,
+                                  max_new_tokens=args.max_new_tokens,
+                                  preset=args.sampling,
+                                  rank=rank, world=world)
     if rank == 0:
-        import eval as evaluation
-        instances = arena.heldout_instances(arena.load_scenarios(args.scenarios))[:args.eval_limit]
-        summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
-                                      t_max=args.eval_t_max, seed=args.seed,
-                                      max_new_tokens=args.max_new_tokens)
         print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "
               f"full-or-conditional {summary['full_or_conditional']:.1%}")
-    if dist.is_initialized():
-        dist.barrier()
 
 
 if __name__ == "__main__":
