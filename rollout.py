@@ -63,15 +63,15 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     persuader.forward(er_roots)
     persuadee.forward(ee_roots)
     with clock(timings, "probe_s"):
-        b0s = probes.read_engine(persuadee, ee_roots).tolist()
+        b0s, m0s = (x.tolist() for x in probes.read_engine(persuadee, ee_roots, with_mass=True))
     episodes = []
-    for (inst, er_ids, er_root, ee_root), b0 in zip(roots, b0s):
+    for (inst, er_ids, er_root, ee_root), b0, m0 in zip(roots, b0s, m0s):
         for _ in range(group_size):
             er, ee = persuader.fork(er_root, er_ids[-1:]), persuadee.fork(ee_root)
             episodes.append(dict(inst=inst, er=er, ee=ee, state=arena.Episode(t_max),
                                  ids=list(er_ids), turn_ids=[0] * len(er_ids),
                                  logprobs=[0.0] * len(er_ids), transcript=[], probes=[b0],
-                                 beliefs=[sum(b0) / 3]))
+                                 probe_mass=[m0], beliefs=[sum(b0) / 3]))
         persuader.free(er_root)
         persuadee.free(ee_root)
 
@@ -110,6 +110,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                 continue
             e["state"].step(reply["decision"])
             e["probes"].append(reply["probes"])
+            e["probe_mass"].append(reply["probe_mass"])
             e["beliefs"].append(sum(reply["probes"]) / 3)
         # the persuader reads the reply, tags stripped
         for e in active:
@@ -138,7 +139,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
         outcome=e["state"].outcome, turns=len(e["beliefs"]) - 1,
         end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
-        probes=e["probes"], judge=score, ids=e["ids"], turn_ids=e["turn_ids"],
+        probes=e["probes"], probe_mass=e["probe_mass"], judge=score, ids=e["ids"], turn_ids=e["turn_ids"],
         logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
 
 
@@ -149,8 +150,9 @@ def persuadee_turn(persuadee, sids, messages, final_turns, *, temperature, top_p
     context (tags stripped, the final-turn instruction added where due, never in a transcript),
     it replies, its reply is closed and its beliefs are read in forks.
 
-    Returns per sequence {text, decision, reason, probes}; a reply cut off by the cache or the
-    context ("context", "cache") has no probes, and its sequence is left as it is."""
+    Returns per sequence {text, decision, reason, probes, probe_mass (the Yes+No mass of each
+    read-out)}; a reply cut off by the cache or the context ("context", "cache") has no probes,
+    and its sequence is left as it is."""
     tok = persuadee.tokenizer
     for sid, text, final in zip(sids, messages, final_turns):
         persuadee.append(sid, models.turn_ids(tok, arena.persuadee_sees(text, final)))
@@ -160,7 +162,7 @@ def persuadee_turn(persuadee, sids, messages, final_turns, *, temperature, top_p
     for sid, (ids, _, reason) in zip(sids, outs):
         text = tok.decode(ids, skip_special_tokens=True).strip()
         replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
-                            probes=None))
+                            probes=None, probe_mass=None))
         if reason not in ("context", "cache"):
             persuadee.append(sid, models.closing_ids(tok, ids))
             closed.append((sid, replies[-1]))
@@ -168,14 +170,15 @@ def persuadee_turn(persuadee, sids, messages, final_turns, *, temperature, top_p
         with clock(timings, "persuadee_s"):
             persuadee.forward([sid for sid, _ in closed])
         with clock(timings, "probe_s"):
-            values = probes.read_engine(persuadee, [sid for sid, _ in closed]).tolist()
-        for (_, reply), v in zip(closed, values):
-            reply["probes"] = v
+            values, mass = probes.read_engine(persuadee, [sid for sid, _ in closed], with_mass=True)
+        for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
+            reply["probes"], reply["probe_mass"] = v, m
     return replies
 
 
 def judge_scores(judge, instances, transcripts, seed=0):
-    """Strategy score s per transcript: greedy first, then sampled retries, then 0.
+    """Strategy score s per transcript: greedy first, then up to JUDGE_RETRIES sampled retries,
+    then 0.
 
     Prompts are prefilled once: the part a group shares (the instruction and the hidden profile
     of its instance) in one root, each transcript in a fork of it, each attempt in a fork of that."""
@@ -200,7 +203,7 @@ def judge_scores(judge, instances, transcripts, seed=0):
     waiting = [bases[i] for i, s in enumerate(scores) if s is None and judge.length(bases[i]) > judge.cached(bases[i])]
     if waiting:
         judge.forward(waiting)
-    for attempt in range(arena.JUDGE_RETRIES):
+    for attempt in range(1 + arena.JUDGE_RETRIES):
         todo = [i for i, s in enumerate(scores) if s is None]
         if not todo:
             break
