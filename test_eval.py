@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+import rpo
 
 HERE = Path(__file__).resolve().parent
 
@@ -30,6 +31,7 @@ def episode(sid, outcome, beliefs, domain="finance", resistance="identity_threat
             "persuader": "p", "persuadee": "q", "seed": 0}
 
 
+PAPER_ANCHORS = {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -1.0}
 # raw r_t = (b_t - b_{t-1}) / 2; anchored: b_T replaced by {ACCEPT 1, COND .5, PENDING 0, REJECT -1, WALK -1}
 SIX = [
     # raw r: .2 .2 (0 negative); anchored sum (1 - 0)/2 = .5
@@ -68,8 +70,14 @@ def test_summarize_by_hand():
     assert s["mean_turns"] == pytest.approx(15 / 6)             # 2 + 3 + 4 + 2 + 1 + 3
     # measured b_T, not the anchor: (.8 + .6 + .4 - .4 - .6 + .6)/6 = 1.4/6 (anchors would give .5/6)
     assert s["mean_final_belief"] == pytest.approx(1.4 / 6)
-    # anchored dense returns .5 + .15 + 0 - .7 - .5 + .6 = .05 (raw would give .5)
-    assert s["mean_dense_return"] == pytest.approx(0.05 / 6)
+    # dense returns under the run's setting: raw .4 + .2 + .2 - .4 - .3 + .4 = .5; anchored
+    # .5 + .15 + 0 - .7 - .5 + .6 = .05 (the anchors of rpo.ANCHOR_BELIEF as they are today)
+    anchored = sum(rpo.ANCHOR_BELIEF[ep["outcome"]] - ep["beliefs"][0] for ep in SIX) / 2
+    assert anchored == pytest.approx(0.05) or rpo.ANCHOR_BELIEF != PAPER_ANCHORS
+    assert s["mean_dense_return"] == pytest.approx((anchored if rpo.ANCHOR else 0.5) / 6)
+    assert s["anchor"] == rpo.ANCHOR
+    for setting, total in ((True, anchored), (False, 0.5)):
+        assert ev.summarize([{**ep, "anchor": setting} for ep in SIX])["mean_dense_return"] == pytest.approx(total / 6)
     # raw negatives 0 + 1 + 1 + 2 + 1 + 0 = 5 of 15 turns (anchored would count 6)
     assert s["negative_process_share"] == pytest.approx(5 / 15)
     assert s["mean_judge"] == pytest.approx(0.5 / 6)            # 1 + .5 + 0 - 1 - 2 + 2
@@ -84,7 +92,10 @@ def test_summarize_breakdowns():
     assert it["negative_process_share"] == pytest.approx(1 / 9)  # only e3's second turn
     eb = s["by_resistance"]["entrenched_belief"]                # e2, e4
     assert eb["full_accept"] == 0 and eb["full_or_conditional"] == pytest.approx(0.5)
-    assert eb["mean_dense_return"] == pytest.approx((0.15 - 0.7) / 2)
+    # e2, e4 raw .2 and -.4; anchored (a[COND] - .2)/2 and (a[REJECT] - .4)/2
+    a = rpo.ANCHOR_BELIEF
+    anchored = ((a["CONDITIONAL_ACCEPT"] - 0.2) / 2 + (a["REJECT"] - 0.4) / 2) / 2
+    assert eb["mean_dense_return"] == pytest.approx(anchored if rpo.ANCHOR else (0.2 - 0.4) / 2)
     assert s["by_resistance"]["autonomy_resistance"]["walk_away"] == 1.0
     fin = s["by_domain"]["finance"]                             # e1, e2
     assert fin["full_accept"] == pytest.approx(0.5) and fin["full_or_conditional"] == 1.0
