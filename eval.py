@@ -735,7 +735,7 @@ def plot_moves(summary, path):
                 ax.errorbar(e["diff"], y, xerr=[[e["diff"] - e["low"]], [e["high"] - e["diff"]]], fmt="o", capsize=3)
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
         ax.axvline(0, color="black", lw=0.5)
-        ax.set(title=f"{title} (with - without, 95% CI)", xlabel="difference")
+        ax.set(title=f"{title}, 95% CI", xlabel="with the move - without it")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
