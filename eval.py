@@ -1135,8 +1135,9 @@ def parse_args(argv=None):
                                     "(default: each persuadee's own model); 'none' gives s = 0")
     ap.add_argument("--tagger", choices=("keyword", "logit"), default="keyword",
                     help="move and manipulation labels: keyword rules, or yes/no logits of the judge")
-    ap.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR,
-                    help="the reward setting dense returns are computed under (the run's own; rpo.ANCHOR)")
+    ap.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
+                    help="the reward setting dense returns are computed under (default: the training "
+                         "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell")
     ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")
@@ -1169,6 +1170,15 @@ def parse_args(argv=None):
     args.persuader = args.persuader or [DEFAULT_MODEL]
     args.persuadee = args.persuadee or [DEFAULT_MODEL]
     return args
+
+
+def run_anchor(persuader):
+    """The anchor setting of the training run a checkpoint belongs to (its folder's config.json),
+    else rpo.ANCHOR."""
+    config = Path(persuader).parent / "config.json"
+    if Path(persuader).is_dir() and config.is_file():
+        return bool(json.loads(config.read_text()).get("anchor", rpo.ANCHOR))
+    return rpo.ANCHOR
 
 
 def _output_dir(args, default):
@@ -1240,7 +1250,8 @@ def main(argv=None):
     for p, q in pairs:
         out_dir = Path(EVALS_DIR) / base if len(pairs) == 1 else Path(EVALS_DIR) / base / f"{_slug(p)}_vs_{_slug(q)}"
         results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,
-                                   max_new_tokens=args.max_new_tokens, judge=args.judge, anchor=args.anchor,
+                                   max_new_tokens=args.max_new_tokens, judge=args.judge,
+                                   anchor=run_anchor(p) if args.anchor is None else args.anchor,
                                    tagger=args.tagger)
         print(f"\n== persuader {p}, persuadee {q}, judge {args.judge or q} -> {out_dir}\n"
               f"{format_table(results[(p, q)])}")

@@ -309,6 +309,12 @@ def test_probe_fidelity():
     (["--plot-run", "{tmp}/empty"], "metrics.jsonl does not exist"),
     (["--limit", "0"], "--limit must be at least 1"),
     (["--play", "heldout-999"], "unknown scenario id"),
+    (["--compare-many", "{tmp}/B"], "--compare-many and --policy go together"),
+    (["--overlay", "{tmp}/B"], "--overlay needs at least two"),
+    (["--case", "{tmp}/B", "nope"], "has no episode of nope"),
+    (["--runs", "{tmp}/nope"], "is not a directory"),
+    (["--analyze", "{tmp}/empty"], "episodes.jsonl does not exist"),
+    (["--tagger", "logit", "--judge", "none"], "--tagger logit reads the judge model"),
 ])
 def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "empty").mkdir()
@@ -668,3 +674,12 @@ def test_training_keeps_evaluated_checkpoints_and_joins_summaries(tmp_path, shor
     capsys.readouterr()
     ev.main(["--runs", str(run)])
     assert "held-out full acceptance by step" in capsys.readouterr().out
+
+
+def test_run_anchor_follows_the_training_run(tmp_path):
+    checkpoint = tmp_path / "run" / "checkpoint-20"
+    checkpoint.mkdir(parents=True)
+    assert ev.run_anchor(str(checkpoint)) == rpo.ANCHOR                  # no config: the default
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"anchor": not rpo.ANCHOR}))
+    assert ev.run_anchor(str(checkpoint)) == (not rpo.ANCHOR)
+    assert ev.run_anchor("smollm2") == rpo.ANCHOR
