@@ -1035,7 +1035,8 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
     for ep in episodes:
         for key in TRAINING_KEYS:
             ep.pop(key, None)
-        ep.update(persuader=names[0], persuadee=names[1], seed=seed, anchor=anchor)
+        ep.update(persuader=names[0], persuadee=names[1], seed=seed, anchor=anchor,
+                  probe_space=probes.PROBE_SPACE)
     moves.tag_episodes(episodes, {inst.get("scenario_id", inst["id"]): inst for inst in instances},
                        tagger, judge if judge is not None else persuadee)
     reads = None
@@ -1138,6 +1139,8 @@ def parse_args(argv=None):
     ap.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
                     help="the reward setting dense returns are computed under (default: the training "
                          "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
+    ap.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
+                    help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell")
     ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")
@@ -1226,6 +1229,7 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             sys.exit(f"eval.py: {e}")
         return
+    probes.PROBE_SPACE = args.probe_space  # every read-out of this process, fidelity check included
     if args.max_new_tokens is None:  # the model-driven modes only
         import torch
         args.max_new_tokens = GPU_MAX_NEW_TOKENS if torch.cuda.is_available() else CPU_MAX_NEW_TOKENS

@@ -373,21 +373,26 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
 
 
 def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
-    """--judge: one judge model for every persuadee of a grid; --subset balanced60 then --limit."""
+    """--judge: one judge model for every persuadee of a grid; --subset balanced60 then --limit;
+    --probe-space reaches the read-outs and is recorded."""
+    import probes
     import rollout
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(probes, "PROBE_SPACE", probes.PROBE_SPACE)  # restored after the test
     judged_by = []
     monkeypatch.setattr(rollout, "judge_scores",
                         lambda judge, instances, transcripts, seed=0: judged_by.append(judge.model) or [0.0] * len(instances))
     ev.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
              "--judge", "random:tiny-llama", "--subset", "balanced60", "--limit", "1", "--t-max", "1",
-             "--max-new-tokens", "3", "--name", "g"])
+             "--max-new-tokens", "3", "--name", "g", "--probe-space", "logodds"])
+    assert probes.PROBE_SPACE == "logodds"
     assert len(judged_by) == 2 and judged_by[0] is judged_by[1]
     assert judged_by[0].config.model_type == "llama"
     runs = sorted((tmp_path / "evals" / "g").iterdir())
     assert len(runs) == 2 and all((r / "summary.json").exists() for r in runs)
     [ep] = ev.load_episodes(runs[0])
     assert ep["scenario_id"] == ev.balanced_subset(__import__("arena").heldout_instances(), 3)[0]["id"]
+    assert ep["probe_space"] == "logodds"
 
 
 def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ from tqdm import tqdm
 import arena
 import engine
 import models
+import probes
 import rollout
 import rpo
 
@@ -78,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float)
     p.add_argument("--lam", type=float, default=LAMBDA)
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=ANCHOR)
+    p.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
+                   help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
     p.add_argument("--kl-beta", type=float, default=KL_BETA)
     p.add_argument("--clip-low", type=float, default=CLIP_LOW)
     p.add_argument("--clip-high", type=float, default=CLIP_HIGH)
@@ -298,6 +301,7 @@ def load(name, dtype, device):
 
 def main(argv=None):
     args = parse_args(argv)
+    probes.PROBE_SPACE = args.probe_space  # the dense reward's read-outs, and the held-out ones
     rank, world, device = setup_distributed()
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name
