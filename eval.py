@@ -723,8 +723,9 @@ def plot_moves(summary, path):
     (effect on the turn's r_t and on P(ACCEPT), 95% intervals)."""
     m = summary["moves"]
     fig, axes = plt.subplots(1, 3, figsize=MOVES_FIGSIZE)
+    color = {label: f"C{i}" for i, label in enumerate(moves.MOVES)}  # one colour per move in every panel
     for label, shares in m["by_turn"].items():
-        axes[0].plot(np.arange(1, len(shares) + 1), shares, marker="o", ms=3, label=label)
+        axes[0].plot(np.arange(1, len(shares) + 1), shares, marker="o", ms=3, label=label, color=color[label])
     axes[0].set(title="Moves by turn", xlabel="persuader turn", ylabel="share of messages", ylim=(-0.02, 1.02))
     axes[0].legend(fontsize=7)
     for ax, key, title in ((axes[1], "dense", "effect on the turn's r_t"), (axes[2], "accept", "effect on P(ACCEPT)")):
@@ -732,7 +733,8 @@ def plot_moves(summary, path):
         for y, label in enumerate(labels):
             e = m["effects"][label][key]
             if e is not None:
-                ax.errorbar(e["diff"], y, xerr=[[e["diff"] - e["low"]], [e["high"] - e["diff"]]], fmt="o", capsize=3)
+                ax.errorbar(e["diff"], y, xerr=[[e["diff"] - e["low"]], [e["high"] - e["diff"]]], fmt="o", capsize=3,
+                            color=color[label])
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
         ax.axvline(0, color="black", lw=0.5)
         ax.set(title=f"{title}, 95% CI", xlabel="with the move - without it")
