@@ -8,7 +8,12 @@ prompt, one forward step. Nothing of it enters a transcript. For each probe
     p = sum P(yes ids) / (sum P(yes ids) + sum P(no ids)),   v = 2p - 1 in [-1, 1],
 
 with the ids the first tokens of "Yes", " Yes", "yes", " yes" (and likewise "No"); the belief is
-b = mean(v_CA, v_PE, v_AC). In logit space p = sigmoid(lse(yes) - lse(no)), so v = tanh(d / 2).
+b = mean(v_CA, v_PE, v_AC). In logit space p = sigmoid(d), d = lse(yes) - lse(no), so v = tanh(d / 2).
+Validity options (constants below): PROBE_SPACE "logodds" reads v = clip(d, +-LOGODDS_CLIP) /
+LOGODDS_CLIP instead, linear in the log-odds, so that a saturated p still moves; PROBE_SIGNS flips a
+negatively valenced question; and each read-out can return its Yes+No mass
+m = sum P(yes ids) + sum P(no ids) over the full vocabulary, how much of the model's own
+first-token distribution the two answers hold (p is renormalised over that mass only).
 
 The fork shares the conversation's KV blocks (engine.PagedCache), so a read costs the probe's own
 tokens only. The three questions share their opening (the turn header and the instruction): on a
@@ -33,6 +38,10 @@ PROBES = {  # all positively valenced: Yes favours the persuader
     "PE": "Is the other person's approach working on you?",           # strategic
     "AC": "Are you more willing to agree to the request than before their last message?",  # conative
 }
+PROBE_SIGNS = {"CA": 1, "PE": 1, "AC": 1}  # valence: +1 where Yes favours the persuader, -1 flips v
+PROBE_SPACE = "prob"  # "prob": v = 2p - 1; "logodds": v = clip(log-odds, +-LOGODDS_CLIP) / LOGODDS_CLIP
+LOGODDS_CLIP = 4.0  # log-odds read as saturated (v = +-1) beyond this, i.e. p beyond 0.982
+PROBE_SPACES = ("prob", "logodds")
 YES_WORDS = ("Yes", " Yes", "yes", " yes")
 NO_WORDS = ("No", " No", "no", " no")
 
@@ -49,16 +58,40 @@ def probe_ids(tokenizer):
     return turns, engine.shared_stem(turns)
 
 
-def values_from_logits(logits, tokenizer):
-    """Probe values v = 2p - 1 from next-token logits [..., V]."""
+def _answer_logprobs(logits, tokenizer):
     logp = torch.log_softmax(logits.float(), -1)
-    yes = logp[..., answer_ids(tokenizer, YES_WORDS)].logsumexp(-1)
-    no = logp[..., answer_ids(tokenizer, NO_WORDS)].logsumexp(-1)
+    return (logp[..., answer_ids(tokenizer, YES_WORDS)].logsumexp(-1),
+            logp[..., answer_ids(tokenizer, NO_WORDS)].logsumexp(-1))
+
+
+def values_from_logits(logits, tokenizer, space=None):
+    """Probe values from next-token logits [..., V]: 2p - 1 ("prob") or the clipped, rescaled
+    log-odds ("logodds"); space defaults to PROBE_SPACE. No valence sign applied."""
+    space = space or PROBE_SPACE
+    if space not in PROBE_SPACES:
+        raise ValueError(f"probes: PROBE_SPACE must be one of {PROBE_SPACES}, got {space!r}")
+    yes, no = _answer_logprobs(logits, tokenizer)
+    if space == "logodds":
+        return (yes - no).clamp(-LOGODDS_CLIP, LOGODDS_CLIP) / LOGODDS_CLIP
     return torch.tanh((yes - no) / 2)
 
 
-def read_engine(eng, sids):
-    """Probe values [n, 3] for sequences whose context is closed and fully cached.
+def yes_no_mass(logits, tokenizer):
+    """sum P(yes ids) + sum P(no ids) under the full next-token distribution of logits [..., V]."""
+    yes, no = _answer_logprobs(logits, tokenizer)
+    return yes.exp() + no.exp()
+
+
+def _readout(logits, tokenizer, n):
+    """[n * 3, V] question logits -> signed probe values [n, 3] and Yes+No mass [n, 3]."""
+    signs = torch.tensor([float(PROBE_SIGNS[k]) for k in PROBES], device=logits.device)
+    values = values_from_logits(logits, tokenizer).view(n, len(PROBES)) * signs
+    return values, yes_no_mass(logits, tokenizer).view(n, len(PROBES))
+
+
+def read_engine(eng, sids, with_mass=False):
+    """Probe values [n, 3] for sequences whose context is closed and fully cached; with_mass:
+    (values, Yes+No mass), both [n, 3].
 
     Per sequence, one fork per question, all in one forward; on engine.COMPUTE_BOUND_DEVICES
     the questions' common opening is first prefilled once, in a fork of its own that the question
@@ -66,7 +99,7 @@ def read_engine(eng, sids):
     turns, shared = probe_ids(eng.tokenizer)
     if eng.device.type not in engine.COMPUTE_BOUND_DEVICES:
         shared = 0
-    out, need = [], read_blocks(eng)
+    out, mass, need = [], [], read_blocks(eng)
     if need > eng.free_blocks:
         raise RuntimeError(f"probes.py: a probe read takes up to {need} KV blocks, the pool has "
                            f"{eng.free_blocks} free; leave room for it (rollout reserves it)")
@@ -83,8 +116,11 @@ def read_engine(eng, sids):
         logits = eng.forward(leaves)
         for s in leaves + (parents if shared else []):
             eng.free(s)
-        out.append(values_from_logits(logits, eng.tokenizer).view(len(chunk), len(turns)))
-    return torch.cat(out).cpu()
+        values, m = _readout(logits, eng.tokenizer, len(chunk))
+        out.append(values)
+        mass.append(m)
+    values = torch.cat(out).cpu()
+    return (values, torch.cat(mass).cpu()) if with_mass else values
 
 
 def longest_question(tokenizer):
@@ -102,24 +138,23 @@ def read_blocks(eng):
     return (fork(shared) if shared else 0) + sum(fork(len(t) - shared) for t in turns)
 
 
-def read_beliefs(model, tokenizer, contexts):
+def read_beliefs(model, tokenizer, contexts, with_mass=False):
     """Probe values [n, 3] (order CA, PE, AC) for closed contexts given as token ids, via forks."""
     eng = engine.Engine(model, tokenizer)
     sids = [eng.new(c) for c in contexts]
     eng.forward(sids)
-    values = read_engine(eng, sids)
+    values = read_engine(eng, sids, with_mass)
     for s in sids:
         eng.free(s)
     return values
 
 
 @torch.no_grad()
-def read_beliefs_reference(model, tokenizer, contexts):
+def read_beliefs_reference(model, tokenizer, contexts, with_mass=False):
     """The same read-out by one plain full forward of each context plus question, no cache."""
     turns, _ = probe_ids(tokenizer)
     device = next(model.parameters()).device
-    rows = []
-    for context in contexts:
-        logits = [model(torch.tensor([context + t], device=device)).logits[0, -1] for t in turns]
-        rows.append(values_from_logits(torch.stack(logits), tokenizer))
-    return torch.stack(rows).cpu()
+    logits = [model(torch.tensor([context + t], device=device)).logits[0, -1]
+              for context in contexts for t in turns]
+    values, mass = _readout(torch.stack(logits), tokenizer, len(contexts))
+    return (values.cpu(), mass.cpu()) if with_mass else values.cpu()

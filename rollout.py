@@ -85,8 +85,9 @@ def persuadee_turn(persuadee, sids, heard, *, sampling, max_new_tokens, keys=Non
     """The persuadee's half of a turn, for each sequence: the message it heard (persuadee_heard)
     enters its context, it replies, its reply is closed and its beliefs are read in forks.
 
-    Returns per sequence {text, decision, reason, probes}; a reply cut off by the cache or the
-    context has no probes."""
+    Returns per sequence {text, decision, reason, probes, probe_mass (the Yes+No mass of each
+    read-out)}; a reply cut off by the cache or the context ("context", "cache") has no probes,
+    and its sequence is left as it is."""
     tok = persuadee.tokenizer
     for sid, ids in zip(sids, heard):
         persuadee.append(sid, ids)
@@ -99,7 +100,7 @@ def persuadee_turn(persuadee, sids, heard, *, sampling, max_new_tokens, keys=Non
                 + probes.longest_question(tok) > persuadee.max_len):
             reason = "context"  # no room left to close the reply and ask the probes
         replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
-                            probes=None))
+                            probes=None, probe_mass=None))
         if reason not in CUT_OFF:
             persuadee.append(sid, models.closing_ids(tok, ids))
             closed.append((sid, replies[-1]))
@@ -107,9 +108,9 @@ def persuadee_turn(persuadee, sids, heard, *, sampling, max_new_tokens, keys=Non
         with clock(timings, "persuadee_s"):
             persuadee.forward([sid for sid, _ in closed])
         with clock(timings, "probe_s"):
-            values = probes.read_engine(persuadee, [sid for sid, _ in closed]).tolist()
-        for (_, reply), v in zip(closed, values):
-            reply["probes"] = v
+            values, mass = probes.read_engine(persuadee, [sid for sid, _ in closed], with_mass=True)
+        for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
+            reply["probes"], reply["probe_mass"] = v, m
     return replies
 
 
@@ -150,7 +151,8 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         with clock(timings, "persuadee_s"):
             persuadee.forward([ee_root])
         with clock(timings, "probe_s"):
-            b0 = probes.read_engine(persuadee, [ee_root])[0].tolist()
+            b0, m0 = (x[0].tolist() for x in probes.read_engine(persuadee, [ee_root],
+                                                                 with_mass=True))
         for g in members:
             key = (seed, inst["id"], g)
             active.append(dict(
@@ -158,7 +160,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                 er=persuader.fork(er_root, er_ids[-1:]), ee=persuadee.fork(ee_root),
                 er_key=engine.stream_key(*key, "persuader"), ee_key=engine.stream_key(*key, "persuadee"),
                 ids=list(er_ids), turn_ids=[0] * len(er_ids), logprobs=[0.0] * len(er_ids),
-                transcript=[], probes=[b0], beliefs=[sum(b0) / 3]))
+                transcript=[], probes=[b0], probe_mass=[m0], beliefs=[sum(b0) / 3]))
         persuader.free(er_root)
         persuadee.free(ee_root)
 
@@ -199,8 +201,8 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                 queue.popleft()  # one episode does not fit empty pools: it can never start
                 done[index, members[0]] = dict(index=index, g=members[0], inst=instances[index],
                                                state=arena.Episode(t_max), transcript=[],
-                                               probes=[], beliefs=[], ids=[], turn_ids=[],
-                                               logprobs=[])
+                                               probes=[], probe_mass=[], beliefs=[], ids=[],
+                                               turn_ids=[], logprobs=[])
                 done[index, members[0]]["state"].end("cache")
                 continue
             queue.popleft()
@@ -272,6 +274,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                     continue
                 e["state"].step(reply["decision"])
                 e["probes"].append(reply["probes"])
+                e["probe_mass"].append(reply["probe_mass"])
                 e["beliefs"].append(sum(reply["probes"]) / 3)
                 if e["state"].done:
                     finish(e)
@@ -305,12 +308,14 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
         outcome=e["state"].outcome, turns=max(len(e["beliefs"]) - 1, 0),
         end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
-        probes=e["probes"], judge=score, ids=e["ids"], turn_ids=e["turn_ids"],
+        probes=e["probes"], probe_mass=e["probe_mass"], judge=score, ids=e["ids"],
+        turn_ids=e["turn_ids"],
         logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
 
 
 def judge_scores(judge, instances, transcripts, seed=0, group_indices=None):
-    """Strategy score s per transcript: greedy first, then sampled retries, then 0; in chunks of
+    """Strategy score s per transcript: greedy first, then up to JUDGE_RETRIES sampled retries,
+    then 0; in chunks of
     instances that the judge's pool takes at once (a chunk's prompts plus its answers)."""
     group_indices = group_indices or list(range(len(instances)))
     tok = judge.tokenizer
@@ -362,7 +367,7 @@ def judge_chunk(judge, prompts, group_ids, keys):
                if s is None and judge.length(bases[i]) > judge.cached(bases[i])]
     if waiting:
         judge.forward(waiting)  # the chunk was sized to fit (judge_scores)
-    for attempt in range(arena.JUDGE_RETRIES):
+    for attempt in range(1 + arena.JUDGE_RETRIES):
         todo = [i for i, s in enumerate(scores) if s is None]
         if not todo:
             break

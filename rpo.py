@@ -6,7 +6,9 @@ next-token logits (SPEC 5); b_0 is read before the first message. This file turn
 outcomes and strategy scores into per-token advantages and the policy loss (SPEC 6-8):
 
   process reward     r_t = (b_t - b_{t-1}) / 2,    t = 1..T,    sum_t r_t = (b_T - b_0) / 2
-  terminal anchor    if ANCHOR: b_T := ANCHOR_BELIEF[outcome]  (no pay for "receptive but undecided")
+  terminal anchor    off by default: b_T is the measured belief, as in the paper (whose shaping
+                     return is accept-blind: 0.479 ACCEPT vs 0.461 CONDITIONAL at lambda 0.5);
+                     the ablation ANCHOR = True sets b_T := ANCHOR_BELIEF[outcome]
   outcome reward     R = GOAL[outcome] + STRATEGY_WEIGHT * s,   s in [-2, 2] from the strategy judge
   group advantage    for a group of G episodes of one scenario instance, episode i, turn t:
                        A_out_i  = (R_i - mean_j R_j) / (std_j R_j + STD_EPS)   (std with ddof = 1;
@@ -31,7 +33,7 @@ import math
 import torch
 
 LAMBDA = 0.5  # weight of the dense process term; 0 recovers outcome-only GRPO
-ANCHOR = True  # replace the last belief by the outcome's anchor belief
+ANCHOR = False  # ablation: replace the last belief by the outcome's anchor belief (SPEC 6)
 GOAL = {"ACCEPT": 3.0, "CONDITIONAL_ACCEPT": 1.0, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -2.0}  # goal reward per outcome
 ANCHOR_BELIEF = {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -1.0}  # b_T under ANCHOR
 STRATEGY_WEIGHT = 0.5  # weight of the judge's strategy score s in the outcome reward
@@ -53,6 +55,18 @@ def process_rewards(beliefs, outcome, anchor=ANCHOR):
     if anchor:
         b[-1] = ANCHOR_BELIEF[outcome]
     return [(b[t] - b[t - 1]) / 2 for t in range(1, len(b))]
+
+
+def dense_return(beliefs, outcome, anchor=ANCHOR, lam=1.0):
+    """lam * sum_t r_t: the shaping return of an episode (lam = 1: the lambda-free dense return)."""
+    return lam * sum(process_rewards(beliefs, outcome, anchor))
+
+
+def negative_process_share(beliefs_per_episode):
+    """Share of turns whose process reward is negative, on the measured beliefs (never the anchor):
+    how often a persuader turn lowers the persuadee's belief. The one definition train and eval log."""
+    rewards = [r for beliefs in beliefs_per_episode for r in process_rewards(beliefs, None, anchor=False)]
+    return sum(r < 0 for r in rewards) / len(rewards) if rewards else 0.0
 
 
 def outcome_reward(outcome, strategy):
@@ -177,23 +191,26 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
 # per-step logging (SPEC 7)
 
 def step_diagnostics(groups, lam=LAMBDA):
-    """groups: list of (outcome_rewards, process_rewards) -> dead/rescued/dense/negative shares."""
+    """groups: list of (outcome_rewards, process_rewards) -> dead-group share, share of dead groups
+    rescued by the dense term, the dense term's share of sum |A|, and the two terms' mean |.| per
+    turn (outcome_term_abs = |A_out|, dense_term_abs = |lam D~|)."""
     dead = rescued = 0
-    abs_dense = abs_total = 0.0
-    turns = negative = 0
+    abs_out = abs_dense = abs_total = 0.0
+    turns = 0
     for R, P in groups:
-        _, dense = _group_terms(R, P)
+        a_out, dense = _group_terms(R, P)
         A = group_advantages(R, P, lam)
         if _is_dead(R):
             dead += 1
             rescued += any(abs(x) > DIAG_EPS for a in A for x in a)
+        abs_out += sum(abs(a) * len(d) for a, d in zip(a_out, dense))
         abs_dense += sum(abs(lam * x) for d in dense for x in d)
         abs_total += sum(abs(x) for a in A for x in a)
         turns += sum(len(r) for r in P)
-        negative += sum(x < 0 for r in P for x in r)
     return {
         "dead_group_share": dead / len(groups) if groups else 0.0,
         "dead_rescued_share": rescued / dead if dead else 0.0,
         "dense_share": abs_dense / abs_total if abs_total else 0.0,
-        "negative_process_share": negative / turns if turns else 0.0,
+        "outcome_term_abs": abs_out / turns if turns else 0.0,
+        "dense_term_abs": abs_dense / turns if turns else 0.0,
     }

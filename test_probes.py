@@ -16,10 +16,13 @@ def test_probe_fork_read_matches_reference(arch, tokenizer, paths):
         [{"role": "system", "content": "You are Ana, a nurse."}],
         [{"role": "system", "content": "You are Bo."}, {"role": "user", "content": "Could we book it?"},
          {"role": "assistant", "content": "I need to see the numbers first."}]]]
-    fork = probes.read_beliefs(model, tokenizer, contexts)
-    ref = probes.read_beliefs_reference(model, tokenizer, contexts)
-    assert fork.shape == (2, 3) and (fork.abs() <= 1).all()
+    fork, fork_mass = probes.read_beliefs(model, tokenizer, contexts, with_mass=True)
+    ref, ref_mass = probes.read_beliefs_reference(model, tokenizer, contexts, with_mass=True)
+    assert fork.shape == (2, 3) == fork_mass.shape and (fork.abs() <= 1).all()
+    assert ((fork_mass > 0) & (fork_mass <= 1)).all()
     torch.testing.assert_close(fork, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(fork_mass, ref_mass, atol=1e-5, rtol=0)
+    torch.testing.assert_close(probes.read_beliefs(model, tokenizer, contexts), fork, atol=0, rtol=0)
 
 
 def test_probe_value_is_yes_vs_no_probability(tokenizer):
@@ -28,6 +31,32 @@ def test_probe_value_is_yes_vs_no_probability(tokenizer):
     probs = logits.softmax(-1)
     yes = probs[:, probes.answer_ids(tokenizer, probes.YES_WORDS)].sum(-1)
     no = probs[:, probes.answer_ids(tokenizer, probes.NO_WORDS)].sum(-1)
-    torch.testing.assert_close(probes.values_from_logits(logits, tokenizer), 2 * yes / (yes + no) - 1)
+    torch.testing.assert_close(probes.values_from_logits(logits, tokenizer, "prob"), 2 * yes / (yes + no) - 1)
 
 
+
+
+def test_logodds_space_signs_and_mass_by_hand(tokenizer, monkeypatch):
+    """logodds: v = clip(log P(yes) - log P(no), +-LOGODDS_CLIP) / LOGODDS_CLIP; a -1 sign flips
+    that probe's column only; the mass is P(yes ids) + P(no ids) over the whole vocabulary."""
+    yes_ids, no_ids = probes.answer_ids(tokenizer, probes.YES_WORDS), probes.answer_ids(tokenizer, probes.NO_WORDS)
+    logits = torch.zeros(3, len(tokenizer))
+    logits[0, yes_ids[0]] = 1.0   # one yes id a little ahead: small log-odds
+    logits[1, no_ids[0]] = 30.0   # a near-certain No: saturates
+    probs = logits.softmax(-1)
+    yes, no = probs[:, yes_ids].sum(-1), probs[:, no_ids].sum(-1)
+    log_odds = (yes / no).log()
+    expected = log_odds.clamp(-probes.LOGODDS_CLIP, probes.LOGODDS_CLIP) / probes.LOGODDS_CLIP
+    torch.testing.assert_close(probes.values_from_logits(logits, tokenizer, "logodds"), expected)
+    assert expected[1] == -1.0 and 0 < expected[0] < 1 and expected[2] == 0.0
+    torch.testing.assert_close(probes.yes_no_mass(logits, tokenizer), yes + no)
+    with pytest.raises(ValueError, match="PROBE_SPACE must be one of"):
+        probes.values_from_logits(logits, tokenizer, "bits")
+    monkeypatch.setattr(probes, "PROBE_SIGNS", {"CA": 1, "PE": -1, "AC": 1})
+    values, mass = probes._readout(torch.cat([logits] * 2), tokenizer, 2)   # 2 reads of 3 questions
+    plain = probes.values_from_logits(logits, tokenizer)
+    torch.testing.assert_close(values[0], plain * torch.tensor([1.0, -1.0, 1.0]))
+    torch.testing.assert_close(mass[1], yes + no)
+    monkeypatch.setattr(probes, "PROBE_SPACE", "logodds")
+    values, _ = probes._readout(logits, tokenizer, 1)
+    torch.testing.assert_close(values[0], expected * torch.tensor([1.0, -1.0, 1.0]))

@@ -23,7 +23,8 @@ def test_dialogue_rollout_returns_blocks_and_consistent_streams(tokenizer):
     assert len(records) == 4 and [r["id"] for r in records][::2] == [s["id"] for s in scenarios]
     assert len(er.cache.free_blocks) == 2000 and len(ee.cache.free_blocks) == 2000
     for r in records:
-        assert len(r["beliefs"]) == r["turns"] + 1 == len(r["probes"])
+        assert len(r["beliefs"]) == r["turns"] + 1 == len(r["probes"]) == len(r["probe_mass"])
+        assert all(0 < m <= 1 for row in r["probe_mass"] for m in row)
         assert r["outcome"] in arena.OUTCOMES
         ids, turns = torch.tensor([r["ids"]]), torch.tensor(r["turn_ids"])
         assert len(r["ids"]) == len(r["turn_ids"]) == len(r["logprobs"])
@@ -104,7 +105,7 @@ def test_smollm2_plays_two_dialogues_end_to_end():
 
 
 def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
-    """A parseable verdict gives s = mean - 3; an unparseable one is retried JUDGE_RETRIES times,
+    """A parseable verdict gives s = mean - 3; an unparseable one is retried JUDGE_RETRIES times after the greedy answer,
     each retry a fork of the once-prefilled prompt, then scores 0."""
     answers = {0: "PROBING: 5\nFIT: 4\nADAPTATION: 3", 1: "I cannot say."}
     attempts = []
@@ -125,7 +126,7 @@ def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
                for s, t in zip(scenarios, transcripts)]
     assert lengths[0] != lengths[1]
     assert rollout.judge_scores(judge, scenarios, transcripts) == [1.0, 0.0]
-    assert sorted(attempts) == [0] + [1] * arena.JUDGE_RETRIES
+    assert sorted(attempts) == [0] + [1] * (1 + arena.JUDGE_RETRIES)  # greedy, then the retries
     assert judge.tokens_prefilled == sum(lengths) - 2  # prompts once; last tokens stay pending
     assert len(judge.cache.free_blocks) == 2000
     # two transcripts of one instance: their shared opening (profile) is prefilled only once

@@ -29,20 +29,48 @@ def test_process_rewards_without_anchor():
 
 def test_process_rewards_anchor_replaces_last_belief():
     beliefs = [0.0, 0.4, -0.2, 0.6]
-    # last reward = (anchor - (-0.2)) / 2; the earlier ones are untouched
-    last = {"ACCEPT": 0.6, "CONDITIONAL_ACCEPT": 0.35, "PENDING": 0.1, "REJECT": -0.4, "WALK_AWAY": -0.4}
-    anchor = {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -1.0}
-    for outcome in last:
+    for outcome, anchor in rpo.ANCHOR_BELIEF.items():
         r = rpo.process_rewards(beliefs, outcome, anchor=True)
-        assert close(r, [0.2, -0.3, last[outcome]])
-        assert close(sum(r), (anchor[outcome] - 0.0) / 2)
-    assert rpo.ANCHOR is True
-    assert close(rpo.process_rewards(beliefs, "ACCEPT"), [0.2, -0.3, 0.6])  # default anchors
+        # the earlier rewards are untouched; the last is (anchor - (-0.2)) / 2
+        assert close(r, [0.2, -0.3, (anchor + 0.2) / 2])
+        assert close(sum(r), (anchor - 0.0) / 2)
+    default = [0.2, -0.3, (rpo.ANCHOR_BELIEF["ACCEPT"] + 0.2) / 2] if rpo.ANCHOR else [0.2, -0.3, 0.4]
+    assert close(rpo.process_rewards(beliefs, "ACCEPT"), default)
+
+
+def test_accept_and_conditional_at_one_belief_same_dense_return_unless_anchored():
+    """SPEC 6: the default dense return is accept-blind (the paper's 0.479 vs 0.461); the anchor
+    ablation separates the two outcomes by lambda * the anchor gap / 2."""
+    beliefs = [-0.96, -0.2, 0.5, 0.9]
+    lam = 0.5
+    raw = lam * (0.9 + 0.96) / 2
+    for outcome in ("ACCEPT", "CONDITIONAL_ACCEPT"):
+        assert rpo.dense_return(beliefs, outcome, anchor=False, lam=lam) == pytest.approx(raw)
+    accept = rpo.dense_return(beliefs, "ACCEPT", anchor=True, lam=lam)
+    conditional = rpo.dense_return(beliefs, "CONDITIONAL_ACCEPT", anchor=True, lam=lam)
+    gap = rpo.ANCHOR_BELIEF["ACCEPT"] - rpo.ANCHOR_BELIEF["CONDITIONAL_ACCEPT"]
+    assert accept - conditional == pytest.approx(lam * gap / 2)
+    assert accept == pytest.approx(lam * (rpo.ANCHOR_BELIEF["ACCEPT"] + 0.96) / 2)
+    # a group of the two: with the default reward their dense advantages are equal
+    process = [rpo.process_rewards(beliefs, o) for o in ("ACCEPT", "CONDITIONAL_ACCEPT")]
+    if not rpo.ANCHOR:
+        assert process[0] == process[1]
+    anchored = [rpo.process_rewards(beliefs, o, anchor=True) for o in ("ACCEPT", "CONDITIONAL_ACCEPT")]
+    A = rpo.group_advantages([0.0, 0.0], anchored, lam=lam)  # outcome term 0: dense only
+    assert A[0][-1] - A[1][-1] == pytest.approx(lam * gap / 2)
+
+
+def test_negative_process_share_uses_measured_beliefs():
+    # changes: +.4 -.6 +.8 | -.2 | (none) | 0 -> 2 negative of 5 turns; an anchor would not change it
+    episodes = [[0.0, 0.4, -0.2, 0.6], [0.1, -0.1], [0.3], [0.5, 0.5]]
+    assert rpo.negative_process_share(episodes) == pytest.approx(2 / 5)
+    assert rpo.negative_process_share([]) == 0.0
 
 
 def test_process_rewards_short_episodes():
     assert rpo.process_rewards([0.3], "PENDING") == []  # T = 0
-    assert close(rpo.process_rewards([0.2, 0.9], "PENDING"), [(0.0 - 0.2) / 2])
+    assert close(rpo.process_rewards([0.2, 0.9], "PENDING", anchor=True),
+                 [(rpo.ANCHOR_BELIEF["PENDING"] - 0.2) / 2])
     assert close(rpo.process_rewards([0.2, 0.9], "PENDING", anchor=False), [0.35])
 
 
@@ -56,11 +84,20 @@ def test_process_rewards_telescope(beliefs):
 
 
 def test_outcome_reward():
-    assert rpo.outcome_reward("ACCEPT", 1.0) == 3.0 + 0.5 * 1.0
-    assert rpo.outcome_reward("CONDITIONAL_ACCEPT", 0.5) == 1.0 + 0.25
-    assert rpo.outcome_reward("PENDING", 0.0) == 0.0
-    assert rpo.outcome_reward("REJECT", 2.0) == -1.0 + 1.0
-    assert rpo.outcome_reward("WALK_AWAY", -2.0) == -2.0 - 1.0
+    for outcome, goal in rpo.GOAL.items():
+        for s in (-2.0, 0.0, 0.5, 2.0):
+            assert rpo.outcome_reward(outcome, s) == goal + rpo.STRATEGY_WEIGHT * s
+
+
+def test_paper_defaults():
+    """The paper's values (and SPEC's), gathered here: the one test an edited constant fails."""
+    assert rpo.LAMBDA == 0.5 and rpo.ANCHOR is False and rpo.KL_BETA == 0.01
+    assert (rpo.CLIP_LOW, rpo.CLIP_HIGH, rpo.STD_EPS) == (0.2, 0.28, 1e-6)
+    assert rpo.GOAL == {"ACCEPT": 3.0, "CONDITIONAL_ACCEPT": 1.0, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -2.0}
+    assert rpo.GOAL["ACCEPT"] - rpo.GOAL["CONDITIONAL_ACCEPT"] == 2.0  # the paper's gap
+    assert rpo.STRATEGY_WEIGHT == 0.5
+    assert rpo.ANCHOR_BELIEF == {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0,
+                                 "REJECT": -1.0, "WALK_AWAY": -1.0}
 
 
 # -----------------------------------------------------------------------------
@@ -82,8 +119,9 @@ def test_group_advantage_dense_ragged_by_hand():
     A = rpo.group_advantages([3.0, 0.0, 0.0], P, lam=0.5)
     assert close(A, [[2 / s + 0.225, 2 / s + 0.125], [-1 / s - 0.075],
                      [-1 / s - 0.075, -1 / s - 0.075, -1 / s - 0.125]], 1e-12)
-    assert rpo.LAMBDA == 0.5
-    assert close(rpo.group_advantages([3.0, 0.0, 0.0], P), A, 0.0)  # default lambda
+    default = rpo.group_advantages([3.0, 0.0, 0.0], P)  # default lambda: the same terms scaled by it
+    assert close(default, [[2 / s + rpo.LAMBDA * 0.45, 2 / s + rpo.LAMBDA * 0.25], [-1 / s - rpo.LAMBDA * 0.15],
+                           [-1 / s - rpo.LAMBDA * 0.15, -1 / s - rpo.LAMBDA * 0.15, -1 / s - rpo.LAMBDA * 0.25]], 1e-12)
 
 
 def test_lambda_zero_is_plain_grpo():
@@ -186,7 +224,7 @@ def test_loss_clipping():
     logp = torch.log(ratio)
     mask = torch.ones(5, dtype=torch.bool)
     n = 5
-    loss, g, stats = grad_of_loss(logp, old, None, adv, mask, n, beta=0.0)
+    loss, g, stats = grad_of_loss(logp, old, None, adv, mask, n, beta=0.0, clip_low=0.2, clip_high=0.28)
     # d(-rho A)/d logp = -rho A where unclipped; zero where the clip binds (A > 0 above 1.28, A < 0 below 0.8)
     expected = [0.0, 1.5 * 2.0 / n, 0.0, -0.5 * 2.0 / n, -1.1 / n]
     torch.testing.assert_close(g, torch.tensor(expected), atol=1e-7, rtol=0)
@@ -216,8 +254,9 @@ def test_advantage_sign_flips_gradient():
     ratio = torch.tensor([0.9, 1.0, 1.2])  # inside [0.8, 1.28]: no clip for either sign
     adv = torch.tensor([1.0, -0.5, 2.0])
     logp, old, mask, n = torch.log(ratio), torch.zeros(3), torch.ones(3, dtype=torch.bool), 4
-    _, g_pos, _ = grad_of_loss(logp, old, None, adv, mask, n, beta=0.0)
-    _, g_neg, _ = grad_of_loss(logp, old, None, -adv, mask, n, beta=0.0)
+    clip = dict(beta=0.0, clip_low=0.2, clip_high=0.28)
+    _, g_pos, _ = grad_of_loss(logp, old, None, adv, mask, n, **clip)
+    _, g_neg, _ = grad_of_loss(logp, old, None, -adv, mask, n, **clip)
     torch.testing.assert_close(g_pos, torch.tensor([-0.9 / 4, 0.5 / 4, -2.4 / 4]), atol=1e-7, rtol=0)
     torch.testing.assert_close(g_neg, -g_pos, atol=1e-7, rtol=0)
 
@@ -255,7 +294,8 @@ def test_step_diagnostics_by_hand():
     assert abs(d["dead_rescued_share"] - 1 / 3) < 1e-12
     # |dense|: 0.1 + 0.1 + 0.2 + 0.1 + 0.1 = 0.6; |A|: 2 (a + 0.1) + 0.4
     assert abs(d["dense_share"] - 0.6 / (2 * (a + 0.1) + 0.4)) < 1e-12
-    assert d["negative_process_share"] == 3 / 8  # -0.2, -0.2, -0.3 among 8 turns
+    # per turn (8 turns): |A_out| is a on the live group's 2 turns, else 0; |lam D~| sums to 0.6
+    assert d["outcome_term_abs"] == pytest.approx(2 * a / 8) and d["dense_term_abs"] == pytest.approx(0.6 / 8)
     d0 = rpo.step_diagnostics(groups, lam=0.0)
-    assert d0["dead_rescued_share"] == 0.0 and d0["dense_share"] == 0.0
-    assert d0["dead_group_share"] == 3 / 4 and d0["negative_process_share"] == 3 / 8
+    assert d0["dead_rescued_share"] == 0.0 and d0["dense_share"] == 0.0 and d0["dense_term_abs"] == 0.0
+    assert d0["dead_group_share"] == 3 / 4

@@ -35,6 +35,7 @@ from tqdm import tqdm
 import arena
 import engine
 import models
+import probes
 import rollout
 import rpo
 
@@ -76,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float)
     p.add_argument("--lam", type=float, default=LAMBDA)
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=ANCHOR)
+    p.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
+                   help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
     p.add_argument("--kl-beta", type=float, default=KL_BETA)
     p.add_argument("--clip-low", type=float, default=CLIP_LOW)
     p.add_argument("--clip-high", type=float, default=CLIP_HIGH)
@@ -232,6 +235,7 @@ def step_metrics(step, records, groups, update, times, args, device):
     m["turns_mean"] = total(r["turns"] for r in records) / n
     m["judge_mean"] = total(r["judge"] for r in records) / n
     diag = rpo.step_diagnostics(groups, args.lam)
+    diag["negative_process_share"] = rpo.negative_process_share(r["beliefs"] for r in records)
     m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in diag.items()})
     m.update(update)
     m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in times.items()})
@@ -249,7 +253,8 @@ def step_metrics(step, records, groups, update, times, args, device):
 
 def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank):
     """Write checkpoint-STEP atomically (temporary folder, then rename), then point `latest` at
-    it (temporary file, then rename) and drop older checkpoints."""
+    it (temporary file, then rename) and drop older checkpoints, except those of a held-out
+    evaluation (an eval-STEP folder), which checkpoint selection (eval.py --runs) needs."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=options)
@@ -268,7 +273,7 @@ def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank):
         pointer.write_text(final.name)
         os.replace(pointer, run_dir / "latest")
         for old in run_dir.glob("checkpoint-*"):
-            if old != final:
+            if old != final and not (run_dir / f"eval-{old.name.removeprefix('checkpoint-')}").is_dir():
                 shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
@@ -303,6 +308,7 @@ def load(name, dtype, device):
 
 def main(argv=None):
     args = parse_args(argv)
+    probes.PROBE_SPACE = args.probe_space  # the dense reward's read-outs, and the held-out ones
     rank, world, device = setup_distributed()
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name
@@ -393,9 +399,10 @@ def main(argv=None):
                 (run_dir / f"samples-{step}.json").write_text(json.dumps(
                     [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"],
                           beliefs=r["beliefs"]) for r in records[:2]], indent=1))
-        if args.eval_every and step % args.eval_every == 0:
-            evaluate(actor, persuadee, args, step, rank, run_dir)
-        if step % max(args.save_every, 1) == 0 or step == args.steps:
+        evaluated = bool(args.eval_every) and step % args.eval_every == 0
+        if evaluated:
+            evaluate(actor, persuadee, judge, args, step, rank, run_dir)
+        if step % max(args.save_every, 1) == 0 or step == args.steps or evaluated:
             save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -403,18 +410,23 @@ def main(argv=None):
     return history
 
 
-def evaluate(actor, persuadee, args, step, rank, run_dir):
+def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
     """Held-out evaluation through eval.py, the scenarios sharded over the ranks; rank 0 writes
-    runs/NAME/eval-STEP."""
+    runs/NAME/eval-STEP and appends its summary to runs/NAME/evals.jsonl under its step (what
+    eval.py --runs reads)."""
     import eval as evaluation
     instances = arena.heldout_instances(arena.load_scenarios(args.scenarios))[:args.eval_limit]
     world = dist.get_world_size() if dist.is_initialized() else 1
     summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
                                   t_max=args.eval_t_max, seed=args.seed,
-                                  max_new_tokens=args.max_new_tokens,
-                                  preset=args.sampling,
-                                  rank=rank, world=world)
+                                  max_new_tokens=args.max_new_tokens, judge=judge,
+                                  anchor=args.anchor, preset=args.sampling, rank=rank,
+                                  world=world)
     if rank == 0:
+        path = run_dir / "evals.jsonl"
+        kept = [l for l in (path.read_text().splitlines() if path.exists() else [])
+                if json.loads(l)["step"] < step]  # a resumed run redoes later evaluations
+        path.write_text("".join(l + "\n" for l in kept + [json.dumps({"step": step, **summary})]))
         print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "
               f"full-or-conditional {summary['full_or_conditional']:.1%}")
 
