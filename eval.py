@@ -74,10 +74,13 @@ def _mean(values):
 
 def _summary(episodes):
     import rpo  # here, not at the top: rpo imports torch, which --plot-run and bad-argument exits never need
+    import served
     n = len(episodes)
     count = {o: sum(ep["outcome"] == o for ep in episodes) for o in OUTCOMES}
+    # a served persuadee without log-probs has no beliefs: the belief columns leave it out
+    believed = [ep for ep in episodes if None not in ep["beliefs"]]
     # the paper's "turn lowers belief" statistic: raw b_t, never the outcome anchor
-    raw = [r for ep in episodes for r in rpo.process_rewards(ep["beliefs"], ep["outcome"], anchor=False)]
+    raw = [r for ep in believed for r in rpo.process_rewards(ep["beliefs"], ep["outcome"], anchor=False)]
     judged = [ep["judge"] for ep in episodes if ep.get("judge") is not None]
     return {
         "n": n,
@@ -87,10 +90,12 @@ def _summary(episodes):
         "reject": count["REJECT"] / n,
         "walk_away": count["WALK_AWAY"] / n,
         "mean_turns": _mean(ep["turns"] for ep in episodes),
-        "mean_final_belief": _mean(ep["beliefs"][-1] for ep in episodes),
-        "mean_dense_return": _mean(sum(rpo.process_rewards(ep["beliefs"], ep["outcome"])) for ep in episodes),
+        "mean_final_belief": _mean(ep["beliefs"][-1] for ep in believed),
+        "mean_dense_return": _mean(sum(rpo.process_rewards(ep["beliefs"], ep["outcome"])) for ep in believed),
         "negative_process_share": sum(r < 0 for r in raw) / len(raw) if raw else None,
         "mean_judge": _mean(judged),
+        "beliefs_missing": (n - len(believed)) / n,
+        "api_errors": sum(ep.get("end_reason") == served.API_ERROR for ep in episodes),
     }
 
 
@@ -146,6 +151,12 @@ def format_table(summary):
         f"{'negative process reward':<26}{_pct(summary['negative_process_share']):>8}  of turns (raw beliefs)",
         f"{'mean judge score':<26}{_num(summary['mean_judge'], '+.2f'):>8}",
     ]
+    if summary.get("beliefs_missing"):
+        lines.append(f"{'beliefs':<26}{'missing':>8}  in {_pct(summary['beliefs_missing'])} of episodes "
+                     "(the persuadee's server gave no log-probs): belief columns leave them out")
+    if summary.get("api_errors"):
+        lines.append(f"{'api errors':<26}{summary['api_errors']:>8}  episodes ended as api_error "
+                     "(their requests kept failing)")
     return "\n".join(lines + ["", _breakdown("by resistance", summary["by_resistance"]),
                               "", _breakdown("by domain", summary["by_domain"])])
 
@@ -437,13 +448,16 @@ def _write_text(path, text):
 
 
 def save_run(out_dir, episodes, summary):
-    """Write episodes.jsonl, summary.json, beliefs.png and probes.png, each atomically."""
+    """Write episodes.jsonl, summary.json, beliefs.png and probes.png (where beliefs were
+    read), each atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_text(out_dir / "episodes.jsonl", "".join(json.dumps(ep) + "\n" for ep in episodes))
     _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    plot_beliefs(episodes, out_dir / "beliefs.png")
-    plot_probes(episodes, out_dir / "probes.png")
+    believed = [ep for ep in episodes if None not in ep["beliefs"]]
+    if believed:  # a persuadee served without log-probs has no belief to plot
+        plot_beliefs(believed, out_dir / "beliefs.png")
+        plot_probes(believed, out_dir / "probes.png")
 
 
 # -----------------------------------------------------------------------------
