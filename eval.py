@@ -15,6 +15,7 @@ signed-rank test on the goal reward.
     python eval.py --persuader PATH --name NAME                 # a trained policy or any HF chat model
     python eval.py --scenarios train --limit 20                 # training scenarios as written
     python eval.py --persuader A --persuader B --persuadee C --persuadee D   # cross-persuadee grid
+    python eval.py --persuader openai:MODEL@URL --name NAME     # a model served over the OpenAI API
     python eval.py --compare evals/A evals/B                    # paired comparison, B against A
     python eval.py --plot-run runs/NAME                         # training curves -> curves.png
     python eval.py --play heldout-017                           # you are the persuader, in the terminal
@@ -504,20 +505,26 @@ def fidelity_contexts(tokenizer, instances, episodes, n):
 
 
 def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, names=("", ""),
-             fidelity=FIDELITY_SAMPLES, max_new_tokens=GPU_MAX_NEW_TOKENS):
+             fidelity=FIDELITY_SAMPLES, max_new_tokens=GPU_MAX_NEW_TOKENS, judge=None):
     """One seeded episode per instance with rollout Engines; saves the run, returns its summary.
 
-    The strategy judge is the persuadee's model in a fresh context (SPEC 6)."""
-    import probes
+    The strategy judge is by default the persuadee's model in a fresh context (SPEC 6)."""
     import rollout
     episodes = rollout.rollout_episodes(persuader, persuadee, instances, t_max, seed=seed,
-                                        judge=persuadee, max_new_tokens=max_new_tokens)
+                                        judge=judge or persuadee, max_new_tokens=max_new_tokens)
     for ep in episodes:
         for key in TRAINING_KEYS:
             ep.pop(key, None)
         ep.update(persuader=names[0], persuadee=names[1], seed=seed)
+    return _finish(episodes, persuadee, instances, out_dir, fidelity)
+
+
+def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None):
+    """Summary (with the probe fidelity check of a local persuadee), saved with the episodes."""
+    import probes
     summary = summarize(episodes)
-    if fidelity:
+    summary.update(extra or {})
+    if fidelity and hasattr(persuadee, "model"):
         contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, fidelity)
         summary["probe_fidelity"] = probe_fidelity(
             probes.read_beliefs(persuadee.model, persuadee.tokenizer, contexts).tolist(),
@@ -527,12 +534,57 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=T_MAX, seed=0, n
 
 
 def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
-             max_new_tokens=GPU_MAX_NEW_TOKENS):
-    """Load the two models by name (once each) and evaluate."""
+             max_new_tokens=GPU_MAX_NEW_TOKENS, judge=None):
+    """Load the models by name (once each) and evaluate; a role named openai:MODEL@URL is
+    served (served.py), and then the evaluation resumes from out_dir/episodes.jsonl."""
     import engine
+    import served
+    names = (persuader, persuadee, judge or persuadee)
+    if any(served.is_served(n) for n in names):
+        return run_served(*names, instances, out_dir, seed=seed, t_max=t_max, loaded=loaded,
+                          max_new_tokens=max_new_tokens)
     engines = [engine.Engine(*_load(name, loaded)) for name in (persuader, persuadee)]
     return evaluate(*engines, instances, out_dir, t_max=t_max, seed=seed,
-                    names=(persuader, persuadee), max_new_tokens=max_new_tokens)
+                    names=(persuader, persuadee), max_new_tokens=max_new_tokens,
+                    judge=engine.Engine(*_load(judge, loaded)) if judge else None)
+
+
+def run_served(persuader, persuadee, judge, instances, out_dir, *, seed, t_max, loaded,
+               max_new_tokens, fidelity=FIDELITY_SAMPLES):
+    """An evaluation in which some role is served: episodes played by served.play_episodes,
+    appended to out_dir/episodes.jsonl as they end, so a rerun plays only the missing ones."""
+    import engine
+    import served
+    out_dir = Path(out_dir)
+    settings = dict(persuader=persuader, persuadee=persuadee, judge=judge, seed=seed, t_max=t_max,
+                    max_new_tokens=max_new_tokens)
+    settings_path = out_dir / "settings.json"
+    if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
+        sys.exit(f"eval.py: {out_dir} holds an evaluation with other settings ({settings_path}); "
+                 "pass another --name, or delete the folder to start again")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_text(settings_path, json.dumps(settings, indent=2) + "\n")
+    sides = {}
+    for name in dict.fromkeys((persuader, persuadee, judge)):
+        if served.is_served(name):
+            sides[name] = served.ServedModel(name)
+            sides[name].check()
+        else:
+            sides[name] = engine.Engine(*_load(name, loaded))
+    path = out_dir / "episodes.jsonl"
+    try:
+        if played := len(served.read_played(path)):
+            print(f"resuming {out_dir}: {played} of {len(instances)} episodes already played",
+                  file=sys.stderr)
+        episodes = served.play_episodes(sides[persuader], sides[persuadee], instances, t_max,
+                                        judge=sides[judge], seed=seed, max_new_tokens=max_new_tokens,
+                                        out_path=path)
+    except ValueError as e:
+        sys.exit(f"eval.py: {e}")
+    for ep in episodes:
+        ep.update(persuader=persuader, persuadee=persuadee, seed=seed)
+    requests = {name: m.stats for name, m in sides.items() if isinstance(m, served.ServedModel)}
+    return _finish(episodes, sides[persuadee], instances, out_dir, fidelity, {"requests": requests})
 
 
 def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
@@ -607,6 +659,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--persuader", action="append", help="model name or path; repeat for a grid (default smollm2)")
     ap.add_argument("--persuadee", action="append", help="model name or path; repeat for a grid (default smollm2)")
+    ap.add_argument("--judge", help="strategy judge (default: the persuadee's model); any role may be "
+                    "openai:MODEL@URL, a model served over the OpenAI API (key from OPENAI_API_KEY)")
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")
     ap.add_argument("--seed", type=int, default=0)
@@ -642,7 +696,11 @@ def main(argv=None):
         return
     if args.max_new_tokens is None:  # the model-driven modes only: torch loads here
         import torch
-        args.max_new_tokens = GPU_MAX_NEW_TOKENS if torch.cuda.is_available() else CPU_MAX_NEW_TOKENS
+
+        import served
+        remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
+        args.max_new_tokens = (GPU_MAX_NEW_TOKENS if torch.cuda.is_available() or remote
+                               else CPU_MAX_NEW_TOKENS)
     if args.play:
         if len(args.persuadee) > 1:
             sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")
@@ -657,7 +715,7 @@ def main(argv=None):
     for p, q in pairs:
         out_dir = Path(EVALS_DIR) / base if len(pairs) == 1 else Path(EVALS_DIR) / base / f"{_slug(p)}_vs_{_slug(q)}"
         results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,
-                                   max_new_tokens=args.max_new_tokens)
+                                   max_new_tokens=args.max_new_tokens, judge=args.judge)
         print(f"\n== persuader {p}, persuadee {q} -> {out_dir}\n{format_table(results[(p, q)])}")
     if len(pairs) > 1:
         print("\n" + grid_table(results))

@@ -242,3 +242,80 @@ def lines(path):
 def age_of(messages):
     return next(40 + i for i in range(1, 10) if f"Ana Ruiz, {40 + i}," in messages[0]["content"]
                 or f"About Ana: {40 + i}," in messages[0]["content"])
+
+
+# -----------------------------------------------------------------------------
+# a real server: `transformers serve` on this machine, with a tiny model folder made here
+
+SERVE_START_S = 240  # start-up allowance on a busy 2-core machine (about 5-45 s measured)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`transformers serve` of a tiny random Llama with the test tokenizer on 127.0.0.1; the spec
+    that names it. Stopped at the end of the module."""
+    import urllib.request
+    folder = tmp_path_factory.mktemp("served") / "tiny-llama"
+    model, tok = models.random_model("tiny-llama", seed=1, max_position_embeddings=2048)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve",
+           str(folder), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    log = open(folder.parent / "serve.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + SERVE_START_S
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"transformers serve did not start: {(folder.parent / 'serve.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+    yield f"openai:{folder}@http://127.0.0.1:{port}/v1"
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
+    """The served model as persuader and judge against a local persuadee: the records of a
+    local persuader, beliefs read locally. As persuadee: it ignores logprobs, so every belief is
+    absent and it is asked for them only once."""
+    model = served.ServedModel(server)
+    model.check()
+    insts, er, ee = instances((1, 2)), rollout_engine(), rollout_engine("qwen3", 2)
+    api = served.play_episodes(model, ee, insts, 2, judge=model, max_new_tokens=6, progress=False)
+    local = served.play_episodes(er, ee, insts, 2, judge=model, max_new_tokens=6, progress=False)
+    for a, b in zip(api, local):
+        assert set(a) == set(b) and a["outcome"] in arena.OUTCOMES
+        assert a["transcript"][0]["role"] == "persuader" and a["transcript"][0]["text"]
+        assert all(isinstance(x, float) for x in a["beliefs"]) and isinstance(a["judge"], float)
+    persuadee = served.ServedModel(server)
+    records = served.play_episodes(er, persuadee, insts, 2, max_new_tokens=6, progress=False)
+    assert persuadee.logprobs is False and persuadee.stats["failed_requests"] == 0
+    for r in records:
+        assert r["beliefs"] == [None] * (r["turns"] + 1) and r["turns"] >= 1
+        assert r["transcript"][1]["role"] == "persuadee"
+
+
+def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch, capsys):
+    """python eval.py --persuader openai:MODEL@URL: episodes.jsonl and summary.json with the
+    request counts; rerun, nothing is played again."""
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    argv = ["--persuader", server, "--persuadee", "random:tiny-qwen3", "--judge", server, "--scenarios", "train",
+            "--limit", "2", "--t-max", "2", "--max-new-tokens", "6", "--name", "api"]
+    ev.main(argv)
+    episodes = lines(tmp_path / "api" / "episodes.jsonl")
+    summary = json.loads((tmp_path / "api" / "summary.json").read_text())
+    assert len(episodes) == 2 and summary["requests"][server]["requests"] >= 3
+    ev.main(argv)
+    assert lines(tmp_path / "api" / "episodes.jsonl") == episodes
+    summary = json.loads((tmp_path / "api" / "summary.json").read_text())
+    assert summary["requests"][server]["requests"] == 1  # the start-up check only
+    assert "2 of 2 episodes already played" in capsys.readouterr().err
