@@ -3,8 +3,11 @@ turn that reproduce the template's own rendering."""
 import pytest
 import torch
 
+import arena
 import engine
 import models
+import rollout
+from conftest import short_scenario, tiny_model
 
 
 def test_turn_and_closing_ids_follow_the_template(tokenizer):
@@ -62,3 +65,66 @@ def test_a_mistral_style_model_runs_on_the_engine(tmp_path):
     windowed = models.random_model("tiny-mistral", sliding_window=64,
                                    max_position_embeddings=2048)[0]
     assert engine.Engine(windowed).w["max_len"] == 64
+
+
+QWEN3_STYLE_TEMPLATE = (  # ChatML framing plus Qwen3's empty think block after the generation prompt
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}")
+
+
+class Recording(engine.Engine):
+    """An Engine that keeps each sequence's ids and the text of every context it generates from."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.ids, self.contexts = {}, []
+
+    def new(self, tokens=()):
+        sid = super().new(tokens)
+        self.ids[sid] = list(tokens)
+        return sid
+
+    def fork(self, sid, tokens=()):
+        child = super().fork(sid, tokens)
+        self.ids[child] = self.ids[sid] + list(tokens)
+        return child
+
+    def append(self, sid, tokens):
+        super().append(sid, tokens)
+        self.ids[sid] += list(tokens)
+
+    def generate(self, sids, *a, **k):
+        self.contexts += [self.tokenizer.decode(self.ids[s]) for s in sids]
+        outs = super().generate(sids, *a, **k)
+        for s, (ids, _, _) in zip(sids, outs):
+            self.ids[s] += ids
+        return outs
+
+
+def test_a_qwen3_template_persuadee_plays_a_chatml_persuader():
+    """Different tokenizers and chat templates on the two sides: each context is framed by its
+    own template (the persuadee's generation prompt carries the empty think block, the
+    persuader's never), and each message crosses as text, tags stripped, into the other's."""
+    er_tok, ee_tok = models.tiny_tokenizer(), models.tiny_tokenizer()
+    ee_tok.add_tokens(["<think>", "</think>"])
+    ee_tok.chat_template = QWEN3_STYLE_TEMPLATE
+    assert len(ee_tok) != len(er_tok)
+    er = Recording(tiny_model("llama", seed=1), er_tok, block_size=8, num_blocks=2000)
+    ee = Recording(tiny_model("qwen3", seed=2), ee_tok, block_size=8, num_blocks=2000)
+    records = rollout.rollout_episodes(er, ee, [short_scenario(1), short_scenario(2)], 3,
+                                       max_new_tokens=6, seed=1)
+    think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert ee.contexts and all(c.endswith(think) for c in ee.contexts)
+    assert er.contexts and all(c.endswith("<|im_start|>assistant\n") and "<think>" not in c
+                               for c in er.contexts)
+    for r in records:
+        assert r["outcome"] in arena.OUTCOMES and len(r["beliefs"]) == r["turns"] + 1
+        for i, m in enumerate(r["transcript"]):
+            if m["role"] == "persuader":
+                seen = arena.persuadee_sees(m["text"])
+                assert any(f"<|im_start|>user\n{seen}" in c for c in ee.contexts)
+            elif i + 1 < len(r["transcript"]):  # a reply the persuader read before speaking again
+                heard = arena.persuader_sees(m["text"])
+                assert any(f"<|im_start|>user\n{heard}<|im_end|>\n" in c for c in er.contexts)
