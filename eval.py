@@ -524,7 +524,7 @@ def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None):
     import probes
     summary = summarize(episodes)
     summary.update(extra or {})
-    if fidelity and hasattr(persuadee, "model"):
+    if fidelity and getattr(persuadee, "tokenizer", None) is not None:  # local: an Engine
         contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, fidelity)
         summary["probe_fidelity"] = probe_fidelity(
             probes.read_beliefs(persuadee.model, persuadee.tokenizer, contexts).tolist(),

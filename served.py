@@ -114,6 +114,12 @@ def context_exceeded(error):
         "context_length" in text or "context length" in text or "maximum context" in text)
 
 
+def fixed_temperature(error):
+    """A request refused because the model takes no temperature but its default (some reasoning
+    models)."""
+    return getattr(error, "status_code", None) == 400 and "temperature" in str(error).lower()
+
+
 def backoff_s(attempt, error, rng=random):
     """BACKOFF_S * 2^attempt with up to 25% jitter, or the server's Retry-After; capped."""
     response = getattr(error, "response", None)
@@ -331,6 +337,7 @@ class ServedModel:
         self.lock = threading.Lock()
         self.stats = dict(requests=0, failed_attempts=0, failed_requests=0, judge_fallbacks=0)
         self.logprobs = True  # until the server answers a probe without them
+        self.temperature = True  # until the model refuses a temperature
 
     def count(self, key, n=1):
         with self.lock:
@@ -342,8 +349,9 @@ class ServedModel:
         top log-probs [(token, logprob)] (None when not asked for or not given). Raises
         ServedError once the request has failed for good."""
         import openai
-        request = dict(model=self.model, messages=messages, max_completion_tokens=max_tokens,
-                       temperature=temperature)
+        request = dict(model=self.model, messages=messages, max_completion_tokens=max_tokens)
+        if self.temperature:
+            request["temperature"] = temperature
         if top_p is not None:
             request["top_p"] = top_p
         if seed is not None:
@@ -359,6 +367,10 @@ class ServedModel:
                 self.count("failed_attempts")
                 if context_exceeded(e):
                     return dict(text="", reason="context", top=None)
+                if "temperature" in request and fixed_temperature(e):
+                    self.temperature = False  # this model samples only at its own temperature
+                    del request["temperature"]
+                    continue
                 if attempt == self.retries or not (isinstance(e, IndexError) or retryable(e)):
                     self.count("failed_requests")
                     raise ServedError(f"{self.spec}: {type(e).__name__}: {e}") from e

@@ -64,8 +64,9 @@ class ScriptedServer:
     follows SCRIPTS, a probe gets fixed top log-probs (none with logprobs=False), the judge
     JUDGE_ANSWER. Every request body is kept."""
 
-    def __init__(self, logprobs=True):
+    def __init__(self, logprobs=True, fixed_temperature=False):
         self.logprobs, self.bodies, self.lock = logprobs, [], threading.Lock()
+        self.fixed_temperature = fixed_temperature
 
     def answer(self, body):
         msgs = body["messages"]
@@ -83,6 +84,9 @@ class ScriptedServer:
         body = json.loads(request.content)
         with self.lock:
             self.bodies.append(body)
+        if self.fixed_temperature and "temperature" in body:
+            return httpx.Response(400, json={"error": {"message": "Unsupported value: 'temperature' "
+                                                       "does not support 0.7 with this model."}})
         return httpx.Response(200, json=self.answer(body))
 
     def model(self, **kw):
@@ -125,6 +129,27 @@ def test_probe_value_renormalises_over_the_yes_and_no_found():
     assert v == pytest.approx(2 * 0.4 / 0.6 - 1) and mass == pytest.approx(0.6)
     assert served.probe_value([("Maybe", 0.0)]) == (None, 0.0)
     assert served.belief([0.5, None, 0.1]) is None and served.belief([0.5, 0.2, 0.2]) == 0.3
+
+
+def test_backoff_doubles_with_jitter_and_follows_retry_after():
+    class Error:
+        def __init__(self, headers):
+            self.response = type("Response", (), {"headers": headers})()
+    rng = type("Rng", (), {"random": lambda self: 1.0})()
+    assert [served.backoff_s(a, Error({}), rng) for a in range(3)] == \
+        [served.BACKOFF_S * 1.25 * 2 ** a for a in range(3)]
+    assert served.backoff_s(0, Error({"retry-after": "7"})) == 7.0
+    assert served.backoff_s(30, Error({})) == served.BACKOFF_MAX_S
+
+
+def test_a_model_that_refuses_a_temperature_is_asked_without_one():
+    server = ScriptedServer(fixed_temperature=True)
+    model = server.model()
+    records = served.play_episodes(model, model, instances(), 3, progress=False)
+    assert [(r["outcome"], r["end_reason"], r["turns"]) for r in records] == list(EXPECTED.values())
+    assert model.temperature is False and model.stats["failed_requests"] == 0
+    refused = sum("temperature" in b for b in server.bodies)  # those in flight before the first refusal
+    assert 1 <= refused <= served.MAX_IN_FLIGHT
 
 
 def test_parse_spec_and_bad_specs():
@@ -305,17 +330,44 @@ def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
 
 
 def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch, capsys):
-    """python eval.py --persuader openai:MODEL@URL: episodes.jsonl and summary.json with the
-    request counts; rerun, nothing is played again."""
+    """python eval.py --persuadee openai:MODEL@URL (the judge too, by default): episodes.jsonl,
+    summary.json with the request counts and the belief columns missing; rerun, nothing is
+    played again."""
     monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
-    argv = ["--persuader", server, "--persuadee", "random:tiny-qwen3", "--judge", server, "--scenarios", "train",
+    argv = ["--persuader", "random:tiny-llama", "--persuadee", server, "--scenarios", "train",
             "--limit", "2", "--t-max", "2", "--max-new-tokens", "6", "--name", "api"]
     ev.main(argv)
     episodes = lines(tmp_path / "api" / "episodes.jsonl")
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert len(episodes) == 2 and summary["requests"][server]["requests"] >= 3
+    assert summary["beliefs_missing"] == 1.0 and "belief" in capsys.readouterr().out
     ev.main(argv)
     assert lines(tmp_path / "api" / "episodes.jsonl") == episodes
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert summary["requests"][server]["requests"] == 1  # the start-up check only
     assert "2 of 2 episodes already played" in capsys.readouterr().err
+
+
+def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_scenarios,
+                                                       monkeypatch):
+    """train.py --judge openai:MODEL@URL: every episode of a step is judged through the server
+    with its own instance, and its score is the one training uses."""
+    import train
+    calls, original = [], served.judge_scores
+
+    def recording(judge, insts, transcripts, seed=0):
+        scores = original(judge, insts, transcripts, seed)
+        calls.append(([i["id"] for i in insts], transcripts, scores, judge.stats["requests"]))
+        return scores
+    monkeypatch.setattr(served, "judge_scores", recording)
+    history = train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out",
+                          str(tmp_path), "--name", "judged", "--steps", "1", "--judge", server,
+                          "--save-every", "1000"])
+    [(ids, transcripts, scores, requests)] = calls
+    tiny = train.PRESETS["tiny"]
+    assert len(ids) == len(transcripts) == tiny["instances"] * tiny["group_size"]
+    assert all(len(set(ids[g:g + tiny["group_size"]])) == 1
+               for g in range(0, len(ids), tiny["group_size"]))  # instance-major groups
+    assert requests >= len(ids) + 1  # the start-up check and one answer per episode at least
+    assert history[0]["judge_mean"] == pytest.approx(sum(scores) / len(scores))
+    assert history[0]["judge_s"] > 0

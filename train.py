@@ -362,6 +362,10 @@ def main(argv=None):
         sys.exit(f"train.py: --instances {args.instances} must be a multiple of the number of "
                  f"ranks ({world}) so that every rank rolls out whole groups")
 
+    served_judge = served.ServedModel(args.judge) if served.is_served(args.judge) else None
+    if served_judge:  # a wrong URL or key is a one-line exit before any model loads
+        served_judge.check()
+
     # the actor (trained, sharded), its rollout copy, the frozen reference, persuadee and judge
     policy, tokenizer = load(args.persuader, args.dtype, device)
     reference = load(args.persuader, args.dtype, device)[0] if args.kl_beta > 0 else None
@@ -383,13 +387,8 @@ def main(argv=None):
         copy_weights(policy, rollout_model)
     actor = engine.Engine(rollout_model, tokenizer)
     persuadee = engine.Engine(persuadee_model, persuadee_tok)
-    served_judge = served.is_served(args.judge)
-    if served_judge:
-        judge = served.ServedModel(args.judge)
-        judge.check()
-    else:
-        judge = (None if args.judge == "none" else
-                 engine.Engine(*load(args.judge, args.dtype, device)) if args.judge else persuadee)
+    judge = served_judge or (None if args.judge == "none" else engine.Engine(
+        *load(args.judge, args.dtype, device)) if args.judge else persuadee)
 
     instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
     if rank == 0:
@@ -414,10 +413,11 @@ def main(argv=None):
             persuadee_temperature=args.persuadee_temperature, max_new_tokens=args.max_new_tokens,
             judge=None if served_judge else judge, progress=bar, timings=times)
         bar.close()
-        if served_judge:
+        if served_judge:  # records are instance-major: group g is instance mine[g]
             with rollout.clock(times, "judge_s"):
-                scores = served.judge_scores(judge, [mine[i // args.group_size] for i in range(len(records))],
-                                             [r["transcript"] for r in records], args.seed + step)
+                scores = served.judge_scores(
+                    judge, [mine[i // args.group_size] for i in range(len(records))],
+                    [r["transcript"] for r in records], args.seed + step)
             for r, score in zip(records, scores):
                 r["judge"] = score
         times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
