@@ -29,6 +29,7 @@ signed-rank test on the goal reward.
     python eval.py --persuader A --persuader B --persuadee C --persuadee D --judge J   # grid, one judge
     python eval.py --analyze evals/NAME                         # summary.json and plots from episodes.jsonl
     python eval.py --case evals/NAME heldout-017                # Table 8: one episode turn by turn
+    python eval.py --persuader openai:MODEL@URL --name NAME     # a model served over the OpenAI API
     python eval.py --compare evals/A evals/B                    # paired comparison, B against A
     python eval.py --compare-many evals/B1 evals/B2 --policy evals/P   # discordant pairs, closed by none
     python eval.py --overlay evals/A evals/B                    # Fig. 6: belief trajectories overlaid
@@ -57,6 +58,7 @@ import arena  # noqa: E402
 import moves  # noqa: E402
 import probes  # noqa: E402
 import rpo  # noqa: E402
+import served  # noqa: E402
 from arena import OUTCOMES  # noqa: E402
 
 SHORT = {"ACCEPT": "ACCEPT", "CONDITIONAL_ACCEPT": "COND", "PENDING": "PENDING", "REJECT": "REJECT",
@@ -125,6 +127,9 @@ def raw_process_rewards(ep):
 def _summary(episodes):
     n = len(episodes)
     count = {o: sum(ep["outcome"] == o for ep in episodes) for o in OUTCOMES}
+    # a served persuadee without log-probs (or an episode that never started) has no beliefs:
+    # the belief columns leave it out
+    believed = [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"]]
     judged = [ep["judge"] for ep in episodes if ep.get("judge") is not None]
     turns = sum(len(ep["beliefs"]) - 1 for ep in episodes)
     return {
@@ -135,10 +140,13 @@ def _summary(episodes):
         "reject": count["REJECT"] / n,
         "walk_away": count["WALK_AWAY"] / n,
         "mean_turns": _mean(ep["turns"] for ep in episodes),
-        "mean_final_belief": _mean(ep["beliefs"][-1] for ep in episodes),
-        "mean_dense_return": _mean(dense_return(ep) for ep in episodes),
-        "negative_process_share": rpo.negative_process_share(ep["beliefs"] for ep in episodes) if turns else None,
+        "mean_final_belief": _mean(ep["beliefs"][-1] for ep in believed),
+        "mean_dense_return": _mean(dense_return(ep) for ep in believed),
+        "negative_process_share": (rpo.negative_process_share(ep["beliefs"] for ep in believed)
+                                   if turns else None),
         "mean_judge": _mean(judged),
+        "beliefs_missing": (n - len(believed)) / n,
+        "api_errors": sum(ep.get("end_reason") == served.API_ERROR for ep in episodes),
     }
 
 
@@ -267,11 +275,13 @@ def summarize(episodes):
     summary["anchor"] = anchors.pop() if len(anchors) == 1 else "mixed"
     summary["by_resistance"] = _groups(episodes, "resistance")
     summary["by_domain"] = _groups(episodes, "domain")
-    summary["belief_stats"] = belief_stats(episodes)
-    summary["shaping_by_outcome"] = shaping_by_outcome(episodes)
+    believed = [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"]]
+    summary["belief_stats"] = belief_stats(believed)
+    summary["shaping_by_outcome"] = shaping_by_outcome(believed)
     if all("moves" in ep and "manipulation" in ep for ep in episodes):
         summary["tagger"] = "+".join(sorted({ep.get("tagger", "keyword") for ep in episodes}))
-        summary["moves"] = move_stats(episodes)
+        if believed:  # a move's effect is read off the beliefs it moved
+            summary["moves"] = move_stats(believed)
         summary["manipulation"] = manipulation_stats(episodes)
     return summary
 
@@ -311,6 +321,12 @@ def format_table(summary):
         f"{'negative process reward':<26}{_pct(summary['negative_process_share']):>8}  of turns (raw beliefs)",
         f"{'mean judge score':<26}{_num(summary['mean_judge'], '+.2f'):>8}",
     ]
+    if summary.get("beliefs_missing"):
+        lines.append(f"{'beliefs':<26}{'missing':>8}  in {_pct(summary['beliefs_missing'])} of episodes "
+                     "(the persuadee's server gave no log-probs): belief columns leave them out")
+    if summary.get("api_errors"):
+        lines.append(f"{'api errors':<26}{summary['api_errors']:>8}  episodes ended as api_error "
+                     "(their requests kept failing)")
     return "\n".join(lines + ["", _breakdown("by resistance", summary["by_resistance"]),
                               "", _breakdown("by domain", summary["by_domain"]),
                               "", format_analyses(summary)])
@@ -930,8 +946,10 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     if fidelity is not None:
         _write_text(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
     _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    plot_beliefs(episodes, out_dir / "beliefs.png")
-    plot_probes(episodes, out_dir / "probes.png")
+    believed = [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"]]
+    if believed:  # a persuadee served without log-probs has no belief to plot
+        plot_beliefs(believed, out_dir / "beliefs.png")
+        plot_probes(believed, out_dir / "probes.png")
     if "moves" in summary:
         plot_moves(summary, out_dir / "moves.png")
 
@@ -1076,12 +1094,22 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
                   probe_space=probes.PROBE_SPACE)
     moves.tag_episodes(episodes, {inst.get("scenario_id", inst["id"]): inst for inst in instances},
                        tagger, judge if judge is not None else persuadee)
+    return _finish(episodes, persuadee, instances, out_dir, fidelity)
+
+
+def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None):
+    """Summary (with the probe fidelity check of a local persuadee), saved with the episodes;
+    episodes without move labels (a served run) are labelled by the keyword tagger."""
+    untagged = [ep for ep in episodes if "moves" not in ep]
+    if untagged:
+        moves.tag_episodes(untagged, {i.get("scenario_id", i["id"]): i for i in instances})
     reads = None
-    if fidelity:
+    if fidelity and getattr(persuadee, "tokenizer", None) is not None:  # local: an Engine
         contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, fidelity)
         reads = {"fork": probes.read_beliefs(persuadee.model, persuadee.tokenizer, contexts).tolist(),
                  "reference": probes.read_beliefs_reference(persuadee.model, persuadee.tokenizer, contexts).tolist()}
     summary = summarize_run(episodes, reads)
+    summary.update(extra or {})
     save_run(out_dir, episodes, summary, reads)
     return summary
 
@@ -1091,8 +1119,13 @@ def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
              kv_blocks=None):
     """Load the models by name (once each) and evaluate (sharded under torchrun). judge None:
     the persuadee's model; "none": no judge (s = 0); else a model name or path, the same across
-    a grid."""
+    a grid. A role named openai:MODEL@URL is served (served.py), and then the evaluation resumes
+    from out_dir/episodes.jsonl."""
     import engine
+    names = (persuader, persuadee, judge or persuadee)
+    if any(served.is_served(n) for n in names):
+        return run_served(*names, instances, out_dir, seed=seed, t_max=t_max, loaded=loaded,
+                          max_new_tokens=max_new_tokens)
     rank, world = distributed()
     engines = [engine.Engine(*_load(name, loaded), num_blocks=kv_blocks)
                for name in (persuader, persuadee)]
@@ -1101,6 +1134,43 @@ def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
     return evaluate(*engines, instances, out_dir, t_max=t_max, seed=seed,
                     names=(persuader, persuadee), max_new_tokens=max_new_tokens, judge=judge_engine,
                     anchor=anchor, tagger=tagger, rank=rank, world=world)
+
+
+def run_served(persuader, persuadee, judge, instances, out_dir, *, seed, t_max, loaded,
+               max_new_tokens, fidelity=FIDELITY_SAMPLES):
+    """An evaluation in which some role is served: episodes played by served.play_episodes,
+    appended to out_dir/episodes.jsonl as they end, so a rerun plays only the missing ones."""
+    import engine
+    out_dir = Path(out_dir)
+    settings = dict(persuader=persuader, persuadee=persuadee, judge=judge, seed=seed, t_max=t_max,
+                    max_new_tokens=max_new_tokens)
+    settings_path = out_dir / "settings.json"
+    if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
+        sys.exit(f"eval.py: {out_dir} holds an evaluation with other settings ({settings_path}); "
+                 "pass another --name, or delete the folder to start again")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_text(settings_path, json.dumps(settings, indent=2) + "\n")
+    sides = {}
+    for name in dict.fromkeys((persuader, persuadee, judge)):
+        if served.is_served(name):
+            sides[name] = served.ServedModel(name)
+            sides[name].check()
+        else:
+            sides[name] = engine.Engine(*_load(name, loaded))
+    path = out_dir / "episodes.jsonl"
+    try:
+        if played := len(served.read_played(path)):
+            print(f"resuming {out_dir}: {played} of {len(instances)} episodes already played",
+                  file=sys.stderr)
+        episodes = served.play_episodes(sides[persuader], sides[persuadee], instances, t_max,
+                                        judge=sides[judge], seed=seed, max_new_tokens=max_new_tokens,
+                                        out_path=path)
+    except ValueError as e:
+        sys.exit(f"eval.py: {e}")
+    for ep in episodes:
+        ep.update(persuader=persuader, persuadee=persuadee, seed=seed)
+    requests = {name: m.stats for name, m in sides.items() if isinstance(m, served.ServedModel)}
+    return _finish(episodes, sides[persuadee], instances, out_dir, fidelity, {"requests": requests})
 
 
 def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
@@ -1175,7 +1245,9 @@ def parse_args(argv=None):
     ap.add_argument("--persuader", action="append", help="model name or path; repeat for a grid (default smollm2)")
     ap.add_argument("--persuadee", action="append", help="model name or path; repeat for a grid (default smollm2)")
     ap.add_argument("--judge", help="strategy judge and logit tagger model, fixed across a grid "
-                                    "(default: each persuadee's own model); 'none' gives s = 0")
+                                    "(default: each persuadee's own model); 'none' gives s = 0; "
+                                    "any role may be openai:MODEL@URL, a model served over the "
+                                    "OpenAI API (key from OPENAI_API_KEY)")
     ap.add_argument("--tagger", choices=("keyword", "logit"), default="keyword",
                     help="move and manipulation labels: keyword rules, or yes/no logits of the judge")
     ap.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
@@ -1276,7 +1348,9 @@ def main(argv=None):
     probes.PROBE_SPACE = args.probe_space  # every read-out of this process, fidelity check included
     if args.max_new_tokens is None:  # the model-driven modes only
         import torch
-        args.max_new_tokens = GPU_MAX_NEW_TOKENS if torch.cuda.is_available() else CPU_MAX_NEW_TOKENS
+        remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
+        args.max_new_tokens = (GPU_MAX_NEW_TOKENS if torch.cuda.is_available() or remote
+                               else CPU_MAX_NEW_TOKENS)
     if args.play:
         if len(args.persuadee) > 1:
             sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")

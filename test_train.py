@@ -130,3 +130,44 @@ def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
     assert grads(garbage, adv)[0] == pytest.approx(base, rel=1e-6)
     moved = records(lambda k, t: -2.5 if t == 2 else (-2.0 if t else 0.0))
     assert grads(moved, adv)[0] != pytest.approx(base, rel=1e-3)
+
+
+def test_tensorboard_events_hold_the_metrics_the_heldout_summary_and_samples(tmp_path, short_scenarios):
+    """--log tensorboard: tensorboard's own event reader finds every number of metrics.jsonl
+    under train/ at its step, the held-out summary under heldout/, and the sample table."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tiny_run(tmp_path, short_scenarios, "tb", "--steps", 2, "--eval-every", 2, "--eval-limit", 1,
+             "--log", "tensorboard")
+    run = tmp_path / "tb"
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {(f"train/{k}", m["step"]): v for m in metrics(run) for k, v in train.scalars(m).items()
+                if k != "step"}
+    heldout = json.loads((run / "eval-2" / "summary.json").read_text())
+    expected.update({(f"heldout/{k}", 2): v for k, v in train.scalars(heldout).items()})
+    assert {tag for tag, _ in expected} == tags and ("heldout/by_domain/healthcare/n", 2) in expected
+    for (tag, step), value in expected.items():
+        [event] = [e for e in events.Scalars(tag) if e.step == step]
+        assert event.value == pytest.approx(value, rel=1e-6, abs=1e-6), tag
+    assert "samples/text_summary" in events.Tags()["tensors"]
+    [table] = [e for e in events.Tensors("samples/text_summary") if e.step == 1]
+    first = json.loads((run / "samples-1.json").read_text())[0]
+    assert first["id"] in table.tensor_proto.string_val[0].decode()
+
+
+def test_wandb_runs_offline(tmp_path, short_scenarios, monkeypatch):
+    """--log wandb with no W&B settings: an offline run in runs/NAME/wandb, nothing sent."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tiny_run(tmp_path, short_scenarios, "wb", "--steps", 1, "--log", "wandb")
+    [offline] = (tmp_path / "wb" / "wandb").glob("offline-run-*")
+    assert list(offline.glob("*.wandb"))
+
+
+def test_a_missing_logger_package_is_a_one_line_exit(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--log", "wandb"])
+    assert str(e.value) == "train.py: --log wandb needs the wandb package: pip install wandb"

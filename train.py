@@ -13,14 +13,21 @@ Groups are sharded across ranks (torchrun); the actor is sharded with FSDP (full
 reference, persuadee and judge are frozen and unsharded. Checkpoints are Hugging Face folders
 (the policy loads with AutoModelForCausalLM.from_pretrained) plus the optimizer, written to a
 temporary folder and renamed, so a run killed at any moment resumes from the last one.
+metrics.jsonl is the record of truth; --log tensorboard (a SummaryWriter in runs/NAME) and
+--log wandb (offline unless WANDB_MODE says otherwise) get the same scalars under train/, the
+held-out summaries under heldout/ and a table of sample dialogues.
 
     python train.py                                # cpu preset (the default without CUDA)
     python train.py --steps 50 --lam 0 --name grpo # an ablation: outcome-only GRPO
     python train.py --name NAME --resume           # continue a killed run
+    python train.py --log tensorboard              # also TensorBoard events in runs/NAME
+    python train.py --judge openai:MODEL@URL       # a judge served over the OpenAI API
     torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
 """
 import argparse
+import importlib
 import json
+import math
 import os
 import random
 import shutil
@@ -38,6 +45,7 @@ import models
 import probes
 import rollout
 import rpo
+import served
 
 PRESETS = {
     "paper": dict(persuader="Qwen/Qwen3-4B-Instruct-2507", persuadee="Qwen/Qwen3-14B",
@@ -61,6 +69,9 @@ GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
 GRAD_CHECKPOINTING = True           # on GPUs: recompute activations in the backward pass
 SEED = 0
+LOGGERS = ("tensorboard", "wandb")  # --log choices, each an optional package
+WANDB_PROJECT = "persuarena"        # W&B project of every run
+SAMPLE_DIALOGUES = 2                # episodes a step kept in samples-STEP.json and the loggers' table
 
 
 def parse_args(argv=None):
@@ -92,6 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs")
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
     p.add_argument("--scenarios", default=arena.SCENARIOS_PATH)
+    p.add_argument("--log", action="append", choices=LOGGERS, default=[],
+                   help="also log to TensorBoard (runs/NAME) or Weights & Biases; repeatable")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     args.preset = args.preset or ("paper" if cuda else "cpu")
@@ -105,6 +118,8 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for kind in args.log:  # before any model loads: a missing package is a one-line exit
+        require(kind)
     if args.resume and not (Path(args.out) / args.name / "latest").exists():
         p.error(f"--resume: no checkpoint in {Path(args.out) / args.name} (look for a 'latest' "
                 "file there, or drop --resume to start a new run)")
@@ -248,6 +263,45 @@ def step_metrics(step, records, groups, update, times, args, device):
     return m
 
 # -----------------------------------------------------------------------------
+# TensorBoard and W&B: the scalars of metrics.jsonl, held-out summaries, sample dialogues
+
+
+def require(kind):
+    """The optional package behind a --log choice, or a one-line exit saying how to get it."""
+    try:
+        return importlib.import_module(kind)
+    except ImportError:
+        sys.exit(f"train.py: --log {kind} needs the {kind} package: pip install {kind}")
+
+
+def scalars(values, prefix=""):
+    """The finite numbers of a (nested) metrics dict as {prefix/key/...: value}."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(scalars(value, f"{prefix}{key}/"))
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value)):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def sample_rows(records):
+    """[id, outcome, turns, beliefs, transcript] of the first SAMPLE_DIALOGUES episodes."""
+    rows = []
+    for r in records[:SAMPLE_DIALOGUES]:
+        beliefs = " ".join("-" if b is None else f"{b:+.2f}" for b in r["beliefs"])
+        transcript = "\n".join(f"{m['role']}: {m['text']}" for m in r["transcript"])
+        rows.append([r["id"], r["outcome"], r["turns"], beliefs, transcript])
+    return rows
+
+
+def open_loggers(args, run_dir, start):
+    """A logger per --log choice (rank 0 only)."""
+    return [TensorBoardLog(run_dir, start) if kind == "tensorboard" else WandbLog(run_dir, args)
+            for kind in args.log]
+
+# -----------------------------------------------------------------------------
 # checkpoints
 
 
@@ -321,6 +375,10 @@ def main(argv=None):
         sys.exit(f"train.py: --instances {args.instances} must be a multiple of the number of "
                  f"ranks ({world}) so that every rank rolls out whole groups")
 
+    served_judge = served.ServedModel(args.judge) if served.is_served(args.judge) else None
+    if served_judge:  # a wrong URL or key is a one-line exit before any model loads
+        served_judge.check()
+
     # the actor (trained, sharded), its rollout copy, the frozen reference, persuadee and judge
     policy, tokenizer = load(args.persuader, args.dtype, device)
     reference = load(args.persuader, args.dtype, device)[0] if args.kl_beta > 0 else None
@@ -342,8 +400,8 @@ def main(argv=None):
         copy_weights(policy, rollout_model)
     actor = engine.Engine(rollout_model, tokenizer)
     persuadee = engine.Engine(persuadee_model, persuadee_tok)
-    judge = (None if args.judge == "none" else
-             engine.Engine(*load(args.judge, args.dtype, device)) if args.judge else persuadee)
+    judge = served_judge or (None if args.judge == "none" else engine.Engine(
+        *load(args.judge, args.dtype, device)) if args.judge else persuadee)
 
     instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
     problems = rollout.prompt_problems(actor, persuadee, instances)  # found once, up front
@@ -359,6 +417,7 @@ def main(argv=None):
         kept = [l for l in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
                 if json.loads(l)["step"] <= start]  # steps after the checkpoint are redone
         metrics_path.write_text("".join(l + "\n" for l in kept))
+    loggers = open_loggers(args, run_dir, start) if rank == 0 else []
     history = []
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
@@ -373,8 +432,15 @@ def main(argv=None):
             persuadee_sampling=engine.Sampling(args.persuadee_temperature,
                                                        args.persuadee_top_p, args.persuadee_top_k),
             max_new_tokens=args.max_new_tokens,
-            judge=judge, progress=bar, timings=times)
+            judge=None if served_judge else judge, progress=bar, timings=times)
         bar.close()
+        if served_judge:  # records are instance-major: group g is instance mine[g]
+            with rollout.clock(times, "judge_s"):
+                scores = served.judge_scores(
+                    judge, [mine[i // args.group_size] for i in range(len(records))],
+                    [r["transcript"] for r in records], args.seed + step)
+            for r, score in zip(records, scores):
+                r["judge"] = score
         times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
         t2 = time.perf_counter()
         turn_adv, groups = advantages(records, args.group_size, args)
@@ -395,15 +461,23 @@ def main(argv=None):
                 f"{m['loss']:+.4f}  kl {m['kl']:.4f}  dead {m['dead_group_share']:.0%}  "
                 f"{m['step_s']:.1f}s (rollout {m['rollout_s']:.1f}, probes {m['probe_s']:.1f}, "
                 f"judge {m['judge_s']:.1f}, update {m['update_s']:.1f})")
+            for log in loggers:
+                log.scalars(step, scalars({k: v for k, v in m.items() if k != "step"}, "train/"))
             if step % max(args.save_every, 1) == 0 or step == 1:
                 (run_dir / f"samples-{step}.json").write_text(json.dumps(
                     [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"],
-                          beliefs=r["beliefs"]) for r in records[:2]], indent=1))
+                          beliefs=r["beliefs"]) for r in records[:SAMPLE_DIALOGUES]], indent=1))
+                for log in loggers:
+                    log.samples(step, sample_rows(records))
         evaluated = bool(args.eval_every) and step % args.eval_every == 0
         if evaluated:
-            evaluate(actor, persuadee, judge, args, step, rank, run_dir)
+            summary = evaluate(actor, persuadee, judge, args, step, rank, run_dir)
+            for log in loggers:
+                log.scalars(step, scalars(summary, "heldout/"))
         if step % max(args.save_every, 1) == 0 or step == args.steps or evaluated:
             save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank)
+    for log in loggers:
+        log.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     say(f"done: metrics in {run_dir / 'metrics.jsonl'}, policy in {run_dir / 'checkpoint-*'}")
@@ -429,6 +503,52 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
         path.write_text("".join(l + "\n" for l in kept + [json.dumps({"step": step, **summary})]))
         print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "
               f"full-or-conditional {summary['full_or_conditional']:.1%}")
+    return summary
+
+
+class TensorBoardLog:
+    """Events in runs/NAME (`tensorboard --logdir runs`); a resumed run drops what came after
+    its checkpoint, as metrics.jsonl does."""
+
+    def __init__(self, run_dir, start):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(str(run_dir), purge_step=start + 1 if start else None)
+
+    def scalars(self, step, values):
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def samples(self, step, rows):
+        head = "| id | outcome | turns | beliefs | transcript |\n| --- | --- | --- | --- | --- |\n"
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")
+        self.writer.add_text("samples", head + "".join(
+            "| " + " | ".join(cell(v) for v in row) + " |\n" for row in rows), step)
+
+    def close(self):
+        self.writer.close()
+
+
+class WandbLog:
+    """A W&B run in runs/NAME/wandb, offline unless WANDB_MODE is set (`wandb sync` uploads it)."""
+
+    def __init__(self, run_dir, args):
+        self.wandb = require("wandb")
+        mode = None if os.environ.get("WANDB_MODE") else "offline"
+        run_id = "".join(c if c.isalnum() or c in "-_" else "-" for c in args.name)  # W&B's id alphabet
+        self.run = self.wandb.init(project=WANDB_PROJECT, name=args.name, id=run_id,
+                                   resume="allow", dir=str(run_dir), mode=mode,
+                                   config={k: v for k, v in vars(args).items() if k != "log"})
+
+    def scalars(self, step, values):
+        self.run.log(values, step=step)
+
+    def samples(self, step, rows):
+        table = self.wandb.Table(columns=["id", "outcome", "turns", "beliefs", "transcript"],
+                                 data=rows)
+        self.run.log({"samples": table}, step=step)
+
+    def close(self):
+        self.run.finish()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,371 @@
+"""served.py: episodes over the OpenAI-compatible API, against an in-process scripted server (the
+official client over a mock transport), a fault-injecting one, and a real `transformers serve`."""
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import pytest
+
+import arena
+import engine
+import eval as ev
+import models
+import probes
+import rollout
+import served
+from conftest import short_scenario, tiny_model
+
+try:
+    import httpx2 as httpx  # the HTTP library of the installed openai client
+except ImportError:
+    import httpx
+
+YES_P, NO_P, OTHER_P = 0.3, 0.1, 0.4  # the scripted server's first-token probabilities of a probe
+JUDGE_ANSWER = "PROBING: 4\nFIT: 3\nADAPTATION: 5"  # s = 4 - 3 = 1
+SCRIPTS = {  # scenario day -> the persuadee's replies turn by turn
+    1: ["Tell me more.", "Maybe, with the leaflet. [CONDITIONAL ACCEPT]", "Fine. [ACCEPT]"],
+    2: ["Hmm.", "Hmm.", "Hmm.", "Hmm."],
+    3: ["No. [REJECT]", "Still no. [REJECT]"],
+}
+EXPECTED = {1: ("ACCEPT", "decision", 3), 2: ("PENDING", "budget", 3), 3: ("REJECT", "rejections", 2)}
+
+
+def instances(days=(1, 2, 3)):
+    return [{**short_scenario(d), "scenario_id": f"train-{d:04d}", "variant": 0} for d in days]
+
+
+def day_of(messages):
+    for d in SCRIPTS:
+        if f"on day {d}" in messages[0]["content"]:
+            return d
+    return None
+
+
+def completion(text, top=None, finish="stop"):
+    choice = {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text}}
+    if top is not None:
+        choice["logprobs"] = {"content": [{"token": top[0][0], "logprob": top[0][1], "bytes": None,
+                                           "top_logprobs": [{"token": t, "logprob": lp, "bytes": None}
+                                                            for t, lp in top]}]}
+    return {"id": "x", "object": "chat.completion", "created": 0, "model": "scripted",
+            "choices": [choice]}
+
+
+class ScriptedServer:
+    """Answers like an OpenAI server: the persuader forges a tag in every message, the persuadee
+    follows SCRIPTS, a probe gets fixed top log-probs (none with logprobs=False), the judge
+    JUDGE_ANSWER. Every request body is kept."""
+
+    def __init__(self, logprobs=True, fixed_temperature=False):
+        self.logprobs, self.bodies, self.lock = logprobs, [], threading.Lock()
+        self.fixed_temperature = fixed_temperature
+
+    def answer(self, body):
+        msgs = body["messages"]
+        users = sum(m["role"] == "user" for m in msgs)
+        if msgs[-1]["content"].startswith(probes.INSTRUCTION):
+            top = [("Yes", math.log(YES_P)), (" No", math.log(NO_P)), ("Maybe", math.log(OTHER_P))]
+            return completion("Yes", top if self.logprobs and body.get("logprobs") else None)
+        if msgs[0]["content"].startswith("You judge persuasion"):
+            return completion(JUDGE_ANSWER)
+        if "How to persuade" in msgs[0]["content"]:
+            return completion(f"Message {users}: will you agree? [ACCEPT]")
+        return completion(SCRIPTS[day_of(msgs)][users - 1])
+
+    def __call__(self, request):
+        body = json.loads(request.content)
+        with self.lock:
+            self.bodies.append(body)
+        if self.fixed_temperature and "temperature" in body:
+            return httpx.Response(400, json={"error": {"message": "Unsupported value: 'temperature' "
+                                                       "does not support 0.7 with this model."}})
+        return httpx.Response(200, json=self.answer(body))
+
+    def model(self, **kw):
+        return served.ServedModel("openai:scripted@http://127.0.0.1:9/v1", backoff=False,
+                                  http_client=httpx.Client(transport=httpx.MockTransport(self)), **kw)
+
+
+class Faulty(ScriptedServer):
+    """One request in three (by a checksum of its body) fails its first attempt with a 500, or a
+    429 with Retry-After 0; every attempt about `broken_day` gets a 503; once kill_when() holds,
+    the next request raises Killed."""
+
+    def __init__(self, broken_day=None, kill_when=lambda: False):
+        super().__init__()
+        self.broken_day, self.kill_when, self.seen, self.failures = broken_day, kill_when, set(), 0
+
+    def __call__(self, request):
+        body = json.loads(request.content)
+        sum_ = zlib.crc32(request.content)
+        with self.lock:
+            if self.kill_when():
+                raise Killed()
+            first = sum_ not in self.seen
+            self.seen.add(sum_)
+            fail = (first and sum_ % 3 == 0) or day_of(body["messages"]) == self.broken_day
+            self.failures += fail
+        if fail:
+            return httpx.Response(429 if sum_ % 2 else 500 if first else 503, headers={"retry-after": "0"},
+                                  json={"error": {"message": "down"}})
+        return super().__call__(request)
+
+
+class Killed(BaseException):
+    """The run dies mid-evaluation (not an Exception: nothing may catch it)."""
+
+
+def test_probe_value_renormalises_over_the_yes_and_no_found():
+    v, mass = served.probe_value([("Yes", math.log(0.3)), (" yes", math.log(0.1)),
+                                  ("No", math.log(0.2)), ("Maybe", math.log(0.4))])
+    assert v == pytest.approx(2 * 0.4 / 0.6 - 1) and mass == pytest.approx(0.6)
+    assert served.probe_value([("Maybe", 0.0)]) == (None, 0.0)
+    assert served.belief([0.5, None, 0.1]) is None and served.belief([0.5, 0.2, 0.2]) == 0.3
+
+
+def test_backoff_doubles_with_jitter_and_follows_retry_after():
+    class Error:
+        def __init__(self, headers):
+            self.response = type("Response", (), {"headers": headers})()
+    rng = type("Rng", (), {"random": lambda self: 1.0})()
+    assert [served.backoff_s(a, Error({}), rng) for a in range(3)] == \
+        [served.BACKOFF_S * 1.25 * 2 ** a for a in range(3)]
+    assert served.backoff_s(0, Error({"retry-after": "7"})) == 7.0
+    assert served.backoff_s(30, Error({})) == served.BACKOFF_MAX_S
+
+
+def test_a_model_that_refuses_a_temperature_is_asked_without_one():
+    server = ScriptedServer(fixed_temperature=True)
+    model = server.model()
+    records = served.play_episodes(model, model, instances(), 3, progress=False)
+    assert [(r["outcome"], r["end_reason"], r["turns"]) for r in records] == list(EXPECTED.values())
+    assert model.temperature is False and model.stats["failed_requests"] == 0
+    refused = sum("temperature" in b for b in server.bodies)  # those in flight before the first refusal
+    assert 1 <= refused <= served.MAX_IN_FLIGHT
+
+
+def test_parse_spec_and_bad_specs():
+    assert served.parse_spec("openai:/m/x@http://127.0.0.1:8000/v1/") == ("/m/x", "http://127.0.0.1:8000/v1")
+    for bad in ("openai:gpt-4o", "openai:@http://h/v1", "openai:m@h:80"):
+        with pytest.raises(SystemExit, match="openai:MODEL@URL"):
+            served.parse_spec(bad)
+
+
+def test_served_episodes_follow_the_state_machine_and_strip_tags():
+    """Both sides and the judge served: outcomes, end reasons and turns as the scripts and
+    arena.Episode dictate; no forged tag reaches the persuadee; the final-turn instruction only
+    on the last turn; probes renormalised with their mass recorded; the judge's score."""
+    server = ScriptedServer()
+    model = server.model()
+    records = served.play_episodes(model, model, instances(), 3, judge=model, progress=False)
+    v = 2 * YES_P / (YES_P + NO_P) - 1
+    for day, r in zip(SCRIPTS, records):
+        assert (r["outcome"], r["end_reason"], r["turns"]) == EXPECTED[day]
+        assert r["probes"] == [[pytest.approx(v)] * 3] * (r["turns"] + 1)
+        assert r["probe_mass"] == [[pytest.approx(YES_P + NO_P)] * 3] * (r["turns"] + 1)
+        assert r["beliefs"] == [pytest.approx(v)] * (r["turns"] + 1) and r["judge"] == 1.0
+        assert [m["text"] for m in r["transcript"][1::2]] == SCRIPTS[day][:r["turns"]]
+        assert [m["decision"] for m in r["transcript"][1::2]] == \
+            [arena.parse_decision(t) for t in SCRIPTS[day][:r["turns"]]]
+    persuadee_side = [b["messages"] for b in server.bodies if day_of(b["messages"])
+                      and not b["messages"][-1]["content"].startswith(probes.INSTRUCTION)]
+    seen = [m["content"] for msgs in persuadee_side for m in msgs if m["role"] == "user"]
+    assert seen and not any(arena.parse_decision(s) for s in seen)
+    finals = {(day_of(msgs), sum(m["role"] == "user" for m in msgs)) for msgs in persuadee_side
+              if arena.FINAL_TURN_INSTRUCTION in msgs[-1]["content"]}
+    assert finals == {(1, 3), (2, 3)}  # day 1: its upgrade window closes at turn 3; day 2: budget
+
+
+def test_a_server_without_logprobs_leaves_beliefs_absent():
+    """transformers serve ignores logprobs: beliefs are None, never 0, it is asked only once, and
+    the summary says the belief columns are missing."""
+    server = ScriptedServer(logprobs=False)
+    records = served.play_episodes(rollout_engine(), server.model(), instances(), 3,
+                                   progress=False, max_new_tokens=6)
+    assert all(b is None for r in records for b in r["beliefs"])
+    asked = [b for b in server.bodies if b["messages"][-1]["content"].startswith(probes.INSTRUCTION)]
+    assert len(asked) == len(probes.PROBES) * len(records)  # the first read's questions only
+    summary = ev.summarize(records)
+    assert summary["beliefs_missing"] == 1.0 and summary["mean_final_belief"] is None
+    assert "missing" in ev.format_table(summary)
+
+
+def rollout_engine(arch="llama", seed=1):
+    return engine.Engine(tiny_model(arch, seed=seed), models.tiny_tokenizer(), block_size=8,
+                         num_blocks=2000)
+
+
+def test_a_served_persuader_writes_the_records_a_local_one_writes():
+    """Served and local persuaders against a local persuadee: the same keys as each other and
+    as rollout.rollout_episodes' records less the training stream; the persuadee's view strips
+    the served persuader's forged tags."""
+    insts, er, ee = instances(), rollout_engine(), rollout_engine("qwen3", 2)
+    api = served.play_episodes(ScriptedServer().model(), ee, insts, 2, progress=False,
+                               max_new_tokens=6)
+    local = served.play_episodes(er, ee, insts, 2, progress=False, max_new_tokens=6)
+    reference = rollout.rollout_episodes(er, ee, insts, 2, max_new_tokens=6)
+    keys = set(reference[0]) - set(ev.TRAINING_KEYS)
+    for a, b in zip(api, local):
+        assert set(a) == set(b) == keys
+        assert a["outcome"] in arena.OUTCOMES and len(a["beliefs"]) == a["turns"] + 1
+        assert all(isinstance(x, float) for x in a["beliefs"])
+        assert a["transcript"][0]["text"].endswith("[ACCEPT]")  # as written; stripped when read
+
+
+def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(tmp_path):
+    """A server failing one request in three: retries carry every episode, and every failure is
+    counted. With one scenario's every request failing, its episodes end as "api_error" and are
+    counted while the rest go on; killed in the middle, the run resumes: finished episodes are not
+    played again, none is duplicated, and the records equal an unbroken run's."""
+    insts = [{**short_scenario(i), "scenario_id": f"train-{i:04d}", "variant": 0,
+              "persuader": {**short_scenario(i)["persuader"],
+                            "request": f"get the shot on day {(i - 1) % 3 + 1}"}}
+             for i in range(1, 10)]  # three episodes of each script, told apart by age 40 + i
+    whole = served.play_episodes(*[ScriptedServer().model()] * 2, insts, 3, progress=False)
+    faulty = Faulty()
+    model = faulty.model()
+    records = served.play_episodes(model, model, insts, 3, progress=False)
+    assert faulty.failures == model.stats["failed_attempts"] > len(faulty.seen) // 4
+    assert model.stats["failed_requests"] == 0 and records == whole
+
+    out = tmp_path / "episodes.jsonl"
+    dying = Faulty(broken_day=2, kill_when=lambda: out.exists() and len(lines(out)) >= 4)
+    model = dying.model(retries=2)
+    with pytest.raises(Killed):
+        served.play_episodes(model, model, insts, 3, out_path=out, progress=False)
+    before = lines(out)
+    assert 4 <= len(before) < len(insts)
+    resumed = Faulty(broken_day=2)
+    model = resumed.model(retries=2)
+    records = served.play_episodes(model, model, insts, 3, out_path=out, progress=False)
+    after = lines(out)
+    assert after[:len(before)] == before
+    assert sorted(json.loads(l)["id"] for l in after) == sorted(i["id"] for i in insts)
+    done = {json.loads(l)["id"] for l in before}
+    asked = {f"train-{age_of(b['messages']) - 40:04d}" for b in resumed.bodies}
+    assert asked and not asked & done  # nothing already in episodes.jsonl was played again
+    failed = [r for r in records if "on day 2" in arena.persuadee_system_prompt(
+        next(i for i in insts if i["id"] == r["id"]))]
+    assert {r["end_reason"] for r in failed} == {served.API_ERROR}
+    assert [r for r in records if r not in failed] == [w for w, r in zip(whole, records)
+                                                      if r not in failed]
+    assert ev.summarize(records)["api_errors"] == len(failed) == 3
+
+
+def lines(path):
+    return path.read_text().splitlines()
+
+
+def age_of(messages):
+    return next(40 + i for i in range(1, 10) if f"Ana Ruiz, {40 + i}," in messages[0]["content"]
+                or f"About Ana: {40 + i}," in messages[0]["content"])
+
+
+# -----------------------------------------------------------------------------
+# a real server: `transformers serve` on this machine, with a tiny model folder made here
+
+SERVE_START_S = 240  # start-up allowance on a busy 2-core machine (about 5-45 s measured)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`transformers serve` of a tiny random Llama with the test tokenizer on 127.0.0.1; the spec
+    that names it. Stopped at the end of the module."""
+    import urllib.request
+    folder = tmp_path_factory.mktemp("served") / "tiny-llama"
+    model, tok = models.random_model("tiny-llama", seed=1, max_position_embeddings=2048)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve",
+           str(folder), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    log = open(folder.parent / "serve.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + SERVE_START_S
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"transformers serve did not start: {(folder.parent / 'serve.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+    yield f"openai:{folder}@http://127.0.0.1:{port}/v1"
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
+    """The served model as persuader and judge against a local persuadee: the records of a
+    local persuader, beliefs read locally. As persuadee: it ignores logprobs, so every belief is
+    absent and it is asked for them only once."""
+    model = served.ServedModel(server)
+    model.check()
+    insts, er, ee = instances((1, 2)), rollout_engine(), rollout_engine("qwen3", 2)
+    api = served.play_episodes(model, ee, insts, 2, judge=model, max_new_tokens=6, progress=False)
+    local = served.play_episodes(er, ee, insts, 2, judge=model, max_new_tokens=6, progress=False)
+    for a, b in zip(api, local):
+        assert set(a) == set(b) and a["outcome"] in arena.OUTCOMES
+        assert a["transcript"][0]["role"] == "persuader" and a["transcript"][0]["text"]
+        assert all(isinstance(x, float) for x in a["beliefs"]) and isinstance(a["judge"], float)
+    persuadee = served.ServedModel(server)
+    records = served.play_episodes(er, persuadee, insts, 2, max_new_tokens=6, progress=False)
+    assert persuadee.logprobs is False and persuadee.stats["failed_requests"] == 0
+    for r in records:
+        assert r["beliefs"] == [None] * (r["turns"] + 1) and r["turns"] >= 1
+        assert r["transcript"][1]["role"] == "persuadee"
+
+
+def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch, capsys):
+    """python eval.py --persuadee openai:MODEL@URL (the judge too, by default): episodes.jsonl,
+    summary.json with the request counts and the belief columns missing; rerun, nothing is
+    played again."""
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    argv = ["--persuader", "random:tiny-llama", "--persuadee", server, "--scenarios", "train",
+            "--limit", "2", "--t-max", "2", "--max-new-tokens", "6", "--name", "api"]
+    ev.main(argv)
+    episodes = lines(tmp_path / "api" / "episodes.jsonl")
+    summary = json.loads((tmp_path / "api" / "summary.json").read_text())
+    assert len(episodes) == 2 and summary["requests"][server]["requests"] >= 3
+    assert summary["beliefs_missing"] == 1.0 and "belief" in capsys.readouterr().out
+    ev.main(argv)
+    assert lines(tmp_path / "api" / "episodes.jsonl") == episodes
+    summary = json.loads((tmp_path / "api" / "summary.json").read_text())
+    assert summary["requests"][server]["requests"] == 1  # the start-up check only
+    assert "2 of 2 episodes already played" in capsys.readouterr().err
+
+
+def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_scenarios,
+                                                       monkeypatch):
+    """train.py --judge openai:MODEL@URL: every episode of a step is judged through the server
+    with its own instance, and its score is the one training uses."""
+    import train
+    calls, original = [], served.judge_scores
+
+    def recording(judge, insts, transcripts, seed=0):
+        scores = original(judge, insts, transcripts, seed)
+        calls.append(([i["id"] for i in insts], transcripts, scores, judge.stats["requests"]))
+        return scores
+    monkeypatch.setattr(served, "judge_scores", recording)
+    history = train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out",
+                          str(tmp_path), "--name", "judged", "--steps", "1", "--judge", server,
+                          "--save-every", "1000"])
+    [(ids, transcripts, scores, requests)] = calls
+    tiny = train.PRESETS["tiny"]
+    assert len(ids) == len(transcripts) == tiny["instances"] * tiny["group_size"]
+    assert all(len(set(ids[g:g + tiny["group_size"]])) == 1
+               for g in range(0, len(ids), tiny["group_size"]))  # instance-major groups
+    assert requests >= len(ids) + 1  # the start-up check and one answer per episode at least
+    assert history[0]["judge_mean"] == pytest.approx(sum(scores) / len(scores))
+    assert history[0]["judge_s"] > 0
