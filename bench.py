@@ -162,13 +162,13 @@ def run_engine(model, tok, instances, turns, max_new, sync):
 
     read = probes.read_engine
 
-    def timed_read(engine, sids):
-        st["in_probe"], n0, t = True, engine.tokens_prefilled, time.perf_counter()
+    def timed_read(eng, sids, **kw):
+        st["in_probe"], n0, t = True, eng.tokens_prefilled, time.perf_counter()
         try:
             with torch.profiler.record_function("probe read"):
-                return read(engine, sids)
+                return read(eng, sids, **kw)
         finally:
-            add(st, probe=time.perf_counter() - t, probe_tokens=engine.tokens_prefilled - n0)
+            add(st, probe=time.perf_counter() - t, probe_tokens=eng.tokens_prefilled - n0)
             st["in_probe"] = False
     run_steps = engine.DecodeBatch.run
 

@@ -36,7 +36,7 @@ SAMPLING = {  # per preset: (persuader, persuadee). The persuader samples its wh
     # distribution (pi_old exact); the frozen persuadee may truncate. paper: Qwen3 non-thinking
     # as its makers advise; cpu: SmolLM2-135M, chosen by reading its samples (README)
     "paper": (engine.Sampling(1.0), engine.Sampling(0.7, top_p=0.8, top_k=20)),
-    "cpu": (engine.Sampling(0.6), engine.Sampling(0.6, top_p=0.9, top_k=50)),
+    "cpu": (engine.Sampling(0.7), engine.Sampling(0.7, top_p=0.8, top_k=20)),
 }
 PERSUADER_SAMPLING, PERSUADEE_SAMPLING = SAMPLING["paper"]
 JUDGE_RETRY_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the judge's sampled retries
