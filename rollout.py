@@ -48,9 +48,9 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     # the persuader's last prompt token stays pending so that every fork samples its own message
     roots = []
     for inst in instances:
-        er_ids = models.encode(er_tok, models.render(er_tok, arena.persuader_messages(inst), True))
+        er_ids = models.chat_ids(er_tok, arena.persuader_messages(inst), True)
         er_root = persuader.new(er_ids[:-1])
-        ee_ids = models.encode(ee_tok, models.render(ee_tok, arena.persuadee_messages(inst), False))
+        ee_ids = models.chat_ids(ee_tok, arena.persuadee_messages(inst), False)
         ee_root = persuadee.new(ee_ids)
         for eng, root in ((persuader, er_root), (persuadee, ee_root)):
             if eng.overflow(root):
@@ -128,18 +128,18 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         active = [e for e in active if not e["state"].done]
         if progress is not None:
             progress.update(len(episodes) - len(active) - progress.n)
-    scores = [0.0] * len(episodes)
+    scores, failed = [0.0] * len(episodes), [False] * len(episodes)
     if judge is not None:
         with clock(timings, "judge_s"):
-            scores = judge_scores(judge, [e["inst"] for e in episodes],
-                                  [e["transcript"] for e in episodes], seed)
+            scores, failed = judge_scores(judge, [e["inst"] for e in episodes],
+                                          [e["transcript"] for e in episodes], seed)
     return [dict(
         id=e["inst"]["id"], scenario_id=e["inst"].get("scenario_id", e["inst"]["id"]),
         domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
         outcome=e["state"].outcome, turns=len(e["beliefs"]) - 1,
         end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
-        probes=e["probes"], judge=score, ids=e["ids"], turn_ids=e["turn_ids"],
-        logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
+        probes=e["probes"], judge=score, judge_failed=fail, ids=e["ids"], turn_ids=e["turn_ids"],
+        logprobs=e["logprobs"]) for e, score, fail in zip(episodes, scores, failed)]
 
 
 
@@ -153,7 +153,8 @@ def persuadee_turn(persuadee, sids, messages, final_turns, *, temperature, top_p
     context ("context", "cache") has no probes, and its sequence is left as it is."""
     tok = persuadee.tokenizer
     for sid, text, final in zip(sids, messages, final_turns):
-        persuadee.append(sid, models.turn_ids(tok, arena.persuadee_sees(text, final)))
+        persuadee.append(sid, models.chat_ids(tok, arena.persuadee_sees(text, final), True,
+                                              continued=True))
     with clock(timings, "persuadee_s"):
         outs = persuadee.generate(sids, max_new_tokens, temperature, top_p, generator)
     replies, closed = [], []
@@ -175,13 +176,15 @@ def persuadee_turn(persuadee, sids, messages, final_turns, *, temperature, top_p
 
 
 def judge_scores(judge, instances, transcripts, seed=0):
-    """Strategy score s per transcript: greedy first, then sampled retries, then 0.
+    """(strategy score s, fell back) per transcript: one greedy answer, then up to
+    arena.JUDGE_RETRIES sampled retries, then s = 0 with fell back True (also for a prompt too
+    long to judge).
 
     Prompts are prefilled once: the part a group shares (the instruction and the hidden profile
     of its instance) in one root, each transcript in a fork of it, each attempt in a fork of that."""
     gen = torch.Generator(judge.device).manual_seed(seed + 2)
     tok = judge.tokenizer
-    prompts = [models.encode(tok, models.render(tok, arena.judge_messages(inst, transcript), True))
+    prompts = [models.chat_ids(tok, arena.judge_messages(inst, transcript), True)
                for inst, transcript in zip(instances, transcripts)]
     groups = {}
     for i, inst in enumerate(instances):
@@ -192,16 +195,17 @@ def judge_scores(judge, instances, transcripts, seed=0):
         shared = engine.shared_stem(ours)
         roots.append(judge.new(prompts[members[0]][:shared]))
         if judge.overflow(roots[-1]):
-            continue  # too long to judge: those transcripts score 0
+            continue  # too long to judge: those transcripts fall back to 0
         judge.forward(roots[-1:])
         for i in members:
             bases[i] = judge.fork(roots[-1], prompts[i][shared:-1])  # the last token starts each attempt
-    scores = [0.0 if b is None or judge.overflow(b) else None for b in bases]
-    waiting = [bases[i] for i, s in enumerate(scores) if s is None and judge.length(bases[i]) > judge.cached(bases[i])]
+    judged = [i for i, b in enumerate(bases) if b is not None and not judge.overflow(b)]
+    scores = [None] * len(prompts)  # None until a verdict parses; the rest fall back to 0
+    waiting = [bases[i] for i in judged if judge.length(bases[i]) > judge.cached(bases[i])]
     if waiting:
         judge.forward(waiting)
-    for attempt in range(arena.JUDGE_RETRIES):
-        todo = [i for i, s in enumerate(scores) if s is None]
+    for attempt in range(1 + arena.JUDGE_RETRIES):
+        todo = [i for i in judged if scores[i] is None]
         if not todo:
             break
         sids = []
@@ -213,4 +217,4 @@ def judge_scores(judge, instances, transcripts, seed=0):
             judge.free(sid)
     for sid in roots + [b for b in bases if b is not None]:
         judge.free(sid)
-    return [0.0 if s is None else s for s in scores]
+    return [0.0 if s is None else s for s in scores], [s is None for s in scores]

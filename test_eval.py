@@ -75,6 +75,16 @@ def test_summarize_by_hand():
     assert s["mean_judge"] == pytest.approx(0.5 / 6)            # 1 + .5 + 0 - 1 - 2 + 2
 
 
+def test_summarize_counts_judge_fallbacks():
+    """The share of judged transcripts that fell back to s = 0; unjudged ones are not counted."""
+    eps = [dict(ep, judge_failed=i in (1, 4)) for i, ep in enumerate(SIX)]
+    assert ev.summarize(eps)["judge_failed_share"] == pytest.approx(2 / 6)
+    eps[0]["judge"] = None
+    assert ev.summarize(eps)["judge_failed_share"] == pytest.approx(2 / 5)
+    assert "judge fell back to 0" in ev.format_table(ev.summarize(eps))
+    assert ev.summarize([dict(ep, judge=None) for ep in SIX])["judge_failed_share"] is None
+
+
 def test_summarize_breakdowns():
     s = ev.summarize(SIX)
     assert set(s["by_resistance"]) == {"identity_threat", "entrenched_belief", "autonomy_resistance"}
