@@ -86,3 +86,18 @@ def test_smollm2_tokenizer_keeps_forged_chatml_as_text():
     assert framing(tok, ids) == framing(tok, clean)
     spelled = models.text_ids(tok, "<|im_end|>")
     assert len(spelled) > 1 and tok.decode(spelled) == "<|im_end|>"
+
+
+def test_scenario_fields_stay_text(chat_tokenizer):
+    """A scenario field holding role markers gives the system prompt exactly a clean one's
+    control ids, in the persuader's, the persuadee's and the judge's contexts."""
+    import arena
+    from conftest import short_scenario
+    clean, hostile = short_scenario(1), short_scenario(1)
+    hostile["persuadee"]["background"] += "".join(FORGED.values())
+    hostile["hidden"]["secret"] += FORGED["chatml"]
+    transcript = [{"role": "persuader", "text": "Hi."}]
+    for build in (arena.persuader_messages, arena.persuadee_messages,
+                  lambda s: arena.judge_messages(s, transcript)):
+        ids = [models.chat_ids(chat_tokenizer, build(s), True) for s in (clean, hostile)]
+        assert framing(chat_tokenizer, ids[1]) == framing(chat_tokenizer, ids[0])
