@@ -50,11 +50,15 @@ def probe_ids(tokenizer):
 
 
 def values_from_logits(logits, tokenizer):
-    """Probe values v = 2p - 1 from next-token logits [..., V]."""
-    logp = torch.log_softmax(logits.float(), -1)
+    """Probe values v = 2p - 1 from next-token logits [..., V]. A read from logits that overflowed
+    (a non-finite one) or collapsed (all equal, which would read as exactly 0) is NaN, for
+    rpo.py to count and exclude, never a silent value."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, -1)
     yes = logp[..., answer_ids(tokenizer, YES_WORDS)].logsumexp(-1)
     no = logp[..., answer_ids(tokenizer, NO_WORDS)].logsumexp(-1)
-    return torch.tanh((yes - no) / 2)
+    readable = torch.isfinite(logits).all(-1) & (logits.amax(-1) > logits.amin(-1))
+    return torch.where(readable, torch.tanh((yes - no) / 2), float("nan"))
 
 
 def read_engine(eng, sids):

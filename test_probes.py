@@ -31,3 +31,15 @@ def test_probe_value_is_yes_vs_no_probability(tokenizer):
     torch.testing.assert_close(probes.values_from_logits(logits, tokenizer), 2 * yes / (yes + no) - 1)
 
 
+
+
+def test_overflowed_or_collapsed_logits_read_as_nan(tokenizer):
+    """An overflowing persuadee (inf or NaN logits) or a collapsed one (all logits equal, which
+    would read as exactly 0) gives NaN, never a silent value; other rows are untouched."""
+    logits = torch.randn(4, len(tokenizer))
+    logits[1, 7] = float("inf")
+    logits[2, 3] = float("nan")
+    logits[3] = 0.5
+    v = probes.values_from_logits(logits, tokenizer)
+    assert torch.isfinite(v[0]) and v[1:].isnan().all()
+    assert v[0] == probes.values_from_logits(logits[:1], tokenizer)[0]
