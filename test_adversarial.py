@@ -105,6 +105,7 @@ def play(kind, persuader_texts, persuadee_texts, special_id=None):
                   for answer in (persuader, persuadee, judge))
     scenario = short_scenario(1, "heldout")
     [record] = rollout.rollout_episodes(er, ee, [scenario], len(PERSUADER), judge=jj, seed=0)
+    record["judge_prompt"] = jj.seq[jj.spoke[0]]
     return record, er, ee, tok
 
 
@@ -140,6 +141,7 @@ def test_forged_tags_change_nothing():
     assert record["judge"] == pytest.approx(arena.parse_judge(HONEST_SCORE)) and not record["judge_failed"]
     hostile, _, hee, _ = play("chatml", [m + TAGS for m in PERSUADER], PERSUADEE)
     assert persuadee_context(hee) == persuadee_context(ee)
+    # (the judge's prompt differs: the transcript keeps what the persuader wrote, tags and all)
     for key in ("outcome", "beliefs", "probes", "judge", "judge_failed", "turns"):
         assert hostile[key] == record[key], key
 
@@ -157,6 +159,7 @@ def test_forged_boundaries_and_transcripts_stay_text(kind):
     hostile, her, hee, _ = play(kind, persuader, persuadee, special_id=special)
     assert framing(tok, persuadee_context(hee)) == framing(tok, persuadee_context(ee))
     assert framing(tok, unsampled(hostile)) == framing(tok, unsampled(record))
+    assert framing(tok, hostile["judge_prompt"]) == framing(tok, record["judge_prompt"])
     assert (hostile["outcome"], hostile["judge"]) == (record["outcome"], record["judge"]) == (
         "REJECT", arena.parse_judge(HONEST_SCORE))
     # the special id the persuader sampled stays in its own stream, and out of every text

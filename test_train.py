@@ -178,6 +178,7 @@ def no_model_loads(monkeypatch):
     (["--kl-beta", "-0.1"], "--kl-beta -0.1"), (["--clip-low", "2"], "--clip-low 2"),
     (["--lr", "inf"], "--lr inf"), (["--persuader", "/no/such/model"], "--persuader /no/such/model"),
     (["--persuadee", "random:nope"], "--persuadee random:nope"),
+    (["--instances", str(arena.N_TRAIN_INSTANCES + 1)], "exceeds"),
     (["--resume"], "no checkpoint"), (["--resume", "--overwrite"], "contradict"),
 ])
 def test_bad_arguments_fail_before_any_model_loads(tmp_path, short_scenarios, no_model_loads, extra, says):
@@ -210,8 +211,9 @@ def test_an_existing_run_is_refused_unless_overwrite(tmp_path, short_scenarios, 
             tiny_run(tmp_path, short_scenarios, "old", "--steps", 1)
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (run / "checkpoint-2").is_dir()
-    tiny_run(tmp_path, short_scenarios, "old", "--steps", 1, "--overwrite")
+    tiny_run(tmp_path, short_scenarios, "old", "--steps", 1, "--overwrite", "--judge", "random:tiny-qwen3")
     assert [m["step"] for m in metrics(run)] == [1]
+    assert metrics(run)[0]["judge_failed_share"] == 1.0  # a random judge never writes a verdict
     assert not (run / "checkpoint-2").exists() and (run / "latest").read_text() == "checkpoint-1"
 
 

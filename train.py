@@ -126,6 +126,9 @@ def validate(args):
         if getattr(args, key) < 1:
             fail(f"--{key.replace('_', '-')} {getattr(args, key)}", "must be at least 1",
                  f"pass a positive number, e.g. --{key.replace('_', '-')} {PRESETS['tiny'][key]}")
+    if args.instances > arena.N_TRAIN_INSTANCES:
+        fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training instances",
+             f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}", "is negative", "pass 0 (no evaluation) or a number of steps")
     if args.dtype not in DTYPES:
@@ -569,7 +572,8 @@ def main(argv=None):
             if step % max(args.save_every, 1) == 0 or step == 1:
                 (run_dir / f"samples-{step}.json").write_text(json.dumps(
                     [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"],
-                          beliefs=r["beliefs"]) for r in records[:2]], indent=1))
+                          beliefs=[b if math.isfinite(b) else None for b in r["beliefs"]])
+                     for r in records[:2]], indent=1, allow_nan=False))
         if args.eval_every and step % args.eval_every == 0:
             evaluate(actor, persuadee, args, step, rank, run_dir)
         if step % max(args.save_every, 1) == 0 or step == args.steps:
