@@ -357,6 +357,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(saved_run, tokenizer, monkeyp
     message = str(e.value.code)
     assert "checkpoint-2" in message and str(run) in message and "MiB free" in message
     assert "checkpoint-1 is intact" in message and "\n" not in message
+    if failing == "save_pretrained":  # ENOSPC says so; torch's own words are named beside the free space
+        assert "the disk is full" in message
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-1", "latest"]
     assert (run / "latest").read_text() == "checkpoint-1"
     monkeypatch.undo()

@@ -20,6 +20,7 @@ temporary folder and renamed, so a run killed at any moment resumes from the las
     torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
 """
 import argparse
+import errno
 import json
 import math
 import os
@@ -345,13 +346,15 @@ def checkpoint_folder(run_dir):
     return folder
 
 
-def _write_failure(what, run_dir, error, kept):
-    """The one line a failed write ends the run with (a full disk, most often)."""
-    free = shutil.disk_usage(run_dir).free / 2**20
+def _write_failure(what, run_dir, error, kept, needed=0):
+    """The one line a failed write ends the run with (a full disk, most often: torch and
+    safetensors report it in words of their own, so the free space is named beside them)."""
+    free = shutil.disk_usage(run_dir).free
     cause = error.strerror if isinstance(error, OSError) and error.strerror else \
         (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    return (f"train.py: could not write {what} into {run_dir} ({cause}; {free:.1f} MiB free on that "
-            f"disk); {kept}: free space there and rerun with --resume")
+    full = "the disk is full: " if free < needed or getattr(error, "errno", None) == errno.ENOSPC else ""
+    return (f"train.py: could not write {what} into {run_dir} ({full}{free / 2**20:.1f} MiB free, "
+            f"{needed / 2**20:.1f} MiB needed; {cause}); {kept}: free space there and rerun with --resume")
 
 
 def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank):
@@ -386,7 +389,8 @@ def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank):
             shutil.rmtree(tmp, ignore_errors=True)
             pointer.unlink(missing_ok=True)
             kept = f"{previous} is intact" if previous else "no earlier checkpoint exists"
-            raise SystemExit(_write_failure(f"checkpoint-{step}", run_dir, e, kept)) from None
+            needed = sum(f.stat().st_size for f in (run_dir / previous).iterdir()) if previous else 0
+            raise SystemExit(_write_failure(f"checkpoint-{step}", run_dir, e, kept, needed)) from None
         for old in run_dir.glob("checkpoint-*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
