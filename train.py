@@ -13,6 +13,10 @@ Groups are sharded across ranks (torchrun); the actor is sharded with FSDP (full
 reference, persuadee and judge are frozen and unsharded. Checkpoints are Hugging Face folders
 (the policy loads with AutoModelForCausalLM.from_pretrained) plus the optimizer, written to a
 temporary folder and renamed, so a run killed at any moment resumes from the last one.
+Guards: arguments are checked before any model loads; an existing run is refused without --resume
+or --overwrite; --resume reads trainer.pt with weights_only=True and checks the saved weights name
+by name and shape by shape; a non-finite log-prob, advantage, loss or gradient norm skips the step
+(counted in metrics.jsonl, which is always valid JSON); a failed write leaves the last checkpoint.
 
     python train.py                                # cpu preset (the default without CUDA)
     python train.py --steps 50 --lam 0 --name grpo # an ablation: outcome-only GRPO
@@ -113,7 +117,8 @@ def _model_problem(name):
         return None if name[7:] in known else f"names no random shape (one of {', '.join(known)})"
     path = Path(name).expanduser()
     if path.exists():
-        return None if (path / "config.json").is_file() else "is a path but not a model folder (no config.json)"
+        return None if (path / "config.json").is_file() else \
+            "is a path but not a model folder (no config.json)"
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         return "is no such folder"
     return None
@@ -128,26 +133,30 @@ def validate(args):
             fail(f"--{key.replace('_', '-')} {getattr(args, key)}", "must be at least 1",
                  f"pass a positive number, e.g. --{key.replace('_', '-')} {PRESETS['tiny'][key]}")
     if args.instances > arena.N_TRAIN_INSTANCES:
-        fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training instances",
-             f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
+        fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training "
+             "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}", "is negative", "pass 0 (no evaluation) or a number of steps")
     if args.dtype not in DTYPES:
-        fail(f"--dtype {args.dtype}", "is not a dtype this loop runs", f"pass one of {', '.join(DTYPES)}")
-    for flag, value, low in (("--lr", args.lr, 0.0), ("--lam", args.lam, 0.0), ("--kl-beta", args.kl_beta, 0.0),
-                             ("--clip-high", args.clip_high, 0.0),
-                             ("--persuader-temperature", args.persuader_temperature, 0.0),
-                             ("--persuadee-temperature", args.persuadee_temperature, 0.0)):
-        if not math.isfinite(value) or value < low:
-            fail(f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {low if flag != '--lr' else 1e-6}")
+        fail(f"--dtype {args.dtype}", "is not a dtype this loop runs",
+             f"pass one of {', '.join(DTYPES)}")
+    for flag, value, example in (("--lr", args.lr, 1e-6), ("--lam", args.lam, rpo.LAMBDA),
+                                 ("--kl-beta", args.kl_beta, rpo.KL_BETA),
+                                 ("--clip-high", args.clip_high, rpo.CLIP_HIGH),
+                                 ("--persuader-temperature", args.persuader_temperature, 1.0),
+                                 ("--persuadee-temperature", args.persuadee_temperature, 0.7)):
+        if not math.isfinite(value) or value < 0:
+            fail(f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {example}")
     if not (math.isfinite(args.clip_low) and 0 <= args.clip_low < 1):
         fail(f"--clip-low {args.clip_low}", "must lie in [0, 1) (the ratio is clipped at 1 - clip-low)",
              f"pass e.g. --clip-low {rpo.CLIP_LOW}")
     for role in ("persuader", "persuadee", "judge"):
         name = getattr(args, role)
-        if name is not None and not (role == "judge" and name == "none") and (problem := _model_problem(name)):
-            fail(f"--{role} {name}", problem, "pass a Hugging Face model folder, a hub name, 'smollm2' "
-                 "or random:NAME")
+        if name in (None, "none") and role == "judge":
+            continue
+        if problem := _model_problem(name):
+            fail(f"--{role} {name}", problem, "pass a Hugging Face model folder, a hub name, "
+                 "'smollm2' or random:NAME")
     run_dir = Path(args.out) / args.name
     if args.resume and args.overwrite:
         fail("--resume with --overwrite", "contradict each other", "pass one of them")
