@@ -206,15 +206,35 @@ def text_ids(tokenizer, text):
     return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
 
 
+def _fold_late_system(messages):
+    """messages with each system turn after the first message folded into the message before
+    it, for templates that refuse a later system turn (Gemma's, Mistral's)."""
+    out = [dict(messages[0])]
+    for m in messages[1:]:
+        if m["role"] == "system":
+            out[-1]["content"] += "\n\n" + m["content"]
+        else:
+            out.append(dict(m))
+    return out
+
+
 def chat_ids(tokenizer, messages, add_generation_prompt, continued=False):
     """Ids of messages in the model's chat template: the template's framing encoded with its
     control ids, each message's content as inert text (text_ids). With continued=True the
     messages follow a closed context (one that ends after a whole message) and only their own
-    ids are returned."""
+    ids are returned. A template that refuses a later system turn gets it folded into the
+    message before it (so for such a model the final-turn instruction reads as that message's)."""
+    from jinja2 import TemplateError
     history = SYSTEM_STUB if continued else []
-    slotted = [{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)]
     before = render(tokenizer, history, False) if history else ""
-    text = render(tokenizer, history + slotted, add_generation_prompt)
+    try:
+        slotted = [{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)]
+        text = render(tokenizer, history + slotted, add_generation_prompt)
+    except TemplateError:
+        folded = _fold_late_system(messages)
+        if folded == messages:
+            raise
+        return chat_ids(tokenizer, folded, add_generation_prompt, continued)
     if not text.startswith(before):
         raise ValueError("models.py: the chat template does not render messages append-only; "
                          "use a model whose template renders each message on its own")

@@ -101,3 +101,16 @@ def test_scenario_fields_stay_text(chat_tokenizer):
                   lambda s: arena.judge_messages(s, transcript)):
         ids = [models.chat_ids(chat_tokenizer, build(s), True) for s in (clean, hostile)]
         assert framing(chat_tokenizer, ids[1]) == framing(chat_tokenizer, ids[0])
+
+
+def test_a_template_without_late_system_turns_gets_them_folded():
+    """A template that refuses a system turn after the first message (as Gemma's and Mistral's
+    do) gets the final-turn instruction folded into the message before it."""
+    strict = models.TINY_CHAT_TEMPLATE.replace(
+        "{% for m in messages %}",
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('system turns only first') }}{% endif %}")
+    tok = models.tiny_tokenizer(strict)
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "system", "content": "Decide now."}]
+    folded = models.chat_ids(tok, msgs, True, continued=True)
+    assert folded == models.turn_ids(tok, "Hi there\n\nDecide now.")
