@@ -146,7 +146,8 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
 def persuadee_turn(persuadee, sids, messages, final_turns, *, temperature, top_p, max_new_tokens,
                    generator=None, timings=None):
     """The persuadee's half of a turn, for each sequence: the persuader's message enters its
-    context (tags stripped, the final-turn instruction added where due, never in a transcript),
+    context as inert text (tags stripped; where due, the final-turn instruction follows as a
+    system turn, never in a transcript),
     it replies, its reply is closed and its beliefs are read in forks.
 
     Returns per sequence {text, decision, reason, probes}; a reply cut off by the cache or the
