@@ -154,10 +154,12 @@ def test_rpo_owns_the_defaults(monkeypatch):
     assert (args.lam, args.anchor, args.kl_beta, args.clip_low, args.clip_high) == tuple(edited.values())
 
 
-def test_paper_defaults():
-    """The paper's values (SPEC 4, 6, 8, 9), gathered here: the one test an edited default breaks."""
+def test_defaults():
+    """The paper's values and this project's defaults (SPEC 4, 6, 8, 9), gathered here: the one
+    test an edited default breaks; every other test derives from the constants."""
     assert (rpo.LAMBDA, rpo.KL_BETA, rpo.CLIP_LOW, rpo.CLIP_HIGH) == (0.5, 0.01, 0.2, 0.28)
     assert (arena.T_MAX_TRAIN, arena.T_MAX_EVAL, arena.JUDGE_RETRIES) == (6, 10, 3)
+    assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
     paper = train.PRESETS["paper"]
     assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
 
