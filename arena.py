@@ -43,7 +43,7 @@ T_MAX_TRAIN = 6                # turns per episode in training
 T_MAX_EVAL = 10                # turns per episode in evaluation
 UPGRADE_WINDOW = 2             # turns after the first CONDITIONAL_ACCEPT in which ACCEPT may still come
 MAX_REJECTIONS = 2             # the REJECT that ends the episode (the earlier ones are recoverable)
-JUDGE_RETRIES = 3              # judge answers a caller tries before it falls back to s = 0
+JUDGE_RETRIES = 3              # sampled retries after the judge's greedy answer, then s falls back to 0
 N_TRAIN_INSTANCES = 1800       # (scenario, variant) pairs in the training set
 AGE_SHIFT = 3                  # a variant moves the persona's age by at most this many years
 MIN_AGE, MAX_AGE = 18, 100     # personas are adults
