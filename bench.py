@@ -7,7 +7,7 @@ TURNS turns, MAX_NEW_TOKENS new tokens a message, greedy, float32 (bfloat16 on a
 probes after each persuadee reply plus b_0 before the first message; SmolLM2-135M-Instruct on a CPU.
 Every implementation plays the same dialogue logic: arena.Episode (a dialogue ends early on a
 decision tag, at the same place in all three), tags stripped by persuadee_sees/persuader_sees,
-FINAL_TURN_INSTRUCTION appended to the persuader's message on the final turn.
+FINAL_TURN_INSTRUCTION as a system turn after the persuader's message on the final turn.
 
 Implementations, in one process on one model object, each warmed up on a tiny run first:
   engine             rollout.rollout_episodes on two engine.Engine (paged KV cache, every token
@@ -264,8 +264,7 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
         for d, text in zip(active, generate(active, "er")):
             d["er"].append({"role": "assistant", "content": text})
             d["texts"].append(text)
-            seen = arena.persuadee_sees(text, d["state"].final_turn)
-            d["ee"].append({"role": "user", "content": seen})
+            d["ee"] += arena.persuadee_sees(text, d["state"].final_turn)
         t = time.perf_counter()
         replies = generate(active, "ee")
         sync()

@@ -147,6 +147,8 @@ def _summary(episodes):
         "mean_judge": _mean(judged),
         "beliefs_missing": (n - len(believed)) / n,
         "api_errors": sum(ep.get("end_reason") == served.API_ERROR for ep in episodes),
+        # the share of judged transcripts whose score fell back to s = 0 (SPEC 6)
+        "judge_failed_share": _mean(bool(ep.get("judge_failed")) for ep in episodes if ep.get("judge") is not None),
     }
 
 
@@ -320,6 +322,7 @@ def format_table(summary):
         f"{'mean dense return':<26}{_num(summary['mean_dense_return'], '+.3f'):>8}",
         f"{'negative process reward':<26}{_pct(summary['negative_process_share']):>8}  of turns (raw beliefs)",
         f"{'mean judge score':<26}{_num(summary['mean_judge'], '+.2f'):>8}",
+        f"{'judge fell back to 0':<26}{_pct(summary.get('judge_failed_share')):>8}  of judged transcripts",
     ]
     if summary.get("beliefs_missing"):
         lines.append(f"{'beliefs':<26}{'missing':>8}  in {_pct(summary['beliefs_missing'])} of episodes "
@@ -1037,7 +1040,7 @@ def fidelity_contexts(tokenizer, instances, episodes, n):
         for m in ep["transcript"][:2]:
             role = "user" if m["role"] == "persuader" else "assistant"
             messages.append({"role": role, "content": m["text"]})
-        contexts.append(models.encode(tokenizer, models.render(tokenizer, messages, False)))
+        contexts.append(models.chat_ids(tokenizer, messages, False))
     return contexts
 
 
@@ -1195,7 +1198,7 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
           f"Goal: {inst['persuader']['goal']}\nRequest: {inst['persuader']['request']}\n"
           f"They: {inst['persuadee']['name']}, {inst['persuadee']['age']}, "
           f"{inst['persuadee']['occupation']}. {inst['context']}\n(empty line or Ctrl-D: stop)")
-    sid = persuadee_engine.new(models.encode(tok, models.render(tok, arena.persuadee_messages(inst), False)))
+    sid = persuadee_engine.new(models.chat_ids(tok, arena.persuadee_messages(inst), False))
     persuadee_engine.forward([sid])
     values = probes.read_engine(persuadee_engine, [sid])[0].tolist()
     episode, transcript, probe_rows = arena.Episode(t_max), [], [values]

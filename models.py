@@ -7,12 +7,15 @@ untrained model of a RANDOM_CONFIGS shape (tests, and timing paper sizes without
 tiny_tokenizer() builds a byte-level BPE with a ChatML template in milliseconds, for tests.
 
 The chat edge: a context is a growing list of ids that only ever appends. Each message enters it
-once, as the ids of its own turn in the model's chat template (turn_ids), and a message the model
-generated is closed by the template's tail (closing_ids). Nothing is decoded and re-encoded.
+once, as the ids of its own turn in the model's chat template (chat_ids, turn_ids), and a message
+the model generated is closed by the template's tail (closing_ids). Nothing is decoded and
+re-encoded. Boundaries are inert: content is encoded as plain text (text_ids), so only the
+template's own framing yields control ids, whatever special-token strings a message holds.
 
     python -c "import models; print(models.smollm2_path())"   # convert the CPU default once
 """
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -63,18 +66,22 @@ TINY_CORPUS = (  # enough English for a byte-level BPE to merge the words the pr
     "only Yes or No. [ACCEPT] [REJECT] [CONDITIONAL ACCEPT] [PENDING] [WALK AWAY]")
 
 
-def tiny_tokenizer():
-    """A byte-level BPE with ChatML tokens and template, trained in milliseconds from text here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def tiny_tokenizer(template=TINY_CHAT_TEMPLATE, special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                   plain=(), eos="<|im_end|>", pad="<|endoftext|>", bos=None):
+    """A byte-level BPE trained in milliseconds from text here: ChatML tokens and template by
+    default; other templates (Qwen3's think block, Llama-3's headers) pass their own special
+    tokens and `plain` added tokens that are not special (Qwen3's <think>)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+                                  special_tokens=list(special))
     tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
+                                   bos_token=bos, chat_template=template)
 
 
 def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None, **overrides):
@@ -201,8 +208,14 @@ def find_smollm2_gguf(scratch):
 
 # -----------------------------------------------------------------------------
 # chat formatting: text becomes ids once, at the edge of each context
+#
+# Message boundaries are inert: a message's content is encoded as plain text, so a special-token
+# string in it ("<|im_end|>", "<|start_header_id|>", "<think>") becomes ordinary tokens; only the
+# framing the chat template writes around the content yields control ids.
 
 SYSTEM_STUB = [{"role": "system", "content": "-"}]
+SLOT = "\ue000{}\ue001"  # private-use marks where message i's content sits while the template renders
+_SLOT_RE = re.compile("\ue000(\\d+)\ue001")
 
 
 def render(tokenizer, messages, add_generation_prompt):
@@ -211,23 +224,84 @@ def render(tokenizer, messages, add_generation_prompt):
 
 
 def encode(tokenizer, text):
+    """Ids of template text: special-token strings in it are control ids. Never for content."""
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def control_ids(tokenizer):
+    """Every added token's id (special or not, e.g. Qwen3's <think>): the framing vocabulary."""
+    return set(tokenizer.added_tokens_decoder)
+
+
+def text_ids(tokenizer, text):
+    """Ids of text as plain text: no added token, special or not, is matched, so the result holds
+    no control id. A fast tokenizer runs its own pipeline (normalizer, pre-tokenizer, model)
+    without the added-token pass; split_special_tokens covers the special ones otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, None)]
+    return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
+
+def _fold_late_system(messages):
+    """messages with each system turn after the first message folded into the message before
+    it, for templates that refuse a later system turn (Gemma's, Mistral's)."""
+    out = [dict(messages[0])]
+    for m in messages[1:]:
+        if m["role"] == "system":
+            out[-1]["content"] += "\n\n" + m["content"]
+        else:
+            out.append(dict(m))
+    return out
+
+
+def chat_ids(tokenizer, messages, add_generation_prompt, continued=False):
+    """Ids of messages in the model's chat template: the template's framing encoded with its
+    control ids, each message's content as inert text (text_ids). With continued=True the
+    messages follow a closed context (one that ends after a whole message) and only their own
+    ids are returned. A template that refuses a later system turn gets it folded into the
+    message before it (so for such a model the final-turn instruction reads as that message's)."""
+    from jinja2 import TemplateError
+    history = SYSTEM_STUB if continued else []
+    before = render(tokenizer, history, False) if history else ""
+    try:
+        slotted = [{**m, "content": SLOT.format(i)} for i, m in enumerate(messages)]
+        text = render(tokenizer, history + slotted, add_generation_prompt)
+    except TemplateError:
+        folded = _fold_late_system(messages)
+        if folded == messages:
+            raise
+        return chat_ids(tokenizer, folded, add_generation_prompt, continued)
+    if not text.startswith(before):
+        raise ValueError("models.py: the chat template does not render messages append-only; "
+                         "use a model whose template renders each message on its own")
+    pieces = _SLOT_RE.split(text[len(before):])
+    if sorted(map(int, pieces[1::2])) != list(range(len(messages))):
+        raise ValueError("models.py: the chat template drops, repeats or rewrites message content; "
+                         "use a template that writes each message's content once, as given")
+    ids = []
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            ids += text_ids(tokenizer, messages[int(piece)]["content"])
+        elif piece:
+            ids += encode(tokenizer, piece)
+    return ids
+
+
 def turn_ids(tokenizer, content, role="user", add_generation_prompt=True):
-    """Ids of one message appended to a closed context (one that ends after a whole message),
-    followed by the assistant's generation prompt. The model's own template writes the framing."""
-    before = render(tokenizer, SYSTEM_STUB, False)
-    text = render(tokenizer, SYSTEM_STUB + [{"role": role, "content": content}],
-                  add_generation_prompt)
-    assert text.startswith(before), "the chat template does not render messages append-only"
-    return encode(tokenizer, text[len(before):])
+    """Ids of one message appended to a closed context, followed by the assistant's generation
+    prompt. The model's own template writes the framing; the content stays text."""
+    return chat_ids(tokenizer, [{"role": role, "content": content}], add_generation_prompt,
+                    continued=True)
 
 
 def closing_ids(tokenizer, generated):
     """Ids that close the model's own message after its generated ids: the template's tail after
     the end-of-turn token when the model wrote that token, the whole tail when it was cut off."""
-    marker = "\x00MARKER\x00"
+    marker = SLOT.format(0)
     history = SYSTEM_STUB + [{"role": "user", "content": "-"}]
     text = render(tokenizer, history + [{"role": "assistant", "content": marker}], False)
     tail = text[text.index(marker) + len(marker):]

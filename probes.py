@@ -66,14 +66,20 @@ def _answer_logprobs(logits, tokenizer):
 
 def values_from_logits(logits, tokenizer, space=None):
     """Probe values from next-token logits [..., V]: 2p - 1 ("prob") or the clipped, rescaled
-    log-odds ("logodds"); space defaults to PROBE_SPACE. No valence sign applied."""
+    log-odds ("logodds"); space defaults to PROBE_SPACE. No valence sign applied. A read from
+    logits that overflowed (a non-finite one) or collapsed (all equal, which would read as
+    exactly 0) is NaN, for rpo.py to count and exclude, never a silent value."""
     space = space or PROBE_SPACE
     if space not in PROBE_SPACES:
         raise ValueError(f"probes: PROBE_SPACE must be one of {PROBE_SPACES}, got {space!r}")
+    logits = logits.float()
     yes, no = _answer_logprobs(logits, tokenizer)
+    readable = torch.isfinite(logits).all(-1) & (logits.amax(-1) > logits.amin(-1))
     if space == "logodds":
-        return (yes - no).clamp(-LOGODDS_CLIP, LOGODDS_CLIP) / LOGODDS_CLIP
-    return torch.tanh((yes - no) / 2)
+        value = (yes - no).clamp(-LOGODDS_CLIP, LOGODDS_CLIP) / LOGODDS_CLIP
+    else:
+        value = torch.tanh((yes - no) / 2)
+    return torch.where(readable, value, float("nan"))
 
 
 def yes_no_mass(logits, tokenizer):

@@ -54,11 +54,8 @@ def clock(timings, key):
 
 def prompt_ids(persuader_tok, persuadee_tok, instance):
     """The persuader's prompt (ending in its generation prompt) and the persuadee's system turn."""
-    er = models.encode(persuader_tok, models.render(persuader_tok,
-                                                    arena.persuader_messages(instance), True))
-    ee = models.encode(persuadee_tok, models.render(persuadee_tok,
-                                                    arena.persuadee_messages(instance), False))
-    return er, ee
+    return (models.chat_ids(persuader_tok, arena.persuader_messages(instance), True),
+            models.chat_ids(persuadee_tok, arena.persuadee_messages(instance), False))
 
 
 def prompt_problems(persuader, persuadee, instances):
@@ -75,9 +72,11 @@ def prompt_problems(persuader, persuadee, instances):
 
 
 def persuadee_heard(tokenizer, text, final_turn):
-    """Ids of the persuader's message as the persuadee receives it: tags stripped, the final-turn
-    instruction added on the last turn (never part of any transcript)."""
-    return models.turn_ids(tokenizer, arena.persuadee_sees(text, final_turn))
+    """Ids of the persuader's message as the persuadee receives it: inert text, tags stripped;
+    on the last turn the final-turn instruction follows as a system turn (never part of any
+    transcript, and not something the persuader can write)."""
+    return models.chat_ids(tokenizer, arena.persuadee_sees(text, final_turn), True,
+                           continued=True)
 
 
 def persuadee_turn(persuadee, sids, heard, *, sampling, max_new_tokens, keys=None,
@@ -297,10 +296,10 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         if progress is not None:
             progress.update(len(done) - progress.n)
     episodes = [done[i, g] for i in range(len(instances)) for g in range(group_size)]
-    scores = [0.0] * len(episodes)
+    scores, failed = [0.0] * len(episodes), [False] * len(episodes)
     if judge is not None:
         with clock(timings, "judge_s"):
-            scores = judge_scores(judge, [e["inst"] for e in episodes],
+            scores, failed = judge_scores(judge, [e["inst"] for e in episodes],
                                   [e["transcript"] for e in episodes], seed,
                                   [e["g"] for e in episodes])
     return [dict(
@@ -308,43 +307,45 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
         outcome=e["state"].outcome, turns=max(len(e["beliefs"]) - 1, 0),
         end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
-        probes=e["probes"], probe_mass=e["probe_mass"], judge=score, ids=e["ids"],
-        turn_ids=e["turn_ids"],
-        logprobs=e["logprobs"]) for e, score in zip(episodes, scores)]
+        probes=e["probes"], probe_mass=e["probe_mass"], judge=score, judge_failed=fail,
+        ids=e["ids"], turn_ids=e["turn_ids"], logprobs=e["logprobs"])
+        for e, score, fail in zip(episodes, scores, failed)]
 
 
 def judge_scores(judge, instances, transcripts, seed=0, group_indices=None):
-    """Strategy score s per transcript: greedy first, then up to JUDGE_RETRIES sampled retries,
-    then 0; in chunks of
-    instances that the judge's pool takes at once (a chunk's prompts plus its answers)."""
+    """(strategy score s, fell back) per transcript: one greedy answer, then up to
+    arena.JUDGE_RETRIES sampled retries, then s = 0 with fell back True (also for a prompt too
+    long to judge). Run in chunks of instances that the judge's pool takes at once (a chunk's
+    prompts plus its answers); attempt k of transcript i samples from the stream keyed by
+    (seed, instance, group index, "judge", k)."""
     group_indices = group_indices or list(range(len(instances)))
     tok = judge.tokenizer
-    prompts = [models.encode(tok, models.render(tok, arena.judge_messages(inst, transcript), True))
+    prompts = [models.chat_ids(tok, arena.judge_messages(inst, transcript), True)
                for inst, transcript in zip(instances, transcripts)]
     groups = {}
     for i, inst in enumerate(instances):
         groups.setdefault(inst["id"], []).append(i)
-    scores, chunk, room = [0.0] * len(prompts), [], judge.free_blocks
+    scores, chunk, room = [None] * len(prompts), [], judge.free_blocks
     answer = message_blocks(judge, JUDGE_MAX_NEW_TOKENS)
     for members in list(groups.values()) + [None]:
         need = 0 if members is None else sum(-(-len(prompts[i]) // judge.block_size) + answer
                                              for i in members)
         if chunk and (members is None or need > room):
-            for i, s in zip(chunk, judge_chunk(judge, [prompts[i] for i in chunk],
-                                               [instances[i]["id"] for i in chunk],
-                                               [engine.stream_key(seed, instances[i]["id"],
-                                                                  group_indices[i], "judge")
-                                                for i in chunk])):
+            keys = [engine.stream_key(seed, instances[i]["id"], group_indices[i], "judge")
+                    for i in chunk]
+            verdicts = judge_chunk(judge, [prompts[i] for i in chunk],
+                                   [instances[i]["id"] for i in chunk], keys)
+            for i, s in zip(chunk, verdicts):
                 scores[i] = s
             chunk, room = [], judge.free_blocks
         if members is not None:
             chunk += members
             room -= need
-    return scores
+    return [0.0 if s is None else s for s in scores], [s is None for s in scores]
 
 
 def judge_chunk(judge, prompts, group_ids, keys):
-    """Scores of prompts that fit the judge's pool together.
+    """Verdicts (None where no answer parsed) of prompts that fit the judge's pool together.
 
     Prompts are prefilled once: the part a group shares (the instruction and the hidden profile
     of its instance) in one root, each transcript in a fork of it, each attempt in a fork of that."""
@@ -358,17 +359,17 @@ def judge_chunk(judge, prompts, group_ids, keys):
         shared = engine.shared_stem(ours)
         roots.append(judge.new(prompts[members[0]][:shared]))
         if judge.overflow(roots[-1]):
-            continue  # too long to judge: those transcripts score 0
+            continue  # too long to judge: those transcripts fall back to 0
         judge.forward(roots[-1:])
         for i in members:
             bases[i] = judge.fork(roots[-1], prompts[i][shared:-1])  # the last token starts each attempt
-    scores = [0.0 if b is None or judge.overflow(b) else None for b in bases]
-    waiting = [bases[i] for i, s in enumerate(scores)
-               if s is None and judge.length(bases[i]) > judge.cached(bases[i])]
+    judged = [i for i, b in enumerate(bases) if b is not None and not judge.overflow(b)]
+    scores = [None] * len(prompts)
+    waiting = [bases[i] for i in judged if judge.length(bases[i]) > judge.cached(bases[i])]
     if waiting:
         judge.forward(waiting)  # the chunk was sized to fit (judge_scores)
     for attempt in range(1 + arena.JUDGE_RETRIES):
-        todo = [i for i, s in enumerate(scores) if s is None]
+        todo = [i for i in judged if scores[i] is None]
         if not todo:
             break
         sids = [judge.fork(bases[i], prompts[i][-1:]) for i in todo]
@@ -380,4 +381,4 @@ def judge_chunk(judge, prompts, group_ids, keys):
             judge.free(sid)
     for sid in roots + [b for b in bases if b is not None]:
         judge.free(sid)
-    return [0.0 if s is None else s for s in scores]
+    return scores

@@ -81,8 +81,16 @@ def _is_dead(outcome_rewards):
     return len(outcome_rewards) < 2 or max(outcome_rewards) == min(outcome_rewards)
 
 
+def _readable(process_rewards):
+    """False for an episode whose beliefs held a non-finite probe value (a NaN from an overflowing
+    persuadee): its dense term is excluded from the group, and counted, never a silent 0."""
+    return all(math.isfinite(float(x)) for x in process_rewards)
+
+
 def _group_terms(outcome_rewards, process_rewards):
-    """One group -> (A_out per episode, centred dense return-to-go D~ per episode and turn)."""
+    """One group -> (A_out per episode, centred dense return-to-go D~ per episode and turn).
+    An episode with a non-finite process reward keeps its outcome advantage; its dense terms are
+    0 and it is left out of the pooled baseline."""
     R = [float(x) for x in outcome_rewards]
     assert len(R) == len(process_rewards), "one list of process rewards per episode"
     G = len(R)
@@ -92,18 +100,21 @@ def _group_terms(outcome_rewards, process_rewards):
         mean = sum(R) / G
         std = math.sqrt(sum((x - mean) ** 2 for x in R) / (G - 1))
         a_out = [(x - mean) / (std + STD_EPS) for x in R]
-    D = []
-    for r in process_rewards:  # return-to-go, right to left
+    D, readable = [], [_readable(r) for r in process_rewards]
+    for r, ok in zip(process_rewards, readable):  # return-to-go, right to left
         d, acc = [0.0] * len(r), 0.0
+        if not ok:
+            D.append(d)
+            continue
         for t in reversed(range(len(r))):
             acc += float(r[t])
             d[t] = acc
         D.append(d)
     # one baseline pooled over all turns of the group: a per-turn-index baseline is biased when the
     # policy decides how long the episode lasts (verl issue 7244)
-    n = sum(len(d) for d in D)
-    pool = sum(sum(d) for d in D) / n if n else 0.0
-    return a_out, [[x - pool for x in d] for d in D]
+    n = sum(len(d) for d, ok in zip(D, readable) if ok)
+    pool = sum(sum(d) for d, ok in zip(D, readable) if ok) / n if n else 0.0
+    return a_out, [[x - pool for x in d] if ok else d for d, ok in zip(D, readable)]
 
 
 def group_advantages(outcome_rewards, process_rewards, lam=LAMBDA):
@@ -196,8 +207,10 @@ def step_diagnostics(groups, lam=LAMBDA):
     turn (outcome_term_abs = |A_out|, dense_term_abs = |lam D~|)."""
     dead = rescued = 0
     abs_out = abs_dense = abs_total = 0.0
-    turns = 0
+    turns = episodes = unreadable = 0
     for R, P in groups:
+        episodes += len(P)
+        unreadable += sum(not _readable(r) for r in P)
         a_out, dense = _group_terms(R, P)
         A = group_advantages(R, P, lam)
         if _is_dead(R):
@@ -213,4 +226,6 @@ def step_diagnostics(groups, lam=LAMBDA):
         "dense_share": abs_dense / abs_total if abs_total else 0.0,
         "outcome_term_abs": abs_out / turns if turns else 0.0,
         "dense_term_abs": abs_dense / turns if turns else 0.0,
+        # episodes whose dense term was excluded for a non-finite probe value
+        "nonfinite_belief_share": unreadable / episodes if episodes else 0.0,
     }

@@ -192,8 +192,8 @@ def append_record(path, record):
 
 
 def judge_scores(judge, instances, transcripts, seed=0):
-    """Strategy score s per transcript, as rollout.judge_scores returns it: greedy first, then
-    sampled retries, then 0. A local judge (engine.Engine) runs rollout.judge_scores itself."""
+    """(strategy score s, fell back) per transcript, as rollout.judge_scores returns them: greedy
+    first, then sampled retries, then 0. A local judge (engine.Engine) runs rollout.judge_scores."""
     if not isinstance(judge, ServedModel):
         return rollout.judge_scores(judge, instances, transcripts, seed)
     scores = [None] * len(instances)
@@ -210,7 +210,7 @@ def judge_scores(judge, instances, transcripts, seed=0):
             if not isinstance(reply, ServedError):
                 scores[i] = arena.parse_judge(reply["text"])
     judge.count("judge_fallbacks", sum(s is None for s in scores))
-    return [0.0 if s is None else s for s in scores]
+    return [0.0 if s is None else s for s in scores], [s is None for s in scores]
 
 
 # -----------------------------------------------------------------------------
@@ -224,14 +224,14 @@ def side(model, role):
     return ServedPersuadee(model) if isinstance(model, ServedModel) else LocalPersuadee(model)
 
 
-def record(inst, state, transcript, probe_rows, masses, judge):
+def record(inst, state, transcript, probe_rows, masses, judge, judge_failed=None):
     """A record with rollout.rollout_episodes' keys (less the training token stream); probe_mass
     is the Yes + No probability mass each probe found."""
     out = dict(id=inst["id"], scenario_id=inst.get("scenario_id", inst["id"]),
                domain=inst["domain"], resistance=inst["hidden"]["resistance"],
                outcome=state.outcome, turns=len(probe_rows) - 1, end_reason=state.end_reason,
                transcript=transcript, beliefs=[belief(v) for v in probe_rows], probes=probe_rows,
-               judge=judge)
+               judge=judge, judge_failed=judge_failed)
     out["probe_mass"] = masses
     return out
 
@@ -293,13 +293,14 @@ def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
                 e["state"].end(reason)
         ended = [e for e in active if e["state"].done]
         if ended:
-            scores = ([None] * len(ended) if judge is None else judge_scores(
-                judge, [e["inst"] for e in ended], [e["transcript"] for e in ended], seed))
-            for e, score in zip(ended, scores):
+            scores, failed = (([None] * len(ended), [None] * len(ended)) if judge is None else
+                              judge_scores(judge, [e["inst"] for e in ended],
+                                           [e["transcript"] for e in ended], seed))
+            for e, score, fail in zip(ended, scores, failed):
                 er.free(e["er"])
                 ee.free(e["ee"])
                 e["record"] = record(e["inst"], e["state"], e["transcript"], e["probes"],
-                                     e["masses"], score)
+                                     e["masses"], score, fail)
                 played[e["inst"]["id"]] = e["record"]
                 if out_path:
                     append_record(out_path, e["record"])
@@ -525,7 +526,7 @@ class ServedPersuadee:
     def turn(self, sids, messages, final_turns, *, temperature, top_p, max_new_tokens,
              generator=None, timings=None, seeds=None):
         for s, text, final in zip(sids, messages, final_turns):
-            self.chats[s].append({"role": "user", "content": arena.persuadee_sees(text, final)})
+            self.chats[s].extend(arena.persuadee_sees(text, final))
         with rollout.clock(timings, "persuadee_s"):
             answers = self.model.map([dict(messages=self.chats[s], max_tokens=max_new_tokens,
                                            temperature=temperature, top_p=top_p, seed=seed)

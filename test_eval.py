@@ -86,6 +86,16 @@ def test_summarize_by_hand():
     assert s["mean_judge"] == pytest.approx(0.5 / 6)            # 1 + .5 + 0 - 1 - 2 + 2
 
 
+def test_summarize_counts_judge_fallbacks():
+    """The share of judged transcripts that fell back to s = 0; unjudged ones are not counted."""
+    eps = [dict(ep, judge_failed=i in (1, 4)) for i, ep in enumerate(SIX)]
+    assert ev.summarize(eps)["judge_failed_share"] == pytest.approx(2 / 6)
+    eps[0]["judge"] = None
+    assert ev.summarize(eps)["judge_failed_share"] == pytest.approx(2 / 5)
+    assert "judge fell back to 0" in ev.format_table(ev.summarize(eps))
+    assert ev.summarize([dict(ep, judge=None) for ep in SIX])["judge_failed_share"] is None
+
+
 def test_summarize_breakdowns():
     s = ev.summarize(SIX)
     assert set(s["by_resistance"]) == {"identity_threat", "entrenched_belief", "autonomy_resistance"}
@@ -381,7 +391,8 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     monkeypatch.setattr(probes, "PROBE_SPACE", probes.PROBE_SPACE)  # restored after the test
     judged_by = []
     monkeypatch.setattr(rollout, "judge_scores",
-                        lambda judge, instances, transcripts, seed=0, groups=None: judged_by.append(judge.model) or [0.0] * len(instances))
+                        lambda judge, instances, transcripts, seed=0, groups=None: judged_by.append(judge.model)
+                        or ([0.0] * len(instances), [False] * len(instances)))
     ev.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
              "--judge", "random:tiny-llama", "--subset", "balanced60", "--limit", "1", "--t-max", "1",
              "--max-new-tokens", "3", "--name", "g", "--probe-space", "logodds"])

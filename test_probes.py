@@ -43,6 +43,7 @@ def test_logodds_space_signs_and_mass_by_hand(tokenizer, monkeypatch):
     logits = torch.zeros(3, len(tokenizer))
     logits[0, yes_ids[0]] = 1.0   # one yes id a little ahead: small log-odds
     logits[1, no_ids[0]] = 30.0   # a near-certain No: saturates
+    logits[2, 0] = 0.5            # Yes and No level (not a collapsed row, which reads NaN)
     probs = logits.softmax(-1)
     yes, no = probs[:, yes_ids].sum(-1), probs[:, no_ids].sum(-1)
     log_odds = (yes / no).log()
@@ -60,3 +61,15 @@ def test_logodds_space_signs_and_mass_by_hand(tokenizer, monkeypatch):
     monkeypatch.setattr(probes, "PROBE_SPACE", "logodds")
     values, _ = probes._readout(logits, tokenizer, 1)
     torch.testing.assert_close(values[0], expected * torch.tensor([1.0, -1.0, 1.0]))
+
+
+def test_overflowed_or_collapsed_logits_read_as_nan(tokenizer):
+    """An overflowing persuadee (inf or NaN logits) or a collapsed one (all logits equal, which
+    would read as exactly 0) gives NaN, never a silent value; other rows are untouched."""
+    logits = torch.randn(4, len(tokenizer))
+    logits[1, 7] = float("inf")
+    logits[2, 3] = float("nan")
+    logits[3] = 0.5
+    v = probes.values_from_logits(logits, tokenizer)
+    assert torch.isfinite(v[0]) and v[1:].isnan().all()
+    assert v[0] == probes.values_from_logits(logits[:1], tokenizer)[0]

@@ -44,9 +44,10 @@ def test_dialogue_rollout_returns_blocks_and_consistent_streams(tokenizer):
 def test_persuader_tags_never_reach_the_persuadee(tokenizer, monkeypatch):
     """Whatever the persuader writes, the persuadee's context holds it with its tags stripped."""
     seen = []
-    original = models.turn_ids
-    monkeypatch.setattr(models, "turn_ids", lambda tok, content, *a, **k: (
-        seen.append(content), original(tok, content, *a, **k))[1])
+    original = models.chat_ids
+    monkeypatch.setattr(models, "chat_ids", lambda tok, messages, *a, **k: (
+        seen.extend(m["content"] for m in messages if m["role"] == "user"),
+        original(tok, messages, *a, **k))[1])
     monkeypatch.setattr(engine.Engine, "generate", fake_generate("We agree [ACCEPT] **[Accept]**"))
     scenario = arena.load_scenarios(split="heldout")[0]
     model = tiny_model("llama", max_position_embeddings=8192)  # real prompts, tiny tokenizer
@@ -58,19 +59,21 @@ def test_persuader_tags_never_reach_the_persuadee(tokenizer, monkeypatch):
 def test_final_turn_instruction_reaches_the_persuadee_on_the_last_turn_only(tokenizer,
                                                                            monkeypatch):
     """With T_max = 3 and no decision, the persuadee's context receives the persuader's three
-    messages, and only the third carries FINAL_TURN_INSTRUCTION; the transcript never does."""
+    messages, and only the third is followed by FINAL_TURN_INSTRUCTION, as a system turn; the
+    transcript never holds it."""
     seen = []
-    original = models.turn_ids
-    monkeypatch.setattr(models, "turn_ids", lambda tok, content, *a, **k: (
-        seen.append(content), original(tok, content, *a, **k))[1])
+    original = models.chat_ids
+    monkeypatch.setattr(models, "chat_ids", lambda tok, messages, *a, **k: (
+        seen.append(messages), original(tok, messages, *a, **k))[1])
     model = tiny_model("llama", max_position_embeddings=8192)  # real prompts, tiny tokenizer
     er, ee = engine.Engine(model, tokenizer, num_blocks=1000), engine.Engine(model, tokenizer, num_blocks=1000)
     er.generate = fake_generate("Try it for a week.").__get__(er)
     ee.generate = fake_generate("Let me think.").__get__(ee)
     [record] = rollout.rollout_episodes(er, ee, arena.load_scenarios(split="heldout")[:1], 3)
-    to_persuadee = [s for s in seen if s.startswith("Try it")]
-    assert to_persuadee == ["Try it for a week."] * 2 + [
-        "Try it for a week.\n\n" + arena.FINAL_TURN_INSTRUCTION]
+    to_persuadee = [m for m in seen if m[0]["content"].startswith("Try it")]
+    message = {"role": "user", "content": "Try it for a week."}
+    assert to_persuadee == [[message]] * 2 + [
+        [message, {"role": "system", "content": arena.FINAL_TURN_INSTRUCTION}]]
     assert record["turns"] == 3 and record["outcome"] == "PENDING"
     assert all(arena.FINAL_TURN_INSTRUCTION not in m["text"] for m in record["transcript"])
 
@@ -97,16 +100,16 @@ def test_smollm2_plays_two_dialogues_end_to_end():
         assert r["transcript"][0]["role"] == "persuader" and r["transcript"][0]["text"]
         assert all(-1 <= b <= 1 for b in r["beliefs"]) and len(r["beliefs"]) == r["turns"] + 1
     assert len(er.cache.free_blocks) == er.cache.num_blocks
-    ctx = models.encode(tokenizer, models.render(tokenizer, arena.persuadee_messages(scenarios[0]),
-                                                   False))
+    ctx = models.chat_ids(tokenizer, arena.persuadee_messages(scenarios[0]), False)
     torch.testing.assert_close(probes.read_beliefs(model, tokenizer, [ctx]),
                                probes.read_beliefs_reference(model, tokenizer, [ctx]),
                                atol=1e-4, rtol=0)
 
 
 def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
-    """A parseable verdict gives s = mean - 3; an unparseable one is retried JUDGE_RETRIES times after the greedy answer,
-    each retry a fork of the once-prefilled prompt, then scores 0."""
+    """A parseable verdict gives s = mean - 3; an unparseable one is retried JUDGE_RETRIES times
+    after its greedy answer, each retry a fork of the once-prefilled prompt, then falls back to 0
+    and is counted as failed."""
     answers = {0: "PROBING: 5\nFIT: 4\nADAPTATION: 3", 1: "I cannot say."}
     attempts = []
 
@@ -122,18 +125,18 @@ def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
     scenarios = arena.load_scenarios(split="heldout")[:2]
     transcripts = [[{"role": "persuader", "text": "Hello."}], [{"role": "persuader", "text": "Hi there, friend."}]]
     judge = engine.Engine(tiny_model("llama"), tokenizer, num_blocks=2000)
-    lengths = [len(models.encode(tokenizer, models.render(tokenizer, arena.judge_messages(s, t), True)))
+    lengths = [len(models.chat_ids(tokenizer, arena.judge_messages(s, t), True))
                for s, t in zip(scenarios, transcripts)]
     assert lengths[0] != lengths[1]
-    assert rollout.judge_scores(judge, scenarios, transcripts) == [1.0, 0.0]
+    assert rollout.judge_scores(judge, scenarios, transcripts) == ([1.0, 0.0], [False, True])
     assert sorted(attempts) == [0] + [1] * (1 + arena.JUDGE_RETRIES)  # greedy, then the retries
     assert judge.tokens_prefilled == sum(lengths) - 2  # prompts once; last tokens stay pending
     assert len(judge.cache.free_blocks) == 2000
     # two transcripts of one instance: their shared opening (profile) is prefilled only once
     judge.tokens_prefilled = 0
     attempts.clear()
-    assert rollout.judge_scores(judge, [scenarios[0]] * 2, transcripts) == [1.0, 0.0]
-    group = [models.encode(tokenizer, models.render(tokenizer, arena.judge_messages(scenarios[0], t), True))
+    assert rollout.judge_scores(judge, [scenarios[0]] * 2, transcripts) == ([1.0, 0.0], [False, True])
+    group = [models.chat_ids(tokenizer, arena.judge_messages(scenarios[0], t), True)
              for t in transcripts]
     shared = next(i for i, (a, b) in enumerate(zip(*group)) if a != b)
     assert shared > 100

@@ -299,3 +299,20 @@ def test_step_diagnostics_by_hand():
     d0 = rpo.step_diagnostics(groups, lam=0.0)
     assert d0["dead_rescued_share"] == 0.0 and d0["dense_share"] == 0.0 and d0["dense_term_abs"] == 0.0
     assert d0["dead_group_share"] == 3 / 4
+
+
+def test_a_non_finite_belief_is_excluded_from_its_group_and_counted():
+    """An episode whose probes gave NaN keeps its outcome advantage, gets no dense term and is
+    left out of the pooled baseline: the others' advantages are those of the group without its
+    dense returns; the diagnostics count it."""
+    R = [3.0, 0.0, -1.0]
+    P = [[0.1, 0.2], [float("nan"), 0.3], [-0.1]]
+    A = rpo.group_advantages(R, P, 0.5)
+    a_out, _ = rpo._group_terms(R, [[0.0, 0.0], [0.0, 0.0], [0.0]])
+    pool = ((0.3 + 0.2) + (-0.1)) / 3  # return-to-go of the readable turns, pooled
+    assert A[0] == pytest.approx([a_out[0] + 0.5 * (0.3 - pool), a_out[0] + 0.5 * (0.2 - pool)])
+    assert A[1] == [a_out[1], a_out[1]]
+    assert A[2] == pytest.approx([a_out[2] + 0.5 * (-0.1 - pool)])
+    assert all(math.isfinite(x) for a in A for x in a)
+    assert rpo.step_diagnostics([(R, P)], 0.5)["nonfinite_belief_share"] == pytest.approx(1 / 3)
+    assert rpo.step_diagnostics([(R, [[0.1, 0.2], [0.0, 0.3], [-0.1]])], 0.5)["nonfinite_belief_share"] == 0

@@ -354,9 +354,9 @@ def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_s
     calls, original = [], served.judge_scores
 
     def recording(judge, insts, transcripts, seed=0):
-        scores = original(judge, insts, transcripts, seed)
+        scores, failed = original(judge, insts, transcripts, seed)
         calls.append(([i["id"] for i in insts], transcripts, scores, judge.stats["requests"]))
-        return scores
+        return scores, failed
     monkeypatch.setattr(served, "judge_scores", recording)
     history = train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out",
                           str(tmp_path), "--name", "judged", "--steps", "1", "--judge", server,

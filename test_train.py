@@ -1,4 +1,5 @@
 """The training loop (train.py) on tiny random models: learning, ranks, kill and resume."""
+import errno
 import json
 import os
 import signal
@@ -8,7 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import arena
+import models
 import rpo
 import train
 
@@ -171,3 +175,264 @@ def test_a_missing_logger_package_is_a_one_line_exit(monkeypatch):
     with pytest.raises(SystemExit) as e:
         train.parse_args(["--log", "wandb"])
     assert str(e.value) == "train.py: --log wandb needs the wandb package: pip install wandb"
+
+
+# -----------------------------------------------------------------------------
+# arguments, run folders, checkpoints, non-finite values
+
+
+def test_rpo_owns_the_defaults(monkeypatch):
+    """train.py re-exports none of rpo's constants; its defaults read them when parsing."""
+    for name in ("LAMBDA", "ANCHOR", "KL_BETA", "CLIP_LOW", "CLIP_HIGH"):
+        assert not hasattr(train, name)
+    edited = dict(LAMBDA=0.25, ANCHOR=not rpo.ANCHOR, KL_BETA=0.5, CLIP_LOW=0.1, CLIP_HIGH=0.4)
+    for name, value in edited.items():
+        monkeypatch.setattr(rpo, name, value)
+    args = train.parse_args(["--preset", "tiny", "--out", "/nonexistent-runs"])
+    assert (args.lam, args.anchor, args.kl_beta, args.clip_low, args.clip_high) == tuple(edited.values())
+
+
+def test_defaults():
+    """The paper's values and this project's defaults (SPEC 4, 6, 8, 9), gathered here: the one
+    test an edited default breaks; every other test derives from the constants."""
+    assert (rpo.LAMBDA, rpo.KL_BETA, rpo.CLIP_LOW, rpo.CLIP_HIGH) == (0.5, 0.01, 0.2, 0.28)
+    assert (arena.T_MAX_TRAIN, arena.T_MAX_EVAL, arena.JUDGE_RETRIES) == (6, 10, 3)
+    assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
+    paper = train.PRESETS["paper"]
+    assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--t-max", "0"], "--t-max 0"), (["--group-size", "0"], "--group-size 0"),
+    (["--instances", "0"], "--instances 0"), (["--micro-batch", "0"], "--micro-batch 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0"), (["--dtype", "foo"], "--dtype foo"),
+    (["--persuader-temperature", "-1"], "--persuader-temperature -1"),
+    (["--persuadee-temperature", "nan"], "--persuadee-temperature nan"),
+    (["--kl-beta", "-0.1"], "--kl-beta -0.1"), (["--clip-low", "2"], "--clip-low 2"),
+    (["--lr", "inf"], "--lr inf"), (["--persuader", "/no/such/model"], "--persuader /no/such/model"),
+    (["--persuadee", "random:nope"], "--persuadee random:nope"),
+    (["--instances", str(arena.N_TRAIN_INSTANCES + 1)], "exceeds"),
+    (["--resume"], "no checkpoint"), (["--resume", "--overwrite"], "contradict"),
+])
+def test_bad_arguments_fail_before_any_model_loads(tmp_path, short_scenarios, no_model_loads, extra, says):
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "x", *extra])
+    message = str(e.value.code)
+    assert message.startswith("train.py: ") and says in message and "\n" not in message
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_folder_that_is_no_model_is_refused(tmp_path, no_model_loads):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="not a model folder"):
+        train.parse_args(["--preset", "tiny", "--persuadee", str(tmp_path / "empty"), "--out", str(tmp_path)])
+
+
+def test_group_size_one_warns(tmp_path, capsys):
+    train.parse_args(["--preset", "tiny", "--group-size", "1", "--out", str(tmp_path)])
+    assert "--group-size 1" in capsys.readouterr().err
+
+
+def test_an_existing_run_is_refused_unless_overwrite(tmp_path, short_scenarios, monkeypatch):
+    """Reusing --name without --resume touches nothing; --overwrite replaces the old run."""
+    run = tmp_path / "old"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with monkeypatch.context() as m:
+        m.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+        with pytest.raises(SystemExit, match="--overwrite"):
+            tiny_run(tmp_path, short_scenarios, "old", "--steps", 1)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (run / "checkpoint-2").is_dir()
+    tiny_run(tmp_path, short_scenarios, "old", "--steps", 1, "--overwrite", "--judge", "random:tiny-qwen3")
+    assert [m["step"] for m in metrics(run)] == [1]
+    assert metrics(run)[0]["judge_failed_share"] == 1.0  # a random judge never writes a verdict
+    assert not (run / "checkpoint-2").exists() and (run / "latest").read_text() == "checkpoint-1"
+
+
+def test_metrics_rewrite_is_atomic_and_drops_a_partial_last_line(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "metrics.jsonl"
+    full = "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3))
+    path.write_text(full + '{"step": 4, "lo')
+    def killed(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:  # a write that dies before the rename leaves the old file
+        m.setattr(os, "replace", killed)
+        with pytest.raises(SystemExit, match="metrics.jsonl.*No space left"):
+            train.resume_metrics(path, 2)
+    assert path.read_text() == full + '{"step": 4, "lo' and not (tmp_path / "metrics.jsonl.tmp").exists()
+    train.resume_metrics(path, 2)
+    assert path.read_text() == full[:full.index('{"step": 3')]
+    assert "partial last line 4" in capsys.readouterr().err
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(SystemExit, match="line 2 is not valid JSON"):
+        train.resume_metrics(path, 2)
+
+
+def test_metrics_lines_are_valid_json_with_non_finite_values():
+    line = json.dumps(train.finite({"step": 1, "loss": float("nan"), "kl": float("inf"), "x": 2.0}),
+                      allow_nan=False)
+    assert json.loads(line) == {"step": 1, "loss": None, "kl": None, "x": 2.0}
+
+
+def trained_policy(arch="llama", seed=0):
+    """A tiny policy and an AdamW that has taken one step (so the optimizer has state)."""
+    from conftest import tiny_model
+    policy = tiny_model(arch, seed=seed).requires_grad_(True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    policy(torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return policy, optimizer
+
+
+@pytest.fixture
+def saved_run(tmp_path, tokenizer):
+    policy, optimizer = trained_policy()
+    run = tmp_path / "run"
+    run.mkdir()
+    train.save_checkpoint(run, 1, policy, optimizer, tokenizer, 0)
+    return run, policy
+
+
+class Payload:
+    """Pickled into a forged trainer.pt: loading it with weights_only=False would create `path`."""
+    path = None
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def _rename_a_key(folder):
+    from safetensors.torch import load_file, save_file
+    sd = load_file(folder / "model.safetensors")
+    sd["model.layers.0.mlp.renamed.weight"] = sd.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(sd, folder / "model.safetensors")
+
+
+CORRUPTIONS = {
+    "weights missing": (lambda f: (f / "model.safetensors").unlink(), "no *.safetensors"),
+    "weights renamed": (lambda f: (f / "model.safetensors").rename(f / "weights.bin"), "no *.safetensors"),
+    "weights truncated": (lambda f: (f / "model.safetensors").write_bytes(b"\x08\x00\x00"), "cannot be read"),
+    "a key renamed": (_rename_a_key, "do not match the policy (1 missing"),
+    "trainer.pt missing": (lambda f: (f / "trainer.pt").unlink(), "trainer.pt is missing"),
+    "latest outside the run": (lambda f: (f.parent / "latest").write_text("../elsewhere/checkpoint-1"),
+                               "not a checkpoint-STEP folder"),
+    "latest to a missing step": (lambda f: (f.parent / "latest").write_text("checkpoint-7"),
+                                 "not a checkpoint-STEP folder"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_a_bad_checkpoint_is_one_clear_line(saved_run, kind):
+    run, _ = saved_run
+    corrupt, says = CORRUPTIONS[kind]
+    corrupt(run / "checkpoint-1")
+    fresh, optimizer = trained_policy(seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(SystemExit) as e:
+        train.load_checkpoint(run, fresh, optimizer, torch.device("cpu"))
+    assert says in str(e.value.code) and "\n" not in str(e.value.code)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_a_pickled_payload_is_refused_and_never_runs(saved_run, tmp_path):
+    run, _ = saved_run
+    Payload.path = tmp_path / "payload-ran"
+    torch.save({"step": 1, "optimizer": Payload(), "torch_rng": torch.get_rng_state()},
+               run / "checkpoint-1" / "trainer.pt")
+    fresh, optimizer = trained_policy(seed=1)
+    with pytest.raises(SystemExit, match="trainer.pt is not a checkpoint train.py wrote"):
+        train.load_checkpoint(run, fresh, optimizer, torch.device("cpu"))
+    assert not Payload.path.exists()
+
+
+def test_a_foreign_architecture_is_refused(tmp_path, tokenizer):
+    policy, optimizer = trained_policy("qwen3")
+    train.save_checkpoint(tmp_path, 3, policy, optimizer, tokenizer, 0)
+    fresh, optimizer = trained_policy("llama")
+    with pytest.raises(SystemExit, match="do not match the policy.*unexpected"):
+        train.load_checkpoint(tmp_path, fresh, optimizer, torch.device("cpu"))
+
+
+def test_the_genuine_checkpoint_loads_with_weights_only(saved_run, monkeypatch):
+    run, policy = saved_run
+    loads = []
+    original = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (loads.append(k.get("weights_only")), original(*a, **k))[1])
+    fresh, optimizer = trained_policy(seed=1)
+    assert train.load_checkpoint(run, fresh, optimizer, torch.device("cpu")) == 1
+    assert loads == [True]
+    assert all(torch.equal(policy.state_dict()[k], v) for k, v in fresh.state_dict().items())
+    assert optimizer.state_dict()["state"]
+
+
+@pytest.mark.parametrize("failing", ["torch.save", "save_pretrained"])
+def test_a_full_disk_keeps_the_previous_checkpoint(saved_run, tokenizer, monkeypatch, failing):
+    """A write cut by a full disk: one line naming the folder, the cause and the free space; the
+    temporary folder is gone and `latest` still points at the intact previous checkpoint."""
+    run, policy = saved_run
+    def torch_save(obj, path, *a, **k):
+        Path(path).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed "
+                           "writing file data/0: file write failed")
+    def save_pretrained(self, folder, *a, **k):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    optimizer = torch.optim.AdamW(policy.parameters())
+    if failing == "torch.save":
+        monkeypatch.setattr(torch, "save", torch_save)
+    else:
+        monkeypatch.setattr(type(policy), "save_pretrained", save_pretrained)
+    with pytest.raises(SystemExit) as e:
+        train.save_checkpoint(run, 2, policy, optimizer, tokenizer, 0)
+    message = str(e.value.code)
+    assert "checkpoint-2" in message and str(run) in message and "MiB free" in message
+    assert "checkpoint-1 is intact" in message and "\n" not in message
+    if failing == "save_pretrained":  # ENOSPC says so; torch's own words are named beside the free space
+        assert "the disk is full" in message
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-1", "latest"]
+    assert (run / "latest").read_text() == "checkpoint-1"
+    monkeypatch.undo()
+    fresh, optimizer = trained_policy(seed=1)
+    assert train.load_checkpoint(run, fresh, optimizer, torch.device("cpu")) == 1
+
+
+def test_non_finite_weights_are_never_saved(saved_run, tokenizer):
+    run, policy = saved_run
+    with torch.no_grad():
+        policy.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(SystemExit, match="up_proj.weight is not finite.*checkpoint-1"):
+        train.save_checkpoint(run, 2, policy, torch.optim.AdamW(policy.parameters()), tokenizer, 0)
+    assert (run / "latest").read_text() == "checkpoint-1" and not (run / "checkpoint-2").exists()
+
+
+def test_a_non_finite_log_prob_skips_the_step(tmp_path, short_scenarios, monkeypatch):
+    """One NaN sampling log-prob on a persuader token: the step is skipped and counted, the
+    weights stay finite and are saved, and every metrics line is valid JSON."""
+    original = train.rollout.rollout_episodes
+    def poisoned(*a, **k):
+        records = original(*a, **k)
+        r = records[0]
+        r["logprobs"][r["turn_ids"].index(1)] = float("nan")
+        return records
+    monkeypatch.setattr(train.rollout, "rollout_episodes", poisoned)
+    history = tiny_run(tmp_path, short_scenarios, "nan", "--steps", 1)
+    assert [m["step_skipped"] for m in history] == [1]
+    assert history[0]["nonfinite"] == ["logprobs", "loss", "grad_norm"]
+    lines = (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["step_skipped"] for l in lines] == [1]
+    assert "NaN" not in "".join(lines)
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "nan" / "checkpoint-1" / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in saved.values())
+    initial = models.random_model("tiny-llama")[0].state_dict()
+    assert all(torch.equal(initial[k], v) for k, v in saved.items())  # no step was taken

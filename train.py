@@ -16,6 +16,10 @@ temporary folder and renamed, so a run killed at any moment resumes from the las
 metrics.jsonl is the record of truth; --log tensorboard (a SummaryWriter in runs/NAME) and
 --log wandb (offline unless WANDB_MODE says otherwise) get the same scalars under train/, the
 held-out summaries under heldout/ and a table of sample dialogues.
+Guards: arguments are checked before any model loads; an existing run is refused without --resume
+or --overwrite; --resume reads trainer.pt with weights_only=True and checks the saved weights name
+by name and shape by shape; a non-finite log-prob, advantage, loss or gradient norm skips the step
+(counted in metrics.jsonl, which is always valid JSON); a failed write leaves the last checkpoint.
 
     python train.py                                # cpu preset (the default without CUDA)
     python train.py --steps 50 --lam 0 --name grpo # an ablation: outcome-only GRPO
@@ -25,11 +29,13 @@ held-out summaries under heldout/ and a table of sample dialogues.
     torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
 """
 import argparse
+import errno
 import importlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -61,10 +67,6 @@ PRESETS = {
                  lr=1e-3, max_new_tokens=4, micro_batch=2, eval_every=0, eval_limit=2,
                  save_every=2, sampling="paper"),
 }
-LAMBDA = rpo.LAMBDA                 # dense process-reward weight; 0 = outcome-only GRPO
-ANCHOR = rpo.ANCHOR                 # anchor b_T to the outcome
-KL_BETA = rpo.KL_BETA               # k3 KL weight against the initial policy
-CLIP_LOW, CLIP_HIGH = rpo.CLIP_LOW, rpo.CLIP_HIGH  # ratio clip range
 GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
 GRAD_CHECKPOINTING = True           # on GPUs: recompute activations in the backward pass
@@ -72,6 +74,10 @@ SEED = 0
 LOGGERS = ("tensorboard", "wandb")  # --log choices, each an optional package
 WANDB_PROJECT = "persuarena"        # W&B project of every run
 SAMPLE_DIALOGUES = 2                # episodes a step kept in samples-STEP.json and the loggers' table
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
+NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-finite one skips the step
+POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
+            "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
 
 
 def parse_args(argv=None):
@@ -86,13 +92,14 @@ def parse_args(argv=None):
                 "micro_batch", "eval_every", "eval_limit", "save_every"):
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
     p.add_argument("--lr", type=float)
-    p.add_argument("--lam", type=float, default=LAMBDA)
-    p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=ANCHOR)
+    # rpo.py owns these; read at parse time, so an edited constant changes the run
+    p.add_argument("--lam", type=float, default=rpo.LAMBDA)
+    p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR)
     p.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
                    help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
-    p.add_argument("--kl-beta", type=float, default=KL_BETA)
-    p.add_argument("--clip-low", type=float, default=CLIP_LOW)
-    p.add_argument("--clip-high", type=float, default=CLIP_HIGH)
+    p.add_argument("--kl-beta", type=float, default=rpo.KL_BETA)
+    p.add_argument("--clip-low", type=float, default=rpo.CLIP_LOW)
+    p.add_argument("--clip-high", type=float, default=rpo.CLIP_HIGH)
     p.add_argument("--persuader-temperature", type=float,
                    help="default: the preset's rollout.SAMPLING (no top-k/top-p: exact pi_old)")
     p.add_argument("--persuadee-temperature", type=float, help="default: the preset's")
@@ -102,6 +109,7 @@ def parse_args(argv=None):
     p.add_argument("--name", default=None, help="run folder runs/NAME (default: preset and time)")
     p.add_argument("--out", default="runs")
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing runs/NAME")
     p.add_argument("--scenarios", default=arena.SCENARIOS_PATH)
     p.add_argument("--log", action="append", choices=LOGGERS, default=[],
                    help="also log to TensorBoard (runs/NAME) or Weights & Biases; repeatable")
@@ -118,12 +126,80 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    validate(args)
     for kind in args.log:  # before any model loads: a missing package is a one-line exit
         require(kind)
-    if args.resume and not (Path(args.out) / args.name / "latest").exists():
-        p.error(f"--resume: no checkpoint in {Path(args.out) / args.name} (look for a 'latest' "
-                "file there, or drop --resume to start a new run)")
     return args
+
+
+def _model_problem(name):
+    """What is wrong with a model argument, or None (a hub name cannot be checked offline)."""
+    if name == "smollm2":
+        return None
+    if name.startswith("random:"):
+        known = models.RANDOM_CONFIGS
+        return None if name[7:] in known else f"names no random shape (one of {', '.join(known)})"
+    path = Path(name).expanduser()
+    if path.exists():
+        return None if (path / "config.json").is_file() else \
+            "is a path but not a model folder (no config.json)"
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        return "is no such folder"
+    return None
+
+
+def validate(args):
+    """Every argument checked before any model loads; one line naming the flag and the fix."""
+    def fail(flag, problem, fix):
+        raise SystemExit(f"train.py: {flag} {problem}; {fix}")
+    for key in POSITIVE:
+        if getattr(args, key) < 1:
+            fail(f"--{key.replace('_', '-')} {getattr(args, key)}", "must be at least 1",
+                 f"pass a positive number, e.g. --{key.replace('_', '-')} {PRESETS['tiny'][key]}")
+    if args.instances > arena.N_TRAIN_INSTANCES:
+        fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training "
+             "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
+    if args.eval_every < 0:
+        fail(f"--eval-every {args.eval_every}", "is negative", "pass 0 (no evaluation) or a number of steps")
+    if args.dtype not in DTYPES:
+        fail(f"--dtype {args.dtype}", "is not a dtype this loop runs",
+             f"pass one of {', '.join(DTYPES)}")
+    for flag, value, example in (("--lr", args.lr, 1e-6), ("--lam", args.lam, rpo.LAMBDA),
+                                 ("--kl-beta", args.kl_beta, rpo.KL_BETA),
+                                 ("--clip-high", args.clip_high, rpo.CLIP_HIGH),
+                                 ("--persuader-temperature", args.persuader_temperature, 1.0),
+                                 ("--persuadee-temperature", args.persuadee_temperature, 0.7)):
+        if not math.isfinite(value) or value < 0:
+            fail(f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {example}")
+    if not (math.isfinite(args.clip_low) and 0 <= args.clip_low < 1):
+        fail(f"--clip-low {args.clip_low}", "must lie in [0, 1) (the ratio is clipped at 1 - clip-low)",
+             f"pass e.g. --clip-low {rpo.CLIP_LOW}")
+    if args.persuadee_top_p is not None and not 0 < args.persuadee_top_p <= 1:
+        fail(f"--persuadee-top-p {args.persuadee_top_p}", "must lie in (0, 1]",
+             "pass e.g. --persuadee-top-p 0.8")
+    if args.persuadee_top_k is not None and args.persuadee_top_k < 1:
+        fail(f"--persuadee-top-k {args.persuadee_top_k}", "must be at least 1",
+             "pass e.g. --persuadee-top-k 20")
+    for role in ("persuader", "persuadee", "judge"):
+        name = getattr(args, role)
+        if (name in (None, "none") or served.is_served(name)) and role == "judge":
+            continue
+        if problem := _model_problem(name):
+            fail(f"--{role} {name}", problem, "pass a Hugging Face model folder, a hub name, "
+                 "'smollm2' or random:NAME")
+    run_dir = Path(args.out) / args.name
+    if args.resume and args.overwrite:
+        fail("--resume with --overwrite", "contradict each other", "pass one of them")
+    if args.resume:
+        checkpoint_folder(run_dir)
+    elif os.environ.get("RANK", "0") == "0" and run_dir.is_dir() and any(run_dir.iterdir()) \
+            and not args.overwrite:
+        held = ", ".join(sorted(p.name for p in run_dir.iterdir())[:4])
+        fail(f"--name {args.name}", f"is an existing run ({run_dir} holds {held})",
+             "pass --resume to continue it, --overwrite to replace it, or another --name")
+    if args.group_size == 1:
+        print("train.py: warning: --group-size 1 leaves every group without a baseline: no outcome "
+              "advantage, only the dense term trains (pass --group-size 2 or more)", file=sys.stderr)
 
 # -----------------------------------------------------------------------------
 # distributed set-up and the actor
@@ -194,10 +270,15 @@ def advantages(records, group_size, args):
 
 
 def policy_update(policy, reference, optimizer, records, turn_advantages, args, device, world):
-    """One optimizer step on the persuader tokens of this rank's episodes."""
+    """One optimizer step on the persuader tokens of this rank's episodes.
+
+    The log-probs (sampled, current, reference), the advantages, the loss and the gradient norm
+    are checked first: if any is non-finite on any rank the step is skipped (weights and
+    optimizer state untouched) and stats say so (step_skipped, nonfinite)."""
     tokens_here = sum(sum(1 for t in r["turn_ids"][1:] if t) for r in records)
     num_tokens = all_sum(tokens_here, device)
     stats = dict(loss=0.0, kl=0.0, clip_frac=0.0, ratio_mean=0.0)
+    bad = dict.fromkeys(NONFINITE_CHECKS, 0)
     policy.train()
     for i in range(0, len(records), args.micro_batch):
         batch = records[i:i + args.micro_batch]
@@ -222,19 +303,28 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
                 ref = rpo.target_logprobs(logits, targets, temperature)
         loss, s = rpo.policy_loss(logp, old, ref, adv, mask, num_tokens, args.clip_low,
                                   args.clip_high, args.kl_beta)
+        with torch.no_grad():
+            logprobs = [x[mask] for x in (logp, old) + ((ref,) if ref is not None else ())]
+            bad["logprobs"] += not all(torch.isfinite(x).all() for x in logprobs)
+            bad["advantages"] += not torch.isfinite(adv[mask]).all()
+            bad["loss"] += not torch.isfinite(loss)
         # FSDP averages gradients over ranks; the loss is already a global mean, so undo it
         (loss * world).backward()
         stats["loss"] += loss.item()
         for k in ("kl", "clip_frac", "ratio_mean"):
             stats[k] += s[k] * s["tokens"] / max(num_tokens, 1)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), GRAD_CLIP)
-    optimizer.step()
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    bad = {k: all_sum(v, device) for k, v in bad.items()}
+    bad["grad_norm"] = not math.isfinite(grad_norm)
+    nonfinite = [k for k in NONFINITE_CHECKS if bad[k]]
+    if not nonfinite:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     policy.eval()
     stats = {k: all_sum(v, device) for k, v in stats.items()}
-    stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                               else grad_norm)
-    stats["persuader_tokens"] = num_tokens
+    stats.update(grad_norm=grad_norm, persuader_tokens=num_tokens, step_skipped=int(bool(nonfinite)),
+                 nonfinite=nonfinite)
     return stats
 
 
@@ -246,9 +336,14 @@ def step_metrics(step, records, groups, update, times, args, device):
     m["reward_mean"] = total(sum(g[0]) for g in groups) / n
     for o in arena.OUTCOMES:
         m[f"outcome_{o}"] = total(r["outcome"] == o for r in records) / n
-    m["belief_change"] = total(r["beliefs"][-1] - r["beliefs"][0] for r in records) / n
+    read = [r for r in records if all(map(math.isfinite, r["beliefs"]))]  # rpo counts the rest
+    m["belief_change"] = total(r["beliefs"][-1] - r["beliefs"][0] for r in read) / max(
+        all_sum(len(read), device), 1)
     m["turns_mean"] = total(r["turns"] for r in records) / n
     m["judge_mean"] = total(r["judge"] for r in records) / n
+    # the share of transcripts whose strategy score fell back to s = 0 (SPEC 6)
+    m["judge_failed_share"] = None if args.judge == "none" else total(
+        bool(r.get("judge_failed")) for r in records) / n
     diag = rpo.step_diagnostics(groups, args.lam)
     diag["negative_process_share"] = rpo.negative_process_share(r["beliefs"] for r in records)
     m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in diag.items()})
@@ -305,27 +400,78 @@ def open_loggers(args, run_dir, start):
 # checkpoints
 
 
+CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")  # the only names `latest` may hold
+
+
+def checkpoint_folder(run_dir):
+    """The folder runs/NAME/latest names, checked: a checkpoint-STEP folder of this run, holding
+    trainer.pt and the weights. A bad pointer is one line naming it and the fix."""
+    latest = run_dir / "latest"
+    fix = f"restore {run_dir} from a copy, or start a new run (another --name, or --overwrite)"
+    if not latest.is_file():
+        raise SystemExit(f"train.py: --resume: no checkpoint in {run_dir} (no 'latest' file); "
+                         "drop --resume to start a new run")
+    name = latest.read_text(errors="replace").strip()
+    folder = run_dir / name
+    if not CHECKPOINT_RE.fullmatch(name) or folder.is_symlink() or not folder.is_dir():
+        raise SystemExit(f"train.py: {latest} names {name[:80]!r}, not a checkpoint-STEP folder "
+                         f"inside the run; {fix}")
+    for needed in ("trainer.pt", "config.json"):
+        if not (folder / needed).is_file():
+            raise SystemExit(f"train.py: {folder / needed} is missing; {fix}")
+    if not any(folder.glob("*.safetensors")):
+        raise SystemExit(f"train.py: {folder} holds no *.safetensors weights (model.safetensors "
+                         f"missing or renamed); {fix}")
+    return folder
+
+
+def _write_failure(what, run_dir, error, kept, needed=0):
+    """The one line a failed write ends the run with (a full disk, most often: torch and
+    safetensors report it in words of their own, so the free space is named beside them)."""
+    free = shutil.disk_usage(run_dir).free
+    cause = error.strerror if isinstance(error, OSError) and error.strerror else \
+        (str(error).strip().splitlines() or [type(error).__name__])[-1]
+    full = "the disk is full: " if free < needed or getattr(error, "errno", None) == errno.ENOSPC else ""
+    return (f"train.py: could not write {what} into {run_dir} ({full}{free / 2**20:.1f} MiB free, "
+            f"{needed / 2**20:.1f} MiB needed; {cause}); {kept}: free space there and rerun with --resume")
+
+
 def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank):
     """Write checkpoint-STEP atomically (temporary folder, then rename), then point `latest` at
     it (temporary file, then rename) and drop older checkpoints, except those of a held-out
-    evaluation (an eval-STEP folder), which checkpoint selection (eval.py --runs) needs."""
+    evaluation (an eval-STEP folder), which checkpoint selection (eval.py --runs) needs.
+    Non-finite weights are never written; a failed write removes its temporary files and leaves
+    the previous checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=options)
     if rank == 0:
+        latest = run_dir / "latest"
+        previous = latest.read_text().strip() if latest.is_file() else None
+        bad = next((k for k, v in model_sd.items() if not torch.isfinite(v).all()), None)
+        if bad is not None:
+            raise SystemExit(f"train.py: the policy's {bad} is not finite at step {step}; not saving "
+                             f"it over {previous or 'nothing'} in {run_dir}: lower --lr and --resume")
         final = run_dir / f"checkpoint-{step}"
         tmp = run_dir / f".checkpoint-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = getattr(policy, "module", policy)
-        unwrapped.save_pretrained(tmp, state_dict=model_sd)
-        tokenizer.save_pretrained(tmp)
-        torch.save(dict(step=step, optimizer=optim_sd, torch_rng=torch.get_rng_state()),
-                   tmp / "trainer.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
         pointer = run_dir / ".latest.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, run_dir / "latest")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            unwrapped = getattr(policy, "module", policy)
+            unwrapped.save_pretrained(tmp, state_dict=model_sd)
+            tokenizer.save_pretrained(tmp)
+            torch.save(dict(step=step, optimizer=optim_sd, torch_rng=torch.get_rng_state()),
+                       tmp / "trainer.pt")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            pointer.write_text(final.name)
+            os.replace(pointer, latest)
+        except Exception as e:  # safetensors, torch and the file system each raise their own kind
+            shutil.rmtree(tmp, ignore_errors=True)
+            pointer.unlink(missing_ok=True)
+            kept = f"{previous} is intact" if previous else "no earlier checkpoint exists"
+            needed = sum(f.stat().st_size for f in (run_dir / previous).iterdir()) if previous else 0
+            raise SystemExit(_write_failure(f"checkpoint-{step}", run_dir, e, kept, needed)) from None
         for old in run_dir.glob("checkpoint-*"):
             if old != final and not (run_dir / f"eval-{old.name.removeprefix('checkpoint-')}").is_dir():
                 shutil.rmtree(old, ignore_errors=True)
@@ -334,22 +480,85 @@ def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank):
 
 
 def load_checkpoint(run_dir, policy, optimizer, device):
-    """Restore the policy and optimizer from runs/NAME/latest; returns the step it was saved at."""
+    """Restore the policy and optimizer from runs/NAME/latest; returns the step it was saved at.
+
+    trainer.pt is read with weights_only=True (no pickled code runs), and the saved weights must
+    carry exactly the policy's names and shapes: a foreign, renamed or corrupted checkpoint is
+    one line naming the file and the fix, never a run that trains other weights."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    folder = run_dir / (run_dir / "latest").read_text().strip()
-    state = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=False)
+    folder = checkpoint_folder(run_dir)
+    fix = "resume with the --persuader the run started with, or start a new run (another --name)"
+    trainer = folder / "trainer.pt"
+    try:
+        state = torch.load(trainer, map_location="cpu", weights_only=True)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise SystemExit(f"train.py: {trainer} is not a checkpoint train.py wrote ({reason}); "
+                         "it was not run; restore the run from a copy or start a new one") from None
+    if not (isinstance(state, dict) and {"step", "optimizer", "torch_rng"} <= state.keys()
+            and state["step"] == int(CHECKPOINT_RE.fullmatch(folder.name)[1])):
+        raise SystemExit(f"train.py: {trainer} does not hold the step, optimizer and random state "
+                         f"of {folder.name}; restore the run from a copy or start a new one")
     model_sd = {}
     for f in sorted(folder.glob("*.safetensors")):
-        model_sd.update(load_file(f))
+        try:
+            model_sd.update(load_file(f))
+        except Exception as e:
+            raise SystemExit(f"train.py: {f} cannot be read ({type(e).__name__}: "
+                             f"{str(e)[:80]}); restore it from a copy or start a new run") from None
     tied = getattr(policy.config, "tie_word_embeddings", False)
-    if tied and "lm_head.weight" not in model_sd:
+    if tied and "lm_head.weight" not in model_sd and "model.embed_tokens.weight" in model_sd:
         model_sd["lm_head.weight"] = model_sd["model.embed_tokens.weight"]
+    want = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in model_sd.items()}
+    problems = [f"{len(m)} {what}, e.g. {m[0]}" for what, m in (
+        ("missing", sorted(want.keys() - have.keys())), ("unexpected", sorted(have.keys() - want.keys())),
+        ("of another shape", [f"{k} {have[k]} vs {want[k]}" for k in sorted(want.keys() & have.keys())
+                              if have[k] != want[k]])) if m]
+    if problems:
+        raise SystemExit(f"train.py: the weights in {folder} do not match the policy "
+                         f"({'; '.join(problems)}); {fix}")
     set_state_dict(policy, optimizer, model_state_dict=model_sd,
                    optim_state_dict=state["optimizer"],
                    options=StateDictOptions(full_state_dict=True, strict=False))
     torch.set_rng_state(state["torch_rng"])
     return state["step"]
+
+# -----------------------------------------------------------------------------
+# metrics.jsonl: one JSON object a line, always valid JSON
+
+
+def finite(m):
+    """The metrics with every non-finite number written as null (JSON has no NaN)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
+
+
+def resume_metrics(path, start):
+    """Keep the metrics lines of steps <= start (later steps are redone), rewritten atomically
+    (temporary file, then rename): a kill at any moment leaves the old or the new file. A partial
+    last line (a write cut by a full disk) is dropped with a warning."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    kept = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):
+                print(f"train.py: warning: dropping the partial last line {lineno} of {path}",
+                      file=sys.stderr)
+                break
+            raise SystemExit(f"train.py: {path}, line {lineno} is not valid JSON; delete that line "
+                             "(or the file) and rerun with --resume") from None
+        if row["step"] <= start:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text("".join(l + "\n" for l in kept))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SystemExit(_write_failure(path.name, path.parent, e, f"{path} is as it was")) from None
 
 # -----------------------------------------------------------------------------
 # the loop
@@ -411,12 +620,11 @@ def main(argv=None):
         instances = [inst for inst in instances if inst["id"] not in problems]
     args.skipped_instances = len(problems)
     if rank == 0:
+        if args.overwrite:
+            shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(vars(args), indent=2))
-        metrics_path = run_dir / "metrics.jsonl"
-        kept = [l for l in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
-                if json.loads(l)["step"] <= start]  # steps after the checkpoint are redone
-        metrics_path.write_text("".join(l + "\n" for l in kept))
+        resume_metrics(run_dir / "metrics.jsonl", start)
     loggers = open_loggers(args, run_dir, start) if rank == 0 else []
     history = []
     for step in range(start + 1, args.steps + 1):
@@ -436,11 +644,11 @@ def main(argv=None):
         bar.close()
         if served_judge:  # records are instance-major: group g is instance mine[g]
             with rollout.clock(times, "judge_s"):
-                scores = served.judge_scores(
+                scores, failed = served.judge_scores(
                     judge, [mine[i // args.group_size] for i in range(len(records))],
                     [r["transcript"] for r in records], args.seed + step)
-            for r, score in zip(records, scores):
-                r["judge"] = score
+            for r, score, fail in zip(records, scores, failed):
+                r["judge"], r["judge_failed"] = score, fail
         times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
         t2 = time.perf_counter()
         turn_adv, groups = advantages(records, args.group_size, args)
@@ -454,8 +662,14 @@ def main(argv=None):
         m = step_metrics(step, records, groups, update, times, args, device)
         history.append(m)
         if rank == 0:
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(m) + "\n")
+            try:
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(finite(m), allow_nan=False) + "\n")
+            except OSError as e:
+                raise SystemExit(_write_failure("metrics.jsonl", run_dir, e, "the last checkpoint "
+                                                "is intact")) from None
+            if m["step_skipped"]:
+                say(f"step {step}: skipped, non-finite {m['nonfinite']} (weights and optimizer unchanged)")
             say(f"step {step}: reward {m['reward_mean']:+.3f}  accept "
                 f"{m['outcome_ACCEPT']:.0%}  belief change {m['belief_change']:+.3f}  loss "
                 f"{m['loss']:+.4f}  kl {m['kl']:.4f}  dead {m['dead_group_share']:.0%}  "
@@ -466,7 +680,8 @@ def main(argv=None):
             if step % max(args.save_every, 1) == 0 or step == 1:
                 (run_dir / f"samples-{step}.json").write_text(json.dumps(
                     [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"],
-                          beliefs=r["beliefs"]) for r in records[:SAMPLE_DIALOGUES]], indent=1))
+                          beliefs=[b if math.isfinite(b) else None for b in r["beliefs"]])
+                     for r in records[:SAMPLE_DIALOGUES]], indent=1, allow_nan=False))
                 for log in loggers:
                     log.samples(step, sample_rows(records))
         evaluated = bool(args.eval_every) and step % args.eval_every == 0
