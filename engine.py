@@ -420,10 +420,6 @@ class Engine:
     def max_len(self):
         return self.w["max_len"]
 
-    def blocks_for(self, sid, n):
-        """Blocks the sequence takes to grow by n tokens from its cached length."""
-        return self.cache.blocks_needed(sid, n)
-
     def overflow(self, sid, n=None):
         """Why a sequence cannot take its pending tokens (or n tokens): "context", "cache" (the
         pool, were the sequence alone), or None."""
@@ -434,9 +430,10 @@ class Engine:
             return "cache"
         return None
 
-    def admit(self, sids, counts):
-        """The sequences, in order, whose next counts[i] tokens the pool takes together."""
-        room, taken = len(self.cache.free_blocks), []
+    def admit(self, sids, counts, reserve=0):
+        """The sequences, in order, whose next counts[i] tokens the pool takes together, with
+        `reserve` blocks left over."""
+        room, taken = len(self.cache.free_blocks) - reserve, []
         for sid, n in zip(sids, counts):
             need = self.cache.blocks_needed(sid, n)
             if need <= room:
@@ -495,15 +492,10 @@ class Engine:
         stop = set(self.stop_ids if stop_ids is None else stop_ids)
         keys = dict(zip(sids, keys if keys is not None else [0] * len(sids)))
         out = {s: ([], [], None) for s in sids}
-        first = self._admit_step(list(sids), [len(self.pending[s]) for s in sids], out)
-        if first:
-            logits = self.forward(first)
-            tokens, logps = sample(logits, sampling, self._tensor([keys[s] for s in first]),
-                                   self._tensor([self.cached(s) for s in first]))
-            for s, t, lp in zip(first, tokens.tolist(), logps.tolist()):
-                self._take(s, [t], [lp], out, stop, max_new_tokens)
+        self._eager_step(list(sids), [len(self.pending[s]) for s in sids], max_new_tokens,
+                         sampling, keys, out, stop)
         active = [s for s in sids if out[s][2] is None]
-        if active:
+        while active:  # a new DecodeBatch whenever the sequences left fit a smaller bucket
             capacity = self._capacity(active, max_new_tokens)
             rows = len(active)  # as many rows a DecodeBatch as its dense copy has room for
             while rows and batch_bucket(rows) * capacity * self.token_bytes > self.copy_budget:
@@ -513,6 +505,7 @@ class Engine:
             for i in range(0, len(active), rows) if rows else ():
                 self._decode(active[i:i + rows], capacity, max_new_tokens, sampling, keys, out,
                              stop)
+            active = [s for s in active if out[s][2] is None]
         for s in sids:
             self.cache.trim(s)
         return [out[s] for s in sids]
@@ -550,7 +543,8 @@ class Engine:
         return n
 
     def _decode(self, sids, capacity, max_new_tokens, sampling, keys, out, stop):
-        """Decode windows of SYNC_EVERY fixed-shape steps until every sequence has ended."""
+        """Decode windows of SYNC_EVERY fixed-shape steps until every sequence has ended, or
+        until those left fit a smaller batch bucket (finished rows still cost compute)."""
         shape = (batch_bucket(len(sids)), capacity)
         batch = self.decode_batches.get(shape) or DecodeBatch(self, *shape)
         if self.device.type == "cuda":
@@ -577,20 +571,28 @@ class Engine:
                 self.cache.lengths[s] += taken  # each step wrote its input token
                 self.tokens_prefilled += taken
             active = [s for s in active if out[s][2] is None]
+            if active and batch_bucket(len(active)) < shape[0]:
+                return
+
+    def _eager_step(self, sids, counts, max_new_tokens, sampling, keys, out, stop):
+        """One ragged forward of the sequences whose next counts[i] tokens fit, and a sample
+        each; returns those still going."""
+        running = self._admit_step(sids, counts, out)
+        if not running:
+            return []
+        logits = self.forward(running)
+        tokens, logps = sample(logits, sampling, self._tensor([keys[s] for s in running]),
+                               self._tensor([self.cached(s) for s in running]))
+        for s, t, lp in zip(running, tokens.tolist(), logps.tolist()):
+            self._take(s, [t], [lp], out, stop, max_new_tokens)
+        return [s for s in running if out[s][2] is None]
 
     def _decode_eager(self, sids, max_new_tokens, sampling, keys, out, stop):
         """Decode through the ragged forward, one step at a time (a row too big to copy)."""
         active = list(sids)
         while active:
-            running = self._admit_step(active, [1] * len(active), out)
-            if not running:
-                return
-            logits = self.forward(running)
-            tokens, logps = sample(logits, sampling, self._tensor([keys[s] for s in running]),
-                                   self._tensor([self.cached(s) for s in running]))
-            for s, t, lp in zip(running, tokens.tolist(), logps.tolist()):
-                self._take(s, [t], [lp], out, stop, max_new_tokens)
-            active = [s for s in running if out[s][2] is None]
+            active = self._eager_step(active, [1] * len(active), max_new_tokens, sampling, keys,
+                                      out, stop)
 
 
 class DecodeBatch:

@@ -962,6 +962,9 @@ def summarize_run(episodes, fidelity=None):
     summary = summarize(episodes)
     if fidelity is not None:
         summary["probe_fidelity"] = probe_fidelity(fidelity["fork"], fidelity["reference"])
+        if "vocabulary" in fidelity:  # the four spellings against every answer token
+            summary["probe_fidelity"]["vocabulary"] = probe_fidelity(fidelity["reference"],
+                                                                     fidelity["vocabulary"])
     return summary
 
 
@@ -1109,8 +1112,11 @@ def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None):
     reads = None
     if fidelity and getattr(persuadee, "tokenizer", None) is not None:  # local: an Engine
         contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, fidelity)
-        reads = {"fork": probes.read_beliefs(persuadee.model, persuadee.tokenizer, contexts).tolist(),
-                 "reference": probes.read_beliefs_reference(persuadee.model, persuadee.tokenizer, contexts).tolist()}
+        model, tok = persuadee.model, persuadee.tokenizer
+        reads = {"fork": probes.read_beliefs(model, tok, contexts).tolist(),
+                 "reference": probes.read_beliefs_reference(model, tok, contexts).tolist(),
+                 "vocabulary": probes.read_beliefs_reference(model, tok, contexts,
+                                                             vocabulary=True).tolist()}
     summary = summarize_run(episodes, reads)
     summary.update(extra or {})
     save_run(out_dir, episodes, summary, reads)
@@ -1256,6 +1262,8 @@ def parse_args(argv=None):
     ap.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
                     help="the reward setting dense returns are computed under (default: the training "
                          "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
+    ap.add_argument("--probe-signs", type=probes.parse_signs, default=probes.PROBE_SIGNS,
+                    help='per-probe valence, e.g. "PE=-1" flips PE (default: probes.PROBE_SIGNS)')
     ap.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
                     help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
@@ -1349,6 +1357,7 @@ def main(argv=None):
             sys.exit(f"eval.py: {e}")
         return
     probes.PROBE_SPACE = args.probe_space  # every read-out of this process, fidelity check included
+    probes.PROBE_SIGNS = args.probe_signs
     if args.max_new_tokens is None:  # the model-driven modes only
         import torch
         remote = all(served.is_served(n) for n in args.persuader + args.persuadee)

@@ -25,6 +25,7 @@ plain full forward of each context plus question, with no cache; the tests hold 
 
     python -m pytest -q test_probes.py
 """
+import argparse
 import functools
 
 import torch
@@ -58,13 +59,37 @@ def probe_ids(tokenizer):
     return turns, engine.shared_stem(turns)
 
 
-def _answer_logprobs(logits, tokenizer):
+@functools.cache  # the whole vocabulary decoded once per tokenizer
+def vocabulary_answer_ids(tokenizer):
+    """Every token id whose text, stripped and lower-cased, is "yes" or "no" ("YES", " No",
+    "no", ...): the answers over the full vocabulary, not only the four spellings' first tokens."""
+    words = [w.strip().lower() for w in tokenizer.batch_decode([[i] for i in range(len(tokenizer))])]
+    return (tuple(i for i, w in enumerate(words) if w == "yes"),
+            tuple(i for i, w in enumerate(words) if w == "no"))
+
+
+def _answer_logprobs(logits, tokenizer, answers=None):
+    """log sum P(yes ids), log sum P(no ids); answers (yes ids, no ids) defaults to the first
+    tokens of YES_WORDS and NO_WORDS."""
+    yes_ids, no_ids = answers or (answer_ids(tokenizer, YES_WORDS), answer_ids(tokenizer, NO_WORDS))
     logp = torch.log_softmax(logits.float(), -1)
-    return (logp[..., answer_ids(tokenizer, YES_WORDS)].logsumexp(-1),
-            logp[..., answer_ids(tokenizer, NO_WORDS)].logsumexp(-1))
+    return logp[..., list(yes_ids)].logsumexp(-1), logp[..., list(no_ids)].logsumexp(-1)
 
 
-def values_from_logits(logits, tokenizer, space=None):
+def parse_signs(text):
+    """PROBE_SIGNS from "CA=1,PE=-1,AC=1" (the --probe-signs flag's type: its error is the line
+    argparse prints)."""
+    signs = dict(PROBE_SIGNS)
+    for part in filter(None, text.split(",")):
+        name, _, sign = part.partition("=")
+        if name.strip() not in PROBES or sign.strip() not in ("1", "+1", "-1"):
+            raise argparse.ArgumentTypeError(f"probe sign {part!r} is not NAME=1 or NAME=-1, "
+                                             f"NAME one of {', '.join(PROBES)}")
+        signs[name.strip()] = int(sign)
+    return signs
+
+
+def values_from_logits(logits, tokenizer, space=None, answers=None):
     """Probe values from next-token logits [..., V]: 2p - 1 ("prob") or the clipped, rescaled
     log-odds ("logodds"); space defaults to PROBE_SPACE. No valence sign applied. A read from
     logits that overflowed (a non-finite one) or collapsed (all equal, which would read as
@@ -73,7 +98,7 @@ def values_from_logits(logits, tokenizer, space=None):
     if space not in PROBE_SPACES:
         raise ValueError(f"probes: PROBE_SPACE must be one of {PROBE_SPACES}, got {space!r}")
     logits = logits.float()
-    yes, no = _answer_logprobs(logits, tokenizer)
+    yes, no = _answer_logprobs(logits, tokenizer, answers)
     readable = torch.isfinite(logits).all(-1) & (logits.amax(-1) > logits.amin(-1))
     if space == "logodds":
         value = (yes - no).clamp(-LOGODDS_CLIP, LOGODDS_CLIP) / LOGODDS_CLIP
@@ -88,10 +113,10 @@ def yes_no_mass(logits, tokenizer):
     return yes.exp() + no.exp()
 
 
-def _readout(logits, tokenizer, n):
+def _readout(logits, tokenizer, n, answers=None):
     """[n * 3, V] question logits -> signed probe values [n, 3] and Yes+No mass [n, 3]."""
     signs = torch.tensor([float(PROBE_SIGNS[k]) for k in PROBES], device=logits.device)
-    values = values_from_logits(logits, tokenizer).view(n, len(PROBES)) * signs
+    values = values_from_logits(logits, tokenizer, answers=answers).view(n, len(PROBES)) * signs
     return values, yes_no_mass(logits, tokenizer).view(n, len(PROBES))
 
 
@@ -156,11 +181,14 @@ def read_beliefs(model, tokenizer, contexts, with_mass=False):
 
 
 @torch.no_grad()
-def read_beliefs_reference(model, tokenizer, contexts, with_mass=False):
-    """The same read-out by one plain full forward of each context plus question, no cache."""
+def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabulary=False):
+    """The same read-out by one plain full forward of each context plus question, no cache;
+    with vocabulary=True over every answer token of the vocabulary (vocabulary_answer_ids), the
+    reference for where the four spellings depart from the model's own first-token answer."""
     turns, _ = probe_ids(tokenizer)
     device = next(model.parameters()).device
     logits = [model(torch.tensor([context + t], device=device)).logits[0, -1]
               for context in contexts for t in turns]
-    values, mass = _readout(torch.stack(logits), tokenizer, len(contexts))
+    answers = vocabulary_answer_ids(tokenizer) if vocabulary else None
+    values, mass = _readout(torch.stack(logits), tokenizer, len(contexts), answers)
     return (values.cpu(), mass.cpu()) if with_mass else values.cpu()

@@ -41,6 +41,8 @@ SAMPLING = {  # per preset: (persuader, persuadee). The persuader samples its wh
 PERSUADER_SAMPLING, PERSUADEE_SAMPLING = SAMPLING["paper"]
 JUDGE_RETRY_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the judge's sampled retries
 CUT_OFF = ("context", "cache")  # end reasons of a message that could not be completed
+CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
+ADMISSION = "continuous"  # or "waves": admit only into empty pools (README compares the two)
 
 
 @contextmanager
@@ -58,13 +60,14 @@ def prompt_ids(persuader_tok, persuadee_tok, instance):
             models.chat_ids(persuadee_tok, arena.persuadee_messages(instance), False))
 
 
-def prompt_problems(persuader, persuadee, instances):
-    """{instance id: why it cannot be played}, for prompts longer than a model's context (with
-    room left for one message)."""
+def prompt_problems(persuader, persuadee, instances, prompts=None):
+    """{instance id: why it cannot be played}, for prompts (prompt_ids of each instance, built
+    here unless given) longer than a model's context with room left for one message."""
     problems = {}
-    for inst in instances:
-        for side, eng, ids in zip(("persuader", "persuadee"), (persuader, persuadee),
-                                  prompt_ids(persuader.tokenizer, persuadee.tokenizer, inst)):
+    prompts = prompts or [prompt_ids(persuader.tokenizer, persuadee.tokenizer, inst)
+                          for inst in instances]
+    for inst, pair in zip(instances, prompts):
+        for side, eng, ids in zip(("persuader", "persuadee"), (persuader, persuadee), pair):
             if len(ids) + engine.MAX_NEW_TOKENS // 4 > eng.max_len:
                 problems[inst["id"]] = (f"the {side} prompt of {inst['id']} is {len(ids)} tokens, "
                                         f"the model's context {eng.max_len}")
@@ -130,11 +133,12 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     b_0..b_T and probe values, judge score, and the persuader-side token stream for training:
     `ids`, `turn_ids` (t for the tokens the policy sampled in message t, else 0) and
     `logprobs`."""
-    problems = prompt_problems(persuader, persuadee, instances)
+    er_tok, ee_tok = persuader.tokenizer, persuadee.tokenizer
+    prompts = [prompt_ids(er_tok, ee_tok, inst) for inst in instances]  # built once
+    problems = prompt_problems(persuader, persuadee, instances, prompts)
     if problems:
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
                          "out (rollout.prompt_problems finds them) or use a longer-context model.")
-    er_tok, ee_tok = persuader.tokenizer, persuadee.tokenizer
     queue = deque((i, list(range(group_size))) for i in range(len(instances)))
     active, done = [], {}
     er_step = message_blocks(persuader, max_new_tokens)
@@ -142,8 +146,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
 
     def admit(index, members):
         """Prefill an instance's prompts once, read b_0, fork one episode per member."""
-        inst = instances[index]
-        er_ids, ee_ids = prompt_ids(er_tok, ee_tok, inst)
+        inst, (er_ids, ee_ids) = instances[index], prompts[index]
         er_root, ee_root = persuader.new(er_ids[:-1]), persuadee.new(ee_ids)
         with clock(timings, "persuader_s"):
             persuader.forward([er_root])
@@ -165,7 +168,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
 
     def fits_group(index, members):
         """Room on both pools for the prompts, b_0's forks and one message per member."""
-        er_ids, ee_ids = prompt_ids(er_tok, ee_tok, instances[index])
+        er_ids, ee_ids = prompts[index]
         blocks = lambda eng, n: -(-n // eng.block_size)
         er_need = blocks(persuader, len(er_ids)) + len(members) * er_step
         ee_need = blocks(persuadee, len(ee_ids)) + len(members) * ee_step
@@ -184,6 +187,8 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         queue.extendleft([(index, members[n:]), (index, members[:n])])
 
     def refill():
+        if ADMISSION == "waves" and active:
+            return
         while queue:
             allowed = len(queue[0][1]) if max_active is None else max_active - len(active)
             if allowed <= 0:
@@ -230,11 +235,11 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     refill()
     while active or queue:
         moved = False
-        speakers = [e for e in active if e["phase"] == "speak"]
-        speakers = persuader.admit([e["er"] for e in speakers],
+        ready = [e for e in active if e["phase"] == "speak"]  # worst case: a whole message
+        fits = set(persuader.admit([e["er"] for e in ready],
                                    [persuader.length(e["er"]) - persuader.cached(e["er"])
-                                    + max_new_tokens for e in speakers])
-        speakers = [e for e in active if e["er"] in set(speakers) and e["phase"] == "speak"]
+                                    + max_new_tokens for e in ready]))
+        speakers = [e for e in ready if e["er"] in fits]
         if speakers:
             moved = True
             with clock(timings, "persuader_s"):
@@ -251,13 +256,11 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                     continue
                 e["heard"] = persuadee_heard(ee_tok, text, e["state"].final_turn)
                 e["phase"] = "reply"
-        listeners = [e for e in active if e["phase"] == "reply"]
-        room, chosen = persuadee.free_blocks - probes.read_blocks(persuadee), []
-        for e in listeners:
-            need = persuadee.blocks_for(e["ee"], len(e["heard"]) + max_new_tokens + 8)
-            if need <= room:
-                room -= need
-                chosen.append(e)
+        ready = [e for e in active if e["phase"] == "reply"]  # a whole reply, then its probes
+        fits = set(persuadee.admit([e["ee"] for e in ready],
+                                   [len(e["heard"]) + max_new_tokens + CLOSING_ROOM for e in ready],
+                                   reserve=probes.read_blocks(persuadee)))
+        chosen = [e for e in ready if e["ee"] in fits]
         if chosen:
             moved = True
             replies = persuadee_turn(persuadee, [e["ee"] for e in chosen],

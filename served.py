@@ -238,13 +238,15 @@ def record(inst, state, transcript, probe_rows, masses, judge, judge_failed=None
 
 def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
                   persuader_temperature=1.0, persuadee_temperature=0.7, top_p=None,
-                  max_new_tokens=engine.MAX_NEW_TOKENS, out_path=None, progress=True):
+                  max_new_tokens=engine.MAX_NEW_TOKENS, out_path=None, progress=True,
+                  with_stream=False):
     """One episode per instance, every side a ServedModel or a local engine.Engine, all
     episodes advanced a turn at a time (a side's requests of a turn run concurrently).
 
     With `out_path` (an episodes.jsonl), instances whose id is already there are not played
     again, and each episode is appended as soon as it ends (judged first). Returns the records
-    of all instances, in their order."""
+    of all instances, in their order. with_stream (a local persuader, for training) adds its
+    token stream to each record: ids, turn_ids, logprobs, as rollout.rollout_episodes has them."""
     played = read_played(out_path) if out_path else {}
     todo = [inst for inst in instances if inst["id"] not in played]
     er, ee = side(persuader, "persuader"), side(persuadee, "persuadee")
@@ -269,6 +271,7 @@ def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
             if reason != API_ERROR:
                 e["transcript"].append({"role": "persuader", "text": text, "decision": None})
             if reason in ENDING_REASONS:
+                er.unanswered(e["er"])
                 e["state"].end(reason)
             else:
                 speaking.append(e)
@@ -283,6 +286,7 @@ def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
                 e["transcript"].append({"role": "persuadee", "text": reply["text"],
                                         "decision": reply["decision"]})
             if reply["reason"] in ENDING_REASONS:
+                er.unanswered(e["er"])
                 e["state"].end(reply["reason"])
                 continue
             e["state"].step(reply["decision"])
@@ -297,10 +301,12 @@ def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
                               judge_scores(judge, [e["inst"] for e in ended],
                                            [e["transcript"] for e in ended], seed))
             for e, score, fail in zip(ended, scores, failed):
-                er.free(e["er"])
                 ee.free(e["ee"])
                 e["record"] = record(e["inst"], e["state"], e["transcript"], e["probes"],
                                      e["masses"], score, fail)
+                if with_stream:
+                    e["record"].update(er.stream(e["er"]))
+                er.free(e["er"])
                 played[e["inst"]["id"]] = e["record"]
                 if out_path:
                     append_record(out_path, e["record"])
@@ -402,8 +408,12 @@ class ServedModel:
 
 
 class ServedPersuader:
-    """The persuader's side over the API: one message list per episode."""
+    """The persuader's side over the API: one message list per episode (no token stream: a
+    served persuader is evaluated, never trained)."""
     served = True
+
+    def unanswered(self, sid):
+        pass
 
     def __init__(self, model):
         self.model, self.chats = model, {}
@@ -441,39 +451,64 @@ class ServedPersuader:
 
 
 class LocalPersuader:
-    """The persuader's side on a local engine.Engine, ids in and ids out (as rollout.py)."""
+    """The persuader's side on a local engine.Engine, ids in and ids out (as rollout.py), with the
+    training stream rollout records: ids, turn_ids (t on the tokens of message t, 0 elsewhere and
+    on a message that got no reply) and logprobs."""
     served = False
 
     def __init__(self, eng):
-        self.eng, self.last = eng, {}
+        self.eng, self.last, self.streams = eng, {}, {}
 
     def generator(self, seed):
         return None  # a local side draws from streams keyed per request seed (engine.Sampling)
 
     def open(self, instances):
-        tok = self.eng.tokenizer
-        return [self.eng.new(models.encode(tok, models.render(tok, arena.persuader_messages(i), True)))
-                for i in instances]
+        tok, sids = self.eng.tokenizer, []
+        for inst in instances:
+            ids = models.chat_ids(tok, arena.persuader_messages(inst), True)
+            sids.append(self.eng.new(ids))
+            self.streams[sids[-1]] = dict(ids=list(ids), turn_ids=[0] * len(ids),
+                                          logprobs=[0.0] * len(ids), turn=0)
+        return sids
 
     def speak(self, sids, max_new_tokens, temperature, top_p, generator, seeds):
         outs = self.eng.generate(sids, max_new_tokens, engine.Sampling(temperature, top_p),
                                  [s & engine.MASK32 for s in seeds])
         out = []
-        for s, (ids, _, reason) in zip(sids, outs):
+        for s, (ids, logprobs, reason) in zip(sids, outs):
             self.last[s] = ids
+            stream = self.streams[s]
+            stream["turn"] += 1
+            self._extend(s, ids, stream["turn"], logprobs)
             out.append((self.eng.tokenizer.decode(ids, skip_special_tokens=True).strip(), reason))
         return out
+
+    def _extend(self, sid, ids, turn=0, logprobs=None):
+        stream = self.streams[sid]
+        stream["ids"] += ids
+        stream["turn_ids"] += [turn] * len(ids)
+        stream["logprobs"] += logprobs or [0.0] * len(ids)
 
     def hear(self, sid, reply):
         """Append the reply's ids; why the sequence cannot take them ("context", "cache"), or None."""
         tok = self.eng.tokenizer
-        self.eng.append(sid, models.closing_ids(tok, self.last[sid]) +
-                        models.turn_ids(tok, arena.persuader_sees(reply)))
+        ids = models.closing_ids(tok, self.last[sid]) + models.turn_ids(tok, arena.persuader_sees(reply))
+        self.eng.append(sid, ids)
+        self._extend(sid, ids)
         return self.eng.overflow(sid)
+
+    def unanswered(self, sid):
+        """The last message got no reply: masked out of the loss, as rollout.py does."""
+        stream = self.streams[sid]
+        stream["turn_ids"] = [0 if t == stream["turn"] else t for t in stream["turn_ids"]]
+
+    def stream(self, sid):
+        return {k: v for k, v in self.streams[sid].items() if k != "turn"}
 
     def free(self, sid):
         self.eng.free(sid)
         self.last.pop(sid, None)
+        self.streams.pop(sid, None)
 
 
 class ServedPersuadee:
@@ -564,7 +599,7 @@ class LocalPersuadee:
 
     def open(self, instances):
         tok = self.eng.tokenizer
-        sids = [self.eng.new(models.encode(tok, models.render(tok, arena.persuadee_messages(i), False)))
+        sids = [self.eng.new(models.chat_ids(tok, arena.persuadee_messages(i), False))
                 for i in instances]
         self.eng.forward(sids)
         values, mass = probes.read_engine(self.eng, sids, with_mass=True)

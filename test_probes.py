@@ -2,9 +2,11 @@
 import pytest
 import torch
 
+import engine
 import models
 import probes
 from conftest import tiny_model
+from test_engine import PROMPTS
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -73,3 +75,54 @@ def test_overflowed_or_collapsed_logits_read_as_nan(tokenizer):
     v = probes.values_from_logits(logits, tokenizer)
     assert torch.isfinite(v[0]) and v[1:].isnan().all()
     assert v[0] == probes.values_from_logits(logits[:1], tokenizer)[0]
+
+
+def test_a_probe_read_on_a_nearly_full_pool_fits_its_forks_or_says_so(tokenizer):
+    """Free blocks for one sequence's forks at a time: the reads go one by one and equal the
+    reference; fewer than one read needs: a clear error, nothing changed (no IndexError)."""
+    model = tiny_model("qwen3")
+    contexts = [PROMPTS[0], PROMPTS[2], PROMPTS[1] + [9, 9]]
+    eng = engine.Engine(model, tokenizer, block_size=4, num_blocks=200)
+    sids = [eng.new(c) for c in contexts]
+    eng.forward(sids)
+    need = probes.read_blocks(eng)
+    filler = eng.new([5] * 4 * (eng.free_blocks - need - need // 2))
+    eng.forward([filler])  # leaves room for one read, not two
+    assert need <= eng.free_blocks < 2 * need
+    torch.testing.assert_close(probes.read_engine(eng, sids),
+                               probes.read_beliefs_reference(model, tokenizer, contexts),
+                               atol=1e-4, rtol=0)
+    eng.free(filler)
+    filler = eng.new([5] * 4 * (eng.free_blocks - need + 1))
+    eng.forward([filler])
+    free, tables = eng.free_blocks, {s: list(eng.cache.tables[s]) for s in sids}
+    with pytest.raises(RuntimeError, match=f"takes up to {need} KV blocks"):
+        probes.read_engine(eng, sids)
+    assert eng.free_blocks == free and {s: eng.cache.tables[s] for s in sids} == tables
+
+
+def test_the_vocabulary_reference_counts_every_answer_token(tokenizer):
+    """vocabulary_answer_ids holds every token that reads "yes" or "no" whatever its case or
+    spacing (here two added ones), and the reference read-out sums over them, by hand."""
+    tok = models.tiny_tokenizer()
+    tok.add_tokens(["YES", " NO"])
+    yes_ids, no_ids = probes.vocabulary_answer_ids(tok)
+    big_yes, big_no = tok.convert_tokens_to_ids("YES"), tok.convert_tokens_to_ids(" NO")
+    assert big_yes in yes_ids and big_no in no_ids
+    assert all(tok.decode([i]).strip().lower() == "yes" for i in yes_ids)
+    assert all(tok.decode([i]).strip().lower() == "no" for i in no_ids)
+    logits = torch.zeros(1, len(tok))
+    logits[0, big_yes] = 3.0  # the model answers "YES", a spelling the four words miss
+    p = logits.softmax(-1)[0]
+    p_yes, p_no = p[list(yes_ids)].sum(), p[list(no_ids)].sum()
+    expected = 2 * p_yes / (p_yes + p_no) - 1
+    got = probes.values_from_logits(logits, tok, "prob", probes.vocabulary_answer_ids(tok))
+    torch.testing.assert_close(got[0], expected)
+    assert got[0] > probes.values_from_logits(logits, tok, "prob")[0] + 0.5
+
+
+def test_probe_signs_parse_from_a_flag():
+    import argparse
+    assert probes.parse_signs("PE=-1") == {**probes.PROBE_SIGNS, "PE": -1}
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME one of CA, PE, AC"):
+        probes.parse_signs("XX=2")

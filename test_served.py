@@ -369,3 +369,33 @@ def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_s
     assert requests >= len(ids) + 1  # the start-up check and one answer per episode at least
     assert history[0]["judge_mean"] == pytest.approx(sum(scores) / len(scores))
     assert history[0]["judge_s"] > 0
+
+
+def test_train_steps_against_a_served_persuadee(server, tmp_path, short_scenarios):
+    """train.py --persuadee openai:MODEL@URL: the policy stays local and trains on its own token
+    stream (every sampled token tagged with its message, as rollout records it); the server's
+    persuadee gives no log-probs, so every episode's dense term is excluded and counted, and the
+    outcome term still trains; the persuadee is also the default judge."""
+    import train
+    run = ["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
+           "--steps", "2", "--persuadee", server, "--save-every", "1000", "--max-new-tokens", "4"]
+    history = train.main(run + ["--name", "served"])
+    tiny = train.PRESETS["tiny"]
+    assert [m["step"] for m in history] == [1, 2]
+    for m in history:
+        assert m["episodes"] == tiny["instances"] * tiny["group_size"]
+        assert m["nonfinite_belief_share"] == 1.0 and m["persuader_tokens"] > 0
+    samples = json.loads((tmp_path / "served" / "samples-1.json").read_text())
+    assert samples[0]["transcript"][0]["role"] == "persuader"
+    actor_tok = models.tiny_tokenizer()
+    stream = served.LocalPersuader(engine.Engine(models.random_model("tiny-llama")[0], actor_tok))
+    [sid] = stream.open([short_scenario(1)])
+    stream.speak([sid], 4, 1.0, None, None, [7])
+    first = len(stream.last[sid])
+    stream.hear(sid, "Tell me more.")
+    stream.speak([sid], 4, 1.0, None, None, [8])
+    stream.unanswered(sid)  # message 2 got no reply: out of the loss
+    record = stream.stream(sid)
+    sampled = [t for t, lp in zip(record["turn_ids"], record["logprobs"]) if lp != 0.0]
+    assert set(sampled[:first]) == {1} and set(sampled[first:]) == {0}
+    assert len(record["ids"]) == len(record["turn_ids"]) == len(record["logprobs"])

@@ -196,6 +196,11 @@ def test_defaults():
     """The paper's values and this project's defaults (SPEC 4, 6, 8, 9), gathered here: the one
     test an edited default breaks; every other test derives from the constants."""
     assert (rpo.LAMBDA, rpo.KL_BETA, rpo.CLIP_LOW, rpo.CLIP_HIGH) == (0.5, 0.01, 0.2, 0.28)
+    assert rpo.ANCHOR is False and (rpo.STD_EPS, rpo.STRATEGY_WEIGHT) == (1e-6, 0.5)
+    assert rpo.GOAL == {"ACCEPT": 3.0, "CONDITIONAL_ACCEPT": 1.0, "PENDING": 0.0, "REJECT": -1.0,
+                        "WALK_AWAY": -2.0}  # the paper's accept - conditional gap: 2.0
+    assert rpo.ANCHOR_BELIEF == {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0,
+                                 "REJECT": -1.0, "WALK_AWAY": -1.0}
     assert (arena.T_MAX_TRAIN, arena.T_MAX_EVAL, arena.JUDGE_RETRIES) == (6, 10, 3)
     assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
     paper = train.PRESETS["paper"]

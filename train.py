@@ -26,6 +26,7 @@ by name and shape by shape; a non-finite log-prob, advantage, loss or gradient n
     python train.py --name NAME --resume           # continue a killed run
     python train.py --log tensorboard              # also TensorBoard events in runs/NAME
     python train.py --judge openai:MODEL@URL       # a judge served over the OpenAI API
+    python train.py --persuadee openai:MODEL@URL   # a persuadee (and judge) served over the API
     torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
 """
 import argparse
@@ -95,6 +96,8 @@ def parse_args(argv=None):
     # rpo.py owns these; read at parse time, so an edited constant changes the run
     p.add_argument("--lam", type=float, default=rpo.LAMBDA)
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR)
+    p.add_argument("--probe-signs", type=probes.parse_signs, default=probes.PROBE_SIGNS,
+                   help='per-probe valence, e.g. "PE=-1" flips PE (default: probes.PROBE_SIGNS)')
     p.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
                    help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
     p.add_argument("--kl-beta", type=float, default=rpo.KL_BETA)
@@ -182,8 +185,8 @@ def validate(args):
              "pass e.g. --persuadee-top-k 20")
     for role in ("persuader", "persuadee", "judge"):
         name = getattr(args, role)
-        if (name in (None, "none") or served.is_served(name)) and role == "judge":
-            continue
+        if name in (None, "none") and role == "judge" or served.is_served(name) and role != "persuader":
+            continue  # a served persuadee or judge is checked at start-up (ServedModel.check)
         if problem := _model_problem(name):
             fail(f"--{role} {name}", problem, "pass a Hugging Face model folder, a hub name, "
                  "'smollm2' or random:NAME")
@@ -572,6 +575,7 @@ def load(name, dtype, device):
 def main(argv=None):
     args = parse_args(argv)
     probes.PROBE_SPACE = args.probe_space  # the dense reward's read-outs, and the held-out ones
+    probes.PROBE_SIGNS = args.probe_signs
     rank, world, device = setup_distributed()
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name
@@ -584,14 +588,19 @@ def main(argv=None):
         sys.exit(f"train.py: --instances {args.instances} must be a multiple of the number of "
                  f"ranks ({world}) so that every rank rolls out whole groups")
 
-    served_judge = served.ServedModel(args.judge) if served.is_served(args.judge) else None
-    if served_judge:  # a wrong URL or key is a one-line exit before any model loads
-        served_judge.check()
+    served_persuadee = (served.ServedModel(args.persuadee) if served.is_served(args.persuadee)
+                        else None)
+    served_judge = (served.ServedModel(args.judge) if served.is_served(args.judge) else
+                    served_persuadee if args.judge is None else None)  # default: the persuadee
+    for model in {id(m): m for m in (served_persuadee, served_judge) if m}.values():
+        model.check()  # a wrong URL or key is a one-line exit before any model loads
 
     # the actor (trained, sharded), its rollout copy, the frozen reference, persuadee and judge
     policy, tokenizer = load(args.persuader, args.dtype, device)
     reference = load(args.persuader, args.dtype, device)[0] if args.kl_beta > 0 else None
-    if args.persuadee == args.persuader and reference is not None:
+    if served_persuadee:
+        persuadee_model = None
+    elif args.persuadee == args.persuader and reference is not None:
         persuadee_model, persuadee_tok = reference, tokenizer  # same frozen weights: share them
     else:
         persuadee_model, persuadee_tok = load(args.persuadee, args.dtype, device)
@@ -608,12 +617,13 @@ def main(argv=None):
     if world > 1:
         copy_weights(policy, rollout_model)
     actor = engine.Engine(rollout_model, tokenizer)
-    persuadee = engine.Engine(persuadee_model, persuadee_tok)
+    persuadee = served_persuadee or engine.Engine(persuadee_model, persuadee_tok)
     judge = served_judge or (None if args.judge == "none" else engine.Engine(
         *load(args.judge, args.dtype, device)) if args.judge else persuadee)
 
     instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
-    problems = rollout.prompt_problems(actor, persuadee, instances)  # found once, up front
+    problems = ({} if served_persuadee else  # found once, up front; a server judges its own
+                rollout.prompt_problems(actor, persuadee, instances))
     if problems:
         say(f"skipping {len(problems)} training instances that do not fit a context, e.g. "
             f"{next(iter(problems.values()))}")
@@ -632,15 +642,18 @@ def main(argv=None):
         mine = step_instances(instances, args, step, rank, world)
         bar = tqdm(total=len(mine) * args.group_size, desc=f"step {step} rollout",
                    disable=rank != 0, leave=False)
-        times = dict(judge_s=0.0)
-        records = rollout.rollout_episodes(
-            actor, persuadee, mine, args.t_max, group_size=args.group_size,
-            seed=args.seed * 1000003 + step * 1009,  # not the rank: records are rank-free
-            persuader_sampling=engine.Sampling(args.persuader_temperature),
-            persuadee_sampling=engine.Sampling(args.persuadee_temperature,
-                                                       args.persuadee_top_p, args.persuadee_top_k),
-            max_new_tokens=args.max_new_tokens,
-            judge=None if served_judge else judge, progress=bar, timings=times)
+        times = dict(judge_s=0.0, probe_s=0.0)
+        seed = args.seed * 1000003 + step * 1009  # not the rank: records are rank-free
+        if served_persuadee:
+            records = served_rollout(actor, served_persuadee, mine, args, seed)
+        else:
+            records = rollout.rollout_episodes(
+                actor, persuadee, mine, args.t_max, group_size=args.group_size, seed=seed,
+                persuader_sampling=engine.Sampling(args.persuader_temperature),
+                persuadee_sampling=engine.Sampling(args.persuadee_temperature,
+                                                   args.persuadee_top_p, args.persuadee_top_k),
+                max_new_tokens=args.max_new_tokens,
+                judge=None if served_judge else judge, progress=bar, timings=times)
         bar.close()
         if served_judge:  # records are instance-major: group g is instance mine[g]
             with rollout.clock(times, "judge_s"):
@@ -699,6 +712,22 @@ def main(argv=None):
     return history
 
 
+def served_rollout(actor, persuadee, instances, args, seed):
+    """A step's episodes against a served persuadee (served.play_episodes), instance-major in
+    groups of G, with the policy's token stream; beliefs the server cannot give are NaN, which
+    rpo.py excludes from the dense term and counts."""
+    copies = [{**inst, "id": f"{inst['id']}#{g}"} for inst in instances
+              for g in range(args.group_size)]
+    records = served.play_episodes(
+        actor, persuadee, copies, args.t_max, seed=seed,
+        persuader_temperature=args.persuader_temperature,
+        persuadee_temperature=args.persuadee_temperature, top_p=args.persuadee_top_p,
+        max_new_tokens=args.max_new_tokens, progress=False, with_stream=True)
+    for r in records:
+        r["beliefs"] = [math.nan if b is None else b for b in r["beliefs"]]
+    return records
+
+
 def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
     """Held-out evaluation through eval.py, the scenarios sharded over the ranks; rank 0 writes
     runs/NAME/eval-STEP and appends its summary to runs/NAME/evals.jsonl under its step (what
@@ -706,11 +735,21 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
     import eval as evaluation
     instances = arena.heldout_instances(arena.load_scenarios(args.scenarios))[:args.eval_limit]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
-                                  t_max=args.eval_t_max, seed=args.seed,
-                                  max_new_tokens=args.max_new_tokens, judge=judge,
-                                  anchor=args.anchor, preset=args.sampling, rank=rank,
-                                  world=world)
+    if isinstance(persuadee, served.ServedModel):  # served.py plays them, on rank 0
+        summary = None
+        if rank == 0:
+            episodes = served.play_episodes(
+                actor, persuadee, instances, args.eval_t_max, judge=judge, seed=args.seed,
+                persuader_temperature=args.persuader_temperature,
+                persuadee_temperature=args.persuadee_temperature, top_p=args.persuadee_top_p,
+                max_new_tokens=args.max_new_tokens, progress=False)
+            summary = evaluation._finish(episodes, persuadee, instances, run_dir / f"eval-{step}", 0)
+    else:
+        summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
+                                      t_max=args.eval_t_max, seed=args.seed,
+                                      max_new_tokens=args.max_new_tokens, judge=judge,
+                                      anchor=args.anchor, preset=args.sampling, rank=rank,
+                                      world=world)
     if rank == 0:
         path = run_dir / "evals.jsonl"
         kept = [l for l in (path.read_text().splitlines() if path.exists() else [])
