@@ -13,16 +13,21 @@ appended ("pending") token, so every token is prefilled exactly once:
             over a packed batch of new tokens (ragged lengths), with attention reading each
             sequence's keys and values through its block table:
             softmax(q k^T / sqrt(d) + causal mask) v, k and v gathered from the pool.
-    sample  token ~ softmax(logits / T) (optionally top-p truncated); its log-probability under
-            that exact distribution is recorded: log pi_old for training.
+    sample  token = argmax(log p + g), g = -log(-log u) (Gumbel-max: a draw from p), with
+            p = softmax(logits / T), optionally top-k / top-p truncated, and u a counter-based
+            hash of (stream key, position, token id): what a sequence samples does not depend on
+            the rows beside it. Its log p is recorded: log pi_old for training.
+    capacity a forward reserves the blocks of its whole batch, copy-on-write included, before
+            writing anything; admit() says which sequences fit.
 
-flash-attn's paged kernels serve the attention when flash-attn is installed and a GPU is present
-(they need BLOCK_SIZE divisible by 256); PyTorch SDPA over gathered blocks serves it everywhere
-else: one padded call on a GPU (never on cuDNN, whose per-shape graph builds would cost more than
-the attention, SDPA_BACKENDS); on a CPU one causal call a sequence for prefill, and for decode two
-batched products over a dense copy of the batch's cache that lives for one generate call
-(Batch lists the five paths). The forward is written here against the Hugging Face weights of
-Llama, Qwen2 and Qwen3, and tested token for token against Hugging Face `generate` on every path.
+Prefill (and probe forks) run the ragged forward (Batch): flash-attn's paged kernels when it is
+installed and a GPU is present (BLOCK_SIZE divisible by 256), else PyTorch SDPA over gathered
+blocks, one padded call on a GPU (never on cuDNN, whose per-shape graph builds would cost more
+than the attention, SDPA_BACKENDS) and one causal call a sequence on a CPU. Decode runs on
+DecodeBatch: a fixed shape per (batch bucket, capacity), persistent device metadata, a dense copy
+of the batch's cache with a device-side mask, host checks every SYNC_EVERY steps, and on CUDA one
+CUDA graph per shape. The forward is written against the Hugging Face weights of Llama, Qwen2 and
+Qwen3 and tested token for token against Hugging Face `generate` on every path.
 
     python -m pytest -q test_engine.py       # engine tests on tiny random models
     python bench.py                          # the rollout workload against two baselines
