@@ -425,10 +425,10 @@ class Engine:
     def max_len(self):
         return self.w["max_len"]
 
-    def overflow(self, sid, n=None):
-        """Why a sequence cannot take its pending tokens (or n tokens): "context", "cache" (the
-        pool, were the sequence alone), or None."""
-        n = len(self.pending[sid]) if n is None else n
+    def overflow(self, sid):
+        """Why a sequence cannot take its pending tokens: "context", "cache" (the pool, were the
+        sequence alone), or None."""
+        n = len(self.pending[sid])
         if self.cache.lengths[sid] + n > self.max_len:
             return "context"
         if self.cache.blocks_needed(sid, n) > len(self.cache.free_blocks):

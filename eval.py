@@ -124,12 +124,16 @@ def raw_process_rewards(ep):
     return rpo.process_rewards(ep["beliefs"], ep["outcome"], anchor=False)
 
 
+def with_beliefs(episodes):
+    """The episodes that have beliefs (a persuadee served without log-probs, or an episode that
+    never started, has none): the belief columns and analyses use these alone."""
+    return [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"]]
+
+
 def _summary(episodes):
     n = len(episodes)
     count = {o: sum(ep["outcome"] == o for ep in episodes) for o in OUTCOMES}
-    # a served persuadee without log-probs (or an episode that never started) has no beliefs:
-    # the belief columns leave it out
-    believed = [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"]]
+    believed = with_beliefs(episodes)
     judged = [ep["judge"] for ep in episodes if ep.get("judge") is not None]
     turns = sum(len(ep["beliefs"]) - 1 for ep in episodes)
     return {
@@ -277,7 +281,7 @@ def summarize(episodes):
     summary["anchor"] = anchors.pop() if len(anchors) == 1 else "mixed"
     summary["by_resistance"] = _groups(episodes, "resistance")
     summary["by_domain"] = _groups(episodes, "domain")
-    believed = [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"]]
+    believed = with_beliefs(episodes)
     summary["belief_stats"] = belief_stats(believed)
     summary["shaping_by_outcome"] = shaping_by_outcome(believed)
     if all("moves" in ep and "manipulation" in ep for ep in episodes):
@@ -949,7 +953,7 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     if fidelity is not None:
         _write_text(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
     _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    believed = [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"]]
+    believed = with_beliefs(episodes)
     if believed:  # a persuadee served without log-probs has no belief to plot
         plot_beliefs(believed, out_dir / "beliefs.png")
         plot_probes(believed, out_dir / "probes.png")
@@ -1380,17 +1384,17 @@ def main(argv=None):
     split = args.scenarios + (f"_{args.subset}" if args.subset else "")
     base = args.name or (f"{_slug(pairs[0][0])}_vs_{_slug(pairs[0][1])}_{split}_s{args.seed}"
                          if len(pairs) == 1 else f"grid_{split}_s{args.seed}")
-    loaded, results = {}, {}
+    loaded, results, rank = {}, {}, distributed()[0]  # under torchrun rank 0 prints
     for p, q in pairs:
         out_dir = Path(EVALS_DIR) / base if len(pairs) == 1 else Path(EVALS_DIR) / base / f"{_slug(p)}_vs_{_slug(q)}"
         results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,
                                    max_new_tokens=args.max_new_tokens, judge=args.judge,
                                    anchor=run_anchor(p) if args.anchor is None else args.anchor,
                                    tagger=args.tagger, kv_blocks=args.kv_blocks)
-        if distributed()[0] == 0:
+        if rank == 0:
             print(f"\n== persuader {p}, persuadee {q}, judge {args.judge or q} -> {out_dir}\n"
                   f"{format_table(results[(p, q)])}")
-    if len(pairs) > 1 and distributed()[0] == 0:
+    if len(pairs) > 1 and rank == 0:
         print("\n" + grid_table(results))
 
 

@@ -42,6 +42,7 @@ PERSUADER_SAMPLING, PERSUADEE_SAMPLING = SAMPLING["paper"]
 JUDGE_RETRY_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the judge's sampled retries
 CUT_OFF = ("context", "cache")  # end reasons of a message that could not be completed
 CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
+PROMPT_ROOM = engine.MAX_NEW_TOKENS // 4  # context a prompt must leave free: a short exchange
 ADMISSION = "continuous"  # or "waves": admit only into empty pools (README compares the two)
 
 
@@ -62,13 +63,13 @@ def prompt_ids(persuader_tok, persuadee_tok, instance):
 
 def prompt_problems(persuader, persuadee, instances, prompts=None):
     """{instance id: why it cannot be played}, for prompts (prompt_ids of each instance, built
-    here unless given) longer than a model's context with room left for one message."""
+    here unless given) that leave less than PROMPT_ROOM tokens of a model's context."""
     problems = {}
     prompts = prompts or [prompt_ids(persuader.tokenizer, persuadee.tokenizer, inst)
                           for inst in instances]
     for inst, pair in zip(instances, prompts):
         for side, eng, ids in zip(("persuader", "persuadee"), (persuader, persuadee), pair):
-            if len(ids) + engine.MAX_NEW_TOKENS // 4 > eng.max_len:
+            if len(ids) + PROMPT_ROOM > eng.max_len:
                 problems[inst["id"]] = (f"the {side} prompt of {inst['id']} is {len(ids)} tokens, "
                                         f"the model's context {eng.max_len}")
     return problems
@@ -98,13 +99,14 @@ def persuadee_turn(persuadee, sids, heard, *, sampling, max_new_tokens, keys=Non
     replies, closed = [], []
     for sid, (ids, _, reason) in zip(sids, outs):
         text = tok.decode(ids, skip_special_tokens=True).strip()
-        if (reason not in CUT_OFF and persuadee.length(sid) + len(models.closing_ids(tok, ids))
+        closing = models.closing_ids(tok, ids)
+        if (reason not in CUT_OFF and persuadee.length(sid) + len(closing)
                 + probes.longest_question(tok) > persuadee.max_len):
             reason = "context"  # no room left to close the reply and ask the probes
         replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
                             probes=None, probe_mass=None))
         if reason not in CUT_OFF:
-            persuadee.append(sid, models.closing_ids(tok, ids))
+            persuadee.append(sid, closing)
             closed.append((sid, replies[-1]))
     if closed:
         with clock(timings, "persuadee_s"):

@@ -250,7 +250,6 @@ def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
     played = read_played(out_path) if out_path else {}
     todo = [inst for inst in instances if inst["id"] not in played]
     er, ee = side(persuader, "persuader"), side(persuadee, "persuadee")
-    gen_er, gen_ee = er.generator(seed), ee.generator(seed + 1)
     bar = tqdm(total=len(instances), initial=len(instances) - len(todo), desc="episodes",
                disable=not progress)
     episodes = []
@@ -265,7 +264,7 @@ def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
     while active:
         turn = [(e["inst"]["id"], e["state"].turn + 1) for e in active]
         said = er.speak([e["er"] for e in active], max_new_tokens, persuader_temperature, top_p,
-                        gen_er, [seed_of(seed, "persuader", *t) for t in turn])
+                        [seed_of(seed, "persuader", *t) for t in turn])
         speaking = []
         for e, (text, reason) in zip(active, said):
             if reason != API_ERROR:
@@ -278,7 +277,7 @@ def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
         replies = ee.turn([e["ee"] for e in speaking], [e["transcript"][-1]["text"] for e in speaking],
                           [e["state"].final_turn for e in speaking],
                           temperature=persuadee_temperature, top_p=top_p,
-                          max_new_tokens=max_new_tokens, generator=gen_ee,
+                          max_new_tokens=max_new_tokens,
                           seeds=[seed_of(seed, "persuadee", e["inst"]["id"], e["state"].turn + 1)
                                  for e in speaking])
         for e, reply in zip(speaking, replies):
@@ -418,8 +417,6 @@ class ServedPersuader:
     def __init__(self, model):
         self.model, self.chats = model, {}
 
-    def generator(self, seed):
-        return None
 
     def open(self, instances):
         sids = []
@@ -428,7 +425,7 @@ class ServedPersuader:
             self.chats[sids[-1]] = arena.persuader_messages(inst)
         return sids
 
-    def speak(self, sids, max_new_tokens, temperature, top_p, generator, seeds):
+    def speak(self, sids, max_new_tokens, temperature, top_p, seeds):
         """[(text, reason)]: each episode's next message."""
         replies = self.model.map([dict(messages=self.chats[s], max_tokens=max_new_tokens,
                                        temperature=temperature, top_p=top_p, seed=seed)
@@ -459,8 +456,6 @@ class LocalPersuader:
     def __init__(self, eng):
         self.eng, self.last, self.streams = eng, {}, {}
 
-    def generator(self, seed):
-        return None  # a local side draws from streams keyed per request seed (engine.Sampling)
 
     def open(self, instances):
         tok, sids = self.eng.tokenizer, []
@@ -471,7 +466,7 @@ class LocalPersuader:
                                           logprobs=[0.0] * len(ids), turn=0)
         return sids
 
-    def speak(self, sids, max_new_tokens, temperature, top_p, generator, seeds):
+    def speak(self, sids, max_new_tokens, temperature, top_p, seeds):
         outs = self.eng.generate(sids, max_new_tokens, engine.Sampling(temperature, top_p),
                                  [s & engine.MASK32 for s in seeds])
         out = []
@@ -516,8 +511,8 @@ class ServedPersuadee:
 
     new(instance) -> sid opens an episode's context (the persuadee's system prompt);
     read(sids) -> [(values, masses)] reads the probes of closed contexts (b_0);
-    turn(sids, messages, final_turns, *, temperature, top_p, max_new_tokens, generator=None,
-    timings=None, seeds=None) returns what rollout.persuadee_turn returns, a dict per sequence
+    turn(sids, messages, final_turns, *, temperature, top_p, max_new_tokens, timings=None,
+    seeds=None) returns what rollout.persuadee_turn returns, a dict per sequence
     {text, decision, reason, probes}, plus probe_mass; reason "api_error" (no probes) when the
     reply failed for good; free(sid) closes it."""
     served = True
@@ -525,8 +520,6 @@ class ServedPersuadee:
     def __init__(self, model):
         self.model, self.chats = model, {}
 
-    def generator(self, seed):
-        return None
 
     def new(self, instance):
         sid = max(self.chats, default=-1) + 1
@@ -559,7 +552,7 @@ class ServedPersuadee:
         return out
 
     def turn(self, sids, messages, final_turns, *, temperature, top_p, max_new_tokens,
-             generator=None, timings=None, seeds=None):
+             timings=None, seeds=None):
         for s, text, final in zip(sids, messages, final_turns):
             self.chats[s].extend(arena.persuadee_sees(text, final))
         with rollout.clock(timings, "persuadee_s"):
@@ -594,8 +587,6 @@ class LocalPersuadee:
     def __init__(self, eng):
         self.eng = eng
 
-    def generator(self, seed):
-        return None  # a local side draws from streams keyed per request seed (engine.Sampling)
 
     def open(self, instances):
         tok = self.eng.tokenizer
@@ -606,7 +597,7 @@ class LocalPersuadee:
         return sids, list(zip(values.tolist(), mass.tolist()))
 
     def turn(self, sids, messages, final_turns, *, temperature, top_p, max_new_tokens,
-             generator=None, timings=None, seeds=None):
+             timings=None, seeds=None):
         tok = self.eng.tokenizer
         heard = [rollout.persuadee_heard(tok, m, f) for m, f in zip(messages, final_turns)]
         return rollout.persuadee_turn(self.eng, sids, heard,

@@ -390,10 +390,10 @@ def test_train_steps_against_a_served_persuadee(server, tmp_path, short_scenario
     actor_tok = models.tiny_tokenizer()
     stream = served.LocalPersuader(engine.Engine(models.random_model("tiny-llama")[0], actor_tok))
     [sid] = stream.open([short_scenario(1)])
-    stream.speak([sid], 4, 1.0, None, None, [7])
+    stream.speak([sid], 4, 1.0, None, [7])
     first = len(stream.last[sid])
     stream.hear(sid, "Tell me more.")
-    stream.speak([sid], 4, 1.0, None, None, [8])
+    stream.speak([sid], 4, 1.0, None, [8])
     stream.unanswered(sid)  # message 2 got no reply: out of the loss
     record = stream.stream(sid)
     sampled = [t for t, lp in zip(record["turn_ids"], record["logprobs"]) if lp != 0.0]

@@ -599,7 +599,7 @@ def main(argv=None):
     policy, tokenizer = load(args.persuader, args.dtype, device)
     reference = load(args.persuader, args.dtype, device)[0] if args.kl_beta > 0 else None
     if served_persuadee:
-        persuadee_model = None
+        persuadee_model = persuadee_tok = None  # the server plays it
     elif args.persuadee == args.persuader and reference is not None:
         persuadee_model, persuadee_tok = reference, tokenizer  # same frozen weights: share them
     else:
