@@ -12,10 +12,12 @@ FINAL_TURN_INSTRUCTION as a system turn after the persuader's message on the fin
 Implementations, in one process on one model object, each warmed up on a tiny run first:
   engine             rollout.rollout_episodes on two engine.Engine (paged KV cache, every token
                      prefilled once, probes read in forks of the cached context)
-  hf generate        model.generate on left-padded batches, the whole history re-templated
-                     (apply_chat_template, tokenize=False) and re-encoded every turn; probes as full
+  hf generate        model.generate on left-padded batches of each side's whole history, run again
+                     every turn: the same ids as the engine's contexts (the sampled ids, closed and
+                     framed by the same chat edge, rollout.prompt_ids / persuadee_heard and
+                     models.closing_ids / turn_ids), so only the caching differs; probes as full
                      forwards of history + question, batched over dialogues (last-position logits)
-  hf generate_batch  model.generate_batch (continuous batching) on the re-encoded history, probes as
+  hf generate_batch  model.generate_batch (continuous batching) on the same histories, probes as
                      above. Knobs: warmup=False (its warm-up captures CUDA graphs only) and
                      ContinuousBatchingConfig(num_blocks=) sized to the call's prompts + new tokens:
                      by default it sizes its KV cache to ~90% of free memory (of all RAM on a CPU)
@@ -31,10 +33,11 @@ Metrics:
                    any forward held (engine: cache.lengths of each conversation sequence when it is
                    freed; probe tokens: Engine.tokens_prefilled counted inside probes.read_engine).
                    Padding is not counted. For the engine it is 0 when nothing is prefilled twice.
-  greedy_match     every message text of the engine's dialogues equals hf generate's. The hf
-                   contexts hold the stripped message text re-templated, the engine's the sampled
-                   ids, so where a message ends in whitespace the contexts (and probe values) differ
-                   while the texts match; the largest probe difference is printed with it.
+  greedy_match     every message of the engine's dialogues equals hf generate's; with identical
+                   contexts the probe values agree too, and their largest difference is printed.
+                   (Re-templating the message texts instead, as a first version of this baseline
+                   did, changes the contexts wherever a sampled message is not its text's own
+                   encoding, and the dialogues then drift apart on near-ties.)
   floors           decode step >= bytes of the layers and lm_head / memory bandwidth (a sum over a
                    big tensor; the KV reads of the step are added in a second figure);
                    prefill >= 2 * params * tokens / matmul rate ([512, hidden] x [hidden,
@@ -56,6 +59,7 @@ The GPU check of the decode step (issue: decode step <= 2x the weight + KV floor
         --max-new-tokens 256 --skip-baselines --json
 """
 import argparse
+import gc
 import json
 import time
 from contextlib import contextmanager
@@ -83,11 +87,6 @@ def load(args, dtype):
     from transformers import AutoTokenizer  # a random model of a paper size, SmolLM2's tokenizer
     tok = AutoTokenizer.from_pretrained(models.smollm2_path())
     return models.random_model(args.random_init, dtype, args.device, tokenizer=tok)
-
-
-def opening_messages(inst):
-    """The persuader's context (system + opening user turn) and the persuadee's (system)."""
-    return arena.persuader_messages(inst), arena.persuadee_messages(inst)
 
 
 def pick_instances(n):
@@ -202,84 +201,94 @@ def run_engine(model, tok, instances, turns, max_new, sync):
 
 @torch.no_grad()
 def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
+    """The same dialogues with no cache kept between calls: every turn, each side's whole history
+    runs through the model again. The histories are the engine's own ids, built by the same chat
+    edge (rollout.prompt_ids, persuadee_heard, models.closing_ids and turn_ids) around the ids
+    each side generated, so that the two implementations see identical contexts and greedy
+    decoding must give identical messages."""
     from transformers import GenerationConfig
     dev, stop = next(model.parameters()).device, engine.stop_ids(model, tok)
-    side, pad = tok.padding_side, tok.pad_token
-    tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=stop,
-                           pad_token_id=tok.pad_token_id)
-    questions = [f"{probes.INSTRUCTION} {q}" for q in probes.PROBES.values()]
-    q_lens = [len(t) for t in probes.probe_ids(tok)[0]]
+                           pad_token_id=pad)
+    questions, _ = probes.probe_ids(tok)
     st = dict(reply=0.0, probe=0.0, gen=0, conv=0, probe_tokens=0)
-    ds = [dict(zip(("er", "ee"), opening_messages(i)), state=arena.Episode(turns), texts=[],
-               probes=[], fed={"er": 0, "ee": 0}) for i in instances]
+    ds = [dict(zip(("er", "ee"), rollout.prompt_ids(tok, tok, i)), state=arena.Episode(turns),
+               texts=[], probes=[], fed={"er": 0, "ee": 0}) for i in instances]
 
     def feed(d, key, n):  # n conversation tokens of one side went through the model
         add(st, conv=n)
         d["fed"][key] = max(d["fed"][key], n)
 
+    def left_padded(prompts):
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+        return ids, mask
+
     def generate(batch, key):
-        texts = [models.render(tok, d[key], True) for d in batch]
+        prompts = [d[key] for d in batch]
         if batch_api:
             from transformers import ContinuousBatchingConfig
-            prompts = [models.encode(tok, t) for t in texts]
             pages = -(-sum(len(q) + max_new for q in prompts) // PAGE_SIZE) + len(prompts)
             res = list(model.generate_batch(
                 inputs=prompts, generation_config=cfg, warmup=False,
                 continuous_batching_config=ContinuousBatchingConfig(num_blocks=pages)).values())
             if len(res) != len(prompts) or any(r.error for r in res):
                 raise RuntimeError(f"generate_batch failed: {[r.error for r in res]}")
-            outs, lens = [r.generated_tokens for r in res], [len(p) for p in prompts]
+            outs = [list(r.generated_tokens) for r in res]
         else:
-            enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(dev)
-            new = model.generate(**enc, generation_config=cfg)[:, enc.input_ids.shape[1]:]
+            ids, mask = left_padded(prompts)
+            new = model.generate(input_ids=ids, attention_mask=mask,
+                                 generation_config=cfg)[:, ids.shape[1]:]
             outs = [next((ids[:i + 1] for i, t in enumerate(ids) if t in stop), ids)
                     for ids in new.tolist()]
-            lens = enc.attention_mask.sum(1).tolist()
-        for d, n, ids in zip(batch, lens, outs):
-            feed(d, key, n + len(ids) - 1)  # the last sampled token is never fed
+        for d, p, ids in zip(batch, prompts, outs):
+            feed(d, key, len(p) + len(ids) - 1)  # the last sampled token is never fed
             add(st, gen=len(ids))
-        return [tok.decode(ids, skip_special_tokens=True).strip() for ids in outs]
+        return outs
 
     def read_probes(batch):
         t, values = time.perf_counter(), []
-        for q, q_len in zip(questions, q_lens):
-            texts = [models.render(tok, d["ee"] + [{"role": "user", "content": q}], True)
-                     for d in batch]
-            enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(dev)
-            pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding shifts positions
-            logits = model(**enc, position_ids=pos, logits_to_keep=1).logits[:, -1]
+        for q in questions:
+            ids, mask = left_padded([d["ee"] + q for d in batch])
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding shifts positions
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                           logits_to_keep=1).logits[:, -1]
             values.append(probes.values_from_logits(logits, tok).cpu())
-            for d, n in zip(batch, enc.attention_mask.sum(1).tolist()):
-                feed(d, "ee", n - q_len)
-                add(st, probe_tokens=q_len)
+            for d in batch:
+                feed(d, "ee", len(d["ee"]))
+                add(st, probe_tokens=len(q))
         for d, v in zip(batch, torch.stack(values, 1).tolist()):
             d["probes"].append(v)
         add(st, probe=time.perf_counter() - t)
+
+    def text(ids):
+        return tok.decode(ids, skip_special_tokens=True).strip()
 
     t0 = time.perf_counter()
     read_probes(ds)  # b_0
     active = ds
     while active:
-        for d, text in zip(active, generate(active, "er")):
-            d["er"].append({"role": "assistant", "content": text})
-            d["texts"].append(text)
-            d["ee"] += arena.persuadee_sees(text, d["state"].final_turn)
+        for d, ids in zip(active, generate(active, "er")):
+            d["er_ids"] = ids
+            d["texts"].append(text(ids))
+            d["ee"] = d["ee"] + rollout.persuadee_heard(tok, d["texts"][-1], d["state"].final_turn)
         t = time.perf_counter()
         replies = generate(active, "ee")
         sync()
         add(st, reply=time.perf_counter() - t)
-        for d, text in zip(active, replies):
-            d["ee"].append({"role": "assistant", "content": text})
-            d["texts"].append(text)
-            d["state"].step(arena.parse_decision(text))
+        for d, ids in zip(active, replies):
+            d["ee"] = d["ee"] + ids + models.closing_ids(tok, ids)
+            d["texts"].append(text(ids))
+            d["state"].step(arena.parse_decision(d["texts"][-1]))
         read_probes(active)
         for d in active:
-            if not d["state"].done:
-                d["er"].append({"role": "user", "content": arena.persuader_sees(d["texts"][-1])})
+            if not d["state"].done:  # the persuader reads the reply, tags stripped
+                d["er"] = (d["er"] + d["er_ids"] + models.closing_ids(tok, d["er_ids"])
+                           + models.turn_ids(tok, arena.persuader_sees(d["texts"][-1])))
         active = [d for d in active if not d["state"].done]
     st["wall"] = time.perf_counter() - t0
-    tok.padding_side, tok.pad_token = side, pad
     st["twice"] = st["conv"] - sum(sum(d["fed"].values()) for d in ds)
     st["dialogues"], st["probes"] = [d["texts"] for d in ds], [d["probes"] for d in ds]
     return st
@@ -343,9 +352,7 @@ def main():
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     model, tok = load(args, dtype)
     instances = pick_instances(args.dialogues)
-    er_len, ee_len = zip(*[[len(models.encode(tok, models.render(tok, m, gen)))
-                            for m, gen in zip(opening_messages(i), (True, False))]
-                           for i in instances])
+    er_len, ee_len = zip(*[map(len, rollout.prompt_ids(tok, tok, i)) for i in instances])
     bandwidth, flops = machine(model, args.device, dtype, sync)
     impls = {"engine": run_engine}
     if not args.skip_baselines:
@@ -357,6 +364,7 @@ def main():
             fn(model, tok, instances[:1], 1, 2, sync)  # warm-up
             with profiled(args.profile if name == "engine" else None, gpu):
                 res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
+            gc.collect()  # the engines' pools go before the next implementation runs
         except Exception as e:  # a failing baseline is reported, not given a number
             print(f"{name} failed: {type(e).__name__}: {e}")
     for r in res.values():

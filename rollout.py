@@ -146,27 +146,34 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     er_step = message_blocks(persuader, max_new_tokens)
     ee_step = message_blocks(persuadee, max_new_tokens) + probes.read_blocks(persuadee)
 
-    def admit(index, members):
-        """Prefill an instance's prompts once, read b_0, fork one episode per member."""
-        inst, (er_ids, ee_ids) = instances[index], prompts[index]
+    def prefill(index):
+        """An instance's prompts, prefilled once on each side (its episodes fork them)."""
+        er_ids, ee_ids = prompts[index]
         er_root, ee_root = persuader.new(er_ids[:-1]), persuadee.new(ee_ids)
         with clock(timings, "persuader_s"):
             persuader.forward([er_root])
         with clock(timings, "persuadee_s"):
             persuadee.forward([ee_root])
+        return er_root, ee_root
+
+    def start(groups):
+        """Read b_0 of every prefilled instance in one probe read, fork one episode per member."""
         with clock(timings, "probe_s"):
-            b0, m0 = (x[0].tolist() for x in probes.read_engine(persuadee, [ee_root],
-                                                                 with_mass=True))
-        for g in members:
-            key = (seed, inst["id"], g)
-            active.append(dict(
-                index=index, g=g, inst=inst, state=arena.Episode(t_max), phase="speak",
-                er=persuader.fork(er_root, er_ids[-1:]), ee=persuadee.fork(ee_root),
-                er_key=engine.stream_key(*key, "persuader"), ee_key=engine.stream_key(*key, "persuadee"),
-                ids=list(er_ids), turn_ids=[0] * len(er_ids), logprobs=[0.0] * len(er_ids),
-                transcript=[], probes=[b0], probe_mass=[m0], beliefs=[sum(b0) / 3]))
-        persuader.free(er_root)
-        persuadee.free(ee_root)
+            b0s, m0s = (x.tolist() for x in probes.read_engine(
+                persuadee, [ee_root for _, _, _, ee_root in groups], with_mass=True))
+        for (index, members, er_root, ee_root), b0, m0 in zip(groups, b0s, m0s):
+            inst, er_ids = instances[index], prompts[index][0]
+            for g in members:
+                key = (seed, inst["id"], g)
+                active.append(dict(
+                    index=index, g=g, inst=inst, state=arena.Episode(t_max), phase="speak",
+                    er=persuader.fork(er_root, er_ids[-1:]), ee=persuadee.fork(ee_root),
+                    er_key=engine.stream_key(*key, "persuader"),
+                    ee_key=engine.stream_key(*key, "persuadee"),
+                    ids=list(er_ids), turn_ids=[0] * len(er_ids), logprobs=[0.0] * len(er_ids),
+                    transcript=[], probes=[b0], probe_mass=[m0], beliefs=[sum(b0) / 3]))
+            persuader.free(er_root)
+            persuadee.free(ee_root)
 
     def fits_group(index, members):
         """Room on both pools for the prompts, b_0's forks and one message per member."""
@@ -189,17 +196,26 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         queue.extendleft([(index, members[n:]), (index, members[:n])])
 
     def refill():
+        """Admit groups from the queue while the pools take them: prompts prefilled one group at
+        a time (each fits_group sees the blocks the last one took), b_0 read for all at once."""
+        started = []  # (index, members, persuader root, persuadee root)
+        admit(started)
+        if started:
+            start(started)
+
+    def admit(started):
         if ADMISSION == "waves" and active:
             return
         while queue:
-            allowed = len(queue[0][1]) if max_active is None else max_active - len(active)
+            admitted = len(active) + sum(len(members) for _, members, _, _ in started)
+            allowed = len(queue[0][1]) if max_active is None else max_active - admitted
             if allowed <= 0:
                 return
             if allowed < len(queue[0][1]):
                 split_head(allowed)
             index, members = queue[0]
             if not fits_group(index, members):
-                if active:
+                if active or started:
                     return
                 if len(members) > 1:  # alone in the pools and still too big: one at a time
                     split_head(1)
@@ -212,7 +228,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                 done[index, members[0]]["state"].end("cache")
                 continue
             queue.popleft()
-            admit(index, members)
+            started.append((index, members, *prefill(index)))
 
     def preempt():
         """Free the youngest episode and queue it to be replayed from the start, once another

@@ -78,7 +78,7 @@ def test_decode_attention_matches_sdpa():
     bias = torch.zeros(B, 1, K).masked_fill(~visible, float("-inf")).repeat_interleave(Hkv, 0)
     ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible[:, None],
                                          enable_gqa=True)[:, :, 0]
-    torch.testing.assert_close(engine.decode_attention(q, keys, values, bias), ref)
+    torch.testing.assert_close(engine.decode_attention(q, keys.transpose(2, 3), values, bias), ref)
 
 
 def test_decode_steps_leave_the_pool_complete(paths):
@@ -190,10 +190,44 @@ def test_unwritten_pool_memory_never_reaches_the_logits(paths):
     assert logits.isfinite().all()
 
 
+def test_a_reused_decode_copy_holds_nothing_of_before():
+    """DecodeBatch's dense copy on a CPU views memory the engine keeps between calls: stale keys
+    and values from earlier, longer sequences must not change a later call's tokens."""
+    model = tiny_model("llama")
+    eng = engine.Engine(model, block_size=4, num_blocks=256)
+    long = [eng.new(p * 4) for p in PROMPTS]
+    eng.generate(long, 10)
+    eng.copy_buffer.normal_(0, 30)  # large, finite: what any keys and values could leave
+    prompts = [p[:2 + 2 * i] for i, p in enumerate(PROMPTS)]  # shorter rows see stale columns
+    ours = [ids for ids, _, _ in eng.generate([eng.new(p) for p in prompts], 10)]
+    assert ours == engine.generate(model, prompts, 10)
+
+
 
 
 # -----------------------------------------------------------------------------
 # capacity: a batch is reserved whole, nothing is written when it does not fit
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_second_turn_copies_only_new_tokens_and_matches_hf(arch):
+    """Between generate calls a DecodeBatch row keeps its sequence's keys and values and takes
+    only the tokens cached since (DecodeBatch.filled); the second turn must equal HF greedy
+    decoding of the whole history, and must really have reused the rows."""
+    model = tiny_model(arch)
+    eng = engine.Engine(model, block_size=4, num_blocks=256)
+    sids = [eng.new(p) for p in PROMPTS]
+    first = [ids for ids, _, _ in eng.generate(sids, 6, stop_ids=[])]
+    heard = [[7, 8, 9], [11], [12, 13, 14, 15, 16]]
+    for sid, ids in zip(sids, heard):
+        eng.append(sid, ids)
+    shape, rows = eng.copy_rows
+    held = [n for _, n in rows[:len(sids)]]
+    second = [ids for ids, _, _ in eng.generate(sids, 6, stop_ids=[])]
+    assert eng.copy_rows[0] == shape and eng.copy_rows[1] is rows  # the same rows, kept
+    assert held == [len(p) + 5 for p in PROMPTS]  # what the first call left in the rows
+    for p, a, h, b in zip(PROMPTS, first, heard, second):
+        assert b == hf_greedy(model, p + a + h, 6)
 
 
 def test_generate_on_a_pool_too_small_for_the_batch_never_raises():

@@ -152,11 +152,14 @@ def play_on(pool, instances, tokenizer, max_active=None, **kw):
     """Six sampled episodes of three instances on pools of `pool` blocks of 16 tokens."""
     er = engine.Engine(tiny_model("llama"), tokenizer, block_size=16, num_blocks=pool)
     ee = engine.Engine(tiny_model("qwen3", seed=1), tokenizer, block_size=16, num_blocks=pool)
+    generate, batches = er.generate, []
+    er.generate = lambda sids, *a, **k: batches.append(len(sids)) or generate(sids, *a, **k)
     records = rollout.rollout_episodes(
         er, ee, instances, 3, group_size=2, seed=5, persuader_sampling=engine.Sampling(1.0),
         persuadee_sampling=engine.Sampling(0.9, top_p=0.95), max_new_tokens=6, judge=ee,
         max_active=max_active, **kw)
     assert er.free_blocks == pool and ee.free_blocks == pool  # every block came back
+    assert max(batches, default=0) <= (max_active or len(instances) * 2)  # never more in play
     return records
 
 
