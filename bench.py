@@ -59,7 +59,6 @@ The GPU check of the decode step (issue: decode step <= 2x the weight + KV floor
         --max-new-tokens 256 --skip-baselines --json
 """
 import argparse
-import gc
 import json
 import time
 from contextlib import contextmanager
@@ -364,7 +363,6 @@ def main():
             fn(model, tok, instances[:1], 1, 2, sync)  # warm-up
             with profiled(args.profile if name == "engine" else None, gpu):
                 res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
-            gc.collect()  # the engines' pools go before the next implementation runs
         except Exception as e:  # a failing baseline is reported, not given a number
             print(f"{name} failed: {type(e).__name__}: {e}")
     for r in res.values():

@@ -549,9 +549,12 @@ class Engine:
     def _tensor(self, values):
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
+    def _reach(self, sids, max_new_tokens):
+        """Past the last position any decode step of these sequences can write or read."""
+        return min(max(map(self.cached, sids)) + max_new_tokens, self.max_len) + SYNC_EVERY
+
     def _capacity(self, sids, max_new_tokens):
-        longest = max(self.cached(s) for s in sids) + max_new_tokens + SYNC_EVERY
-        return -(-min(longest, self.max_len + SYNC_EVERY) // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        return -(-self._reach(sids, max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
     def _admit_step(self, sids, counts, out):
         """The sequences whose next counts[i] tokens fit, in order; the others end, "context"
@@ -585,7 +588,7 @@ class Engine:
         batch = self.decode_batches.get(shape) or DecodeBatch(self, *shape)
         if self.device.type == "cuda":
             self.decode_batches[shape] = batch
-        batch.begin(sids, min(capacity, max(map(self.cached, sids)) + max_new_tokens + SYNC_EVERY))
+        batch.begin(sids, min(capacity, self._reach(sids, max_new_tokens)))
         active = list(sids)
         while active:
             room = [min(SYNC_EVERY, max_new_tokens - len(out[s][0]), self.max_len - self.cached(s))
