@@ -26,11 +26,12 @@ outcomes and strategy scores into per-token advantages and the policy loss (SPEC
 Alignment: token_logprobs returns [B, L-1] for ids[:, 1:], so a per-token quantity built over the
 L input positions (token_advantages, the persuader mask) is sliced [:, 1:] before policy_loss.
 
+torch is imported inside the functions that make tensors, so that the reward math (process_rewards,
+dense_return, GOAL) serves analyses.py without loading torch.
+
 Tests: python -m pytest -q test_rpo.py
 """
 import math
-
-import torch
 
 LAMBDA = 0.5  # weight of the dense process term; 0 recovers outcome-only GRPO
 ANCHOR = False  # ablation: replace the last belief by the outcome's anchor belief (SPEC 6)
@@ -125,12 +126,14 @@ def group_advantages(outcome_rewards, process_rewards, lam=LAMBDA):
 
 def token_advantages(turn_ids, advantages):
     """turn_ids [L] (t >= 1 on persuader tokens of message t, else 0) -> float [L]: A_t there, 0 elsewhere."""
+    import torch
     table = torch.tensor([0.0] + [float(a) for a in advantages], device=turn_ids.device)
     return table[turn_ids]
 
 
 def batch_token_advantages(turn_ids, advantages):
     """Batched token_advantages: turn_ids [B, L], advantages a list of B (ragged) lists -> [B, L]."""
+    import torch
     B = turn_ids.shape[0]
     assert len(advantages) == B
     for i, (row, a) in enumerate(zip(turn_ids.max(1).values.tolist(), advantages)):
@@ -158,6 +161,7 @@ def target_logprobs(logits, targets, temperature=1.0):
     One row at a time, via logsumexp + gather, so at most one [K, V] float32 copy is made per row
     (the copy autograd keeps anyway) instead of a full log_softmax over [B, K, V].
     """
+    import torch
     out = []
     for b in range(logits.shape[0]):
         row = logits[b].float()  # no copy for float32 logits
@@ -172,6 +176,7 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
                 clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA):
     """Clipped token-level surrogate + beta * k3 over masked tokens, summed and divided by the
     GLOBAL persuader-token count num_tokens. All tensors share one shape; ref_logp may be None."""
+    import torch
     mask = mask.bool()
     # zero the log-ratio off the mask before exp: unmasked positions may hold anything (padding),
     # and exp(inf) * 0 would turn their exactly-zero gradient into nan

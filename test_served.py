@@ -12,6 +12,7 @@ import zlib
 
 import pytest
 
+import analyses
 import arena
 import engine
 import eval as ev
@@ -191,9 +192,9 @@ def test_a_server_without_logprobs_leaves_beliefs_absent():
     assert all(b is None for r in records for b in r["beliefs"])
     asked = [b for b in server.bodies if b["messages"][-1]["content"].startswith(probes.INSTRUCTION)]
     assert len(asked) == len(probes.PROBES) * len(records)  # the first read's questions only
-    summary = ev.summarize(records)
+    summary = analyses.summarize(records)
     assert summary["beliefs_missing"] == 1.0 and summary["mean_final_belief"] is None
-    assert "missing" in ev.format_table(summary)
+    assert "missing" in analyses.format_table(summary)
 
 
 def rollout_engine(arch="llama", seed=1):
@@ -255,7 +256,7 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     assert {r["end_reason"] for r in failed} == {served.API_ERROR}
     assert [r for r in records if r not in failed] == [w for w, r in zip(whole, records)
                                                       if r not in failed]
-    assert ev.summarize(records)["api_errors"] == len(failed) == 3
+    assert analyses.summarize(records)["api_errors"] == len(failed) == 3
 
 
 def lines(path):
