@@ -46,6 +46,9 @@ CONFIDENCE = 0.95  # level of the Welch intervals of the move effects
 EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
 SATURATION = 0.95  # a probe value beyond this carries almost no gradient of belief
 CLOSED = "ACCEPT"  # the outcome that counts as closing a scenario in --compare-many
+UNSTATED = "unstated"  # the breakdown row of episodes whose scenario omits the field
+DIAGNOSTICS = ("dead_group_share", "dead_goal_share", "dead_rescued_share", "dense_share", "outcome_term_abs",
+               "dense_term_abs")  # the Fig. 7 step diagnostics of metrics.jsonl (rpo.diagnostics)
 
 
 # -----------------------------------------------------------------------------
@@ -97,6 +100,7 @@ def _summary(episodes):
         "walk_away": count["WALK_AWAY"] / n,
         "mean_turns": _mean(ep["turns"] for ep in episodes),
         "mean_final_belief": _mean(ep["beliefs"][-1] for ep in believed),
+        "closing_efficiency": closing_efficiency(episodes),
         "mean_dense_return": _mean(dense_return(ep) for ep in believed),
         "negative_process_share": (rpo.negative_process_share(ep["beliefs"] for ep in believed)
                                    if turns else None),
@@ -109,10 +113,18 @@ def _summary(episodes):
     }
 
 
+def closing_efficiency(episodes):
+    """Table 9's closing efficiency (README, Decisions: Closing efficiency): of the episodes that
+    ended with the persuadee leaning towards the request (b_T > 0), the share that closed (ACCEPT).
+    None where no episode ended with b_T > 0."""
+    leaning = [ep for ep in with_beliefs(episodes) if ep["beliefs"][-1] > 0]
+    return _mean(ep["outcome"] == "ACCEPT" for ep in leaning)
+
+
 def _groups(episodes, key):
     groups = defaultdict(list)
-    for ep in episodes:
-        groups[ep[key]].append(ep)
+    for ep in episodes:  # a training scenario may leave its resistance unstated (section B.2)
+        groups[ep.get(key) or UNSTATED].append(ep)
     return {k: _summary(v) for k, v in sorted(groups.items())}
 
 
@@ -122,6 +134,14 @@ def spearman(x, y):
         return None
     r = stats.spearmanr(x, y)
     return {"rho": _finite(r.statistic), "p": _finite(r.pvalue), "n": len(x)}
+
+
+def pearson(x, y):
+    """{r, p} of scipy's Pearson correlation; None where undefined (n < 3 or a constant)."""
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    r = stats.pearsonr(x, y)
+    return {"r": _finite(r.statistic), "p": _finite(r.pvalue), "n": len(x)}
 
 
 def pearson_matrix(rows):
@@ -137,7 +157,9 @@ def pearson_matrix(rows):
 
 def belief_stats(episodes):
     """The belief statistics of the paper's section E.4 over every read-out of every episode (see the
-    docstring)."""
+    docstring); None without beliefs (a persuadee served without log-probs)."""
+    if not episodes:
+        return None
     levels = [row for ep in episodes for row in ep["probes"]]
     increments = [np.subtract(ep["probes"][t], ep["probes"][t - 1]).tolist()
                   for ep in episodes for t in range(1, len(ep["probes"]))]
@@ -155,10 +177,16 @@ def belief_stats(episodes):
     return out
 
 
-def shaping_by_outcome(episodes):
-    """Mean lambda-free dense return per outcome reached."""
+def dense_by_outcome(episodes):
+    """Mean lambda-free dense return sum_t r_t per outcome reached."""
     return {o: _mean(dense_return(ep) for ep in episodes if ep["outcome"] == o)
             for o in OUTCOMES if any(ep["outcome"] == o for ep in episodes)}
+
+
+def shaping_by_outcome(episodes, lam=rpo.LAMBDA):
+    """Mean shaping return lam * sum_t r_t per outcome reached: the paper's scale (section F's
+    0.479 ACCEPT and 0.461 CONDITIONAL_ACCEPT at lambda 0.5, bounded by [-lam, lam])."""
+    return {o: lam * v for o, v in dense_by_outcome(episodes).items()}
 
 
 def welch_difference(with_label, without_label):
@@ -204,9 +232,9 @@ def move_stats(episodes):
         effects[m] = {"dense": welch_difference(turn_with, turn_without),
                       "accept": proportion_difference(accepted[True], accepted[False])}
     ranked = [m for m in moves.MOVES if effects[m]["dense"] and effects[m]["accept"]]
+    x, y = [effects[m]["dense"]["diff"] for m in ranked], [effects[m]["accept"]["diff"] for m in ranked]
     return {"by_turn": by_turn, "turn_counts": counts, "effects": effects,
-            "ranking_corr": spearman([effects[m]["dense"]["diff"] for m in ranked],
-                                     [effects[m]["accept"]["diff"] for m in ranked])}
+            "ranking_corr": spearman(x, y), "ranking_pearson": pearson(x, y)}
 
 
 def manipulation_stats(episodes):
@@ -225,9 +253,10 @@ def manipulation_stats(episodes):
                            for o in OUTCOMES if any(ep["outcome"] == o for ep in episodes)}}
 
 
-def summarize(episodes):
+def summarize(episodes, shaping_lambda=rpo.LAMBDA):
     """Headline metrics of a run (fractions, not percent), the same per resistance and domain,
-    and the analyses (belief_stats, shaping_by_outcome; moves and manipulation when labelled)."""
+    and the analyses (belief_stats, shaping_by_outcome at shaping_lambda with the lambda-free
+    dense_by_outcome beside it; moves and manipulation when labelled)."""
     if not episodes:
         raise ValueError("no episodes to summarize")
     summary = _summary(episodes)
@@ -237,7 +266,9 @@ def summarize(episodes):
     summary["by_domain"] = _groups(episodes, "domain")
     believed = with_beliefs(episodes)
     summary["belief_stats"] = belief_stats(believed)
-    summary["shaping_by_outcome"] = shaping_by_outcome(believed)
+    summary["shaping_lambda"] = shaping_lambda
+    summary["shaping_by_outcome"] = shaping_by_outcome(believed, shaping_lambda)
+    summary["dense_by_outcome"] = dense_by_outcome(believed)
     if all("moves" in ep and "manipulation" in ep for ep in episodes):
         summary["tagger"] = "+".join(sorted({ep.get("tagger", "keyword") for ep in episodes}))
         if believed:  # a move's effect is read off the beliefs it moved
@@ -304,6 +335,8 @@ def _corr(c):
 def format_analyses(summary):
     """Belief statistics, shaping return by outcome, move rankings and the manipulation audit."""
     b = summary["belief_stats"]
+    if b is None:
+        return "\n".join(["belief statistics: none (no episode has beliefs)"] + _label_lines(summary))
     lines = [f"belief statistics (dense returns with anchor {summary['anchor']})",
              f"  initial mean belief {_num(b['initial_mean'], '+.3f')}   final {_num(b['final_mean'], '+.3f')}",
              f"  dense return vs goal reward: {_corr(b['spearman_dense_goal'])}",
@@ -316,8 +349,16 @@ def format_analyses(summary):
     if "probe_fidelity" in summary:
         f = summary["probe_fidelity"]
         lines.append(f"  probe fidelity (fork vs full forward): max |diff| {f['max_abs_diff']:.1e}")
-    lines.append("shaping return (sum r_t) by outcome: " + "  ".join(
+    lines.append(f"shaping return (lambda {summary['shaping_lambda']} * sum r_t) by outcome: " + "  ".join(
         f"{SHORT[o]} {v:+.3f}" for o, v in summary["shaping_by_outcome"].items()))
+    lines.append("dense return (sum r_t, lambda-free) by outcome: " + "  ".join(
+        f"{SHORT[o]} {v:+.3f}" for o, v in summary["dense_by_outcome"].items()))
+    return "\n".join(lines + _label_lines(summary))
+
+
+def _label_lines(summary):
+    """The move rankings and the manipulation audit, when the episodes are labelled."""
+    lines = []
     if "moves" in summary:
         m = summary["moves"]
         lines += ["", f"moves ({summary['tagger']} tagger): share of messages at turn 1, "
@@ -327,12 +368,15 @@ def format_analyses(summary):
             first = m["by_turn"][label][0] if m["by_turn"][label] else None
             lines.append(f"  {label:<22}{pct(first):>8}   r_t {_interval(e['dense'], '+.3f'):<28}"
                          f"P(ACCEPT) {_interval(e['accept'], '+.2f')}")
-        lines.append(f"  rankings by r_t and by P(ACCEPT): {_corr(m['ranking_corr'])}")
+        lines.append(f"  rankings by r_t and by P(ACCEPT): {_corr(m['ranking_corr'])}; Pearson "
+                     f"{_pearson(m.get('ranking_pearson'))}")
+    if "manipulation" in summary:
         a = summary["manipulation"]
         lines += ["", "manipulation audit: share of persuader messages (of episodes)"]
         for label in moves.MANIPULATION:
             lines.append(f"  {label:<22}{pct(a['message_rate'][label]):>8} ({pct(a['episode_rate'][label])})")
-    return "\n".join(lines)
+    return lines
+
 
 # -----------------------------------------------------------------------------
 # paired tests and comparison
@@ -380,16 +424,22 @@ def compare(episodes_a, episodes_b):
     transitions = {oa: {ob: 0 for ob in OUTCOMES} for oa in OUTCOMES}
     for s in common:
         transitions[a[s]["outcome"]][b[s]["outcome"]] += 1
+    closed_a = [a[s]["outcome"] == CLOSED for s in common]
+    closed_b = [b[s]["outcome"] == CLOSED for s in common]
     return {
         "n": len(common),
+        # acceptance-discordant pairs, from B's side (the paper's "58 wins / 1 loss"): the pairs
+        # McNemar tests
+        "accept_won": sum(y and not x for x, y in zip(closed_a, closed_b)),
+        "accept_lost": sum(x and not y for x, y in zip(closed_a, closed_b)),
+        "accept_tied": sum(x == y for x, y in zip(closed_a, closed_b)),
         "wins": sum(gb > ga for ga, gb in zip(goal_a, goal_b)),  # from B's side
         "losses": sum(gb < ga for ga, gb in zip(goal_a, goal_b)),
         "ties": sum(gb == ga for ga, gb in zip(goal_a, goal_b)),
         "mean_goal_a": _mean(goal_a),
         "mean_goal_b": _mean(goal_b),
         "transitions": transitions,
-        "mcnemar_p": mcnemar([a[s]["outcome"] == "ACCEPT" for s in common],
-                             [b[s]["outcome"] == "ACCEPT" for s in common]),
+        "mcnemar_p": mcnemar(closed_a, closed_b),
         "wilcoxon_p": wilcoxon(goal_b, goal_a),
         "missing_in_a": missing_in_a,
         "missing_in_b": missing_in_b,
@@ -416,7 +466,8 @@ def format_compare(result, name_a="A", name_b="B"):
         f"goal reward, B against A: {result['wins']} wins, {result['losses']} losses, {result['ties']} ties "
         f"(mean {result['mean_goal_a']:+.3f} -> {result['mean_goal_b']:+.3f}, "
         f"Wilcoxon signed-rank p = {result['wilcoxon_p']:.4g})",
-        f"full acceptance: {pct(sa['full_accept'])} -> {pct(sb['full_accept'])} "
+        f"full acceptance: {pct(sa['full_accept'])} -> {pct(sb['full_accept'])}, B against A: "
+        f"{result['accept_won']} won, {result['accept_lost']} lost, {result['accept_tied']} tied "
         f"(exact McNemar p = {result['mcnemar_p']:.4g})",
         "",
         "outcome transitions (rows: A, columns: B)",
@@ -519,22 +570,26 @@ def probe_fidelity(fork_values, reference_values):
 
 def case_rows(ep):
     """Per read-out t = 0..T: the three probes, b_t, r_t (t >= 1, the run's reward setting), the
-    turn's share of sum_t |r_t|, its move labels and the persuader's message."""
+    turn's share of sum_t |r_t| (share) and of the net sum_t r_t (signed_share: negative for a turn
+    that lost ground, and summing to 1), its move labels and the persuader's message."""
     r = rpo.process_rewards(ep["beliefs"], ep["outcome"], _anchor(ep))
-    total = sum(abs(x) for x in r)
+    total, net = sum(abs(x) for x in r), sum(r)
     messages = moves.persuader_messages(ep)
     rows = []
     for t, (values, b) in enumerate(zip(ep["probes"], ep["beliefs"])):
         rows.append({"t": t, **dict(zip(PROBE_NAMES, values)), "b": b,
                      "r": r[t - 1] if t else None,
                      "share": abs(r[t - 1]) / total if t and total else None,
+                     "signed_share": r[t - 1] / net if t and net else None,
                      "moves": ep.get("moves", [])[t - 1] if t and len(ep.get("moves", [])) >= t else [],
                      "message": messages[t - 1] if t and len(messages) >= t else ""})
     return rows
 
 
-def top_two_share(rows):
-    shares = sorted((row["share"] for row in rows if row["share"] is not None), reverse=True)
+def top_two_share(rows, key="share"):
+    """What the two largest turns carry: of sum |r_t| (key "share") or of the net sum r_t
+    ("signed_share", the two largest signed shares)."""
+    shares = sorted((row[key] for row in rows if row[key] is not None), reverse=True)
     return sum(shares[:2]) if shares else None
 
 
@@ -542,13 +597,14 @@ def format_case(ep, width=60):
     rows = case_rows(ep)
     lines = [f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns "
              f"(anchor {_anchor(ep)}, persuader {ep.get('persuader', '?')})",
-             f"{'t':>3}" + "".join(f"{k:>8}" for k in PROBE_NAMES) + f"{'b_t':>8}{'r_t':>8}{'share':>8}  moves | message"]
+             f"{'t':>3}" + "".join(f"{k:>8}" for k in PROBE_NAMES) + f"{'b_t':>8}{'r_t':>8}{'|share|':>8}{'signed':>8}  moves | message"]
     for row in rows:
         text = row["message"].replace("\n", " ")
         lines.append(f"{row['t']:>3}" + "".join(f"{row[k]:>+8.3f}" for k in PROBE_NAMES) + f"{row['b']:>+8.3f}"
-                     f"{_num(row['r'], '+.3f'):>8}{pct(row['share']):>8}  {','.join(row['moves']) or '-'} | "
+                     f"{_num(row['r'], '+.3f'):>8}{pct(row['share']):>8}{pct(row['signed_share']):>8}  {','.join(row['moves']) or '-'} | "
                      f"{text[:width]}{'...' if len(text) > width else ''}")
-    lines.append(f"the two largest turns carry {pct(top_two_share(rows))} of sum |r_t|")
+    lines.append(f"the two largest turns carry {pct(top_two_share(rows))} of sum |r_t|, "
+                 f"{pct(top_two_share(rows, 'signed_share'))} of the net sum r_t")
     return "\n".join(lines)
 
 
@@ -560,8 +616,21 @@ def find_episode(episodes, scenario_id, where):
     return found[0]
 
 
+def migrate_summary(summary, lam=None):
+    """A summary.json (or evals.jsonl row) in today's keys. Before shaping_lambda was recorded,
+    shaping_by_outcome held the lambda-free sum: it becomes dense_by_outcome, and the shaping
+    return is recomputed at lam (the run's, else rpo.LAMBDA)."""
+    if "shaping_lambda" in summary or "shaping_by_outcome" not in summary:
+        return summary
+    lam = rpo.LAMBDA if lam is None else lam
+    dense = summary["shaping_by_outcome"] or {}
+    return {**summary, "shaping_lambda": lam, "dense_by_outcome": dense,
+            "shaping_by_outcome": {o: lam * v for o, v in dense.items()}}
+
+
 def read_run(run_dir):
-    """A training run's config, metrics.jsonl, evals.jsonl and held-out episodes (eval-STEP)."""
+    """A training run's config, metrics.jsonl, evals.jsonl (migrated to today's keys), held-out
+    episodes (eval-STEP) and training rollouts (rollouts.jsonl, when train.py wrote one)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory; pass a training run such as runs/NAME")
@@ -574,58 +643,135 @@ def read_run(run_dir):
     for row in evals:
         path = run_dir / f"eval-{row['step']}" / "episodes.jsonl"
         episodes[row["step"]] = load_episodes(path) if path.is_file() else []
+    path = run_dir / "rollouts.jsonl"
+    rollouts = read_jsonl(path, "") if path.is_file() else []
     return {"dir": run_dir, "name": run_dir.name, "lam": config.get("lam"), "anchor": config.get("anchor"),
-            "metrics": metrics, "evals": sorted(evals, key=lambda r: r["step"]), "episodes": episodes}
+            "metrics": metrics, "rollouts": rollouts, "episodes": episodes,
+            "evals": sorted((migrate_summary(r, config.get("lam")) for r in evals), key=lambda r: r["step"])}
+
+
+def rollout_groups(rows, anchor=rpo.ANCHOR):
+    """rollouts.jsonl rows -> the (outcome rewards, process rewards, goals) of every group of every
+    step, as train.py formed them (an unreadable belief is NaN again)."""
+    groups = defaultdict(list)
+    for row in rows:
+        groups[row["step"], row["group"]].append(row)
+    out = []
+    for _, members in sorted(groups.items()):
+        members.sort(key=lambda r: r["member"])
+        beliefs = [[math.nan if b is None else b for b in r["beliefs"]] for r in members]
+        out.append(([rpo.outcome_reward(r["outcome"], r["judge"]) for r in members],
+                    [rpo.process_rewards(b, r["outcome"], anchor) for b, r in zip(beliefs, members)],
+                    [r["goal"] for r in members]))
+    return out
+
+
+def run_diagnostics(run):
+    """The Fig. 7 diagnostics over a whole run: the mean over steps of each logged figure
+    (metrics.jsonl), and where rollouts.jsonl exists, the run pooled (every group of every step,
+    sums before the division: the paper's 10.3% dead, 83% rescued, ~15% dense share)."""
+    means = {k: _mean(m[k] for m in run["metrics"] if _is_number(m.get(k))) for k in DIAGNOSTICS}
+    pooled = None
+    if run["rollouts"]:
+        anchor = rpo.ANCHOR if run["anchor"] is None else run["anchor"]
+        lam = rpo.LAMBDA if run["lam"] is None else run["lam"]
+        pooled = rpo.diagnostics(rpo.diagnostic_sums(rollout_groups(run["rollouts"], anchor), lam))
+    return {"step_mean": means, "pooled": pooled}
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def run_analysis(run):
-    """Checkpoint selection for one run: held-out acceptance by step, the best checkpoint, the
-    Spearman correlation of training acceptance (the mean of outcome_ACCEPT over the steps since the
-    previous evaluation) against held-out acceptance across evaluations, and the Pearson
-    correlation of goal and strategy rewards over its held-out episodes."""
+    """Checkpoint selection for one run (Table 9, section F): per evaluated checkpoint its held-out
+    full acceptance, full-or-conditional, mean final belief, closing efficiency and the training
+    acceptance (the mean of outcome_ACCEPT over the steps since the previous evaluation); the best
+    checkpoint; the Spearman correlation of training against held-out acceptance across this run's
+    checkpoints; the Pearson correlation of goal and strategy rewards over its held-out episodes
+    (and over its training rollouts, when recorded); the run-level Fig. 7 diagnostics."""
     steps = [row["step"] for row in run["evals"]]
     heldout = [row["full_accept"] for row in run["evals"]]
     train = []
     for prev, step in zip([0] + steps[:-1], steps):
         window = [m["outcome_ACCEPT"] for m in run["metrics"] if prev < m["step"] <= step and "outcome_ACCEPT" in m]
         train.append(_mean(window))
+    checkpoints = []
+    for row, train_accept in zip(run["evals"], train):
+        eps = run["episodes"].get(row["step"])
+        checkpoints.append({"step": row["step"], "full_accept": row["full_accept"],
+                            "full_or_conditional": row.get("full_or_conditional"),
+                            "mean_final_belief": row.get("mean_final_belief"),
+                            "closing_efficiency": closing_efficiency(eps) if eps else row.get("closing_efficiency"),
+                            "train_accept": train_accept})
     best = max(range(len(steps)), key=lambda i: (heldout[i], -steps[i]))  # ties: the earliest
     checkpoint = run["dir"] / f"checkpoint-{steps[best]}"
     paired = [(a, b) for a, b in zip(train, heldout) if a is not None]
     judged = [(rpo.GOAL[ep["outcome"]], ep["judge"]) for eps in run["episodes"].values() for ep in eps
               if ep.get("judge") is not None]
-    goal_strategy = None
-    if len(judged) >= 3 and len({g for g, _ in judged}) > 1 and len({j for _, j in judged}) > 1:
-        r = stats.pearsonr([g for g, _ in judged], [j for _, j in judged])
-        goal_strategy = {"r": _finite(r.statistic), "p": _finite(r.pvalue), "n": len(judged)}
+    trained = [(r["goal"], r["judge"]) for r in run["rollouts"] if r.get("judge") is not None]
     return {"name": run["name"], "lam": run["lam"], "anchor": run["anchor"], "steps": steps,
-            "heldout_accept": heldout, "train_accept": train,
+            "heldout_accept": heldout, "train_accept": train, "checkpoints": checkpoints,
             "best": {"step": steps[best], "full_accept": heldout[best],
                      "checkpoint": str(checkpoint) if checkpoint.is_dir() else None},
             "train_heldout_spearman": spearman([a for a, _ in paired], [b for _, b in paired]),
-            "goal_strategy_corr": goal_strategy,
-            "shaping_by_outcome": run["evals"][best].get("shaping_by_outcome")}
+            "goal_strategy_corr": pearson([g for g, _ in judged], [j for _, j in judged]),
+            "goal_strategy_corr_train": pearson([g for g, _ in trained], [j for _, j in trained]),
+            "shaping_lambda": run["evals"][best].get("shaping_lambda"),
+            "shaping_by_outcome": run["evals"][best].get("shaping_by_outcome"),
+            "dense_by_outcome": run["evals"][best].get("dense_by_outcome"),
+            "diagnostics": run_diagnostics(run)}
 
 
-def format_runs(analyses):
-    """Table 9 (held-out acceptance by step, one column per run) and each run's selection."""
+def runs_selection(runs):
+    """run_analysis of every run, and the Spearman correlation of training against held-out
+    acceptance pooled over every run's checkpoints (the paper's rho = 0.57 over seven
+    checkpoints across the lambda runs)."""
+    selected = [run_analysis(r) for r in runs]
+    paired = [(c["train_accept"], c["full_accept"]) for a in selected for c in a["checkpoints"]
+              if c["train_accept"] is not None]
+    return {"runs": selected,
+            "pooled_train_heldout_spearman": spearman([a for a, _ in paired], [b for _, b in paired])}
+
+
+def format_runs(selection):
+    """Table 9: per run and checkpoint the held-out figures and training acceptance; each run's
+    selection and run-level diagnostics; the pooled train/held-out correlation."""
+    analyses = selection["runs"]
     steps = sorted({s for a in analyses for s in a["steps"]})
     width = max([len(a["name"]) for a in analyses] + [10]) + 2
     lines = ["held-out full acceptance by step", f"{'step':>6}" + "".join(f"{a['name']:>{width}}" for a in analyses)]
     for step in steps:
         cells = [pct(a["heldout_accept"][a["steps"].index(step)]) if step in a["steps"] else "-" for a in analyses]
         lines.append(f"{step:>6}" + "".join(f"{c:>{width}}" for c in cells))
+    lines += ["", f"{'run':<{width}}{'step':>6}{'FA':>8}{'FA+CA':>8}{'b_T':>8}{'closing':>9}{'train FA':>10}"]
+    for a in analyses:
+        for c in a["checkpoints"]:
+            lines.append(f"{a['name']:<{width}}{c['step']:>6}{pct(c['full_accept']):>8}"
+                         f"{pct(c['full_or_conditional']):>8}{_num(c['mean_final_belief'], '+.3f'):>8}"
+                         f"{pct(c['closing_efficiency']):>9}{pct(c['train_accept']):>10}")
+    lines.append("closing: of the episodes ending with b_T > 0, the share that reached ACCEPT")
     for a in analyses:
         b = a["best"]
         shaping = "  ".join(f"{SHORT[o]} {v:+.3f}" for o, v in (a["shaping_by_outcome"] or {}).items())
-        gs = a["goal_strategy_corr"]
+        gs, gt = a["goal_strategy_corr"], a["goal_strategy_corr_train"]
+        d = a["diagnostics"]
         lines += ["", f"{a['name']} (lambda {a['lam']}, anchor {a['anchor']}): best step {b['step']} at "
                       f"{pct(b['full_accept'])}, checkpoint {b['checkpoint'] or 'not kept'}",
                   f"  train vs held-out acceptance across checkpoints: {_corr(a['train_heldout_spearman'])}",
-                  "  goal vs strategy reward (held-out episodes): "
-                  + ("-" if gs is None else f"r {gs['r']:+.3f} (p = {gs['p']:.3g}, n = {gs['n']})"),
-                  f"  shaping return by outcome at the best step: {shaping or '-'}"]
+                  f"  goal vs strategy reward: held-out {_pearson(gs)}; training rollouts {_pearson(gt)}",
+                  f"  shaping return (lambda {a['shaping_lambda']}) by outcome at the best step: {shaping or '-'}"]
+        for title, figures in (("mean over steps", d["step_mean"]), ("pooled over the run", d["pooled"])):
+            lines.append(f"  diagnostics, {title}: " + ("- (no rollouts.jsonl)" if figures is None else "  ".join(
+                f"{k} {_num(figures.get(k), '.3f')}" for k in DIAGNOSTICS)))
+    lines += ["", "train vs held-out acceptance over every run's checkpoints: "
+                  f"{_corr(selection['pooled_train_heldout_spearman'])}"]
     return "\n".join(lines)
+
+
+def _pearson(c):
+    return "-" if c is None else f"r {c['r']:+.3f} (p = {c['p']:.3g}, n = {c['n']})"
+
 
 # -----------------------------------------------------------------------------
 # trajectories by turn (the bands of the plots)

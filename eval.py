@@ -425,8 +425,10 @@ def analysis_mode(args):
     """The model-free modes; returns what they print."""
     if args.compare:
         a, b = args.compare
-        return analyses.format_compare(analyses.compare(analyses.load_episodes(a), analyses.load_episodes(b)),
-                                       a, b)
+        result = analyses.compare(analyses.load_episodes(a), analyses.load_episodes(b))
+        path = (Path(b) if Path(b).is_dir() else Path(b).parent) / "compare.json"
+        _write_text(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
+        return f"{analyses.format_compare(result, a, b)}\nwrote {path}"
     if args.compare_many:
         result = analyses.compare_many({d: analyses.load_episodes(d) for d in args.compare_many},
                                        analyses.load_episodes(args.policy))
@@ -446,9 +448,9 @@ def analysis_mode(args):
         return f"wrote {path}"
     if args.runs:
         runs = [analyses.read_run(d) for d in args.runs]
-        selection = [analyses.run_analysis(r) for r in runs]
+        selection = analyses.runs_selection(runs)
         out = _output_dir(args, "runs_" + "_".join(_slug(r["name"]) for r in runs))
-        plots.plot_runs(selection, out / "runs.png")
+        plots.plot_runs(selection["runs"], out / "runs.png")
         plots.plot_dynamics(runs, out / "dynamics.png")
         out.mkdir(parents=True, exist_ok=True)
         _write_text(out / "runs.json", json.dumps(selection, indent=2) + "\n")

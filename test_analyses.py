@@ -341,7 +341,9 @@ def test_belief_stats_undefined_correlations_are_none():
 
 
 def test_shaping_by_outcome_by_hand():
-    s = an.summarize(SIX)["shaping_by_outcome"]
+    """shaping_by_outcome is the paper's lambda * sum r_t (default rpo.LAMBDA, recorded as
+    shaping_lambda); dense_by_outcome the lambda-free sum."""
+    s = an.summarize(SIX)
     # raw: ACCEPT e1 .4, e6 .4; COND .2; PENDING .2; REJECT -.4; WALK -.3
     raw = {"ACCEPT": 0.4, "CONDITIONAL_ACCEPT": 0.2, "PENDING": 0.2, "REJECT": -0.4, "WALK_AWAY": -0.3}
     a = rpo.ANCHOR_BELIEF
@@ -349,9 +351,14 @@ def test_shaping_by_outcome_by_hand():
                 "CONDITIONAL_ACCEPT": (a["CONDITIONAL_ACCEPT"] - 0.2) / 2, "PENDING": (a["PENDING"] - 0.0) / 2,
                 "REJECT": (a["REJECT"] - 0.4) / 2, "WALK_AWAY": (a["WALK_AWAY"] - 0.0) / 2}
     expected = anchored if rpo.ANCHOR else raw
-    assert s.keys() == expected.keys()
-    for o in expected:
-        assert s[o] == pytest.approx(expected[o])
+    assert s["shaping_lambda"] == rpo.LAMBDA
+    for key, scale in (("dense_by_outcome", 1.0), ("shaping_by_outcome", rpo.LAMBDA)):
+        assert s[key].keys() == expected.keys()
+        for o in expected:
+            assert s[key][o] == pytest.approx(scale * expected[o]), (key, o)
+    other = an.summarize(SIX, shaping_lambda=1.0)
+    assert other["shaping_lambda"] == 1.0 and other["shaping_by_outcome"] == pytest.approx(other["dense_by_outcome"])
+    assert all(abs(v) <= rpo.LAMBDA for v in s["shaping_by_outcome"].values())  # bounded by [-lam, lam]
 
 
 def welch_by_hand(x, y):

@@ -204,10 +204,18 @@ def test_balanced_subset_keeps_three_per_cell():
         ev.balanced_subset(arena.heldout_instances()[:30], per_cell)
 
 
-def write_run(root, name, lam, heldout, train_accept, judged):
+ROLLOUTS = [  # (step, group, member, outcome, judge, beliefs) of rollouts.jsonl
+    (1, 0, 0, "ACCEPT", 0.0, [0.0, 0.2]), (1, 0, 1, "ACCEPT", 0.0, [0.0, 0.4]),   # dead, rescued
+    (1, 1, 0, "ACCEPT", 1.0, [0.0, 0.1]), (1, 1, 1, "REJECT", -1.0, [0.0, -0.1]),  # live
+    (2, 0, 0, "PENDING", 0.0, [0.0, 0.0]), (2, 0, 1, "PENDING", 0.0, [0.0, 0.0]),  # dead, nothing to rescue
+    (2, 1, 0, "ACCEPT", 1.0, [0.0, 0.3]), (2, 1, 1, "ACCEPT", -1.0, [0.0, 0.3]),  # live by R, dead by goal
+]
+
+
+def write_run(root, name, lam, heldout, train_accept, judged, rollouts=False):
     """A training run folder by hand: config, metrics of 8 steps, evaluations at steps 2, 4, 6, 8
-    with held-out acceptance `heldout`, per-step training acceptance `train_accept`, and held-out
-    episodes (outcome, judge) at step 8."""
+    with held-out acceptance `heldout` (FA+CA .1 above, final belief .3 + FA) and per-step training
+    acceptance `train_accept`, held-out episodes (outcome, judge, b_T) at step 8, and ROLLOUTS."""
     run = root / name
     (run / "eval-8").mkdir(parents=True)
     (run / "checkpoint-4").mkdir()
@@ -215,18 +223,24 @@ def write_run(root, name, lam, heldout, train_accept, judged):
     rows = [{"step": s, "outcome_ACCEPT": a, "dead_group_share": 0.1 * s, "dead_rescued_share": 0.5,
              "outcome_term_abs": 1.0, "dense_term_abs": 0.02 * s} for s, a in enumerate(train_accept, 1)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    evals = [{"step": s, "full_accept": h, "shaping_by_outcome": {"ACCEPT": 0.4 + s / 100}}
-             for s, h in zip((2, 4, 6, 8), heldout)]
+    # summaries written before shaping_lambda existed: shaping_by_outcome is the lambda-free sum
+    evals = [{"step": s, "full_accept": h, "full_or_conditional": h + 0.1, "mean_final_belief": 0.3 + h,
+              "shaping_by_outcome": {"ACCEPT": 0.4 + s / 100}} for s, h in zip((2, 4, 6, 8), heldout)]
     (run / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
-    eps = [episode(f"h{i}", o, [0.0, 0.1], judge=j) for i, (o, j) in enumerate(judged)]
+    eps = [episode(f"h{i}", o, [0.0, b], judge=j) for i, (o, j, b) in enumerate(judged)]
     (run / "eval-8" / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps))
+    if rollouts:
+        (run / "rollouts.jsonl").write_text("".join(json.dumps(dict(
+            step=st, instance=f"i{g}", group=g, member=m, outcome=o, goal=rpo.GOAL[o], judge=j, beliefs=b,
+            turns=1)) + "\n" for st, g, m, o, j, b in ROLLOUTS))
     return run
 
 
 def test_runs_checkpoint_selection_by_hand(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    judged = [("ACCEPT", 1.0), ("PENDING", 0.5), ("REJECT", -1.0), ("ACCEPT", 0.0)]
-    a = write_run(tmp_path, "lam0.5", 0.5, [0.2, 0.5, 0.4, 0.5], [0.0, 0.2, 0.1, 0.3, 0.3, 0.5, 0.6, 0.6], judged)
+    judged = [("ACCEPT", 1.0, 0.1), ("PENDING", 0.5, -0.2), ("REJECT", -1.0, 0.3), ("ACCEPT", 0.0, 0.4)]
+    a = write_run(tmp_path, "lam0.5", 0.5, [0.2, 0.5, 0.4, 0.5], [0.0, 0.2, 0.1, 0.3, 0.3, 0.5, 0.6, 0.6], judged,
+                  rollouts=True)
     b = write_run(tmp_path, "lam1", 1.0, [0.1, 0.3, 0.2, 0.2], [0.1] * 8, judged)
     ev.main(["--runs", str(a), str(b), "--name", "sel"])
     out = capsys.readouterr().out
@@ -235,9 +249,17 @@ def test_runs_checkpoint_selection_by_hand(tmp_path, capsys, monkeypatch):
     # best: 50% first reached at step 4 (ties go to the earliest); its checkpoint was kept
     assert f"best step 4 at 50.0%, checkpoint {a / 'checkpoint-4'}" in out
     result = json.loads((tmp_path / "evals" / "sel" / "runs.json").read_text())
-    ra, rb = result
+    ra, rb = result["runs"]
     # training acceptance per evaluation window: (0 + .2)/2, (.1 + .3)/2, (.3 + .5)/2, (.6 + .6)/2
     assert ra["train_accept"] == pytest.approx([0.1, 0.2, 0.4, 0.6])
+    # per checkpoint (Table 9): FA, FA+CA, b_T from the summaries; closing efficiency from the step-8
+    # episodes: b_T > 0 in h0 (ACCEPT), h2 (REJECT), h3 (ACCEPT) -> 2/3; no episodes kept at step 2
+    c = {x["step"]: x for x in ra["checkpoints"]}
+    assert (c[4]["full_accept"], c[4]["full_or_conditional"], c[4]["mean_final_belief"]) == pytest.approx((0.5, 0.6, 0.8))
+    assert c[8]["closing_efficiency"] == pytest.approx(2 / 3) and c[2]["closing_efficiency"] is None
+    assert c[6]["train_accept"] == pytest.approx(0.4)
+    row = next(line.split() for line in out.splitlines() if line.startswith("lam0.5") and line.split()[1] == "8")
+    assert row == ["lam0.5", "8", "50.0%", "60.0%", "+0.800", "66.7%", "60.0%"]
     # Spearman of [.1 .2 .4 .6] vs [.2 .5 .4 .5]: ranks 1 2 3 4 vs 1 3.5 2 3.5 (ties: mid-ranks)
     x, y = np.array([1, 2, 3, 4.0]), np.array([1, 3.5, 2, 3.5])
     rho = float(np.corrcoef(x, y)[0, 1])
@@ -245,11 +267,28 @@ def test_runs_checkpoint_selection_by_hand(tmp_path, capsys, monkeypatch):
     assert ra["train_heldout_spearman"]["rho"] == pytest.approx(rho)
     assert ra["train_heldout_spearman"]["p"] == pytest.approx(2 * stats.t.sf(abs(t), 2))
     assert rb["train_heldout_spearman"] is None             # constant training acceptance
+    # pooled over both runs' 8 checkpoints: Pearson of the mid-ranks, by numpy
+    train = [0.1, 0.2, 0.4, 0.6] + [0.1] * 4
+    held = [0.2, 0.5, 0.4, 0.5, 0.1, 0.3, 0.2, 0.2]
+    rank = lambda v: np.array([np.mean([i + 1 for i, w in enumerate(sorted(v)) if w == u]) for u in v])
+    pooled = float(np.corrcoef(rank(train), rank(held))[0, 1])
+    assert result["pooled_train_heldout_spearman"]["rho"] == pytest.approx(pooled)
+    assert result["pooled_train_heldout_spearman"]["n"] == 8
+    assert f"every run's checkpoints: rho {pooled:+.3f}" in out
     # goal vs strategy: goals 3 0 -1 3 against 1 .5 -1 0, Pearson by hand
     g, j = np.array([3, 0, -1, 3.0]), np.array([1, 0.5, -1, 0])
     r = ((g - g.mean()) @ (j - j.mean())) / math.sqrt(((g - g.mean()) ** 2).sum() * ((j - j.mean()) ** 2).sum())
     assert ra["goal_strategy_corr"]["r"] == pytest.approx(r) and ra["goal_strategy_corr"]["n"] == 4
-    assert ra["shaping_by_outcome"] == {"ACCEPT": pytest.approx(0.44)} and rb["best"]["checkpoint"] is not None
+    # old summaries migrate: the lambda-free .44 is dense_by_outcome, the shaping return lambda * .44
+    assert ra["dense_by_outcome"] == {"ACCEPT": pytest.approx(0.44)} and ra["shaping_lambda"] == 0.5
+    assert ra["shaping_by_outcome"] == {"ACCEPT": pytest.approx(0.22)} and rb["best"]["checkpoint"] is not None
+    # run-level diagnostics: the mean over the 8 logged steps, and pooled over ROLLOUTS' 4 groups:
+    # dead by R 2 of 4 (step 1 g0, step 2 g0), rescued 1 of them; dead by goal 3 of 4 (+ step 2 g1)
+    d = ra["diagnostics"]
+    assert d["step_mean"]["dead_group_share"] == pytest.approx(0.45) and d["step_mean"]["dense_term_abs"] == pytest.approx(0.09)
+    assert d["step_mean"]["dead_goal_share"] is None        # not logged by these steps
+    assert d["pooled"]["dead_group_share"] == 0.5 and d["pooled"]["dead_rescued_share"] == 0.5
+    assert d["pooled"]["dead_goal_share"] == 0.75 and rb["diagnostics"]["pooled"] is None
     assert png_size(tmp_path / "evals" / "sel" / "runs.png") == tuple(round(v * plots.DPI) for v in plots.RUNS_FIGSIZE)
     w, h = plots.RUN_PANEL_SIZE
     assert png_size(tmp_path / "evals" / "sel" / "dynamics.png") == (round(w * len(plots.RUN_DYNAMICS) * plots.DPI), round(h * plots.DPI))
