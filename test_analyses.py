@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from scipy import stats
 
@@ -226,6 +227,8 @@ RUN_B = [episode("s3", "CONDITIONAL_ACCEPT", [0, 0.2]), episode("s1", "ACCEPT", 
 def check_compare(r):
     # goals A 0 3 -1 3 -2 (s1..s5), B 3 3 1 0 -2: B wins s1 s3, loses s4, ties s2 s5
     assert (r["n"], r["wins"], r["losses"], r["ties"]) == (5, 2, 1, 2)
+    # acceptance-discordant pairs: B closes s1 (A did not), A closes s4 (B did not); s2, s3, s5 tie
+    assert (r["accept_won"], r["accept_lost"], r["accept_tied"]) == (1, 1, 3)
     assert r["missing_in_b"] == ["s6"] and r["missing_in_a"] == []
     expected = {("PENDING", "ACCEPT"), ("ACCEPT", "ACCEPT"), ("REJECT", "CONDITIONAL_ACCEPT"),
                 ("ACCEPT", "PENDING"), ("WALK_AWAY", "WALK_AWAY")}
@@ -398,6 +401,8 @@ def test_move_stats_by_hand():
     x = [m["effects"][k]["dense"]["diff"] for k in ranked]
     y = [m["effects"][k]["accept"]["diff"] for k in ranked]
     assert m["ranking_corr"]["rho"] == pytest.approx(stats.pearsonr(stats.rankdata(x), stats.rankdata(y)).statistic)
+    # Pearson r of the effects themselves, by numpy
+    assert m["ranking_pearson"]["r"] == pytest.approx(np.corrcoef(x, y)[0, 1]) and m["ranking_pearson"]["n"] == len(x)
 
 
 def test_manipulation_stats_by_hand():
@@ -442,3 +447,21 @@ def test_case_study_rows_and_shares():
     assert [row["share"] for row in rows[1:]] == pytest.approx([abs(x) / total for x in r])
     assert rows[2]["moves"] == ["evidence"] and rows[1]["CA"] == 0.3
     assert an.top_two_share(rows) == pytest.approx(sum(sorted((abs(x) for x in r), reverse=True)[:2]) / total)
+    # the signed share of the net reward: r_t / sum r_t, negative for a turn that lost ground
+    net = sum(r)
+    assert [row["signed_share"] for row in rows[1:]] == pytest.approx([x / net for x in r])
+    assert sum(row["signed_share"] for row in rows[1:]) == pytest.approx(1.0)
+    assert an.top_two_share(rows, "signed_share") == pytest.approx(sum(sorted(r, reverse=True)[:2]) / net)
+    lost = an.case_rows(LAB[2])                          # m3: b 0.1 -> -0.1 -> 0 (r -.1, +.05)
+    assert lost[1]["signed_share"] == pytest.approx(-0.1 / -0.05) and lost[2]["signed_share"] == pytest.approx(-1.0)
+    assert "of the net sum r_t" in an.format_case(ep)
+
+
+def test_closing_efficiency_and_unstated_resistance():
+    """Closing efficiency: of the episodes ending with b_T > 0, the share that reached ACCEPT.
+    SIX: b_T > 0 in e1 (ACCEPT), e2 (COND), e3 (PENDING), e6 (ACCEPT) -> 2 of 4."""
+    assert an.summarize(SIX)["closing_efficiency"] == pytest.approx(2 / 4)
+    assert an.closing_efficiency([SIX[3], SIX[4]]) is None          # none ends leaning towards it
+    no_resistance = [dict(ep, resistance=None) for ep in SIX[:2]] + SIX[2:]
+    s = an.summarize(no_resistance)
+    assert s["by_resistance"][an.UNSTATED]["n"] == 2 and "unstated" in an.format_table(s)

@@ -34,6 +34,9 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     ev.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "2 wins, 1 losses, 2 ties" in out and "outcome transitions" in out
+    assert "B against A: 1 won, 1 lost, 3 tied" in out
+    written = json.loads((tmp_path / "B" / "compare.json").read_text())
+    assert (written["accept_won"], written["accept_lost"], written["wins"]) == (1, 1, 2)
 
 
 @pytest.mark.parametrize("argv, needle", [
