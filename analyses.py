@@ -46,6 +46,7 @@ CONFIDENCE = 0.95  # level of the Welch intervals of the move effects
 EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
 SATURATION = 0.95  # a probe value beyond this carries almost no gradient of belief
 CLOSED = "ACCEPT"  # the outcome that counts as closing a scenario in --compare-many
+POLICY = "(policy)"  # the trained persuader's name among --compare-many's systems
 UNSTATED = "unstated"  # the breakdown row of episodes whose scenario omits the field
 DIAGNOSTICS = ("dead_group_share", "dead_goal_share", "dead_rescued_share", "dense_share", "outcome_term_abs",
                "dense_term_abs")  # the Fig. 7 step diagnostics of metrics.jsonl (rpo.diagnostics)
@@ -519,8 +520,30 @@ def compare_many(baselines, policy):
     everywhere = sorted(set(p).intersection(*runs))
     none = [s for s in everywhere if all(r[s]["outcome"] != CLOSED for r in runs)]
     closes = sum(p[s]["outcome"] == CLOSED for s in none)
+    systems = {**dict(zip(baselines, runs)), POLICY: p}
     return {"per_baseline": per_baseline, "n_common": len(everywhere), "closed_by_none": len(none),
-            "policy_closes": closes, "policy_closes_share": closes / len(none) if none else None}
+            "policy_closes": closes, "policy_closes_share": closes / len(none) if none else None,
+            "belief_ranking": belief_ranking({name: [r[s] for s in everywhere] for name, r in systems.items()})}
+
+
+def belief_ranking(systems):
+    """Section E.4: systems (name -> episodes on the same scenarios) ranked by mean final belief,
+    each with its full acceptance and its rank by that (rank 1 = highest; ties share the mean
+    rank), and the Spearman correlation of the two orders: a persuader can leave the persuadee
+    warmer without closing more."""
+    rows = []
+    for name, episodes in systems.items():
+        believed = with_beliefs(episodes)
+        rows.append({"name": name, "mean_final_belief": _mean(ep["beliefs"][-1] for ep in believed),
+                     "full_accept": _mean(ep["outcome"] == CLOSED for ep in episodes)})
+    ranked = [r for r in rows if r["mean_final_belief"] is not None]
+    for key, rank_key in (("mean_final_belief", "belief_rank"), ("full_accept", "accept_rank")):
+        ranks = stats.rankdata([-r[key] for r in ranked])
+        for r, k in zip(ranked, ranks):
+            r[rank_key] = float(k)
+    ranked.sort(key=lambda r: r["belief_rank"])
+    return {"systems": ranked + [r for r in rows if r["mean_final_belief"] is None],
+            "spearman": spearman([r["mean_final_belief"] for r in ranked], [r["full_accept"] for r in ranked])}
 
 
 def format_compare_many(result, policy_name="policy"):
@@ -530,6 +553,14 @@ def format_compare_many(result, policy_name="policy"):
     lines.append(f"scenarios every run has: {result['n_common']}; closed by no baseline: "
                  f"{result['closed_by_none']}; the policy closes {result['policy_closes']} of them "
                  f"({pct(result['policy_closes_share'])})")
+    ranking = result["belief_ranking"]
+    lines += ["", f"ranked by mean final belief on those scenarios (section E.4): "
+                  f"belief rank against acceptance rank {_corr(ranking['spearman'])}",
+              f"{'system':<40}{'b_T':>8}{'rank':>6}{'FA':>8}{'rank':>6}"]
+    for r in ranking["systems"]:
+        name = policy_name if r["name"] == POLICY else r["name"]
+        lines.append(f"{name:<40}{_num(r['mean_final_belief'], '+.3f'):>8}{_num(r.get('belief_rank'), 'g'):>6}"
+                     f"{pct(r['full_accept']):>8}{_num(r.get('accept_rank'), 'g'):>6}")
     return "\n".join(lines)
 
 
@@ -775,6 +806,28 @@ def _pearson(c):
 
 # -----------------------------------------------------------------------------
 # trajectories by turn (the bands of the plots)
+
+
+def probe_overlay(runs):
+    """Fig. 6 in numbers: per system (name -> episodes with beliefs) and probe, the mean read-out
+    before the first message, at the end of the episode, and the mean change between them."""
+    out = {}
+    for name, episodes in runs.items():
+        out[name] = {}
+        for i, probe in enumerate(PROBE_NAMES):
+            first = [ep["probes"][0][i] for ep in episodes]
+            last = [ep["probes"][-1][i] for ep in episodes]
+            out[name][probe] = {"initial": _mean(first), "final": _mean(last),
+                                "change": _mean(b - a for a, b in zip(first, last)), "n": len(episodes)}
+    return out
+
+
+def format_probe_overlay(result):
+    lines = [f"{'system':<40}" + "".join(f"{p + ' ' + k:>12}" for p in PROBE_NAMES for k in ("b_0", "b_T"))]
+    for name, probes in result.items():
+        lines.append(f"{name:<40}" + "".join(f"{_num(probes[p][k], '+.3f'):>12}"
+                                              for p in PROBE_NAMES for k in ("initial", "final")))
+    return "\n".join(lines)
 
 
 def trajectory_stats(episodes, series):

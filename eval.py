@@ -17,7 +17,7 @@ moves.py (keyword tagger by default, --tagger logit reads the judge model).
     python eval.py --persuader openai:MODEL@URL --name NAME     # a model served over the OpenAI API
     python eval.py --compare evals/A evals/B                    # paired comparison, B against A
     python eval.py --compare-many evals/B1 evals/B2 --policy evals/P   # discordant pairs, closed by none
-    python eval.py --overlay evals/A evals/B                    # Fig. 6: belief trajectories overlaid
+    python eval.py --overlay evals/A evals/B                    # Fig. 6: belief and per-probe trajectories
     python eval.py --runs runs/A runs/B                         # Table 9, Fig. 3, Fig. 7: checkpoint selection
     python eval.py --plot-run runs/NAME                         # training curves -> curves.png
     python eval.py --play heldout-017                           # you are the persuader, in the terminal
@@ -388,7 +388,7 @@ def parse_args(argv=None):
     mode.add_argument("--compare-many", nargs="+", metavar="BASE", help="baseline eval directories against --policy")
     mode.add_argument("--analyze", metavar="DIR", help="recompute DIR/summary.json and plots from DIR/episodes.jsonl")
     mode.add_argument("--case", nargs=2, metavar=("DIR", "SCENARIO_ID"), help="one episode turn by turn (Table 8)")
-    mode.add_argument("--overlay", nargs="+", metavar="DIR", help="belief trajectories of runs overlaid (Fig. 6)")
+    mode.add_argument("--overlay", nargs="+", metavar="DIR", help="belief and per-probe trajectories of runs overlaid (Fig. 6)")
     mode.add_argument("--runs", nargs="+", metavar="RUN", help="checkpoint selection over training runs (Table 9)")
     mode.add_argument("--plot-run", metavar="DIR", help="plot DIR/metrics.jsonl into DIR/curves.png")
     mode.add_argument("--play", metavar="SCENARIO_ID", help="you persuade the model persuadee, in the terminal")
@@ -443,9 +443,15 @@ def analysis_mode(args):
         plots.plot_case(ep, path)
         return f"{analyses.format_case(ep)}\nwrote {path}"
     if args.overlay:
-        path = _output_dir(args, "overlay_" + "_vs_".join(_slug(Path(d).name) for d in args.overlay)) / "overlay.png"
-        plots.plot_overlay({d: analyses.load_episodes(d) for d in args.overlay}, path)
-        return f"wrote {path}"
+        out = _output_dir(args, "overlay_" + "_vs_".join(_slug(Path(d).name) for d in args.overlay))
+        runs = {d: analyses.with_beliefs(analyses.load_episodes(d)) for d in args.overlay}
+        if not all(runs.values()):
+            raise ValueError(f"{', '.join(d for d, eps in runs.items() if not eps)}: no episode has beliefs "
+                             "to overlay (a persuadee served without log-probs)")
+        plots.plot_overlay(runs, out / "overlay.png")
+        plots.plot_probe_overlay(runs, out / "overlay_probes.png")
+        return (f"{analyses.format_probe_overlay(analyses.probe_overlay(runs))}\n"
+                f"wrote {out / 'overlay.png'} and {out / 'overlay_probes.png'}")
     if args.runs:
         runs = [analyses.read_run(d) for d in args.runs]
         selection = analyses.runs_selection(runs)

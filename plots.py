@@ -7,6 +7,7 @@ The paper's figures from episode records and training runs, drawn with matplotli
                  of section F (moves.png)
   plot_case      Table 8 as a figure: one episode's probes, b_t and r_t (case-ID.png)
   plot_overlay   Fig. 6: runs overlaid, belief and process reward by turn (overlay.png)
+  plot_probe_overlay  Fig. 6 per probe: CA, PE, AC of two or more systems (overlay_probes.png)
   plot_runs      checkpoint selection (Table 9) and Fig. 3, best held-out acceptance over lambda
   plot_dynamics  Fig. 7: dead groups, rescued share and the two advantage terms by step
   plot_run       a training run's curves from metrics.jsonl (curves.png)
@@ -157,6 +158,26 @@ def plot_overlay(runs, path):
         ax.axhline(0, color="black", lw=0.5)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save_fig(fig, path)
+
+
+def plot_probe_overlay(runs, path):
+    """Fig. 6: runs (name -> episodes) overlaid per probe, one panel each for CA, PE and AC: the
+    mean probe value by turn of every system, 95% bands."""
+    fig, axes = plt.subplots(1, len(PROBE_NAMES), figsize=PROBE_FIGSIZE, sharey=True)
+    for i, (ax, probe) in enumerate(zip(axes, PROBE_NAMES)):
+        for name, episodes in runs.items():
+            mean, half = analyses.mean_band([[row[i] for row in ep["probes"]] for ep in episodes])
+            x = np.arange(mean.size)
+            ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(episodes)})")
+            ax.fill_between(x, mean - half, mean + half, alpha=0.2)
+        ax.set(title=f"{PROBE_TITLES[probe]} by turn", xlabel="turn t (0 = before the first message)",
+               ylabel="probe value 2p(yes) - 1", ylim=(-1.05, 1.05))
+        ax.axhline(0, color="black", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle("Per-probe trajectories by system (mean, 95% CI)")
     fig.tight_layout()
     _save_fig(fig, path)
 

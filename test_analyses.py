@@ -465,3 +465,43 @@ def test_closing_efficiency_and_unstated_resistance():
     no_resistance = [dict(ep, resistance=None) for ep in SIX[:2]] + SIX[2:]
     s = an.summarize(no_resistance)
     assert s["by_resistance"][an.UNSTATED]["n"] == 2 and "unstated" in an.format_table(s)
+
+
+def test_belief_ranking_against_acceptance():
+    """Systems ranked by mean final belief (section E.4) with their acceptance ranks; Spearman of
+    the two orders by numpy on the ranks. Four systems on the same two scenarios."""
+    def system(outcomes, finals):
+        return [episode(f"s{i}", o, [0.0, b]) for i, (o, b) in enumerate(zip(outcomes, finals))]
+    systems = {"warm": system(["PENDING", "ACCEPT"], [0.9, 0.7]),          # b_T .8, FA .5
+               "closer": system(["ACCEPT", "ACCEPT"], [0.2, 0.4]),         # b_T .3, FA 1
+               "cold": system(["REJECT", "PENDING"], [-0.5, -0.3]),        # b_T -.4, FA 0
+               "middle": system(["ACCEPT", "REJECT"], [0.5, 0.3])}         # b_T .4, FA .5
+    r = an.belief_ranking(systems)
+    assert [s["name"] for s in r["systems"]] == ["warm", "middle", "closer", "cold"]
+    got = {s["name"]: (s["belief_rank"], s["accept_rank"]) for s in r["systems"]}
+    assert got == {"warm": (1, 2.5), "middle": (2, 2.5), "closer": (3, 1), "cold": (4, 4)}
+    b = np.array([1, 2, 3, 4.0])
+    a = np.array([2.5, 2.5, 1, 4.0])
+    assert r["spearman"]["rho"] == pytest.approx(np.corrcoef(b, a)[0, 1]) and r["spearman"]["n"] == 4
+
+
+def test_compare_many_ranks_the_policy_among_the_baselines():
+    policy = [episode("s0", "ACCEPT", [0.0, 0.2]), episode("s1", "ACCEPT", [0.0, 0.4])]
+    base = [episode("s0", "PENDING", [0.0, 0.9]), episode("s1", "REJECT", [0.0, 0.7]),
+            episode("s2", "ACCEPT", [0.0, 1.0])]                       # s2 is not common
+    r = an.compare_many({"b": base}, policy)["belief_ranking"]
+    assert [(s["name"], s["mean_final_belief"]) for s in r["systems"]] == [("b", pytest.approx(0.8)),
+                                                                            (an.POLICY, pytest.approx(0.3))]
+    assert r["spearman"] is None                                        # two systems
+
+
+def test_probe_overlay_means_by_numpy():
+    r = an.probe_overlay({"lab": LAB, "six": SIX})
+    for name, eps in (("lab", LAB), ("six", SIX)):
+        first = np.array([ep["probes"][0] for ep in eps])
+        last = np.array([ep["probes"][-1] for ep in eps])
+        for i, probe in enumerate(an.PROBE_NAMES):
+            got = r[name][probe]
+            assert (got["initial"], got["final"], got["change"]) == pytest.approx(
+                (first[:, i].mean(), last[:, i].mean(), (last - first)[:, i].mean()))
+    assert "CA b_0" in an.format_probe_overlay(r)

@@ -340,8 +340,10 @@ def test_compare_many_cli(tmp_path, capsys):
     ev.main(["--compare-many", str(tmp_path / "b1"), str(tmp_path / "b2"), "--policy", str(tmp_path / "p")])
     out = capsys.readouterr().out
     assert "closed by no baseline: 3; the policy closes 2 of them (66.7%)" in out
-    assert [line.split()[1:4] for line in out.splitlines() if line.startswith(str(tmp_path))] == \
+    table = out.split("scenarios every run has")[0]
+    assert [line.split()[1:4] for line in table.splitlines() if line.startswith(str(tmp_path))] == \
         [["6", "3", "1"], ["5", "3", "0"]]
+    assert "ranked by mean final belief" in out
 
 def test_case_cli_prints_the_episode_and_writes_its_plot(tmp_path, capsys):
     ev.save_run(tmp_path / "run", LAB, an.summarize(LAB))

@@ -45,3 +45,5 @@ def test_overlay_and_moves_plots(tmp_path, monkeypatch):
     assert not (tmp_path / "B" / "moves.png").exists()   # no labels stored
     ev.main(["--overlay", str(tmp_path / "A"), str(tmp_path / "B"), "--name", "ov"])
     assert png_size(tmp_path / "evals" / "ov" / "overlay.png") == tuple(round(v * plots.DPI) for v in plots.OVERLAY_FIGSIZE)
+    assert png_size(tmp_path / "evals" / "ov" / "overlay_probes.png") == \
+        tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)
