@@ -564,6 +564,109 @@ def format_compare_many(result, policy_name="policy"):
     return "\n".join(lines)
 
 
+TABLE_OUTCOMES = {"full_accept": ("FA", ("ACCEPT",)), "full_or_conditional": ("FA+CA", ("ACCEPT", "CONDITIONAL_ACCEPT")),
+                  "pending": ("pending", ("PENDING",)), "reject": ("reject", ("REJECT",)),
+                  "walk_away": ("walk-away", ("WALK_AWAY",))}  # the main table's outcome columns
+TABLE_MEANS = {"mean_turns": "turns", "mean_final_belief": "final belief"}  # and its mean columns
+
+
+def wilson_interval(k, n, z=Z95):
+    """The Wilson score interval of a proportion k / n (README, Decisions: Main table)."""
+    if n == 0:
+        return None, None
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def t_interval(values, level=CONFIDENCE):
+    """Mean and its Student-t interval; None bounds below two values."""
+    x = np.asarray(values, dtype=float)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else None), None, None
+    half = stats.t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
+    return float(x.mean()), float(x.mean() - half), float(x.mean() + half)
+
+
+def main_table(runs, reference):
+    """The paper's main table over evaluation folders (name -> episodes, one per scenario): per
+    system the outcome shares with Wilson 95% intervals and the exact McNemar p against the
+    reference row, mean turns and mean final belief with t intervals and the Wilcoxon signed-rank
+    p, each test paired by scenario on the scenarios both rows have."""
+    if reference not in runs:
+        raise ValueError(f"the reference row {reference} is not among the tables' folders")
+    by = {name: _by_scenario(eps, name) for name, eps in runs.items()}
+    rows = []
+    for name, episodes in runs.items():
+        common = sorted(set(by[name]) & set(by[reference]))
+        row = {"name": name, "n": len(episodes), "reference": name == reference, "n_paired": len(common)}
+        for key, (_, outcomes) in TABLE_OUTCOMES.items():
+            hits = [ep["outcome"] in outcomes for ep in episodes]
+            low, high = wilson_interval(sum(hits), len(hits))
+            p = None if name == reference else mcnemar([by[name][s]["outcome"] in outcomes for s in common],
+                                                         [by[reference][s]["outcome"] in outcomes for s in common])
+            row[key] = {"value": sum(hits) / len(hits), "low": low, "high": high, "p": p}
+        for key in TABLE_MEANS:
+            value = (lambda ep: ep["turns"]) if key == "mean_turns" else (lambda ep: ep["beliefs"][-1])
+            kept = episodes if key == "mean_turns" else with_beliefs(episodes)
+            mean, low, high = t_interval([value(ep) for ep in kept])
+            both = [s for s in common if key == "mean_turns" or (with_beliefs([by[name][s]]) and
+                                                                  with_beliefs([by[reference][s]]))]
+            p = None if name == reference or not both else wilcoxon([value(by[name][s]) for s in both],
+                                                                     [value(by[reference][s]) for s in both])
+            row[key] = {"value": mean, "low": low, "high": high, "p": p}
+        rows.append(row)
+    return {"reference": reference, "rows": rows}
+
+
+TABLE_FORMATS = {"full_accept": (100, ".1f"), "full_or_conditional": (100, ".1f"), "pending": (100, ".1f"),
+                 "reject": (100, ".1f"), "walk_away": (100, ".1f"), "mean_turns": (1, ".2f"),
+                 "mean_final_belief": (1, "+.3f")}  # (scale, format) of each column's cells
+
+
+def _cell(c, key, latex):
+    """value [low, high] p=..., the interval and p smaller in LaTeX."""
+    if c["value"] is None:
+        return "-"
+    scale, fmt = TABLE_FORMATS[key]
+    small = (lambda t: f"{{\\scriptsize {t}}}") if latex else (lambda t: t)
+    text = format(scale * c["value"], fmt)
+    if c["low"] is not None:
+        text += " " + small(f"[{format(scale * c['low'], fmt)}, {format(scale * c['high'], fmt)}]")
+    if c["p"] is not None:
+        text += " " + small(f"p={c['p']:.2g}")
+    return text
+
+
+def _latex_text(text):
+    """text safe inside a LaTeX table cell (a folder name may hold _, &, % or #)."""
+    return "".join("\\" + c if c in "&%$#_{}" else c for c in text)
+
+
+def format_main_table(table, fmt="markdown"):
+    """main_table() as Markdown or LaTeX (booktabs): outcome shares in percent with 95% intervals,
+    p against the reference row."""
+    latex = fmt == "latex"
+    keys = list(TABLE_OUTCOMES) + list(TABLE_MEANS)
+    heads = ["system", "n"] + [t for t, _ in TABLE_OUTCOMES.values()] + list(TABLE_MEANS.values())
+    body = []
+    for row in table["rows"]:
+        name = row["name"] + (" (ref.)" if row["reference"] else "")
+        body.append([_latex_text(name) if latex else name, str(row["n"])]
+                    + [_cell(row[k], k, latex) for k in keys])
+    note = (f"outcome shares in percent with Wilson 95% intervals, exact McNemar p against {table['reference']}; "
+            "turns and final belief with t intervals, Wilcoxon signed-rank p; paired by scenario")
+    if latex:
+        lines = ["\\begin{tabular}{l" + "r" * (len(heads) - 1) + "}", "\\toprule",
+                 " & ".join(heads) + " \\\\", "\\midrule"]
+        lines += [" & ".join(cells) + " \\\\" for cells in body]
+        return "\n".join(lines + ["\\bottomrule", "\\end{tabular}", f"% {note.replace('%', 'percent')}"])
+    lines = ["| " + " | ".join(heads) + " |", "|" + "|".join(["---"] + ["---:"] * (len(heads) - 1)) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines + ["", note])
+
+
 def grid_table(results):
     """Cross-persuadee grid: results maps (persuader, persuadee) -> summary. Each cell is full
     acceptance % with full-or-conditional % in parentheses."""
@@ -863,7 +966,8 @@ def mean_band(rows):
 # episode records on disk
 
 
-def read_jsonl(path, what):
+def _jsonl_rows(path, what):
+    """(line number, object) of every non-empty line of a JSONL file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass {what}")
@@ -872,28 +976,70 @@ def read_jsonl(path, what):
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    rows.append((lineno, json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg})") from None
     return rows
 
 
+def read_jsonl(path, what):
+    return [row for _, row in _jsonl_rows(path, what)]
+
+
+def _number_or_none(v):
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
+    "scenario_id": ("a string", lambda v: isinstance(v, str)),
+    "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: v in OUTCOMES),
+    "turns": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "beliefs": ("a list of numbers (null where unread)", lambda v: isinstance(v, list) and all(map(_number_or_none, v))),
+    "probes": ("a list of [CA, PE, AC] rows (null where unread)",
+               lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(PROBE_NAMES)
+                                                                    and all(map(_number_or_none, r))) for r in v)),
+    "transcript": ("a list of {role, text} messages",
+                   lambda v: isinstance(v, list) and all(isinstance(m, dict) and isinstance(m.get("text"), str)
+                                                         and m.get("role") in ("persuader", "persuadee") for m in v)),
+}
+
+
+def check_episode(ep):
+    """None for a record the analyses can read, else (field, what it must be, what it is)."""
+    if not isinstance(ep, dict):
+        return "(whole line)", "a JSON object", type(ep).__name__
+    for field, (must, ok) in EPISODE_FIELDS.items():
+        if field not in ep:
+            return field, must, "missing"
+        if not ok(ep[field]):
+            return field, must, json.dumps(ep[field])[:60]
+    if ep.get("judge") is not None and not _number_or_none(ep["judge"]):
+        return "judge", "a number or null", json.dumps(ep["judge"])[:60]
+    return None
+
+
 def load_episodes(dir_or_file):
-    """Episodes of a run directory (its episodes.jsonl) or of a .jsonl file."""
+    """Episodes of a run directory (its episodes.jsonl) or of a .jsonl file; a record the analyses
+    cannot read is refused with its file, line and field."""
     path = Path(dir_or_file)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass an eval directory such as evals/NAME")
     if path.is_dir():
         path = path / "episodes.jsonl"
-    episodes = read_jsonl(path, "an eval directory written by `python eval.py --name NAME`")
-    if not episodes:
+    rows = _jsonl_rows(path, "an eval directory written by `python eval.py --name NAME`")
+    if not rows:
         raise ValueError(f"{path} holds no episodes; rerun the evaluation that wrote it")
-    return episodes
+    for lineno, ep in rows:
+        problem = check_episode(ep)
+        if problem:
+            field, must, got = problem
+            raise ValueError(f"{path}, line {lineno}: field '{field}' must be {must}, got {got}")
+    return [ep for _, ep in rows]
 
 
-def summarize_run(episodes, fidelity=None):
+def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):
     """summarize() plus probe_fidelity from the stored fork and reference read-outs."""
-    summary = summarize(episodes)
+    summary = summarize(episodes, shaping_lambda)
     if fidelity is not None:
         summary["probe_fidelity"] = probe_fidelity(fidelity["fork"], fidelity["reference"])
         if "vocabulary" in fidelity:  # the four spellings against every answer token

@@ -19,6 +19,7 @@ moves.py (keyword tagger by default, --tagger logit reads the judge model).
     python eval.py --compare-many evals/B1 evals/B2 --policy evals/P   # discordant pairs, closed by none
     python eval.py --overlay evals/A evals/B                    # Fig. 6: belief and per-probe trajectories
     python eval.py --runs runs/A runs/B                         # Table 9, Fig. 3, Fig. 7: checkpoint selection
+    python eval.py --table evals/A evals/B --reference evals/A --format latex   # the main table
     python eval.py --plot-run runs/NAME                         # training curves -> curves.png
     python eval.py --play heldout-017                           # you are the persuader, in the terminal
 """
@@ -68,6 +69,11 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     if fidelity is not None:
         _write_text(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
     _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    save_plots(out_dir, episodes, summary)
+
+
+def save_plots(out_dir, episodes, summary):
+    """beliefs.png and probes.png (when some episode has beliefs), moves.png (when labelled)."""
     believed = analyses.with_beliefs(episodes)
     if believed:  # a persuadee served without log-probs has no belief to plot
         plots.plot_beliefs(believed, out_dir / "beliefs.png")
@@ -76,26 +82,39 @@ def save_run(out_dir, episodes, summary, fidelity=None):
         plots.plot_moves(summary, out_dir / "moves.png")
 
 
-def scenarios_by_id():
-    """Every scenario of scenarios.jsonl by id (the hidden profiles the keyword tagger audits)."""
-    return {s["id"]: s for s in arena.load_scenarios()}
+def scenarios_by_id(path=arena.SCENARIOS_PATH):
+    """Every scenario of a scenarios file by id (the hidden profiles the keyword tagger audits)."""
+    return {s["id"]: s for s in arena.load_scenarios(path)}
 
 
-def analyze(run_dir):
-    """Recompute summary.json and the plots of an eval folder from its episodes.jsonl (and
-    fidelity.json) alone, with no model: episodes stored without labels are tagged in memory by
-    the keyword tagger. Returns the summary."""
+def analyze(run_dir, shaping_lambda=rpo.LAMBDA):
+    """Recompute summary.json and the plots of any eval folder the project wrote (an evaluation,
+    a training run's eval-STEP, a --play session, a served run) from its episodes.jsonl (and
+    fidelity.json) alone, with no model. Episodes stored without labels are tagged in memory by
+    the keyword tagger, against the scenarios of their training run when the folder is an
+    eval-STEP of one; episodes without beliefs or of unknown scenarios lose only those columns.
+    Returns the summary."""
     run_dir = Path(run_dir)
+    if not (run_dir / "episodes.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(f"{run_dir} is a training run (metrics.jsonl, no episodes.jsonl); pass one of its "
+                         "eval-STEP folders, or read it with --runs or --plot-run")
     episodes = analyses.load_episodes(run_dir)
-    if not all("moves" in ep for ep in episodes):
-        moves.tag_episodes([ep for ep in episodes if "moves" not in ep], scenarios_by_id())
+    untagged = [ep for ep in episodes if "moves" not in ep]
+    if untagged:
+        config = run_dir.parent / "config.json"
+        path = (json.loads(config.read_text()).get("scenarios") if config.is_file() else None) or arena.SCENARIOS_PATH
+        scenarios = scenarios_by_id(path)
+        unknown = sorted({ep["scenario_id"] for ep in untagged} - set(scenarios))
+        if unknown:
+            print(f"eval.py: warning: {run_dir}: scenarios {', '.join(unknown[:3])}"
+                  f"{', ...' if len(unknown) > 3 else ''} are not in {path}; no move labels", file=sys.stderr)
+        else:
+            moves.tag_episodes(untagged, scenarios)
     path = run_dir / "fidelity.json"
     fidelity = json.loads(path.read_text()) if path.is_file() else None
-    summary = analyses.summarize_run(episodes, fidelity)
+    summary = analyses.summarize_run(episodes, fidelity, shaping_lambda)
     _write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    plots.plot_beliefs(episodes, run_dir / "beliefs.png")
-    plots.plot_probes(episodes, run_dir / "probes.png")
-    plots.plot_moves(summary, run_dir / "moves.png")
+    save_plots(run_dir, episodes, summary)
     return summary
 
 
@@ -382,6 +401,11 @@ def parse_args(argv=None):
                     "(default: engine.CACHE_GB_CPU or CACHE_FRACTION_GPU of free memory)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help=f"per message (default {GPU_MAX_NEW_TOKENS} with CUDA, {CPU_MAX_NEW_TOKENS} on a CPU)")
+    ap.add_argument("--reference", metavar="DIR", help="with --table: the row the others are tested "
+                    "against (default: the first directory)")
+    ap.add_argument("--format", choices=("markdown", "latex"), default="markdown", help="with --table")
+    ap.add_argument("--shaping-lambda", type=float, default=rpo.LAMBDA,
+                    help="with --analyze: the lambda of shaping_by_outcome (default rpo.LAMBDA)")
     ap.add_argument("--policy", metavar="DIR", help="with --compare-many: the trained policy's eval directory")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two eval directories, B against A")
@@ -390,6 +414,8 @@ def parse_args(argv=None):
     mode.add_argument("--case", nargs=2, metavar=("DIR", "SCENARIO_ID"), help="one episode turn by turn (Table 8)")
     mode.add_argument("--overlay", nargs="+", metavar="DIR", help="belief and per-probe trajectories of runs overlaid (Fig. 6)")
     mode.add_argument("--runs", nargs="+", metavar="RUN", help="checkpoint selection over training runs (Table 9)")
+    mode.add_argument("--table", nargs="+", metavar="DIR", help="the main table of eval directories, 95%% "
+                      "intervals and paired p-values against --reference (Markdown, or --format latex)")
     mode.add_argument("--plot-run", metavar="DIR", help="plot DIR/metrics.jsonl into DIR/curves.png")
     mode.add_argument("--play", metavar="SCENARIO_ID", help="you persuade the model persuadee, in the terminal")
     args = ap.parse_args(argv)
@@ -399,6 +425,8 @@ def parse_args(argv=None):
         ap.exit(2, f"eval.py: --t-max must be at least 1, got {args.t_max}\n")
     if bool(args.compare_many) != bool(args.policy):
         ap.exit(2, "eval.py: --compare-many and --policy go together: --compare-many BASE ... --policy DIR\n")
+    if args.reference is not None and args.reference not in (args.table or []):
+        ap.exit(2, "eval.py: --reference names one of the --table directories\n")
     if args.overlay is not None and len(args.overlay) < 2:
         ap.exit(2, "eval.py: --overlay needs at least two eval directories\n")
     if args.tagger == "logit" and args.judge == "none":
@@ -433,8 +461,12 @@ def analysis_mode(args):
         result = analyses.compare_many({d: analyses.load_episodes(d) for d in args.compare_many},
                                        analyses.load_episodes(args.policy))
         return analyses.format_compare_many(result, args.policy)
+    if args.table:
+        table = analyses.main_table({d: analyses.load_episodes(d) for d in args.table},
+                                    args.reference or args.table[0])
+        return analyses.format_main_table(table, args.format)
     if args.analyze:
-        summary = analyze(args.analyze)
+        summary = analyze(args.analyze, args.shaping_lambda)
         return f"{analyses.format_table(summary)}\nwrote {Path(args.analyze) / 'summary.json'} and the plots"
     if args.case:
         folder, sid = args.case
@@ -466,7 +498,8 @@ def analysis_mode(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.compare or args.compare_many or args.analyze or args.case or args.overlay or args.runs or args.plot_run:
+    if (args.compare or args.compare_many or args.analyze or args.case or args.overlay or args.runs
+            or args.plot_run or args.table):
         try:
             print(analysis_mode(args))
         except (OSError, ValueError) as e:
