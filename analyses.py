@@ -91,7 +91,7 @@ def _summary(episodes):
     count = {o: sum(ep["outcome"] == o for ep in episodes) for o in OUTCOMES}
     believed = with_beliefs(episodes)
     judged = [ep["judge"] for ep in episodes if ep.get("judge") is not None]
-    turns = sum(len(ep["beliefs"]) - 1 for ep in episodes)
+    turns = sum(len(ep["beliefs"]) - 1 for ep in believed)
     return {
         "n": n,
         "full_accept": count["ACCEPT"] / n,

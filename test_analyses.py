@@ -505,3 +505,54 @@ def test_probe_overlay_means_by_numpy():
             assert (got["initial"], got["final"], got["change"]) == pytest.approx(
                 (first[:, i].mean(), last[:, i].mean(), (last - first)[:, i].mean()))
     assert "CA b_0" in an.format_probe_overlay(r)
+
+
+def test_main_table_against_scipy():
+    """Wilson intervals (scipy's binomtest), t intervals (scipy's ttest_1samp), McNemar and
+    Wilcoxon p paired by scenario on the common ones (RUN_A has s6, RUN_B does not)."""
+    t = an.main_table({"A": RUN_A, "B": RUN_B}, "A")
+    ref, b = t["rows"]
+    assert ref["reference"] and ref["full_accept"]["p"] is None and b["n_paired"] == 5
+    for row, eps in ((ref, RUN_A), (b, RUN_B)):
+        for key, outcomes in (("full_accept", ("ACCEPT",)), ("full_or_conditional", ("ACCEPT", "CONDITIONAL_ACCEPT")),
+                              ("pending", ("PENDING",)), ("reject", ("REJECT",)), ("walk_away", ("WALK_AWAY",))):
+            k = sum(ep["outcome"] in outcomes for ep in eps)
+            ci = stats.binomtest(k, len(eps)).proportion_ci(0.95, method="wilson")
+            c = row[key]
+            assert (c["value"], c["low"], c["high"]) == pytest.approx((k / len(eps), ci.low, ci.high), abs=1e-6), key
+        finals = [ep["beliefs"][-1] for ep in eps]
+        ci = stats.ttest_1samp(finals, 0).confidence_interval(0.95)
+        c = row["mean_final_belief"]
+        assert (c["value"], c["low"], c["high"]) == pytest.approx((np.mean(finals), ci.low, ci.high))
+    # FA+CA paired on s1..s5: A 0 1 0 1 0, B 1 1 1 0 0 -> discordant 2 (B) vs 1 (A): binomial p
+    assert b["full_or_conditional"]["p"] == pytest.approx(stats.binomtest(1, 3).pvalue)
+    # final belief paired: B - A = .5 .2 .7 -.3 -.1 (no ties): exact signed-rank p
+    a_final = {ep["scenario_id"]: ep["beliefs"][-1] for ep in RUN_A}
+    d = [ep["beliefs"][-1] - a_final[ep["scenario_id"]] for ep in RUN_B]
+    assert b["mean_final_belief"]["p"] == pytest.approx(exact_signed_rank_p(d))
+    assert b["mean_turns"]["p"] == 1.0                              # every episode took one turn
+    md = an.format_main_table(t).splitlines()
+    assert md[0].startswith("| system | n | FA |") and md[2].startswith("| A (ref.) | 6 | 50.0 [18.8, 81.2] |")
+    latex = an.format_main_table(an.main_table({"run_a": RUN_A, "B": RUN_B}, "run_a"), "latex")
+    assert "\\toprule" in latex and "run\\_a (ref.) & 6 & 50.0 {\\scriptsize [18.8, 81.2]}" in latex
+    with pytest.raises(ValueError, match="reference row"):
+        an.main_table({"A": RUN_A}, "B")
+
+
+@pytest.mark.parametrize("field, value, must", [
+    ("outcome", "MAYBE", "must be one of ACCEPT"), ("turns", -1, "whole number"),
+    ("beliefs", [0.1, "x"], "list of numbers"), ("probes", [[0.1, 0.2]], "[CA, PE, AC] rows"),
+    ("transcript", [{"role": "judge", "text": "hi"}], "{role, text}"), ("scenario_id", None, "a string"),
+])
+def test_a_malformed_record_names_file_line_and_field(tmp_path, field, value, must):
+    path = tmp_path / "episodes.jsonl"
+    bad = dict(SIX[1], **{field: value})
+    path.write_text("".join(json.dumps(ep) + "\n" for ep in [SIX[0], bad]))
+    with pytest.raises(ValueError) as e:
+        an.load_episodes(tmp_path)
+    message = str(e.value)
+    assert message.startswith(f"{path}, line 2: field '{field}' ") and must in message and "\n" not in message
+    del bad[field]
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=f"line 1: field '{field}' .* got missing"):
+        an.load_episodes(path)

@@ -52,11 +52,18 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     (["--runs", "{tmp}/nope"], "is not a directory"),
     (["--analyze", "{tmp}/empty"], "episodes.jsonl does not exist"),
     (["--tagger", "logit", "--judge", "none"], "--tagger logit reads the judge model"),
+    (["--table", "{tmp}/B", "--reference", "{tmp}/A"], "--reference names one of the --table"),
+    (["--table", "{tmp}/B", "{tmp}/bad"], "bad/episodes.jsonl, line 1: field 'outcome' must be one of"),
+    (["--analyze", "{tmp}/run"], "is a training run"),
 ])
 def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "B").mkdir()
     (tmp_path / "B" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in RUN_B))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "episodes.jsonl").write_text(json.dumps(dict(RUN_B[0], outcome="YES")) + "\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(SystemExit) as e:
         ev.main([a.format(tmp=tmp_path) for a in argv])
     message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err
@@ -70,6 +77,35 @@ def test_cli_subprocess_no_traceback():
     assert p.returncode != 0
     assert p.stderr.strip().splitlines() == [
         "eval.py: /nonexistent does not exist; pass an eval directory such as evals/NAME"]
+
+
+def test_table_cli_markdown_and_latex(tmp_path, capsys):
+    ev.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
+    ev.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
+    ev.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--reference", str(tmp_path / "B")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split(" | ")[1:4] == ["n", "FA", "FA+CA"]
+    assert lines[2].startswith(f"| {tmp_path / 'A'} | 6 | 50.0 [18.8, 81.2] p=1 |")
+    assert lines[3].startswith(f"| {tmp_path / 'B'} (ref.) | 5 | 40.0 [11.8, 76.9] |")
+    ev.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--format", "latex"])
+    out = capsys.readouterr().out
+    assert out.startswith("\\begin{tabular}{lrrrrrrrr}") and "\\bottomrule" in out
+
+
+def test_analyze_runs_on_a_folder_without_beliefs_labels_or_known_scenarios(tmp_path, capsys):
+    """A served persuadee without log-probs (beliefs and probes null), no move labels, scenario
+    ids that scenarios.jsonl lacks: --analyze writes the summary it can and says what it left out."""
+    bare = [dict(ep, scenario_id=f"custom-{i}", id=f"custom-{i}", beliefs=[None] * len(ep["beliefs"]),
+                 probes=[None] * len(ep["probes"])) for i, ep in enumerate(RUN_A)]
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in bare))
+    ev.main(["--analyze", str(tmp_path / "served")])
+    captured = capsys.readouterr()
+    assert "belief statistics: none" in captured.out and "no move labels" in captured.err
+    summary = json.loads((tmp_path / "served" / "summary.json").read_text())
+    assert summary["full_accept"] == pytest.approx(0.5) and summary["beliefs_missing"] == 1.0
+    assert summary["belief_stats"] is None and "moves" not in summary and summary["negative_process_share"] is None
+    assert not (tmp_path / "served" / "beliefs.png").exists()
 
 
 def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
