@@ -45,6 +45,7 @@ Z95 = 1.959964  # two-sided 95% normal quantile for the confidence bands and Wal
 CONFIDENCE = 0.95  # level of the Welch intervals of the move effects
 EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
 SATURATION = 0.95  # a probe value beyond this carries almost no gradient of belief
+FIDELITY_BINS = (0.0, 0.2, 0.5, 0.9, 1.0)  # |v| edges: undecided .. decided, for the probe fidelity split
 CLOSED = "ACCEPT"  # the outcome that counts as closing a scenario in --compare-many
 POLICY = "(policy)"  # the trained persuader's name among --compare-many's systems
 UNSTATED = "unstated"  # the breakdown row of episodes whose scenario omits the field
@@ -348,8 +349,14 @@ def format_analyses(summary):
             f"{PROBE_NAMES[i]}-{PROBE_NAMES[j]} {_num(b[key][i][j], '+.2f')}"
             for i in range(len(PROBE_NAMES)) for j in range(i + 1, len(PROBE_NAMES))))
     if "probe_fidelity" in summary:
-        f = summary["probe_fidelity"]
-        lines.append(f"  probe fidelity (fork vs full forward): max |diff| {f['max_abs_diff']:.1e}")
+        for title, f in (("fork vs full forward", summary["probe_fidelity"]),
+                         ("four spellings vs every answer token", summary["probe_fidelity"].get("vocabulary"))):
+            if f is None:
+                continue
+            lines.append(f"  probe fidelity, {title}: max |diff| {f['max_abs_diff']:.1e} over {f.get('n', '?')} "
+                         "values; by |v|: " + "  ".join(
+                             f"[{b['low']}, {b['high']}] {_num(b['max_abs_diff'], '.1e')} (n {b['n']})"
+                             for b in f.get("by_decidedness", [])))
     lines.append(f"shaping return (lambda {summary['shaping_lambda']} * sum r_t) by outcome: " + "  ".join(
         f"{SHORT[o]} {v:+.3f}" for o, v in summary["shaping_by_outcome"].items()))
     lines.append("dense return (sum r_t, lambda-free) by outcome: " + "  ".join(
@@ -688,15 +695,23 @@ def grid_table(results):
 
 
 def probe_fidelity(fork_values, reference_values):
-    """How far forked probe read-outs are from reference ones (e.g. a full re-forward), and the
-    share of forked read-outs saturated beyond SATURATION."""
+    """How far forked probe read-outs are from reference ones (e.g. a full re-forward), overall and
+    split by how decided the persuadee is (|v| of the forked value, FIDELITY_BINS), and the share
+    of forked read-outs saturated beyond SATURATION."""
     f = np.asarray(fork_values, dtype=float).ravel()
     r = np.asarray(reference_values, dtype=float).ravel()
     if f.shape != r.shape or f.size == 0:
         raise ValueError(f"probe_fidelity needs two equal, non-empty sets of values, got {f.size} and {r.size}")
     diff = np.abs(f - r)
-    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-            "saturated_share": float(np.mean(np.abs(f) > SATURATION))}
+    bins = []
+    for low, high in zip(FIDELITY_BINS[:-1], FIDELITY_BINS[1:]):
+        inside = (np.abs(f) >= low) & ((np.abs(f) < high) | (high == FIDELITY_BINS[-1]))
+        bins.append({"low": low, "high": high, "n": int(inside.sum()),
+                     "max_abs_diff": float(diff[inside].max()) if inside.any() else None,
+                     "mean_abs_diff": float(diff[inside].mean()) if inside.any() else None})
+    return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()), "n": int(f.size),
+            "saturated_share": float(np.mean(np.abs(f) > SATURATION)), "by_decidedness": bins}
+
 
 # -----------------------------------------------------------------------------
 # one episode turn by turn (Table 8) and checkpoint selection over training runs (Table 9, Figs 3, 7)

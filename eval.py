@@ -45,7 +45,7 @@ TRAINING_KEYS = ("ids", "turn_ids", "logprobs")  # rollout's token stream, of no
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
 SAME_AS_PERSUADEE = "persuadee"  # the judge by default (SPEC 6): the persuadee's model, fresh context
-FIDELITY_SAMPLES = 4  # contexts whose fork read-out is checked against a full forward
+FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checked against a full forward
 GPU_MAX_NEW_TOKENS = 256  # per message, as in training (SPEC 9)
 CPU_MAX_NEW_TOKENS = 64  # per message on a CPU, so that --limit 4 takes minutes
 SUBSETS = {"balanced60": 3}  # named subsets: scenarios kept per domain x resistance cell, file order
@@ -157,16 +157,28 @@ def _instances(split):
         sys.exit(f"eval.py: cannot load the {split} scenarios: {e}")
 
 
-def fidelity_contexts(tokenizer, instances, episodes, n):
-    """Persuadee contexts after the first reply of n episodes, for the probe fidelity check.
+def fidelity_sample(episodes, n):
+    """n read-outs (episode index, t) spread evenly over every read-out t = 0..T of every episode
+    with beliefs, so that the check covers every stage of a conversation (README, Decisions:
+    Probe fidelity sample)."""
+    every = [(i, t) for i, ep in enumerate(episodes) if analyses.with_beliefs([ep])
+             for t in range(len(ep["probes"]))]
+    if len(every) <= n:
+        return every
+    return [every[round(k * (len(every) - 1) / (n - 1))] for k in range(n)] if n > 1 else every[:1]
 
-    Built from the transcript text: a measurement of fork against reference on identical ids,
-    not a conversation that continues."""
+
+def fidelity_contexts(tokenizer, instances, episodes, sample):
+    """The persuadee's context at each sampled read-out (after t replies), for the probe fidelity
+    check. Built from the transcript text: a measurement of fork against reference on identical
+    ids, not a conversation that continues."""
     import models
+    by_id = {inst["id"]: inst for inst in instances}
     contexts = []
-    for inst, ep in list(zip(instances, episodes))[:n]:
-        messages = arena.persuadee_messages(inst)
-        for m in ep["transcript"][:2]:
+    for i, t in sample:
+        ep = episodes[i]
+        messages = arena.persuadee_messages(by_id[ep["id"]])
+        for m in ep["transcript"][:2 * t]:
             role = "user" if m["role"] == "persuader" else "assistant"
             messages.append({"role": role, "content": m["text"]})
         contexts.append(models.chat_ids(tokenizer, messages, False))
@@ -237,9 +249,11 @@ def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None):
         moves.tag_episodes(untagged, {i.get("scenario_id", i["id"]): i for i in instances})
     reads = None
     if fidelity and getattr(persuadee, "tokenizer", None) is not None:  # local: an Engine
-        contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, fidelity)
+        sample = fidelity_sample(episodes, fidelity)
+        contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, sample)
         model, tok = persuadee.model, persuadee.tokenizer
-        reads = {"fork": probes.read_beliefs(model, tok, contexts).tolist(),
+        reads = {"sample": [[episodes[i]["id"], t] for i, t in sample],
+                 "fork": probes.read_beliefs(model, tok, contexts).tolist(),
                  "reference": probes.read_beliefs_reference(model, tok, contexts).tolist(),
                  "vocabulary": probes.read_beliefs_reference(model, tok, contexts,
                                                              vocabulary=True).tolist()}

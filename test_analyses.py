@@ -281,6 +281,25 @@ def test_probe_fidelity():
         an.probe_fidelity([0.1, 0.2], [0.1])
 
 
+def test_probe_fidelity_by_decidedness_against_numpy():
+    """The split by |v| of the forked value into FIDELITY_BINS (the last bin closed), by numpy."""
+    rng = np.random.default_rng(0)
+    fork = rng.uniform(-1, 1, size=(40, 3))
+    fork[0, 0] = 1.0                                            # on the top edge
+    reference = fork + rng.normal(0, 0.01, size=fork.shape) * (1 - np.abs(fork))  # worse when undecided
+    f = an.probe_fidelity(fork.tolist(), reference.tolist())
+    v, d = np.abs(fork).ravel(), np.abs(fork - reference).ravel()
+    edges = an.FIDELITY_BINS
+    assert [b["n"] for b in f["by_decidedness"]] == np.histogram(v, bins=edges)[0].tolist()
+    for b, low, high in zip(f["by_decidedness"], edges[:-1], edges[1:]):
+        inside = (v >= low) & ((v < high) if high < edges[-1] else (v <= high))
+        assert b["max_abs_diff"] == pytest.approx(d[inside].max()) and b["mean_abs_diff"] == pytest.approx(d[inside].mean())
+    assert f["n"] == 120 and sum(b["n"] for b in f["by_decidedness"]) == 120
+    empty = an.probe_fidelity([[0.1, 0.1, 0.1]], [[0.1, 0.1, 0.1]])["by_decidedness"]
+    assert empty[0]["n"] == 3 and empty[-1] == {"low": 0.9, "high": 1.0, "n": 0, "max_abs_diff": None,
+                                                "mean_abs_diff": None}
+
+
 def labelled(sid, outcome, probe_rows, move_rows, manipulation_rows, mass=None, judge=0.0):
     """An episode with given probe rows (b_t their mean) and labels per persuader turn."""
     beliefs = [sum(r) / 3 for r in probe_rows]

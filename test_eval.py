@@ -119,6 +119,11 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     engines = [engine.Engine(model, tok, num_blocks=3000) for _ in range(2)]
     summary = ev.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2, max_new_tokens=8)
     assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
+    # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
+    sample = json.loads((tmp_path / "run" / "fidelity.json").read_text())["sample"]
+    saved = an.load_episodes(tmp_path / "run")
+    assert sample == [[saved[0]["id"], 0], [saved[1]["id"], len(saved[1]["probes"]) - 1]]
+    assert sample[1][1] > 0 and summary["probe_fidelity"]["n"] == 2 * 3
     saved = an.load_episodes(tmp_path / "run")
     assert [e["id"] for e in saved] == [i["id"] for i in instances]
     assert not any(k in saved[0] for k in ev.TRAINING_KEYS)
