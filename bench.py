@@ -49,6 +49,7 @@ Metrics:
     PYTHONPATH=. python bench.py --dialogues 2 --turns 1 --max-new-tokens 8  # quick check
     PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --json  # GPU, 4B random model
     PYTHONPATH=. python bench.py --skip-baselines --profile trace.json   # where the engine's time goes
+    PYTHONPATH=. python bench.py --probe-vs-judge --dialogues 4 --turns 2   # Table 4: probe vs judge call
     PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --skip-baselines --cudnn-attention
 
 The GPU check of the decode step (issue: decode step <= 2x the weight + KV floor, probe share
@@ -327,6 +328,39 @@ def profiled(trace, gpu):
     prof.export_chrome_trace(trace)
 
 
+def probe_vs_judge(model, tok, instances, turns, max_new, sync):
+    """Table 4's comparison: reading the three probes in forks of the persuadee's cached context
+    against an equal-sized judge call on the same persuadee model, after the same dialogues. The
+    judge call reads the transcript in a fresh context (the strategy judge's prompt,
+    arena.judge_messages: nothing cached) and answers with as many greedy tokens as there are
+    probes, one per question; both are batched over the dialogues. Best of 3 each."""
+    er, ee = engine.Engine(model, tok), engine.Engine(model, tok)
+    eps = rollout.rollout_episodes(er, ee, instances, t_max=turns, persuader_sampling=engine.GREEDY,
+                                   persuadee_sampling=engine.GREEDY, max_new_tokens=max_new)
+    contexts, prompts = [], []
+    for inst, ep in zip(instances, eps):
+        messages = arena.persuadee_messages(inst) + [
+            {"role": "user" if m["role"] == "persuader" else "assistant", "content": m["text"]}
+            for m in ep["transcript"]]
+        contexts.append(models.chat_ids(tok, messages, False))
+        prompts.append(models.chat_ids(tok, arena.judge_messages(inst, ep["transcript"]), True))
+    sids = [ee.new(ids) for ids in contexts]
+    ee.forward(sids)  # the persuadee's contexts, cached as in a rollout
+
+    def judge_call():
+        js = [ee.new(ids) for ids in prompts]
+        ee.generate(js, max_new_tokens=len(probes.PROBES), sampling=engine.GREEDY, stop_ids=())
+        for j in js:
+            ee.free(j)
+    probe_s = best_time(lambda: probes.read_engine(ee, sids), sync, reps=3)
+    judge_s = best_time(judge_call, sync, reps=3)
+    for sid in sids:
+        ee.free(sid)
+    return dict(probe_read_s=probe_s, judge_call_s=judge_s, probe_over_judge=probe_s / judge_s,
+                dialogues=len(instances), context_tokens=sum(map(len, contexts)) / len(contexts),
+                judge_prompt_tokens=sum(map(len, prompts)) / len(prompts))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("--model", default=MODEL)
@@ -338,6 +372,8 @@ def main():
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--random-init", choices=sorted(models.RANDOM_CONFIGS), default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--probe-vs-judge", action="store_true", help="only time a probe read against an "
+                   "equal-sized judge call on the same persuadee after the dialogues (Table 4)")
     p.add_argument("--profile", metavar="TRACE", help="profile the engine's run: print the operations "
                    "inside probe reads and persuadee replies, write a chrome trace to TRACE")
     p.add_argument("--cudnn-attention", action="store_true", help="let the engine's SDPA calls use "
@@ -351,6 +387,14 @@ def main():
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     model, tok = load(args, dtype)
     instances = pick_instances(args.dialogues)
+    if args.probe_vs_judge:
+        r = probe_vs_judge(model, tok, instances, args.turns, args.max_new_tokens, sync)
+        print(f"probe read {1e3 * r['probe_read_s']:.1f} ms, judge call {1e3 * r['judge_call_s']:.1f} ms "
+              f"({r['probe_over_judge']:.1%}) for {r['dialogues']} dialogues (persuadee context "
+              f"{r['context_tokens']:.0f} tokens, judge prompt {r['judge_prompt_tokens']:.0f} tokens)")
+        if args.json:
+            print(json.dumps(r))
+        return
     er_len, ee_len = zip(*[map(len, rollout.prompt_ids(tok, tok, i)) for i in instances])
     bandwidth, flops = machine(model, args.device, dtype, sync)
     impls = {"engine": run_engine}
