@@ -375,7 +375,7 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
               f"   belief {sum(values) / 3:+.2f} ({sum(values) / 3 - before:+.2f})")
     beliefs = [sum(v) / 3 for v in probe_rows]
     ep = dict(id=inst["id"], scenario_id=inst["id"], domain=inst["domain"],
-              resistance=inst["hidden"]["resistance"], outcome=episode.outcome,
+              resistance=inst["hidden"].get("resistance"), outcome=episode.outcome,
               turns=len(beliefs) - 1, end_reason=episode.end_reason, transcript=transcript,
               beliefs=beliefs, probes=probe_rows, judge=None, persuader="human",
               persuadee=persuadee, seed=seed)

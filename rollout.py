@@ -325,7 +325,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                                   [e["g"] for e in episodes])
     return [dict(
         id=e["inst"]["id"], scenario_id=e["inst"].get("scenario_id", e["inst"]["id"]),
-        domain=e["inst"]["domain"], resistance=e["inst"]["hidden"]["resistance"],
+        domain=e["inst"]["domain"], resistance=e["inst"]["hidden"].get("resistance"),
         outcome=e["state"].outcome, turns=max(len(e["beliefs"]) - 1, 0),
         end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
         probes=e["probes"], probe_mass=e["probe_mass"], judge=score, judge_failed=fail,

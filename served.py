@@ -228,7 +228,7 @@ def record(inst, state, transcript, probe_rows, masses, judge, judge_failed=None
     """A record with rollout.rollout_episodes' keys (less the training token stream); probe_mass
     is the Yes + No probability mass each probe found."""
     out = dict(id=inst["id"], scenario_id=inst.get("scenario_id", inst["id"]),
-               domain=inst["domain"], resistance=inst["hidden"]["resistance"],
+               domain=inst["domain"], resistance=inst["hidden"].get("resistance"),
                outcome=state.outcome, turns=len(probe_rows) - 1, end_reason=state.end_reason,
                transcript=transcript, beliefs=[belief(v) for v in probe_rows], probes=probe_rows,
                judge=judge, judge_failed=judge_failed)

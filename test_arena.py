@@ -670,7 +670,7 @@ def check_no_hidden_text(s):
 def check_own_resistance_block(s):
     prompt = arena.persuadee_system_prompt(s)
     for r, block in arena.RESISTANCE_RULES.items():
-        assert (block in prompt) == (r == s["hidden"]["resistance"]), s["id"]
+        assert (block in prompt) == (r == s["hidden"].get("resistance")), s["id"]
 
 def test_persuader_prompt_shows_visible_profile_only():
     s = scenario()
@@ -697,6 +697,23 @@ def test_persuadee_prompt_compiles_its_own_profile(resistance):
 def test_persuadee_prompt_without_optional_fields():
     prompt = arena.persuadee_system_prompt(train_scenarios()[2])
     assert "None" not in prompt and "Secret" not in prompt and "Motivation" not in prompt
+
+def test_a_training_scenario_without_resistance_is_never_described_by_one(tmp_path):
+    """The paper's B.2: a training scenario may omit `resistance`; the persuadee's prompt then has
+    no rule block and the judge names no resistance; a held-out scenario must keep it."""
+    bare = with_field(scenario("train", "train-0009"), "hidden.resistance", DELETE)
+    [loaded] = arena.load_scenarios(write(tmp_path, [bare]))
+    assert "resistance" not in loaded["hidden"]
+    prompt = arena.persuadee_system_prompt(loaded)
+    assert not any(block in prompt for block in arena.RESISTANCE_RULES.values())
+    full = arena.judge_messages(scenario(), [])[1]["content"]
+    user = arena.judge_messages(loaded, [])[1]["content"]
+    assert "Resistance" in full and "this resistance" in full
+    assert "resistance" not in user.lower() and user.count("\n") == full.count("\n") - 1  # one profile line less
+    assert len(arena.training_instances([loaded], n=3)) == 3
+    with pytest.raises(ValueError, match="field 'hidden.resistance' is missing"):
+        arena.load_scenarios(write(tmp_path, [with_field(scenario(), "hidden.resistance", DELETE)], "h.jsonl"))
+
 
 def test_prompts_stay_within_the_cpu_context_budget():
     s = scenario()   # fields of typical length: about 250 tokens of scenario text
