@@ -356,8 +356,60 @@ def test_training_keeps_evaluated_checkpoints_and_joins_summaries(tmp_path, shor
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(k in metrics[0] for k in plots.RUN_DYNAMICS) and "negative_process_share" in metrics[0]
     capsys.readouterr()
-    ev.main(["--runs", str(run)])
-    assert "held-out full acceptance by step" in capsys.readouterr().out
+    ev.main(["--runs", str(run), "--name", "tiny"])
+    out = capsys.readouterr().out
+    assert "held-out full acceptance by step" in out and "pooled over the run" in out
+    # rollouts.jsonl: 4 steps x 2 instances x 2 episodes, pooled by --runs into the run's figures
+    rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 16 and {r["step"] for r in rollouts} == {1, 2, 3, 4}
+    [selected] = json.loads((tmp_path / "evals" / "tiny" / "runs.json").read_text())["runs"]
+    pooled = selected["diagnostics"]["pooled"]
+    groups = {(r["step"], r["group"]): set() for r in rollouts}
+    for r in rollouts:
+        groups[r["step"], r["group"]].add(r["goal"])
+    assert pooled["dead_goal_share"] == pytest.approx(sum(len(g) == 1 for g in groups.values()) / 8)
+    assert [c["step"] for c in selected["checkpoints"]] == [2, 4]
+
+
+def test_every_new_table_and_figure_from_tiny_model_evaluations(tmp_path, monkeypatch, capsys):
+    """Two tiny-model evaluations of the same held-out scenarios, then the commands of the
+    paper's tables and figures on them: --table (Markdown, LaTeX), --compare (compare.json),
+    --compare-many (the belief ranking), --overlay (overlay.png, overlay_probes.png), --case,
+    --analyze (probe fidelity by |v|)."""
+    import arena
+    import engine
+    import models
+    monkeypatch.chdir(tmp_path)
+    qwen, llama = models.load_model("random:tiny-qwen3"), models.load_model("random:tiny-llama")
+    instances = arena.heldout_instances()[:3]
+    dirs = {}
+    for name, persuader in (("A", llama), ("B", qwen)):
+        dirs[name] = str(tmp_path / "evals" / name)
+        ev.evaluate(engine.Engine(*persuader, num_blocks=2000), engine.Engine(*qwen, num_blocks=2000), instances,
+                    dirs[name], t_max=3, fidelity=6, max_new_tokens=6, names=(name, "tiny-qwen3"))
+    capsys.readouterr()
+    ev.main(["--table", dirs["A"], dirs["B"]])
+    lines = capsys.readouterr().out.splitlines()
+    assert len([line for line in lines if line.startswith("| ")]) == 1 + 2   # the header, A, B
+    assert lines[3].startswith(f"| {dirs['B']} | 3 |") and "p=" in lines[3]
+    ev.main(["--table", dirs["A"], dirs["B"], "--format", "latex"])
+    assert capsys.readouterr().out.count("\\\\") == 3
+    ev.main(["--compare", dirs["A"], dirs["B"]])
+    assert "won" in capsys.readouterr().out and (tmp_path / "evals" / "B" / "compare.json").is_file()
+    ev.main(["--compare-many", dirs["A"], "--policy", dirs["B"]])
+    assert "ranked by mean final belief" in capsys.readouterr().out
+    ev.main(["--overlay", dirs["A"], dirs["B"], "--name", "ov"])
+    assert "CA b_0" in capsys.readouterr().out
+    assert png_size(tmp_path / "evals" / "ov" / "overlay_probes.png") == \
+        tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)
+    ev.main(["--case", dirs["B"], instances[0]["id"]])
+    assert "of the net sum r_t" in capsys.readouterr().out
+    ev.main(["--analyze", dirs["A"]])
+    out = capsys.readouterr().out
+    assert "probe fidelity, fork vs full forward" in out and "by |v|" in out
+    summary = json.loads((tmp_path / "evals" / "A" / "summary.json").read_text())
+    assert summary["probe_fidelity"]["n"] == 6 * 3 and summary["shaping_lambda"] == rpo.LAMBDA
+    assert sum(b["n"] for b in summary["probe_fidelity"]["by_decidedness"]) == 18
 
 
 def test_run_anchor_follows_the_training_run(tmp_path):
