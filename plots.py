@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 import analyses  # noqa: E402
 import moves  # noqa: E402
@@ -31,7 +32,9 @@ from analyses import PROBE_NAMES  # noqa: E402
 
 PROBE_TITLES = {"CA": "concern addressed (CA)", "PE": "persuasion effective (PE)",
                 "AC": "acceptance shift (AC)"}
-RUN_DYNAMICS = {"dead_group_share": "share of dead groups", "dead_rescued_share": "dead groups rescued by the dense term",
+RUN_DYNAMICS = {"dead_group_share": "share of dead groups (all R equal)",
+                "dead_goal_share": "share of dead groups (identical outcomes)",
+                "dead_rescued_share": "dead groups rescued by the dense term",
                 "outcome_term_abs": "mean |A_out| per turn", "dense_term_abs": "mean |lambda D~| per turn"}
 DPI = 100
 BELIEF_FIGSIZE = (7.0, 4.5)
@@ -118,7 +121,8 @@ def plot_moves(summary, path):
 
 
 def plot_case(ep, path):
-    """Table 8 as a figure: the probes and b_t by turn above, r_t and its share of sum |r_t| below."""
+    """Table 8 as a figure: the probes and b_t by turn above; below, r_t with its share of sum |r_t|
+    and, in brackets, its signed share of the net sum r_t."""
     rows = analyses.case_rows(ep)
     t = [row["t"] for row in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=CASE_FIGSIZE, sharex=True)
@@ -128,24 +132,38 @@ def plot_case(ep, path):
     top.set(title=f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns", ylabel="probe value",
             ylim=(-1.05, 1.05))
     top.legend(fontsize=8)
-    bars = [(row["t"], row["r"], row["share"]) for row in rows if row["r"] is not None]
+    bars = [(row["t"], row["r"], row["share"], row["signed_share"]) for row in rows if row["r"] is not None]
     if bars:
-        xs, rs, shares = zip(*bars)
+        xs, rs, shares, signed = zip(*bars)
         bottom.bar(xs, rs, color=["tab:green" if r >= 0 else "tab:red" for r in rs])
-        for x, r, share in zip(xs, rs, shares):
-            bottom.annotate(analyses.pct(share), (x, r), ha="center", va="bottom" if r >= 0 else "top", fontsize=8)
+        for x, r, share, net in zip(xs, rs, shares, signed):
+            bottom.annotate(f"{analyses.pct(share)} ({analyses.pct(net)})", (x, r), ha="center",
+                            va="bottom" if r >= 0 else "top", fontsize=8)
     bottom.axhline(0, color="black", lw=0.5)
-    bottom.set(xlabel="turn t", ylabel="process reward r_t")
+    bottom.set(xlabel="turn t", ylabel="process reward r_t",
+               title="share of sum |r_t| (signed share of the net sum r_t)")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     _save_fig(fig, path)
+
+
+def system_labels(names):
+    """The shortest trailing part of each folder path that tells the systems apart
+    ("evals/A" and "evals/B" -> "A", "B"; "runs/x/eval-8" and "runs/y/eval-8" -> "x/eval-8", ...)."""
+    parts = [Path(n).parts or (n,) for n in names]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return list(names)
 
 
 def plot_overlay(runs, path):
     """Fig. 6: runs (name -> episodes) overlaid: mean belief b_t by turn, mean r_t by turn."""
     fig, axes = plt.subplots(1, 2, figsize=OVERLAY_FIGSIZE)
-    for name, episodes in runs.items():
+    for name, episodes in zip(system_labels(runs), runs.values()):
         for ax, rows, start in ((axes[0], [ep["beliefs"] for ep in episodes], 0),
                                 (axes[1], [analyses.raw_process_rewards(ep) for ep in episodes], 1)):
             mean, half = analyses.mean_band(rows)
@@ -158,6 +176,7 @@ def plot_overlay(runs, path):
         ax.axhline(0, color="black", lw=0.5)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     _save_fig(fig, path)
 
@@ -167,7 +186,7 @@ def plot_probe_overlay(runs, path):
     mean probe value by turn of every system, 95% bands."""
     fig, axes = plt.subplots(1, len(PROBE_NAMES), figsize=PROBE_FIGSIZE, sharey=True)
     for i, (ax, probe) in enumerate(zip(axes, PROBE_NAMES)):
-        for name, episodes in runs.items():
+        for name, episodes in zip(system_labels(runs), runs.values()):
             mean, half = analyses.mean_band([[row[i] for row in ep["probes"]] for ep in episodes])
             x = np.arange(mean.size)
             ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(episodes)})")
@@ -176,6 +195,7 @@ def plot_probe_overlay(runs, path):
                ylabel="probe value 2p(yes) - 1", ylim=(-1.05, 1.05))
         ax.axhline(0, color="black", lw=0.5)
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle("Per-probe trajectories by system (mean, 95% CI)")
     fig.tight_layout()
@@ -208,7 +228,8 @@ def plot_runs(analyses, path):
 
 
 def plot_dynamics(runs, path):
-    """Fig. 7: dead-group share, dead groups rescued, and the two advantage terms by step per run."""
+    """Fig. 7: dead-group shares (both definitions), dead groups rescued, and the two advantage
+    terms by step per run (a panel says so where no run logged its figure)."""
     fig, axes = plt.subplots(1, len(RUN_DYNAMICS), figsize=(RUN_PANEL_SIZE[0] * len(RUN_DYNAMICS), RUN_PANEL_SIZE[1]))
     for ax, (key, title) in zip(axes, RUN_DYNAMICS.items()):
         for run in runs:
@@ -217,7 +238,10 @@ def plot_dynamics(runs, path):
                 ax.plot(*zip(*pts), marker="o", ms=3, label=run["name"])
         ax.set(title=title, xlabel="training step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     _save_fig(fig, path)
 

@@ -47,3 +47,9 @@ def test_overlay_and_moves_plots(tmp_path, monkeypatch):
     assert png_size(tmp_path / "evals" / "ov" / "overlay.png") == tuple(round(v * plots.DPI) for v in plots.OVERLAY_FIGSIZE)
     assert png_size(tmp_path / "evals" / "ov" / "overlay_probes.png") == \
         tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)
+
+
+def test_system_labels_are_the_shortest_distinct_tails():
+    assert plots.system_labels(["evals/A", "evals/B"]) == ["A", "B"]
+    assert plots.system_labels(["runs/x/eval-8", "runs/y/eval-8"]) == ["x/eval-8", "y/eval-8"]
+    assert plots.system_labels(["same", "same"]) == ["same", "same"]
