@@ -1,24 +1,31 @@
 """
 Statistics over episode records: the paper's metrics and analyses, computed from episodes.jsonl
-alone (no torch, no model: `import analyses` loads neither).
+(and a training run's metrics.jsonl, evals.jsonl, rollouts.jsonl) alone: no torch, no model
+(`import analyses` loads neither).
 
-Reported metrics: full acceptance, full-or-conditional, pending, reject and walk-away (percent of
-episodes), mean turns, mean final belief (the measured b_T), mean dense return (sum_t r_t under
-the run's own reward setting, rpo.ANCHOR unless the episodes say otherwise), the share of turns
-with a negative process reward (rpo.negative_process_share: measured beliefs), mean
+Reported metrics: full acceptance, full-or-conditional, pending, reject and walk-away (fractions of
+episodes), mean turns, mean final belief (the measured b_T), closing efficiency (README, Decisions:
+Closing efficiency), mean dense return (sum_t r_t under the run's own reward setting), the share of
+turns with a negative process reward (rpo.negative_process_share: measured beliefs), mean
 strategy-judge score; the same per resistance type and per domain; and
   belief_stats        b_0 and b_T means, Spearman of dense return against GOAL[outcome] per episode,
                       3x3 Pearson of the probes over every read-out and over every turn's change,
                       the share of saturated read-outs (|v| > SATURATION), the mean Yes+No mass;
-  shaping_by_outcome  mean lambda-free dense return per outcome (the paper's 0.479 vs 0.461);
+  shaping_by_outcome  mean lambda * sum_t r_t per outcome at shaping_lambda (section F's 0.479 vs
+                      0.461 at lambda 0.5), beside dense_by_outcome, the lambda-free sum;
   moves               share of persuader messages with each move by turn (Fig. 5); per move the
                       difference, with and without it, in mean process reward of the turn (Welch
                       95% interval) and in P(ACCEPT) of the episode (Wald 95% interval), and the
-                      Spearman correlation of the two rankings (section F);
-  manipulation        per label the share of persuader messages and of episodes flagged, by outcome.
-Two runs are compared paired by scenario: wins/losses/ties on the goal reward, the 5x5 outcome
-transition table, an exact McNemar test on full acceptance and a Wilcoxon signed-rank test on the
-goal reward. Also the case study (Table 8) and checkpoint selection over training runs (Table 9).
+                      Spearman and Pearson correlations of the two rankings (section F);
+  manipulation        per label the share of persuader messages and of episodes flagged, by outcome;
+  probe_fidelity      forked against reference read-outs, split by |v| (FIDELITY_BINS).
+Across runs: two runs paired by scenario (compare: wins/losses/ties on the goal reward, acceptance
+won/lost/tied, the 5x5 outcome transitions, exact McNemar on full acceptance, Wilcoxon signed-rank on
+the goal reward); baselines against a policy and every system ranked by final belief against
+acceptance (compare_many, section E.4); the main table with 95% intervals and paired p-values
+(main_table); Fig. 6's per-probe overlay in numbers (probe_overlay); the case study (Table 8:
+case_rows); checkpoint selection over training runs (Table 9: runs_selection) with the run-level
+Fig. 7 diagnostics pooled from rollouts.jsonl.
 
 eval.py is the command line over these functions; plots.py draws them.
 Tests: python -m pytest -q test_analyses.py
