@@ -197,7 +197,7 @@ def test_a_reused_decode_copy_holds_nothing_of_before():
     eng = engine.Engine(model, block_size=4, num_blocks=256)
     long = [eng.new(p * 4) for p in PROMPTS]
     eng.generate(long, 10)
-    eng.copy_buffer.normal_(0, 30)  # large, finite: what any keys and values could leave
+    eng.arena.normal_(0, 30)  # large, finite: what any keys and values could leave
     prompts = [p[:2 + 2 * i] for i, p in enumerate(PROMPTS)]  # shorter rows see stale columns
     ours = [ids for ids, _, _ in eng.generate([eng.new(p) for p in prompts], 10)]
     assert ours == engine.generate(model, prompts, 10)
