@@ -402,8 +402,9 @@ class Engine:
     own sequences through new / append / fork / free and never touch the cache's tables."""
 
     def __init__(self, model, tokenizer=None, block_size=None, num_blocks=None, decode_bytes=None,
-                 decode_capacity=None):
-        """num_blocks: the KV pool (default CACHE_GB_CPU, or CACHE_FRACTION_GPU of free memory);
+                 decode_capacity=None, cache_bytes=None):
+        """num_blocks or cache_bytes: the KV pool (default CACHE_GB_CPU, or CACHE_FRACTION_GPU of
+        free memory; at most MAX_BLOCKS blocks);
         decode_bytes: the decode arena, the one dense copy every DecodeBatch views (default
         DECODE_COPY_GB, or DECODE_COPY_FRACTION_GPU of free memory); decode_capacity: the most
         tokens an arena row holds (default: the model's context). train.py passes its memory
@@ -422,7 +423,7 @@ class Engine:
         cuda = self.device.type == "cuda"
         free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         if num_blocks is None:
-            budget = free * CACHE_FRACTION_GPU if cuda else CACHE_GB_CPU * 2**30
+            budget = cache_bytes or (free * CACHE_FRACTION_GPU if cuda else CACHE_GB_CPU * 2**30)
             num_blocks = min(int(budget // (self.token_bytes * self.block_size)), MAX_BLOCKS)
         if decode_bytes is None:
             decode_bytes = free * DECODE_COPY_FRACTION_GPU if cuda else DECODE_COPY_GB * 2**30
