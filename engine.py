@@ -21,13 +21,17 @@ appended ("pending") token, so every token is prefilled exactly once:
             writing anything; admit() says which sequences fit.
 
 Prefill (and probe forks) run the ragged forward (Batch): flash-attn's paged kernels when it is
-installed and a GPU is present (BLOCK_SIZE divisible by 256), else PyTorch SDPA over gathered
-blocks, one padded call on a GPU (never on cuDNN, whose per-shape graph builds would cost more
-than the attention, SDPA_BACKENDS) and one causal call a sequence on a CPU. Decode runs on
-DecodeBatch: a fixed shape per (batch bucket, capacity), persistent device metadata, a dense copy
-of the batch's cache with a device-side mask, host checks every SYNC_EVERY steps, and on CUDA one
-CUDA graph per shape. The forward is written against the Hugging Face weights of Llama, Qwen2 and
-Qwen3 and tested token for token against Hugging Face `generate` on every path.
+installed, a GPU is present and the model is fp16/bf16 (BLOCK_SIZE divisible by 256), else
+PyTorch SDPA over gathered blocks, one padded call on a GPU (never on cuDNN, whose per-shape graph
+builds would cost more than the attention, SDPA_BACKENDS) and one causal call a sequence on a
+CPU. Decode runs on DecodeBatch: a fixed shape per batch bucket, persistent device metadata, a
+dense copy of the batch's cache in the engine's one decode arena (sized once, viewed per bucket)
+with a device-side mask and float32 scores, host checks every SYNC_EVERY steps, and on CUDA one
+CUDA graph per bucket and sampling, captured once for the engine's life. The weights are the
+model's own: q/k/v and gate/up are fused into tensors that become the parameters' storage (fuse),
+so nothing is held twice and a weight refresh is a write at the same addresses. The forward is
+written against the Hugging Face weights of Llama, Qwen2 and Qwen3 and tested token for token
+against Hugging Face `generate` on every path.
 
     python -m pytest -q test_engine.py       # engine tests on tiny random models
     python bench.py                          # the rollout workload against two baselines
@@ -51,13 +55,13 @@ MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get mill
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
 COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
 # attention a sequence at a time, the probes' common opening prefilled once
-DECODE_COPY_GB = 1.0      # a decode batch's dense copy of its cache may take this much on a CPU
-DECODE_COPY_FRACTION_GPU = 0.10  # ... and this share of free memory on a GPU
+DECODE_COPY_GB = 1.0      # the decode arena (every decode batch's dense copy) on a CPU
+DECODE_COPY_FRACTION_GPU = 0.10  # ... and its share of free memory on a GPU (train.py plans it)
 SYNC_EVERY = 8            # decode steps between host checks for stop tokens (no sync per token)
 BATCH_BUCKETS = (1, 2, 4, 8)  # decode batch shapes, then multiples of BATCH_STEP (nano-vllm's)
 BATCH_STEP = 16
-CAPACITY_BUCKET = 256     # a decode batch's capacity is rounded up to this many tokens
-CUDA_GRAPHS = True        # on CUDA, capture each decode shape once as a graph and replay it
+CAPACITY_BUCKET = 256     # a decode batch's capacity (tokens a row) is a multiple of this
+CUDA_GRAPHS = True        # on CUDA, capture each decode bucket once as a graph and replay it
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
 # forward here has a new one (the batch, its queries and its block-rounded keys all vary)
