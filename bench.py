@@ -69,8 +69,8 @@ Targets (the issue): decode step <= 2x the floor, probe share <= 5%, peak within
 plan, graph tokens equal to eager tokens.
 
     PYTHONPATH=. python bench.py --gpu-check --json                      # on the GPU (minutes)
-    PYTHONPATH=. python bench.py --gpu-check --device cpu --check-models tiny-llama,tiny-qwen3
-                                                                         # the script's logic, here
+    PYTHONPATH=. python bench.py --gpu-check --device cpu --check-models tiny-llama,tiny-qwen3 \
+        --check-turns 2 --check-new-tokens 16                           # the script's logic, here
 """
 import argparse
 import json
@@ -359,6 +359,8 @@ def gpu_check(args):
     targs = train.parse_args(["--preset", "paper", "--persuader", f"random:{er_shape}",
                               "--persuadee", f"random:{ee_shape}", "--dtype", "bfloat16",
                               "--out", tempfile.mkdtemp(), "--plan"])
+    targs.t_max = args.check_turns or targs.t_max
+    targs.max_new_tokens = args.check_new_tokens or targs.max_new_tokens
     plan = train.memory_plan(targs, 8, train.PLAN_NODE[1], True)
     tok = smollm2_tokenizer()
     er_model = models.random_model(er_shape, torch.bfloat16, args.device, seed=1, tokenizer=tok)[0]
@@ -382,6 +384,7 @@ def gpu_check(args):
                     eng.free(sid)
     sync()
     warm_s, capture_s = time.perf_counter() - t, er.graph_capture_s + ee.graph_capture_s
+    print(f"warm-up done in {warm_s:.1f} s", flush=True)
 
     # the timed 6-turn rollout
     steps = {id(er_model): [0.0, 0, 0], id(ee_model): [0.0, 0, 0]}  # seconds, steps, KV tokens
@@ -426,6 +429,7 @@ def gpu_check(args):
         engine.DecodeBatch.run, probes.read_engine = run_steps, read
         del ee.generate
     peak = torch.cuda.max_memory_allocated() if gpu else 0
+    print(f"rollout done in {wall:.1f} s", flush=True)
     generated = sum(sum(1 for t in r["turn_ids"] if t) for r in records)
 
     # graphs against eager: the same sampled calls, fresh sequences, the same keys
@@ -491,6 +495,10 @@ def main():
     p.add_argument("--gpu-check", action="store_true", help="the GPU check (module docstring)")
     p.add_argument("--check-models", default=CHECK_MODELS,
                    help="--gpu-check's persuader and persuadee RANDOM_CONFIGS shapes")
+    p.add_argument("--check-turns", type=int, default=None,
+                   help="--gpu-check's turns (default: the paper preset's T_max)")
+    p.add_argument("--check-new-tokens", type=int, default=None,
+                   help="--gpu-check's new tokens a message (default: the paper preset's)")
     args = p.parse_args()
     if args.gpu_check:
         out = gpu_check(args)

@@ -421,6 +421,7 @@ class Engine:
         self.block_size = block_size or (256 if self.use_flash else BLOCK_SIZE)
         self.use_flash = self.use_flash and self.block_size % 256 == 0
         self.decode_batches = {}  # batch bucket -> DecodeBatch (and its graphs), for the engine's life
+        self.addresses = ()  # of the model's parameters, which the graphs captured
         self.refresh()
         w = self.w
         self.token_bytes = 2 * len(w["layers"]) * w["n_kv_heads"] * w["head_dim"] * self.dtype.itemsize
@@ -458,7 +459,7 @@ class Engine:
                     mine[name].copy_(p)
         self.w = fused_weights(self.model)
         addresses = tuple(p.data_ptr() for p in self.model.parameters())
-        if addresses != getattr(self, "addresses", addresses):
+        if addresses != self.addresses:
             self.decode_batches = {}
         self.addresses = addresses
         self.copy_rows = (None, [])  # what the arena's rows hold (arena_rows)
