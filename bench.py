@@ -52,12 +52,26 @@ Metrics:
     PYTHONPATH=. python bench.py --probe-vs-judge --dialogues 4 --turns 2   # Table 4: probe vs judge call
     PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --skip-baselines --cudnn-attention
 
-The GPU check of the decode step (issue: decode step <= 2x the weight + KV floor, probe share
-<= 5%, graph capture time): random Qwen3-4B shape, bf16, 16 dialogues, 256 new tokens a message
-(README, "Measured", says how to carry the tokenizer to a machine without network):
+The GPU check (--gpu-check; README, "The GPU check", says how to carry the tokenizer to a
+machine without network): one rank of the paper preset on one GPU, random weights of the
+paper's shapes in bf16: a Qwen3-4B-shaped persuader and a Qwen3-14B-shaped persuadee (also the
+judge), engines sized by train.py's memory plan for 8 ranks (16 episodes a rank), and
+  warm-up     every batch bucket of each engine under each sampling it uses, so that every CUDA
+              graph is captured before timing (capture seconds reported apart)
+  rollout     2 instances x G 8, T_max 6, 256 new tokens, the paper's sampling (persuader T 1;
+              persuadee T 0.7, top-p 0.8, top-k 20; judge greedy); a stop set of 1/STOP_SHARE of
+              the vocabulary ends messages at varied lengths, so batches shrink as in a real
+              run: tokens/s, each engine's decode step against its weight + KV floor, the probe
+              share of the persuadee's reply time, capture seconds inside the timed run (0)
+  graphs      the same sampled generate with CUDA graphs and eagerly: token ids compared
+  memory      torch.cuda.max_memory_allocated against the plan's figures for what this process
+              holds (rollout copy, persuadee, both KV pools and decode arenas)
+Targets (the issue): decode step <= 2x the floor, probe share <= 5%, peak within 10% of the
+plan, graph tokens equal to eager tokens.
 
-    PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --dialogues 16 \
-        --max-new-tokens 256 --skip-baselines --json
+    PYTHONPATH=. python bench.py --gpu-check --json                      # on the GPU (minutes)
+    PYTHONPATH=. python bench.py --gpu-check --device cpu --check-models tiny-llama,tiny-qwen3 \
+        --check-turns 2 --check-new-tokens 16                           # the script's logic, here
 """
 import argparse
 import json
@@ -79,6 +93,8 @@ MAX_NEW_TOKENS = 48
 BANDWIDTH_MB = 512  # tensor summed for the memory bandwidth (beyond any cache)
 MATMUL_ROWS = 512   # tokens in the prefill matmul probe
 PAGE_SIZE = 256     # tokens a continuous-batching block holds (ContinuousBatchingConfig default)
+STOP_SHARE = 128    # --gpu-check: one token id in this many ends a message (mean length ~128)
+CHECK_MODELS = "qwen3-4b,qwen3-14b"  # --gpu-check: persuader and persuadee shapes
 
 
 def load(args, dtype):
@@ -360,6 +376,139 @@ def probe_vs_judge(model, tok, instances, turns, max_new, sync):
                 dialogues=len(instances), context_tokens=sum(map(len, contexts)) / len(contexts),
                 judge_prompt_tokens=sum(map(len, prompts)) / len(prompts))
 
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(models.smollm2_path())
+
+
+def gpu_check(args):
+    """One rank of the paper preset at the paper's shapes, measured as the module docstring says.
+    Returns the figures as a dict."""
+    import tempfile
+    import train
+    gpu = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    er_shape, ee_shape = args.check_models.split(",")
+    targs = train.parse_args(["--preset", "paper", "--persuader", f"random:{er_shape}",
+                              "--persuadee", f"random:{ee_shape}", "--dtype", "bfloat16",
+                              "--out", tempfile.mkdtemp(), "--plan"])
+    targs.t_max = args.check_turns or targs.t_max
+    targs.max_new_tokens = args.check_new_tokens or targs.max_new_tokens
+    plan = train.memory_plan(targs, 8, train.PLAN_NODE[1], True)
+    tok = smollm2_tokenizer()
+    er_model = models.random_model(er_shape, torch.bfloat16, args.device, seed=1, tokenizer=tok)[0]
+    ee_model = models.random_model(ee_shape, torch.bfloat16, args.device, seed=2, tokenizer=tok)[0]
+    er = engine.Engine(er_model, tok, **plan["sizes"]["actor"])
+    ee = engine.Engine(ee_model, tok, **plan["sizes"]["persuadee"])
+    er_sampling, ee_sampling = rollout.SAMPLING["paper"]
+    for eng in (er, ee):
+        eng.stop_ids = list(range(7, eng.model.config.vocab_size, STOP_SHARE))
+    rows = targs.instances // 8 * targs.group_size
+
+    # warm-up: every bucket under every sampling each engine will use
+    t = time.perf_counter()
+    for eng, samplings in ((er, [er_sampling]),
+                           (ee, [ee_sampling, engine.GREEDY, rollout.JUDGE_RETRY_SAMPLING])):
+        for bucket in sorted({engine.batch_bucket(n) for n in range(1, rows + 1)}):
+            for sampling in samplings:
+                sids = [eng.new(list(range(10, 40))) for _ in range(bucket)]
+                eng.generate(sids, engine.SYNC_EVERY + 1, sampling, list(range(bucket)), [])
+                for sid in sids:
+                    eng.free(sid)
+    sync()
+    warm_s, capture_s = time.perf_counter() - t, er.graph_capture_s + ee.graph_capture_s
+    print(f"warm-up done in {warm_s:.1f} s", flush=True)
+
+    # the timed 6-turn rollout
+    steps = {id(er_model): [0.0, 0, 0], id(ee_model): [0.0, 0, 0]}  # seconds, steps, KV tokens
+    run_steps, read = engine.DecodeBatch.run, probes.read_engine
+    st = dict(reply=0.0, probe=0.0)
+
+    def timed_run(batch, running, keys, n, sampling):
+        t = time.perf_counter()
+        out = run_steps(batch, running, keys, n, sampling)  # ends in one read-back: synced
+        s = steps[id(batch.engine.model)]
+        s[0] += time.perf_counter() - t
+        s[1] += n
+        s[2] += n * sum(batch.engine.cached(x) for x in running)
+        return out
+
+    def timed_read(eng, sids, **kw):
+        t = time.perf_counter()
+        try:
+            return read(eng, sids, **kw)
+        finally:
+            st["probe"] += time.perf_counter() - t
+    ee_generate = ee.generate
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        out = ee_generate(*a, **k)
+        sync()
+        st["reply"] += time.perf_counter() - t
+        return out
+    engine.DecodeBatch.run, probes.read_engine, ee.generate = timed_run, timed_read, timed_generate
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        t = time.perf_counter()
+        records = rollout.rollout_episodes(
+            er, ee, pick_instances(targs.instances // 8), targs.t_max, group_size=targs.group_size,
+            seed=1, persuader_sampling=er_sampling, persuadee_sampling=ee_sampling,
+            max_new_tokens=targs.max_new_tokens, judge=ee)
+        sync()
+        wall = time.perf_counter() - t
+    finally:
+        engine.DecodeBatch.run, probes.read_engine = run_steps, read
+        del ee.generate
+    peak = torch.cuda.max_memory_allocated() if gpu else 0
+    print(f"rollout done in {wall:.1f} s", flush=True)
+    generated = sum(sum(1 for t in r["turn_ids"] if t) for r in records)
+
+    # graphs against eager: the same sampled calls, fresh sequences, the same keys
+    prompts = [[(97 * i + 13 * j) % 40000 + 10 for j in range(1500 + 37 * i)] for i in range(rows)]
+    tokens = {}
+    for graphs in (True, False):
+        engine.CUDA_GRAPHS = graphs
+        sids = [ee.new(p) for p in prompts]
+        tokens[graphs] = [ids for ids, _, _ in ee.generate(sids, 64, ee_sampling,
+                                                           list(range(rows)), [])]
+        for sid in sids:
+            ee.free(sid)
+    engine.CUDA_GRAPHS = True
+    differ = sum(a != b for x, y in zip(tokens[True], tokens[False]) for a, b in zip(x, y))
+
+    bandwidth, _ = machine(ee_model, args.device, torch.bfloat16, sync)
+    out = dict(tok_s=generated / wall, wall_s=wall, warmup_s=warm_s, capture_s=capture_s,
+               capture_in_timed_run_s=er.graph_capture_s + ee.graph_capture_s - capture_s,
+               probe_share=st["probe"] / max(st["reply"], 1e-9), turns=max(r["turns"] for r in records),
+               graph_tokens_differ=differ, graph_tokens=sum(map(len, tokens[True])),
+               bandwidth_gb_s=bandwidth / 1e9)
+    for name, eng, model in (("persuader", er, er_model), ("persuadee", ee, ee_model)):
+        seconds, n, kv = steps[id(model)]
+        weights = sum(p.numel() for p in model.parameters()) * 2  # bf16
+        floor = weights / bandwidth + kv / max(n, 1) * eng.token_bytes / bandwidth
+        out[f"{name}_decode_step_ms"] = 1e3 * seconds / max(n, 1)
+        out[f"{name}_floor_ms"] = 1e3 * floor
+        out[f"{name}_decode_buckets"] = sorted(eng.decode_batches)
+    held = ("rollout copy", "actor KV pool", "actor decode arena", "persuadee bfloat16",
+            "persuadee KV pool", "persuadee decode arena")
+    planned = sum(n for name, n in plan["items"] if name.startswith(held))
+    out.update(peak_gib=peak / 2**30, planned_gib=planned / 2**30,
+               peak_over_plan=peak / planned if gpu else None)
+    print(f"gpu check: {er_shape} persuader, {ee_shape} persuadee (judge), bf16 on {args.device}")
+    print(f"warm-up {warm_s:.1f} s, of which CUDA-graph capture {capture_s:.1f} s; capture in the "
+          f"timed run {out['capture_in_timed_run_s']:.2f} s")
+    print(f"rollout: {len(records)} episodes x {out['turns']} turns, {generated} persuader tokens, "
+          f"{wall:.1f} s ({out['tok_s']:.1f} persuader tok/s), probe share {out['probe_share']:.3f}")
+    for name in ("persuader", "persuadee"):
+        print(f"{name} decode step {out[f'{name}_decode_step_ms']:.2f} ms against a floor of "
+              f"{out[f'{name}_floor_ms']:.2f} ms (weights + KV at {bandwidth / 1e9:.0f} GB/s); "
+              f"buckets {out[f'{name}_decode_buckets']}")
+    print(f"graphs vs eager: {differ} of {out['graph_tokens']} sampled tokens differ")
+    print(f"peak memory {out['peak_gib']:.2f} GiB against the plan's {out['planned_gib']:.2f} GiB")
+    return out
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
@@ -378,7 +527,19 @@ def main():
                    "inside probe reads and persuadee replies, write a chrome trace to TRACE")
     p.add_argument("--cudnn-attention", action="store_true", help="let the engine's SDPA calls use "
                    "cuDNN too (engine.SDPA_BACKENDS leaves it out), to measure what that costs")
+    p.add_argument("--gpu-check", action="store_true", help="the GPU check (module docstring)")
+    p.add_argument("--check-models", default=CHECK_MODELS,
+                   help="--gpu-check's persuader and persuadee RANDOM_CONFIGS shapes")
+    p.add_argument("--check-turns", type=int, default=None,
+                   help="--gpu-check's turns (default: the paper preset's T_max)")
+    p.add_argument("--check-new-tokens", type=int, default=None,
+                   help="--gpu-check's new tokens a message (default: the paper preset's)")
     args = p.parse_args()
+    if args.gpu_check:
+        out = gpu_check(args)
+        if args.json:
+            print(json.dumps(out))
+        return
     if args.cudnn_attention:
         engine.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
                                  *engine.SDPA_BACKENDS]

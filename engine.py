@@ -21,17 +21,22 @@ appended ("pending") token, so every token is prefilled exactly once:
             writing anything; admit() says which sequences fit.
 
 Prefill (and probe forks) run the ragged forward (Batch): flash-attn's paged kernels when it is
-installed and a GPU is present (BLOCK_SIZE divisible by 256), else PyTorch SDPA over gathered
-blocks, one padded call on a GPU (never on cuDNN, whose per-shape graph builds would cost more
-than the attention, SDPA_BACKENDS) and one causal call a sequence on a CPU. Decode runs on
-DecodeBatch: a fixed shape per (batch bucket, capacity), persistent device metadata, a dense copy
-of the batch's cache with a device-side mask, host checks every SYNC_EVERY steps, and on CUDA one
-CUDA graph per shape. The forward is written against the Hugging Face weights of Llama, Qwen2 and
-Qwen3 and tested token for token against Hugging Face `generate` on every path.
+installed, a GPU is present and the model is fp16/bf16 (BLOCK_SIZE divisible by 256), else
+PyTorch SDPA over gathered blocks, one padded call on a GPU (never on cuDNN, whose per-shape graph
+builds would cost more than the attention, SDPA_BACKENDS) and one causal call a sequence on a
+CPU. Decode runs on DecodeBatch: a fixed shape per batch bucket, persistent device metadata, a
+dense copy of the batch's cache in the engine's one decode arena (sized once, viewed per bucket)
+with a device-side mask and float32 scores, host checks every SYNC_EVERY steps, and on CUDA one
+CUDA graph per bucket and sampling, captured once for the engine's life. The weights are the
+model's own: q/k/v and gate/up are fused into tensors that become the parameters' storage (fuse),
+so nothing is held twice and a weight refresh is a write at the same addresses. The forward is
+written against the Hugging Face weights of Llama, Qwen2 and Qwen3 and tested token for token
+against Hugging Face `generate` on every path.
 
     python -m pytest -q test_engine.py       # engine tests on tiny random models
     python bench.py                          # the rollout workload against two baselines
 """
+import functools
 import math
 import os
 import time
@@ -50,13 +55,13 @@ MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get mill
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
 COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
 # attention a sequence at a time, the probes' common opening prefilled once
-DECODE_COPY_GB = 1.0      # a decode batch's dense copy of its cache may take this much on a CPU
-DECODE_COPY_FRACTION_GPU = 0.10  # ... and this share of free memory on a GPU
+DECODE_COPY_GB = 1.0      # the decode arena (every decode batch's dense copy) on a CPU
+DECODE_COPY_FRACTION_GPU = 0.10  # ... and its share of free memory on a GPU (train.py plans it)
 SYNC_EVERY = 8            # decode steps between host checks for stop tokens (no sync per token)
 BATCH_BUCKETS = (1, 2, 4, 8)  # decode batch shapes, then multiples of BATCH_STEP (nano-vllm's)
 BATCH_STEP = 16
-CAPACITY_BUCKET = 256     # a decode batch's capacity is rounded up to this many tokens
-CUDA_GRAPHS = True        # on CUDA, capture each decode shape once as a graph and replay it
+CAPACITY_BUCKET = 256     # a decode batch's capacity (tokens a row) is a multiple of this
+CUDA_GRAPHS = True        # on CUDA, capture each decode bucket once as a graph and replay it
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
 # forward here has a new one (the batch, its queries and its block-rounded keys all vary)
@@ -99,25 +104,45 @@ def linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
+def fuse(params):
+    """One tensor holding these parameters (matrices or bias vectors) one after another, which
+    becomes their storage: each parameter is re-pointed at its slice, so the fused copy is the
+    only copy (no byte held twice) and a write into the parameters (train.copy_weights, an
+    optimizer step) is a write into the tensor the engine reads. Parameters already lying back
+    to back in one storage (a model fused before) give that same tensor again, same address."""
+    parts = [p.detach() for p in params]
+    first, rows = parts[0], sum(p.shape[0] for p in parts)
+    offsets = [p.storage_offset() for p in parts]
+    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           for p in parts) and all(b == a + p.numel() for a, b, p in zip(offsets, offsets[1:], parts)):
+        return first.as_strided((rows, *first.shape[1:]), first.stride(), offsets[0])
+    fused = torch.cat(parts)
+    for p, piece in zip(params, fused.split([p.shape[0] for p in parts])):
+        p.data = piece
+    return fused
+
+
 def fused_weights(model):
-    """The decoder's weights, with q/k/v and gate/up fused so a layer is four matrix products."""
+    """The decoder's weights, with q/k/v and gate/up fused so a layer is four matrix products.
+    The fused tensors are the model's own storage (fuse); every other entry is a parameter
+    itself. Only PACK_CPU_WEIGHTS adds a layout of its own (oneDNN's, on a CPU)."""
     m, cfg = model.model, model.config
     layers = []
-    for layer in m.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        w = dict(
-            ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-            qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-            o=a.o_proj.weight, gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            down=mlp.down_proj.weight)
-        if a.q_proj.bias is not None:  # Qwen2
-            w["qkv_bias"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k: one weight row a head
-            w["qk_norm"] = torch.cat([a.q_norm.weight.expand(cfg.num_attention_heads, -1),
-                                      a.k_norm.weight.expand(cfg.num_key_value_heads, -1)])
-        w = {k: v.detach() for k, v in w.items()}
-        layers.append({k: pack(v) if k in ("qkv", "o", "gate_up", "down") else v
-                       for k, v in w.items()})
+    with torch.no_grad():
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            w = dict(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                qkv=fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                o=a.o_proj.weight, gate_up=fuse([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                down=mlp.down_proj.weight)
+            if a.q_proj.bias is not None:  # Qwen2
+                w["qkv_bias"] = fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k
+                w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
+            w = {k: v.detach() for k, v in w.items()}
+            layers.append({k: pack(v) if k in ("qkv", "o", "gate_up", "down") else v
+                           for k, v in w.items()})
     rope = m.rotary_emb
     return dict(
         layers=layers, embed=m.embed_tokens.weight.detach(), norm=m.norm.weight.detach(),
@@ -130,11 +155,8 @@ def fused_weights(model):
 
 def rms_norm(x, weight, eps):
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, accumulated in float32 (PyTorch's
-    own op: one fused kernel on a GPU where a hand-written one launches eight). A 2-D weight holds
-    one row per head (Qwen3's q/k norms)."""
-    if weight.dim() == 1:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return F.rms_norm(x, weight.shape[-1:], eps=eps) * weight
+    own op: one fused kernel on a GPU where a hand-written one launches eight)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def rotate(x, cos, signed_sin):
@@ -147,14 +169,32 @@ def decode_attention(q, keys_t, values, key_bias):
     """softmax(q k^T / sqrt(d) + bias) v for one query per sequence: q [B, H, D], keys_t
     [B, kv_heads, D, K] (keys transposed: the score product then reads rows of K contiguous
     floats, ~25% faster on a CPU than reading keys across), values [B, kv_heads, K, D], key_bias
-    [B * kv_heads, 1, K] (0 where a key is visible, else -inf). Query head h*G + g reads kv head
-    h (grouped-query attention), so each kv head meets its G queries in one product; on a CPU
-    two batched products beat SDPA's kernel at one query."""
+    float32 [B * kv_heads, 1, K] (0 where a key is visible, else -inf). Query head h*G + g reads
+    kv head h (grouped-query attention), so each kv head meets its G queries in one product; on
+    a CPU two batched products beat SDPA's kernel at one query. The scores and the softmax are
+    float32 whatever the model's dtype (as in flash-attn and SDPA): pi_old recorded here then
+    differs from the trainer's recomputation by the weights' rounding, not the scores'."""
     B, H, D = q.shape
     Hkv, K = keys_t.shape[1], keys_t.shape[3]
-    scores = torch.baddbmm(key_bias, q.reshape(B * Hkv, H // Hkv, D),
-                           keys_t.reshape(B * Hkv, D, K), alpha=D ** -0.5)
-    return torch.bmm(torch.softmax(scores, -1), values.reshape(B * Hkv, K, D)).view(B, H, D)
+    q, keys_t = q.reshape(B * Hkv, H // Hkv, D), keys_t.reshape(B * Hkv, D, K)
+    if q.dtype == torch.float32:
+        scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
+    elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
+        scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
+    else:
+        scores = torch.baddbmm(key_bias, q.float(), keys_t.float(), alpha=D ** -0.5)
+    probs = torch.softmax(scores, -1).to(values.dtype)
+    return torch.bmm(probs, values.reshape(B * Hkv, K, D)).view(B, H, D)
+
+
+@functools.cache
+def fp32_products():
+    """Whether this PyTorch's CUDA bmm writes float32 from half inputs (out_dtype); checked once."""
+    try:
+        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device="cuda")
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
 
 
 def rope(w, positions, dtype):
@@ -178,8 +218,10 @@ def decoder(w, ids, positions, attend):
             h = rms_norm(x, lw["ln1"], w["eps"])
             qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
             qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
-            if "qk_norm" in lw:
-                qk = rms_norm(qk, lw["qk_norm"], w["eps"])
+            if "q_norm" in lw:  # each head's q and k normalised, then scaled by its weight
+                qk = F.rms_norm(qk, (D,), eps=w["eps"])
+                qk[:, :H] *= lw["q_norm"]
+                qk[:, H:] *= lw["k_norm"]
             qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
             q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
             x = x + linear(attend(i, q, k, v).reshape(len(ids), H * D), lw["o"])
@@ -250,6 +292,10 @@ def sample(logits, sampling, keys, positions):
     gumbel = -torch.log(-torch.log(uniform_noise(keys, positions, logp.shape[-1])))
     tokens = (logp + gumbel).argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
 
 
 def batch_bucket(n):
@@ -359,41 +405,64 @@ class Engine:
     token, or text the dialogue appended). The next forward that includes it runs them. Callers
     own sequences through new / append / fork / free and never touch the cache's tables."""
 
-    def __init__(self, model, tokenizer=None, block_size=None, num_blocks=None):
+    def __init__(self, model, tokenizer=None, block_size=None, num_blocks=None, decode_bytes=None,
+                 decode_capacity=None, cache_bytes=None):
+        """num_blocks or cache_bytes: the KV pool (default CACHE_GB_CPU, or CACHE_FRACTION_GPU of
+        free memory; at most MAX_BLOCKS blocks);
+        decode_bytes: the decode arena, the one dense copy every DecodeBatch views (default
+        DECODE_COPY_GB, or DECODE_COPY_FRACTION_GPU of free memory); decode_capacity: the most
+        tokens an arena row holds (default: the model's context). train.py passes its memory
+        plan's figures for all three."""
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.use_flash = flash_attn_with_kvcache is not None and self.device.type == "cuda"
+        self.use_flash = (flash_attn_with_kvcache is not None and self.device.type == "cuda"
+                          and self.dtype in (torch.float16, torch.bfloat16))  # FlashAttention-2's
         self.block_size = block_size or (256 if self.use_flash else BLOCK_SIZE)
         self.use_flash = self.use_flash and self.block_size % 256 == 0
+        self.decode_batches = {}  # batch bucket -> DecodeBatch (and its graphs), for the engine's life
+        self.addresses = ()  # of the model's parameters, which the graphs captured
         self.refresh()
         w = self.w
         self.token_bytes = 2 * len(w["layers"]) * w["n_kv_heads"] * w["head_dim"] * self.dtype.itemsize
         cuda = self.device.type == "cuda"
         free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         if num_blocks is None:
-            budget = free * CACHE_FRACTION_GPU if cuda else CACHE_GB_CPU * 2**30
+            budget = cache_bytes or (free * CACHE_FRACTION_GPU if cuda else CACHE_GB_CPU * 2**30)
             num_blocks = min(int(budget // (self.token_bytes * self.block_size)), MAX_BLOCKS)
-        self.copy_budget = free * DECODE_COPY_FRACTION_GPU if cuda else DECODE_COPY_GB * 2**30
+        if decode_bytes is None:
+            decode_bytes = free * DECODE_COPY_FRACTION_GPU if cuda else DECODE_COPY_GB * 2**30
+        self.decode_bytes = int(decode_bytes)
+        self.decode_capacity = round_up(decode_capacity or self.max_len + SYNC_EVERY,
+                                        CAPACITY_BUCKET)
         self.cache = PagedCache(len(w["layers"]), w["n_kv_heads"], w["head_dim"], num_blocks,
                                 self.block_size, self.dtype, self.device)
         self.pending = {}
         self.stop_ids = stop_ids(model, tokenizer) if tokenizer is not None else []
         self.tokens_prefilled = 0
-        self.decode_batches = {}  # (batch, capacity) -> DecodeBatch, kept on CUDA for its graphs
-        self.graph_pool = None
-        self.copy_buffer = None  # what DecodeBatch's dense copies view on a CPU (copy_memory)
-        self.copy_rows = (None, [])  # the shape the buffer holds and what its rows hold
+        self.arena = None  # [2, decode_bytes / 2 elements]: keys, values (arena_views)
+        self.graph_pool = self.side_stream = None  # CUDA: one graph pool, one capture stream
         self.gather_buffers = [self.cache.k.new_empty(0)] * 2  # Batch.gather's keys and values
         self.graph_capture_s = 0.0  # time spent capturing decode graphs (CUDA)
 
     def refresh(self, model=None):
-        """Point the engine at the (updated) weights of `model`; the cache is kept."""
-        self.model = model or self.model
-        with torch.no_grad():
-            self.w = fused_weights(self.model)
-        self.decode_batches = {}  # graphs captured the old weights' addresses
-        self.copy_rows = (None, [])
+        """Read the model's current weights. The fused tensors are the model's own storage
+        (fuse), so weights written into the model in place (train.copy_weights, an optimizer
+        step) are what the engine reads, at the same addresses: the CUDA graphs stay valid and
+        only CPU-packed layouts are rebuilt. `model`, another model of the same shapes, has its
+        weights copied into this one's. Storage that moved (a model moved or reloaded) drops the
+        graphs, which hold the old addresses."""
+        if model is not None and model is not self.model:
+            with torch.no_grad():
+                mine = dict(self.model.named_parameters())
+                for name, p in model.named_parameters():
+                    mine[name].copy_(p)
+        self.w = fused_weights(self.model)
+        addresses = tuple(p.data_ptr() for p in self.model.parameters())
+        if addresses != self.addresses:
+            self.decode_batches = {}
+        self.addresses = addresses
+        self.copy_rows = (None, [])  # what the arena's rows hold (arena_rows)
 
     def new(self, tokens=()):
         sid = self.cache.new()
@@ -507,35 +576,45 @@ class Engine:
         self._eager_step(list(sids), [len(self.pending[s]) for s in sids], max_new_tokens,
                          sampling, keys, out, stop)
         active = [s for s in sids if out[s][2] is None]
-        while active:  # a new DecodeBatch whenever the sequences left fit a smaller bucket
-            capacity = self._capacity(active, max_new_tokens)
-            rows = len(active)  # as many rows a DecodeBatch as its dense copy has room for
-            while rows and batch_bucket(rows) * capacity * self.token_bytes > self.copy_budget:
+        while active:  # another DecodeBatch whenever the sequences left fit a smaller bucket
+            reach = self._reach(active, max_new_tokens)
+            rows = len(active)  # as many rows a DecodeBatch as the arena holds at this reach
+            while rows and self.arena_capacity(batch_bucket(rows)) < reach:
                 rows -= 1
-            if not rows:  # a single row's copy would not fit: the ragged forward, step by step
+            if not rows:  # a single row would not fit the arena: the ragged forward, step by step
                 self._decode_eager(active, max_new_tokens, sampling, keys, out, stop)
             for i in range(0, len(active), rows) if rows else ():
-                self._decode(active[i:i + rows], capacity, max_new_tokens, sampling, keys, out,
-                             stop)
+                self._decode(active[i:i + rows], max_new_tokens, sampling, keys, out, stop)
             active = [s for s in active if out[s][2] is None]
         for s in sids:
             self.cache.trim(s)
         return [out[s] for s in sids]
 
-    def copy_memory(self, shape, n):
-        """A DecodeBatch's dense copy on a CPU: two flat tensors of n elements (keys, values),
-        views of one buffer of the copy budget, allocated once and left untouched until used
-        (fresh memory costs its first touch: zero-filling an 8-row copy took 0.25 s of page
-        faults, once a call), and the list of what each row holds (DecodeBatch.filled), kept
-        while the buffer holds this shape (rows, capacity)."""
-        if self.copy_buffer is None or self.copy_buffer.shape[1] < n:
-            per_side = int(self.copy_budget // (2 * self.dtype.itemsize))
-            self.copy_buffer = None  # let the old one go before the new one is allocated
-            self.copy_buffer = self.cache.k.new_empty(2, max(n, per_side))
-            self.copy_rows = (None, [])
-        if self.copy_rows[0] != shape:  # another shape wrote it: nothing in it is a row's
-            self.copy_rows = (shape, [None] * shape[0])
-        return self.copy_buffer[0, :n], self.copy_buffer[1, :n], self.copy_rows[1]
+    def arena_capacity(self, rows):
+        """Tokens each row of a `rows`-row DecodeBatch holds in the arena: what decode_bytes gives
+        a row (one scratch column kept), rounded down to CAPACITY_BUCKET, at most
+        decode_capacity. Fixed per bucket, so a bucket's CUDA graph is captured once."""
+        columns = self.decode_bytes // (self.token_bytes * rows) - 1
+        return min(columns // CAPACITY_BUCKET * CAPACITY_BUCKET, self.decode_capacity)
+
+    def arena_views(self, n):
+        """Keys and values of a DecodeBatch, n elements each: views of the engine's one decode
+        arena of decode_bytes, allocated at first use and never again (every bucket views it).
+        On a CPU it is left untouched until used (fresh memory costs its first touch: zero-filling
+        an 8-row copy took 0.25 s of page faults); on CUDA it starts zeroed, since a graph step
+        reads every column up to the capacity and masks the unwritten ones, which must be finite."""
+        if self.arena is None:
+            per_side = self.decode_bytes // (2 * self.dtype.itemsize)
+            make = self.cache.k.new_zeros if self.device.type == "cuda" else self.cache.k.new_empty
+            self.arena = make(2, per_side)
+        return self.arena[0, :n], self.arena[1, :n]
+
+    def arena_rows(self, rows):
+        """What each arena row holds for a `rows`-row DecodeBatch (DecodeBatch.filled): kept while
+        batches of this bucket use the arena, reset once another bucket's view wrote it."""
+        if self.copy_rows[0] != rows:
+            self.copy_rows = (rows, [None] * rows)
+        return self.copy_rows[1]
 
     def gather_memory(self, side, n):
         """n elements for one layer's gathered keys (side 0) or values (side 1) in an eager
@@ -552,9 +631,6 @@ class Engine:
     def _reach(self, sids, max_new_tokens):
         """Past the last position any decode step of these sequences can write or read."""
         return min(max(map(self.cached, sids)) + max_new_tokens, self.max_len) + SYNC_EVERY
-
-    def _capacity(self, sids, max_new_tokens):
-        return -(-self._reach(sids, max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
     def _admit_step(self, sids, counts, out):
         """The sequences whose next counts[i] tokens fit, in order; the others end, "context"
@@ -581,14 +657,14 @@ class Engine:
         self.pending[sid] = ids[-1:]
         return n
 
-    def _decode(self, sids, capacity, max_new_tokens, sampling, keys, out, stop):
+    def _decode(self, sids, max_new_tokens, sampling, keys, out, stop):
         """Decode windows of SYNC_EVERY fixed-shape steps until every sequence has ended, or
         until those left fit a smaller batch bucket (finished rows still cost compute)."""
-        shape = (batch_bucket(len(sids)), capacity)
-        batch = self.decode_batches.get(shape) or DecodeBatch(self, *shape)
-        if self.device.type == "cuda":
-            self.decode_batches[shape] = batch
-        batch.begin(sids, min(capacity, self._reach(sids, max_new_tokens)))
+        bucket = batch_bucket(len(sids))
+        if bucket not in self.decode_batches:  # one a bucket, for the engine's life
+            self.decode_batches[bucket] = DecodeBatch(self, bucket, self.arena_capacity(bucket))
+        batch = self.decode_batches[bucket]
+        batch.begin(sids, min(batch.capacity, self._reach(sids, max_new_tokens)))
         active = list(sids)
         while active:
             room = [min(SYNC_EVERY, max_new_tokens - len(out[s][0]), self.max_len - self.cached(s))
@@ -611,7 +687,7 @@ class Engine:
                 self.tokens_prefilled += taken
                 batch.filled[row] = (s, self.cache.lengths[s])
             active = [s for s in active if out[s][2] is None]
-            if active and batch_bucket(len(active)) < shape[0]:
+            if active and batch_bucket(len(active)) < bucket:
                 return
 
     def _eager_step(self, sids, counts, max_new_tokens, sampling, keys, out, stop):
@@ -636,47 +712,48 @@ class Engine:
 
 
 class DecodeBatch:
-    """Fixed-shape decode steps for one (batch bucket, capacity): every tensor a step reads lives
-    here on the device and keeps its shape and address, so that on CUDA a step is captured once
-    as a graph and replayed; on a CPU the same step runs eagerly.
+    """Fixed-shape decode steps for one batch bucket: every tensor a step reads lives here or in
+    the engine's decode arena on the device and keeps its shape and address, so that on CUDA a
+    step is captured once as a graph (per sampling) and replayed for the engine's life, weight
+    refreshes included; on a CPU the same step runs eagerly.
 
-        rows      B = batch_bucket(sequences); rows past the sequences and rows not running are
-                  padded and inert: they write into the pool's scratch block and the copy's
-                  scratch column, their position does not move, their samples are discarded
+        rows      B = the bucket; rows past the sequences and rows not running are padded and
+                  inert: they write into the pool's scratch block and the copy's scratch column,
+                  their position does not move, their samples are discarded
+        capacity  Engine.arena_capacity(B) tokens a row, fixed for the bucket; a graph step
+                  attends over all of them (the unwritten ones masked), an eager step over the
+                  columns its positions reach
         keys_t    each row's keys, dense and transposed [layers, B, kv_heads, head_dim, capacity +
-                  1] (decode_attention), and values [layers, B, kv_heads, capacity + 1, head_dim],
-        values    copied from the pool and kept between calls (filled); each step writes its token
-                  into both, so the pool stays the cache of record
+                  1] (decode_attention), and values [layers, B, kv_heads, capacity + 1, head_dim]:
+        values    views of the engine's one arena (Engine.arena_views), copied from the pool and
+                  kept between calls (filled); each step writes its token into both, so the pool
+                  stays the cache of record
         filled    per row, (sequence, tokens of it the row holds): a row that holds its sequence's
-                  first tokens from the last call takes only the tokens cached since (on a CPU
-                  the record lives with the engine's buffer, Engine.copy_memory)
+                  first tokens from the last call takes only the tokens cached since; reset when
+                  another bucket's view wrote the arena (Engine.arena_rows)
         metadata  tokens, positions, the running mask, stream keys and block tables, written from
                   the host once a window of SYNC_EVERY steps; the mask of visible keys is built on
                   the device from the positions"""
 
     def __init__(self, engine, rows, capacity):
         cache, dev = engine.cache, engine.device
-        # a weak reference: the engine keeps its batches on CUDA, and a cycle would keep its pool
-        # alive until the garbage collector (or interpreter shutdown) came to it
+        # a weak reference: the engine keeps its batches, and a cycle would keep its pool alive
+        # until the garbage collector (or interpreter shutdown) came to it
         self.engine = weakref.proxy(engine)
         self.capacity, self.block_size = capacity, cache.block_size
         layers, _, kv_heads, head_dim = cache.k.shape
         keys_shape = (layers, rows, kv_heads, head_dim, capacity + 1)
         values_shape = (layers, rows, kv_heads, capacity + 1, head_dim)
-        if dev.type == "cuda":  # its own memory: a captured graph keeps these addresses
-            keys, values = cache.k.new_zeros(2, math.prod(values_shape))
-            self.filled = [None] * rows
-        else:
-            keys, values, self.filled = engine.copy_memory((rows, capacity),
-                                                           math.prod(values_shape))
+        keys, values = engine.arena_views(math.prod(values_shape))
         self.keys_t, self.values = keys.view(keys_shape), values.view(values_shape)
+        self.filled = engine.arena_rows(rows)
         new = lambda fill=0, dtype=torch.long: torch.full((rows,), fill, dtype=dtype, device=dev)
         self.tokens, self.positions, self.keys = new(), new(), new()
         self.live = new(False, torch.bool)
         self.tables = torch.full((rows, capacity // cache.block_size + 1), cache.scratch,
                                  dtype=torch.long, device=dev)
         self.rows, self.kv_pos = torch.arange(rows, device=dev), torch.arange(capacity, device=dev)
-        self.graphs = {}
+        self.graphs = {}  # sampling -> (graph, outputs)
 
     def begin(self, sids, limit):
         """Bring the dense copy up to date with these sequences' cached keys and values: a row
@@ -685,6 +762,7 @@ class DecodeBatch:
         the coming steps reach) are zeroed: memory never written may hold anything, and a
         masked key's weight is 0 only when its value is finite."""
         cache, self.sids = self.engine.cache, list(sids)
+        self.filled = self.engine.arena_rows(len(self.tokens))
         for row, sid in enumerate(self.sids):
             n = cache.lengths[sid]
             start = self.filled[row][1] if self.filled[row] and self.filled[row][0] == sid else 0
@@ -725,7 +803,7 @@ class DecodeBatch:
         slots = torch.where(self.live, block * bs + pos % bs, cache.scratch * bs)
         column = torch.where(self.live, pos.clamp(max=self.capacity - 1), self.capacity)
         hidden = self.kv_pos[:extent] > column[:, None, None]
-        bias = torch.zeros(hidden.shape, dtype=eng.dtype, device=pos.device)
+        bias = torch.zeros(hidden.shape, device=pos.device)  # float32: the scores' dtype
         bias = bias.masked_fill_(hidden, -math.inf).repeat_interleave(w["n_kv_heads"], 0)
 
         def attend(layer, q, k, v):
@@ -757,15 +835,17 @@ class DecodeBatch:
         return tokens.tolist(), logps.tolist()
 
     def replay(self, sampling):
-        """The step as a CUDA graph, captured on first use for this sampling (while every row is
-        inert, so that capturing writes nothing but scratch)."""
+        """The step as a CUDA graph over the whole capacity, captured on first use for this
+        sampling (while every row is inert, so that capturing writes nothing but scratch) and
+        kept for the engine's life: its tensors, the arena and the weights never move."""
         if sampling not in self.graphs:
             start = time.perf_counter()
             live = self.live.clone()
             self.live.zero_()
-            if self.engine.graph_pool is None:
+            if self.engine.graph_pool is None:  # one pool and one capture stream an engine
                 self.engine.graph_pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream()
+                self.engine.side_stream = torch.cuda.Stream()
+            side = self.engine.side_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self.step(self.capacity, sampling)  # warm-up outside the graph
@@ -814,7 +894,7 @@ class Batch:
             kv_pos = torch.arange(n_blocks * bs)
             bias = torch.zeros(B, 1, len(kv_pos)).masked_fill_(kv_pos >= kv_lens[:, None, None],
                                                                -math.inf)
-            self.bias = bias.repeat_interleave(engine.w["n_kv_heads"], 0).to(dev, engine.dtype)
+            self.bias = bias.repeat_interleave(engine.w["n_kv_heads"], 0).to(dev)  # float32
         if self.path in ("flash", "padded"):  # queries padded on the left to [B, Q]: padded row
             # i of sequence b is its position kv_len - Q + i (bottom-right causal alignment)
             row = torch.repeat_interleave(torch.arange(B), q_lens)

@@ -52,7 +52,13 @@ RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for ti
     "qwen3-14b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408,
                       head_dim=128, num_hidden_layers=40, num_attention_heads=40,
                       num_key_value_heads=8, vocab_size=151936, rope_theta=1e6),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49152, rope_theta=1e5, tie_word_embeddings=True),
 }
+KNOWN_SHAPES = {  # models whose shapes (and context) a memory plan knows with no download
+    "smollm2": ("smollm2-135m", 8192), "Qwen/Qwen3-4B-Instruct-2507": ("qwen3-4b", 262144),
+    "Qwen/Qwen3-14B": ("qwen3-14b", 40960)}
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -84,10 +90,10 @@ def tiny_tokenizer(template=TINY_CHAT_TEMPLATE, special=("<|endoftext|>", "<|im_
                                    bos_token=bos, chat_template=template)
 
 
-def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None, **overrides):
-    """An untrained model of a RANDOM_CONFIGS shape (config fields overridable), with the tiny
-    tokenizer unless one is given; no download."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def random_config(name, tokenizer=None, **overrides):
+    """The config of a RANDOM_CONFIGS shape (fields overridable): special ids and, unless the
+    shape fixes it, the vocabulary from the tokenizer (the tiny one by default)."""
+    from transformers import AutoConfig
     tokenizer = tokenizer or tiny_tokenizer()
     spec = dict(RANDOM_CONFIGS[name], max_position_embeddings=32768, eos_token_id=2,
                 bos_token_id=1, pad_token_id=0)
@@ -97,12 +103,44 @@ def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None
     spec.setdefault("vocab_size", max(640, len(tokenizer)))
     spec.setdefault("initializer_range", 0.1 if name.startswith("tiny") else 0.02)
     spec.update(overrides)
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None, **overrides):
+    """An untrained model of a RANDOM_CONFIGS shape (config fields overridable), with the tiny
+    tokenizer unless one is given; no download. device="meta" builds the shapes alone."""
+    from transformers import AutoModelForCausalLM
+    tokenizer = tokenizer or tiny_tokenizer()
+    config = random_config(name, tokenizer, **overrides)
     check_supported(config, f"random model {name!r}")
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval(), tokenizer
+
+
+def model_config(name):
+    """A model's config, no weight read: random:NAME's shape, a local folder's config.json (the
+    converted smollm2 cache), a hub model's cached config, the KNOWN_SHAPES (so that the
+    paper's plan needs no download), else the hub's config.json."""
+    from transformers import AutoConfig
+    if name.startswith("random:"):
+        return random_config(name.split(":", 1)[1])
+    path = CACHE_DIR / "smollm2-135m-instruct" if name == "smollm2" else Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    if name in KNOWN_SHAPES:
+        shape, context = KNOWN_SHAPES[name]
+        return random_config(shape, max_position_embeddings=context)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"models.py: no config for '{name}' ({str(e).splitlines()[0][:100]}); "
+                         "pass a local model folder, random:NAME or a reachable hub name") from None
 
 
 def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):

@@ -197,7 +197,7 @@ def test_a_reused_decode_copy_holds_nothing_of_before():
     eng = engine.Engine(model, block_size=4, num_blocks=256)
     long = [eng.new(p * 4) for p in PROMPTS]
     eng.generate(long, 10)
-    eng.copy_buffer.normal_(0, 30)  # large, finite: what any keys and values could leave
+    eng.arena.normal_(0, 30)  # large, finite: what any keys and values could leave
     prompts = [p[:2 + 2 * i] for i, p in enumerate(PROMPTS)]  # shorter rows see stale columns
     ours = [ids for ids, _, _ in eng.generate([eng.new(p) for p in prompts], 10)]
     assert ours == engine.generate(model, prompts, 10)
@@ -320,3 +320,128 @@ def test_uniform_noise_is_a_pure_function_of_key_position_and_id():
     assert ((u > 0) & (u < 1)).all() and not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     torch.testing.assert_close(engine.uniform_noise(keys[:1], positions[:1], 1000), u[:1])
     assert abs(u.mean().item() - 0.5) < 0.02
+
+
+# -----------------------------------------------------------------------------
+# memory at scale: the weights held once, one decode arena, graphs that outlive a refresh
+
+
+def storages(tensors):
+    """{storage address: bytes} of the distinct storages behind these tensors."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def weight_tensors(w):
+    return [v for lw in w["layers"] for v in lw.values()] + [w["embed"], w["norm"], w["lm_head"]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_fused_model_holds_no_parameter_bytes_twice(arch, monkeypatch):
+    """After an engine fuses q/k/v and gate/up, the model's parameters and the engine's weights
+    together take exactly the parameters' own bytes (the fused tensors are the parameters'
+    storage), a second engine on the same model adds nothing, and the Hugging Face forward
+    still gives the logits it gave before. (A CPU's oneDNN-packed layout, PACK_CPU_WEIGHTS, is
+    a copy of its own: off here, as on a GPU.)"""
+    monkeypatch.setattr(engine, "PACK_CPU_WEIGHTS", False)
+    model = tiny_model(arch)
+    ids = torch.tensor([PROMPTS[0]])
+    before = model(ids).logits
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    eng, again = engine.Engine(model), engine.Engine(model)
+    held = storages(list(model.parameters()) + weight_tensors(eng.w) + weight_tensors(again.w))
+    assert sum(held.values()) == param_bytes
+    a = model.model.layers[0].self_attn
+    assert a.q_proj.weight.data_ptr() == eng.w["layers"][0]["qkv"].data_ptr() == \
+        again.w["layers"][0]["qkv"].data_ptr()
+    torch.testing.assert_close(model(ids).logits, before, atol=0, rtol=0)
+
+
+def test_a_refresh_keeps_the_fused_storage_and_reads_the_new_weights(monkeypatch):
+    """Weights written into the engine's model in place (train.copy_weights) or copied from
+    another model (refresh(other)) are read at the same addresses: every fused tensor keeps its
+    data_ptr, the decode batches (and on CUDA their graphs) are kept, and greedy decoding
+    follows the new weights token for token."""
+    monkeypatch.setattr(engine, "PACK_CPU_WEIGHTS", False)
+    model, other = tiny_model("qwen3"), tiny_model("qwen3", seed=5)
+    eng = engine.Engine(model, block_size=4, num_blocks=200)
+    eng.generate([eng.new(p) for p in PROMPTS], 12)
+    addresses = [t.data_ptr() for t in weight_tensors(eng.w)]
+    batches = dict(eng.decode_batches)
+    eng.refresh(other)
+    assert [t.data_ptr() for t in weight_tensors(eng.w)] == addresses
+    assert eng.decode_batches == batches and batches
+    ours = [ids for ids, _, _ in eng.generate([eng.new(p) for p in PROMPTS], 12)]
+    assert ours == [hf_greedy(other, p, 12) for p in PROMPTS]
+    with torch.no_grad():  # an in-place write, as train.copy_weights does
+        for p, q in zip(model.parameters(), tiny_model("qwen3", seed=6).parameters()):
+            p.copy_(q)
+    eng.refresh()
+    assert [t.data_ptr() for t in weight_tensors(eng.w)] == addresses
+    ours = [ids for ids, _, _ in eng.generate([eng.new(p) for p in PROMPTS], 12)]
+    assert ours == [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+def test_six_turns_of_shrinking_batches_hold_one_decode_arena(tokenizer):
+    """A 6-turn rollout whose messages stop at different lengths (so batches shrink every turn)
+    while the contexts grow: each engine holds one decode arena, allocated once, of the stated
+    size; every DecodeBatch views it; the batch cache is keyed by bucket alone, each batch at
+    its bucket's fixed capacity; and every episode completes."""
+    import rollout
+    from conftest import short_scenario
+    decode_bytes = 3 << 20
+    er, ee = (engine.Engine(tiny_model(arch, max_position_embeddings=4096), tokenizer,
+                            block_size=8, num_blocks=4000, decode_bytes=decode_bytes)
+              for arch in ("llama", "qwen3"))
+    for eng in (er, ee):  # a sixth of the vocabulary stops a message: lengths vary
+        eng.stop_ids = list(range(3, tokenizer.vocab_size, 6))
+    arenas = {}
+
+    def count_arenas(eng):
+        views = {t.untyped_storage().data_ptr() for b in eng.decode_batches.values()
+                 for t in (b.keys_t, b.values)}
+        assert views == {eng.arena.untyped_storage().data_ptr()}
+        arenas.setdefault(id(eng), set()).add((id(eng.arena), eng.arena.data_ptr()))
+    generate = engine.Engine.generate
+
+    def counted(self, *a, **k):
+        out = generate(self, *a, **k)
+        count_arenas(self)
+        return out
+    instances = [short_scenario(i) for i in range(1, 3)]
+    engine.Engine.generate = counted
+    try:
+        records = rollout.rollout_episodes(er, ee, instances, 6, group_size=4, seed=1,
+                                           max_new_tokens=12,
+                                           persuader_sampling=engine.Sampling(1.0),
+                                           persuadee_sampling=engine.Sampling(1.0))
+    finally:
+        engine.Engine.generate = generate
+    assert len(records) == 8 and max(r["turns"] for r in records) == 6
+    for eng in (er, ee):
+        assert len(arenas[id(eng)]) == 1  # one arena, never reallocated
+        assert eng.arena.numel() * eng.arena.element_size() == decode_bytes // 4 * 4
+        assert set(eng.decode_batches) <= set(engine.BATCH_BUCKETS)  # buckets, no capacity
+        assert len(eng.decode_batches) > 1  # the batches did shrink
+        for bucket, batch in eng.decode_batches.items():
+            assert batch.capacity == eng.arena_capacity(bucket) and batch.keys_t.shape[1] == bucket
+
+
+def test_decode_scores_are_float32_in_bfloat16():
+    """bf16 queries and keys whose scores differ by less than bf16's spacing at their size:
+    the attention equals the reference with float32 scores and softmax (then bf16
+    probabilities, as flash-attn's), far closer than scores rounded to bf16 would give."""
+    torch.manual_seed(0)
+    B, H, Hkv, K, D = 2, 4, 2, 64, 16
+    q = (torch.randn(B, H, D) * 4).bfloat16()
+    keys, values = (torch.randn(B, Hkv, K, D) * 4).bfloat16(), torch.randn(B, Hkv, K, D).bfloat16()
+    bias = torch.zeros(B * Hkv, 1, K)
+    out = engine.decode_attention(q, keys.transpose(2, 3), values, bias).float()
+    G = H // Hkv
+    kq = keys.float().repeat_interleave(G, 1)
+    scores = torch.einsum("bhd,bhkd->bhk", q.float(), kq) / D ** 0.5
+    ref = torch.einsum("bhk,bhkd->bhd", scores.softmax(-1).bfloat16().float(),
+                       values.float().repeat_interleave(G, 1))
+    rounded = torch.einsum("bhk,bhkd->bhd", scores.bfloat16().float().softmax(-1),
+                           values.float().repeat_interleave(G, 1))
+    error, rounding = (out - ref).abs().max(), (rounded - ref).abs().max()
+    assert error < 0.02 and error < rounding / 4, (error, rounding)

@@ -114,7 +114,7 @@ def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
     import models
     model = models.random_model("tiny-llama")[0]
     args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=0.01, clip_low=0.2,
-                        clip_high=0.28)
+                        clip_high=0.28, dtype="float32")
     torch.manual_seed(0)
     ids = torch.randint(3, 600, (2, 12)).tolist()
     turn_ids = [[0, 0, 0, 1, 1, 0, 0, 2, 2, 0, 0, 0], [0, 0, 1, 1, 1, 0, 2, 0, 0, 0, 0, 0]]
@@ -512,3 +512,119 @@ def test_two_ranks_log_the_pooled_diagnostics_of_one_process(tmp_path, short_sce
         discriminating |= any(abs((x[key] + y[key]) / 2 - a[key]) > 1e-6
                               for x, y in [by_rank] for key in x)
     assert discriminating, "every step had the same ratios on both ranks: change the hash"
+
+# -----------------------------------------------------------------------------
+# precision and memory at the paper's scale, in miniature
+
+
+def checkpoint_weights(run_dir):
+    from safetensors.torch import load_file
+    return load_file(run_dir / (run_dir / "latest").read_text() / "model.safetensors")
+
+
+def projections(state):
+    return {k: v for k, v in state.items() if "layers." in k and k.endswith("proj.weight")}
+
+
+def test_a_bf16_step_at_lr_1e6_moves_the_weights_as_fp32_adamw_does(tmp_path, short_scenarios):
+    """The tiny preset in bfloat16 at lr 1e-6, one step: the checkpoint holds float32 master
+    weights, and (AdamW's first step being ~lr times the gradient's sign) nearly every
+    projection weight moved by about lr, as in the same run in float32 (bf16 weights would
+    round such a step away: its spacing at |w| ~ 0.1 is ~5e-4)."""
+    import models
+    initial = projections(models.random_model("tiny-llama")[0].state_dict())
+    moved = {}
+    for dtype in ("bfloat16", "float32"):
+        tiny_run(tmp_path, short_scenarios, dtype, "--dtype", dtype, "--lr", 1e-6, "--steps", 1,
+                 "--save-every", 1)
+        saved = projections(checkpoint_weights(tmp_path / dtype))
+        assert all(v.dtype == torch.float32 for v in saved.values())
+        delta = torch.cat([(saved[k] - initial[k]).flatten() for k in initial]).abs()
+        moved[dtype] = delta
+        assert (delta > 0.5e-6).float().mean() > 0.9, dtype
+        assert 0.7e-6 < delta.median() < 1.3e-6 and delta.max() < 1.5e-6, dtype
+    agree = ((moved["bfloat16"] > 0.5e-6) == (moved["float32"] > 0.5e-6)).float().mean()
+    assert agree > 0.9
+
+
+def test_two_bf16_ranks_under_mixed_precision_match_one_process(tmp_path, short_scenarios):
+    """bfloat16, lr 1e-6: torchrun with 2 gloo ranks (FSDP2, MixedPrecisionPolicy bf16 params,
+    fp32 gradient reduction, fp32 AdamW shards) against one process (autocast from fp32
+    master weights): the same step-1 loss and gradient norm within bf16 tolerance, and the same
+    fp32 master weights after the step within a fraction of one lr step. The KL agrees to 1e-4:
+    FSDP computes with the bf16 copy of every weight, which is the reference's, so its step-1
+    KL is 0; autocast keeps embeddings and norms in fp32, a difference of ~4e-5 here."""
+    common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "1",
+                     "--instances", "2", "--group-size", "2", "--dtype", "bfloat16", "--lr",
+                     "1e-6", "--save-every", "1", "--max-new-tokens", "6"]
+    one = run_script(["train.py", *common, "--name", "one"])
+    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                      "29519", "train.py", *common, "--name", "two"])
+    for p in (one, two):
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, out[-3000:]
+    (a,), (b,) = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert a["persuader_tokens"] == b["persuader_tokens"] and a["grad_norm"] > 0
+    for key in ("loss", "grad_norm"):
+        assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-6, (key, a[key], b[key])
+    assert abs(a["kl"] - b["kl"]) <= 1e-4
+    wa, wb = checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two")
+    assert wa.keys() == wb.keys() and all(v.dtype == torch.float32 for v in wb.values())
+    diff = torch.cat([(wa[k] - wb[k]).flatten() for k in wa]).abs()
+    assert diff.max() <= 2.1e-6 and (diff > 0.5e-6).float().mean() < 0.05
+
+
+def test_the_paper_plan_fits_and_its_weights_are_the_parameter_counts(capsys, monkeypatch):
+    """train.py --plan for the paper preset on 8 x H200, on this CPU, reads no weight: it fits
+    with headroom; its weight figures are the parameter counts of random models of the same
+    shapes (built on the meta device), in the bytes of each role's dtype and share."""
+    import models
+
+    def no_weights(*a, **k):
+        raise AssertionError("the plan read a model")
+    monkeypatch.setattr(models, "load_model", no_weights)
+    plan = train.print_plan(train.parse_args(["--preset", "paper", "--plan", "--plan-ranks", "8",
+                                              "--plan-gib", "139", "--out", "/nonexistent"]))
+    shown = capsys.readouterr().out
+    assert "headroom" in shown and plan["total"] < plan["capacity"]
+    count = lambda shape: sum(p.numel() for p in models.random_model(
+        shape, torch.bfloat16, "meta")[0].parameters())
+    P, E = count("qwen3-4b"), count("qwen3-14b")
+    items = dict(plan["items"])
+    assert items["policy master weights fp32 (1/8 shard)"] == 4 * P // 8
+    assert items["AdamW moments fp32 (1/8 shard)"] == 8 * P // 8
+    assert items["rollout copy bfloat16 (actor engine's weights)"] == 2 * P
+    assert items["reference bfloat16 (1/8 shard)"] == 2 * P // 8
+    assert items["persuadee bfloat16"] == 2 * E
+    for shape in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "smollm2-135m"):
+        assert train.parameter_count(models.random_config(shape)) == count(shape), shape
+
+
+def test_a_plan_that_cannot_fit_is_refused_in_one_line_before_loading(tmp_path, short_scenarios,
+                                                                       no_model_loads):
+    """A run whose plan exceeds the device is refused in one line with the numbers before any
+    model loads; --plan says the same; a distinct judge is planned into memory, a judge naming
+    the persuadee's model is not."""
+    with pytest.raises(SystemExit) as e:
+        train.print_plan(train.parse_args(["--preset", "paper", "--plan", "--plan-ranks", "8",
+                                           "--plan-gib", "40", "--out", str(tmp_path)]))
+    message = str(e.value.code)
+    assert message.startswith("train.py: this run does not fit: ") and "\n" not in message
+    assert "GiB a rank needed, 40.0 GiB available" in message
+    paper = ["--preset", "paper", "--plan", "--plan-ranks", "8", "--plan-gib", "139", "--out",
+             str(tmp_path)]
+    shared = train.memory_plan(train.parse_args(paper + ["--judge", "Qwen/Qwen3-14B"]), 8, 139, True)
+    own = train.memory_plan(train.parse_args(paper + ["--judge", "random:qwen3-14b"]), 8, 139, True)
+    assert not any(name.startswith("judge") for name, _ in shared["items"])
+    assert dict(own["items"])["judge bfloat16 (its own model)"] == dict(shared["items"])["persuadee bfloat16"]
+    assert own["total"] > own["capacity"]  # a second 14B does not fit beside the rest
+    import os
+    monkeypatch_free = pytest.MonkeyPatch()
+    monkeypatch_free.setattr(os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else 2**20)
+    try:  # a machine of 1 MiB: the tiny run itself is refused before loading
+        with pytest.raises(SystemExit) as e:
+            train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "y"])
+    finally:
+        monkeypatch_free.undo()
+    assert str(e.value.code).startswith("train.py: this run does not fit: ")
+    assert not (tmp_path / "y").exists()
