@@ -145,7 +145,7 @@ def test_a_model_that_refuses_a_temperature_is_asked_without_one():
     model = server.model()
     records = served.play_episodes(model, model, instances(), 3, progress=False)
     assert [(r["outcome"], r["end_reason"], r["turns"]) for r in records] == list(EXPECTED.values())
-    assert model.temperature is False and model.stats["failed_requests"] == 0
+    assert model.dropped == {"temperature"} and model.stats["failed_requests"] == 0
     refused = sum("temperature" in b for b in server.bodies)  # those in flight before the first refusal
     assert 1 <= refused <= served.MAX_IN_FLIGHT
 
