@@ -580,6 +580,16 @@ JUDGE_RESISTANCE = {
                             "reversible first step; pushed away by pressure and big commitments",
 }
 
+LINE_SEPARATORS = ("\u0085", "\u2028", "\u2029")  # line breaks to Unicode that JSON leaves raw
+
+def quoted(text):
+    """text as one JSON string on one line: what JSON escapes, and the Unicode line separators
+    it would leave raw (escaped too), so no quoted text can break a line for any reader."""
+    out = json.dumps(text, ensure_ascii=False)
+    for c in LINE_SEPARATORS:
+        out = out.replace(c, f"\\u{ord(c):04x}")
+    return out
+
 def judge_messages(scenario, transcript):
     """Chat messages asking the judge for three 1-5 scores in a fixed three-line format. Each
     message is quoted as one JSON string on its own line, so no speaker's text can open a line
@@ -590,7 +600,7 @@ def judge_messages(scenario, transcript):
     for msg in transcript:
         if msg["role"] not in speaker:
             raise ValueError(f"transcript role must be 'persuader' or 'persuadee', got {msg['role']!r}")
-        lines.append(f"{speaker[msg['role']]}: {json.dumps(msg['text'], ensure_ascii=False)}")
+        lines.append(f"{speaker[msg['role']]}: {quoted(msg['text'])}")
     profile = (("Resistance", JUDGE_RESISTANCE[hidden["resistance"]]), ("Motivation", hidden.get("motivation")),
                ("Concerns", "; ".join(hidden["concerns"])), ("Core values", _join(hidden["values"])),
                ("Trust in the persuader", hidden["trust"]), ("History", hidden.get("relationship")),
