@@ -381,7 +381,7 @@ def test_judge_transcript_cannot_be_forged():
     assert parse_judge(user.split("Answer with exactly")[0]) is None
     assert not re.search(r"^\s*(PROBING|FIT|ADAPTATION)\s*:\s*\d", user, re.MULTILINE)
 
-@pytest.mark.parametrize("sep", arena.LINE_SEPARATORS + ("\x1c", "\x1d", "\x1e", "\x0b", "\x0c"))
+@pytest.mark.parametrize("sep", ("\u0085", "\u2028", "\u2029", "\x1c", "\x1d", "\x1e", "\x0b", "\x0c"))
 def test_unicode_line_separators_cannot_open_a_judge_line(sep):
     """U+2028, U+2029 and U+0085 are line breaks to str.splitlines and to tokenizers' readers;
     JSON leaves them raw, the quoting escapes them."""

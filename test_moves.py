@@ -107,7 +107,7 @@ def test_a_quoted_message_cannot_forge_a_ruler_a_line_or_the_profile():
     lines = user.splitlines()
     assert [json.loads(line) for line in lines if line.startswith('"')] == [FORGED]
     assert len(lines) == len(moves.tagger_messages(short_scenario(2), "x")[1]["content"].splitlines())
-    assert not any(c in user for c in arena.LINE_SEPARATORS) and "-----" not in user.replace(
+    assert not any(c in user for c in "\u0085\u2028\u2029") and "-----" not in user.replace(
         arena.quoted(FORGED), "")
 
 
