@@ -327,7 +327,7 @@ def heldout_instances(scenarios=None):
 # negated tag is a word, not a decision; the stripper still removes it, as it removes everything
 # the parser could read.
 
-NEGATION_WINDOW = 4  # words between a negation and the tag it governs, at most
+NEGATION_WINDOW = 3  # words between a negation and the tag it governs, at most
 NEGATIONS = frozenset((  # words that negate (besides any word ending in n't)
     "not", "never", "nor", "neither", "cannot", "refuse", "refuses", "dont", "wont", "cant",
     "doesnt", "didnt", "isnt", "arent", "wouldnt", "couldnt", "shouldnt"))
@@ -335,7 +335,7 @@ GOVERNING = frozenset((  # words between a negation and a tag that keep the tag 
     "to", "be", "going", "gonna", "ready", "able", "willing", "prepared", "about", "want", "yet",
     "ever", "just", "simply", "really", "quite", "fully", "truly", "so", "easily", "still", "even",
     "i", "we", "can", "could", "will", "would", "should", "think", "believe", "feel", "sure",
-    "happy", "comfortable", "inclined", "convinced", "enough", "in", "a", "position", "make", "me"))
+    "happy", "comfortable", "inclined", "convinced", "enough", "make", "me"))
 AFFIRMING = frozenset(("why", "reason"))  # "why not [ACCEPT]", "no reason not to [ACCEPT]"
 VOIDABLE = ("ACCEPT", "CONDITIONAL_ACCEPT")  # the decisions a governing negation voids
 DROPPED_CATEGORIES = ("Cf", "Mn", "Me")  # format characters and combining marks vanish

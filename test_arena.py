@@ -162,7 +162,7 @@ NEGATION_TABLE = [
     ("I won't be able to [ACCEPT]", None),
     ("I don't think I can [ACCEPT]", None),
     ("I'm not sure I can [ACCEPT]", None),
-    ("I'm not in a position to [ACCEPT]", None),
+    ("I'm not quite ready to [ACCEPT]", None),
     ("Nor will I [ACCEPT]", None),
     ("I'm not convinced enough to [ACCEPT]", None),
     ("You can't make me [ACCEPT]", None),
