@@ -938,6 +938,18 @@ def load_episodes(dir_or_file):
     return episodes
 
 
+def standard(value):
+    """value with every non-finite float, at any depth, written as null (standard JSON: a mean
+    over no episode with beliefs is no NaN in a file)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: standard(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [standard(v) for v in value]
+    return value
+
+
 def _write_text(path, text):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -949,10 +961,11 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_text(out_dir / "episodes.jsonl", "".join(json.dumps(ep) + "\n" for ep in episodes))
+    _write_text(out_dir / "episodes.jsonl", "".join(json.dumps(standard(ep), allow_nan=False) + "\n"
+                                                    for ep in episodes))
     if fidelity is not None:
         _write_text(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
-    _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _write_text(out_dir / "summary.json", json.dumps(standard(summary), indent=2, allow_nan=False) + "\n")
     believed = with_beliefs(episodes)
     if believed:  # a persuadee served without log-probs has no belief to plot
         plot_beliefs(believed, out_dir / "beliefs.png")
@@ -988,7 +1001,7 @@ def analyze(run_dir):
     path = run_dir / "fidelity.json"
     fidelity = json.loads(path.read_text()) if path.is_file() else None
     summary = summarize_run(episodes, fidelity)
-    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _write_text(run_dir / "summary.json", json.dumps(standard(summary), indent=2, allow_nan=False) + "\n")
     plot_beliefs(episodes, run_dir / "beliefs.png")
     plot_probes(episodes, run_dir / "probes.png")
     plot_moves(summary, run_dir / "moves.png")

@@ -696,3 +696,64 @@ def test_sent_messages_yield_no_control_id_from_content(kind):
 def test_inert_leaves_ordinary_text_and_decision_tags_alone():
     for text in ("Fine. [ACCEPT]", "a < b and c > d", "<b>bold</b> [inst] <S>", "x|>y <|", "I <3 you"):
         assert served.inert(text) == (text, 0)
+
+
+# -----------------------------------------------------------------------------
+# whole runs against a server answering garbage: they finish, every failure counted
+
+
+class GarbageServer(FakeServer):
+    """Every third request gets a garbage answer in turn (GARBAGE), and every reply of one
+    persuadee in three (by a checksum of its system prompt) a null content; the rest are well
+    formed: a probe's log-probs (every other one NaN), the judge's verdict, a persuadee's reply."""
+
+    def __init__(self):
+        self.kinds = list(GARBAGE)
+        super().__init__(self.respond)
+
+    def respond(self, body, n):
+        msgs = body["messages"]
+        if n % 3 == 1:
+            return GARBAGE[self.kinds[(n // 3) % len(self.kinds)]]
+        if msgs[-1]["content"].startswith(probes.INSTRUCTION):
+            return with_top(b"NaN") if n % 2 else ok("Yes", [("Yes", -0.4), ("No", -1.2)])
+        if msgs[0]["content"].startswith("You judge persuasion"):
+            return ok(JUDGE_ANSWER)
+        if msgs[0]["role"] == "system" and zlib.crc32(msgs[0]["content"].encode()) % 3 == 0:
+            return GARBAGE["null content"]
+        return ok("Tell me more about it.")
+
+
+@pytest.fixture
+def garbage(monkeypatch):
+    monkeypatch.setattr(served, "BACKOFF_S", 0.0)
+    server = GarbageServer()
+    yield f"openai:fake@{server.url}"
+    server.close()
+
+
+def test_a_served_eval_against_garbage_finishes_and_counts_every_failure(garbage, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    ev.main(["--persuader", "random:tiny-llama", "--persuadee", garbage, "--scenarios", "train",
+             "--limit", "6", "--t-max", "3", "--max-new-tokens", "4", "--name", "garbage"])
+    episodes = [strict_json(l) for l in (tmp_path / "garbage" / "episodes.jsonl").read_text()
+                .splitlines()]
+    summary = strict_json((tmp_path / "garbage" / "summary.json").read_text())
+    errors = sum(e["end_reason"] == served.API_ERROR for e in episodes)
+    assert len(episodes) == 6 and errors >= 1 and summary["api_errors"] == errors
+    assert summary["requests"][garbage]["failed_requests"] >= errors
+    for e in episodes:
+        assert all(b is None or math.isfinite(b) for b in e["beliefs"])
+        assert all(m["text"] for m in e["transcript"] if m["role"] == "persuadee")
+
+
+def test_a_training_step_against_a_garbage_persuadee_finishes(garbage, tmp_path, short_scenarios):
+    import train
+    history = train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
+                          "--name", "garbage", "--steps", "1", "--persuadee", garbage,
+                          "--save-every", "1000", "--max-new-tokens", "4"])
+    assert [m["step"] for m in history] == [1]
+    for line in (tmp_path / "garbage" / "metrics.jsonl").read_text().splitlines():
+        strict_json(line)
+    strict_json((tmp_path / "garbage" / "samples-1.json").read_text())

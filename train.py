@@ -637,17 +637,6 @@ def finite(m):
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
 
 
-def standard(value):
-    """value with every non-finite float, at any depth, written as null (standard JSON)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: standard(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [standard(v) for v in value]
-    return value
-
-
 def resume_metrics(path, start):
     """Keep the metrics lines of steps <= start (later steps are redone), rewritten atomically
     (temporary file, then rename): a kill at any moment leaves the old or the new file. A partial
@@ -884,7 +873,7 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
             if earlier:
                 kept.append(line)
         write_atomic(path, "".join(l + "\n" for l in kept + [json.dumps(
-            standard({"step": step, **summary}), allow_nan=False)]), f"{path} is as it was")
+            evaluation.standard({"step": step, **summary}), allow_nan=False)]), f"{path} is as it was")
         print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "
               f"full-or-conditional {summary['full_or_conditional']:.1%}")
     return summary
