@@ -28,8 +28,9 @@ choices, null content, non-finite or positive log-probs, more than the tokens as
 an answer naming a parameter unsupported drops that one parameter (ServedModel.dropped: not
 applied from then on). An episode whose request still fails ends with end_reason "api_error"
 and the rest go on. Message content sent is inert: chat-template control strings in it are
-broken by a space (inert), so a server that templates and tokenizes reads them as text. play_episodes appends every finished episode to its episodes.jsonl at once,
-so a rerun plays only the episodes missing there.
+broken by a space (inert), so a server that templates and tokenizes reads them as text.
+play_episodes appends every finished episode to its episodes.jsonl at once, so a rerun plays
+only the episodes missing there.
 
     python eval.py --persuader openai:gpt-4o-mini@https://api.openai.com/v1 --name gpt-4o-mini
     python -m pytest -q test_served.py
