@@ -757,3 +757,15 @@ def test_a_training_step_against_a_garbage_persuadee_finishes(garbage, tmp_path,
     for line in (tmp_path / "garbage" / "metrics.jsonl").read_text().splitlines():
         strict_json(line)
     strict_json((tmp_path / "garbage" / "samples-1.json").read_text())
+
+
+def test_a_dropped_parameter_costs_no_attempt():
+    server = FakeServer(lambda body, n: refuse("Unsupported parameter: 'seed' is not supported.",
+                                               "unsupported_parameter", "seed")
+                        if "seed" in body else ok("Fine."))
+    try:
+        model = server.model(retries=0)
+        assert model.chat([{"role": "user", "content": "Hi"}], 8, seed=1)["text"] == "Fine."
+        assert model.dropped == {"seed"} and model.stats["failed_requests"] == 0
+    finally:
+        server.close()
