@@ -230,7 +230,6 @@ def validate(args):
               "advantage, only the dense term trains (pass --group-size 2 or more)", file=sys.stderr)
 
 
-
 def explicit_settings(parser, argv):
     """The settings the command line names (not left to their defaults)."""
     for action in parser._actions:
@@ -245,10 +244,12 @@ def resume_settings(args, explicit):
     path = Path(args.out) / args.name / "config.json"
     try:
         recorded = json.loads(path.read_text())
-        assert isinstance(recorded, dict)
-    except (OSError, ValueError, AssertionError) as e:
-        raise SystemExit(f"train.py: --resume: {path} cannot be read ({type(e).__name__}); "
-                         "restore it from a copy, or start a new run (another --name)") from None
+        problem = None if isinstance(recorded, dict) else "not a JSON object"
+    except (OSError, ValueError) as e:
+        problem = type(e).__name__
+    if problem:
+        raise SystemExit(f"train.py: --resume: {path} cannot be read ({problem}); restore it from "
+                         "a copy, or start a new run (another --name)")
     changed = []
     for key, value in recorded.items():
         if key in NOT_SETTINGS or not hasattr(args, key):
@@ -258,9 +259,10 @@ def resume_settings(args, explicit):
         elif json.dumps(getattr(args, key)) != json.dumps(value) and key not in RESUME_MAY_CHANGE:
             changed.append(f"--{key.replace('_', '-')} {getattr(args, key)} (the run has {value})")
     if changed:
+        may = ", ".join(f"--{k.replace('_', '-')}" for k in RESUME_MAY_CHANGE)
         raise SystemExit(f"train.py: --resume keeps the run's settings, and {', '.join(changed)} "
-                         f"would change them; drop them (only --{', --'.join(k.replace('_', '-') for k in RESUME_MAY_CHANGE)} "
-                         "may change), or start a new run (another --name)")
+                         f"would change them; drop them (only {may} may change), or start a new "
+                         "run (another --name)")
 
 
 def write_atomic(path, text, kept):
