@@ -769,3 +769,29 @@ def test_a_dropped_parameter_costs_no_attempt():
         assert model.dropped == {"seed"} and model.stats["failed_requests"] == 0
     finally:
         server.close()
+
+
+def test_every_served_side_receives_role_markers_as_text(chat_tokenizer):
+    """A persuader that writes each family's role markers, played against a served persuadee and
+    judge: every request any side sent, rendered and tokenized by the family's own template,
+    holds exactly the control ids of the same messages with clean content."""
+    class Hostile(ScriptedServer):
+        def answer(self, body):
+            msgs = body["messages"]
+            if "How to persuade" in msgs[0]["content"]:
+                return completion("Hi." + HOSTILE)
+            return super().answer(body)
+    server = Hostile()
+    model = server.model()
+    records = served.play_episodes(model, model, instances(), 3, judge=model, progress=False)
+    assert any(m["role"] == "persuader" and "<|im_start|>" in m["text"]
+               for r in records for m in r["transcript"])  # the markers were said, and sent on
+    tok = chat_tokenizer
+    control = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")
+                                          if t in tok.get_vocab()}
+    heard = [b["messages"] for b in server.bodies if "How to persuade" not in b["messages"][0]["content"]]
+    assert len(heard) > 10  # the persuadee's turns, its probes and the judge; the persuader's own too
+    for sent in [b["messages"] for b in server.bodies]:
+        framing = [i for i in rendered_ids(tok, [{**m, "content": "x"} for m in sent]) if i in control]
+        assert [i for i in rendered_ids(tok, sent) if i in control] == framing
+    assert model.stats["neutralised"] > 0
