@@ -1059,6 +1059,18 @@ def load_episodes(dir_or_file):
     return [ep for _, ep in rows]
 
 
+def standard(value):
+    """value with every non-finite float, at any depth, written as null (standard JSON: a mean
+    over no episode with beliefs is no NaN in a file)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: standard(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [standard(v) for v in value]
+    return value
+
+
 def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):
     """summarize() plus probe_fidelity from the stored fork and reference read-outs."""
     summary = summarize(episodes, shaping_lambda)

@@ -145,6 +145,16 @@ def _read_json(line):
         return dict(pairs)
     return json.loads(line, object_pairs_hook=pairs_to_dict), repeated[0] if repeated else None
 
+def _scenario_id(value, where):
+    """The id NFC-normalised and stripped, so that ids differing only there are one id; an id
+    holding a control, format or line-separator character is refused."""
+    value = unicodedata.normalize("NFC", value).strip()
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if bad is not None:
+        raise ValueError(f"{where}: field 'id' holds the control character U+{ord(bad):04X}; "
+                         "write ids in letters, digits and punctuation")
+    return value
+
 def load_scenarios(path=SCENARIOS_PATH, split=None):
     """Every scenario of a JSONL file (or of one split), each line checked against SPEC 1."""
     if split is not None and split not in SPLITS:
@@ -173,6 +183,7 @@ def load_scenarios(path=SCENARIOS_PATH, split=None):
             raise ValueError(f"{where}: field '{repeated}' is written twice in one object; keep one of them")
         optional = OPTIONAL | (TRAIN_OPTIONAL if isinstance(obj, dict) and obj.get("split") == "train" else set())
         _validate(obj, SCHEMA, "", optional, where)
+        obj["id"] = _scenario_id(obj["id"], where)
         if obj["id"] in first_line:
             raise ValueError(f"{where}: field 'id' repeats {obj['id']!r} from line {first_line[obj['id']]}; "
                              "give every scenario its own id")
@@ -303,16 +314,31 @@ def heldout_instances(scenarios=None):
 #
 # What counts as a decision: the last tag that is neither quoted nor negated. Quoted: wrapped in
 # quote marks ('"[ACCEPT]"', "`[ACCEPT]`") or inside an open double quote or backtick span of its
-# line. Negated: a negation among the NEGATION_WINDOW words before the tag within its clause
-# ("I will never [ACCEPT] this", "I'm not going to [ACCEPT]"); a clause ends at . ! ? ; : , a line
-# break or another tag, so "No, thank you. [REJECT]" and "Not yet, but fine [ACCEPT]" count and
-# "not now [PENDING]" does not. A quoted or negated tag is a word, not a decision; the stripper
-# still removes it, as it removes everything the parser could read.
+# line. Negated: an ACCEPT or CONDITIONAL ACCEPT whose own verb is negated, i.e. the last negation
+# of its clause is followed by nothing but GOVERNING words (at most NEGATION_WINDOW of them) up to
+# the tag: "I will not [ACCEPT]", "I'm not ready to [ACCEPT]", "I don't think I can [ACCEPT]". A
+# negation elsewhere in the clause leaves the decision ("I couldn't be happier [ACCEPT]", "not
+# without the leaflet [CONDITIONAL ACCEPT]"), and so does a negation itself negated or affirming
+# ("why not", "no reason not to", "can't refuse"). A negation before REJECT, WALK AWAY or PENDING
+# never voids it: it agrees with the decision ("I can't do this [REJECT]", "not now [PENDING]"),
+# and reading such a tag can only cost the persuader. A clause ends at . ! ? ; : , a line break or
+# another tag. The persuadee's prompt puts "at most one tag, in square brackets, at the very end"
+# of its reply: a tag is the reply's verdict, not a word of its sentence, which is what lets this
+# rule read the rare tag that is one. test_arena's NEGATION_TABLE is the rule's record. A quoted or
+# negated tag is a word, not a decision; the stripper still removes it, as it removes everything
+# the parser could read.
 
-NEGATION_WINDOW = 3  # words before a tag, within its clause, in which a negation voids the tag
-NEGATIONS = frozenset((  # a word of the window that voids the tag (besides any word ending in n't)
+NEGATION_WINDOW = 3  # words between a negation and the tag it governs, at most
+NEGATIONS = frozenset((  # words that negate (besides any word ending in n't)
     "not", "never", "nor", "neither", "cannot", "refuse", "refuses", "dont", "wont", "cant",
     "doesnt", "didnt", "isnt", "arent", "wouldnt", "couldnt", "shouldnt"))
+GOVERNING = frozenset((  # words between a negation and a tag that keep the tag its object
+    "to", "be", "going", "gonna", "ready", "able", "willing", "prepared", "about", "want", "yet",
+    "ever", "just", "simply", "really", "quite", "fully", "truly", "so", "easily", "still", "even",
+    "i", "we", "can", "could", "will", "would", "should", "think", "believe", "feel", "sure",
+    "happy", "comfortable", "inclined", "convinced", "enough", "make", "me"))
+AFFIRMING = frozenset(("why", "reason"))  # "why not [ACCEPT]", "no reason not to [ACCEPT]"
+VOIDABLE = ("ACCEPT", "CONDITIONAL_ACCEPT")  # the decisions a governing negation voids
 DROPPED_CATEGORIES = ("Cf", "Mn", "Me")  # format characters and combining marks vanish
 CONFUSABLES = {
     **dict.fromkeys("【〔〖〘〚⟦⁅❲⦋⦍⦏［", "["), **dict.fromkeys("】〕〗〙〛⟧⁆❳⦌⦎⦐］", "]"),
@@ -365,11 +391,22 @@ def _quoted(norm, m):
     line = left[left.rfind("\n") + 1:]
     return line.count('"') % 2 == 1 or line.count("`") % 2 == 1
 
+def _negates(word):
+    return word in NEGATIONS or word.endswith("n't")
+
 def _negated(norm, m):
+    """Whether the tag m is an ACCEPT or CONDITIONAL ACCEPT whose verb a negation governs."""
+    if _decision(m.group(1)) not in VOIDABLE:
+        return False
     before = norm[:m.start()]
     clause = before[end.end():] if (end := _CLAUSE_END.match(before)) else before
-    words = re.findall(r"[a-z']+", clause.lower())[-NEGATION_WINDOW:]
-    return any(w in NEGATIONS or w.endswith("n't") for w in words)
+    words = re.findall(r"[a-z']+", clause.lower())
+    last = max((i for i, w in enumerate(words) if _negates(w)), default=None)
+    if last is None or len(words) - last - 1 > NEGATION_WINDOW:
+        return False
+    if last and (words[last - 1] in AFFIRMING or _negates(words[last - 1])):
+        return False
+    return all(w in GOVERNING for w in words[last + 1:])
 
 def parse_decision(text):
     """The decision of the last tag in text that is neither quoted nor negated, or None."""
@@ -546,6 +583,16 @@ JUDGE_RESISTANCE = {
                             "reversible first step; pushed away by pressure and big commitments",
 }
 
+LINE_SEPARATORS = ("\u0085", "\u2028", "\u2029")  # line breaks to Unicode that JSON leaves raw
+
+def quoted(text):
+    """text as one JSON string on one line: what JSON escapes, and the Unicode line separators
+    it would leave raw (escaped too), so no quoted text can break a line for any reader."""
+    out = json.dumps(text, ensure_ascii=False)
+    for c in LINE_SEPARATORS:
+        out = out.replace(c, f"\\u{ord(c):04x}")
+    return out
+
 def judge_messages(scenario, transcript):
     """Chat messages asking the judge for three 1-5 scores in a fixed three-line format. Each
     message is quoted as one JSON string on its own line, so no speaker's text can open a line
@@ -556,7 +603,7 @@ def judge_messages(scenario, transcript):
     for msg in transcript:
         if msg["role"] not in speaker:
             raise ValueError(f"transcript role must be 'persuader' or 'persuadee', got {msg['role']!r}")
-        lines.append(f"{speaker[msg['role']]}: {json.dumps(msg['text'], ensure_ascii=False)}")
+        lines.append(f"{speaker[msg['role']]}: {quoted(msg['text'])}")
     profile = (("Resistance", JUDGE_RESISTANCE.get(hidden.get("resistance"))), ("Motivation", hidden.get("motivation")),
                ("Concerns", "; ".join(hidden["concerns"])), ("Core values", _join(hidden["values"])),
                ("Trust in the persuader", hidden["trust"]), ("History", hidden.get("relationship")),

@@ -65,10 +65,11 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_text(out_dir / "episodes.jsonl", "".join(json.dumps(ep) + "\n" for ep in episodes))
+    _write_text(out_dir / "episodes.jsonl", "".join(json.dumps(analyses.standard(ep), allow_nan=False) + "\n"
+                                                    for ep in episodes))
     if fidelity is not None:
         _write_text(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
-    _write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _write_text(out_dir / "summary.json", json.dumps(analyses.standard(summary), indent=2, allow_nan=False) + "\n")
     save_plots(out_dir, episodes, summary)
 
 
@@ -113,7 +114,7 @@ def analyze(run_dir, shaping_lambda=rpo.LAMBDA):
     path = run_dir / "fidelity.json"
     fidelity = json.loads(path.read_text()) if path.is_file() else None
     summary = analyses.summarize_run(episodes, fidelity, shaping_lambda)
-    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _write_text(run_dir / "summary.json", json.dumps(analyses.standard(summary), indent=2, allow_nan=False) + "\n")
     save_plots(run_dir, episodes, summary)
     return summary
 

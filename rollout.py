@@ -336,32 +336,33 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
 def judge_scores(judge, instances, transcripts, seed=0, group_indices=None):
     """(strategy score s, fell back) per transcript: one greedy answer, then up to
     arena.JUDGE_RETRIES sampled retries, then s = 0 with fell back True (also for a prompt too
-    long to judge). Run in chunks of instances that the judge's pool takes at once (a chunk's
-    prompts plus its answers); attempt k of transcript i samples from the stream keyed by
-    (seed, instance, group index, "judge", k)."""
+    long to judge, or one that the judge's free pool cannot take even alone). Run in chunks of
+    transcripts that the pool takes at once (their prompts plus their answers), in order, a group
+    split across chunks where it does not fit whole; attempt k of transcript i samples from the
+    stream keyed by (seed, instance, group index, "judge", k), whatever its chunk."""
     group_indices = group_indices or list(range(len(instances)))
     tok = judge.tokenizer
     prompts = [models.chat_ids(tok, arena.judge_messages(inst, transcript), True)
                for inst, transcript in zip(instances, transcripts)]
+    answer = message_blocks(judge, JUDGE_MAX_NEW_TOKENS)
+    need = [-(-len(p) // judge.block_size) + answer for p in prompts]
     groups = {}
     for i, inst in enumerate(instances):
         groups.setdefault(inst["id"], []).append(i)
+    fits = [i for members in groups.values() for i in members if need[i] <= judge.free_blocks]
     scores, chunk, room = [None] * len(prompts), [], judge.free_blocks
-    answer = message_blocks(judge, JUDGE_MAX_NEW_TOKENS)
-    for members in list(groups.values()) + [None]:
-        need = 0 if members is None else sum(-(-len(prompts[i]) // judge.block_size) + answer
-                                             for i in members)
-        if chunk and (members is None or need > room):
-            keys = [engine.stream_key(seed, instances[i]["id"], group_indices[i], "judge")
-                    for i in chunk]
-            verdicts = judge_chunk(judge, [prompts[i] for i in chunk],
-                                   [instances[i]["id"] for i in chunk], keys)
-            for i, s in zip(chunk, verdicts):
-                scores[i] = s
+    for i in fits + [None]:
+        if chunk and (i is None or need[i] > room):
+            keys = [engine.stream_key(seed, instances[j]["id"], group_indices[j], "judge")
+                    for j in chunk]
+            verdicts = judge_chunk(judge, [prompts[j] for j in chunk],
+                                   [instances[j]["id"] for j in chunk], keys)
+            for j, s in zip(chunk, verdicts):
+                scores[j] = s
             chunk, room = [], judge.free_blocks
-        if members is not None:
-            chunk += members
-            room -= need
+        if i is not None:
+            chunk.append(i)
+            room -= need[i]
     return [0.0 if s is None else s for s in scores], [s is None for s in scores]
 
 

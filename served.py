@@ -20,11 +20,17 @@ with the found mass P(yes found) + P(no found) recorded beside it. A server that
 log-probs (transformers serve ignores them) gets probes and beliefs recorded as None: absent,
 never 0; after its first such answer it is not asked again.
 
-Requests: at most MAX_IN_FLIGHT at once per served model, TIMEOUT_S each, up to RETRIES retries
-with exponential backoff (or the server's Retry-After) on rate limits, server errors, timeouts
-and dropped connections. An episode whose request still fails ends with end_reason "api_error"
-and the rest go on. play_episodes appends every finished episode to its episodes.jsonl at once,
-so a rerun plays only the episodes missing there.
+Requests: at most MAX_IN_FLIGHT at once per served model, each whole call (every attempt and
+wait) within DEADLINE_S however slowly the server sends, up to RETRIES retries with exponential
+backoff (or a sane Retry-After) on rate limits, server errors, timeouts, dropped connections and
+answers that are not a well-formed completion (parse_answer: bad JSON, another content type, no
+choices, null content, non-finite or positive log-probs, more than the tokens asked for). Only
+an answer naming a parameter unsupported drops that one parameter (ServedModel.dropped: not
+applied from then on). An episode whose request still fails ends with end_reason "api_error"
+and the rest go on. Message content sent is inert: chat-template control strings in it are
+broken by a space (inert), so a server that templates and tokenizes reads them as text.
+play_episodes appends every finished episode to its episodes.jsonl at once, so a rerun plays
+only the episodes missing there.
 
     python eval.py --persuader openai:gpt-4o-mini@https://api.openai.com/v1 --name gpt-4o-mini
     python -m pytest -q test_served.py
@@ -35,8 +41,10 @@ import json
 import math
 import os
 import random
+import re
 import threading
 import time
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
@@ -53,7 +61,8 @@ SPEC_PREFIX = "openai:"       # a model spec with this prefix is served: openai:
 API_KEY_ENV = "OPENAI_API_KEY"
 LOOPBACK_KEY = "unused"       # the client needs some key; a server on this machine checks none
 MAX_IN_FLIGHT = 8             # concurrent requests per served model
-TIMEOUT_S = 120.0             # per request
+TIMEOUT_S = 120.0             # per read of an answer (the client's own timeout)
+DEADLINE_S = 300.0            # a whole chat call: every attempt, read and wait, dripped bytes included
 RETRIES = 4                   # retries of a failed request before its episode ends in API_ERROR
 BACKOFF_S = 1.0               # wait before the first retry; doubled for each further one
 BACKOFF_MAX_S = 60.0          # longest wait, the server's Retry-After included
@@ -62,6 +71,21 @@ API_ERROR = "api_error"       # end_reason of an episode whose request kept fail
 ENDING_REASONS = ("context", "cache", API_ERROR)  # a half-turn that ends its episode
 JUDGE_RETRY_TEMPERATURE = 0.7  # the judge's retries after an unparseable greedy answer (as rollout's)
 RETRY_STATUS = (408, 409, 429)  # client-side statuses worth retrying, besides every 5xx
+MAX_CHARS_PER_TOKEN = 32      # an answer longer than this per token asked for is not a completion
+BODY_BYTES_PER_TOKEN = 4096   # an answer's body is cut off past this per token asked for (+ 64 KB)
+LOGPROB_SLACK = 1e-6          # a log-prob above 0 by no more than this is rounding (clamped to 0)
+DROPPABLE = ("temperature", "top_p", "top_k", "seed", "logprobs", "top_logprobs")  # may go unapplied
+# The control strings of the chat template families the project knows, broken in any content sent
+# over the API: <|...|> (ChatML, Qwen, Llama 3, Phi), Qwen3's think and tool tags, Mistral's
+# [INST] family, Llama 2's <<SYS>>, Gemma's turns, and BOS/EOS spellings.
+CONTROL = re.compile(
+    r"<\|[^|<>\s]{1,64}\|>"
+    r"|</?(?:s|unk|pad|bos|eos|think|tool_call|tool_response|start_of_turn|end_of_turn)>"
+    r"|\[/?(?:INST|SYSTEM_PROMPT|AVAILABLE_TOOLS|TOOL_CALLS|TOOL_RESULTS|TOOL_CONTENT|IMG|THINK)\]"
+    r"|<</?SYS>>")
+UNSUPPORTED_WORDS = re.compile(  # OpenAI's and vLLM's wording of an unsupported parameter
+    r"unsupported (?:parameter|value)s?\W+(\w+)|unrecognized request arguments? supplied\W+(\w+)",
+    re.IGNORECASE)
 
 # -----------------------------------------------------------------------------
 # specs, errors, probe arithmetic
@@ -98,9 +122,12 @@ def api_key(url):
 
 
 def retryable(error):
-    """Rate limits, server errors, timeouts and dropped connections are worth another try."""
+    """Rate limits, server errors, timeouts, dropped connections and answers that are not a
+    well-formed completion (InvalidAnswer) are worth another try; a spent deadline is not."""
     import openai
-    if isinstance(error, openai.APIConnectionError):  # timeouts included
+    if isinstance(error, InvalidAnswer):
+        return True
+    if isinstance(error, openai.APIConnectionError):  # per-read timeouts included
         return True
     status = getattr(error, "status_code", None)
     return status is not None and (status in RETRY_STATUS or status >= 500)
@@ -113,36 +140,129 @@ def context_exceeded(error):
         "context_length" in text or "context length" in text or "maximum context" in text)
 
 
-def fixed_temperature(error):
-    """A request refused because the model takes no temperature but its default (some reasoning
-    models)."""
-    return getattr(error, "status_code", None) == 400 and "temperature" in str(error).lower()
+def unsupported_parameter(error):
+    """The request parameter a 400 answer names as unsupported by this model (OpenAI's codes
+    unsupported_parameter / unsupported_value, or the same words in the message), or None. Any
+    other 400, an out-of-range temperature included, names none."""
+    if getattr(error, "status_code", None) != 400:
+        return None
+    code, param = getattr(error, "code", None), getattr(error, "param", None)
+    if code in ("unsupported_parameter", "unsupported_value") and isinstance(param, str):
+        return param.split(".")[0]
+    found = UNSUPPORTED_WORDS.search(str(error))
+    return found and (found.group(1) or found.group(2))
 
 
 def backoff_s(attempt, error, rng=random):
-    """BACKOFF_S * 2^attempt with up to 25% jitter, or the server's Retry-After; capped."""
+    """BACKOFF_S * 2^attempt with up to 25% jitter, or the server's Retry-After in seconds when it
+    is a finite number >= 0 (a date, a negative or a NaN one is ignored); capped at BACKOFF_MAX_S."""
     response = getattr(error, "response", None)
     try:
         wait = float(response.headers.get("retry-after"))
     except (AttributeError, TypeError, ValueError):
-        wait = BACKOFF_S * 2 ** attempt * (1 + 0.25 * rng.random())
+        wait = math.nan
+    if not (math.isfinite(wait) and wait >= 0):
+        wait = BACKOFF_S * 2.0 ** min(attempt, 64) * (1 + 0.25 * rng.random())
     return min(wait, BACKOFF_MAX_S)
+
+
+def inert(text):
+    """(text, n): the text with each of the n chat-template control strings in it (CONTROL)
+    broken by a space after its first character, so that a server that renders a chat template
+    and tokenizes cannot read one as a control token. Matched on the NFKC form too, which is
+    what a normalising tokenizer would see."""
+    folded = unicodedata.normalize("NFKC", text)
+    if folded != text and CONTROL.search(folded):
+        text = folded
+    return CONTROL.subn(lambda m: m.group(0)[0] + " " + m.group(0)[1:], text)
+
+
+def inert_messages(messages):
+    """(messages with inert content, number of control strings neutralised)."""
+    out, total = [], 0
+    for m in messages:
+        content, n = inert(m["content"])
+        out.append({**m, "content": content})
+        total += n
+    return out, total
+
+
+def finite_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def logprob_of(entry, where):
+    """(token, logprob) of a log-prob entry, or InvalidAnswer: a string token and a finite
+    log-prob <= 0 (up to LOGPROB_SLACK of rounding, clamped to 0)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+        raise InvalidAnswer(f"{where} has no token")
+    lp = entry.get("logprob")
+    if not finite_number(lp) or lp > LOGPROB_SLACK:
+        raise InvalidAnswer(f"{where} has log-prob {lp!r}, not a finite number <= 0")
+    return entry["token"], min(float(lp), 0.0)
+
+
+def refuse_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_answer(body, max_tokens, top_logprobs=None):
+    """{text, reason, top} from a chat completion's body (bytes), or InvalidAnswer for anything
+    but a well-formed one: not JSON (NaN and Infinity refused), no choices, a message whose
+    content is not a string, non-finite or positive log-probs, more than max_tokens tokens
+    (the usage count, or MAX_CHARS_PER_TOKEN characters a token)."""
+    try:
+        data = json.loads(body, parse_constant=refuse_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidAnswer(f"the answer is not JSON ({e})") from None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise InvalidAnswer("the answer has no choices")
+    choice = choices[0]
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(text, str):
+        raise InvalidAnswer(f"the answer's message content is {text!r}, not text")
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise InvalidAnswer(f"the answer's finish_reason is {finish!r}")
+    usage = data.get("usage")
+    used = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if finite_number(used) and used > max_tokens or len(text) > max_tokens * MAX_CHARS_PER_TOKEN:
+        raise InvalidAnswer(f"the answer is longer than the {max_tokens} tokens asked for")
+    top = None
+    logprobs = choice.get("logprobs") if top_logprobs else None
+    if logprobs is not None:
+        content = logprobs.get("content") if isinstance(logprobs, dict) else "?"
+        if content is not None and not isinstance(content, list):
+            raise InvalidAnswer("the answer's logprobs hold no content list")
+        if content:
+            logprob_of(content[0], "the first token")
+            entries = content[0].get("top_logprobs") or []
+            if not isinstance(entries, list):
+                raise InvalidAnswer("the first token's top_logprobs is not a list")
+            top = [logprob_of(e, "a top log-prob") for e in entries]
+    return dict(text=text.strip(), reason="length" if finish == "length" else "stop", top=top)
 
 
 def probe_value(top_logprobs):
     """(v, found mass) from a one-token answer's top log-probs [(token, logprob)]: p is
     renormalised over the Yes and No tokens found (probes.YES_WORDS, NO_WORDS); (None, 0.0) when
-    neither appears."""
-    yes = sum(math.exp(lp) for tok, lp in top_logprobs if tok in probes.YES_WORDS)
-    no = sum(math.exp(lp) for tok, lp in top_logprobs if tok in probes.NO_WORDS)
+    neither appears or a log-prob is not a finite number <= 0 (never a NaN)."""
+    if any(not finite_number(lp) or lp > LOGPROB_SLACK for _, lp in top_logprobs):
+        return None, 0.0
+    yes = sum(math.exp(min(lp, 0.0)) for tok, lp in top_logprobs if tok in probes.YES_WORDS)
+    no = sum(math.exp(min(lp, 0.0)) for tok, lp in top_logprobs if tok in probes.NO_WORDS)
     if yes + no == 0:
         return None, 0.0
     return 2 * yes / (yes + no) - 1, yes + no
 
 
 def belief(values):
-    """b = mean of the three probe values; None when any is absent."""
-    return None if values is None or None in values else sum(values) / len(values)
+    """b = mean of the three probe values; None when any is absent or not finite."""
+    if values is None or not all(finite_number(v) for v in values):
+        return None
+    return sum(values) / len(values)
 
 
 def seed_of(*parts):
@@ -204,7 +324,7 @@ def judge_scores(judge, instances, transcripts, seed=0):
         replies = judge.map([dict(
             messages=arena.judge_messages(instances[i], transcripts[i]),
             max_tokens=rollout.JUDGE_MAX_NEW_TOKENS,
-            temperature=0.0 if attempt == 0 else JUDGE_RETRY_TEMPERATURE,
+            sampling=engine.GREEDY if attempt == 0 else engine.Sampling(JUDGE_RETRY_TEMPERATURE),
             seed=seed_of(seed, "judge", instances[i]["id"], attempt)) for i in todo])
         for i, reply in zip(todo, replies):
             if not isinstance(reply, ServedError):
@@ -320,71 +440,133 @@ def play_episodes(persuader, persuadee, instances, t_max, *, judge=None, seed=0,
 
 
 class ServedError(Exception):
-    """A request that failed for good (not retryable, or out of retries)."""
+    """A request that failed for good (not retryable, out of retries or out of time)."""
+
+
+class InvalidAnswer(Exception):
+    """An answer that is not a well-formed chat completion: a failed attempt."""
+
+
+class DeadlineExceeded(Exception):
+    """A chat call that ran past its whole-request deadline."""
 
 
 class ServedModel:
-    """One model behind an OpenAI-compatible server: chat requests with bounded concurrency,
-    timeouts and retries. `stats` counts requests, failed attempts, requests that failed for
-    good and the judge's fallbacks."""
+    """One model behind an OpenAI-compatible server: chat requests with bounded concurrency, a
+    deadline on each whole call, validated answers and retries. `stats` counts requests, failed
+    attempts, requests that failed for good, control strings neutralised and the judge's
+    fallbacks; `dropped` names the request parameters this model refused as unsupported (sent
+    no more: not applied)."""
 
-    def __init__(self, spec, *, max_in_flight=MAX_IN_FLIGHT, timeout=TIMEOUT_S, retries=RETRIES,
-                 backoff=True, http_client=None):
+    def __init__(self, spec, *, max_in_flight=MAX_IN_FLIGHT, timeout=TIMEOUT_S,
+                 deadline=DEADLINE_S, retries=RETRIES, backoff=True, http_client=None):
         import openai
         self.spec = spec
         self.model, self.url = parse_spec(spec)
         self.client = openai.OpenAI(base_url=self.url, api_key=api_key(self.url), timeout=timeout,
                                     max_retries=0, http_client=http_client)
+        self.timeout, self.deadline = timeout, deadline
         self.retries, self.backoff = retries, backoff
         self.pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="served")
         self.lock = threading.Lock()
-        self.stats = dict(requests=0, failed_attempts=0, failed_requests=0, judge_fallbacks=0)
+        self.stats = dict(requests=0, failed_attempts=0, failed_requests=0, neutralised=0,
+                          judge_fallbacks=0)
         self.logprobs = True  # until the server answers a probe without them
-        self.temperature = True  # until the model refuses a temperature
+        self.dropped = set()  # parameters the model refused as unsupported
 
     def count(self, key, n=1):
         with self.lock:
             self.stats[key] += n
 
-    def chat(self, messages, max_tokens, temperature=0.0, top_p=None, seed=None,
-             top_logprobs=None):
-        """{text, reason, top}: the reply, "stop" | "length" | "context", and the first token's
-        top log-probs [(token, logprob)] (None when not asked for or not given). Raises
-        ServedError once the request has failed for good."""
-        import openai
-        request = dict(model=self.model, messages=messages, max_completion_tokens=max_tokens)
-        if self.temperature:
-            request["temperature"] = temperature
-        if top_p is not None:
-            request["top_p"] = top_p
-        if seed is not None:
-            request["seed"] = seed
+    def request(self, messages, max_tokens, sampling, seed, top_logprobs):
+        """The request body: sampling mapped onto temperature, top_p and (vLLM's and SGLang's)
+        top_k, less the parameters in `dropped`."""
+        request = dict(model=self.model, messages=messages, max_completion_tokens=max_tokens,
+                       temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
         if top_logprobs:
             request.update(logprobs=True, top_logprobs=top_logprobs)
-        for attempt in range(self.retries + 1):
+        request = {k: v for k, v in request.items() if v is not None and k not in self.dropped}
+        if sampling.top_k is not None and "top_k" not in self.dropped:
+            request["extra_body"] = dict(top_k=sampling.top_k)
+        return request
+
+    def chat(self, messages, max_tokens, sampling=engine.GREEDY, seed=None, top_logprobs=None):
+        """{text, reason, top, neutralised}: the reply, "stop" | "length" | "context", the first
+        token's top log-probs [(token, logprob)] (None when not asked for or not given) and the
+        control strings broken in the messages sent (inert). Every attempt's answer is
+        validated (parse_answer); the whole call, retries and waits included, ends within
+        `deadline` seconds. Raises ServedError once the request has failed for good."""
+        import openai
+        messages, neutralised = inert_messages(messages)
+        self.count("neutralised", neutralised)
+        end, attempt = time.monotonic() + self.deadline, 0
+        while True:  # a dropped parameter costs no attempt: each is dropped once
+            request = self.request(messages, max_tokens, sampling, seed, top_logprobs)
             self.count("requests")
             try:
-                choice = self.client.chat.completions.create(**request).choices[0]
-                break
-            except (openai.APIError, IndexError) as e:
+                body = self.attempt(request, max_tokens, end)
+                return {**parse_answer(body, max_tokens, top_logprobs), "neutralised": neutralised}
+            except (openai.APIError, InvalidAnswer, DeadlineExceeded) as e:
                 self.count("failed_attempts")
                 if context_exceeded(e):
-                    return dict(text="", reason="context", top=None)
-                if "temperature" in request and fixed_temperature(e):
-                    self.temperature = False  # this model samples only at its own temperature
-                    del request["temperature"]
+                    return dict(text="", reason="context", top=None, neutralised=neutralised)
+                param = unsupported_parameter(e)
+                param = "logprobs" if param == "top_logprobs" else param
+                if param in DROPPABLE and (param in request or param == "top_k" and "extra_body"
+                                           in request):
+                    with self.lock:
+                        self.dropped |= {param, "top_logprobs"} if param == "logprobs" else {param}
                     continue
-                if attempt == self.retries or not (isinstance(e, IndexError) or retryable(e)):
+                wait = backoff_s(attempt, e) if self.backoff else 0.0
+                if (attempt == self.retries or not retryable(e)
+                        or time.monotonic() + wait >= end):
                     self.count("failed_requests")
                     raise ServedError(f"{self.spec}: {type(e).__name__}: {e}") from e
-                if self.backoff:
-                    time.sleep(backoff_s(attempt, e))
-        top = None
-        content = getattr(choice.logprobs, "content", None)
-        if content:
-            top = [(t.token, t.logprob) for t in content[0].top_logprobs or []]
-        reason = "length" if choice.finish_reason == "length" else "stop"
-        return dict(text=(choice.message.content or "").strip(), reason=reason, top=top)
+                time.sleep(wait)
+                attempt += 1
+
+    def attempt(self, request, max_tokens, end):
+        """One request's body (bytes), read by a daemon thread so that the call returns by `end`
+        whatever the server does (a server dripping bytes included)."""
+        done, out = threading.Event(), {}
+
+        def run():
+            try:
+                out["body"] = self.fetch(request, max_tokens, end)
+            except BaseException as e:  # handed to the caller, which re-raises it
+                out["error"] = e
+            finally:
+                done.set()
+        threading.Thread(target=run, daemon=True, name="served-request").start()
+        if not done.wait(max(0.0, end - time.monotonic())):
+            raise DeadlineExceeded(f"no answer within the {self.deadline:g} s deadline")
+        if "error" in out:
+            raise out["error"]
+        return out["body"]
+
+    def fetch(self, request, max_tokens, end):
+        limit = 65536 + BODY_BYTES_PER_TOKEN * max_tokens * (1 + request.get("top_logprobs", 0))
+        timeout = max(0.001, min(self.timeout, end - time.monotonic()))
+        with self.client.chat.completions.with_streaming_response.create(
+                **request, timeout=timeout) as response:
+            kind = response.headers.get("content-type", "")
+            if "json" not in kind.lower():
+                raise InvalidAnswer(f"the answer is {kind or 'untyped'}, not JSON")
+            chunks, size = [], 0
+            try:
+                for chunk in response.iter_bytes():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        raise InvalidAnswer(f"the answer is over {limit} bytes")
+                    if time.monotonic() > end:
+                        raise DeadlineExceeded(f"the answer took over the {self.deadline:g} s "
+                                               "deadline")
+            except (InvalidAnswer, DeadlineExceeded):
+                raise
+            except Exception as e:  # the connection broke while the body was read
+                raise InvalidAnswer(f"the answer broke off ({type(e).__name__}: {e})") from e
+        return b"".join(chunks)
 
     def map(self, requests):
         """chat(**r) for every request, at most max_in_flight at once; a ServedError in the place
@@ -428,7 +610,7 @@ class ServedPersuader:
     def speak(self, sids, max_new_tokens, temperature, top_p, seeds):
         """[(text, reason)]: each episode's next message."""
         replies = self.model.map([dict(messages=self.chats[s], max_tokens=max_new_tokens,
-                                       temperature=temperature, top_p=top_p, seed=seed)
+                                       sampling=engine.Sampling(temperature, top_p), seed=seed)
                                   for s, seed in zip(sids, seeds)])
         out = []
         for s, r in zip(sids, replies):
@@ -538,7 +720,7 @@ class ServedPersuadee:
             return [(absent, absent) for _ in sids]
         asks = [dict(messages=self.chats[s] + [{"role": "user",
                                                  "content": f"{probes.INSTRUCTION} {q}"}],
-                     max_tokens=1, temperature=0.0, top_logprobs=TOP_LOGPROBS)
+                     max_tokens=1, top_logprobs=TOP_LOGPROBS)
                 for s in sids for q in probes.PROBES.values()]
         answers = self.model.map(asks)
         if any(not isinstance(a, ServedError) and a["top"] is None for a in answers):
@@ -557,7 +739,7 @@ class ServedPersuadee:
             self.chats[s].extend(arena.persuadee_sees(text, final))
         with rollout.clock(timings, "persuadee_s"):
             answers = self.model.map([dict(messages=self.chats[s], max_tokens=max_new_tokens,
-                                           temperature=temperature, top_p=top_p, seed=seed)
+                                           sampling=engine.Sampling(temperature, top_p), seed=seed)
                                       for s, seed in zip(sids, seeds or [None] * len(sids))])
         replies, closed = [], []
         for s, a in zip(sids, answers):

@@ -216,3 +216,37 @@ def test_a_prompt_longer_than_the_context_is_named_before_anything_runs(tokenize
     with pytest.raises(ValueError, match=f"prompt of {inst['id']} is \\d+ tokens"):
         rollout.rollout_episodes(er, ee, [inst], 2)
     assert er.free_blocks == er.cache.num_blocks
+
+
+def test_the_judge_fits_any_pool_that_holds_one_transcript(tokenizer, monkeypatch):
+    """On the smallest pool that judges the longest transcript alone (found by trying), a group
+    of four and another instance are all judged, a group split across chunks, each as it is
+    alone; on a pool one block smaller the longest falls back to 0 (counted) and the rest are
+    judged. The answers are the engine's own generated tokens, replaced by a verdict afterwards."""
+    real = engine.Engine.generate
+
+    def generate(self, sids, *args, **kwargs):
+        outs = real(self, sids, *args, **kwargs)  # the blocks are taken as in a real answer
+        ids = models.encode(self.tokenizer, "PROBING: 5\nFIT: 4\nADAPTATION: 3") + [self.stop_ids[0]]
+        return [(ids, [0.0] * len(ids), "stop") for _ in outs]
+    monkeypatch.setattr(engine.Engine, "generate", generate)
+    monkeypatch.setattr(rollout, "JUDGE_MAX_NEW_TOKENS", 8)
+    model = tiny_model("llama")
+    a, b = arena.load_scenarios(split="heldout")[:2]
+    transcripts = [[{"role": "persuader", "text": "Hello. " * k}] for k in (1, 30, 60, 90)]
+    longest = ([a], transcripts[-1:])
+
+    def judged(num_blocks, instances, chats):
+        judge = engine.Engine(model, tokenizer, block_size=16, num_blocks=num_blocks)
+        scores, failed = rollout.judge_scores(judge, instances, chats, seed=3)
+        assert len(judge.cache.free_blocks) == num_blocks
+        return scores, failed
+    low, high = 1, 400  # judged(high) holds, judged(low) does not
+    assert judged(high, *longest) == ([1.0], [False]) and judged(low, *longest) == ([0.0], [True])
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if judged(mid, *longest)[1] == [False] else (mid, high)
+    group = [a] * 4 + [b]
+    chats = transcripts + [transcripts[0]]
+    assert judged(high, group, chats) == ([1.0] * 5, [False] * 5)
+    assert judged(high - 1, group, chats) == ([1.0] * 3 + [0.0, 1.0], [False] * 3 + [True, False])

@@ -226,6 +226,9 @@ def no_model_loads(monkeypatch):
     (["--persuadee", "random:nope"], "--persuadee random:nope"),
     (["--instances", str(arena.N_TRAIN_INSTANCES + 1)], "exceeds"),
     (["--resume"], "no checkpoint"), (["--resume", "--overwrite"], "contradict"),
+    (["--scenarios", "/nonexistent"], "--scenarios /nonexistent"),
+    (["--judge", "/no/such/judge"], "--judge /no/such/judge"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens -3"),
 ])
 def test_bad_arguments_fail_before_any_model_loads(tmp_path, short_scenarios, no_model_loads, extra, says):
     with pytest.raises(SystemExit) as e:
@@ -628,3 +631,107 @@ def test_a_plan_that_cannot_fit_is_refused_in_one_line_before_loading(tmp_path, 
         monkeypatch_free.undo()
     assert str(e.value.code).startswith("train.py: this run does not fit: ")
     assert not (tmp_path / "y").exists()
+
+# -----------------------------------------------------------------------------
+# run folders: one name, never another folder; resume keeps the run's settings
+
+
+@pytest.mark.parametrize("name", [".", "..", "../victim", "a/b", "a\\b", "/tmp", "run\x00"])
+def test_name_is_one_folder_name_and_overwrite_deletes_nothing_else(tmp_path, short_scenarios, name,
+                                                                     no_model_loads):
+    runs, victim = tmp_path / "runs", tmp_path / "victim"
+    (runs / "other").mkdir(parents=True)
+    victim.mkdir()
+    (runs / "other" / "metrics.jsonl").write_text("{}\n")
+    (victim / "keep").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--scenarios", short_scenarios, "--out", str(runs), "--name", name,
+                           "--overwrite"])
+    assert "--name" in str(e.value.code) and "one folder name" in str(e.value.code)
+    assert (runs / "other" / "metrics.jsonl").is_file() and (victim / "keep").is_file()
+
+
+def test_a_scenarios_file_with_a_bad_line_is_refused_before_any_model_loads(tmp_path, short_scenarios,
+                                                                            no_model_loads):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(Path(short_scenarios).read_text() + '{"id": "x"\n')
+    with pytest.raises(SystemExit, match=r"^train.py: --scenarios is not a valid scenarios file .*line 7"):
+        train.main(TINY + ["--scenarios", str(bad), "--out", str(tmp_path), "--name", "x"])
+
+
+def test_resume_refuses_changed_settings_and_records_the_allowed_ones(tmp_path, short_scenarios, capsys):
+    """--resume --lr 0.5 names the change in one line and touches nothing; a resume that names
+    only the run continues with its recorded settings; a longer --steps is applied and recorded."""
+    tiny_run(tmp_path, short_scenarios, "r", "--steps", 1)
+    config = tmp_path / "r" / "config.json"
+    before = config.read_text()
+    with pytest.raises(SystemExit) as e:
+        tiny_run(tmp_path, short_scenarios, "r", "--steps", 2, "--resume", "--lr", 0.5, "--t-max", 3)
+    message = str(e.value.code)
+    assert "--lr 0.5 (the run has 0.001)" in message and "--t-max 3 (the run has 2)" in message
+    assert "\n" not in message and config.read_text() == before
+    history = train.main(["--out", str(tmp_path), "--name", "r", "--resume", "--steps", "2"])
+    assert [m["step"] for m in history] == [2]
+    recorded = json.loads(config.read_text())
+    assert recorded["steps"] == 2 and recorded["preset"] == "tiny" and recorded["lr"] == 1e-3
+    assert recorded["resumed"] == [{"step": 1, "changed": {"steps": [1, 2]}}]
+    assert "--steps 2 (was 1)" in capsys.readouterr().out
+
+
+def test_a_bad_evals_line_does_not_crash_a_resumed_run(tmp_path, short_scenarios, capsys):
+    tiny_run(tmp_path, short_scenarios, "e", "--steps", 1, "--eval-every", 1)
+    evals = tmp_path / "e" / "evals.jsonl"
+    evals.write_text(evals.read_text() + 'garbage\n{"no step": 1}\n[3]\n')
+    tiny_run(tmp_path, short_scenarios, "e", "--steps", 2, "--eval-every", 1, "--resume")
+    def refuse(name):
+        raise ValueError(name)
+    rows = [json.loads(l, parse_constant=refuse) for l in evals.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "dropping line 2" in capsys.readouterr().err
+    assert (tmp_path / "e" / "latest").read_text() == "checkpoint-2"
+
+
+def test_a_full_disk_while_writing_samples_is_one_line(tmp_path, short_scenarios, monkeypatch):
+    real = Path.write_text
+    def full(self, *a, **k):
+        if "samples" in self.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(SystemExit) as e:
+        tiny_run(tmp_path, short_scenarios, "full", "--steps", 1)
+    message = str(e.value.code)
+    assert message.startswith("train.py: could not write samples-1.json") and "disk is full" in message
+    assert not [p for p in (tmp_path / "full").iterdir() if "samples" in p.name]
+
+
+def test_rewritten_files_go_through_a_rename(tmp_path, short_scenarios, monkeypatch):
+    """config.json, samples and evals.jsonl are each written to a temporary file and renamed."""
+    replaced, real = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append(Path(b).name), real(a, b)))
+    tiny_run(tmp_path, short_scenarios, "atomic", "--steps", 1, "--eval-every", 1)
+    assert {"config.json", "samples-1.json", "evals.jsonl"} <= set(replaced)
+
+
+def test_a_diverged_run_stops_after_max_skipped_steps(tmp_path, short_scenarios):
+    """--lr 1e30: one finite step blows the weights up, every later one is skipped as non-finite;
+    after MAX_SKIPPED_STEPS in a row the run exits non-zero, saying why."""
+    steps = train.MAX_SKIPPED_STEPS + 3
+    with pytest.raises(SystemExit) as e:
+        tiny_run(tmp_path, short_scenarios, "lr", "--steps", steps, "--lr", 1e30)
+    message = str(e.value.code)
+    assert f"{train.MAX_SKIPPED_STEPS} steps in a row" in message and "--lr" in message
+    skipped = [m["step_skipped"] for m in metrics(tmp_path / "lr")]
+    assert skipped[-train.MAX_SKIPPED_STEPS:] == [1] * train.MAX_SKIPPED_STEPS and len(skipped) < steps
+
+
+def test_non_finite_weights_are_refused_at_resume(saved_run, tmp_path):
+    from safetensors.torch import load_file, save_file
+    run, policy = saved_run
+    weights = run / "checkpoint-1" / "model.safetensors"
+    sd = load_file(weights)
+    key = next(k for k in sd if "up_proj" in k)
+    sd[key][0, 0] = float("inf")
+    save_file(sd, weights, metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match=r"non-finite weights \(.*up_proj.*lower --lr"):
+        train.load_checkpoint(run, policy, torch.optim.AdamW(policy.parameters()), "cpu")

@@ -42,12 +42,14 @@ import re
 import shutil
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import analyses
 import arena
 import engine
 import models
@@ -84,6 +86,9 @@ PLAN_RESERVED_GIB = 3.0    # a GPU's share outside tensors: CUDA context, NCCL, 
 PLAN_PROMPT_TOKENS = 1024  # a context's opening (the longest persuadee prompt: 3,426 characters)
 PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn turn
 PLAN_POOL_MARGIN = 1.25    # KV pool over the contexts in play: probe forks, judge, block rounding
+MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps that stop the run
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "save_every", "log")  # recorded in config.json
+NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed")
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
             "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
 
@@ -143,6 +148,8 @@ def parse_args(argv=None):
             setattr(args, key, value)
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     validate(args)
+    if args.resume:
+        resume_settings(args, explicit_settings(p, argv))
     for kind in args.log:  # before any model loads: a missing package is a one-line exit
         require(kind)
     return args
@@ -203,7 +210,26 @@ def validate(args):
         if problem := _model_problem(name):
             fail(f"--{role} {name}", problem, "pass a Hugging Face model folder, a hub name, "
                  "'smollm2' or random:NAME")
+    if args.name in ("", ".", "..") or any(c in args.name for c in "/\\\0") or \
+            any(unicodedata.category(c) == "Cc" for c in args.name):
+        fail(f"--name {args.name!r}", "is not one folder name (no '.', '..', path separators or "
+             "control characters)", "pass e.g. --name my-run; --out says where runs go")
     run_dir = Path(args.out) / args.name
+    if run_dir.is_symlink():
+        fail(f"--name {args.name}", f"is a link ({run_dir} -> {os.readlink(run_dir)}), not a run "
+             "folder", "pass another --name")
+    try:
+        scenarios = arena.load_scenarios(args.scenarios)
+    except OSError as e:
+        fail(f"--scenarios {args.scenarios}", f"cannot be read ({e.strerror or e})",
+             "pass a readable scenarios.jsonl")
+    except ValueError as e:
+        fail("--scenarios", f"is not a valid scenarios file ({e})", "fix that line")
+    for split, needed in (("train", True), ("heldout", args.eval_every > 0)):
+        if needed and not any(s["split"] == split for s in scenarios):
+            fail(f"--scenarios {args.scenarios}", f"holds no {split} scenarios",
+                 f"add some, or pass a file that has them" + (" (or --eval-every 0)"
+                                                                 if split == "heldout" else ""))
     if args.resume and args.overwrite:
         fail("--resume with --overwrite", "contradict each other", "pass one of them")
     if args.resume:
@@ -216,6 +242,76 @@ def validate(args):
     if args.group_size == 1:
         print("train.py: warning: --group-size 1 leaves every group without a baseline: no outcome "
               "advantage, only the dense term trains (pass --group-size 2 or more)", file=sys.stderr)
+
+
+def explicit_settings(parser, argv):
+    """The settings the command line names (not left to their defaults)."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def resume_settings(args, explicit):
+    """--resume continues the run as recorded in runs/NAME/config.json: a setting the command
+    line leaves out takes the recorded value; one it names with another value is refused, in one
+    line naming each, except RESUME_MAY_CHANGE (applied, and recorded by record_config)."""
+    path = Path(args.out) / args.name / "config.json"
+    try:
+        recorded = json.loads(path.read_text())
+        problem = None if isinstance(recorded, dict) else "not a JSON object"
+    except (OSError, ValueError) as e:
+        problem = type(e).__name__
+    if problem:
+        raise SystemExit(f"train.py: --resume: {path} cannot be read ({problem}); restore it from "
+                         "a copy, or start a new run (another --name)")
+    changed = []
+    for key, value in recorded.items():
+        if key in NOT_SETTINGS or not hasattr(args, key):
+            continue
+        if key not in explicit:
+            setattr(args, key, value)
+        elif json.dumps(getattr(args, key)) != json.dumps(value) and key not in RESUME_MAY_CHANGE:
+            changed.append(f"--{key.replace('_', '-')} {getattr(args, key)} (the run has {value})")
+    if changed:
+        may = ", ".join(f"--{k.replace('_', '-')}" for k in RESUME_MAY_CHANGE)
+        raise SystemExit(f"train.py: --resume keeps the run's settings, and {', '.join(changed)} "
+                         f"would change them; drop them (only {may} may change), or start a new "
+                         "run (another --name)")
+
+
+def write_atomic(path, text, kept):
+    """path's new text through a temporary file and a rename: a kill or a full disk leaves the
+    old file or the new one; a failed write is one line (_write_failure)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SystemExit(_write_failure(path.name, path.parent, e, kept)) from None
+
+
+def record_config(run_dir, args, start):
+    """config.json: the settings of a new run; on a resume the recorded file, with the
+    RESUME_MAY_CHANGE settings that changed listed under "resumed" (and said), else untouched."""
+    path = run_dir / "config.json"
+    if not args.resume:
+        return write_atomic(path, json.dumps(vars(args), indent=2), "nothing was trained yet")
+    config = json.loads(path.read_text())
+    changes = {k: [config.get(k), getattr(args, k)] for k in RESUME_MAY_CHANGE
+               if json.dumps(config.get(k)) != json.dumps(getattr(args, k))}
+    if changes:
+        print(f"train.py: resuming at step {start} with " + ", ".join(
+            f"--{k.replace('_', '-')} {new} (was {old})" for k, (old, new) in changes.items()))
+        config.update({k: new for k, (_, new) in changes.items()})
+        config.setdefault("resumed", []).append(dict(step=start, changed=changes))
+        write_atomic(path, json.dumps(config, indent=2), f"{path} is as it was")
+
+
+def nonfinite_weight(state_dict):
+    """The name of the first floating-point tensor holding a NaN or an infinity, or None."""
+    return next((k for k, v in state_dict.items()
+                 if v.is_floating_point() and not torch.isfinite(v).all()), None)
 
 # -----------------------------------------------------------------------------
 # the memory plan: arithmetic from the models' configs, before any weight is read
@@ -747,6 +843,13 @@ def load_checkpoint(run_dir, policy, optimizer, device):
         except Exception as e:
             raise SystemExit(f"train.py: {f} cannot be read ({type(e).__name__}: "
                              f"{str(e)[:80]}); restore it from a copy or start a new run") from None
+    if bad := nonfinite_weight(model_sd):
+        others = sorted((p.name for p in run_dir.glob("checkpoint-*") if p != folder),
+                        key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1)
+        earlier = (f"resume from an earlier checkpoint (write e.g. {others[-1]} into "
+                   f"{run_dir / 'latest'}), or " if others else "no earlier checkpoint is kept: ")
+        raise SystemExit(f"train.py: {folder} holds non-finite weights ({bad}); {earlier}start a "
+                         "new run with a lower --lr (another --name, or --overwrite)")
     tied = getattr(policy.config, "tie_word_embeddings", False)
     if tied and "lm_head.weight" not in model_sd and "model.embed_tokens.weight" in model_sd:
         model_sd["lm_head.weight"] = model_sd["model.embed_tokens.weight"]
@@ -844,6 +947,9 @@ def main(argv=None):
     # the actor: fp32 master weights (trained, sharded), its rollout copy in --dtype (the actor
     # engine's weights); the frozen reference, persuadee and judge in --dtype
     policy, tokenizer = load(args.persuader, "float32", device)
+    if bad := nonfinite_weight(policy.state_dict()):
+        sys.exit(f"train.py: --persuader {args.persuader} holds non-finite weights ({bad}); pass "
+                 "a model with finite weights (an earlier checkpoint of the run that wrote it)")
     same = not served_persuadee and args.persuadee == args.persuader
     if served_persuadee:
         persuadee_model = persuadee_tok = None  # the server plays it
@@ -890,11 +996,11 @@ def main(argv=None):
         if args.overwrite:
             shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(vars(args), indent=2))
+        record_config(run_dir, args, start)
         resume_metrics(run_dir / "metrics.jsonl", start)
         resume_metrics(run_dir / "rollouts.jsonl", start)
     loggers = open_loggers(args, run_dir, start) if rank == 0 else []
-    history = []
+    history, skipped = [], 0
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         mine = step_instances(instances, args, step, rank, world)
@@ -952,12 +1058,19 @@ def main(argv=None):
             for log in loggers:
                 log.scalars(step, scalars({k: v for k, v in m.items() if k != "step"}, "train/"))
             if step % max(args.save_every, 1) == 0 or step == 1:
-                (run_dir / f"samples-{step}.json").write_text(json.dumps(
+                write_atomic(run_dir / f"samples-{step}.json", json.dumps(
                     [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"],
                           beliefs=[b if math.isfinite(b) else None for b in r["beliefs"]])
-                     for r in records[:SAMPLE_DIALOGUES]], indent=1, allow_nan=False))
+                     for r in records[:SAMPLE_DIALOGUES]], indent=1, allow_nan=False),
+                    "the last checkpoint is intact")
                 for log in loggers:
                     log.samples(step, sample_rows(records))
+        skipped = skipped + 1 if m["step_skipped"] else 0
+        if skipped >= MAX_SKIPPED_STEPS:
+            sys.exit(f"train.py: {skipped} steps in a row (steps {step - skipped + 1}-{step}) were "
+                     f"skipped as non-finite ({', '.join(m['nonfinite'])}): the run has gone wrong "
+                     f"and stops; the weights updated at step {step - skipped} are suspect: resume "
+                     f"from a checkpoint saved before it, or start again with a lower --lr")
         evaluated = bool(args.eval_every) and step % args.eval_every == 0
         if evaluated:
             summary = evaluate(actor, persuadee, judge, args, step, rank, run_dir)
@@ -1012,10 +1125,19 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
                                       anchor=args.anchor, preset=args.sampling, rank=rank,
                                       world=world)
     if rank == 0:
-        path = run_dir / "evals.jsonl"
-        kept = [l for l in (path.read_text().splitlines() if path.exists() else [])
-                if json.loads(l)["step"] < step]  # a resumed run redoes later evaluations
-        path.write_text("".join(l + "\n" for l in kept + [json.dumps({"step": step, **summary})]))
+        path, kept = run_dir / "evals.jsonl", []
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines()
+                                      if path.exists() else [], 1):
+            try:
+                earlier = json.loads(line)["step"] < step  # a resumed run redoes later ones
+            except (ValueError, KeyError, TypeError):
+                print(f"train.py: warning: dropping line {lineno} of {path}, not an evaluation "
+                      "summary", file=sys.stderr)
+                continue
+            if earlier:
+                kept.append(line)
+        write_atomic(path, "".join(l + "\n" for l in kept + [json.dumps(
+            analyses.standard({"step": step, **summary}), allow_nan=False)]), f"{path} is as it was")
         print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "
               f"full-or-conditional {summary['full_or_conditional']:.1%}")
     return summary
