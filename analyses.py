@@ -682,7 +682,7 @@ def format_main_table(table, fmt="markdown"):
 
 
 def grid_table(results):
-    """Cross-persuadee grid: results maps (persuader, persuadee) -> summary. Each cell is full
+    """Fig. 4, the cross-persuadee grid: results maps (persuader, persuadee) -> summary. Each cell is full
     acceptance % with full-or-conditional % in parentheses."""
     rows = list(dict.fromkeys(p for p, _ in results))
     cols = list(dict.fromkeys(q for _, q in results))
