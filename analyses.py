@@ -682,7 +682,7 @@ def format_main_table(table, fmt="markdown"):
 
 
 def grid_table(results):
-    """Cross-persuadee grid: results maps (persuader, persuadee) -> summary. Each cell is full
+    """Fig. 4, the cross-persuadee grid: results maps (persuader, persuadee) -> summary. Each cell is full
     acceptance % with full-or-conditional % in parentheses."""
     rows = list(dict.fromkeys(p for p, _ in results))
     cols = list(dict.fromkeys(q for _, q in results))
@@ -791,16 +791,18 @@ def read_run(run_dir):
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory; pass a training run such as runs/NAME")
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
-    evals = read_jsonl(run_dir / "evals.jsonl", "a run trained with --eval-every N (train.py writes evals.jsonl)")
+    evals = read_records(run_dir / "evals.jsonl", "a run trained with --eval-every N (train.py writes evals.jsonl)",
+                         RUN_FIELDS["evals.jsonl"])
     if not evals:
         raise ValueError(f"{run_dir / 'evals.jsonl'} is empty; train with --eval-every N")
-    metrics = read_jsonl(run_dir / "metrics.jsonl", "a training run directory written by train.py")
+    metrics = read_records(run_dir / "metrics.jsonl", "a training run directory written by train.py",
+                           RUN_FIELDS["metrics.jsonl"])
     episodes = {}
     for row in evals:
         path = run_dir / f"eval-{row['step']}" / "episodes.jsonl"
         episodes[row["step"]] = load_episodes(path) if path.is_file() else []
     path = run_dir / "rollouts.jsonl"
-    rollouts = read_jsonl(path, "") if path.is_file() else []
+    rollouts = read_records(path, "", RUN_FIELDS["rollouts.jsonl"]) if path.is_file() else []
     return {"dir": run_dir, "name": run_dir.name, "lam": config.get("lam"), "anchor": config.get("anchor"),
             "metrics": metrics, "rollouts": rollouts, "episodes": episodes,
             "evals": sorted((migrate_summary(r, config.get("lam")) for r in evals), key=lambda r: r["step"])}
@@ -1023,21 +1025,45 @@ EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it m
     "transcript": ("a list of {role, text} messages",
                    lambda v: isinstance(v, list) and all(isinstance(m, dict) and isinstance(m.get("text"), str)
                                                          and m.get("role") in ("persuader", "persuadee") for m in v)),
+    "judge": ("a number or null", _number_or_none),
+}
+OPTIONAL_EPISODE_FIELDS = ("judge",)  # checked where present
+
+
+_STEP = ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool))
+_NUMBER = ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+RUN_FIELDS = {  # what --runs reads of a training run's files
+    "evals.jsonl": {"step": _STEP, "full_accept": _NUMBER},
+    "metrics.jsonl": {"step": _STEP},
+    "rollouts.jsonl": {"step": _STEP, "group": _STEP, "member": _STEP, "outcome": EPISODE_FIELDS["outcome"],
+                       "goal": _NUMBER, "judge": EPISODE_FIELDS["judge"], "beliefs": EPISODE_FIELDS["beliefs"]},
 }
 
 
-def check_episode(ep):
-    """None for a record the analyses can read, else (field, what it must be, what it is)."""
-    if not isinstance(ep, dict):
-        return "(whole line)", "a JSON object", type(ep).__name__
-    for field, (must, ok) in EPISODE_FIELDS.items():
-        if field not in ep:
+def check_record(row, fields, optional=()):
+    """None for a record that has every field of `fields` as it must be (those named in optional
+    may be absent), else (field, what it must be, what it is)."""
+    if not isinstance(row, dict):
+        return "(whole line)", "a JSON object", type(row).__name__
+    for field, (must, ok) in fields.items():
+        if field not in row:
+            if field in optional:
+                continue
             return field, must, "missing"
-        if not ok(ep[field]):
-            return field, must, json.dumps(ep[field])[:60]
-    if ep.get("judge") is not None and not _number_or_none(ep["judge"]):
-        return "judge", "a number or null", json.dumps(ep["judge"])[:60]
+        if not ok(row[field]):
+            return field, must, json.dumps(row[field])[:60]
     return None
+
+
+def read_records(path, what, fields, optional=()):
+    """The rows of a JSONL file, each checked against fields: a bad one is one error naming the
+    file, the line and the field."""
+    rows = _jsonl_rows(path, what)
+    for lineno, row in rows:
+        if problem := check_record(row, fields, optional):
+            field, must, got = problem
+            raise ValueError(f"{path}, line {lineno}: field '{field}' must be {must}, got {got}")
+    return [row for _, row in rows]
 
 
 def load_episodes(dir_or_file):
@@ -1048,15 +1074,11 @@ def load_episodes(dir_or_file):
         raise FileNotFoundError(f"{path} does not exist; pass an eval directory such as evals/NAME")
     if path.is_dir():
         path = path / "episodes.jsonl"
-    rows = _jsonl_rows(path, "an eval directory written by `python eval.py --name NAME`")
-    if not rows:
+    episodes = read_records(path, "an eval directory written by `python eval.py --name NAME`",
+                            EPISODE_FIELDS, OPTIONAL_EPISODE_FIELDS)
+    if not episodes:
         raise ValueError(f"{path} holds no episodes; rerun the evaluation that wrote it")
-    for lineno, ep in rows:
-        problem = check_episode(ep)
-        if problem:
-            field, must, got = problem
-            raise ValueError(f"{path}, line {lineno}: field '{field}' must be {must}, got {got}")
-    return [ep for _, ep in rows]
+    return episodes
 
 
 def standard(value):

@@ -11,7 +11,7 @@ moves.py (keyword tagger by default, --tagger logit reads the judge model).
     python eval.py --persuader PATH --name NAME                 # a trained policy or any HF chat model
     python eval.py --subset balanced60                          # 3 scenarios per domain x resistance cell
     python eval.py --scenarios train --limit 20                 # training scenarios as written
-    python eval.py --persuader A --persuader B --persuadee C --persuadee D --judge J   # grid, one judge
+    python eval.py --persuader A --persuader B --persuadee C --persuadee D --judge J   # Fig. 4 grid, one judge
     python eval.py --analyze evals/NAME                         # summary.json and plots from episodes.jsonl
     python eval.py --case evals/NAME heldout-017                # Table 8: one episode turn by turn
     python eval.py --persuader openai:MODEL@URL --name NAME     # a model served over the OpenAI API

@@ -55,6 +55,7 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     (["--table", "{tmp}/B", "--reference", "{tmp}/A"], "--reference names one of the --table"),
     (["--table", "{tmp}/B", "{tmp}/bad"], "bad/episodes.jsonl, line 1: field 'outcome' must be one of"),
     (["--analyze", "{tmp}/run"], "is a training run"),
+    (["--runs", "{tmp}/run"], "evals.jsonl, line 2: field 'step' must be a whole number, got missing"),
 ])
 def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "empty").mkdir()
@@ -64,6 +65,7 @@ def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "bad" / "episodes.jsonl").write_text(json.dumps(dict(RUN_B[0], outcome="YES")) + "\n")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "run" / "evals.jsonl").write_text('{"step": 1, "full_accept": 0.5}\n{"full_accept": 0.1}\n')
     with pytest.raises(SystemExit) as e:
         ev.main([a.format(tmp=tmp_path) for a in argv])
     message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err

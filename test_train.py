@@ -500,6 +500,7 @@ def test_two_ranks_log_the_pooled_diagnostics_of_one_process(tmp_path, short_sce
     rollouts = {k: [json.loads(line) for line in (tmp_path / k / "rollouts.jsonl").read_text().splitlines()]
                 for k in ("one", "two")}
     assert rollouts["one"] == rollouts["two"] and len(rollouts["one"]) == 3 * 4 * 2
+    assert all(r["b_0"] == r["beliefs"][0] and r["b_T"] == r["beliefs"][-1] for r in rollouts["one"])
     discriminating = False
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         for key in DIAGNOSTICS:

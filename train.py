@@ -676,8 +676,9 @@ def step_metrics(step, records, groups, update, times, args, device):
 def step_records(step, records, group_size, args, rank, world):
     """One small record per episode of the step, for analyses of training rollouts with no rerun
     (rollouts.jsonl): instance, group (its index in the step's draw) and member, outcome, goal,
-    judge score, beliefs (b_0 .. b_T, null where unreadable), the lambda-free dense return under
-    the run's anchor setting, turns. Every rank's, in draw order, on rank 0; [] elsewhere."""
+    judge score, b_0, b_T and every belief between (null where unreadable), the lambda-free dense
+    return under the run's anchor setting, turns. Every rank's, in draw order, on rank 0; []
+    elsewhere."""
     rows = []
     for i, r in enumerate(records):
         local, member = divmod(i, group_size)
@@ -685,7 +686,8 @@ def step_records(step, records, group_size, args, rank, world):
         dense = rpo.dense_return(r["beliefs"], r["outcome"], args.anchor)
         rows.append(dict(step=step, instance=r["id"], group=local * world + rank, member=member,
                          outcome=r["outcome"], goal=rpo.GOAL[r["outcome"]], judge=r["judge"],
-                         judge_failed=bool(r.get("judge_failed")), beliefs=beliefs,
+                         judge_failed=bool(r.get("judge_failed")), b_0=beliefs[0] if beliefs else None,
+                         b_T=beliefs[-1] if beliefs else None, beliefs=beliefs,
                          dense_return=dense if math.isfinite(dense) else None, turns=r["turns"]))
     if world > 1:
         shards = [None] * world
