@@ -26,11 +26,12 @@ outcomes and strategy scores into per-token advantages and the policy loss (SPEC
 Alignment: token_logprobs returns [B, L-1] for ids[:, 1:], so a per-token quantity built over the
 L input positions (token_advantages, the persuader mask) is sliced [:, 1:] before policy_loss.
 
+torch is imported inside the functions that make tensors, so that the reward math (process_rewards,
+dense_return, GOAL) serves analyses.py without loading torch.
+
 Tests: python -m pytest -q test_rpo.py
 """
 import math
-
-import torch
 
 LAMBDA = 0.5  # weight of the dense process term; 0 recovers outcome-only GRPO
 ANCHOR = False  # ablation: replace the last belief by the outcome's anchor belief (SPEC 6)
@@ -62,11 +63,18 @@ def dense_return(beliefs, outcome, anchor=ANCHOR, lam=1.0):
     return lam * sum(process_rewards(beliefs, outcome, anchor))
 
 
+def negative_process_counts(beliefs_per_episode):
+    """(turns whose process reward is negative, turns), on the measured beliefs (never the anchor);
+    counts add over ranks before negative_process_share's division."""
+    rewards = [r for beliefs in beliefs_per_episode for r in process_rewards(beliefs, None, anchor=False)]
+    return sum(r < 0 for r in rewards), len(rewards)
+
+
 def negative_process_share(beliefs_per_episode):
     """Share of turns whose process reward is negative, on the measured beliefs (never the anchor):
     how often a persuader turn lowers the persuadee's belief. The one definition train and eval log."""
-    rewards = [r for beliefs in beliefs_per_episode for r in process_rewards(beliefs, None, anchor=False)]
-    return sum(r < 0 for r in rewards) / len(rewards) if rewards else 0.0
+    negative, turns = negative_process_counts(beliefs_per_episode)
+    return negative / turns if turns else 0.0
 
 
 def outcome_reward(outcome, strategy):
@@ -125,12 +133,14 @@ def group_advantages(outcome_rewards, process_rewards, lam=LAMBDA):
 
 def token_advantages(turn_ids, advantages):
     """turn_ids [L] (t >= 1 on persuader tokens of message t, else 0) -> float [L]: A_t there, 0 elsewhere."""
+    import torch
     table = torch.tensor([0.0] + [float(a) for a in advantages], device=turn_ids.device)
     return table[turn_ids]
 
 
 def batch_token_advantages(turn_ids, advantages):
     """Batched token_advantages: turn_ids [B, L], advantages a list of B (ragged) lists -> [B, L]."""
+    import torch
     B = turn_ids.shape[0]
     assert len(advantages) == B
     for i, (row, a) in enumerate(zip(turn_ids.max(1).values.tolist(), advantages)):
@@ -158,6 +168,7 @@ def target_logprobs(logits, targets, temperature=1.0):
     One row at a time, via logsumexp + gather, so at most one [K, V] float32 copy is made per row
     (the copy autograd keeps anyway) instead of a full log_softmax over [B, K, V].
     """
+    import torch
     out = []
     for b in range(logits.shape[0]):
         row = logits[b].float()  # no copy for float32 logits
@@ -172,6 +183,7 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
                 clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA):
     """Clipped token-level surrogate + beta * k3 over masked tokens, summed and divided by the
     GLOBAL persuader-token count num_tokens. All tensors share one shape; ref_logp may be None."""
+    import torch
     mask = mask.bool()
     # zero the log-ratio off the mask before exp: unmasked positions may hold anything (padding),
     # and exp(inf) * 0 would turn their exactly-zero gradient into nan
@@ -199,33 +211,56 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
 
 
 # -----------------------------------------------------------------------------
-# per-step logging (SPEC 7)
+# per-step logging: the paper's dead groups, rescued share and dense share of |A| (section F)
 
-def step_diagnostics(groups, lam=LAMBDA):
-    """groups: list of (outcome_rewards, process_rewards) -> dead-group share, share of dead groups
-    rescued by the dense term, the dense term's share of sum |A|, and the two terms' mean |.| per
-    turn (outcome_term_abs = |A_out|, dense_term_abs = |lam D~|)."""
-    dead = rescued = 0
-    abs_out = abs_dense = abs_total = 0.0
-    turns = episodes = unreadable = 0
-    for R, P in groups:
-        episodes += len(P)
-        unreadable += sum(not _readable(r) for r in P)
+DIAGNOSTIC_SUMS = ("groups", "dead", "rescued", "goal_groups", "dead_goal", "abs_out", "abs_dense",
+                   "abs_total", "turns", "episodes", "unreadable")  # what diagnostic_sums adds up
+
+
+def diagnostic_sums(groups, lam=LAMBDA):
+    """groups: list of (outcome_rewards, process_rewards[, goals]) -> the counts and sums whose
+    ratios are the diagnostics. Sums add: over the ranks of a step (all-reduced before dividing,
+    so torchrun gives one process's figure) and over the steps of a run (the run-level figure).
+    dead: all R equal (no outcome advantage); dead_goal, over the groups that carry their goals
+    (GOAL[outcome] per episode): identical outcomes, the paper's words."""
+    sums = dict.fromkeys(DIAGNOSTIC_SUMS, 0.0)
+    for R, P, *goals in groups:
+        sums["groups"] += 1
+        sums["episodes"] += len(P)
+        sums["unreadable"] += sum(not _readable(r) for r in P)
         a_out, dense = _group_terms(R, P)
         A = group_advantages(R, P, lam)
         if _is_dead(R):
-            dead += 1
-            rescued += any(abs(x) > DIAG_EPS for a in A for x in a)
-        abs_out += sum(abs(a) * len(d) for a, d in zip(a_out, dense))
-        abs_dense += sum(abs(lam * x) for d in dense for x in d)
-        abs_total += sum(abs(x) for a in A for x in a)
-        turns += sum(len(r) for r in P)
+            sums["dead"] += 1
+            sums["rescued"] += any(abs(x) > DIAG_EPS for a in A for x in a)
+        if goals:
+            sums["goal_groups"] += 1
+            sums["dead_goal"] += _is_dead(goals[0])
+        sums["abs_out"] += sum(abs(a) * len(d) for a, d in zip(a_out, dense))
+        sums["abs_dense"] += sum(abs(lam * x) for d in dense for x in d)
+        sums["abs_total"] += sum(abs(x) for a in A for x in a)
+        sums["turns"] += sum(len(r) for r in P)
+    return sums
+
+
+def diagnostics(sums):
+    """diagnostic_sums (of one rank, all ranks, or a whole run) -> dead-group share (all R equal),
+    dead_goal_share (identical outcomes), share of dead groups rescued by the dense term, the dense
+    term's share of sum |A|, and the two terms' mean |.| per turn (outcome_term_abs = |A_out|,
+    dense_term_abs = |lam D~|); a ratio with nothing to count is 0."""
+    ratio = lambda num, den: sums[num] / sums[den] if sums[den] else 0.0
     return {
-        "dead_group_share": dead / len(groups) if groups else 0.0,
-        "dead_rescued_share": rescued / dead if dead else 0.0,
-        "dense_share": abs_dense / abs_total if abs_total else 0.0,
-        "outcome_term_abs": abs_out / turns if turns else 0.0,
-        "dense_term_abs": abs_dense / turns if turns else 0.0,
+        "dead_group_share": ratio("dead", "groups"),
+        "dead_goal_share": ratio("dead_goal", "goal_groups"),
+        "dead_rescued_share": ratio("rescued", "dead"),
+        "dense_share": ratio("abs_dense", "abs_total"),
+        "outcome_term_abs": ratio("abs_out", "turns"),
+        "dense_term_abs": ratio("abs_dense", "turns"),
         # episodes whose dense term was excluded for a non-finite probe value
-        "nonfinite_belief_share": unreadable / episodes if episodes else 0.0,
+        "nonfinite_belief_share": ratio("unreadable", "episodes"),
     }
+
+
+def step_diagnostics(groups, lam=LAMBDA):
+    """The diagnostics of one process's groups (see diagnostic_sums and diagnostics)."""
+    return diagnostics(diagnostic_sums(groups, lam))

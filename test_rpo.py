@@ -305,3 +305,22 @@ def test_a_non_finite_belief_is_excluded_from_its_group_and_counted():
     assert all(math.isfinite(x) for a in A for x in a)
     assert rpo.step_diagnostics([(R, P)], 0.5)["nonfinite_belief_share"] == pytest.approx(1 / 3)
     assert rpo.step_diagnostics([(R, [[0.1, 0.2], [0.0, 0.3], [-0.1]])], 0.5)["nonfinite_belief_share"] == 0
+
+
+def test_diagnostic_sums_add_over_shards_and_count_identical_outcomes():
+    """Sums of two shards (two ranks, or two steps) give the diagnostics of the whole; the
+    goal-bucket dead share counts groups with identical outcomes, whatever their judge scores."""
+    groups = [
+        ([3.5, 3.0], [[0.2], [0.1]], [3.0, 3.0]),      # both ACCEPT, judges differ: live by R, dead by goal
+        ([0.0, 0.0], [[0.4], [0.0, -0.2]], [0.0, 0.0]),  # dead both ways, rescued
+        ([1.0, -1.0], [[0.2], [-0.2]], [1.0, -1.0]),   # live both ways
+    ]
+    whole = rpo.step_diagnostics(groups, lam=0.5)
+    assert whole["dead_group_share"] == pytest.approx(1 / 3) and whole["dead_goal_share"] == pytest.approx(2 / 3)
+    assert whole["dead_rescued_share"] == 1.0
+    shards = [rpo.diagnostic_sums(groups[:1], 0.5), rpo.diagnostic_sums(groups[1:], 0.5)]
+    assert rpo.diagnostics({k: shards[0][k] + shards[1][k] for k in rpo.DIAGNOSTIC_SUMS}) == pytest.approx(whole)
+    # the mean of the shards' own ratios is not the pooled figure: shard 0 has no dead group
+    own = [rpo.diagnostics(s)["dead_rescued_share"] for s in shards]
+    assert sum(own) / 2 == 0.5 != whole["dead_rescued_share"]
+    assert rpo.step_diagnostics([g[:2] for g in groups], 0.5)["dead_goal_share"] == 0.0  # no goals given

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+import analyses
 import arena
 import engine
 import eval as ev
@@ -198,9 +199,9 @@ def test_a_server_without_logprobs_leaves_beliefs_absent():
     assert all(b is None for r in records for b in r["beliefs"])
     asked = [b for b in server.bodies if b["messages"][-1]["content"].startswith(probes.INSTRUCTION)]
     assert len(asked) == len(probes.PROBES) * len(records)  # the first read's questions only
-    summary = ev.summarize(records)
+    summary = analyses.summarize(records)
     assert summary["beliefs_missing"] == 1.0 and summary["mean_final_belief"] is None
-    assert "missing" in ev.format_table(summary)
+    assert "missing" in analyses.format_table(summary)
 
 
 def rollout_engine(arch="llama", seed=1):
@@ -293,7 +294,7 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     kept = lambda r: {k: v for k, v in r.items() if k not in ev.TRAINING_KEYS}
     assert [r for r in records if r not in failed] == [kept(w) for w, r in zip(whole, records)
                                                       if r not in failed]
-    summary = ev.summarize(records)
+    summary = analyses.summarize(records)
     assert summary["api_errors"] == len(failed) == 3
     assert summary["end_reasons"][arena.API_ERROR] == 3
 

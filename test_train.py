@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -441,3 +442,73 @@ def test_a_non_finite_log_prob_skips_the_step(tmp_path, short_scenarios, monkeyp
     assert all(torch.isfinite(v).all() for v in saved.values())
     initial = models.random_model("tiny-llama")[0].state_dict()
     assert all(torch.equal(initial[k], v) for k, v in saved.items())  # no step was taken
+
+
+HASHED_PERSUADEE = '''
+import sys, zlib
+import arena, train
+# the persuadee decides by a hash of its reply text (rank-free: the texts are), so groups differ
+arena.parse_decision = lambda text: (None, "ACCEPT", "REJECT", "WALK_AWAY", "PENDING")[zlib.crc32(text.encode()) % 5]
+train.main(sys.argv[1:])
+'''
+DIAGNOSTICS = ("dead_group_share", "dead_goal_share", "dead_rescued_share", "dense_share", "outcome_term_abs",
+               "dense_term_abs", "negative_process_share")
+
+
+def pooled_by_hand(rows, lam):
+    """The step diagnostics of rollouts.jsonl rows written out with numpy: A_out from the group's
+    R (no judge: R = GOAL), D~ the return-to-go centred on the group's pooled mean."""
+    groups = {}
+    for row in rows:
+        groups.setdefault(row["group"], []).append(row)
+    dead = rescued = 0
+    abs_dense = abs_total = 0.0
+    for members in groups.values():
+        R = np.array([m["goal"] for m in members], dtype=float)
+        a_out = (R - R.mean()) / (R.std(ddof=1) + 1e-6) if np.ptp(R) > 0 else np.zeros_like(R)
+        togo = [np.cumsum(np.diff(m["beliefs"])[::-1] / 2)[::-1] for m in members]
+        pool = np.concatenate(togo).mean()
+        A = [a + lam * (d - pool) for a, d in zip(a_out, togo)]
+        if np.ptp(R) == 0:
+            dead += 1
+            rescued += any(np.abs(x).max() > 1e-9 for x in A)
+        abs_dense += sum(np.abs(lam * (d - pool)).sum() for d in togo)
+        abs_total += sum(np.abs(x).sum() for x in A)
+    return {"dead_group_share": dead / len(groups), "dead_rescued_share": rescued / dead if dead else 0.0,
+            "dense_share": abs_dense / abs_total}
+
+
+def test_two_ranks_log_the_pooled_diagnostics_of_one_process(tmp_path, short_scenarios):
+    """Dead groups, rescued share, dense share (and the rest) are pooled over ranks, numerators and
+    denominators summed before the division: torchrun --nproc_per_node 2 logs one process's
+    figures, which equal a numpy computation from rollouts.jsonl, and differ from the mean of the
+    two ranks' own ratios in some step (so a rank-averaged figure would fail this test)."""
+    script = tmp_path / "hashed_persuadee.py"
+    script.write_text(HASHED_PERSUADEE)
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3", "--instances", "4",
+                     "--group-size", "2", "--lam", "0.5", "--max-new-tokens", "3"]
+    one = run_script([str(script), *common, "--name", "one"], env)
+    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+                      str(script), *common, "--name", "two"], env)
+    for p in (one, two):
+        out = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, out[-3000:]
+    rollouts = {k: [json.loads(line) for line in (tmp_path / k / "rollouts.jsonl").read_text().splitlines()]
+                for k in ("one", "two")}
+    assert rollouts["one"] == rollouts["two"] and len(rollouts["one"]) == 3 * 4 * 2
+    discriminating = False
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        for key in DIAGNOSTICS:
+            assert a[key] == pytest.approx(b[key], abs=1e-12), (a["step"], key)
+        rows = [r for r in rollouts["one"] if r["step"] == a["step"]]
+        for key, value in pooled_by_hand(rows, 0.5).items():
+            assert a[key] == pytest.approx(value, abs=1e-9), (a["step"], key)
+        goals = {}
+        for r in rows:
+            goals.setdefault(r["group"], set()).add(r["goal"])
+        assert a["dead_goal_share"] == pytest.approx(sum(len(g) == 1 for g in goals.values()) / len(goals))
+        by_rank = [pooled_by_hand([r for r in rows if r["group"] % 2 == k], 0.5) for k in (0, 1)]
+        discriminating |= any(abs((x[key] + y[key]) / 2 - a[key]) > 1e-6
+                              for x, y in [by_rank] for key in x)
+    assert discriminating, "every step had the same ratios on both ranks: change the hash"

@@ -13,7 +13,9 @@ Groups are sharded across ranks (torchrun); the actor is sharded with FSDP (full
 reference, persuadee and judge are frozen and unsharded. Checkpoints are Hugging Face folders
 (the policy loads with AutoModelForCausalLM.from_pretrained) plus the optimizer, written to a
 temporary folder and renamed, so a run killed at any moment resumes from the last one.
-metrics.jsonl is the record of truth; --log tensorboard (a SummaryWriter in runs/NAME) and
+metrics.jsonl is the record of truth (its diagnostics pooled over ranks: counts and sums are
+all-reduced before each division); rollouts.jsonl keeps one small record per training episode
+(step_records), so analyses of training rollouts need no rerun. --log tensorboard (a SummaryWriter in runs/NAME) and
 --log wandb (offline unless WANDB_MODE says otherwise) get the same scalars under train/, the
 held-out summaries under heldout/ and a table of sample dialogues.
 Guards: arguments are checked before any model loads; an existing run is refused without --resume
@@ -261,13 +263,13 @@ def step_instances(instances, args, step, rank, world):
 
 def advantages(records, group_size, args):
     """Rewards and Probe-RPO advantages for this rank's groups; returns per-episode turn
-    advantages and the (outcome rewards, process rewards) of each group for diagnostics."""
+    advantages and the (outcome rewards, process rewards, goals) of each group for diagnostics."""
     groups, per_episode = [], []
     for g in range(0, len(records), group_size):
         group = records[g:g + group_size]
         outcome = [rpo.outcome_reward(r["outcome"], r["judge"]) for r in group]
         process = [rpo.process_rewards(r["beliefs"], r["outcome"], args.anchor) for r in group]
-        groups.append((outcome, process))
+        groups.append((outcome, process, [rpo.GOAL[r["outcome"]] for r in group]))
         per_episode += rpo.group_advantages(outcome, process, args.lam)
     return per_episode, groups
 
@@ -348,9 +350,11 @@ def step_metrics(step, records, groups, update, times, args, device):
     # the share of transcripts whose strategy score fell back to s = 0 (SPEC 6)
     m["judge_failed_share"] = None if args.judge == "none" else total(
         bool(r.get("judge_failed")) for r in records) / n
-    diag = rpo.step_diagnostics(groups, args.lam)
-    diag["negative_process_share"] = rpo.negative_process_share(r["beliefs"] for r in records)
-    m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in diag.items()})
+    # pooled: every rank's counts and sums are added before the division (rpo.diagnostics)
+    sums = rpo.diagnostic_sums(groups, args.lam)
+    m.update(rpo.diagnostics({k: all_sum(v, device) for k, v in sums.items()}))
+    negative, turns = (all_sum(v, device) for v in rpo.negative_process_counts(r["beliefs"] for r in records))
+    m["negative_process_share"] = negative / turns if turns else 0.0
     m.update(update)
     m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in times.items()})
     m["tokens_per_s"] = update["persuader_tokens"] / max(times["rollout_s"], 1e-9)
@@ -360,6 +364,26 @@ def step_metrics(step, records, groups, update, times, args, device):
         import resource
         m["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return m
+
+def step_records(step, records, group_size, args, rank, world):
+    """One small record per episode of the step, for analyses of training rollouts with no rerun
+    (rollouts.jsonl): instance, group (its index in the step's draw) and member, outcome, goal,
+    judge score, beliefs (b_0 .. b_T, null where unreadable), the lambda-free dense return under
+    the run's anchor setting, turns. Every rank's, in draw order, on rank 0; [] elsewhere."""
+    rows = []
+    for i, r in enumerate(records):
+        local, member = divmod(i, group_size)
+        beliefs = [b if math.isfinite(b) else None for b in r["beliefs"]]
+        dense = rpo.dense_return(r["beliefs"], r["outcome"], args.anchor)
+        rows.append(dict(step=step, instance=r["id"], group=local * world + rank, member=member,
+                         outcome=r["outcome"], goal=rpo.GOAL[r["outcome"]], judge=r["judge"],
+                         judge_failed=bool(r.get("judge_failed")), beliefs=beliefs,
+                         dense_return=dense if math.isfinite(dense) else None, turns=r["turns"]))
+    if world > 1:
+        shards = [None] * world
+        dist.all_gather_object(shards, rows)
+        rows = [row for shard in shards for row in shard]
+    return sorted(rows, key=lambda row: (row["group"], row["member"])) if rank == 0 else []
 
 # -----------------------------------------------------------------------------
 # TensorBoard and W&B: the scalars of metrics.jsonl, held-out summaries, sample dialogues
@@ -633,6 +657,7 @@ def main(argv=None):
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(vars(args), indent=2))
         resume_metrics(run_dir / "metrics.jsonl", start)
+        resume_metrics(run_dir / "rollouts.jsonl", start)
     loggers = open_loggers(args, run_dir, start) if rank == 0 else []
     history = []
     for step in range(start + 1, args.steps + 1):
@@ -665,11 +690,14 @@ def main(argv=None):
         times["step_s"] = time.perf_counter() - t0
         m = step_metrics(step, records, groups, update, times, args, device)
         m.update({k: all_sum(v, device) for k, v in left_out.items()})
+        rows = step_records(step, records, args.group_size, args, rank, world)
         history.append(m)
         if rank == 0:
             try:
                 with open(run_dir / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(finite(m), allow_nan=False) + "\n")
+                with open(run_dir / "rollouts.jsonl", "a") as f:
+                    f.write("".join(json.dumps(row, allow_nan=False) + "\n" for row in rows))
             except OSError as e:
                 raise SystemExit(_write_failure("metrics.jsonl", run_dir, e, "the last checkpoint "
                                                 "is intact")) from None

@@ -1,0 +1,244 @@
+"""
+The paper's figures from episode records and training runs, drawn with matplotlib (PNG files).
+
+  plot_beliefs   mean belief b_t by turn for each outcome, 95% bands (beliefs.png)
+  plot_probes    the same per probe, CA, PE, AC (probes.png)
+  plot_moves     Fig. 5, the share of messages with each move by turn, and the two move rankings
+                 of section F (moves.png)
+  plot_case      Table 8 as a figure: one episode's probes, b_t and r_t (case-ID.png)
+  plot_overlay   Fig. 6: runs overlaid, belief and process reward by turn (overlay.png)
+  plot_runs      checkpoint selection (Table 9) and Fig. 3, best held-out acceptance over lambda
+  plot_dynamics  Fig. 7: dead groups, rescued share and the two advantage terms by step
+  plot_run       a training run's curves from metrics.jsonl (curves.png)
+The statistics behind them come from analyses.py; eval.py's command line calls them.
+Tests: python -m pytest -q test_plots.py
+"""
+
+import math
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+import analyses  # noqa: E402
+import moves  # noqa: E402
+from analyses import PROBE_NAMES  # noqa: E402
+
+PROBE_TITLES = {"CA": "concern addressed (CA)", "PE": "persuasion effective (PE)",
+                "AC": "acceptance shift (AC)"}
+RUN_DYNAMICS = {"dead_group_share": "share of dead groups", "dead_rescued_share": "dead groups rescued by the dense term",
+                "outcome_term_abs": "mean |A_out| per turn", "dense_term_abs": "mean |lambda D~| per turn"}
+DPI = 100
+BELIEF_FIGSIZE = (7.0, 4.5)
+PROBE_FIGSIZE = (15.0, 4.5)
+MOVES_FIGSIZE = (13.0, 4.5)
+CASE_FIGSIZE = (8.0, 6.0)
+OVERLAY_FIGSIZE = (12.0, 4.5)
+RUNS_FIGSIZE = (12.0, 4.5)
+RUN_PANEL_SIZE = (4.5, 3.2)
+RUN_COLS = 3
+RUN_TITLES = {"reward_mean": "mean outcome reward R", "dead_group_share": "share of dead groups", "dense_share": "dense term's share of sum |A|",
+              "kl": "KL to the initial policy (k3)", "clip_frac": "share of clipped tokens",
+              "loss": "policy loss"}
+OUTCOME_COLORS = {"ACCEPT": "tab:green", "CONDITIONAL_ACCEPT": "tab:olive", "PENDING": "tab:gray",
+                  "REJECT": "tab:orange", "WALK_AWAY": "tab:red"}
+
+
+def _draw_by_outcome(ax, episodes, series, title, ylabel):
+    for outcome, (mean, half, count) in analyses.trajectory_stats(episodes, series).items():
+        t = np.arange(mean.size)
+        ax.plot(t, mean, marker="o", ms=3, color=OUTCOME_COLORS[outcome],
+                label=f"{outcome} (n={count[0]})")
+        ax.fill_between(t, mean - half, mean + half, color=OUTCOME_COLORS[outcome], alpha=0.2)
+    ax.set(title=title, xlabel="turn t (0 = before the first message)", ylabel=ylabel, ylim=(-1.05, 1.05))
+    ax.axhline(0, color="black", lw=0.5)
+    ax.grid(alpha=0.3)
+
+
+def _save_fig(fig, path):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=DPI)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def plot_beliefs(episodes, path):
+    """Mean persuadee belief b_t by turn for each outcome, with 95% confidence bands."""
+    fig, ax = plt.subplots(figsize=BELIEF_FIGSIZE)
+    _draw_by_outcome(ax, episodes, lambda ep: ep["beliefs"],
+                     "Persuadee belief by turn, by outcome (mean, 95% CI)", "belief b_t (mean of 3 probes)")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    _save_fig(fig, path)
+
+
+def plot_probes(episodes, path):
+    """One panel per probe (CA, PE, AC): mean probe value by turn for each outcome, 95% bands."""
+    fig, axes = plt.subplots(1, len(PROBE_NAMES), figsize=PROBE_FIGSIZE, sharey=True)
+    for i, (ax, probe) in enumerate(zip(axes, PROBE_NAMES)):
+        _draw_by_outcome(ax, episodes, lambda ep, i=i: [row[i] for row in ep["probes"]],
+                         f"{PROBE_TITLES[probe]} by turn", "probe value 2p(yes) - 1")
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle("Per-probe trajectories by outcome (mean, 95% CI)")
+    fig.tight_layout()
+    _save_fig(fig, path)
+
+
+def plot_moves(summary, path):
+    """Fig. 5 (share of messages with each move by turn) and the two move rankings of section F
+    (effect on the turn's r_t and on P(ACCEPT), 95% intervals)."""
+    m = summary["moves"]
+    fig, axes = plt.subplots(1, 3, figsize=MOVES_FIGSIZE)
+    color = {label: f"C{i}" for i, label in enumerate(moves.MOVES)}  # one colour per move in every panel
+    for label, shares in m["by_turn"].items():
+        axes[0].plot(np.arange(1, len(shares) + 1), shares, marker="o", ms=3, label=label, color=color[label])
+    axes[0].set(title="Moves by turn", xlabel="persuader turn", ylabel="share of messages", ylim=(-0.02, 1.02))
+    axes[0].legend(fontsize=7)
+    for ax, key, title in ((axes[1], "dense", "effect on the turn's r_t"), (axes[2], "accept", "effect on P(ACCEPT)")):
+        labels = list(moves.MOVES)
+        for y, label in enumerate(labels):
+            e = m["effects"][label][key]
+            if e is not None:
+                ax.errorbar(e["diff"], y, xerr=[[e["diff"] - e["low"]], [e["high"] - e["diff"]]], fmt="o", capsize=3,
+                            color=color[label])
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.axvline(0, color="black", lw=0.5)
+        ax.set(title=f"{title}, 95% CI", xlabel="with the move - without it")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    _save_fig(fig, path)
+
+
+def plot_case(ep, path):
+    """Table 8 as a figure: the probes and b_t by turn above, r_t and its share of sum |r_t| below."""
+    rows = analyses.case_rows(ep)
+    t = [row["t"] for row in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=CASE_FIGSIZE, sharex=True)
+    for k in PROBE_NAMES:
+        top.plot(t, [row[k] for row in rows], marker="o", ms=3, label=k)
+    top.plot(t, [row["b"] for row in rows], marker="s", color="black", lw=2, label="b_t")
+    top.set(title=f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns", ylabel="probe value",
+            ylim=(-1.05, 1.05))
+    top.legend(fontsize=8)
+    bars = [(row["t"], row["r"], row["share"]) for row in rows if row["r"] is not None]
+    if bars:
+        xs, rs, shares = zip(*bars)
+        bottom.bar(xs, rs, color=["tab:green" if r >= 0 else "tab:red" for r in rs])
+        for x, r, share in zip(xs, rs, shares):
+            bottom.annotate(analyses.pct(share), (x, r), ha="center", va="bottom" if r >= 0 else "top", fontsize=8)
+    bottom.axhline(0, color="black", lw=0.5)
+    bottom.set(xlabel="turn t", ylabel="process reward r_t")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    _save_fig(fig, path)
+
+
+def plot_overlay(runs, path):
+    """Fig. 6: runs (name -> episodes) overlaid: mean belief b_t by turn, mean r_t by turn."""
+    fig, axes = plt.subplots(1, 2, figsize=OVERLAY_FIGSIZE)
+    for name, episodes in runs.items():
+        for ax, rows, start in ((axes[0], [ep["beliefs"] for ep in episodes], 0),
+                                (axes[1], [analyses.raw_process_rewards(ep) for ep in episodes], 1)):
+            mean, half = analyses.mean_band(rows)
+            x = np.arange(start, start + mean.size)
+            ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(episodes)})")
+            ax.fill_between(x, mean - half, mean + half, alpha=0.2)
+    axes[0].set(title="Belief by turn (mean, 95% CI)", xlabel="turn t", ylabel="b_t", ylim=(-1.05, 1.05))
+    axes[1].set(title="Process reward by turn (mean, 95% CI)", xlabel="turn t", ylabel="r_t (measured beliefs)")
+    for ax in axes:
+        ax.axhline(0, color="black", lw=0.5)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save_fig(fig, path)
+
+
+def plot_runs(analyses, path):
+    """Held-out acceptance by step per run; training against held-out acceptance per checkpoint;
+    Fig. 3, the best checkpoint's held-out acceptance over lambda (when the runs differ in it)."""
+    fig, axes = plt.subplots(1, 3, figsize=RUNS_FIGSIZE)
+    for a in analyses:
+        axes[0].plot(a["steps"], a["heldout_accept"], marker="o", ms=4, label=a["name"])
+        axes[0].plot(a["best"]["step"], a["best"]["full_accept"], marker="*", ms=12, color="black")
+        axes[1].scatter(a["train_accept"], a["heldout_accept"], label=a["name"])
+    axes[0].set(title="Held-out acceptance by step (* best)", xlabel="training step", ylabel="full acceptance")
+    axes[1].set(title="Checkpoints: training vs held-out", xlabel="training acceptance", ylabel="held-out acceptance")
+    lams = sorted({a["lam"] for a in analyses if a["lam"] is not None})
+    if len(lams) > 1:
+        best = {lam: max(a["best"]["full_accept"] for a in analyses if a["lam"] == lam) for lam in lams}
+        axes[2].plot(lams, [best[lam] for lam in lams], marker="o")
+        axes[2].set(title="Best checkpoint by lambda (Fig. 3)", xlabel="lambda", ylabel="held-out full acceptance")
+    else:
+        axes[2].set_visible(False)
+    for ax in axes[:2]:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[2].grid(alpha=0.3)
+    fig.tight_layout()
+    _save_fig(fig, path)
+
+
+def plot_dynamics(runs, path):
+    """Fig. 7: dead-group share, dead groups rescued, and the two advantage terms by step per run."""
+    fig, axes = plt.subplots(1, len(RUN_DYNAMICS), figsize=(RUN_PANEL_SIZE[0] * len(RUN_DYNAMICS), RUN_PANEL_SIZE[1]))
+    for ax, (key, title) in zip(axes, RUN_DYNAMICS.items()):
+        for run in runs:
+            pts = [(m["step"], m[key]) for m in run["metrics"] if _is_number(m.get(key))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, label=run["name"])
+        ax.set(title=title, xlabel="training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save_fig(fig, path)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def plot_run(run_dir):
+    """Training curves from run_dir/metrics.jsonl into run_dir/curves.png: one panel per numeric
+    metric, the outcome_* shares together in one panel. Returns the PNG path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a directory; pass a training run such as runs/NAME")
+    rows = analyses.read_jsonl(run_dir / "metrics.jsonl", "a training run directory written by train.py")
+    if not rows:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} is empty; let train.py log at least one step")
+    steps = [row.get("step", i) for i, row in enumerate(rows)]
+    keys = list(dict.fromkeys(k for row in rows for k, v in row.items() if k != "step" and _is_number(v)))
+    outcome_keys = [k for k in keys if k.startswith("outcome_")]
+    panels = ([("outcome shares", outcome_keys)] if outcome_keys else []) + \
+        [(k, [k]) for k in keys if k not in outcome_keys]
+    if not panels:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no numeric metrics to plot")
+    nrows = math.ceil(len(panels) / RUN_COLS)
+    fig, axes = plt.subplots(nrows, RUN_COLS, squeeze=False,
+                             figsize=(RUN_PANEL_SIZE[0] * RUN_COLS, RUN_PANEL_SIZE[1] * nrows))
+    for ax, (title, group) in zip(axes.flat, panels):
+        for k in group:
+            pts = [(s, row[k]) for s, row in zip(steps, rows) if _is_number(row.get(k))]
+            # metrics logged only some steps (e.g. held-out eval) get markers so lone points show
+            ax.plot(*zip(*pts), marker="o" if len(pts) < len(rows) or len(pts) < 20 else None, ms=3,
+                    label=k.removeprefix("outcome_") if len(group) > 1 else None)
+        ax.set(title=RUN_TITLES.get(title, title), xlabel="training step",
+               ylabel="share of episodes" if len(group) > 1 else k)
+        ax.grid(alpha=0.3)
+        if len(group) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(f"Training curves: {run_dir.name}")
+    fig.tight_layout()
+    path = run_dir / "curves.png"
+    _save_fig(fig, path)
+    return path
