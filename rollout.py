@@ -207,8 +207,9 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     docstring), sampled with their role's engine.Sampling; judge is an Engine, a ServedModel or
     None (s = 0). probe_space and probe_signs are the probe options (probes.py's defaults).
     `max_active` caps the episodes in play at once (default: as many as the sides take).
-    `on_record`, when given, receives each episode's record as soon as it ends (judged first);
-    otherwise the judge runs once at the end. `timings`, when given a dict, accumulates seconds
+    `on_record`, when given, receives each episode's record as soon as it ends, before the judge
+    (judge None: the judge scores every transcript once, at the end, when the pools are empty).
+    `timings`, when given a dict, accumulates seconds
     under persuader_s, persuadee_s, probe_s and judge_s. Returns one record per episode
     (instance-major, rollout.record)."""
     er = side(persuader, "persuader", persuader_sampling, max_new_tokens)
@@ -219,7 +220,6 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
                          "out (rollout.prompt_problems finds them) or use a longer-context model.")
     scheduler = Scheduler((er, ee), len(instances), group_size, max_active)
-    records, ended = {}, []
 
     def fits(index, n):
         return er.room(instances[index], n) and ee.room(instances[index], n)
@@ -235,7 +235,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
         e = new_episode(instances[index], index, g, t_max, seed)
         e["state"].end("cache")
         scheduler.done[index, g] = e
-        ended.append(e)
+        ended(e)
 
     def start(groups):
         """Fork the prefilled prompts into the groups' episodes; b_0 read for all at once."""
@@ -266,21 +266,11 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
 
     def finish(e, reason=None):
         scheduler.finish(e, reason)
-        ended.append(e)
+        ended(e)
 
-    def flush():
-        """Judge the episodes that ended since the last flush and record them."""
-        spoken = [e for e in ended if e["transcript"]]  # nothing to judge in the others: s = 0
-        with clock(timings, "judge_s"):
-            scores, failed = judge_all(judge, [e["inst"] for e in spoken],
-                                       [e["transcript"] for e in spoken], seed,
-                                       [e["g"] for e in spoken])
-        verdicts = {id(e): v for e, v in zip(spoken, zip(scores, failed))}
-        for e in ended:
-            records[e["index"], e["g"]] = record(e, *verdicts.get(id(e), (0.0, False)))
-            if on_record is not None:
-                on_record(records[e["index"], e["g"]])
-        ended.clear()
+    def ended(e):
+        if on_record is not None:
+            on_record(record(e, None, None))
 
     def ready(side_, episodes, key):
         fit = set(side_.ready([e[key] for e in episodes]))
@@ -331,13 +321,17 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                     finish(e, reason)
         if not moved and scheduler.running:
             scheduler.stall()
-        if on_record is not None:
-            flush()
         scheduler.refill(fits, open_group, never_started, start)
         if progress is not None:
             progress.update(len(scheduler.done) - progress.n)
-    flush()
-    return [records[i, g] for i in range(len(instances)) for g in range(group_size)]
+    episodes = [scheduler.done[i, g] for i in range(len(instances)) for g in range(group_size)]
+    spoken = [e for e in episodes if e["transcript"]]  # nothing to judge in the others: s = 0
+    with clock(timings, "judge_s"):
+        scores, failed = judge_all(judge, [e["inst"] for e in spoken],
+                                   [e["transcript"] for e in spoken], seed,
+                                   [e["g"] for e in spoken])
+    verdicts = {id(e): v for e, v in zip(spoken, zip(scores, failed))}
+    return [record(e, *verdicts.get(id(e), (0.0, False))) for e in episodes]
 
 
 class Scheduler:

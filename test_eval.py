@@ -48,7 +48,17 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     (["--case", "{tmp}/B", "nope"], "has no episode of nope"),
     (["--runs", "{tmp}/nope"], "is not a directory"),
     (["--analyze", "{tmp}/empty"], "episodes.jsonl does not exist"),
-    (["--tagger", "logit", "--judge", "none"], "--tagger logit reads the judge model"),
+    (["--tagger", "logit", "--judge", "none"], "--tagger logit reads the judge's own logits"),
+    (["--tagger", "logit", "--judge", "openai:m@http://127.0.0.1:9/v1"], "needs a local judge"),
+    (["--name", "../elsewhere"], "must be one folder name"),
+    (["--name", "a/b"], "must be one folder name"),
+    (["--name", ".."], "must be one folder name"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--kv-blocks", "0"], "--kv-blocks must be at least 1"),
+    (["--persuadee", "random:tiny-llama", "--persuadee", "random:tiny-qwen3"],
+     "needs one fixed judge: pass --judge"),
+    (["--judge", "/no/such/judge"], "--judge /no/such/judge is no such folder"),
+    (["--resume", "--overwrite"], "pass one of them"),
 ])
 def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "empty").mkdir()
@@ -91,6 +101,9 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
         assert (tmp_path / "run" / name).stat().st_size > 0
     written = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert written["belief_stats"]["yes_no_mass_mean"] > 0 and "manipulation" in written
+    assert written["roles"]["persuadee"]["dtype"] == "float32"
+    assert written["roles"]["persuadee"]["sampling"] == list(__import__("rollout").SAMPLING["cpu"][1])
+    written = {k: v for k, v in written.items() if k not in ev.RUN_KEYS}
     (tmp_path / "run" / "summary.json").unlink()
     ev.main(["--analyze", str(tmp_path / "run")])
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == written
@@ -108,7 +121,6 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     import probes
     import rollout
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(probes, "PROBE_SPACE", probes.PROBE_SPACE)  # restored after the test
     judged_by = []
     monkeypatch.setattr(rollout, "judge_scores",
                         lambda judge, instances, transcripts, seed=0, groups=None: judged_by.append(judge.model)
@@ -116,7 +128,7 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     ev.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
              "--judge", "random:tiny-llama", "--subset", "balanced60", "--limit", "1", "--t-max", "1",
              "--max-new-tokens", "3", "--name", "g", "--probe-space", "logodds"])
-    assert probes.PROBE_SPACE == "logodds"
+    assert probes.PROBE_SPACE == "prob"  # an option travels as an argument, the constant stays
     assert len(judged_by) == 2 and judged_by[0] is judged_by[1]
     assert judged_by[0].config.model_type == "llama"
     runs = sorted((tmp_path / "evals" / "g").iterdir())
