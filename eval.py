@@ -316,9 +316,12 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
                  persuadee=dict(model=names[1], sampling=list(ee_sampling)),
                  judge=dict(model=names[2] if len(names) > 2 else None,
                             sampling=[list(engine.GREEDY), list(rollout.JUDGE_RETRY_SAMPLING)]))
-    for role, player in (("persuader", persuader), ("persuadee", persuadee), ("judge", judge)):
-        roles[role]["dtype"] = (str(player.dtype).removeprefix("torch.")
-                                if isinstance(player, engine.Engine) else None)
+    for role, who in (("persuader", persuader), ("persuadee", persuadee), ("judge", judge)):
+        roles[role]["dtype"] = (str(who.dtype).removeprefix("torch.")
+                                if isinstance(who, engine.Engine) else None)
+        if isinstance(who, served.ServedModel):  # what the server would not take
+            roles[role]["not_applied"] = ([] if who.temperature else ["temperature"]) + (
+                [] if who.top_k else ["top_k"])
     summary = _finish(episodes, local_persuadee, instances, out_dir, fidelity,
                       dict(roles=roles, settings=settings or {}), probe_space, probe_signs)
     for path in part_paths(out_dir)[1:]:

@@ -184,6 +184,7 @@ class ServedModel:
         self.stats = dict(requests=0, failed_attempts=0, failed_requests=0, judge_fallbacks=0)
         self.logprobs = True  # until the server answers a probe without them
         self.temperature = True  # until the model refuses a temperature
+        self.top_k = True  # until the server refuses a top_k
 
     def count(self, key, n=1):
         with self.lock:
@@ -201,7 +202,7 @@ class ServedModel:
             request["temperature"] = sampling.temperature
         if sampling.top_p is not None:
             request["top_p"] = sampling.top_p
-        if sampling.top_k:
+        if sampling.top_k and self.top_k:
             request["extra_body"] = {"top_k": sampling.top_k}
         if seed is not None:
             request["seed"] = seed
@@ -219,6 +220,10 @@ class ServedModel:
                 if "temperature" in request and fixed_temperature(e):
                     self.temperature = False  # this model samples only at its own temperature
                     del request["temperature"]
+                    continue
+                if "extra_body" in request and getattr(e, "status_code", None) in (400, 422):
+                    self.top_k = False  # a server that takes no top_k: recorded, not applied
+                    del request["extra_body"]
                     continue
                 if attempt == self.retries or not (isinstance(e, IndexError) or retryable(e)):
                     self.count("failed_requests")

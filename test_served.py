@@ -539,7 +539,10 @@ def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert len(episodes) == 2 and summary["requests"][server]["requests"] >= 3
     assert summary["beliefs_missing"] == 1.0 and "belief" in capsys.readouterr().out
-    ev.main(argv)
+    assert summary["roles"]["persuadee"]["not_applied"] == ["top_k"]  # the server refuses it
+    with pytest.raises(SystemExit, match="--resume"):  # a name is not reused by accident
+        ev.main(argv)
+    ev.main(argv + ["--resume"])
     assert lines(tmp_path / "api" / "episodes.jsonl") == episodes
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert summary["requests"][server]["requests"] == 1  # the start-up check only
