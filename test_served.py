@@ -641,3 +641,36 @@ def test_episodes_whose_served_persuadee_kept_failing_leave_the_loss(tmp_path, s
     tiny = 4  # tiny preset: 2 instances x G 2
     assert m["api_errors"] == m["left_out"] == tiny and m["never_started"] == 0
     assert m["persuader_tokens"] == 0 and m["loss"] == 0.0
+
+
+def test_every_flag_means_the_same_with_a_served_role(tmp_path, monkeypatch, answer_tokenizer):
+    """A served persuader (loopback server) against a local persuadee through eval.py: --judge
+    none scores s = 0 with no model called "none" loaded, --anchor and --probe-space reach the
+    records, --kv-blocks sizes the local pool, --dtype the local model."""
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(models, "tiny_tokenizer", lambda *a, **k: answer_tokenizer)
+    pools = []
+
+    class Recorded(engine.Engine):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            pools.append(self.cache.num_blocks)
+    monkeypatch.setattr(engine, "Engine", Recorded)
+    server = Loopback(tiny_model("llama", seed=1), answer_tokenizer)
+    try:
+        ev.main(["--persuader", server.spec, "--persuadee", "random:tiny-qwen3", "--judge",
+                 "none", "--anchor", "--probe-space", "logodds", "--probe-signs", "PE=-1",
+                 "--kv-blocks", "900", "--scenarios", "train", "--limit", "2", "--t-max", "2",
+                 "--max-new-tokens", "4", "--name", "flags"])
+    finally:
+        server.close()
+    episodes = [json.loads(l) for l in lines(tmp_path / "flags" / "episodes.jsonl")]
+    summary = json.loads((tmp_path / "flags" / "summary.json").read_text())
+    assert len(episodes) == 2 and server.requests > 0
+    for ep in episodes:
+        assert ep["judge"] == 0.0 and ep["anchor"] is True and ep["probe_space"] == "logodds"
+        assert ep["probe_signs"]["PE"] == -1 and ep["turns"] >= 1
+    assert summary["anchor"] is True and summary["roles"]["judge"]["model"] is None
+    assert summary["roles"]["persuadee"]["dtype"] == "float32"
+    assert summary["settings"]["probe_signs"]["PE"] == -1
+    assert pools[0] == 900  # the local persuadee's (then the fidelity check's own engine)
