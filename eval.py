@@ -2,8 +2,11 @@
 Evaluate persuaders on PersuArena: play the held-out scenarios, save the episodes, and the command
 line over the analyses (analyses.py) and figures (plots.py).
 
-An evaluation run plays one seeded episode per held-out scenario (T_max 10) and writes
-evals/<name>/episodes.jsonl, summary.json, fidelity.json, beliefs.png, probes.png and moves.png.
+An evaluation run plays one seeded episode per held-out scenario (T_max 10) through rollout.py's
+one loop, whatever plays each role (a local model, openai:MODEL@URL, or you with --play), and
+writes evals/<name>/episodes.jsonl (appended as each episode ends: --resume plays only the
+missing ones, with every setting pinned in settings.json), summary.json (with each role's model,
+dtype and sampling), fidelity.json, beliefs.png, probes.png and moves.png.
 What summary.json holds is described in analyses.py. Moves and manipulation labels come from
 moves.py (keyword tagger by default, --tagger logit reads the judge model).
 
@@ -15,6 +18,7 @@ moves.py (keyword tagger by default, --tagger logit reads the judge model).
     python eval.py --analyze evals/NAME                         # summary.json and plots from episodes.jsonl
     python eval.py --case evals/NAME heldout-017                # Table 8: one episode turn by turn
     python eval.py --persuader openai:MODEL@URL --name NAME     # a model served over the OpenAI API
+    python eval.py --name NAME --resume                         # finish an interrupted evaluation
     python eval.py --compare evals/A evals/B                    # paired comparison, B against A
     python eval.py --compare-many evals/B1 evals/B2 --policy evals/P   # discordant pairs, closed by none
     python eval.py --overlay evals/A evals/B                    # Fig. 6: belief trajectories overlaid
@@ -457,10 +461,7 @@ def parse_args(argv=None):
     ap.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
                     help="the reward setting dense returns are computed under (default: the training "
                          "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
-    ap.add_argument("--probe-signs", type=probes.parse_signs, default=probes.PROBE_SIGNS,
-                    help='per-probe valence, e.g. "PE=-1" flips PE (default: probes.PROBE_SIGNS)')
-    ap.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
-                    help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
+    probes.add_flags(ap)
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell")
     ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")

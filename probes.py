@@ -90,6 +90,15 @@ def parse_signs(text):
     return signs
 
 
+def add_flags(parser):
+    """--probe-signs and --probe-space, the probe options train.py and eval.py share."""
+    parser.add_argument("--probe-signs", type=parse_signs, default=PROBE_SIGNS,
+                        help='per-probe valence, e.g. "PE=-1" flips PE (default: PROBE_SIGNS)')
+    parser.add_argument("--probe-space", choices=PROBE_SPACES, default=PROBE_SPACE,
+                        help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds "
+                             "(logodds)")
+
+
 def values_from_logits(logits, tokenizer, space=None, answers=None):
     """Probe values from next-token logits [..., V]: 2p - 1 ("prob") or the clipped, rescaled
     log-odds ("logodds"); space defaults to PROBE_SPACE. No valence sign applied. A read from

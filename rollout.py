@@ -138,8 +138,9 @@ def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timi
         with clock(timings, "persuadee_s"):
             persuadee.forward([sid for sid, _ in closed])
         with clock(timings, "probe_s"):
-            values, mass = probes.read_engine(persuadee, [sid for sid, _ in closed], True,
-                                              probe_space, probe_signs)
+            values, mass = probes.read_engine(persuadee, [sid for sid, _ in closed],
+                                              with_mass=True, space=probe_space,
+                                              signs=probe_signs)
         for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
             reply["probes"], reply["probe_mass"] = v, m
     return replies
@@ -441,7 +442,8 @@ class EngineSide:
     def start(self, roots, counts):
         reads = [None] * len(roots)
         if self.persuadee:
-            values, mass = probes.read_engine(self.eng, roots, True, self.space, self.signs)
+            values, mass = probes.read_engine(self.eng, roots, with_mass=True, space=self.space,
+                                              signs=self.signs)
             reads = list(zip(values.tolist(), mass.tolist()))
         sids = [[self.eng.fork(r, self.tails[r]) for _ in range(n)] for r, n in zip(roots, counts)]
         for r in roots:

@@ -98,10 +98,7 @@ def parse_args(argv=None):
     # rpo.py owns these; read at parse time, so an edited constant changes the run
     p.add_argument("--lam", type=float, default=rpo.LAMBDA)
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR)
-    p.add_argument("--probe-signs", type=probes.parse_signs, default=probes.PROBE_SIGNS,
-                   help='per-probe valence, e.g. "PE=-1" flips PE (default: probes.PROBE_SIGNS)')
-    p.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
-                   help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
+    probes.add_flags(p)
     p.add_argument("--kl-beta", type=float, default=rpo.KL_BETA)
     p.add_argument("--clip-low", type=float, default=rpo.CLIP_LOW)
     p.add_argument("--clip-high", type=float, default=rpo.CLIP_HIGH)
