@@ -43,7 +43,6 @@ import plots
 import probes
 import rpo
 import served
-from analyses import PROBE_NAMES
 
 TRAINING_KEYS = ("ids", "turn_ids", "logprobs")  # rollout's token stream, of no use once scored
 RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played
