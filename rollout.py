@@ -208,11 +208,10 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     docstring), sampled with their role's engine.Sampling; judge is an Engine, a ServedModel or
     None (s = 0). probe_space and probe_signs are the probe options (probes.py's defaults).
     `max_active` caps the episodes in play at once (default: as many as the sides take).
-    `on_record`, when given, receives each episode's record as soon as it ends, before the judge
-    (judge None: the judge scores every transcript once, at the end, when the pools are empty).
-    `timings`, when given a dict, accumulates seconds
-    under persuader_s, persuadee_s, probe_s and judge_s. Returns one record per episode
-    (instance-major, rollout.record)."""
+    `on_record`, when given, receives each episode's record as soon as it ends, its judge field
+    still None: the judge scores every transcript once, at the end, when the pools are empty.
+    `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
+    and judge_s. Returns one record per episode (instance-major, rollout.record), judged."""
     er = side(persuader, "persuader", persuader_sampling, max_new_tokens)
     ee = side(persuadee, "persuadee", persuadee_sampling, max_new_tokens, probe_space,
               probe_signs)
