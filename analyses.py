@@ -34,7 +34,7 @@ Tests: python -m pytest -q test_analyses.py
 import json
 import math
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +42,11 @@ from scipy import stats
 
 import moves
 import rpo
-from arena import OUTCOMES
+from arena import API_ERROR, CUT_OFF, OUTCOMES
 
 SHORT = {"ACCEPT": "ACCEPT", "CONDITIONAL_ACCEPT": "COND", "PENDING": "PENDING", "REJECT": "REJECT",
          "WALK_AWAY": "WALK"}
 PROBE_NAMES = ("CA", "PE", "AC")  # column order of an episode's "probes" rows (probes.PROBES, checked by a test)
-API_ERROR = "api_error"  # end_reason of an episode whose requests kept failing (served.API_ERROR, checked)
 Z95 = 1.959964  # two-sided 95% normal quantile for the confidence bands and Wald intervals
 CONFIDENCE = 0.95  # level of the Welch intervals of the move effects
 EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
@@ -116,6 +115,9 @@ def _summary(episodes):
         "mean_judge": _mean(judged),
         "beliefs_missing": (n - len(believed)) / n,
         "api_errors": sum(ep.get("end_reason") == API_ERROR for ep in episodes),
+        # episodes by how they ended; a cut-off one (arena.CUT_OFF) never reached its outcome
+        "end_reasons": dict(sorted(Counter(str(ep.get("end_reason")) for ep in episodes).items())),
+        "cut_off": sum(ep.get("end_reason") in CUT_OFF for ep in episodes),
         # the share of judged transcripts whose score fell back to s = 0 (the paper: "zero if it fails
         # after three retries")
         "judge_failed_share": _mean(bool(ep.get("judge_failed")) for ep in episodes if ep.get("judge") is not None),
@@ -328,6 +330,13 @@ def format_table(summary):
     if summary.get("api_errors"):
         lines.append(f"{'api errors':<26}{summary['api_errors']:>8}  episodes ended as api_error "
                      "(their requests kept failing)")
+    if "end_reasons" in summary:
+        lines.append(f"{'end reasons':<26}" + ", ".join(f"{k} {v}" for k, v in
+                                                      summary["end_reasons"].items()))
+    if summary.get("cut_off"):
+        lines.append(f"{'CUT OFF':<26}{summary['cut_off']:>8}  episodes ended before their outcome "
+                     f"({', '.join(CUT_OFF)}): the rates above count them as their recorded "
+                     "decision or PENDING")
     return "\n".join(lines + ["", _breakdown("by resistance", summary["by_resistance"]),
                               "", _breakdown("by domain", summary["by_domain"]),
                               "", format_analyses(summary)])

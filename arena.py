@@ -642,6 +642,10 @@ def parse_judge(text):
 # -----------------------------------------------------------------------------
 # episode state machine (SPEC 4)
 
+API_ERROR = "api_error"  # end reason of an episode whose served model's request kept failing
+CUT_OFF = ("context", "cache", API_ERROR)  # end reasons of an episode cut off before its outcome:
+# a context or KV pool that cannot take the next message, or a request that failed for good
+
 class Episode:
     """The outcome bookkeeping of one conversation; the caller runs the models and calls step()
     with parse_decision(persuadee reply) after each turn."""

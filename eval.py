@@ -2,8 +2,11 @@
 Evaluate persuaders on PersuArena: play the held-out scenarios, save the episodes, and the command
 line over the analyses (analyses.py) and figures (plots.py).
 
-An evaluation run plays one seeded episode per held-out scenario (T_max 10) and writes
-evals/<name>/episodes.jsonl, summary.json, fidelity.json, beliefs.png, probes.png and moves.png.
+An evaluation run plays one seeded episode per held-out scenario (T_max 10) through rollout.py's
+one loop, whatever plays each role (a local model, openai:MODEL@URL, or you with --play), and
+writes evals/<name>/episodes.jsonl (appended as each episode ends: --resume plays only the
+missing ones, with every setting pinned in settings.json), summary.json (with each role's model,
+dtype and sampling), fidelity.json, beliefs.png, probes.png and moves.png.
 What summary.json holds is described in analyses.py. Moves and manipulation labels come from
 moves.py (keyword tagger by default, --tagger logit reads the judge model).
 
@@ -15,6 +18,7 @@ moves.py (keyword tagger by default, --tagger logit reads the judge model).
     python eval.py --analyze evals/NAME                         # summary.json and plots from episodes.jsonl
     python eval.py --case evals/NAME heldout-017                # Table 8: one episode turn by turn
     python eval.py --persuader openai:MODEL@URL --name NAME     # a model served over the OpenAI API
+    python eval.py --name NAME --resume                         # finish an interrupted evaluation
     python eval.py --compare evals/A evals/B                    # paired comparison, B against A
     python eval.py --compare-many evals/B1 evals/B2 --policy evals/P   # discordant pairs, closed by none
     python eval.py --overlay evals/A evals/B                    # Fig. 6: belief and per-probe trajectories
@@ -28,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -39,14 +44,13 @@ import plots
 import probes
 import rpo
 import served
-from analyses import PROBE_NAMES
 
 TRAINING_KEYS = ("ids", "turn_ids", "logprobs")  # rollout's token stream, of no use once scored
+RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
 SAME_AS_PERSUADEE = "persuadee"  # the judge by default (SPEC 6): the persuadee's model, fresh context
 FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checked against a full forward
-GPU_MAX_NEW_TOKENS = 256  # per message, as in training (SPEC 9)
 CPU_MAX_NEW_TOKENS = 64  # per message on a CPU, so that --limit 4 takes minutes
 SUBSETS = {"balanced60": 3}  # named subsets: scenarios kept per domain x resistance cell, file order
 
@@ -114,7 +118,11 @@ def analyze(run_dir, shaping_lambda=rpo.LAMBDA):
     path = run_dir / "fidelity.json"
     fidelity = json.loads(path.read_text()) if path.is_file() else None
     summary = analyses.summarize_run(episodes, fidelity, shaping_lambda)
-    _write_text(run_dir / "summary.json", json.dumps(analyses.standard(summary), indent=2, allow_nan=False) + "\n")
+    path = run_dir / "summary.json"
+    if path.is_file():  # what the run recorded of itself, which its episodes do not hold
+        before = json.loads(path.read_text())
+        summary.update({k: before[k] for k in RUN_KEYS if k in before})
+    _write_text(path, json.dumps(analyses.standard(summary), indent=2, allow_nan=False) + "\n")
     save_plots(run_dir, episodes, summary)
     return summary
 
@@ -139,13 +147,6 @@ def balanced_subset(instances, per_cell):
 
 def _slug(name):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip("/"))  # whole path: checkpoints share leaf names
-
-
-def _load(name, loaded):
-    import models
-    if name not in loaded:  # one copy of the weights per name, a fresh Engine per role
-        loaded[name] = models.load_model(name)
-    return loaded[name]
 
 
 def _instances(split):
@@ -192,6 +193,12 @@ def sampling_preset():
     return "paper" if torch.cuda.is_available() else "cpu"
 
 
+def default_dtype():
+    """As train.py's presets: bfloat16 with CUDA, float32 on a CPU (see README, bf16 on CPUs)."""
+    import torch
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def distributed():
     """(rank, world): under torchrun the held-out scenarios are sharded over the ranks (the
     process group is started here when the caller has not); else (0, 1)."""
@@ -205,46 +212,161 @@ def distributed():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
+# -----------------------------------------------------------------------------
+# resumable episodes.jsonl: every evaluation appends each episode as it ends
+
+
+def read_played(path):
+    """Records already in an episodes.jsonl, by id. A last line cut off by a kill is dropped from
+    the file; an id written twice is an error."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    lines = path.read_text().split("\n")
+    if lines[-1]:  # no newline after the last record: it was being written when the run died
+        _write_text(path, "\n".join(lines[:-1]) + ("\n" if len(lines) > 1 else ""))
+    played = {}
+    for lineno, line in enumerate(lines[:-1], 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg}); delete that line to "
+                             "play its episode again") from None
+        if record["id"] in played:
+            raise ValueError(f"{path}:{lineno} repeats episode {record['id']}; delete one of them")
+        played[record["id"]] = record
+    return played
+
+
+def append_record(path, record):
+    """One finished episode, flushed to disk before the next ends."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def part_paths(out_dir):
+    """episodes.jsonl, and under torchrun each rank's part of it (merged by rank 0 at the end)."""
+    out_dir = Path(out_dir)
+    return [out_dir / "episodes.jsonl"] + sorted(out_dir.glob("episodes.rank*.jsonl"))
+
+
+def play_resumable(persuader, persuadee, instances, path, *, t_max, judge=None, seed=0,
+                   stamp=None, played=None, **rollout_kw):
+    """rollout.rollout_episodes over the instances not yet in `played` (read from path unless
+    given), each record appended to path (an episodes.jsonl) as its episode ends, without the
+    training stream and with `stamp` (the run's settings) added; the judge scores them at the end
+    with those resumed unscored (judge None). Returns the records of all instances, in order."""
+    import rollout
+    played = read_played(path) if played is None else played
+    stamp = stamp or {}
+
+    def clean(r):
+        return {**{k: v for k, v in r.items() if k not in TRAINING_KEYS}, **stamp}
+    todo = [inst for inst in instances if inst["id"] not in played]
+    for r in rollout.rollout_episodes(persuader, persuadee, todo, t_max, judge=judge, seed=seed,
+                                      on_record=lambda r: append_record(path, clean(r)),
+                                      **rollout_kw):
+        played[r["id"]] = clean(r)
+    pending = [inst for inst in instances if played[inst["id"]]["judge"] is None]
+    if pending:  # killed before the judge scored them
+        scores, failed = rollout.judge_all(judge, pending,
+                                           [played[i["id"]]["transcript"] for i in pending],
+                                           seed, [0] * len(pending))
+        for inst, score, fail in zip(pending, scores, failed):
+            played[inst["id"]].update(judge=score, judge_failed=fail)
+    return [played[inst["id"]] for inst in instances]
+
+
+def settings_mismatch(out_dir, settings):
+    """The settings that differ from those out_dir's evaluation was run with, named."""
+    path = Path(out_dir) / "settings.json"
+    if not path.exists():
+        return []
+    before = json.loads(path.read_text())
+    return [f"{k} {before.get(k)!r} there, {settings.get(k)!r} now"
+            for k in sorted(set(before) | set(settings)) if before.get(k) != settings.get(k)]
+
 
 def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL, seed=0,
-             names=("", ""), fidelity=FIDELITY_SAMPLES, max_new_tokens=GPU_MAX_NEW_TOKENS,
-             judge=SAME_AS_PERSUADEE, anchor=rpo.ANCHOR, tagger="keyword", preset=None, rank=0,
-             world=1):
-    """One seeded episode per instance with rollout Engines; saves the run, returns its summary.
+             names=("", ""), fidelity=FIDELITY_SAMPLES, max_new_tokens=None,
+             judge=SAME_AS_PERSUADEE, anchor=rpo.ANCHOR, tagger="keyword", preset=None,
+             probe_space=None, probe_signs=None, settings=None, resume=False, rank=0, world=1):
+    """One seeded episode per instance through rollout.py's loop (each role an engine.Engine, a
+    served.ServedModel or a side); saves the run, returns its summary.
 
-    The strategy judge is an Engine, by default the persuadee's (SPEC 6), or None (s = 0); the
-    logit tagger reads it too. `anchor` is the reward setting the dense returns are computed under.
-    Under torchrun (world > 1) each rank plays instances[rank::world] and rank 0 gathers, tags,
-    summarises and saves (other ranks return None); an episode's record does not depend on its
-    rank (rollout's keyed random streams), so the summary equals one process's."""
+    The strategy judge is an Engine or ServedModel, by default the persuadee's (SPEC 6), or None
+    (s = 0); the logit tagger reads it (a local one). `anchor` is the reward setting the dense
+    returns are computed under. Every episode is appended to out_dir/episodes.jsonl as it ends
+    (under torchrun to this rank's part); with `resume`, those already there are not played
+    again, else the folder's episodes are discarded first. `settings` (what changes the results)
+    go to settings.json and into the summary. Under torchrun (world > 1) each rank plays
+    instances[rank::world] and rank 0 gathers, tags, summarises and saves (other ranks return
+    None); an episode's record does not depend on its rank (rollout's keyed random streams), so
+    the summary equals one process's."""
+    import engine
     import rollout
+    out_dir = Path(out_dir)
     judge = persuadee if judge == SAME_AS_PERSUADEE else judge
     er_sampling, ee_sampling = rollout.SAMPLING[preset or sampling_preset()]
-    episodes = rollout.rollout_episodes(persuader, persuadee, instances[rank::world], t_max,
-                                        seed=seed, judge=judge, max_new_tokens=max_new_tokens,
-                                        persuader_sampling=er_sampling,
-                                        persuadee_sampling=ee_sampling)
+    max_new_tokens = max_new_tokens or engine.MAX_NEW_TOKENS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not resume and rank == 0:
+        for path in part_paths(out_dir):
+            path.unlink(missing_ok=True)
     if world > 1:
         import torch.distributed as dist
+        dist.barrier()  # rank 0 has cleared the folder before any rank reads it
+    played = {} if not resume else {k: v for path in part_paths(out_dir)
+                                    for k, v in read_played(path).items()}
+    if rank == 0 and settings is not None:
+        _write_text(out_dir / "settings.json", json.dumps(settings, indent=2) + "\n")
+    mine = instances[rank::world]
+    if done := sum(inst["id"] in played for inst in mine):
+        print(f"resuming {out_dir}: {done} of {len(mine)} episodes already played",
+              file=sys.stderr)
+    stamp = dict(persuader=names[0], persuadee=names[1], seed=seed, anchor=anchor,
+                 probe_space=probe_space or probes.PROBE_SPACE,
+                 probe_signs=probe_signs or probes.PROBE_SIGNS)
+    path = out_dir / ("episodes.jsonl" if world == 1 else f"episodes.rank{rank}.jsonl")
+    episodes = play_resumable(persuader, persuadee, mine, path, t_max=t_max, judge=judge,
+                              seed=seed, stamp=stamp, played=played, max_new_tokens=max_new_tokens,
+                              persuader_sampling=er_sampling, persuadee_sampling=ee_sampling,
+                              probe_space=probe_space, probe_signs=probe_signs)
+    if world > 1:
         shards = [None] * world
         dist.all_gather_object(shards, episodes)
         order = {inst["id"]: i for i, inst in enumerate(instances)}
         episodes = sorted((ep for shard in shards for ep in shard), key=lambda ep: order[ep["id"]])
     if rank:
         return None
-    for ep in episodes:
-        for key in TRAINING_KEYS:
-            ep.pop(key, None)
-        ep.update(persuader=names[0], persuadee=names[1], seed=seed, anchor=anchor,
-                  probe_space=probes.PROBE_SPACE)
+    local_judge = judge if isinstance(judge, engine.Engine) else None
+    local_persuadee = persuadee if isinstance(persuadee, engine.Engine) else None
     moves.tag_episodes(episodes, {inst.get("scenario_id", inst["id"]): inst for inst in instances},
-                       tagger, judge if judge is not None else persuadee)
-    return _finish(episodes, persuadee, instances, out_dir, fidelity)
+                       tagger, local_judge or local_persuadee)
+    roles = dict(persuader=dict(model=names[0], sampling=list(er_sampling)),
+                 persuadee=dict(model=names[1], sampling=list(ee_sampling)),
+                 judge=dict(model=names[2] if len(names) > 2 else None,
+                            sampling=[list(engine.GREEDY), list(rollout.JUDGE_RETRY_SAMPLING)]))
+    for role, who in (("persuader", persuader), ("persuadee", persuadee), ("judge", judge)):
+        roles[role]["dtype"] = (str(who.dtype).removeprefix("torch.")
+                                if isinstance(who, engine.Engine) else None)
+        if isinstance(who, served.ServedModel):  # what the server would not take
+            roles[role]["not_applied"] = sorted(who.dropped)
+    summary = _finish(episodes, local_persuadee, instances, out_dir, fidelity,
+                      dict(roles=roles, settings=settings or {}), probe_space, probe_signs)
+    for path in part_paths(out_dir)[1:]:
+        path.unlink()  # merged into episodes.jsonl by save_run
+    return summary
 
 
-def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None):
-    """Summary (with the probe fidelity check of a local persuadee), saved with the episodes;
-    episodes without move labels (a served run) are labelled by the keyword tagger."""
+def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None, probe_space=None,
+            probe_signs=None):
+    """Summary (with the probe fidelity check of a local persuadee, an engine.Engine), saved with
+    the episodes; episodes without move labels are labelled by the keyword tagger."""
     untagged = [ep for ep in episodes if "moves" not in ep]
     if untagged:
         moves.tag_episodes(untagged, {i.get("scenario_id", i["id"]): i for i in instances})
@@ -252,137 +374,106 @@ def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None):
     if fidelity and getattr(persuadee, "tokenizer", None) is not None:  # local: an Engine
         sample = fidelity_sample(episodes, fidelity)
         contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, sample)
-        model, tok = persuadee.model, persuadee.tokenizer
+        model, tok, opts = persuadee.model, persuadee.tokenizer, (probe_space, probe_signs)
         reads = {"sample": [[episodes[i]["id"], t] for i, t in sample],
-                 "fork": probes.read_beliefs(model, tok, contexts).tolist(),
-                 "reference": probes.read_beliefs_reference(model, tok, contexts).tolist(),
-                 "vocabulary": probes.read_beliefs_reference(model, tok, contexts,
-                                                             vocabulary=True).tolist()}
+                 "fork": probes.read_beliefs(model, tok, contexts, False, *opts).tolist(),
+                 "reference": probes.read_beliefs_reference(model, tok, contexts, False, False,
+                                                            *opts).tolist(),
+                 "vocabulary": probes.read_beliefs_reference(model, tok, contexts, False, True,
+                                                             *opts).tolist()}
     summary = analyses.summarize_run(episodes, reads)
     summary.update(extra or {})
     save_run(out_dir, episodes, summary, reads)
     return summary
 
 
+def player(name, loaded, dtype, kv_blocks):
+    """The model a role name stands for: a served.ServedModel (checked to answer) for
+    openai:MODEL@URL, else a local engine.Engine on weights loaded once per name."""
+    import engine
+    if served.is_served(name):
+        if name not in loaded:
+            loaded[name] = served.ServedModel(name)
+            loaded[name].check()
+        return loaded[name]
+    import torch
+    if name not in loaded:  # one copy of the weights per name, a fresh Engine per role
+        import models
+        loaded[name] = models.load_model(name, dtype=getattr(torch, dtype))
+    return engine.Engine(*loaded[name], num_blocks=kv_blocks)
+
+
+def episode_blocks(eng, instances, t_max, max_new_tokens):
+    """KV blocks one episode can take on a local side at most: its longest prompt and t_max turns
+    of two messages (each at most max_new_tokens and its framing), capped by the context, plus
+    one message's copy-on-write and the probe forks."""
+    import rollout
+    longest = max(max(map(len, rollout.prompt_ids(eng.tokenizer, eng.tokenizer, i)))
+                  for i in instances)
+    tokens = min(eng.max_len, longest + t_max * 2 * (max_new_tokens + rollout.CLOSING_ROOM))
+    return (-(-tokens // eng.block_size) + rollout.message_blocks(eng, max_new_tokens)
+            + probes.read_blocks(eng))
+
+
 def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
-             max_new_tokens=GPU_MAX_NEW_TOKENS, judge=None, anchor=rpo.ANCHOR, tagger="keyword",
-             kv_blocks=None):
-    """Load the models by name (once each) and evaluate (sharded under torchrun). judge None:
-    the persuadee's model; "none": no judge (s = 0); else a model name or path, the same across
-    a grid. A role named openai:MODEL@URL is served (served.py), and then the evaluation resumes
-    from out_dir/episodes.jsonl."""
+             max_new_tokens=None, judge=None, anchor=rpo.ANCHOR, tagger="keyword",
+             kv_blocks=None, dtype="float32", probe_space=None, probe_signs=None, settings=None,
+             resume=False):
+    """Make each role's player by name (weights loaded once each) and evaluate (sharded under
+    torchrun). judge None: the persuadee's model (its own engine and pool); "none": no judge
+    (s = 0); else a model name or path, the same across a grid. Any role may be openai:MODEL@URL
+    (served.py)."""
     import engine
-    names = (persuader, persuadee, judge or persuadee)
-    if any(served.is_served(n) for n in names):
-        return run_served(*names, instances, out_dir, seed=seed, t_max=t_max, loaded=loaded,
-                          max_new_tokens=max_new_tokens)
     rank, world = distributed()
-    engines = [engine.Engine(*_load(name, loaded), num_blocks=kv_blocks)
-               for name in (persuader, persuadee)]
-    judge_engine = (SAME_AS_PERSUADEE if judge is None else None if judge == "none"
-                    else engine.Engine(*_load(judge, loaded), num_blocks=kv_blocks))
-    return evaluate(*engines, instances, out_dir, t_max=t_max, seed=seed,
-                    names=(persuader, persuadee), max_new_tokens=max_new_tokens, judge=judge_engine,
-                    anchor=anchor, tagger=tagger, rank=rank, world=world)
+    judge_name = judge or persuadee
+    players = [player(n, loaded, dtype, kv_blocks) for n in (persuader, persuadee)]
+    judge_player = (None if judge == "none" else players[1] if judge is None  # its pool too
+                    else player(judge_name, loaded, dtype, kv_blocks))
+    if kv_blocks is not None:
+        for role, p in zip(("persuader", "persuadee"), players):
+            need = isinstance(p, engine.Engine) and episode_blocks(p, instances, t_max,
+                                                                    max_new_tokens)
+            if need and kv_blocks < need:
+                sys.exit(f"eval.py: --kv-blocks {kv_blocks} cannot hold one episode of the "
+                         f"{role} ({need} blocks of {p.block_size} tokens at --t-max {t_max}, "
+                         f"--max-new-tokens {max_new_tokens}); pass --kv-blocks {need} or more")
+    summary = evaluate(*players, instances, out_dir, t_max=t_max, seed=seed,
+                       names=(persuader, persuadee, None if judge == "none" else judge_name),
+                       max_new_tokens=max_new_tokens, judge=judge_player, anchor=anchor,
+                       tagger=tagger, probe_space=probe_space, probe_signs=probe_signs,
+                       settings=settings, resume=resume, rank=rank, world=world)
+    if summary is not None:
+        summary["requests"] = {n: m.stats for n, m in loaded.items()
+                               if isinstance(m, served.ServedModel)}
+        _write_text(Path(out_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
-def run_served(persuader, persuadee, judge, instances, out_dir, *, seed, t_max, loaded,
-               max_new_tokens, fidelity=FIDELITY_SAMPLES):
-    """An evaluation in which some role is served: episodes played by served.play_episodes,
-    appended to out_dir/episodes.jsonl as they end, so a rerun plays only the missing ones."""
-    import engine
-    out_dir = Path(out_dir)
-    settings = dict(persuader=persuader, persuadee=persuadee, judge=judge, seed=seed, t_max=t_max,
-                    max_new_tokens=max_new_tokens)
-    settings_path = out_dir / "settings.json"
-    if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
-        sys.exit(f"eval.py: {out_dir} holds an evaluation with other settings ({settings_path}); "
-                 "pass another --name, or delete the folder to start again")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_text(settings_path, json.dumps(settings, indent=2) + "\n")
-    sides = {}
-    for name in dict.fromkeys((persuader, persuadee, judge)):
-        if served.is_served(name):
-            sides[name] = served.ServedModel(name)
-            sides[name].check()
-        else:
-            sides[name] = engine.Engine(*_load(name, loaded))
-    path = out_dir / "episodes.jsonl"
-    try:
-        if played := len(served.read_played(path)):
-            print(f"resuming {out_dir}: {played} of {len(instances)} episodes already played",
-                  file=sys.stderr)
-        episodes = served.play_episodes(sides[persuader], sides[persuadee], instances, t_max,
-                                        judge=sides[judge], seed=seed, max_new_tokens=max_new_tokens,
-                                        out_path=path)
-    except ValueError as e:
-        sys.exit(f"eval.py: {e}")
-    for ep in episodes:
-        ep.update(persuader=persuader, persuadee=persuadee, seed=seed)
-    requests = {name: m.stats for name, m in sides.items() if isinstance(m, served.ServedModel)}
-    return _finish(episodes, sides[persuadee], instances, out_dir, fidelity, {"requests": requests})
-
-
-def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print,
-         max_new_tokens=GPU_MAX_NEW_TOKENS):
-    """You are the persuader: type each message; the model persuadee answers and you see its
-    three probe values and the belief change of the turn. The transcript is saved under
-    evals/play-SCENARIO_ID-TIME like any episode."""
+def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print, max_new_tokens=None,
+         dtype="float32", probe_space=None, probe_signs=None):
+    """You are the persuader (rollout.PersonSide): type each message; the persuadee (a local
+    model or openai:MODEL@URL) answers and you see its three probe values and the belief change
+    of the turn. The episode is saved under evals/play-SCENARIO_ID-TIME like any other."""
     import time
 
-    import arena
     import engine
-    import models
     import rollout
-    preset = sampling_preset()
-    found = [inst for split in ("heldout", "train") for inst in _instances(split) if inst["id"] == scenario_id]
+    found = [inst for split in ("heldout", "train") for inst in _instances(split)
+             if inst["id"] == scenario_id]
     if not found:
         sys.exit(f"eval.py: unknown scenario id {scenario_id!r}; use an id from scenarios.jsonl, e.g. heldout-017")
-    inst = found[0]
-    persuadee_engine = engine.Engine(*_load(persuadee, {}))
-    tok = persuadee_engine.tokenizer
-    write(f"== {inst['title']} ({inst['id']})\nYou are {inst['persuader']['role']}. "
-          f"Goal: {inst['persuader']['goal']}\nRequest: {inst['persuader']['request']}\n"
-          f"They: {inst['persuadee']['name']}, {inst['persuadee']['age']}, "
-          f"{inst['persuadee']['occupation']}. {inst['context']}\n(empty line or Ctrl-D: stop)")
-    sid = persuadee_engine.new(models.chat_ids(tok, arena.persuadee_messages(inst), False))
-    persuadee_engine.forward([sid])
-    values = probes.read_engine(persuadee_engine, [sid])[0].tolist()
-    episode, transcript, probe_rows = arena.Episode(t_max), [], [values]
-    while not episode.done:
-        try:
-            text = read(f"turn {episode.turn + 1}/{t_max} you> ").strip()
-        except EOFError:
-            text = ""
-        if not text:
-            episode.end("stopped")
-            break
-        transcript.append({"role": "persuader", "text": text, "decision": None})
-        heard = rollout.persuadee_heard(tok, text, episode.final_turn)
-        [reply] = rollout.persuadee_turn(
-            persuadee_engine, [sid], [heard], sampling=rollout.SAMPLING[preset][1],
-            max_new_tokens=max_new_tokens,
-            keys=[engine.stream_key(seed, inst["id"], episode.turn, "persuadee")])
-        transcript.append({"role": "persuadee", "text": reply["text"], "decision": reply["decision"]})
-        if reply["reason"] in ("context", "cache"):
-            episode.end(reply["reason"])
-            break
-        episode.step(reply["decision"])
-        before = sum(values) / 3
-        values = reply["probes"]
-        probe_rows.append(values)
-        write(f"{inst['persuadee']['name']}: {reply['text']}")
-        write("   " + "  ".join(f"{k} {v:+.2f}" for k, v in zip(PROBE_NAMES, values)) +
-              f"   belief {sum(values) / 3:+.2f} ({sum(values) / 3 - before:+.2f})")
-    beliefs = [sum(v) / 3 for v in probe_rows]
-    ep = dict(id=inst["id"], scenario_id=inst["id"], domain=inst["domain"],
-              resistance=inst["hidden"].get("resistance"), outcome=episode.outcome,
-              turns=len(beliefs) - 1, end_reason=episode.end_reason, transcript=transcript,
-              beliefs=beliefs, probes=probe_rows, judge=None, persuader="human",
-              persuadee=persuadee, seed=seed)
-    out_dir = Path(EVALS_DIR) / f"play-{inst['id']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    you = rollout.PersonSide(t_max, read, write)
+    [ep] = rollout.rollout_episodes(
+        you, player(persuadee, {}, dtype, None), found[:1], t_max, seed=seed,
+        persuadee_sampling=rollout.SAMPLING[sampling_preset()][1],
+        max_new_tokens=max_new_tokens or engine.MAX_NEW_TOKENS, probe_space=probe_space,
+        probe_signs=probe_signs)
+    for key in TRAINING_KEYS:
+        ep.pop(key)
+    ep.update(judge=None, persuader="human", persuadee=persuadee, seed=seed)
+    out_dir = Path(EVALS_DIR) / f"play-{scenario_id}-{time.strftime('%Y%m%d-%H%M%S')}"
     save_run(out_dir, [ep], analyses.summarize([ep]))
-    write(f"outcome {episode.outcome} after {episode.turn} turns; saved to {out_dir}")
+    write(f"outcome {ep['outcome']} after {ep['turns']} turns; saved to {out_dir}")
     return ep
 
 # -----------------------------------------------------------------------------
@@ -402,20 +493,24 @@ def parse_args(argv=None):
     ap.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=None,
                     help="the reward setting dense returns are computed under (default: the training "
                          "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
-    ap.add_argument("--probe-signs", type=probes.parse_signs, default=probes.PROBE_SIGNS,
-                    help='per-probe valence, e.g. "PE=-1" flips PE (default: probes.PROBE_SIGNS)')
-    ap.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
-                    help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
+    probes.add_flags(ap)
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell")
     ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", help=f"run name; output goes to {EVALS_DIR}/NAME")
+    ap.add_argument("--name", help=f"run name, one folder name; output goes to {EVALS_DIR}/NAME")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the evaluation of that name: play only its missing episodes")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="delete that evaluation's folder and start again")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    help="of every local model (default bfloat16 with CUDA, float32 on a CPU)")
     ap.add_argument("--t-max", type=int, default=arena.T_MAX_EVAL, help="turn budget per episode")
     ap.add_argument("--kv-blocks", type=int, help="KV pool size of each engine, in blocks "
                     "(default: engine.CACHE_GB_CPU or CACHE_FRACTION_GPU of free memory)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help=f"per message (default {GPU_MAX_NEW_TOKENS} with CUDA, {CPU_MAX_NEW_TOKENS} on a CPU)")
+                    help=f"per message (default engine.MAX_NEW_TOKENS with CUDA or every role "
+                         f"served, {CPU_MAX_NEW_TOKENS} on a CPU)")
     ap.add_argument("--reference", metavar="DIR", help="with --table: the row the others are tested "
                     "against (default: the first directory)")
     ap.add_argument("--format", choices=("markdown", "latex"), default="markdown", help="with --table")
@@ -444,11 +539,41 @@ def parse_args(argv=None):
         ap.exit(2, "eval.py: --reference names one of the --table directories\n")
     if args.overlay is not None and len(args.overlay) < 2:
         ap.exit(2, "eval.py: --overlay needs at least two eval directories\n")
-    if args.tagger == "logit" and args.judge == "none":
-        ap.exit(2, "eval.py: --tagger logit reads the judge model; give --judge MODEL or use --tagger keyword\n")
     args.persuader = args.persuader or [DEFAULT_MODEL]
     args.persuadee = args.persuadee or [DEFAULT_MODEL]
+    problem = argument_problem(args)
+    if problem:
+        ap.exit(2, f"eval.py: {problem}\n")
     return args
+
+
+def argument_problem(args):
+    """What is wrong with the arguments of a model-driven mode, in one line, or None: found
+    before any model loads."""
+    judge = args.judge or args.persuadee[0]
+    if args.tagger == "logit" and (args.judge == "none" or served.is_served(judge)):
+        return ("--tagger logit reads the judge's own logits, so it needs a local judge: give "
+                "--judge MODEL or use --tagger keyword")
+    if args.name is not None and (args.name in ("", ".", "..") or "/" in args.name
+                                  or os.sep in args.name or args.name != Path(args.name).name):
+        return (f"--name {args.name!r} must be one folder name under {EVALS_DIR}/ (no '/', not "
+                "'.' or '..')")
+    if args.resume and args.overwrite:
+        return "--resume continues an evaluation and --overwrite deletes it: pass one of them"
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        return f"--max-new-tokens must be at least 1, got {args.max_new_tokens}"
+    if args.kv_blocks is not None and args.kv_blocks < 1:
+        return f"--kv-blocks must be at least 1, got {args.kv_blocks}"
+    if len(set(args.persuadee)) > 1 and args.judge is None:
+        return ("a grid of several persuadees needs one fixed judge: pass --judge MODEL (or "
+                "--judge none); each persuadee judging its own episodes would make the cells "
+                "incomparable")
+    for flag, name in [("--judge", args.judge)] + [("--persuader", n) for n in args.persuader] + \
+            [("--persuadee", n) for n in args.persuadee]:
+        if (name and name != "none" and not served.is_served(name)
+                and name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()):
+            return f"{flag} {name} is no such folder; pass a model folder, a hub name or smollm2"
+    return None
 
 
 def run_anchor(persuader):
@@ -458,6 +583,33 @@ def run_anchor(persuader):
     if Path(persuader).is_dir() and config.is_file():
         return bool(json.loads(config.read_text()).get("anchor", rpo.ANCHOR))
     return rpo.ANCHOR
+
+
+def role_differences(a, b):
+    """Warnings for two eval folders whose persuadee, judge or sampling differ (their
+    summary.json "roles"): their rates then measure more than the persuader."""
+    def roles(folder):
+        path = Path(folder) / "summary.json"
+        return json.loads(path.read_text()).get("roles", {}) if path.is_file() else {}
+    ra, rb = roles(a), roles(b)
+    out = []
+    for role in ("persuader", "persuadee", "judge"):
+        for key in ("model", "sampling", "dtype") if role != "persuader" else ("sampling",):
+            x, y = ra.get(role, {}).get(key), rb.get(role, {}).get(key)
+            if ra and rb and x != y:
+                out.append(f"warning: A and B differ in the {role}'s {key}: {x} against {y}")
+    return out
+
+
+def run_settings(args, persuader, persuadee):
+    """Every setting that changes one evaluation's results (pinned by --resume)."""
+    import rollout
+    return dict(scenarios=args.scenarios, subset=args.subset, limit=args.limit, seed=args.seed,
+                persuader=persuader, persuadee=persuadee, judge=args.judge or persuadee,
+                sampling=[list(s) for s in rollout.SAMPLING[sampling_preset()]],
+                dtype=args.dtype, probe_space=args.probe_space, probe_signs=args.probe_signs,
+                anchor=run_anchor(persuader) if args.anchor is None else args.anchor,
+                t_max=args.t_max, max_new_tokens=args.max_new_tokens, tagger=args.tagger)
 
 
 def _output_dir(args, default):
@@ -471,7 +623,7 @@ def analysis_mode(args):
         result = analyses.compare(analyses.load_episodes(a), analyses.load_episodes(b))
         path = (Path(b) if Path(b).is_dir() else Path(b).parent) / "compare.json"
         _write_text(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
-        return f"{analyses.format_compare(result, a, b)}\nwrote {path}"
+        return "\n".join(role_differences(a, b) + [analyses.format_compare(result, a, b), f"wrote {path}"])
     if args.compare_many:
         result = analyses.compare_many({d: analyses.load_episodes(d) for d in args.compare_many},
                                        analyses.load_episodes(args.policy))
@@ -520,18 +672,20 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             sys.exit(f"eval.py: {e}")
         return
-    probes.PROBE_SPACE = args.probe_space  # every read-out of this process, fidelity check included
-    probes.PROBE_SIGNS = args.probe_signs
     if args.max_new_tokens is None:  # the model-driven modes only
         import torch
+
+        import engine
         remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
-        args.max_new_tokens = (GPU_MAX_NEW_TOKENS if torch.cuda.is_available() or remote
+        args.max_new_tokens = (engine.MAX_NEW_TOKENS if torch.cuda.is_available() or remote
                                else CPU_MAX_NEW_TOKENS)
+    args.dtype = args.dtype or default_dtype()
     if args.play:
         if len(args.persuadee) > 1:
             sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")
         play(args.play, args.persuadee[0], seed=args.seed, t_max=args.t_max,
-             max_new_tokens=args.max_new_tokens)
+             max_new_tokens=args.max_new_tokens, dtype=args.dtype, probe_space=args.probe_space,
+             probe_signs=args.probe_signs)
         return
     instances = _instances(args.scenarios)
     if args.subset:
@@ -544,13 +698,32 @@ def main(argv=None):
     split = args.scenarios + (f"_{args.subset}" if args.subset else "")
     base = args.name or (f"{_slug(pairs[0][0])}_vs_{_slug(pairs[0][1])}_{split}_s{args.seed}"
                          if len(pairs) == 1 else f"grid_{split}_s{args.seed}")
+    root = Path(EVALS_DIR) / base
+    cells = [(p, q, root if len(pairs) == 1 else root / f"{_slug(p)}_vs_{_slug(q)}",
+              run_settings(args, p, q)) for p, q in pairs]
+    if root.exists() and any(root.iterdir()):
+        if args.overwrite:
+            if int(os.environ.get("RANK", 0)) == 0:
+                shutil.rmtree(root)  # this evaluation's folder only
+        elif not args.resume:
+            sys.exit(f"eval.py: {root} holds an evaluation already; pass --resume to play its "
+                     "missing episodes, --overwrite to replace it, or another --name")
+        for _, _, out_dir, settings in cells if args.resume else ():
+            if differ := settings_mismatch(out_dir, settings):
+                sys.exit(f"eval.py: {out_dir} was run with other settings ({'; '.join(differ)}): "
+                         "a resumed evaluation keeps every setting; pass another --name or "
+                         "--overwrite")
     loaded, results, rank = {}, {}, distributed()[0]  # under torchrun rank 0 prints
-    for p, q in pairs:
-        out_dir = Path(EVALS_DIR) / base if len(pairs) == 1 else Path(EVALS_DIR) / base / f"{_slug(p)}_vs_{_slug(q)}"
-        results[(p, q)] = run_eval(p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,
-                                   max_new_tokens=args.max_new_tokens, judge=args.judge,
-                                   anchor=run_anchor(p) if args.anchor is None else args.anchor,
-                                   tagger=args.tagger, kv_blocks=args.kv_blocks)
+    for p, q, out_dir, settings in cells:
+        try:
+            results[(p, q)] = run_eval(
+                p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,
+                max_new_tokens=args.max_new_tokens, judge=args.judge, anchor=settings["anchor"],
+                tagger=args.tagger, kv_blocks=args.kv_blocks, dtype=args.dtype,
+                probe_space=args.probe_space, probe_signs=args.probe_signs, settings=settings,
+                resume=args.resume)
+        except ValueError as e:  # a malformed episodes.jsonl, a prompt too long for a model
+            sys.exit(f"eval.py: {e}")
         if rank == 0:
             print(f"\n== persuader {p}, persuadee {q}, judge {args.judge or q} -> {out_dir}\n"
                   f"{analyses.format_table(results[(p, q)])}")

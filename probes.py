@@ -27,6 +27,7 @@ plain full forward of each context plus question, with no cache; the tests hold 
 """
 import argparse
 import functools
+import math
 
 import torch
 
@@ -89,6 +90,15 @@ def parse_signs(text):
     return signs
 
 
+def add_flags(parser):
+    """--probe-signs and --probe-space, the probe options train.py and eval.py share."""
+    parser.add_argument("--probe-signs", type=parse_signs, default=PROBE_SIGNS,
+                        help='per-probe valence, e.g. "PE=-1" flips PE (default: PROBE_SIGNS)')
+    parser.add_argument("--probe-space", choices=PROBE_SPACES, default=PROBE_SPACE,
+                        help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds "
+                             "(logodds)")
+
+
 def values_from_logits(logits, tokenizer, space=None, answers=None):
     """Probe values from next-token logits [..., V]: 2p - 1 ("prob") or the clipped, rescaled
     log-odds ("logodds"); space defaults to PROBE_SPACE. No valence sign applied. A read from
@@ -113,14 +123,34 @@ def yes_no_mass(logits, tokenizer):
     return yes.exp() + no.exp()
 
 
-def _readout(logits, tokenizer, n, answers=None):
-    """[n * 3, V] question logits -> signed probe values [n, 3] and Yes+No mass [n, 3]."""
-    signs = torch.tensor([float(PROBE_SIGNS[k]) for k in PROBES], device=logits.device)
-    values = values_from_logits(logits, tokenizer, answers=answers).view(n, len(PROBES)) * signs
+def belief(values):
+    """b = mean of the probe values of one read-out; None when any is absent (a served persuadee
+    that gives no log-probs)."""
+    return None if values is None or None in values else sum(values) / len(values)
+
+
+def from_prob_value(v, space=None, sign=1):
+    """A probe value read as 2p - 1 (what a served persuadee's top log-probs give), in `space`
+    with the valence `sign`, as values_from_logits and _readout would give it; None stays None."""
+    if v is None:
+        return None
+    if (space or PROBE_SPACE) == "logodds":
+        p = min(max((v + 1) / 2, 0.0), 1.0)
+        d = math.inf if p == 1 else -math.inf if p == 0 else math.log(p / (1 - p))
+        v = max(-LOGODDS_CLIP, min(LOGODDS_CLIP, d)) / LOGODDS_CLIP
+    return sign * v
+
+
+def _readout(logits, tokenizer, n, answers=None, space=None, signs=None):
+    """[n * 3, V] question logits -> signed probe values [n, 3] and Yes+No mass [n, 3]; space and
+    signs default to PROBE_SPACE and PROBE_SIGNS."""
+    signs = signs or PROBE_SIGNS
+    signs = torch.tensor([float(signs[k]) for k in PROBES], device=logits.device)
+    values = values_from_logits(logits, tokenizer, space, answers).view(n, len(PROBES)) * signs
     return values, yes_no_mass(logits, tokenizer).view(n, len(PROBES))
 
 
-def read_engine(eng, sids, with_mass=False):
+def read_engine(eng, sids, with_mass=False, space=None, signs=None):
     """Probe values [n, 3] for sequences whose context is closed and fully cached; with_mass:
     (values, Yes+No mass), both [n, 3].
 
@@ -147,7 +177,7 @@ def read_engine(eng, sids, with_mass=False):
         logits = eng.forward(leaves)
         for s in leaves + (parents if shared else []):
             eng.free(s)
-        values, m = _readout(logits, eng.tokenizer, len(chunk))
+        values, m = _readout(logits, eng.tokenizer, len(chunk), space=space, signs=signs)
         out.append(values)
         mass.append(m)
     values = torch.cat(out).cpu()
@@ -169,19 +199,20 @@ def read_blocks(eng):
     return (fork(shared) if shared else 0) + sum(fork(len(t) - shared) for t in turns)
 
 
-def read_beliefs(model, tokenizer, contexts, with_mass=False):
+def read_beliefs(model, tokenizer, contexts, with_mass=False, space=None, signs=None):
     """Probe values [n, 3] (order CA, PE, AC) for closed contexts given as token ids, via forks."""
     eng = engine.Engine(model, tokenizer)
     sids = [eng.new(c) for c in contexts]
     eng.forward(sids)
-    values = read_engine(eng, sids, with_mass)
+    values = read_engine(eng, sids, with_mass, space, signs)
     for s in sids:
         eng.free(s)
     return values
 
 
 @torch.no_grad()
-def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabulary=False):
+def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabulary=False,
+                           space=None, signs=None):
     """The same read-out by one plain full forward of each context plus question, no cache;
     with vocabulary=True over every answer token of the vocabulary (vocabulary_answer_ids), the
     reference for where the four spellings depart from the model's own first-token answer."""
@@ -190,5 +221,5 @@ def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabula
     logits = [model(torch.tensor([context + t], device=device)).logits[0, -1]
               for context in contexts for t in turns]
     answers = vocabulary_answer_ids(tokenizer) if vocabulary else None
-    values, mass = _readout(torch.stack(logits), tokenizer, len(contexts), answers)
+    values, mass = _readout(torch.stack(logits), tokenizer, len(contexts), answers, space, signs)
     return (values.cpu(), mass.cpu()) if with_mass else values.cpu()

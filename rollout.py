@@ -1,24 +1,38 @@
 """
-rollout.py: the dialogues. Episodes of a persuader and a persuadee, scheduled onto two engines.
+rollout.py: the one episode loop. Episodes of a persuader and a persuadee, whatever plays each role.
 
-A persuasion dialogue is two growing contexts, the persuader's and the persuadee's. Each turn only
-appends: the persuader's new message goes into the persuadee's context, the reply into the
-persuader's, so every token of a conversation is prefilled exactly once (engine.py). After each
-reply the persuadee's beliefs are read in forks of its context (probes.py); at the end a frozen
-judge scores each transcript.
+A role is a *side*: a local engine.Engine (EngineSide, below), a model behind an OpenAI-compatible
+API (served.ServedSide) or, as persuader, the person at the terminal (PersonSide). Every side has
+the same small interface, so one loop drives every mix of them:
 
-Scheduling, so that any number of episodes completes on any pool that holds one of them:
-    admit    groups in order, while both pools keep room for the group's prompts plus one
+    prompt(inst)          the prompt's ids (none where text crosses, served or typed)
+    room(inst, n)         can n episodes of inst open now (its prompt and one message each)?
+    prefill(inst)         the prompt, once per instance; start(roots, counts) forks it n times
+                          (a persuadee's roots read b_0 first) and frees the roots
+    ready(sids)           the sequences whose next message fits now (its capacity: a pool's free
+                          blocks, a server's every request, one person)
+    speak(sids, keys)     the persuader's next messages; reply(sids, keys) the persuadee's, with
+                          the probes read after each
+    hear(sid, ...)        the other side's text enters the context (tags stripped), free(sid)
+
+On a local side a dialogue is a growing context that only appends: the persuader's new message
+goes into the persuadee's context, the reply into the persuader's, so every token of a
+conversation is prefilled exactly once (engine.py). After each reply the persuadee's beliefs are
+read in forks of its context (probes.py); at the end a frozen judge scores each transcript.
+
+Scheduling (the Scheduler below), so that any number of episodes completes on any pools that
+hold one of them:
+    admit    groups in order, while every side has room for the group's prompts plus one
              message per episode; each instance's prompts are prefilled once and forked G times
-    round    the episodes whose next message fits the pool (its worst case: MAX_NEW_TOKENS, the
-             probe forks) run it; the others wait untouched; finished episodes free their blocks
-             and the queue refills (continuous admission)
+    round    the episodes whose next message fits (its worst case: max_new_tokens, the probe
+             forks) run it; the others wait untouched; finished episodes free their blocks and
+             the queue refills (continuous admission)
     stall    when no episode can move, the youngest is freed and put back in the queue: its
              random streams are keyed by (seed, instance, group index, side), so its replay is
              the same episode. An episode ends "cache" only when it cannot fit a pool alone.
-A persuader message whose reply never came (the episode ended "cache" or "context" in between)
-is kept in the transcript but masked out of the loss: its tokens get turn id 0, since no
-belief change and no decision answers it.
+A persuader message whose reply never came (the episode ended "cache", "context" or "api_error"
+in between) is kept in the transcript but masked out of the loss: its tokens get turn id 0,
+since no belief change and no decision answers it.
 
     python -m pytest -q test_rollout.py
 """
@@ -30,17 +44,20 @@ import arena
 import engine
 import models
 import probes
+import served
 
 JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
+FROZEN_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the frozen roles' sampling: the
+# persuadee's replies and the judge's retries (Qwen3 non-thinking, as its makers advise)
 SAMPLING = {  # per preset: (persuader, persuadee). The persuader samples its whole tempered
-    # distribution (pi_old exact); the frozen persuadee may truncate. paper: Qwen3 non-thinking
-    # as its makers advise; cpu: SmolLM2-135M, chosen by reading its samples (README)
-    "paper": (engine.Sampling(1.0), engine.Sampling(0.7, top_p=0.8, top_k=20)),
-    "cpu": (engine.Sampling(0.7), engine.Sampling(0.7, top_p=0.8, top_k=20)),
+    # distribution (pi_old exact); cpu: SmolLM2-135M at T 0.7, chosen by reading its samples (README)
+    "paper": (engine.Sampling(1.0), FROZEN_SAMPLING),
+    "cpu": (engine.Sampling(0.7), FROZEN_SAMPLING),
 }
 PERSUADER_SAMPLING, PERSUADEE_SAMPLING = SAMPLING["paper"]
-JUDGE_RETRY_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the judge's sampled retries
-CUT_OFF = ("context", "cache")  # end reasons of a message that could not be completed
+JUDGE_RETRY_SAMPLING = FROZEN_SAMPLING  # the judge's sampled retries
+SPOKEN = ("stop", "length")  # how a message that keeps its episode going ends
+STOPPED = "stopped"  # end reason: the person at the terminal ended the conversation
 CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
 PROMPT_ROOM = engine.MAX_NEW_TOKENS // 4  # context a prompt must leave free: a short exchange
 ADMISSION = "continuous"  # or "waves": admit only into empty pools (README compares the two)
@@ -61,16 +78,19 @@ def prompt_ids(persuader_tok, persuadee_tok, instance):
             models.chat_ids(persuadee_tok, arena.persuadee_messages(instance), False))
 
 
-def prompt_problems(persuader, persuadee, instances, prompts=None):
-    """{instance id: why it cannot be played}, for prompts (prompt_ids of each instance, built
-    here unless given) that leave less than PROMPT_ROOM tokens of a model's context."""
+def prompt_problems(persuader, persuadee, instances):
+    """{instance id: why it cannot be played}, for prompts that leave less than PROMPT_ROOM
+    tokens of a local model's context (a server checks its own). Each side is a side or an
+    engine.Engine."""
     problems = {}
-    prompts = prompts or [prompt_ids(persuader.tokenizer, persuadee.tokenizer, inst)
-                          for inst in instances]
-    for inst, pair in zip(instances, prompts):
-        for side, eng, ids in zip(("persuader", "persuadee"), (persuader, persuadee), pair):
+    for inst in instances:
+        for role, eng in (("persuader", persuader), ("persuadee", persuadee)):
+            if getattr(eng, "max_len", None) is None:
+                continue
+            ids = (eng.prompt(inst) if hasattr(eng, "prompt") else
+                   prompt_ids(eng.tokenizer, eng.tokenizer, inst)[role == "persuadee"])
             if len(ids) + PROMPT_ROOM > eng.max_len:
-                problems[inst["id"]] = (f"the {side} prompt of {inst['id']} is {len(ids)} tokens, "
+                problems[inst["id"]] = (f"the {role} prompt of {inst['id']} is {len(ids)} tokens, "
                                         f"the model's context {eng.max_len}")
     return problems
 
@@ -83,36 +103,44 @@ def persuadee_heard(tokenizer, text, final_turn):
                            continued=True)
 
 
-def persuadee_turn(persuadee, sids, heard, *, sampling, max_new_tokens, keys=None,
-                   timings=None):
-    """The persuadee's half of a turn, for each sequence: the message it heard (persuadee_heard)
-    enters its context, it replies, its reply is closed and its beliefs are read in forks.
+def persuader_heard(tokenizer, message_ids, text):
+    """Ids of the persuadee's reply as the persuader receives it after its own message
+    (message_ids, as sampled): that message's closing, then the reply as a user turn, tags
+    stripped, and the generation prompt of the next message."""
+    return (models.closing_ids(tokenizer, message_ids)
+            + models.turn_ids(tokenizer, arena.persuader_sees(text)))
+
+
+def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timings=None,
+                   probe_space=None, probe_signs=None):
+    """The persuadee's half of a turn, for each sequence (the message it heard already pending,
+    persuadee_heard): it replies, its reply is closed and its beliefs are read in forks.
 
     Returns per sequence {text, decision, reason, probes, probe_mass (the Yes+No mass of each
     read-out)}; a reply cut off by the cache or the context ("context", "cache") has no probes,
     and its sequence is left as it is."""
     tok = persuadee.tokenizer
-    for sid, ids in zip(sids, heard):
-        persuadee.append(sid, ids)
     with clock(timings, "persuadee_s"):
         outs = persuadee.generate(sids, max_new_tokens, sampling, keys)
     replies, closed = [], []
     for sid, (ids, _, reason) in zip(sids, outs):
         text = tok.decode(ids, skip_special_tokens=True).strip()
         closing = models.closing_ids(tok, ids)
-        if (reason not in CUT_OFF and persuadee.length(sid) + len(closing)
+        if (reason not in arena.CUT_OFF and persuadee.length(sid) + len(closing)
                 + probes.longest_question(tok) > persuadee.max_len):
             reason = "context"  # no room left to close the reply and ask the probes
         replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
                             probes=None, probe_mass=None))
-        if reason not in CUT_OFF:
+        if reason not in arena.CUT_OFF:
             persuadee.append(sid, closing)
             closed.append((sid, replies[-1]))
     if closed:
         with clock(timings, "persuadee_s"):
             persuadee.forward([sid for sid, _ in closed])
         with clock(timings, "probe_s"):
-            values, mass = probes.read_engine(persuadee, [sid for sid, _ in closed], with_mass=True)
+            values, mass = probes.read_engine(persuadee, [sid for sid, _ in closed],
+                                              with_mass=True, space=probe_space,
+                                              signs=probe_signs)
         for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
             reply["probes"], reply["probe_mass"] = v, m
     return replies
@@ -123,214 +151,398 @@ def message_blocks(eng, max_new_tokens):
     return -(-max_new_tokens // eng.block_size) + 1
 
 
+def side(player, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
+    """The side that plays `role`: player is an engine.Engine, a served.ServedModel, or already
+    a side (returned as it is)."""
+    if isinstance(player, engine.Engine):
+        return EngineSide(player, role, sampling, max_new_tokens, probe_space, probe_signs)
+    if isinstance(player, served.ServedModel):
+        return served.ServedSide(player, role, sampling, max_new_tokens, probe_space, probe_signs)
+    return player
+
+
+def judge_all(model, instances, transcripts, seed, group_indices):
+    """(strategy score s, fell back) per transcript, by a local or a served judge; s = 0 (not
+    fallen back) for every transcript when there is no judge (model None)."""
+    if model is None:
+        return [0.0] * len(instances), [False] * len(instances)
+    if isinstance(model, served.ServedModel):
+        return served.judge_scores(model, instances, transcripts, seed, group_indices,
+                                   max_tokens=JUDGE_MAX_NEW_TOKENS,
+                                   retry_sampling=JUDGE_RETRY_SAMPLING)
+    return judge_scores(model, instances, transcripts, seed, group_indices)
+
+
+def new_episode(inst, index, g, t_max, seed):
+    """An episode's state before it starts: no context, no message, no belief."""
+    key = (seed, inst["id"], g)
+    return dict(index=index, g=g, inst=inst, state=arena.Episode(t_max), phase="speak",
+                er_key=engine.stream_key(*key, "persuader"),
+                ee_key=engine.stream_key(*key, "persuadee"), ids=[], turn_ids=[], logprobs=[],
+                transcript=[], probes=[], probe_mass=[], beliefs=[])
+
+
+def record(e, score, failed):
+    """The one episode record: outcome, transcript, beliefs b_0..b_T, probe values and masses,
+    judge score, and the persuader-side token stream for training: `ids`, `turn_ids` (t for the
+    tokens the policy sampled in message t, else 0) and `logprobs` (empty for a persuader whose
+    tokens never came here: served or typed)."""
+    inst = e["inst"]
+    return dict(
+        id=inst["id"], scenario_id=inst.get("scenario_id", inst["id"]), domain=inst["domain"],
+        resistance=inst["hidden"].get("resistance"), outcome=e["state"].outcome,
+        turns=max(len(e["beliefs"]) - 1, 0), end_reason=e["state"].end_reason,
+        transcript=e["transcript"], beliefs=e["beliefs"], probes=e["probes"],
+        probe_mass=e["probe_mass"], judge=score, judge_failed=failed, ids=e["ids"],
+        turn_ids=e["turn_ids"], logprobs=e["logprobs"])
+
+
 def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
                      persuader_sampling=PERSUADER_SAMPLING, persuadee_sampling=PERSUADEE_SAMPLING,
                      max_new_tokens=engine.MAX_NEW_TOKENS, judge=None, max_active=None,
-                     progress=None, timings=None):
-    """Play G = group_size episodes of every instance to the end, scheduled onto the pools.
+                     probe_space=None, probe_signs=None, on_record=None, progress=None,
+                     timings=None):
+    """Play G = group_size episodes of every instance to the end, scheduled onto the sides.
 
-    `max_active` caps the episodes in play at once (default: as many as the pools take).
+    persuader and persuadee are each an engine.Engine, a served.ServedModel or a side (module
+    docstring), sampled with their role's engine.Sampling; judge is an Engine, a ServedModel or
+    None (s = 0). probe_space and probe_signs are the probe options (probes.py's defaults).
+    `max_active` caps the episodes in play at once (default: as many as the sides take).
+    `on_record`, when given, receives each episode's record as soon as it ends, its judge field
+    still None: the judge scores every transcript once, at the end, when the pools are empty.
     `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
-    and judge_s. Returns one record per episode (instance-major): outcome, transcript, beliefs
-    b_0..b_T and probe values, judge score, and the persuader-side token stream for training:
-    `ids`, `turn_ids` (t for the tokens the policy sampled in message t, else 0) and
-    `logprobs`."""
-    er_tok, ee_tok = persuader.tokenizer, persuadee.tokenizer
-    prompts = [prompt_ids(er_tok, ee_tok, inst) for inst in instances]  # built once
-    problems = prompt_problems(persuader, persuadee, instances, prompts)
+    and judge_s. Returns one record per episode (instance-major, rollout.record), judged."""
+    er = side(persuader, "persuader", persuader_sampling, max_new_tokens)
+    ee = side(persuadee, "persuadee", persuadee_sampling, max_new_tokens, probe_space,
+              probe_signs)
+    problems = prompt_problems(er, ee, instances)
     if problems:
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
                          "out (rollout.prompt_problems finds them) or use a longer-context model.")
-    queue = deque((i, list(range(group_size))) for i in range(len(instances)))
-    active, done = [], {}
-    er_step = message_blocks(persuader, max_new_tokens)
-    ee_step = message_blocks(persuadee, max_new_tokens) + probes.read_blocks(persuadee)
+    scheduler = Scheduler((er, ee), len(instances), group_size, max_active)
 
-    def prefill(index):
-        """An instance's prompts, prefilled once on each side (its episodes fork them)."""
-        er_ids, ee_ids = prompts[index]
-        er_root, ee_root = persuader.new(er_ids[:-1]), persuadee.new(ee_ids)
+    def fits(index, n):
+        return er.room(instances[index], n) and ee.room(instances[index], n)
+
+    def open_group(index):
         with clock(timings, "persuader_s"):
-            persuader.forward([er_root])
+            er_root = er.prefill(instances[index])
         with clock(timings, "persuadee_s"):
-            persuadee.forward([ee_root])
+            ee_root = ee.prefill(instances[index])
         return er_root, ee_root
 
+    def never_started(index, g):  # cannot fit empty pools: recorded, never played
+        e = new_episode(instances[index], index, g, t_max, seed)
+        e["state"].end("cache")
+        scheduler.done[index, g] = e
+        ended(e)
+
     def start(groups):
-        """Read b_0 of every prefilled instance in one probe read, fork one episode per member."""
+        """Fork the prefilled prompts into the groups' episodes; b_0 read for all at once."""
+        counts = [len(members) for _, members, _ in groups]
+        er_sids, _ = er.start([roots[0] for _, _, roots in groups], counts)
         with clock(timings, "probe_s"):
-            b0s, m0s = (x.tolist() for x in probes.read_engine(
-                persuadee, [ee_root for _, _, _, ee_root in groups], with_mass=True))
-        for (index, members, er_root, ee_root), b0, m0 in zip(groups, b0s, m0s):
-            inst, er_ids = instances[index], prompts[index][0]
-            for g in members:
-                key = (seed, inst["id"], g)
-                active.append(dict(
-                    index=index, g=g, inst=inst, state=arena.Episode(t_max), phase="speak",
-                    er=persuader.fork(er_root, er_ids[-1:]), ee=persuadee.fork(ee_root),
-                    er_key=engine.stream_key(*key, "persuader"),
-                    ee_key=engine.stream_key(*key, "persuadee"),
-                    ids=list(er_ids), turn_ids=[0] * len(er_ids), logprobs=[0.0] * len(er_ids),
-                    transcript=[], probes=[b0], probe_mass=[m0], beliefs=[sum(b0) / 3]))
-            persuader.free(er_root)
-            persuadee.free(ee_root)
+            ee_sids, reads = ee.start([roots[1] for _, _, roots in groups], counts)
+        for (index, members, _), ers, ees, (b0, m0) in zip(groups, er_sids, ee_sids, reads):
+            inst = instances[index]
+            prompt = er.prompt(inst)
+            for g, er_sid, ee_sid in zip(members, ers, ees):
+                e = new_episode(inst, index, g, t_max, seed)
+                e.update(er=er_sid, ee=ee_sid, ids=list(prompt), turn_ids=[0] * len(prompt),
+                         logprobs=[0.0] * len(prompt), probes=[b0], probe_mass=[m0],
+                         beliefs=[probes.belief(b0)])
+                scheduler.running.append(e)
 
-    def fits_group(index, members):
-        """Room on both pools for the prompts, b_0's forks and one message per member."""
-        er_ids, ee_ids = prompts[index]
-        blocks = lambda eng, n: -(-n // eng.block_size)
-        er_need = blocks(persuader, len(er_ids)) + len(members) * er_step
-        ee_need = blocks(persuadee, len(ee_ids)) + len(members) * ee_step
-        return er_need <= persuader.free_blocks and ee_need <= persuadee.free_blocks
-
-    def finish(e, reason=None):
-        if reason:
-            e["state"].end(reason)
-        persuader.free(e["er"])
-        persuadee.free(e["ee"])
-        done[e["index"], e["g"]] = e
-        active.remove(e)
-
-    def split_head(n):  # the queue's first group, as its first n members and the rest
-        index, members = queue.popleft()
-        queue.extendleft([(index, members[n:]), (index, members[:n])])
-
-    def refill():
-        """Admit groups from the queue while the pools take them: prompts prefilled one group at
-        a time (each fits_group sees the blocks the last one took), b_0 read for all at once."""
-        started = []  # (index, members, persuader root, persuadee root)
-        admit(started)
-        if started:
-            start(started)
-
-    def admit(started):
-        if ADMISSION == "waves" and active:
-            return
-        while queue:
-            admitted = len(active) + sum(len(members) for _, members, _, _ in started)
-            allowed = len(queue[0][1]) if max_active is None else max_active - admitted
-            if allowed <= 0:
-                return
-            if allowed < len(queue[0][1]):
-                split_head(allowed)
-            index, members = queue[0]
-            if not fits_group(index, members):
-                if active or started:
-                    return
-                if len(members) > 1:  # alone in the pools and still too big: one at a time
-                    split_head(1)
-                    continue
-                queue.popleft()  # one episode does not fit empty pools: it can never start
-                done[index, members[0]] = dict(index=index, g=members[0], inst=instances[index],
-                                               state=arena.Episode(t_max), transcript=[],
-                                               probes=[], probe_mass=[], beliefs=[], ids=[],
-                                               turn_ids=[], logprobs=[])
-                done[index, members[0]]["state"].end("cache")
-                continue
-            queue.popleft()
-            started.append((index, members, *prefill(index)))
-
-    def preempt():
-        """Free the youngest episode and queue it to be replayed from the start, once another
-        episode has finished (else it would be admitted straight back into the same stall)."""
-        e = active.pop()
-        persuader.free(e["er"])
-        persuadee.free(e["ee"])
-        queue.appendleft((e["index"], [e["g"]]))
-        return len(done)
-
-    def append(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training
+    def extend(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training
         e["ids"] += ids
         e["turn_ids"] += [turn] * len(ids)
         e["logprobs"] += logprobs or [0.0] * len(ids)
 
-    def mask_last_message(e):
+    def cut_off(e, reason):
         """The last persuader message got no reply: no loss on its tokens (module docstring)."""
         turn = e["state"].turn + 1
         e["turn_ids"] = [0 if t == turn else t for t in e["turn_ids"]]
+        finish(e, reason)
 
-    held = -1  # len(done) at the last preemption: no admission until an episode finishes
-    refill()
-    while active or queue:
+    def finish(e, reason=None):
+        scheduler.finish(e, reason)
+        ended(e)
+
+    def ended(e):
+        if on_record is not None:
+            on_record(record(e, None, None))
+
+    def ready(side_, episodes, key):
+        fit = set(side_.ready([e[key] for e in episodes]))
+        return [e for e in episodes if e[key] in fit]
+
+    scheduler.refill(fits, open_group, never_started, start)
+    while scheduler.running or scheduler.waiting:
         moved = False
-        ready = [e for e in active if e["phase"] == "speak"]  # worst case: a whole message
-        fits = set(persuader.admit([e["er"] for e in ready],
-                                   [persuader.length(e["er"]) - persuader.cached(e["er"])
-                                    + max_new_tokens for e in ready]))
-        speakers = [e for e in ready if e["er"] in fits]
+        speakers = ready(er, [e for e in scheduler.running if e["phase"] == "speak"], "er")
         if speakers:
             moved = True
             with clock(timings, "persuader_s"):
-                outs = persuader.generate([e["er"] for e in speakers], max_new_tokens,
-                                          persuader_sampling, [e["er_key"] for e in speakers])
-            for e, (ids, logprobs, reason) in zip(speakers, outs):
-                text = er_tok.decode(ids, skip_special_tokens=True).strip()
-                append(e, ids, e["state"].turn + 1, logprobs)
-                e["er_ids"] = ids
-                e["transcript"].append({"role": "persuader", "text": text, "decision": None})
-                if reason in CUT_OFF:
-                    mask_last_message(e)
-                    finish(e, reason)
+                said = er.speak([e["er"] for e in speakers], [e["er_key"] for e in speakers])
+            for e, out in zip(speakers, said):
+                extend(e, out["ids"], e["state"].turn + 1, out["logprobs"])
+                if out["reason"] not in (arena.API_ERROR, STOPPED):  # those said nothing
+                    e["transcript"].append({"role": "persuader", "text": out["text"],
+                                            "decision": None})
+                if out["reason"] not in SPOKEN:
+                    cut_off(e, out["reason"])
                     continue
-                e["heard"] = persuadee_heard(ee_tok, text, e["state"].final_turn)
+                ee.hear(e["ee"], out["text"], e["state"].final_turn)
                 e["phase"] = "reply"
-        ready = [e for e in active if e["phase"] == "reply"]  # a whole reply, then its probes
-        fits = set(persuadee.admit([e["ee"] for e in ready],
-                                   [len(e["heard"]) + max_new_tokens + CLOSING_ROOM for e in ready],
-                                   reserve=probes.read_blocks(persuadee)))
-        chosen = [e for e in ready if e["ee"] in fits]
-        if chosen:
+        repliers = ready(ee, [e for e in scheduler.running if e["phase"] == "reply"], "ee")
+        if repliers:
             moved = True
-            replies = persuadee_turn(persuadee, [e["ee"] for e in chosen],
-                                     [e.pop("heard") for e in chosen], sampling=persuadee_sampling,
-                                     max_new_tokens=max_new_tokens,
-                                     keys=[e["ee_key"] for e in chosen], timings=timings)
-            for e, reply in zip(chosen, replies):
-                e["transcript"].append({"role": "persuadee", "text": reply["text"],
-                                        "decision": reply["decision"]})
-                if reply["reason"] in CUT_OFF:
-                    mask_last_message(e)
-                    finish(e, reply["reason"])
+            replies = ee.reply([e["ee"] for e in repliers], [e["ee_key"] for e in repliers],
+                               timings)
+            for e, reply in zip(repliers, replies):
+                if reply["reason"] != arena.API_ERROR:
+                    e["transcript"].append({"role": "persuadee", "text": reply["text"],
+                                            "decision": reply["decision"]})
+                if reply["reason"] in arena.CUT_OFF:
+                    cut_off(e, reply["reason"])
                     continue
                 e["state"].step(reply["decision"])
                 e["probes"].append(reply["probes"])
                 e["probe_mass"].append(reply["probe_mass"])
-                e["beliefs"].append(sum(reply["probes"]) / 3)
+                e["beliefs"].append(probes.belief(reply["probes"]))
                 if e["state"].done:
                     finish(e)
                     continue
-                # the persuader reads the reply, tags stripped
-                seen = arena.persuader_sees(reply["text"])
-                ids = models.closing_ids(er_tok, e["er_ids"]) + models.turn_ids(er_tok, seen)
-                persuader.append(e["er"], ids)
-                append(e, ids)
+                ids, reason = er.hear(e["er"], reply["text"], shown=(reply["probes"],
+                                                                     e["beliefs"]))
+                extend(e, ids)
                 e["phase"] = "speak"
-                if persuader.overflow(e["er"]) == "context":
-                    finish(e, "context")
-        if not moved and active:
-            if len(active) == 1:  # alone in the pools and still stuck: it cannot fit
-                finish(active[0], "cache")
-            else:
-                held = preempt()
-        if len(done) > held or not active:
-            refill()
+                if reason:
+                    finish(e, reason)
+        if not moved and scheduler.running:
+            scheduler.stall()
+        scheduler.refill(fits, open_group, never_started, start)
         if progress is not None:
-            progress.update(len(done) - progress.n)
-    episodes = [done[i, g] for i in range(len(instances)) for g in range(group_size)]
-    scores, failed = [0.0] * len(episodes), [False] * len(episodes)
-    if judge is not None:
-        with clock(timings, "judge_s"):
-            scores, failed = judge_scores(judge, [e["inst"] for e in episodes],
-                                  [e["transcript"] for e in episodes], seed,
-                                  [e["g"] for e in episodes])
-    return [dict(
-        id=e["inst"]["id"], scenario_id=e["inst"].get("scenario_id", e["inst"]["id"]),
-        domain=e["inst"]["domain"], resistance=e["inst"]["hidden"].get("resistance"),
-        outcome=e["state"].outcome, turns=max(len(e["beliefs"]) - 1, 0),
-        end_reason=e["state"].end_reason, transcript=e["transcript"], beliefs=e["beliefs"],
-        probes=e["probes"], probe_mass=e["probe_mass"], judge=score, judge_failed=fail,
-        ids=e["ids"], turn_ids=e["turn_ids"], logprobs=e["logprobs"])
-        for e, score, fail in zip(episodes, scores, failed)]
+            progress.update(len(scheduler.done) - progress.n)
+    episodes = [scheduler.done[i, g] for i in range(len(instances)) for g in range(group_size)]
+    spoken = [e for e in episodes if e["transcript"]]  # nothing to judge in the others: s = 0
+    with clock(timings, "judge_s"):
+        scores, failed = judge_all(judge, [e["inst"] for e in spoken],
+                                   [e["transcript"] for e in spoken], seed,
+                                   [e["g"] for e in spoken])
+    verdicts = {id(e): v for e, v in zip(spoken, zip(scores, failed))}
+    return [record(e, *verdicts.get(id(e), (0.0, False))) for e in episodes]
+
+
+class Scheduler:
+    """Which episodes wait and which run, over the sides' capacity (module docstring): waiting
+    holds (instance index, group members) in order, running the episodes in play, done the
+    finished ones by (index, member)."""
+
+    def __init__(self, sides, n_instances, group_size, max_active=None):
+        self.sides, self.max_active = sides, max_active
+        self.waiting = deque((i, list(range(group_size))) for i in range(n_instances))
+        self.running, self.done = [], {}
+        self.held = -1  # len(done) at the last preemption: no admission until an episode ends
+
+    def refill(self, fits, open_group, never_started, start):
+        """Admit groups from the head of the queue while fits(index, n) holds, each prefilled by
+        open_group as it is admitted (so the next check sees the room it took), then start them
+        all at once. A group too big for empty pools goes one episode at a time; an episode
+        that cannot fit them alone goes to never_started."""
+        if len(self.done) <= self.held and self.running:
+            return
+        if ADMISSION == "waves" and self.running:
+            return
+        started = []  # (index, members, roots)
+        while self.waiting:
+            admitted = len(self.running) + sum(len(members) for _, members, _ in started)
+            allowed = (len(self.waiting[0][1]) if self.max_active is None
+                       else self.max_active - admitted)
+            if allowed <= 0:
+                break
+            if allowed < len(self.waiting[0][1]):
+                self.split_head(allowed)
+            index, members = self.waiting[0]
+            if not fits(index, len(members)):
+                if self.running or started:
+                    break
+                if len(members) > 1:
+                    self.split_head(1)
+                    continue
+                self.waiting.popleft()
+                never_started(index, members[0])
+                continue
+            self.waiting.popleft()
+            started.append((index, members, open_group(index)))
+        if started:
+            start(started)
+
+    def split_head(self, n):
+        """The queue's first group, as its first n members and the rest."""
+        index, members = self.waiting.popleft()
+        self.waiting.extendleft([(index, members[n:]), (index, members[:n])])
+
+    def release(self, e):
+        for s, key in zip(self.sides, ("er", "ee")):
+            s.free(e[key])
+
+    def finish(self, e, reason=None):
+        if reason:
+            e["state"].end(reason)
+        self.release(e)
+        self.done[e["index"], e["g"]] = e
+        self.running.remove(e)
+
+    def stall(self):
+        """No episode could move: one alone cannot fit and ends "cache"; else the youngest is
+        freed and queued to be replayed from the start, once another episode has ended (else it
+        would be admitted straight back into the same stall)."""
+        if len(self.running) == 1:
+            return self.finish(self.running[0], "cache")
+        e = self.running.pop()
+        self.release(e)
+        self.waiting.appendleft((e["index"], [e["g"]]))
+        self.held = len(self.done)
+
+
+class EngineSide:
+    """A role played by a local engine.Engine: ids in, ids out. Its capacity is its pool: a
+    message is admitted with room for its worst case (max_new_tokens; for the persuadee the
+    reply's closing and the probe forks too)."""
+
+    def __init__(self, eng, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
+        self.eng, self.role, self.sampling = eng, role, sampling
+        self.max_new_tokens, self.space, self.signs = max_new_tokens, probe_space, probe_signs
+        self.tokenizer, self.max_len = eng.tokenizer, eng.max_len
+        self.persuadee = role == "persuadee"
+        self.reserve = probes.read_blocks(eng) if self.persuadee else 0
+        self.step = message_blocks(eng, max_new_tokens) + self.reserve
+        self.prompts, self.tails, self.last = {}, {}, {}
+
+    def prompt(self, instance):
+        if instance["id"] not in self.prompts:  # built once per instance
+            self.prompts[instance["id"]] = prompt_ids(self.tokenizer, self.tokenizer,
+                                                      instance)[self.persuadee]
+        return self.prompts[instance["id"]]
+
+    def room(self, instance, n):
+        blocks = -(-len(self.prompt(instance)) // self.eng.block_size)
+        return blocks + n * self.step <= self.eng.free_blocks
+
+    def prefill(self, instance):
+        """The prompt once; a persuader's last prompt token starts each episode's first message."""
+        ids = self.prompt(instance)
+        root = self.eng.new(ids if self.persuadee else ids[:-1])
+        self.tails[root] = [] if self.persuadee else ids[-1:]
+        self.eng.forward([root])
+        return root
+
+    def start(self, roots, counts):
+        reads = [None] * len(roots)
+        if self.persuadee:
+            values, mass = probes.read_engine(self.eng, roots, with_mass=True, space=self.space,
+                                              signs=self.signs)
+            reads = list(zip(values.tolist(), mass.tolist()))
+        sids = [[self.eng.fork(r, self.tails[r]) for _ in range(n)] for r, n in zip(roots, counts)]
+        for r in roots:
+            self.eng.free(r)
+            del self.tails[r]
+        return sids, reads
+
+    def ready(self, sids):
+        extra = self.max_new_tokens + (CLOSING_ROOM if self.persuadee else 0)
+        counts = [self.eng.length(s) - self.eng.cached(s) + extra for s in sids]
+        return self.eng.admit(sids, counts, reserve=self.reserve)
+
+    def speak(self, sids, keys):
+        outs = self.eng.generate(sids, self.max_new_tokens, self.sampling, keys)
+        said = []
+        for s, (ids, logprobs, reason) in zip(sids, outs):
+            self.last[s] = ids
+            said.append(dict(text=self.tokenizer.decode(ids, skip_special_tokens=True).strip(),
+                             ids=ids, logprobs=logprobs, reason=reason))
+        return said
+
+    def hear(self, sid, text, final_turn=False, shown=None):
+        """The other side's text enters the context (a persuader is shown the reply's probe
+        values and the beliefs so far, which only a person reads); returns (the ids it added to
+        a persuader's stream, "context" when the context cannot take them, else None)."""
+        if self.persuadee:
+            self.eng.append(sid, persuadee_heard(self.tokenizer, text, final_turn))
+            return [], None
+        ids = persuader_heard(self.tokenizer, self.last.pop(sid), text)
+        self.eng.append(sid, ids)
+        return ids, "context" if self.eng.overflow(sid) == "context" else None
+
+    def reply(self, sids, keys, timings=None):
+        return persuadee_turn(self.eng, sids, sampling=self.sampling,
+                              max_new_tokens=self.max_new_tokens, keys=keys, timings=timings,
+                              probe_space=self.space, probe_signs=self.signs)
+
+    def free(self, sid):
+        self.eng.free(sid)
+        self.last.pop(sid, None)
+
+
+class PersonSide:
+    """The persuader typed by a person at the terminal (eval.py --play): each message is read
+    from `read`, each reply written with its probe values and the belief change of the turn. An
+    empty line (or end of input) ends the episode "stopped"."""
+    tokenizer = max_len = None
+
+    def __init__(self, t_max, read=input, write=print):
+        self.t_max, self.read, self.write = t_max, read, write
+        self.turns, self.next_sid = {}, 0
+
+    def prompt(self, instance):
+        return []
+
+    def room(self, instance, n):
+        return True
+
+    def prefill(self, instance):
+        self.write(f"== {instance['title']} ({instance['id']})\nYou are "
+                   f"{instance['persuader']['role']}. Goal: {instance['persuader']['goal']}\n"
+                   f"Request: {instance['persuader']['request']}\nThey: "
+                   f"{instance['persuadee']['name']}, {instance['persuadee']['age']}, "
+                   f"{instance['persuadee']['occupation']}. {instance['context']}\n"
+                   "(empty line or Ctrl-D: stop)")
+        return None
+
+    def start(self, roots, counts):
+        sids = []
+        for n in counts:
+            sids.append(list(range(self.next_sid, self.next_sid + n)))
+            self.next_sid += n
+            self.turns.update(dict.fromkeys(sids[-1], 0))
+        return sids, [None] * len(roots)
+
+    def ready(self, sids):
+        return list(sids)
+
+    def speak(self, sids, keys):
+        said = []
+        for s in sids:
+            self.turns[s] += 1
+            try:
+                text = self.read(f"turn {self.turns[s]}/{self.t_max} you> ").strip()
+            except EOFError:
+                text = ""
+            said.append(dict(text=text, ids=[], logprobs=[], reason="stop" if text else STOPPED))
+        return said
+
+    def hear(self, sid, text, final_turn=False, shown=None):
+        """The reply, its probe values, the belief and its change this turn."""
+        self.write(f"them: {text}")
+        values, beliefs = shown
+        if None not in values and None not in beliefs[-2:]:
+            self.write("   " + "  ".join(f"{k} {v:+.2f}" for k, v in zip(probes.PROBES, values))
+                       + f"   belief {beliefs[-1]:+.2f} ({beliefs[-1] - beliefs[-2]:+.2f})")
+        return [], None
+
+    def free(self, sid):
+        self.turns.pop(sid, None)
 
 
 def judge_scores(judge, instances, transcripts, seed=0, group_indices=None):

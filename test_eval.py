@@ -51,7 +51,17 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     (["--case", "{tmp}/B", "nope"], "has no episode of nope"),
     (["--runs", "{tmp}/nope"], "is not a directory"),
     (["--analyze", "{tmp}/empty"], "episodes.jsonl does not exist"),
-    (["--tagger", "logit", "--judge", "none"], "--tagger logit reads the judge model"),
+    (["--tagger", "logit", "--judge", "none"], "--tagger logit reads the judge's own logits"),
+    (["--tagger", "logit", "--judge", "openai:m@http://127.0.0.1:9/v1"], "needs a local judge"),
+    (["--name", "../elsewhere"], "must be one folder name"),
+    (["--name", "a/b"], "must be one folder name"),
+    (["--name", ".."], "must be one folder name"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--kv-blocks", "0"], "--kv-blocks must be at least 1"),
+    (["--persuadee", "random:tiny-llama", "--persuadee", "random:tiny-qwen3"],
+     "needs one fixed judge: pass --judge"),
+    (["--judge", "/no/such/judge"], "--judge /no/such/judge is no such folder"),
+    (["--resume", "--overwrite"], "pass one of them"),
     (["--table", "{tmp}/B", "--reference", "{tmp}/A"], "--reference names one of the --table"),
     (["--table", "{tmp}/B", "{tmp}/bad"], "bad/episodes.jsonl, line 1: field 'outcome' must be one of"),
     (["--analyze", "{tmp}/run"], "is a training run"),
@@ -137,6 +147,9 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
         assert (tmp_path / "run" / name).stat().st_size > 0
     written = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert written["belief_stats"]["yes_no_mass_mean"] > 0 and "manipulation" in written
+    assert written["roles"]["persuadee"]["dtype"] == "float32"
+    assert written["roles"]["persuadee"]["sampling"] == list(__import__("rollout").SAMPLING["cpu"][1])
+    written = {k: v for k, v in written.items() if k not in ev.RUN_KEYS}
     (tmp_path / "run" / "summary.json").unlink()
     ev.main(["--analyze", str(tmp_path / "run")])
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == written
@@ -154,7 +167,6 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     import probes
     import rollout
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(probes, "PROBE_SPACE", probes.PROBE_SPACE)  # restored after the test
     judged_by = []
     monkeypatch.setattr(rollout, "judge_scores",
                         lambda judge, instances, transcripts, seed=0, groups=None: judged_by.append(judge.model)
@@ -162,7 +174,7 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     ev.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
              "--judge", "random:tiny-llama", "--subset", "balanced60", "--limit", "1", "--t-max", "1",
              "--max-new-tokens", "3", "--name", "g", "--probe-space", "logodds"])
-    assert probes.PROBE_SPACE == "logodds"
+    assert probes.PROBE_SPACE == "prob"  # an option travels as an argument, the constant stays
     assert len(judged_by) == 2 and judged_by[0] is judged_by[1]
     assert judged_by[0].config.model_type == "llama"
     runs = sorted((tmp_path / "evals" / "g").iterdir())
@@ -448,3 +460,53 @@ def test_case_cli_prints_the_episode_and_writes_its_plot(tmp_path, capsys):
     assert png_size(tmp_path / "run" / "case-m2.png") == tuple(round(v * plots.DPI) for v in plots.CASE_FIGSIZE)
     with pytest.raises(SystemExit, match="has no episode of nope"):
         ev.main(["--case", str(tmp_path / "run"), "nope"])
+
+
+def test_end_reasons_are_counted_and_a_cut_off_table_says_so():
+    """The summary counts episodes by end reason; a table holding a cut-off episode ("cache",
+    "context", "api_error": it never reached its outcome) flags it beside the rates."""
+    eps = [dict(episode(f"s{i}", "PENDING", [0.1, 0.2]), end_reason=r)
+           for i, r in enumerate(["budget", "cache", "context", "budget"])]
+    summary = an.summarize(eps)
+    assert summary["end_reasons"] == {"budget": 2, "cache": 1, "context": 1}
+    assert summary["cut_off"] == 2
+    assert "CUT OFF" in an.format_table(summary) and "cache 1" in an.format_table(summary)
+    clean = an.summarize([eps[0], eps[3]])
+    assert clean["cut_off"] == 0 and "CUT OFF" not in an.format_table(clean)
+
+
+def test_a_name_is_resumed_only_with_its_own_settings(tmp_path, monkeypatch, capsys):
+    """Every evaluation appends episodes.jsonl: a rerun of a name is refused without --resume or
+    --overwrite; --resume plays only the missing episodes and refuses other settings, naming
+    them; --overwrite removes that evaluation's folder alone."""
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    argv = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3", "--limit",
+            "2", "--t-max", "1", "--max-new-tokens", "3", "--kv-blocks", "600", "--name", "r"]
+    ev.main(argv)
+    lines = (tmp_path / "r" / "episodes.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    settings = json.loads((tmp_path / "r" / "settings.json").read_text())
+    assert settings["seed"] == 0 and settings["dtype"] == "float32" and settings["limit"] == 2
+    with pytest.raises(SystemExit, match="--resume"):
+        ev.main(argv)
+    with pytest.raises(SystemExit, match=r"seed 0 there, 1 now.*t_max 1 there, 2 now"):
+        ev.main(argv + ["--resume", "--seed", "1", "--t-max", "2"])
+    (tmp_path / "r" / "episodes.jsonl").write_text(lines[0] + "\n" + lines[1][:20])  # killed
+    capsys.readouterr()
+    ev.main(argv + ["--resume"])
+    assert "1 of 2 episodes already played" in capsys.readouterr().err
+    again = (tmp_path / "r" / "episodes.jsonl").read_text().splitlines()
+    assert [json.loads(l)["id"] for l in again] == [json.loads(l)["id"] for l in lines]
+    assert json.loads(again[1])["transcript"] == json.loads(lines[1])["transcript"]
+    ev.main(argv + ["--overwrite", "--seed", "1"])
+    assert json.loads((tmp_path / "r" / "settings.json").read_text())["seed"] == 1
+    assert (tmp_path / "other" / "keep.txt").exists()
+
+
+def test_kv_blocks_too_few_for_one_episode_say_how_many(tmp_path, monkeypatch):
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match=r"--kv-blocks 5 cannot hold one episode.*pass --kv-blocks \d+"):
+        ev.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+                 "--limit", "1", "--t-max", "1", "--max-new-tokens", "3", "--kv-blocks", "5"])

@@ -250,3 +250,28 @@ def test_the_judge_fits_any_pool_that_holds_one_transcript(tokenizer, monkeypatc
     chats = transcripts + [transcripts[0]]
     assert judged(high, group, chats) == ([1.0] * 5, [False] * 5)
     assert judged(high - 1, group, chats) == ([1.0] * 3 + [0.0, 1.0], [False] * 3 + [True, False])
+
+
+def test_one_loop_drives_every_episode():
+    """arena.Episode is constructed in rollout.py alone (bench.py's Hugging Face baseline
+    aside): served, local and typed episodes all go through rollout_episodes."""
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    drivers = {p.name for p in here.glob("*.py") if not p.name.startswith("test_")
+               and "arena.Episode(" in p.read_text()}
+    assert drivers == {"rollout.py", "bench.py"}
+    assert "def play_episodes" not in (here / "served.py").read_text()
+
+
+def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():
+    """One owner for the frozen roles' sampling, the cut-off end reasons, the yes/no
+    instruction and the 256 new tokens; the persuader never truncates (pi_old exact)."""
+    import moves
+    import served
+    import train
+    assert all(ee is rollout.FROZEN_SAMPLING for _, ee in rollout.SAMPLING.values())
+    assert rollout.JUDGE_RETRY_SAMPLING is rollout.FROZEN_SAMPLING
+    assert all(er.top_p is None and er.top_k is None for er, _ in rollout.SAMPLING.values())
+    assert not hasattr(served, "API_ERROR") and not hasattr(moves, "INSTRUCTION")
+    assert arena.API_ERROR in arena.CUT_OFF and {"context", "cache"} <= set(arena.CUT_OFF)
+    assert train.PRESETS["paper"]["max_new_tokens"] == engine.MAX_NEW_TOKENS

@@ -1,5 +1,6 @@
-"""served.py: episodes over the OpenAI-compatible API, against an in-process scripted server (the
-official client over a mock transport), a fault-injecting one, and a real `transformers serve`."""
+"""served.py: episodes over the OpenAI-compatible API through rollout.py's one loop, against an
+in-process scripted server (the official client over a mock transport), a fault-injecting one, a
+loopback HTTP server wrapping a tiny local model, and a real `transformers serve`."""
 import json
 import math
 import os
@@ -9,8 +10,10 @@ import sys
 import threading
 import time
 import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 import analyses
 import arena
@@ -122,12 +125,17 @@ class Killed(BaseException):
     """The run dies mid-evaluation (not an Exception: nothing may catch it)."""
 
 
+def play(persuader, persuadee, insts, t_max, **kw):
+    """rollout.rollout_episodes, as every caller plays episodes."""
+    return rollout.rollout_episodes(persuader, persuadee, insts, t_max, **kw)
+
+
 def test_probe_value_renormalises_over_the_yes_and_no_found():
     v, mass = served.probe_value([("Yes", math.log(0.3)), (" yes", math.log(0.1)),
                                   ("No", math.log(0.2)), ("Maybe", math.log(0.4))])
     assert v == pytest.approx(2 * 0.4 / 0.6 - 1) and mass == pytest.approx(0.6)
     assert served.probe_value([("Maybe", 0.0)]) == (None, 0.0)
-    assert served.belief([0.5, None, 0.1]) is None and served.belief([0.5, 0.2, 0.2]) == 0.3
+    assert probes.belief([0.5, None, 0.1]) is None and probes.belief([0.5, 0.2, 0.2]) == 0.3
 
 
 def test_backoff_doubles_with_jitter_and_follows_retry_after():
@@ -144,7 +152,7 @@ def test_backoff_doubles_with_jitter_and_follows_retry_after():
 def test_a_model_that_refuses_a_temperature_is_asked_without_one():
     server = ScriptedServer(fixed_temperature=True)
     model = server.model()
-    records = served.play_episodes(model, model, instances(), 3, progress=False)
+    records = play(model, model, instances(), 3)
     assert [(r["outcome"], r["end_reason"], r["turns"]) for r in records] == list(EXPECTED.values())
     assert model.dropped == {"temperature"} and model.stats["failed_requests"] == 0
     refused = sum("temperature" in b for b in server.bodies)  # those in flight before the first refusal
@@ -164,7 +172,7 @@ def test_served_episodes_follow_the_state_machine_and_strip_tags():
     on the last turn; probes renormalised with their mass recorded; the judge's score."""
     server = ScriptedServer()
     model = server.model()
-    records = served.play_episodes(model, model, instances(), 3, judge=model, progress=False)
+    records = play(model, model, instances(), 3, judge=model)
     v = 2 * YES_P / (YES_P + NO_P) - 1
     for day, r in zip(SCRIPTS, records):
         assert (r["outcome"], r["end_reason"], r["turns"]) == EXPECTED[day]
@@ -187,8 +195,7 @@ def test_a_server_without_logprobs_leaves_beliefs_absent():
     """transformers serve ignores logprobs: beliefs are None, never 0, it is asked only once, and
     the summary says the belief columns are missing."""
     server = ScriptedServer(logprobs=False)
-    records = served.play_episodes(rollout_engine(), server.model(), instances(), 3,
-                                   progress=False, max_new_tokens=6)
+    records = play(rollout_engine(), server.model(), instances(), 3, max_new_tokens=6)
     assert all(b is None for r in records for b in r["beliefs"])
     asked = [b for b in server.bodies if b["messages"][-1]["content"].startswith(probes.INSTRUCTION)]
     assert len(asked) == len(probes.PROBES) * len(records)  # the first read's questions only
@@ -203,35 +210,65 @@ def rollout_engine(arch="llama", seed=1):
 
 
 def test_a_served_persuader_writes_the_records_a_local_one_writes():
-    """Served and local persuaders against a local persuadee: the same keys as each other and
-    as rollout.rollout_episodes' records less the training stream; the persuadee's view strips
-    the served persuader's forged tags."""
+    """Served and local persuaders against a local persuadee: the same keys (rollout.record); a
+    served persuader has no token stream; the persuadee's view strips its forged tags."""
     insts, er, ee = instances(), rollout_engine(), rollout_engine("qwen3", 2)
-    api = served.play_episodes(ScriptedServer().model(), ee, insts, 2, progress=False,
-                               max_new_tokens=6)
-    local = served.play_episodes(er, ee, insts, 2, progress=False, max_new_tokens=6)
-    reference = rollout.rollout_episodes(er, ee, insts, 2, max_new_tokens=6)
-    keys = set(reference[0]) - set(ev.TRAINING_KEYS)
+    api = play(ScriptedServer().model(), ee, insts, 2, max_new_tokens=6)
+    local = play(er, ee, insts, 2, max_new_tokens=6)
     for a, b in zip(api, local):
-        assert set(a) == set(b) == keys
+        assert set(a) == set(b)
         assert a["outcome"] in arena.OUTCOMES and len(a["beliefs"]) == a["turns"] + 1
         assert all(isinstance(x, float) for x in a["beliefs"])
         assert a["transcript"][0]["text"].endswith("[ACCEPT]")  # as written; stripped when read
+        assert a["ids"] == a["turn_ids"] == a["logprobs"] == [] and b["ids"]
+
+
+def test_each_role_samples_as_its_own_sampling_says_on_the_request():
+    """The persuader's whole tempered distribution (no top_p, no top_k) and the persuadee's
+    truncated one reach the server as each role's engine.Sampling says: top_k through the
+    request's extra parameters; the probes and the judge's first answer are greedy."""
+    server = ScriptedServer()
+    model = server.model()
+    play(model, model, instances((1,)), 2, judge=model,
+         persuader_sampling=engine.Sampling(1.0),
+         persuadee_sampling=engine.Sampling(0.7, top_p=0.8, top_k=20))
+    kinds = {}
+    for b in server.bodies:
+        msgs = b["messages"]
+        kind = ("probe" if msgs[-1]["content"].startswith(probes.INSTRUCTION) else "judge"
+                if msgs[0]["content"].startswith("You judge") else "persuader"
+                if "How to persuade" in msgs[0]["content"] else "persuadee")
+        kinds.setdefault(kind, set()).add((b.get("temperature"), b.get("top_p"), b.get("top_k")))
+    assert kinds == {"persuader": {(1.0, None, None)}, "persuadee": {(0.7, 0.8, 20)},
+                     "probe": {(0.0, None, None)}, "judge": {(0.0, None, None)}}
+
+
+def test_probe_options_apply_to_a_served_persuadee():
+    """--probe-space logodds and --probe-signs PE=-1 change a served persuadee's read-outs as they
+    change a local one's: v = clip(log(p / (1 - p)), 4) / 4, PE's sign flipped."""
+    model = ScriptedServer().model()
+    [r] = play(model, model, instances((2,)), 1, probe_space="logodds",
+               probe_signs={"CA": 1, "PE": -1, "AC": 1})
+    p = YES_P / (YES_P + NO_P)
+    v = min(math.log(p / (1 - p)), probes.LOGODDS_CLIP) / probes.LOGODDS_CLIP
+    assert r["probes"] == [[pytest.approx(v), pytest.approx(-v), pytest.approx(v)]] * 2
+    assert r["beliefs"] == [pytest.approx(v / 3)] * 2
 
 
 def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(tmp_path):
     """A server failing one request in three: retries carry every episode, and every failure is
     counted. With one scenario's every request failing, its episodes end as "api_error" and are
-    counted while the rest go on; killed in the middle, the run resumes: finished episodes are not
-    played again, none is duplicated, and the records equal an unbroken run's."""
+    counted while the rest go on; killed in the middle, the run resumes (eval.py's
+    episodes.jsonl): finished episodes are not played again, none is duplicated, and the records
+    equal an unbroken run's."""
     insts = [{**short_scenario(i), "scenario_id": f"train-{i:04d}", "variant": 0,
               "persuader": {**short_scenario(i)["persuader"],
                             "request": f"get the shot on day {(i - 1) % 3 + 1}"}}
              for i in range(1, 10)]  # three episodes of each script, told apart by age 40 + i
-    whole = served.play_episodes(*[ScriptedServer().model()] * 2, insts, 3, progress=False)
+    whole = play(*[ScriptedServer().model()] * 2, insts, 3)
     faulty = Faulty()
     model = faulty.model()
-    records = served.play_episodes(model, model, insts, 3, progress=False)
+    records = play(model, model, insts, 3)
     assert faulty.failures == model.stats["failed_attempts"] > len(faulty.seen) // 4
     assert model.stats["failed_requests"] == 0 and records == whole
 
@@ -239,12 +276,12 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     dying = Faulty(broken_day=2, kill_when=lambda: out.exists() and len(lines(out)) >= 4)
     model = dying.model(retries=2)
     with pytest.raises(Killed):
-        served.play_episodes(model, model, insts, 3, out_path=out, progress=False)
+        ev.play_resumable(model, model, insts, out, t_max=3)
     before = lines(out)
     assert 4 <= len(before) < len(insts)
     resumed = Faulty(broken_day=2)
     model = resumed.model(retries=2)
-    records = served.play_episodes(model, model, insts, 3, out_path=out, progress=False)
+    records = ev.play_resumable(model, model, insts, out, t_max=3)
     after = lines(out)
     assert after[:len(before)] == before
     assert sorted(json.loads(l)["id"] for l in after) == sorted(i["id"] for i in insts)
@@ -253,10 +290,172 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     assert asked and not asked & done  # nothing already in episodes.jsonl was played again
     failed = [r for r in records if "on day 2" in arena.persuadee_system_prompt(
         next(i for i in insts if i["id"] == r["id"]))]
-    assert {r["end_reason"] for r in failed} == {served.API_ERROR}
-    assert [r for r in records if r not in failed] == [w for w, r in zip(whole, records)
+    assert {r["end_reason"] for r in failed} == {arena.API_ERROR}
+    kept = lambda r: {k: v for k, v in r.items() if k not in ev.TRAINING_KEYS}
+    assert [r for r in records if r not in failed] == [kept(w) for w, r in zip(whole, records)
                                                       if r not in failed]
-    assert analyses.summarize(records)["api_errors"] == len(failed) == 3
+    summary = analyses.summarize(records)
+    assert summary["api_errors"] == len(failed) == 3
+    assert summary["end_reasons"][arena.API_ERROR] == 3
+
+
+# -----------------------------------------------------------------------------
+# a loopback server wrapping a tiny local model: served and local sides agree exactly
+
+
+@pytest.fixture(scope="module")
+def answer_tokenizer():
+    """The tiny tokenizer, trained with yes and no in its text so that every spelling of
+    probes.YES_WORDS and NO_WORDS is one token: what a server's top log-probs name is then
+    exactly the set of ids a local read sums over."""
+    corpus = models.TINY_CORPUS
+    models.TINY_CORPUS = corpus + " yes no\nyes\nno\n" * 40
+    try:
+        tok = models.tiny_tokenizer()
+    finally:
+        models.TINY_CORPUS = corpus
+    assert all(len(models.encode(tok, w)) == 1 for w in probes.YES_WORDS + probes.NO_WORDS)
+    return tok
+
+
+class Loopback:
+    """An OpenAI-compatible server on 127.0.0.1 (http.server) that wraps a local model, greedy,
+    with no cache: every request is a plain full forward per token. A context is built from the
+    message texts through the chat edge as a local side builds it, the server's own earlier
+    messages as the ids it generated for them (a server keeps no ids; this one does, so that the
+    comparison is the loop's and not a tokenizer's round trip). A probe gets the first token's
+    log-probs over the whole vocabulary. fail(body) -> a status to answer instead."""
+
+    def __init__(self, model, tokenizer, fail=lambda body: None):
+        self.model, self.tok, self.fail, self.said = model, tokenizer, fail, {}
+        self.stop = set(engine.stop_ids(model, tokenizer))
+        self.requests = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status = server.fail(body)
+                out = json.dumps({"error": {"message": "down"}} if status else
+                                 server.answer(body)).encode()
+                self.send_response(status or 200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.lock = threading.Lock()
+        self.spec = f"openai:tiny@http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def context(self, messages):
+        ids, group = models.chat_ids(self.tok, messages[:1], False), []
+        for m in messages[1:] + [None]:
+            if m is None or m["role"] == "assistant":
+                if group:
+                    ids += models.chat_ids(self.tok, group, True, continued=True)
+                group = []
+                if m is not None:
+                    said = self.said[m["content"]]
+                    ids += said + models.closing_ids(self.tok, said)
+            else:
+                group.append(m)
+        return ids
+
+    @torch.no_grad()
+    def answer(self, body):
+        ids, new, top = self.context(body["messages"]), [], None
+        for _ in range(body["max_completion_tokens"]):
+            logp = torch.log_softmax(self.model(torch.tensor([ids + new])).logits[0, -1].float(), -1)
+            if top is None and body.get("logprobs"):
+                top = [{"token": self.tok.decode([i]), "logprob": lp, "bytes": None}
+                       for i, lp in enumerate(logp.tolist())]
+            new.append(int(logp.argmax()))
+            if new[-1] in self.stop:
+                break
+        text = self.tok.decode(new, skip_special_tokens=True).strip()
+        with self.lock:
+            self.said[text] = new
+            self.requests += 1
+        finish = "stop" if new[-1] in self.stop else "length"
+        choice = {"index": 0, "finish_reason": finish,
+                  "message": {"role": "assistant", "content": text}}
+        if top is not None:
+            choice["logprobs"] = {"content": [{**top[new[0]], "top_logprobs": top}]}
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
+                "choices": [choice]}
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def greedy_pair(tokenizer, block_size=8, num_blocks=2000):
+    """The persuader and persuadee models and their local engines (greedy runs)."""
+    er_model, ee_model = tiny_model("llama", seed=1), tiny_model("qwen3", seed=2)
+    return (er_model, ee_model, engine.Engine(er_model, tokenizer, block_size, num_blocks),
+            engine.Engine(ee_model, tokenizer, block_size, num_blocks))
+
+
+def assert_same_episodes(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert (x["transcript"], x["outcome"], x["end_reason"], x["turns"]) == \
+            (y["transcript"], y["outcome"], y["end_reason"], y["turns"])
+        torch.testing.assert_close(torch.tensor(x["beliefs"]), torch.tensor(y["beliefs"]),
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(x["probes"]), torch.tensor(y["probes"]),
+                                   atol=1e-5, rtol=0)
+
+
+def test_local_and_served_sides_agree_exactly(answer_tokenizer):
+    """A tiny model behind a loopback server, greedy, as persuader and then as persuadee: the
+    same transcripts, outcomes and end reasons as the same model as a local side, beliefs and
+    probe values within 1e-5 (read from the server's top log-probs)."""
+    er_model, ee_model, er, ee = greedy_pair(answer_tokenizer)
+    insts = instances()
+    kw = dict(persuader_sampling=engine.GREEDY, persuadee_sampling=engine.GREEDY,
+              max_new_tokens=6, group_size=2)
+    local = play(er, ee, insts, 3, **kw)
+    assert {len(r["transcript"]) for r in local} == {6}
+    for role in ("persuader", "persuadee"):
+        server = Loopback(er_model if role == "persuader" else ee_model, answer_tokenizer)
+        model = served.ServedModel(server.spec, backoff=False)
+        try:
+            sides = (model, ee) if role == "persuader" else (er, model)
+            assert_same_episodes(local, play(*sides, insts, 3, **kw))
+        finally:
+            server.close()
+        assert model.stats["failed_requests"] == 0 and server.requests > 0
+
+
+def test_mixed_sides_on_a_pool_of_about_two_episodes_finish_every_episode(answer_tokenizer):
+    """A served persuader with a local persuadee whose pool holds about two episodes, and the
+    reverse: every episode of six completes (none ends "cache"), every block comes back, and the
+    records are those of pools that hold them all."""
+    er_model, ee_model, er, ee = greedy_pair(answer_tokenizer, 16, 4000)
+    insts = instances()
+    kw = dict(persuader_sampling=engine.GREEDY, persuadee_sampling=engine.GREEDY,
+              max_new_tokens=6, group_size=2)
+    roomy = play(er, ee, insts, 3, **kw)
+    for role in ("persuader", "persuadee"):
+        local_model = ee_model if role == "persuader" else er_model
+        prompt = max(len(rollout.prompt_ids(answer_tokenizer, answer_tokenizer, i)[
+            role == "persuader"]) for i in insts)
+        blocks = 2 * (-(-prompt // 16) + 3 * 2 + 12)  # about two whole episodes
+        local = engine.Engine(local_model, answer_tokenizer, 16, blocks)
+        server = Loopback(er_model if role == "persuader" else ee_model, answer_tokenizer)
+        model = served.ServedModel(server.spec, backoff=False)
+        try:
+            records = play(*((model, local) if role == "persuader" else (local, model)), insts,
+                           3, **kw)
+        finally:
+            server.close()
+        assert "cache" not in {r["end_reason"] for r in records}
+        assert local.free_blocks == blocks
+        assert_same_episodes(roomy, records)
 
 
 def lines(path):
@@ -314,14 +513,14 @@ def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
     model = served.ServedModel(server)
     model.check()
     insts, er, ee = instances((1, 2)), rollout_engine(), rollout_engine("qwen3", 2)
-    api = served.play_episodes(model, ee, insts, 2, judge=model, max_new_tokens=6, progress=False)
-    local = served.play_episodes(er, ee, insts, 2, judge=model, max_new_tokens=6, progress=False)
+    api = play(model, ee, insts, 2, judge=model, max_new_tokens=6)
+    local = play(er, ee, insts, 2, judge=model, max_new_tokens=6)
     for a, b in zip(api, local):
         assert set(a) == set(b) and a["outcome"] in arena.OUTCOMES
         assert a["transcript"][0]["role"] == "persuader" and a["transcript"][0]["text"]
         assert all(isinstance(x, float) for x in a["beliefs"]) and isinstance(a["judge"], float)
     persuadee = served.ServedModel(server)
-    records = served.play_episodes(er, persuadee, insts, 2, max_new_tokens=6, progress=False)
+    records = play(er, persuadee, insts, 2, max_new_tokens=6)
     assert persuadee.logprobs is False and persuadee.stats["failed_requests"] == 0
     for r in records:
         assert r["beliefs"] == [None] * (r["turns"] + 1) and r["turns"] >= 1
@@ -340,7 +539,10 @@ def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert len(episodes) == 2 and summary["requests"][server]["requests"] >= 3
     assert summary["beliefs_missing"] == 1.0 and "belief" in capsys.readouterr().out
-    ev.main(argv)
+    assert summary["roles"]["persuadee"]["not_applied"] == ["top_k"]  # the server refuses it
+    with pytest.raises(SystemExit, match="--resume"):  # a name is not reused by accident
+        ev.main(argv)
+    ev.main(argv + ["--resume"])
     assert lines(tmp_path / "api" / "episodes.jsonl") == episodes
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert summary["requests"][server]["requests"] == 1  # the start-up check only
@@ -354,8 +556,8 @@ def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_s
     import train
     calls, original = [], served.judge_scores
 
-    def recording(judge, insts, transcripts, seed=0):
-        scores, failed = original(judge, insts, transcripts, seed)
+    def recording(judge, insts, transcripts, seed, group_indices, **kw):
+        scores, failed = original(judge, insts, transcripts, seed, group_indices, **kw)
         calls.append(([i["id"] for i in insts], transcripts, scores, judge.stats["requests"]))
         return scores, failed
     monkeypatch.setattr(served, "judge_scores", recording)
@@ -388,18 +590,90 @@ def test_train_steps_against_a_served_persuadee(server, tmp_path, short_scenario
         assert m["nonfinite_belief_share"] == 1.0 and m["persuader_tokens"] > 0
     samples = json.loads((tmp_path / "served" / "samples-1.json").read_text())
     assert samples[0]["transcript"][0]["role"] == "persuader"
-    actor_tok = models.tiny_tokenizer()
-    stream = served.LocalPersuader(engine.Engine(models.random_model("tiny-llama")[0], actor_tok))
-    [sid] = stream.open([short_scenario(1)])
-    stream.speak([sid], 4, 1.0, None, [7])
-    first = len(stream.last[sid])
-    stream.hear(sid, "Tell me more.")
-    stream.speak([sid], 4, 1.0, None, [8])
-    stream.unanswered(sid)  # message 2 got no reply: out of the loss
-    record = stream.stream(sid)
-    sampled = [t for t, lp in zip(record["turn_ids"], record["logprobs"]) if lp != 0.0]
-    assert set(sampled[:first]) == {1} and set(sampled[first:]) == {0}
-    assert len(record["ids"]) == len(record["turn_ids"]) == len(record["logprobs"])
+
+
+def train_against(server, tmp_path, short_scenarios, *extra):
+    import train
+    run = ["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
+           "--steps", "1", "--persuadee", server.spec, "--save-every", "1000", "--name", "run",
+           *extra]
+    return train.main(run)
+
+
+def test_training_against_a_served_persuadee_starts_at_ratio_one(tmp_path, short_scenarios):
+    """Against a served persuadee (top-p 0.8, top-k 20 in the tiny preset), the policy still
+    samples its whole tempered distribution: its recorded log-probs are pi_old exactly, so the
+    first update's ratio_mean is 1 within 1e-3 (it sat near the clip bound, 0.8, when the
+    persuadee's top-p truncated the policy too). A served persuadee with log-probs gives beliefs."""
+    import train
+    server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer())
+    try:
+        [m] = train_against(server, tmp_path, short_scenarios, "--max-new-tokens", "8")
+    finally:
+        server.close()
+    assert m["persuader_tokens"] > 0 and m["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert m["nonfinite_belief_share"] == 0.0 and m["left_out"] == 0
+    assert train.PRESETS["tiny"]["sampling"] == "paper"
+    assert rollout.SAMPLING["paper"][1].top_p < 1  # the persuadee truncates: the case tested
+
+
+def test_training_against_a_served_persuadee_without_a_judge(tmp_path, short_scenarios):
+    """train.py --persuadee openai:... --judge none: s = 0 for every episode (it crashed in
+    rpo.outcome_reward on a None judge score)."""
+    server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer())
+    try:
+        [m] = train_against(server, tmp_path, short_scenarios, "--judge", "none")
+    finally:
+        server.close()
+    assert m["judge_mean"] == 0.0 and m["episodes"] == 4
+
+
+def test_episodes_whose_served_persuadee_kept_failing_leave_the_loss(tmp_path, short_scenarios):
+    """Every persuadee reply fails for good: each episode ends "api_error", is counted in the
+    step's metrics, and leaves the loss with its group (no persuader token trains)."""
+    server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer(),
+                      fail=lambda body: 400 if body["max_completion_tokens"] > 1
+                      and len(body["messages"]) > 1 else None)
+    try:
+        [m] = train_against(server, tmp_path, short_scenarios)
+    finally:
+        server.close()
+    tiny = 4  # tiny preset: 2 instances x G 2
+    assert m["api_errors"] == m["left_out"] == tiny and m["never_started"] == 0
+    assert m["persuader_tokens"] == 0 and m["loss"] == 0.0
+
+
+def test_every_flag_means_the_same_with_a_served_role(tmp_path, monkeypatch, answer_tokenizer):
+    """A served persuader (loopback server) against a local persuadee through eval.py: --judge
+    none scores s = 0 with no model called "none" loaded, --anchor and --probe-space reach the
+    records, --kv-blocks sizes the local pool, --dtype the local model."""
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(models, "tiny_tokenizer", lambda *a, **k: answer_tokenizer)
+    pools = []
+
+    class Recorded(engine.Engine):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            pools.append(self.cache.num_blocks)
+    monkeypatch.setattr(engine, "Engine", Recorded)
+    server = Loopback(tiny_model("llama", seed=1), answer_tokenizer)
+    try:
+        ev.main(["--persuader", server.spec, "--persuadee", "random:tiny-qwen3", "--judge",
+                 "none", "--anchor", "--probe-space", "logodds", "--probe-signs", "PE=-1",
+                 "--kv-blocks", "900", "--scenarios", "train", "--limit", "2", "--t-max", "2",
+                 "--max-new-tokens", "4", "--name", "flags"])
+    finally:
+        server.close()
+    episodes = [json.loads(l) for l in lines(tmp_path / "flags" / "episodes.jsonl")]
+    summary = json.loads((tmp_path / "flags" / "summary.json").read_text())
+    assert len(episodes) == 2 and server.requests > 0
+    for ep in episodes:
+        assert ep["judge"] == 0.0 and ep["anchor"] is True and ep["probe_space"] == "logodds"
+        assert ep["probe_signs"]["PE"] == -1 and ep["turns"] >= 1
+    assert summary["anchor"] is True and summary["roles"]["judge"]["model"] is None
+    assert summary["roles"]["persuadee"]["dtype"] == "float32"
+    assert summary["settings"]["probe_signs"]["PE"] == -1
+    assert pools[0] == 900  # the local persuadee's (then the fidelity check's own engine)
 
 
 # -----------------------------------------------------------------------------
@@ -632,7 +906,7 @@ def test_episodes_against_a_server_answering_garbage_finish_and_count_every_fail
         out = tmp_path / "episodes.jsonl"
         records = served.play_episodes(model, model, instances(), 3, judge=model, out_path=out,
                                        progress=False)
-        assert [r["end_reason"] for r in records] == ["decision", served.API_ERROR, "rejections"]
+        assert [r["end_reason"] for r in records] == ["decision", arena.API_ERROR, "rejections"]
         assert records[1]["transcript"] == []  # no empty persuader message recorded as said
         assert all(b is None for r in records for b in r["beliefs"])
         assert all(v is None for r in records for row in r["probes"] for v in row)
@@ -741,7 +1015,7 @@ def test_a_served_eval_against_garbage_finishes_and_counts_every_failure(garbage
     episodes = [strict_json(l) for l in (tmp_path / "garbage" / "episodes.jsonl").read_text()
                 .splitlines()]
     summary = strict_json((tmp_path / "garbage" / "summary.json").read_text())
-    errors = sum(e["end_reason"] == served.API_ERROR for e in episodes)
+    errors = sum(e["end_reason"] == arena.API_ERROR for e in episodes)
     assert len(episodes) == 6 and errors >= 1 and summary["api_errors"] == errors
     assert summary["requests"][garbage]["failed_requests"] >= errors
     for e in episodes:

@@ -736,3 +736,40 @@ def test_non_finite_weights_are_refused_at_resume(saved_run, tmp_path):
     save_file(sd, weights, metadata={"format": "pt"})
     with pytest.raises(SystemExit, match=r"non-finite weights \(.*up_proj.*lower --lr"):
         train.load_checkpoint(run, policy, torch.optim.AdamW(policy.parameters()), "cpu")
+
+
+
+def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys):
+    """An instance whose episode cannot fit the empty pools even alone: its episodes are
+    recorded as never started (no belief, end reason "cache"), named, counted, and leave the
+    step's metrics and loss with their group; the groups that played are scored as usual (the
+    metrics raised IndexError on beliefs [] and a micro-batch of such episodes failed)."""
+    import argparse as ap
+
+    import engine
+    import rollout
+    from conftest import short_scenario, tiny_model
+    tok = models.tiny_tokenizer()
+    short = short_scenario(1)
+    long = {**short_scenario(2), "context": "At the clinic desk, a long queue. " * 150}
+    lengths = [max(map(len, rollout.prompt_ids(tok, tok, i))) for i in (short, long)]
+    blocks = lengths[0] // 16 + 40  # the short one's episode, never the long one's prompt
+    assert lengths[1] // 16 > blocks
+    er, ee = (engine.Engine(tiny_model(a, max_position_embeddings=8192), tok, block_size=16,
+                            num_blocks=blocks) for a in ("llama", "qwen3"))
+    records = rollout.rollout_episodes(er, ee, [short, long], 2, group_size=2, max_new_tokens=4,
+                                       persuader_sampling=engine.Sampling(1.0))
+    assert [(r["end_reason"] == "cache", r["beliefs"] == []) for r in records] == \
+        [(False, False)] * 2 + [(True, True)] * 2
+    kept, left_out = train.playable(records, 2, print)
+    assert kept == records[:2]
+    assert left_out == dict(never_started=2, api_errors=0, left_out=2)
+    assert f"{long['id']} member 1 never started" in capsys.readouterr().out
+    args = ap.Namespace(lam=rpo.LAMBDA, anchor=rpo.ANCHOR, judge="none")
+    turn_adv, groups = train.advantages(kept, 2, args)
+    m = train.step_metrics(1, kept, groups, dict(persuader_tokens=1), dict(rollout_s=1.0), args,
+                           torch.device("cpu"))
+    assert m["episodes"] == 2
+    empty = train.step_metrics(1, [], [], dict(persuader_tokens=0), dict(rollout_s=1.0), args,
+                               torch.device("cpu"))
+    assert empty["episodes"] == 0 and empty["reward_mean"] == 0.0

@@ -62,7 +62,7 @@ PRESETS = {
     "paper": dict(persuader="Qwen/Qwen3-4B-Instruct-2507", persuadee="Qwen/Qwen3-14B",
                   judge=None, dtype="bfloat16", steps=200, instances=16, group_size=8,
                   t_max=arena.T_MAX_TRAIN, eval_t_max=arena.T_MAX_EVAL, lr=1e-6,
-                  max_new_tokens=256, micro_batch=4, eval_every=20, eval_limit=120,
+                  max_new_tokens=engine.MAX_NEW_TOKENS, micro_batch=4, eval_every=20, eval_limit=120,
                   save_every=20, sampling="paper"),
     "cpu": dict(persuader="smollm2", persuadee="smollm2", judge=None, dtype="float32", steps=3,
                 instances=2, group_size=4, t_max=2, eval_t_max=3, lr=1e-5, max_new_tokens=32,
@@ -108,10 +108,7 @@ def parse_args(argv=None):
     # rpo.py owns these; read at parse time, so an edited constant changes the run
     p.add_argument("--lam", type=float, default=rpo.LAMBDA)
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR)
-    p.add_argument("--probe-signs", type=probes.parse_signs, default=probes.PROBE_SIGNS,
-                   help='per-probe valence, e.g. "PE=-1" flips PE (default: probes.PROBE_SIGNS)')
-    p.add_argument("--probe-space", choices=probes.PROBE_SPACES, default=probes.PROBE_SPACE,
-                   help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds (logodds)")
+    probes.add_flags(p)
     p.add_argument("--kl-beta", type=float, default=rpo.KL_BETA)
     p.add_argument("--clip-low", type=float, default=rpo.CLIP_LOW)
     p.add_argument("--clip-high", type=float, default=rpo.CLIP_HIGH)
@@ -644,9 +641,10 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
 
 def step_metrics(step, records, groups, update, times, args, device):
     """One metrics line: rewards, outcome shares, belief change, rpo diagnostics, timings."""
-    n = all_sum(len(records), device)
+    episodes = all_sum(len(records), device)
+    n = max(episodes, 1)  # every group of a step may have been left out (playable)
     total = lambda values: all_sum(sum(values), device)
-    m = dict(step=step, episodes=n)
+    m = dict(step=step, episodes=episodes)
     m["reward_mean"] = total(sum(g[0]) for g in groups) / n
     for o in arena.OUTCOMES:
         m[f"outcome_{o}"] = total(r["outcome"] == o for r in records) / n
@@ -916,8 +914,6 @@ def load(name, dtype, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    probes.PROBE_SPACE = args.probe_space  # the dense reward's read-outs, and the held-out ones
-    probes.PROBE_SIGNS = args.probe_signs
     if args.plan:
         print_plan(args)
         return []
@@ -987,8 +983,7 @@ def main(argv=None):
         judge = engine.Engine(*load(args.judge, args.dtype, device), **sizes.get("judge", {}))
 
     instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
-    problems = ({} if served_persuadee else  # found once, up front; a server judges its own
-                rollout.prompt_problems(actor, persuadee, instances))
+    problems = rollout.prompt_problems(actor, persuadee, instances)  # found once, up front
     if problems:
         say(f"skipping {len(problems)} training instances that do not fit a context, e.g. "
             f"{next(iter(problems.values()))}")
@@ -1010,24 +1005,17 @@ def main(argv=None):
                    disable=rank != 0, leave=False)
         times = dict(judge_s=0.0, probe_s=0.0)
         seed = args.seed * 1000003 + step * 1009  # not the rank: records are rank-free
-        if served_persuadee:
-            records = served_rollout(actor, served_persuadee, mine, args, seed)
-        else:
-            records = rollout.rollout_episodes(
-                actor, persuadee, mine, args.t_max, group_size=args.group_size, seed=seed,
-                persuader_sampling=engine.Sampling(args.persuader_temperature),
-                persuadee_sampling=engine.Sampling(args.persuadee_temperature,
-                                                   args.persuadee_top_p, args.persuadee_top_k),
-                max_new_tokens=args.max_new_tokens,
-                judge=None if served_judge else judge, progress=bar, timings=times)
+        records = rollout.rollout_episodes(
+            actor, persuadee, mine, args.t_max, group_size=args.group_size, seed=seed,
+            persuader_sampling=engine.Sampling(args.persuader_temperature),
+            persuadee_sampling=engine.Sampling(args.persuadee_temperature,
+                                               args.persuadee_top_p, args.persuadee_top_k),
+            max_new_tokens=args.max_new_tokens, judge=judge, probe_space=args.probe_space,
+            probe_signs=args.probe_signs, progress=bar, timings=times)
         bar.close()
-        if served_judge:  # records are instance-major: group g is instance mine[g]
-            with rollout.clock(times, "judge_s"):
-                scores, failed = served.judge_scores(
-                    judge, [mine[i // args.group_size] for i in range(len(records))],
-                    [r["transcript"] for r in records], args.seed + step)
-            for r, score, fail in zip(records, scores, failed):
-                r["judge"], r["judge_failed"] = score, fail
+        for r in records:  # beliefs a served persuadee cannot give: NaN, which rpo.py counts
+            r["beliefs"] = [math.nan if b is None else b for b in r["beliefs"]]
+        records, left_out = playable(records, args.group_size, say)
         times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
         t2 = time.perf_counter()
         turn_adv, groups = advantages(records, args.group_size, args)
@@ -1039,6 +1027,7 @@ def main(argv=None):
         times["update_s"] = time.perf_counter() - t2
         times["step_s"] = time.perf_counter() - t0
         m = step_metrics(step, records, groups, update, times, args, device)
+        m.update({k: all_sum(v, device) for k, v in left_out.items()})
         rows = step_records(step, records, args.group_size, args, rank, world)
         history.append(m)
         if rank == 0:
@@ -1088,20 +1077,23 @@ def main(argv=None):
     return history
 
 
-def served_rollout(actor, persuadee, instances, args, seed):
-    """A step's episodes against a served persuadee (served.play_episodes), instance-major in
-    groups of G, with the policy's token stream; beliefs the server cannot give are NaN, which
-    rpo.py excludes from the dense term and counts."""
-    copies = [{**inst, "id": f"{inst['id']}#{g}"} for inst in instances
-              for g in range(args.group_size)]
-    records = served.play_episodes(
-        actor, persuadee, copies, args.t_max, seed=seed,
-        persuader_temperature=args.persuader_temperature,
-        persuadee_temperature=args.persuadee_temperature, top_p=args.persuadee_top_p,
-        max_new_tokens=args.max_new_tokens, progress=False, with_stream=True)
-    for r in records:
-        r["beliefs"] = [math.nan if b is None else b for b in r["beliefs"]]
-    return records
+def playable(records, group_size, say):
+    """The groups whose every episode was played, and the counts of those left out: an episode
+    that never started (it cannot fit the empty pools: no belief, no token of its own) or whose
+    served model failed for good ("api_error") takes its whole group out of the step's metrics
+    and loss (a group's baseline needs all of its members)."""
+    why = {i: "never started: it does not fit the empty KV pools alone" if not r["beliefs"]
+           else "its served model kept failing" for i, r in enumerate(records)
+           if not r["beliefs"] or r["end_reason"] == arena.API_ERROR}
+    kept = [r for g in range(0, len(records), group_size) for r in records[g:g + group_size]
+            if not any(i in why for i in range(g, g + group_size))]
+    if why:
+        say(f"left out {len(records) - len(kept)} episodes (their groups) of this step: "
+            + "; ".join(f"{records[i]['id']} member {i % group_size} {w}"
+                        for i, w in why.items()))
+    return kept, dict(never_started=sum(not r["beliefs"] for r in records),
+                      api_errors=sum(r["end_reason"] == arena.API_ERROR for r in records),
+                      left_out=len(records) - len(kept))
 
 
 def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
@@ -1111,21 +1103,12 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
     import eval as evaluation
     instances = arena.heldout_instances(arena.load_scenarios(args.scenarios))[:args.eval_limit]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if isinstance(persuadee, served.ServedModel):  # served.py plays them, on rank 0
-        summary = None
-        if rank == 0:
-            episodes = served.play_episodes(
-                actor, persuadee, instances, args.eval_t_max, judge=judge, seed=args.seed,
-                persuader_temperature=args.persuader_temperature,
-                persuadee_temperature=args.persuadee_temperature, top_p=args.persuadee_top_p,
-                max_new_tokens=args.max_new_tokens, progress=False)
-            summary = evaluation._finish(episodes, persuadee, instances, run_dir / f"eval-{step}", 0)
-    else:
-        summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
-                                      t_max=args.eval_t_max, seed=args.seed,
-                                      max_new_tokens=args.max_new_tokens, judge=judge,
-                                      anchor=args.anchor, preset=args.sampling, rank=rank,
-                                      world=world)
+    summary = evaluation.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
+                                  t_max=args.eval_t_max, seed=args.seed,
+                                  max_new_tokens=args.max_new_tokens, judge=judge,
+                                  anchor=args.anchor, preset=args.sampling,
+                                  probe_space=args.probe_space, probe_signs=args.probe_signs,
+                                  rank=rank, world=world)
     if rank == 0:
         path, kept = run_dir / "evals.jsonl", []
         for lineno, line in enumerate(path.read_text(errors="replace").splitlines()
