@@ -37,6 +37,7 @@ broken by a space (inert), so a server that templates and tokenizes reads them a
 """
 import hashlib
 import ipaddress
+import json
 import math
 import os
 import random
