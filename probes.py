@@ -125,8 +125,10 @@ def yes_no_mass(logits, tokenizer):
 
 def belief(values):
     """b = mean of the probe values of one read-out; None when any is absent (a served persuadee
-    that gives no log-probs)."""
-    return None if values is None or None in values else sum(values) / len(values)
+    that gives no log-probs) or not finite."""
+    if values is None or not all(v is not None and math.isfinite(v) for v in values):
+        return None
+    return sum(values) / len(values)
 
 
 def from_prob_value(v, space=None, sign=1):

@@ -75,9 +75,10 @@ CONTROL = re.compile(
     r"|</?(?:s|unk|pad|bos|eos|think|tool_call|tool_response|start_of_turn|end_of_turn)>"
     r"|\[/?(?:INST|SYSTEM_PROMPT|AVAILABLE_TOOLS|TOOL_CALLS|TOOL_RESULTS|TOOL_CONTENT|IMG|THINK)\]"
     r"|<</?SYS>>")
-UNSUPPORTED_WORDS = re.compile(  # OpenAI's and vLLM's wording of an unsupported parameter
-    r"unsupported (?:parameter|value)s?\W+(\w+)|unrecognized request arguments? supplied\W+(\w+)",
-    re.IGNORECASE)
+UNSUPPORTED_WORDS = re.compile(  # OpenAI's, vLLM's and transformers serve's (422) wording
+    r"unsupported (?:parameter|value)s?\W+(\w+)|unrecognized request arguments? supplied\W+(\w+)"
+    r"|unexpected fields in the request\W+(\w+)", re.IGNORECASE)
+UNSUPPORTED_STATUS = (400, 422)  # statuses of an answer that may name an unsupported parameter
 
 # -----------------------------------------------------------------------------
 # specs, errors, probe arithmetic
@@ -133,16 +134,17 @@ def context_exceeded(error):
 
 
 def unsupported_parameter(error):
-    """The request parameter a 400 answer names as unsupported by this model (OpenAI's codes
-    unsupported_parameter / unsupported_value, or the same words in the message), or None. Any
-    other 400, an out-of-range temperature included, names none."""
-    if getattr(error, "status_code", None) != 400:
+    """The request parameter a 400 (or transformers serve's 422) answer names as unsupported by
+    this model (OpenAI's codes unsupported_parameter / unsupported_value, or such words in the
+    message), or None. Any other 400, an out-of-range temperature included, names none."""
+    if getattr(error, "status_code", None) not in UNSUPPORTED_STATUS:
         return None
     code, param = getattr(error, "code", None), getattr(error, "param", None)
     if code in ("unsupported_parameter", "unsupported_value") and isinstance(param, str):
         return param.split(".")[0]
-    found = UNSUPPORTED_WORDS.search(str(error))
-    return found and (found.group(1) or found.group(2))
+    body = getattr(error, "body", None)  # a streamed answer's words are here, not in str(error)
+    found = UNSUPPORTED_WORDS.search(f"{error} {json.dumps(body) if body is not None else ''}")
+    return found and next(g for g in found.groups() if g)
 
 
 def backoff_s(attempt, error, rng=random):

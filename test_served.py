@@ -864,6 +864,22 @@ def test_only_an_unsupported_parameter_is_dropped_and_only_that_one():
         server.close()
 
 
+def test_transformers_serves_422_for_an_unknown_field_drops_that_field():
+    """transformers serve refuses a field it does not know with 422 and FastAPI's detail, as in
+    its serving/utils.py: top_k is dropped, recorded, and the call answers."""
+    def answer(body, n):
+        if "top_k" in body:
+            return 422, JSON, json.dumps({"detail": "Unexpected fields in the request: {'top_k'}"}).encode()
+        return ok("Fine.")
+    server = FakeServer(answer)
+    try:
+        model = server.model()
+        assert model.chat([{"role": "user", "content": "Hi"}], 8, engine.Sampling(0.7, 0.9, 20))["text"] == "Fine."
+        assert model.dropped == {"top_k"} and model.stats["failed_requests"] == 0
+    finally:
+        server.close()
+
+
 def test_sampling_maps_onto_the_request():
     server = ScriptedServer()
     model = server.model()
@@ -879,7 +895,7 @@ def test_sampling_maps_onto_the_request():
 def test_probe_read_outs_are_finite_or_none():
     assert served.probe_value([("Yes", math.nan), ("No", -1.0)]) == (None, 0.0)
     assert served.probe_value([("Yes", 1e308), ("No", -1.0)]) == (None, 0.0)
-    assert served.belief([math.nan, 0.1, 0.2]) is None and served.belief([math.inf, 0.1, 0.2]) is None
+    assert probes.belief([math.nan, 0.1, 0.2]) is None and probes.belief([math.inf, 0.1, 0.2]) is None
 
 
 def strict_json(text):
@@ -903,15 +919,13 @@ def test_episodes_against_a_server_answering_garbage_finish_and_count_every_fail
     server = FakeServer(answer)
     try:
         model = server.model(retries=1)
-        out = tmp_path / "episodes.jsonl"
-        records = served.play_episodes(model, model, instances(), 3, judge=model, out_path=out,
-                                       progress=False)
+        records = play(model, model, instances(), 3, judge=model)
         assert [r["end_reason"] for r in records] == ["decision", arena.API_ERROR, "rejections"]
         assert records[1]["transcript"] == []  # no empty persuader message recorded as said
         assert all(b is None for r in records for b in r["beliefs"])
         assert all(v is None for r in records for row in r["probes"] for v in row)
-        for line in out.read_text().splitlines():
-            strict_json(line)
+        for r in records:
+            strict_json(json.dumps(r, allow_nan=False))
         assert model.stats["failed_requests"] >= 1 + 3 * 3
     finally:
         server.close()
@@ -1058,7 +1072,7 @@ def test_every_served_side_receives_role_markers_as_text(chat_tokenizer):
             return super().answer(body)
     server = Hostile()
     model = server.model()
-    records = served.play_episodes(model, model, instances(), 3, judge=model, progress=False)
+    records = play(model, model, instances(), 3, judge=model)
     assert any(m["role"] == "persuader" and "<|im_start|>" in m["text"]
                for r in records for m in r["transcript"])  # the markers were said, and sent on
     tok = chat_tokenizer
