@@ -80,7 +80,7 @@ NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-fini
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
 PLAN_RESERVED_GIB = 3.0    # a GPU's share outside tensors: CUDA context, NCCL, cuBLAS, allocator slack
 PLAN_PROMPT_TOKENS = 1024  # a context's opening (the longest persuadee prompt: 3,426 characters)
-PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn turn
+PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn instruction
 PLAN_POOL_MARGIN = 1.25    # KV pool over the contexts in play: probe forks, judge, block rounding
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
             "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
@@ -272,7 +272,7 @@ def memory_plan(args, world, gib, gpu):
     one process); the rollout copy, reference, persuadee and judge; each engine's KV pool and
     decode arena; one micro-batch's activations; what CUDA keeps outside tensors. Returns the
     items, the total, the device's bytes and each engine's sizes (Engine keyword arguments)."""
-    GiB, half = 2**30, getattr(torch, args.dtype).itemsize
+    GiB, itemsize = 2**30, getattr(torch, args.dtype).itemsize
     policy_cfg = models.model_config(args.persuader)
     P = parameter_count(policy_cfg)
     served_ee = served.is_served(args.persuadee)
@@ -290,7 +290,7 @@ def memory_plan(args, world, gib, gpu):
         items.append((name, int(n)))
 
     def engine_items(role, cfg):
-        pool, arena, capacity = engine_sizes(cfg, half, rows, contexts, gpu)
+        pool, arena, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
         add(f"{role} KV pool", pool)
         add(f"{role} decode arena", arena)
         sizes[role] = dict(cache_bytes=pool, decode_bytes=arena, decode_capacity=capacity)
@@ -303,24 +303,24 @@ def memory_plan(args, world, gib, gpu):
         roots = policy_cfg.vocab_size * policy_cfg.hidden_size * (
             1 if policy_cfg.tie_word_embeddings else 2)
         add("FSDP gathered weights and fp32 reduce buffers",
-            half * (2 * roots + 2 * layer_count(policy_cfg)) + 4 * layer_count(policy_cfg))
+            itemsize * (2 * roots + 2 * layer_count(policy_cfg)) + 4 * layer_count(policy_cfg))
     elif args.dtype != "float32":
-        add(f"autocast {args.dtype} weight copies", half * P)
+        add(f"autocast {args.dtype} weight copies", itemsize * P)
     if separate_rollout:
-        add(f"rollout copy {args.dtype} (actor engine's weights)", half * P)
+        add(f"rollout copy {args.dtype} (actor engine's weights)", itemsize * P)
     engine_items("actor", policy_cfg)
     if not served_ee:
         ee_cfg = policy_cfg if same else models.model_config(args.persuadee)
         add(f"persuadee {args.dtype}" + (" (also the reference)" if same else ""),
-            half * parameter_count(ee_cfg))
+            itemsize * parameter_count(ee_cfg))
         engine_items("persuadee", ee_cfg)
     if args.kl_beta > 0 and not same:
-        add(f"reference {args.dtype}{shard}", half * P / world)
+        add(f"reference {args.dtype}{shard}", itemsize * P / world)
     if judge_own:
         judge_cfg = models.model_config(args.judge)
-        add(f"judge {args.dtype} (its own model)", half * parameter_count(judge_cfg))
+        add(f"judge {args.dtype} (its own model)", itemsize * parameter_count(judge_cfg))
         engine_items("judge", judge_cfg)
-    add("activations, one micro-batch (estimate)", activation_bytes(policy_cfg, args, half, gpu))
+    add("activations, one micro-batch (estimate)", activation_bytes(policy_cfg, args, itemsize, gpu))
     if gpu:
         add("CUDA context, NCCL, allocator slack", PLAN_RESERVED_GIB * GiB)
     total = sum(n for _, n in items)
@@ -328,7 +328,7 @@ def memory_plan(args, world, gib, gpu):
                 sizes=sizes)
 
 
-def activation_bytes(cfg, args, half, gpu):
+def activation_bytes(cfg, args, itemsize, gpu):
     """One micro-batch of the update at the training context: the layers' saved tensors (with
     gradient checkpointing on a GPU, each layer's input plus one layer recomputed), and the
     logits of the kept positions (the compute-dtype logits, the float32 rows autograd keeps,
@@ -337,7 +337,7 @@ def activation_bytes(cfg, args, half, gpu):
     kept = min(T, args.t_max * args.max_new_tokens)
     h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or h // H
-    compute = half if args.dtype != "float32" else 4
+    compute = itemsize if args.dtype != "float32" else 4
     layer = mb * T * (6 * h + 2 * (H + 2 * Hkv) * D + 4 * cfg.intermediate_size) * compute
     if gpu and GRAD_CHECKPOINTING:
         layers = cfg.num_hidden_layers * mb * T * h * compute + 2 * layer
