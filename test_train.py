@@ -558,3 +558,24 @@ def test_a_plan_that_cannot_fit_is_refused_in_one_line_before_loading(tmp_path, 
         monkeypatch_free.undo()
     assert str(e.value.code).startswith("train.py: this run does not fit: ")
     assert not (tmp_path / "y").exists()
+
+
+def test_a_judge_naming_the_persuadees_model_shares_its_engine(tmp_path, short_scenarios,
+                                                               monkeypatch):
+    """--judge with the persuadee's own model loads no second model: two engines (actor and
+    persuadee), as with the default judge; a judge of another model gets its own."""
+    import engine
+    built = []
+    original = engine.Engine.__init__
+
+    def counted(self, model, *a, **k):
+        built.append(model.config.model_type)
+        original(self, model, *a, **k)
+    monkeypatch.setattr(engine.Engine, "__init__", counted)
+    base = ["--preset", "tiny", "--save-every", "1000", "--steps", "1", "--scenarios",
+            short_scenarios, "--out", str(tmp_path), "--max-new-tokens", "2"]
+    train.main(base + ["--name", "shared", "--judge", "random:tiny-qwen3"])
+    assert built == ["llama", "qwen3"]
+    built.clear()
+    train.main(base + ["--name", "own", "--judge", "random:tiny-qwen2"])
+    assert built == ["llama", "qwen3", "qwen2"]

@@ -9,10 +9,16 @@ Each step (rpo.py has the equations):
   4. one clipped-surrogate + k3-KL update on the persuader's own tokens, the loss summed over
      micro-batches and ranks and divided by the global persuader-token count; grad clipping;
   5. the rollout engine is pointed at the new weights.
-Groups are sharded across ranks (torchrun); the actor is sharded with FSDP (fully_shard); the
-reference, persuadee and judge are frozen and unsharded. Checkpoints are Hugging Face folders
-(the policy loads with AutoModelForCausalLM.from_pretrained) plus the optimizer, written to a
-temporary folder and renamed, so a run killed at any moment resumes from the last one.
+Groups are sharded across ranks (torchrun). The actor's master weights, gradients and AdamW
+moments are fp32, sharded with FSDP2 under a MixedPrecisionPolicy (bf16 compute, fp32 gradient
+reduction; autocast in one process); its rollout copy in --dtype is the actor engine's own
+weights, written in place after each step; the frozen reference is sharded too (or is the
+persuadee's model when they are the same); persuadee and judge are frozen and unsharded, a
+judge naming the persuadee's model sharing its engine. The memory plan (--plan, and the first
+lines of every run) is arithmetic from the configs; what cannot fit is refused before loading.
+Checkpoints are Hugging Face folders of the fp32 master weights (the policy loads with
+AutoModelForCausalLM.from_pretrained) plus the optimizer, written to a temporary folder and
+renamed, so a run killed at any moment resumes from the last one.
 metrics.jsonl is the record of truth; --log tensorboard (a SummaryWriter in runs/NAME) and
 --log wandb (offline unless WANDB_MODE says otherwise) get the same scalars under train/, the
 held-out summaries under heldout/ and a table of sample dialogues.
@@ -28,6 +34,7 @@ by name and shape by shape; a non-finite log-prob, advantage, loss or gradient n
     python train.py --judge openai:MODEL@URL       # a judge served over the OpenAI API
     python train.py --persuadee openai:MODEL@URL   # a persuadee (and judge) served over the API
     torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
+    python train.py --preset paper --plan          # its memory per rank on 8 x H200, on any machine
 """
 import argparse
 import errno
