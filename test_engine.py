@@ -400,6 +400,11 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_arena(tokenizer):
         views = {t.untyped_storage().data_ptr() for b in eng.decode_batches.values()
                  for t in (b.keys_t, b.values)}
         assert views == {eng.arena.untyped_storage().data_ptr()}
+        held = [t for holder in (eng, *eng.decode_batches.values()) for t in vars(holder).values()
+                if torch.is_tensor(t)]  # every buffer the engine and its batches hold
+        known = storages([eng.cache.k, eng.cache.v, *eng.gather_buffers])
+        big = {ptr for ptr, n in storages(held).items() if n > 256 << 10 and ptr not in known}
+        assert big == {eng.arena.untyped_storage().data_ptr()}  # nothing else of copy size
         arenas.setdefault(id(eng), set()).add((id(eng.arena), eng.arena.data_ptr()))
     generate = engine.Engine.generate
 
