@@ -400,6 +400,11 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_arena(tokenizer):
         views = {t.untyped_storage().data_ptr() for b in eng.decode_batches.values()
                  for t in (b.keys_t, b.values)}
         assert views == {eng.arena.untyped_storage().data_ptr()}
+        held = [t for holder in (eng, *eng.decode_batches.values()) for t in vars(holder).values()
+                if torch.is_tensor(t)]  # every buffer the engine and its batches hold
+        known = storages([eng.cache.k, eng.cache.v, *eng.gather_buffers])
+        big = {ptr for ptr, n in storages(held).items() if n > 256 << 10 and ptr not in known}
+        assert big == {eng.arena.untyped_storage().data_ptr()}  # nothing else of copy size
         arenas.setdefault(id(eng), set()).add((id(eng.arena), eng.arena.data_ptr()))
     generate = engine.Engine.generate
 
@@ -445,3 +450,23 @@ def test_decode_scores_are_float32_in_bfloat16():
                            values.float().repeat_interleave(G, 1))
     error, rounding = (out - ref).abs().max(), (rounded - ref).abs().max()
     assert error < 0.02 and error < rounding / 4, (error, rounding)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graphs_are_captured_once_survive_a_refresh_and_equal_eager(monkeypatch):
+    """On CUDA, sampled decoding captures each (bucket, sampling) once; after a refresh the same
+    calls replay the same graphs (no capture time added) and give the same tokens, which equal
+    the eager step's."""
+    model = tiny_model("qwen3").cuda()
+    sampling = engine.Sampling(0.7, top_p=0.8, top_k=20)
+    eng = engine.Engine(model, block_size=4, num_blocks=400)
+    run = lambda: [ids for ids, _, _ in eng.generate([eng.new(p) for p in PROMPTS], 16, sampling,
+                                                      [1, 2, 3], [])]
+    first = run()
+    graphs = {b: dict(batch.graphs) for b, batch in eng.decode_batches.items()}
+    captured = eng.graph_capture_s
+    eng.refresh()
+    assert run() == first and eng.graph_capture_s == captured
+    assert {b: dict(batch.graphs) for b, batch in eng.decode_batches.items()} == graphs
+    monkeypatch.setattr(engine, "CUDA_GRAPHS", False)
+    assert run() == first

@@ -554,8 +554,9 @@ def test_a_bf16_step_at_lr_1e6_moves_the_weights_as_fp32_adamw_does(tmp_path, sh
 def test_two_bf16_ranks_under_mixed_precision_match_one_process(tmp_path, short_scenarios):
     """bfloat16, lr 1e-6: torchrun with 2 gloo ranks (FSDP2, MixedPrecisionPolicy bf16 params,
     fp32 gradient reduction, fp32 AdamW shards) against one process (autocast from fp32
-    master weights): the same step-1 loss and gradient norm within bf16 tolerance, and the same
-    fp32 master weights after the step within a fraction of one lr step. The KL agrees to 1e-4:
+    master weights): the same step-1 gradient norm within 2%, the same loss (~1e-6 here, every
+    group being dead) within 2e-6, and the same fp32 master weights after the step but for a
+    few elements whose tiny gradient changed sign (2 lr apart). The KL agrees to 1e-4:
     FSDP computes with the bf16 copy of every weight, which is the reference's, so its step-1
     KL is 0; autocast keeps embeddings and norms in fp32, a difference of ~4e-5 here."""
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "1",
@@ -569,9 +570,8 @@ def test_two_bf16_ranks_under_mixed_precision_match_one_process(tmp_path, short_
         assert p.returncode == 0, out[-3000:]
     (a,), (b,) = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert a["persuader_tokens"] == b["persuader_tokens"] and a["grad_norm"] > 0
-    for key in ("loss", "grad_norm"):
-        assert abs(a[key] - b[key]) <= 2e-2 * abs(a[key]) + 1e-6, (key, a[key], b[key])
-    assert abs(a["kl"] - b["kl"]) <= 1e-4
+    assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * a["grad_norm"]
+    assert abs(a["loss"] - b["loss"]) <= 2e-6 and abs(a["kl"] - b["kl"]) <= 1e-4  # both ~1e-6
     wa, wb = checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two")
     assert wa.keys() == wb.keys() and all(v.dtype == torch.float32 for v in wb.values())
     diff = torch.cat([(wa[k] - wb[k]).flatten() for k in wa]).abs()
@@ -773,3 +773,25 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
     empty = train.step_metrics(1, [], [], dict(persuader_tokens=0), dict(rollout_s=1.0), args,
                                torch.device("cpu"))
     assert empty["episodes"] == 0 and empty["reward_mean"] == 0.0
+
+
+
+def test_a_judge_naming_the_persuadees_model_shares_its_engine(tmp_path, short_scenarios,
+                                                               monkeypatch):
+    """--judge with the persuadee's own model loads no second model: two engines (actor and
+    persuadee), as with the default judge; a judge of another model gets its own."""
+    import engine
+    built = []
+    original = engine.Engine.__init__
+
+    def counted(self, model, *a, **k):
+        built.append(model.config.model_type)
+        original(self, model, *a, **k)
+    monkeypatch.setattr(engine.Engine, "__init__", counted)
+    base = ["--preset", "tiny", "--save-every", "1000", "--steps", "1", "--scenarios",
+            short_scenarios, "--out", str(tmp_path), "--max-new-tokens", "2"]
+    train.main(base + ["--name", "shared", "--judge", "random:tiny-qwen3"])
+    assert built == ["llama", "qwen3"]
+    built.clear()
+    train.main(base + ["--name", "own", "--judge", "random:tiny-qwen2"])
+    assert built == ["llama", "qwen3", "qwen2"]

@@ -9,10 +9,16 @@ Each step (rpo.py has the equations):
   4. one clipped-surrogate + k3-KL update on the persuader's own tokens, the loss summed over
      micro-batches and ranks and divided by the global persuader-token count; grad clipping;
   5. the rollout engine is pointed at the new weights.
-Groups are sharded across ranks (torchrun); the actor is sharded with FSDP (fully_shard); the
-reference, persuadee and judge are frozen and unsharded. Checkpoints are Hugging Face folders
-(the policy loads with AutoModelForCausalLM.from_pretrained) plus the optimizer, written to a
-temporary folder and renamed, so a run killed at any moment resumes from the last one.
+Groups are sharded across ranks (torchrun). The actor's master weights, gradients and AdamW
+moments are fp32, sharded with FSDP2 under a MixedPrecisionPolicy (bf16 compute, fp32 gradient
+reduction; autocast in one process); its rollout copy in --dtype is the actor engine's own
+weights, written in place after each step; the frozen reference is sharded too (or is the
+persuadee's model when they are the same); persuadee and judge are frozen and unsharded, a
+judge naming the persuadee's model sharing its engine. The memory plan (--plan, and the first
+lines of every run) is arithmetic from the configs; what cannot fit is refused before loading.
+Checkpoints are Hugging Face folders of the fp32 master weights (the policy loads with
+AutoModelForCausalLM.from_pretrained) plus the optimizer, written to a temporary folder and
+renamed, so a run killed at any moment resumes from the last one.
 metrics.jsonl is the record of truth (its diagnostics pooled over ranks: counts and sums are
 all-reduced before each division); rollouts.jsonl keeps one small record per training episode
 (step_records), so analyses of training rollouts need no rerun. --log tensorboard (a SummaryWriter in runs/NAME) and
@@ -30,6 +36,7 @@ by name and shape by shape; a non-finite log-prob, advantage, loss or gradient n
     python train.py --judge openai:MODEL@URL       # a judge served over the OpenAI API
     python train.py --persuadee openai:MODEL@URL   # a persuadee (and judge) served over the API
     torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
+    python train.py --preset paper --plan          # its memory per rank on 8 x H200, on any machine
 """
 import argparse
 import errno
@@ -84,7 +91,7 @@ NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-fini
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
 PLAN_RESERVED_GIB = 3.0    # a GPU's share outside tensors: CUDA context, NCCL, cuBLAS, allocator slack
 PLAN_PROMPT_TOKENS = 1024  # a context's opening (the longest persuadee prompt: 3,426 characters)
-PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn turn
+PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn instruction
 PLAN_POOL_MARGIN = 1.25    # KV pool over the contexts in play: probe forks, judge, block rounding
 MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps that stop the run
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "save_every", "log")  # recorded in config.json
@@ -367,7 +374,7 @@ def memory_plan(args, world, gib, gpu):
     one process); the rollout copy, reference, persuadee and judge; each engine's KV pool and
     decode arena; one micro-batch's activations; what CUDA keeps outside tensors. Returns the
     items, the total, the device's bytes and each engine's sizes (Engine keyword arguments)."""
-    GiB, half = 2**30, getattr(torch, args.dtype).itemsize
+    GiB, itemsize = 2**30, getattr(torch, args.dtype).itemsize
     policy_cfg = models.model_config(args.persuader)
     P = parameter_count(policy_cfg)
     served_ee = served.is_served(args.persuadee)
@@ -385,7 +392,7 @@ def memory_plan(args, world, gib, gpu):
         items.append((name, int(n)))
 
     def engine_items(role, cfg):
-        pool, arena, capacity = engine_sizes(cfg, half, rows, contexts, gpu)
+        pool, arena, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
         add(f"{role} KV pool", pool)
         add(f"{role} decode arena", arena)
         sizes[role] = dict(cache_bytes=pool, decode_bytes=arena, decode_capacity=capacity)
@@ -398,24 +405,24 @@ def memory_plan(args, world, gib, gpu):
         roots = policy_cfg.vocab_size * policy_cfg.hidden_size * (
             1 if policy_cfg.tie_word_embeddings else 2)
         add("FSDP gathered weights and fp32 reduce buffers",
-            half * (2 * roots + 2 * layer_count(policy_cfg)) + 4 * layer_count(policy_cfg))
+            itemsize * (2 * roots + 2 * layer_count(policy_cfg)) + 4 * layer_count(policy_cfg))
     elif args.dtype != "float32":
-        add(f"autocast {args.dtype} weight copies", half * P)
+        add(f"autocast {args.dtype} weight copies", itemsize * P)
     if separate_rollout:
-        add(f"rollout copy {args.dtype} (actor engine's weights)", half * P)
+        add(f"rollout copy {args.dtype} (actor engine's weights)", itemsize * P)
     engine_items("actor", policy_cfg)
     if not served_ee:
         ee_cfg = policy_cfg if same else models.model_config(args.persuadee)
         add(f"persuadee {args.dtype}" + (" (also the reference)" if same else ""),
-            half * parameter_count(ee_cfg))
+            itemsize * parameter_count(ee_cfg))
         engine_items("persuadee", ee_cfg)
     if args.kl_beta > 0 and not same:
-        add(f"reference {args.dtype}{shard}", half * P / world)
+        add(f"reference {args.dtype}{shard}", itemsize * P / world)
     if judge_own:
         judge_cfg = models.model_config(args.judge)
-        add(f"judge {args.dtype} (its own model)", half * parameter_count(judge_cfg))
+        add(f"judge {args.dtype} (its own model)", itemsize * parameter_count(judge_cfg))
         engine_items("judge", judge_cfg)
-    add("activations, one micro-batch (estimate)", activation_bytes(policy_cfg, args, half, gpu))
+    add("activations, one micro-batch (estimate)", activation_bytes(policy_cfg, args, itemsize, gpu))
     if gpu:
         add("CUDA context, NCCL, allocator slack", PLAN_RESERVED_GIB * GiB)
     total = sum(n for _, n in items)
@@ -423,7 +430,7 @@ def memory_plan(args, world, gib, gpu):
                 sizes=sizes)
 
 
-def activation_bytes(cfg, args, half, gpu):
+def activation_bytes(cfg, args, itemsize, gpu):
     """One micro-batch of the update at the training context: the layers' saved tensors (with
     gradient checkpointing on a GPU, each layer's input plus one layer recomputed), and the
     logits of the kept positions (the compute-dtype logits, the float32 rows autograd keeps,
@@ -432,7 +439,7 @@ def activation_bytes(cfg, args, half, gpu):
     kept = min(T, args.t_max * args.max_new_tokens)
     h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or h // H
-    compute = half if args.dtype != "float32" else 4
+    compute = itemsize if args.dtype != "float32" else 4
     layer = mb * T * (6 * h + 2 * (H + 2 * Hkv) * D + 4 * cfg.intermediate_size) * compute
     if gpu and GRAD_CHECKPOINTING:
         layers = cfg.num_hidden_layers * mb * T * h * compute + 2 * layer
