@@ -152,13 +152,13 @@ def message_blocks(eng, max_new_tokens):
 
 
 def side(player, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
-    """The side that plays `role`: player is an engine.Engine, a served.ServedModel, or already
-    a side (returned as it is)."""
-    if isinstance(player, engine.Engine):
-        return EngineSide(player, role, sampling, max_new_tokens, probe_space, probe_signs)
+    """The side that plays `role`: player is a served.ServedModel, already a side (it has
+    `room`; returned as it is), or an engine.Engine (or anything with its interface)."""
     if isinstance(player, served.ServedModel):
         return served.ServedSide(player, role, sampling, max_new_tokens, probe_space, probe_signs)
-    return player
+    if hasattr(player, "room"):
+        return player
+    return EngineSide(player, role, sampling, max_new_tokens, probe_space, probe_signs)
 
 
 def judge_all(model, instances, transcripts, seed, group_indices):

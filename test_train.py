@@ -775,7 +775,6 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
     assert empty["episodes"] == 0 and empty["reward_mean"] == 0.0
 
 
-
 def test_a_judge_naming_the_persuadees_model_shares_its_engine(tmp_path, short_scenarios,
                                                                monkeypatch):
     """--judge with the persuadee's own model loads no second model: two engines (actor and
