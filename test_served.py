@@ -444,7 +444,8 @@ def test_mixed_sides_on_a_pool_of_about_two_episodes_finish_every_episode(answer
         local_model = ee_model if role == "persuader" else er_model
         prompt = max(len(rollout.prompt_ids(answer_tokenizer, answer_tokenizer, i)[
             role == "persuader"]) for i in insts)
-        blocks = 2 * (-(-prompt // 16) + 3 * 2 + 12)  # about two whole episodes
+        blocks = 2 * (-(-prompt // 16) + 3 * 2 + 12)  # about two whole episodes (measured: four
+        # or six in play at once, sharing their group's prompt, and one or two preemptions)
         local = engine.Engine(local_model, answer_tokenizer, 16, blocks)
         server = Loopback(er_model if role == "persuader" else ee_model, answer_tokenizer)
         model = served.ServedModel(server.spec, backoff=False)
