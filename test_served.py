@@ -11,6 +11,7 @@ import threading
 import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -675,3 +676,28 @@ def test_every_flag_means_the_same_with_a_served_role(tmp_path, monkeypatch, ans
     assert summary["roles"]["persuadee"]["dtype"] == "float32"
     assert summary["settings"]["probe_signs"]["PE"] == -1
     assert pools[0] == 900  # the local persuadee's (then the fidelity check's own engine)
+
+
+def test_two_ranks_train_on_when_one_ranks_episodes_are_left_out(tmp_path, short_scenarios):
+    """torchrun, 2 ranks, against a served persuadee whose replies fail for good in one of the
+    four training scenarios (drawn on one rank in steps 1 and 3 at seed 0): the ranks whose groups are left out still run the update's
+    micro-batches (no FSDP collective waits forever), and each step counts what it left out."""
+    fail = lambda body: (400 if body["max_completion_tokens"] > 1 and len(body["messages"]) > 1
+                         and any(f"on day {d}" in body["messages"][0]["content"] for d in (3,))
+                         else None)
+    server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer(), fail=fail)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", "29541", str(Path(__file__).parent / "train.py"), "--preset", "tiny",
+           "--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "two",
+           "--steps", "3", "--persuadee", server.spec, "--judge", "none", "--save-every", "1000"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        server.close()
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    metrics = [json.loads(l) for l in lines(tmp_path / "two" / "metrics.jsonl")]
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["left_out"] == m["api_errors"] and m["episodes"] + m["left_out"] == 4
+    assert any(0 < m["left_out"] < 4 for m in metrics), [(m["left_out"], m["api_errors"]) for m in metrics]
