@@ -4,6 +4,7 @@ loopback HTTP server wrapping a tiny local model, and a real `transformers serve
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -690,12 +691,16 @@ def test_two_ranks_train_on_when_one_ranks_episodes_are_left_out(tmp_path, short
            "--master_port", "29541", str(Path(__file__).parent / "train.py"), "--preset", "tiny",
            "--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "two",
            "--steps", "3", "--persuadee", server.spec, "--judge", "none", "--save-every", "1000"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out, err = p.communicate(timeout=600)
+    except subprocess.TimeoutExpired:  # a rank stuck in a collective: stop every worker
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
     finally:
         server.close()
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == 0, out[-2000:] + err[-3000:]
     metrics = [json.loads(l) for l in lines(tmp_path / "two" / "metrics.jsonl")]
     assert len(metrics) == 3
     for m in metrics:
