@@ -510,3 +510,21 @@ def test_kv_blocks_too_few_for_one_episode_say_how_many(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"--kv-blocks 5 cannot hold one episode.*pass --kv-blocks \d+"):
         ev.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
                  "--limit", "1", "--t-max", "1", "--max-new-tokens", "3", "--kv-blocks", "5"])
+
+
+def test_compare_warns_when_the_runs_faced_different_roles(tmp_path, capsys):
+    """--compare reads each run's roles from summary.json and says when A and B faced different
+    persuadees, judges or sampling: their rates then measure more than the persuader."""
+    roles = lambda persuadee, sampling: dict(
+        persuader=dict(model="p", sampling=[1.0, None, None], dtype="float32"),
+        persuadee=dict(model=persuadee, sampling=sampling, dtype="float32"),
+        judge=dict(model="j", sampling=[[0.0, None, None]], dtype="float32"))
+    ev.save_run(tmp_path / "A", RUN_A, {**an.summarize(RUN_A), "roles": roles("q", [0.7, 0.8, 20])})
+    ev.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("q", [0.7, 0.8, 20])})
+    ev.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    assert "warning" not in capsys.readouterr().out
+    ev.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("r", [0.7, None, None])})
+    ev.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    out = capsys.readouterr().out
+    assert "differ in the persuadee's model: q against r" in out
+    assert "differ in the persuadee's sampling" in out and "judge" not in out.split("A =")[0]

@@ -773,6 +773,19 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
     empty = train.step_metrics(1, [], [], dict(persuader_tokens=0), dict(rollout_s=1.0), args,
                                torch.device("cpu"))
     assert empty["episodes"] == 0 and empty["reward_mean"] == 0.0
+    # the update still sees four episodes in their places (every rank the same micro-batches),
+    # the left-out ones without a persuader token: a micro-batch of only those adds nothing
+    update_records, update_adv = train.silenced(records, kept, turn_adv)
+    assert update_records[:2] == kept and update_adv[2:] == [[], []]
+    assert all(not any(r["turn_ids"]) and r["ids"] for r in update_records[2:])
+    model = er.model
+    opt_args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=0.0, clip_low=0.2,
+                            clip_high=0.28, dtype="float32")
+    policy = model.requires_grad_(True)
+    stats = train.policy_update(policy, None, torch.optim.SGD(policy.parameters(), lr=0.0),
+                                update_records, update_adv, opt_args, torch.device("cpu"), 1)
+    assert stats["persuader_tokens"] == sum(t > 0 for r in kept for t in r["turn_ids"][1:])
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
 def test_a_judge_naming_the_persuadees_model_shares_its_engine(tmp_path, short_scenarios,

@@ -1022,12 +1022,12 @@ def main(argv=None):
         bar.close()
         for r in records:  # beliefs a served persuadee cannot give: NaN, which rpo.py counts
             r["beliefs"] = [math.nan if b is None else b for b in r["beliefs"]]
-        records, left_out = playable(records, args.group_size, say)
+        played, (records, left_out) = records, playable(records, args.group_size, say)
         times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
         t2 = time.perf_counter()
         turn_adv, groups = advantages(records, args.group_size, args)
-        update = policy_update(policy, reference, optimizer, records, turn_adv, args, device,
-                               world)
+        update = policy_update(policy, reference, optimizer, *silenced(played, records, turn_adv),
+                               args, device, world)
         if separate:
             copy_weights(policy, rollout_model)  # into the actor engine's own tensors
         actor.refresh()
@@ -1082,6 +1082,24 @@ def main(argv=None):
         dist.destroy_process_group()
     say(f"done: metrics in {run_dir / 'metrics.jsonl'}, policy in {run_dir / 'checkpoint-*'}")
     return history
+
+
+def silenced(played, kept, turn_advantages):
+    """Every played episode for the update, in its place, those left out (playable) with no
+    persuader token and no advantage: each rank then runs the same micro-batches (FSDP's
+    collectives), and the left-out ones add nothing to the loss or its token count."""
+    kept_ids = {id(r) for r in kept}
+    advantage = iter(turn_advantages)
+    records, per_episode = [], []
+    for r in played:
+        if id(r) in kept_ids:
+            records.append(r)
+            per_episode.append(next(advantage))
+        else:
+            ids = r["ids"] or [0]  # one inert token for an episode that never started
+            records.append(dict(ids=ids, turn_ids=[0] * len(ids), logprobs=[0.0] * len(ids)))
+            per_episode.append([])
+    return records, per_episode
 
 
 def playable(records, group_size, say):
