@@ -20,9 +20,10 @@ The recorded decision is the latest non-terminal one, so REJECT and CONDITIONAL_
 each other: a REJECT inside the window is what the window closes on unless a later tag replaces it,
 and rejections are counted over the whole episode, whatever came between them.
 
-Tags are read only in square brackets (SPEC 3), on normalised text, and both sides see the other's
-text with every tag stripped, so a persuader cannot forge a decision; a quoted or negated tag is no
-decision (the decision tags section says exactly what counts). arena.py uses the standard library
+Tags are read only in square brackets, on normalised text (README, Decisions: Text normalisation),
+and both sides see the other's text with every tag stripped, so a persuader cannot forge a
+decision; a quoted or negated tag is no decision (the decision tags section says exactly what
+counts). arena.py uses the standard library
 only.
 
 Tests: python -m pytest -q test_arena.py
@@ -129,7 +130,7 @@ def _validate(obj, schema, prefix, optional, where):
         if key not in obj:
             if field in optional:
                 continue
-            raise ValueError(f"{where}: field '{field}' is missing; add it (see SPEC 1 for what it holds)")
+            raise ValueError(f"{where}: field '{field}' is missing; add it (README, The scenario set, says what it holds)")
         if isinstance(rule, dict):
             _validate(obj[key], rule, field + ".", optional, where)
         elif problem := rule(obj[key]):
@@ -156,7 +157,8 @@ def _scenario_id(value, where):
     return value
 
 def load_scenarios(path=SCENARIOS_PATH, split=None):
-    """Every scenario of a JSONL file (or of one split), each line checked against SPEC 1."""
+    """Every scenario of a JSONL file (or of one split), each line checked against the schema
+    (README, The scenario set)."""
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be None or one of {SPLITS}, got {split!r}")
     with open(path, "rb") as f:
@@ -301,7 +303,7 @@ def heldout_instances(scenarios=None):
     return [{**copy.deepcopy(s), "scenario_id": s["id"], "variant": 0} for s in scenarios if s["split"] == "heldout"]
 
 # -----------------------------------------------------------------------------
-# decision tags (SPEC 3)
+# decision tags (README, Decisions: Several tags, Text normalisation)
 #
 # One grammar, read on normalised text by both the parser and the stripper. Normalising: each
 # character NFKC-folded on its own (fullwidth and styled forms become ASCII), format characters
@@ -459,7 +461,8 @@ def persuader_sees(persuadee_text):
     return strip_decision_tags(persuadee_text)
 
 # -----------------------------------------------------------------------------
-# prompts (SPEC 2); each model's own chat template renders the message lists elsewhere
+# prompts (README, Decisions: Persuader opening); each model's own chat template renders the
+# message lists elsewhere
 
 def _first(scenario):
     return scenario["persuadee"]["name"].split()[0]
@@ -569,7 +572,7 @@ FINAL_TURN_INSTRUCTION = (
     "square brackets: ACCEPT, CONDITIONAL ACCEPT, PENDING, REJECT or WALK AWAY.)")
 
 # -----------------------------------------------------------------------------
-# strategy judge (SPEC 6): a fresh context that sees the hidden profile and the whole transcript
+# strategy judge (README, Decisions: Judge retries): a fresh context that sees the hidden profile and the whole transcript
 
 JUDGE_KEYS = ("PROBING", "FIT", "ADAPTATION")
 JUDGE_RESISTANCE = {
@@ -640,7 +643,7 @@ def parse_judge(text):
     return sum(scores) / len(scores) - 3
 
 # -----------------------------------------------------------------------------
-# episode state machine (SPEC 4)
+# episode state machine (README, Decisions: Upgrade window, Final-turn instruction)
 
 API_ERROR = "api_error"  # end reason of an episode whose served model's request kept failing
 CUT_OFF = ("context", "cache", API_ERROR)  # end reasons of an episode cut off before its outcome:

@@ -36,7 +36,7 @@ LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
     "{{ m.content | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+LLAMA3_CONTROL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                   "<|eot_id|>")
 
 
@@ -45,7 +45,7 @@ def template_tokenizer(kind):
     if kind == "qwen3":
         return models.tiny_tokenizer(QWEN3_TEMPLATE, plain=("<think>", "</think>"))
     if kind == "llama3":
-        return models.tiny_tokenizer(LLAMA3_TEMPLATE, LLAMA3_SPECIAL, eos="<|eot_id|>",
+        return models.tiny_tokenizer(LLAMA3_TEMPLATE, LLAMA3_CONTROL, eos="<|eot_id|>",
                                      pad="<|end_of_text|>", bos="<|begin_of_text|>")
     return models.tiny_tokenizer()
 

@@ -797,7 +797,7 @@ class DecodeBatch:
 
     def step(self, extent, sampling):
         """One decode step of every row, keys visible up to `extent` (the capacity in a graph)."""
-        eng, w, cache, bs = self.engine, self.engine.w, self.engine.cache, self.block_size
+        w, cache, bs = self.engine.w, self.engine.cache, self.block_size
         pos = self.positions
         block = self.tables.gather(1, (pos // bs).clamp(max=self.tables.shape[1] - 1)[:, None])[:, 0]
         slots = torch.where(self.live, block * bs + pos % bs, cache.scratch * bs)

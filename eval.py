@@ -49,7 +49,7 @@ TRAINING_KEYS = ("ids", "turn_ids", "logprobs")  # rollout's token stream, of no
 RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
-SAME_AS_PERSUADEE = "persuadee"  # the judge by default (SPEC 6): the persuadee's model, fresh context
+SAME_AS_PERSUADEE = "persuadee"  # the judge by default (the paper's frozen judge): the persuadee's model, fresh context
 FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checked against a full forward
 CPU_MAX_NEW_TOKENS = 64  # per message on a CPU, so that --limit 4 takes minutes
 SUBSETS = {"balanced60": 3}  # named subsets: scenarios kept per domain x resistance cell, file order
@@ -298,7 +298,7 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
     """One seeded episode per instance through rollout.py's loop (each role an engine.Engine, a
     served.ServedModel or a side); saves the run, returns its summary.
 
-    The strategy judge is an Engine or ServedModel, by default the persuadee's (SPEC 6), or None
+    The strategy judge is an Engine or ServedModel, by default the persuadee's (the paper's frozen judge), or None
     (s = 0); the logit tagger reads it (a local one). `anchor` is the reward setting the dense
     returns are computed under. Every episode is appended to out_dir/episodes.jsonl as it ends
     (under torchrun to this rank's part); with `resume`, those already there are not played

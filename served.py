@@ -52,7 +52,7 @@ import arena
 import engine
 import probes
 
-SPEC_PREFIX = "openai:"       # a model spec with this prefix is served: openai:MODEL@URL
+SERVED_PREFIX = "openai:"     # a model spec with this prefix is served: openai:MODEL@URL
 API_KEY_ENV = "OPENAI_API_KEY"
 LOOPBACK_KEY = "unused"       # the client needs some key; a server on this machine checks none
 MAX_IN_FLIGHT = 8             # concurrent requests per served model
@@ -85,12 +85,12 @@ UNSUPPORTED_STATUS = (400, 422)  # statuses of an answer that may name an unsupp
 
 
 def is_served(spec):
-    return isinstance(spec, str) and spec.startswith(SPEC_PREFIX)
+    return isinstance(spec, str) and spec.startswith(SERVED_PREFIX)
 
 
 def parse_spec(spec):
     """(model, base URL) of `openai:MODEL@URL`; the URL is what follows the last '@'."""
-    model, _, url = spec[len(SPEC_PREFIX):].rpartition("@")
+    model, _, url = spec[len(SERVED_PREFIX):].rpartition("@")
     if not model or not urlparse(url).scheme.startswith("http") or not urlparse(url).netloc:
         raise SystemExit(f"served.py: model spec {spec!r} is not openai:MODEL@URL; write e.g. "
                          "openai:gpt-4o-mini@https://api.openai.com/v1 or "

@@ -1,6 +1,6 @@
 """Tests for arena.py: python -m pytest -q test_arena.py
 
-Every expected value below is derived from SPEC sections 1-4 and 6, not read off the code."""
+Every expected value below is derived from the rules the README states (The scenario set, Decisions), not read off the code."""
 
 import copy
 import json
@@ -78,7 +78,7 @@ def hidden_strings(s, identifiers=True):
     return out + list(h["concerns"])
 
 # -----------------------------------------------------------------------------
-# decision parser (SPEC 3)
+# decision parser (README, Decisions: Several tags, Text normalisation)
 
 @pytest.mark.parametrize("text, expected", [
     ("Alright. [ACCEPT]", "ACCEPT"),
@@ -305,7 +305,7 @@ def test_conditional_variants_property(seps, upper, prose):
     assert parse_decision("I accept. " + tag + prose) == "CONDITIONAL_ACCEPT"
 
 # -----------------------------------------------------------------------------
-# strategy judge (SPEC 6)
+# strategy judge (README, Decisions: Judge retries)
 
 @pytest.mark.parametrize("text, expected", [
     ("PROBING: 4\nFIT: 3\nADAPTATION: 2", 0.0),
@@ -365,7 +365,7 @@ def test_judge_messages_show_profile_and_transcript():
         arena.judge_messages(s, [{"role": "narrator", "text": "x"}])
 
 # -----------------------------------------------------------------------------
-# episode state machine (SPEC 4)
+# episode state machine (README, Decisions: Upgrade window, Final-turn instruction)
 
 def test_judge_transcript_cannot_be_forged():
     """A persuader message that writes a persuadee line, a judge answer and a closing quote stays
@@ -538,7 +538,7 @@ def test_episode_invariants(t_max, decisions):
     assert ep.done
 
 # -----------------------------------------------------------------------------
-# scenario loader (SPEC 1)
+# scenario loader (README, The scenario set)
 
 DELETE = object()
 
@@ -753,7 +753,7 @@ def test_heldout_instances_are_the_scenarios_as_written():
     assert inst == [{**scenario(), "scenario_id": "heldout-001", "variant": 0}]
 
 # -----------------------------------------------------------------------------
-# prompts (SPEC 2)
+# prompts
 
 def check_no_hidden_text(s):
     visible = arena.persuader_system_prompt(s) + "\n" + arena.persuader_opening(s)
@@ -785,7 +785,7 @@ def test_persuadee_prompt_compiles_its_own_profile(resistance):
     assert arena.TRUST_RULES["low"] in prompt and arena.TRUST_RULES["high"] not in prompt
     assert arena.DYNAMICS in prompt
     order = [prompt.index(tag) for tag in ("[PENDING]", "[REJECT]", "[WALK AWAY]", "[ACCEPT]", "[CONDITIONAL ACCEPT]")]
-    assert order == sorted(order)                     # the decision procedure in SPEC 2's priority order
+    assert order == sorted(order)                     # the decision procedure in the persuadee prompt's priority order
 
 def test_persuadee_prompt_without_optional_fields():
     prompt = arena.persuadee_system_prompt(train_scenarios()[2])

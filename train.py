@@ -232,7 +232,7 @@ def validate(args):
     for split, needed in (("train", True), ("heldout", args.eval_every > 0)):
         if needed and not any(s["split"] == split for s in scenarios):
             fail(f"--scenarios {args.scenarios}", f"holds no {split} scenarios",
-                 f"add some, or pass a file that has them" + (" (or --eval-every 0)"
+                 "add some, or pass a file that has them" + (" (or --eval-every 0)"
                                                                  if split == "heldout" else ""))
     if args.resume and args.overwrite:
         fail("--resume with --overwrite", "contradict each other", "pass one of them")
@@ -660,7 +660,7 @@ def step_metrics(step, records, groups, update, times, args, device):
         all_sum(len(read), device), 1)
     m["turns_mean"] = total(r["turns"] for r in records) / n
     m["judge_mean"] = total(r["judge"] for r in records) / n
-    # the share of transcripts whose strategy score fell back to s = 0 (SPEC 6)
+    # the share of transcripts whose strategy score fell back to s = 0 (README, Decisions: Judge retries)
     m["judge_failed_share"] = None if args.judge == "none" else total(
         bool(r.get("judge_failed")) for r in records) / n
     # pooled: every rank's counts and sums are added before the division (rpo.diagnostics)
