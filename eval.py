@@ -294,15 +294,17 @@ def settings_mismatch(out_dir, settings):
 def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL, seed=0,
              names=("", ""), fidelity=FIDELITY_SAMPLES, max_new_tokens=None,
              judge=SAME_AS_PERSUADEE, anchor=rpo.ANCHOR, tagger="keyword", preset=None,
-             probe_space=None, probe_signs=None, settings=None, resume=False, rank=0, world=1):
+             probe_space=None, probe_signs=None, settings=None, resume=False, rank=0, world=1,
+             shaping_lambda=rpo.LAMBDA):
     """One seeded episode per instance through rollout.py's loop (each role an engine.Engine, a
     served.ServedModel or a side); saves the run, returns its summary.
 
-    The strategy judge is an Engine or ServedModel, by default the persuadee's (the paper's frozen judge), or None
-    (s = 0); the logit tagger reads it (a local one). `anchor` is the reward setting the dense
-    returns are computed under. Every episode is appended to out_dir/episodes.jsonl as it ends
-    (under torchrun to this rank's part); with `resume`, those already there are not played
-    again, else the folder's episodes are discarded first. `settings` (what changes the results)
+    The strategy judge is an Engine or ServedModel, by default the persuadee's (the paper's
+    frozen judge), or None (s = 0); the logit tagger reads it (a local one). `anchor` is the
+    reward setting the dense returns are computed under, `shaping_lambda` the lambda of the
+    summary's shaping returns (a training run's own). Every episode is appended to
+    out_dir/episodes.jsonl as it ends (under torchrun to this rank's part); with `resume`, those
+    already there are not played again, else the folder's episodes are discarded first. `settings` (what changes the results)
     go to settings.json and into the summary. Under torchrun (world > 1) each rank plays
     instances[rank::world] and rank 0 gathers, tags, summarises and saves (other ranks return
     None); an episode's record does not depend on its rank (rollout's keyed random streams), so
@@ -357,14 +359,15 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
         if isinstance(who, served.ServedModel):  # what the server would not take
             roles[role]["not_applied"] = sorted(who.dropped)
     summary = _finish(episodes, local_persuadee, instances, out_dir, fidelity,
-                      dict(roles=roles, settings=settings or {}), probe_space, probe_signs)
+                      dict(roles=roles, settings=settings or {}), probe_space, probe_signs,
+                      shaping_lambda)
     for path in part_paths(out_dir)[1:]:
         path.unlink()  # merged into episodes.jsonl by save_run
     return summary
 
 
 def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None, probe_space=None,
-            probe_signs=None):
+            probe_signs=None, shaping_lambda=rpo.LAMBDA):
     """Summary (with the probe fidelity check of a local persuadee, an engine.Engine), saved with
     the episodes; episodes without move labels are labelled by the keyword tagger."""
     untagged = [ep for ep in episodes if "moves" not in ep]
@@ -381,7 +384,7 @@ def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None, probe
                                                             *opts).tolist(),
                  "vocabulary": probes.read_beliefs_reference(model, tok, contexts, False, True,
                                                              *opts).tolist()}
-    summary = analyses.summarize_run(episodes, reads)
+    summary = analyses.summarize_run(episodes, reads, shaping_lambda)
     summary.update(extra or {})
     save_run(out_dir, episodes, summary, reads)
     return summary

@@ -1133,7 +1133,7 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
                                   max_new_tokens=args.max_new_tokens, judge=judge,
                                   anchor=args.anchor, preset=args.sampling,
                                   probe_space=args.probe_space, probe_signs=args.probe_signs,
-                                  rank=rank, world=world)
+                                  rank=rank, world=world, shaping_lambda=args.lam)
     if rank == 0:
         path, kept = run_dir / "evals.jsonl", []
         for lineno, line in enumerate(path.read_text(errors="replace").splitlines()
