@@ -707,11 +707,15 @@ def test_a_full_disk_while_writing_samples_is_one_line(tmp_path, short_scenarios
 
 
 def test_rewritten_files_go_through_a_rename(tmp_path, short_scenarios, monkeypatch):
-    """config.json, samples and evals.jsonl are each written to a temporary file and renamed."""
+    """config.json, samples and evals.jsonl are each written to a temporary file and renamed;
+    the evaluation's shaping return is at the run's own lambda, not the default."""
     replaced, real = [], os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append(Path(b).name), real(a, b)))
-    tiny_run(tmp_path, short_scenarios, "atomic", "--steps", 1, "--eval-every", 1)
+    lam = rpo.LAMBDA / 2
+    tiny_run(tmp_path, short_scenarios, "atomic", "--steps", 1, "--eval-every", 1, "--lam", lam)
     assert {"config.json", "samples-1.json", "evals.jsonl"} <= set(replaced)
+    [row] = [json.loads(line) for line in (tmp_path / "atomic" / "evals.jsonl").read_text().splitlines()]
+    assert row["shaping_lambda"] == lam
 
 
 def test_a_diverged_run_stops_after_max_skipped_steps(tmp_path, short_scenarios):
