@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BLOCK_SIZE = 16           # tokens per KV block on the PyTorch path (flash-attn needs 256)
+BLOCK_SIZE = 16           # tokens per KV block on the PyTorch path
+FLASH_BLOCK_SIZE = 256    # ... and with flash-attn's paged kernels (their block size divides by 256)
 CACHE_GB_CPU = 2.0        # KV pool size on a CPU
 CACHE_FRACTION_GPU = 0.15  # share of free GPU memory given to each engine's KV pool
 MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
@@ -82,6 +83,17 @@ def stop_ids(model, tokenizer):
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
         ids.add(im_end)
     return sorted(i for i in ids if i is not None)
+
+
+def flash_usable(device, dtype):
+    """flash-attn's paged kernels can run: installed, on CUDA, fp16 or bf16 (FlashAttention-2's)."""
+    return (flash_attn_with_kvcache is not None and torch.device(device).type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16))
+
+
+def block_size_for(device, dtype):
+    """Tokens per KV block of an engine on `device` in `dtype` (before any weight loads)."""
+    return FLASH_BLOCK_SIZE if flash_usable(device, dtype) else BLOCK_SIZE
 
 
 class Packed:
@@ -416,10 +428,9 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.use_flash = (flash_attn_with_kvcache is not None and self.device.type == "cuda"
-                          and self.dtype in (torch.float16, torch.bfloat16))  # FlashAttention-2's
-        self.block_size = block_size or (256 if self.use_flash else BLOCK_SIZE)
-        self.use_flash = self.use_flash and self.block_size % 256 == 0
+        self.block_size = block_size or block_size_for(self.device, self.dtype)
+        self.use_flash = (flash_usable(self.device, self.dtype)
+                          and self.block_size % FLASH_BLOCK_SIZE == 0)
         self.decode_batches = {}  # batch bucket -> DecodeBatch (and its graphs), for the engine's life
         self.addresses = ()  # of the model's parameters, which the graphs captured
         self.refresh()

@@ -406,10 +406,26 @@ def player(name, loaded, dtype, kv_blocks):
     return engine.Engine(*loaded[name], num_blocks=kv_blocks)
 
 
+def pool_shape(name, dtype):
+    """What capacity checks read of the engine a local model would get (tokenizer, context,
+    block size, device), from its tokenizer and config alone: no weight is read."""
+    import types
+
+    import torch
+
+    import engine
+    import models
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return types.SimpleNamespace(
+        tokenizer=models.load_tokenizer(name), device=device,
+        max_len=models.model_config(name).max_position_embeddings,
+        block_size=engine.block_size_for(device, getattr(torch, dtype)))
+
+
 def episode_blocks(eng, instances, t_max, max_new_tokens):
-    """KV blocks one episode can take on a local side at most: its longest prompt and t_max turns
-    of two messages (each at most max_new_tokens and its framing), capped by the context, plus
-    one message's copy-on-write and the probe forks."""
+    """KV blocks one episode can take on a local side (an engine, or its pool_shape) at most: its
+    longest prompt and t_max turns of two messages (each at most max_new_tokens and its
+    framing), capped by the context, plus one message's copy-on-write and the probe forks."""
     import rollout
     longest = max(max(map(len, rollout.prompt_ids(eng.tokenizer, eng.tokenizer, i)))
                   for i in instances)
@@ -426,20 +442,11 @@ def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
     torchrun). judge None: the persuadee's model (its own engine and pool); "none": no judge
     (s = 0); else a model name or path, the same across a grid. Any role may be openai:MODEL@URL
     (served.py)."""
-    import engine
     rank, world = distributed()
     judge_name = judge or persuadee
     players = [player(n, loaded, dtype, kv_blocks) for n in (persuader, persuadee)]
     judge_player = (None if judge == "none" else players[1] if judge is None  # its pool too
                     else player(judge_name, loaded, dtype, kv_blocks))
-    if kv_blocks is not None:
-        for role, p in zip(("persuader", "persuadee"), players):
-            need = isinstance(p, engine.Engine) and episode_blocks(p, instances, t_max,
-                                                                    max_new_tokens)
-            if need and kv_blocks < need:
-                sys.exit(f"eval.py: --kv-blocks {kv_blocks} cannot hold one episode of the "
-                         f"{role} ({need} blocks of {p.block_size} tokens at --t-max {t_max}, "
-                         f"--max-new-tokens {max_new_tokens}); pass --kv-blocks {need} or more")
     summary = evaluate(*players, instances, out_dir, t_max=t_max, seed=seed,
                        names=(persuader, persuadee, None if judge == "none" else judge_name),
                        max_new_tokens=max_new_tokens, judge=judge_player, anchor=anchor,
@@ -716,6 +723,15 @@ def main(argv=None):
                 sys.exit(f"eval.py: {out_dir} was run with other settings ({'; '.join(differ)}): "
                          "a resumed evaluation keeps every setting; pass another --name or "
                          "--overwrite")
+    for name in dict.fromkeys(args.persuader + args.persuadee) if args.kv_blocks else ():
+        if not served.is_served(name):  # before any weight loads
+            shape = pool_shape(name, args.dtype)
+            need = episode_blocks(shape, instances, args.t_max, args.max_new_tokens)
+            if args.kv_blocks < need:
+                sys.exit(f"eval.py: --kv-blocks {args.kv_blocks} cannot hold one episode of "
+                         f"{name} ({need} blocks of {shape.block_size} tokens at --t-max "
+                         f"{args.t_max}, --max-new-tokens {args.max_new_tokens}); pass "
+                         f"--kv-blocks {need} or more")
     loaded, results, rank = {}, {}, distributed()[0]  # under torchrun rank 0 prints
     for p, q, out_dir, settings in cells:
         try:

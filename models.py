@@ -143,6 +143,20 @@ def model_config(name):
                          "pass a local model folder, random:NAME or a reachable hub name") from None
 
 
+def load_tokenizer(name_or_path="smollm2"):
+    """The tokenizer load_model would give, no weight read: for checks made before loading."""
+    from transformers import AutoTokenizer
+    if name_or_path.startswith("random:"):
+        return tiny_tokenizer()
+    path = smollm2_path() if name_or_path == "smollm2" else name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"models.py: cannot load the tokenizer of '{name_or_path}' "
+                         f"({str(e).splitlines()[0][:100]}); pass a local Hugging Face model "
+                         "folder, random:NAME or 'smollm2'") from None
+
+
 def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
     """(model, tokenizer) from a local folder or hub name; "smollm2" is the CPU default model and
     "random:NAME" an untrained one of a RANDOM_CONFIGS shape. An architecture the engine cannot run

@@ -438,13 +438,17 @@ def test_manipulation_stats_by_hand():
     assert "manipulation audit" in text and "moves (keyword tagger)" in text
 
 
+def many_runs():
+    """A policy and two baselines by scenario (the second has no s5), for --compare-many."""
+    runs = dict(policy=["ACCEPT", "ACCEPT", "ACCEPT", "PENDING", "REJECT", "ACCEPT"],
+                base1=["PENDING", "ACCEPT", "PENDING", "ACCEPT", "REJECT", "PENDING"],
+                base2=["PENDING", "PENDING", "REJECT", "PENDING", "PENDING"])
+    return {name: [episode(f"s{i}", o, [0.0, 0.1]) for i, o in enumerate(outcomes)]
+            for name, outcomes in runs.items()}
+
+
 def test_compare_many_by_hand():
-    policy = [episode(f"s{i}", o, [0.0, 0.1]) for i, o in enumerate(
-        ["ACCEPT", "ACCEPT", "ACCEPT", "PENDING", "REJECT", "ACCEPT"])]
-    base1 = [episode(f"s{i}", o, [0.0, 0.1]) for i, o in enumerate(
-        ["PENDING", "ACCEPT", "PENDING", "ACCEPT", "REJECT", "PENDING"])]
-    base2 = [episode(f"s{i}", o, [0.0, 0.1]) for i, o in enumerate(
-        ["PENDING", "PENDING", "REJECT", "PENDING", "PENDING"])]              # no s5
+    policy, base1, base2 = many_runs().values()
     r = an.compare_many({"b1": base1, "b2": base2}, policy)
     # b1: won s0 s2 s5, lost s3; b2 (s0-s4): won s0 s1 s2, lost none
     assert r["per_baseline"]["b1"] == {"n": 6, "won": 3, "lost": 1,

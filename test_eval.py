@@ -16,7 +16,7 @@ import analyses as an
 import eval as ev
 import plots
 import rpo
-from test_analyses import LAB, RUN_B, RUN_A, check_compare, episode
+from test_analyses import LAB, RUN_B, RUN_A, check_compare, episode, many_runs
 from test_plots import png_size
 
 HERE = Path(__file__).resolve().parent
@@ -436,12 +436,7 @@ def test_run_anchor_follows_the_training_run(tmp_path):
 
 
 def test_compare_many_cli(tmp_path, capsys):
-    policy = [episode(f"s{i}", o, [0.0, 0.1]) for i, o in enumerate(
-        ["ACCEPT", "ACCEPT", "ACCEPT", "PENDING", "REJECT", "ACCEPT"])]
-    base1 = [episode(f"s{i}", o, [0.0, 0.1]) for i, o in enumerate(
-        ["PENDING", "ACCEPT", "PENDING", "ACCEPT", "REJECT", "PENDING"])]
-    base2 = [episode(f"s{i}", o, [0.0, 0.1]) for i, o in enumerate(
-        ["PENDING", "PENDING", "REJECT", "PENDING", "PENDING"])]              # no s5
+    policy, base1, base2 = many_runs().values()
     for name, eps in (("b1", base1), ("b2", base2), ("p", policy)):
         ev.save_run(tmp_path / name, eps, an.summarize(eps))
     ev.main(["--compare-many", str(tmp_path / "b1"), str(tmp_path / "b2"), "--policy", str(tmp_path / "p")])
@@ -506,6 +501,13 @@ def test_a_name_is_resumed_only_with_its_own_settings(tmp_path, monkeypatch, cap
 
 
 def test_kv_blocks_too_few_for_one_episode_say_how_many(tmp_path, monkeypatch):
+    """Found from the tokenizers and configs before any weight loads, with the number needed."""
+    import models
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before --kv-blocks was checked")
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "random_model", refuse)
     monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
     with pytest.raises(SystemExit, match=r"--kv-blocks 5 cannot hold one episode.*pass --kv-blocks \d+"):
         ev.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",

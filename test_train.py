@@ -52,6 +52,17 @@ def run_script(argv, env_extra=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
+def one_and_two_ranks(script, args, port, env=None, timeout=300):
+    """Run `script args` as one process (--name one) and under torchrun with 2 gloo ranks
+    (--name two), both to a zero exit."""
+    one = run_script([script, *args, "--name", "one"], env)
+    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                      str(port), script, *args, "--name", "two"], env)
+    for p in (one, two):
+        out = p.communicate(timeout=timeout)[0]
+        assert p.returncode == 0, out[-3000:]
+
+
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -64,12 +75,7 @@ def test_two_ranks_match_one_process(tmp_path, short_scenarios):
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2",
                      "--instances", "2", "--group-size", "2", "--persuader-temperature", "1",
                      "--persuadee-temperature", "0.7", "--max-new-tokens", "6"]
-    one = run_script(["train.py", *common, "--name", "one"])
-    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                      "29517", "train.py", *common, "--name", "two"])
-    for p in (one, two):
-        out = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, out[-3000:]
+    one_and_two_ranks("train.py", common, 29517)
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         for key in COMPARED:
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
@@ -491,12 +497,7 @@ def test_two_ranks_log_the_pooled_diagnostics_of_one_process(tmp_path, short_sce
     env = {"PYTHONPATH": str(Path(__file__).parent)}
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3", "--instances", "4",
                      "--group-size", "2", "--lam", "0.5", "--max-new-tokens", "3"]
-    one = run_script([str(script), *common, "--name", "one"], env)
-    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
-                      str(script), *common, "--name", "two"], env)
-    for p in (one, two):
-        out = p.communicate(timeout=600)[0]
-        assert p.returncode == 0, out[-3000:]
+    one_and_two_ranks(str(script), common, 29541, env, timeout=600)
     rollouts = {k: [json.loads(line) for line in (tmp_path / k / "rollouts.jsonl").read_text().splitlines()]
                 for k in ("one", "two")}
     assert rollouts["one"] == rollouts["two"] and len(rollouts["one"]) == 3 * 4 * 2
@@ -562,12 +563,7 @@ def test_two_bf16_ranks_under_mixed_precision_match_one_process(tmp_path, short_
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "1",
                      "--instances", "2", "--group-size", "2", "--dtype", "bfloat16", "--lr",
                      "1e-6", "--save-every", "1", "--max-new-tokens", "6"]
-    one = run_script(["train.py", *common, "--name", "one"])
-    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                      "29519", "train.py", *common, "--name", "two"])
-    for p in (one, two):
-        out = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, out[-3000:]
+    one_and_two_ranks("train.py", common, 29519)
     (a,), (b,) = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert a["persuader_tokens"] == b["persuader_tokens"] and a["grad_norm"] > 0
     assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * a["grad_norm"]
