@@ -55,7 +55,7 @@ Metrics:
 The GPU check (--gpu-check; README, "The GPU check", says how to carry the tokenizer to a
 machine without network): one rank of the paper preset on one GPU, random weights of the
 paper's shapes in bf16: a Qwen3-4B-shaped persuader and a Qwen3-14B-shaped persuadee (also the
-judge), engines sized by train.py's memory plan for 8 ranks (16 episodes a rank), and
+judge), engines sized by plan.py's memory plan for 8 ranks (16 episodes a rank), and
   warm-up     every batch bucket of each engine under each sampling it uses, so that every CUDA
               graph is captured before timing (capture seconds reported apart)
   rollout     2 instances x G 8, T_max 6, 256 new tokens, the paper's sampling (persuader T 1;
@@ -385,6 +385,7 @@ def gpu_check(args):
     """One rank of the paper preset at the paper's shapes, measured as the module docstring says.
     Returns the figures as a dict."""
     import tempfile
+    import plan
     import train
     gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -394,12 +395,12 @@ def gpu_check(args):
                               "--out", tempfile.mkdtemp(), "--plan"])
     targs.t_max = args.check_turns or targs.t_max
     targs.max_new_tokens = args.check_new_tokens or targs.max_new_tokens
-    plan = train.memory_plan(targs, 8, train.PLAN_NODE[1], True)
+    rank_plan = plan.memory_plan(targs, 8, plan.PLAN_NODE[1], True)
     tok = smollm2_tokenizer()
     er_model = models.random_model(er_shape, torch.bfloat16, args.device, seed=1, tokenizer=tok)[0]
     ee_model = models.random_model(ee_shape, torch.bfloat16, args.device, seed=2, tokenizer=tok)[0]
-    er = engine.Engine(er_model, tok, **plan["sizes"]["actor"])
-    ee = engine.Engine(ee_model, tok, **plan["sizes"]["persuadee"])
+    er = engine.Engine(er_model, tok, **rank_plan["sizes"]["actor"])
+    ee = engine.Engine(ee_model, tok, **rank_plan["sizes"]["persuadee"])
     er_sampling, ee_sampling = rollout.SAMPLING["paper"]
     for eng in (er, ee):
         eng.stop_ids = list(range(7, eng.model.config.vocab_size, STOP_SHARE))
@@ -493,7 +494,7 @@ def gpu_check(args):
         out[f"{name}_decode_buckets"] = sorted(eng.decode_batches)
     held = ("rollout copy", "actor KV pool", "actor decode arena", "persuadee bfloat16",
             "persuadee KV pool", "persuadee decode arena")
-    planned = sum(n for name, n in plan["items"] if name.startswith(held))
+    planned = sum(n for name, n in rank_plan["items"] if name.startswith(held))
     out.update(peak_gib=peak / 2**30, planned_gib=planned / 2**30,
                peak_over_plan=peak / planned if gpu else None)
     print(f"gpu check: {er_shape} persuader, {ee_shape} persuadee (judge), bf16 on {args.device}")

@@ -1,0 +1,209 @@
+"""
+plan.py: the memory plan. What one rank of a training run holds, from the models' configs alone
+(no weight is read), so that a run that cannot fit is refused before anything loads.
+
+Per rank, for a policy of P parameters (fp32 master weights, gradients and AdamW's two moments,
+sharded over the ranks by FSDP2), a frozen reference, a persuadee and a judge (in --dtype), each
+engine's KV pool and decode arena, and one micro-batch of activations:
+
+    total = 16 P / world + (dtype copies of the weights) + sum_engines (KV pool + arena)
+            + activations + PLAN_RESERVED_GIB,      headroom = capacity - total
+
+KV per token = 2 (keys, values) x layers x kv_heads x head_dim x itemsize; a pool holds the
+contexts in play (prompt + T_max turns of two messages) with PLAN_POOL_MARGIN to spare.
+
+    python train.py --plan                                   # this machine, or 8 x H200 off-GPU
+    python train.py --preset paper --plan --plan-gib 40      # refused, with the numbers
+    python -m pytest -q test_plan.py
+"""
+import os
+import sys
+
+import torch
+
+import engine
+import models
+import served
+
+GRAD_CHECKPOINTING = True  # on GPUs: recompute activations in the backward pass (train.py follows)
+PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
+PLAN_RESERVED_GIB = 3.0    # a GPU's share outside tensors: CUDA context, NCCL, cuBLAS, allocator slack
+PLAN_PROMPT_TOKENS = 1024  # a context's opening (the longest persuadee prompt: 3,426 characters)
+PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn instruction
+PLAN_POOL_MARGIN = 1.25    # KV pool over the contexts in play: probe forks, judge, block rounding
+
+
+
+def parameter_count(cfg):
+    """Parameters of a Llama / Qwen2 / Qwen3 decoder from its config: embeddings (and an untied
+    lm_head), per layer q/k/v/o, gate/up/down, two norms (Qwen2's q/k/v biases, Qwen3's q/k
+    norms), the final norm."""
+    h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or h // H
+    layer = h * (H + 2 * Hkv) * D + H * D * h + 3 * h * cfg.intermediate_size + 2 * h
+    layer += (H + 2 * Hkv) * D if cfg.model_type == "qwen2" else 0
+    layer += 2 * D if cfg.model_type == "qwen3" else 0
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return embeddings + cfg.num_hidden_layers * layer + h
+
+
+def layer_count(cfg):
+    """Parameters of one decoder layer (what FSDP gathers at a time)."""
+    return (parameter_count(cfg) - cfg.vocab_size * cfg.hidden_size
+            * (1 if cfg.tie_word_embeddings else 2) - cfg.hidden_size) // cfg.num_hidden_layers
+
+
+def kv_token_bytes(cfg, itemsize):
+    """Keys and values of one token over every layer."""
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * D * itemsize
+
+
+def context_tokens(t_max, max_new_tokens):
+    """The longest context an episode builds on either side in t_max turns."""
+    return PLAN_PROMPT_TOKENS + t_max * (2 * max_new_tokens + PLAN_TURN_TOKENS)
+
+
+def engine_sizes(cfg, itemsize, rows, contexts, gpu):
+    """(KV pool bytes, decode arena bytes, arena capacity) of one engine. On a GPU from the
+    workload: a pool for the contexts in play (rows, tokens each, of training and of the
+    held-out evaluation) and an arena of the largest batch bucket at the training context (a
+    smaller bucket gets more tokens a row, up to the longest context); on a CPU the engine's
+    defaults (engine.CACHE_GB_CPU, engine.DECODE_COPY_GB)."""
+    token = kv_token_bytes(cfg, itemsize)
+    limit = engine.MAX_BLOCKS * engine.BLOCK_SIZE * token
+    if not gpu:
+        return min(engine.CACHE_GB_CPU * 2**30, limit), engine.DECODE_COPY_GB * 2**30, None
+    pool = min(PLAN_POOL_MARGIN * max(n * t for n, t in contexts) * token, limit)
+    longest = min(max(t for _, t in contexts), cfg.max_position_embeddings) + engine.SYNC_EVERY
+    train = engine.round_up(contexts[0][1] + engine.SYNC_EVERY, engine.CAPACITY_BUCKET)
+    arena = engine.batch_bucket(rows) * (train + 1) * token
+    return pool, arena, engine.round_up(longest, engine.CAPACITY_BUCKET)
+
+
+def memory_plan(args, world, gib, gpu):
+    """Every tensor a rank holds, in bytes, from the configs alone: the policy's fp32 master
+    shard, gradients and AdamW moments; FSDP's gathered layers (or autocast's bf16 weights in
+    one process); the rollout copy, reference, persuadee and judge; each engine's KV pool and
+    decode arena; one micro-batch's activations; what CUDA keeps outside tensors. Returns the
+    items, the total, the device's bytes and each engine's sizes (Engine keyword arguments)."""
+    GiB, itemsize = 2**30, getattr(torch, args.dtype).itemsize
+    policy_cfg = models.model_config(args.persuader)
+    P = parameter_count(policy_cfg)
+    served_ee = served.is_served(args.persuadee)
+    same = not served_ee and args.persuadee == args.persuader
+    separate_rollout = world > 1 or args.dtype != "float32"
+    judge_own = args.judge not in (None, "none", args.persuadee) and not served.is_served(args.judge)
+    rows = max(args.instances // world, 1) * args.group_size
+    contexts = [(rows, context_tokens(args.t_max, args.max_new_tokens))]
+    if args.eval_every:
+        contexts.append((-(-args.eval_limit // world), context_tokens(args.eval_t_max,
+                                                                      args.max_new_tokens)))
+    items, sizes = [], {}
+
+    def add(name, n):
+        items.append((name, int(n)))
+
+    def engine_items(role, cfg):
+        pool, arena, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
+        add(f"{role} KV pool", pool)
+        add(f"{role} decode arena", arena)
+        sizes[role] = dict(cache_bytes=pool, decode_bytes=arena, decode_capacity=capacity)
+
+    shard = f" (1/{world} shard)" if world > 1 else ""
+    add(f"policy master weights fp32{shard}", 4 * P / world)
+    add(f"policy gradients fp32{shard}", 4 * P / world)
+    add(f"AdamW moments fp32{shard}", 8 * P / world)
+    if world > 1:  # the roots (embeddings, lm_head) of policy and reference, two layers in flight
+        roots = policy_cfg.vocab_size * policy_cfg.hidden_size * (
+            1 if policy_cfg.tie_word_embeddings else 2)
+        add("FSDP gathered weights and fp32 reduce buffers",
+            itemsize * (2 * roots + 2 * layer_count(policy_cfg)) + 4 * layer_count(policy_cfg))
+    elif args.dtype != "float32":
+        add(f"autocast {args.dtype} weight copies", itemsize * P)
+    if separate_rollout:
+        add(f"rollout copy {args.dtype} (actor engine's weights)", itemsize * P)
+    engine_items("actor", policy_cfg)
+    if not served_ee:
+        ee_cfg = policy_cfg if same else models.model_config(args.persuadee)
+        add(f"persuadee {args.dtype}" + (" (also the reference)" if same else ""),
+            itemsize * parameter_count(ee_cfg))
+        engine_items("persuadee", ee_cfg)
+    if args.kl_beta > 0 and not same:
+        add(f"reference {args.dtype}{shard}", itemsize * P / world)
+    if judge_own:
+        judge_cfg = models.model_config(args.judge)
+        add(f"judge {args.dtype} (its own model)", itemsize * parameter_count(judge_cfg))
+        engine_items("judge", judge_cfg)
+    add("activations, one micro-batch (estimate)", activation_bytes(policy_cfg, args, itemsize, gpu))
+    if gpu:
+        add("CUDA context, NCCL, allocator slack", PLAN_RESERVED_GIB * GiB)
+    total = sum(n for _, n in items)
+    return dict(items=items, total=total, capacity=int(gib * GiB), world=world, gpu=gpu,
+                sizes=sizes)
+
+
+def activation_bytes(cfg, args, itemsize, gpu):
+    """One micro-batch of the update at the training context: the layers' saved tensors (with
+    gradient checkpointing on a GPU, each layer's input plus one layer recomputed), and the
+    logits of the kept positions (the compute-dtype logits, the float32 rows autograd keeps,
+    their gradient, the reference's)."""
+    mb, T = args.micro_batch, context_tokens(args.t_max, args.max_new_tokens)
+    kept = min(T, args.t_max * args.max_new_tokens)
+    h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or h // H
+    compute = itemsize if args.dtype != "float32" else 4
+    layer = mb * T * (6 * h + 2 * (H + 2 * Hkv) * D + 4 * cfg.intermediate_size) * compute
+    if gpu and GRAD_CHECKPOINTING:
+        layers = cfg.num_hidden_layers * mb * T * h * compute + 2 * layer
+    else:
+        layers = cfg.num_hidden_layers * layer
+    return layers + mb * kept * cfg.vocab_size * (2 * compute + 8)
+
+
+def plan_lines(plan):
+    GiB = 2**30
+    where = (f"{plan['world']} GPU(s) of {plan['capacity'] / GiB:.1f} GiB" if plan["gpu"] else
+             f"{plan['world']} CPU rank(s), {plan['capacity'] / GiB:.1f} GiB of RAM each")
+    lines = [f"memory plan, per rank, for {where} (arithmetic from the configs, no weight read):"]
+    lines += [f"  {name:<52}{n / GiB:>8.2f} GiB" for name, n in plan["items"]]
+    lines.append(f"  {'total':<52}{plan['total'] / GiB:>8.2f} GiB, headroom "
+                 f"{(plan['capacity'] - plan['total']) / GiB:.2f} GiB")
+    return lines
+
+
+def plan_refusal(plan):
+    """The one line that refuses a plan that does not fit, or None."""
+    if plan["total"] <= plan["capacity"]:
+        return None
+    GiB = 2**30
+    biggest = ", ".join(f"{name} {n / GiB:.1f}" for name, n in
+                        sorted(plan["items"], key=lambda item: -item[1])[:3])
+    return (f"train.py: this run does not fit: {plan['total'] / GiB:.1f} GiB a rank needed, "
+            f"{plan['capacity'] / GiB:.1f} GiB available (largest: {biggest} GiB); use more "
+            "ranks, fewer --instances or --group-size, a shorter --max-new-tokens or a smaller "
+            "--micro-batch (python train.py --plan shows every figure)")
+
+
+def device_plan(args, world, device):
+    """The plan for this run's own devices (a GPU's memory; a CPU rank's share of the RAM)."""
+    if device.type == "cuda":
+        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    else:
+        gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / world
+    return memory_plan(args, world, gib, device.type == "cuda")
+
+
+def print_plan(args):
+    """--plan: the plan for --plan-ranks GPUs of --plan-gib (by default this node's GPUs, else
+    PLAN_NODE), printed; a plan that does not fit exits with its one line."""
+    cuda = torch.cuda.is_available()
+    world = args.plan_ranks or int(os.environ.get("WORLD_SIZE", 0)) or (
+        torch.cuda.device_count() if cuda else PLAN_NODE[0])
+    gib = args.plan_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda
+                            else PLAN_NODE[1])
+    plan = memory_plan(args, world, gib, True)
+    print("\n".join(plan_lines(plan)))
+    if refusal := plan_refusal(plan):
+        sys.exit(refusal)
+    return plan
