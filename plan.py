@@ -71,7 +71,7 @@ def engine_sizes(cfg, itemsize, rows, contexts, gpu):
     smaller bucket gets more tokens a row, up to the longest context); on a CPU the engine's
     defaults (engine.CACHE_GB_CPU, engine.DECODE_COPY_GB)."""
     token = kv_token_bytes(cfg, itemsize)
-    limit = engine.MAX_BLOCKS * engine.BLOCK_SIZE * token
+    limit = engine.pool_limit_bytes(token)
     if not gpu:
         return min(engine.CACHE_GB_CPU * 2**30, limit), engine.DECODE_COPY_GB * 2**30, None
     pool = min(PLAN_POOL_MARGIN * max(n * t for n, t in contexts) * token, limit)

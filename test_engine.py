@@ -470,3 +470,51 @@ def test_cuda_graphs_are_captured_once_survive_a_refresh_and_equal_eager(monkeyp
     assert {b: dict(batch.graphs) for b, batch in eng.decode_batches.items()} == graphs
     monkeypatch.setattr(engine, "CUDA_GRAPHS", False)
     assert run() == first
+
+
+def record_sdpa(monkeypatch):
+    """Every F.scaled_dot_product_attention call from here on, as (query shape, key shape, mask
+    or None, is_causal, enable_gqa): the calls a GPU would make once COMPUTE_BOUND_DEVICES is
+    emptied."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+        calls.append((tuple(q.shape), tuple(k.shape), attn_mask, is_causal, enable_gqa))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return calls
+
+
+def math_only(call):
+    """Whether only PyTorch's MATH kernel runs this SDPA call on CUDA: grouped-query heads with a
+    mask (flash takes no mask; memory-efficient needs equal head counts), or a causal flag with
+    queries != keys (SDPA's is_causal is top-left aligned: a cached prefix gets the wrong mask
+    or MATH)."""
+    q, k, mask, causal, _ = call
+    return (mask is not None and q[1] != k[1]) or (causal and q[2] != k[2])
+
+
+@pytest.mark.parametrize("budget_mb", [engine.ATTENTION_CALL_MB, 0.05])
+def test_gpu_path_attention_has_no_math_only_call_and_matches_hf(monkeypatch, budget_mb):
+    """On the GPU's code path (COMPUTE_BOUND_DEVICES emptied), on a grouped-query model: every
+    SDPA call of a generate (prefill and eager decode) takes equal head counts or no mask, none
+    is MATH-only, each call's mask stays within ATTENTION_CALL_MB (a small budget splits the
+    forward into calls of whole sequences and windows of one's queries) and greedy outputs
+    equal Hugging Face generate."""
+    monkeypatch.setattr(engine, "COMPUTE_BOUND_DEVICES", ())
+    monkeypatch.setattr(engine, "ATTENTION_CALL_MB", budget_mb)
+    monkeypatch.setattr(engine, "DECODE_COPY_GB", 0)  # every decode step through the Batch too
+    model = tiny_model("qwen3")
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    calls = record_sdpa(monkeypatch)
+    ours = engine.generate(model, PROMPTS, 12, block_size=16)
+    monkeypatch.undo()
+    assert len(calls) > 2 * model.config.num_hidden_layers
+    assert not [c for c in calls if math_only(c)]
+    if budget_mb < 1:
+        assert max(c[2].numel() * c[2].element_size() for c in calls) <= budget_mb * 2**20
+        assert len({c[0][0] for c in calls}) > 1  # calls of one and of several sequences
+        assert max(c[0][2] for c in calls) < 2 * 60  # the 60-token prefill ran in windows
+    assert ours == [hf_greedy(model, p, 12) for p in PROMPTS]

@@ -18,13 +18,15 @@ def test_probe_fork_read_matches_reference(arch, tokenizer, paths):
         [{"role": "system", "content": "You are Ana, a nurse."}],
         [{"role": "system", "content": "You are Bo."}, {"role": "user", "content": "Could we book it?"},
          {"role": "assistant", "content": "I need to see the numbers first."}]]]
-    fork, fork_mass = probes.read_beliefs(model, tokenizer, contexts, with_mass=True)
+    eng = engine.Engine(model, tokenizer)
+    fork, fork_mass = probes.read_beliefs(eng, contexts, with_mass=True)
     ref, ref_mass = probes.read_beliefs_reference(model, tokenizer, contexts, with_mass=True)
     assert fork.shape == (2, 3) == fork_mass.shape and (fork.abs() <= 1).all()
     assert ((fork_mass > 0) & (fork_mass <= 1)).all()
     torch.testing.assert_close(fork, ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(fork_mass, ref_mass, atol=1e-5, rtol=0)
-    torch.testing.assert_close(probes.read_beliefs(model, tokenizer, contexts), fork, atol=0, rtol=0)
+    torch.testing.assert_close(probes.read_beliefs(eng, contexts), fork, atol=0, rtol=0)
+    assert eng.free_blocks == eng.cache.num_blocks  # every context and fork freed
 
 
 def test_probe_value_is_yes_vs_no_probability(tokenizer):
