@@ -64,7 +64,7 @@ BATCH_BUCKETS = (1, 2, 4, 8)  # decode batch shapes, then multiples of BATCH_STE
 BATCH_STEP = 16
 CAPACITY_BUCKET = 256     # a decode batch's capacity (tokens a row) is a multiple of this
 CUDA_GRAPHS = True        # on CUDA, capture each decode bucket once as a graph and replay it
-ATTENTION_CALL_MB = 512   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
+ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
 # a forward past it runs in several calls (whole sequences, or windows of one's queries)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
@@ -323,6 +323,15 @@ def blocks_for(tokens, block_size, copy_on_write=False):
 def pool_limit_bytes(token_bytes, block_size=BLOCK_SIZE):
     """The largest KV pool an engine builds (MAX_BLOCKS blocks), in bytes."""
     return MAX_BLOCKS * block_size * token_bytes
+
+
+def attention_transient_bytes(heads, arena_columns, itemsize):
+    """The most memory attention takes beside the pool and the arena, in bytes: one padded-path
+    SDPA call (ATTENTION_CALL_MB, call_bytes: its mask, folded queries and output, and the
+    gathered keys and values the engine keeps for the next call) and the masks a forward keeps
+    (at most as much again, Batch), plus a decode step's float32 scores, their softmax and its
+    cast (one layer at a time, heads x every arena column)."""
+    return int(2 * ATTENTION_CALL_MB * 2**20) + arena_columns * heads * (8 + itemsize)
 
 
 class PoolShape(NamedTuple):

@@ -108,6 +108,10 @@ def memory_plan(args, world, gib, gpu):
         pool, arena, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
         add(f"{role} KV pool", pool)
         add(f"{role} decode arena", arena)
+        if gpu:  # the padded path's largest SDPA call (its gathered keys stay: Batch.gather)
+            add(f"{role} attention transient",
+                engine.attention_transient_bytes(cfg.num_attention_heads,
+                                                 arena // kv_token_bytes(cfg, itemsize), itemsize))
         sizes[role] = dict(cache_bytes=pool, decode_bytes=arena, decode_capacity=capacity)
 
     shard = f" (1/{world} shard)" if world > 1 else ""
