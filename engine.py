@@ -64,6 +64,11 @@ BATCH_BUCKETS = (1, 2, 4, 8)  # decode batch shapes, then multiples of BATCH_STE
 BATCH_STEP = 16
 CAPACITY_BUCKET = 256     # a decode batch's capacity (tokens a row) is a multiple of this
 CUDA_GRAPHS = True        # on CUDA, capture each decode bucket once as a graph and replay it
+CAPACITY_TIERS = 4        # ... at this many extents (capacity / 4, / 2, 3 / 4, whole): a window
+# attends over the smallest tier its rows' positions reach, not the whole capacity
+DECODE_EXTENT = "live"    # eager decode steps attend up to the live length; "tier": as a graph does
+ARENA_PAD = 16            # columns after a row's capacity: its scratch column, and padding that
+# starts every transposed key row 32-byte aligned (cuBLAS reads aligned rows; capacity + 1 did not)
 ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
 # a forward past it runs in several calls (whole sequences, or windows of one's queries)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -176,8 +181,9 @@ def rms_norm(x, weight, eps):
 
 def rotate(x, cos, signed_sin):
     """RoPE on [N, heads, head_dim], rotate-half convention: x cos + (-x2, x1) sin, written as
-    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim]."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim] (three operations:
+    the product and the sum are one addcmul)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 def decode_attention(q, keys_t, values, key_bias):
@@ -277,12 +283,14 @@ def stream_key(*parts):
     return zlib.crc32(repr(parts).encode())
 
 
-def uniform_noise(keys, positions, vocab):
+def uniform_noise(keys, positions, vocab, ids=None):
     """u in (0, 1) for every (row, token id): a pure function of the row's stream key, the
     position the sampled token will take and the id (counter-based, 24 bits). A sequence's draws
-    therefore never depend on the rows beside it, the pool, the admission order or the ranks."""
+    therefore never depend on the rows beside it, the pool, the admission order or the ranks.
+    ids [rows, n]: the noise of those ids only (the same values), else of every id below vocab."""
     base = mix32(mix32(keys & MASK32) ^ (positions & MASK32))
-    x = mix32((base[:, None] + torch.arange(vocab, device=keys.device)) & MASK32)
+    ids = torch.arange(vocab, device=keys.device) if ids is None else ids
+    x = mix32((base[:, None] + ids) & MASK32)
     return ((x >> 8).float() + 0.5) * 2.0 ** -24
 
 
@@ -290,23 +298,27 @@ def sample(logits, sampling, keys, positions):
     """Next tokens and their log-probs under the distribution actually sampled from.
 
     Gumbel-max: argmax(log p + g), g = -log(-log u), draws exactly from p; p is softmax(logits / T),
-    restricted to the top_k ids and to the smallest set of mass >= top_p when those are given."""
+    restricted to the top_k ids and to the smallest set of mass >= top_p when those are given.
+    With top_k, the truncation, top-p's sort and the noise touch the k candidates only (the
+    noise of an id is the same whichever ids are drawn, uniform_noise)."""
     logits = logits.float()
     if sampling.temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-    logp = torch.log_softmax(logits / sampling.temperature, -1)
-    if sampling.top_k:
-        kth = logp.topk(min(sampling.top_k, logp.shape[-1]), -1).values[:, -1:]
-        logp = torch.log_softmax(logp.masked_fill(logp < kth, -math.inf), -1)
-    if sampling.top_p is not None and sampling.top_p < 1.0:
-        sorted_logp, order = logp.sort(-1, descending=True)
-        outside = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= sampling.top_p
-        logp = logp.scatter(-1, order, sorted_logp.masked_fill(outside, -math.inf))
+    logp, ids = torch.log_softmax(logits / sampling.temperature, -1), None
+    if sampling.top_k:  # the k largest, sorted: top-p below needs no sort of its own
+        logp, ids = logp.topk(min(sampling.top_k, logp.shape[-1]), -1)
         logp = torch.log_softmax(logp, -1)
-    gumbel = -torch.log(-torch.log(uniform_noise(keys, positions, logp.shape[-1])))
-    tokens = (logp + gumbel).argmax(-1)
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        sorted_logp, order = (logp, None) if ids is not None else logp.sort(-1, descending=True)
+        outside = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= sampling.top_p
+        sorted_logp = sorted_logp.masked_fill(outside, -math.inf)
+        logp = sorted_logp if order is None else logp.scatter(-1, order, sorted_logp)
+        logp = torch.log_softmax(logp, -1)
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, positions, logp.shape[-1], ids)))
+    choice = (logp + gumbel).argmax(-1, keepdim=True)
+    tokens = choice[:, 0] if ids is None else ids.gather(-1, choice)[:, 0]
+    return tokens, logp.gather(-1, choice)[:, 0]
 
 
 def round_up(n, multiple):
@@ -344,6 +356,18 @@ class PoolShape(NamedTuple):
 
     def blocks_for(self, tokens, copy_on_write=False):
         return blocks_for(tokens, self.block_size, copy_on_write)
+
+
+def capacity_tiers(capacity):
+    """The extents a decode bucket of this capacity attends over (CAPACITY_TIERS of them, each a
+    multiple of CAPACITY_BUCKET, the last the capacity): a CUDA graph is captured per tier."""
+    return sorted({min(capacity, round_up(capacity * i // CAPACITY_TIERS, CAPACITY_BUCKET))
+                   for i in range(1, CAPACITY_TIERS + 1)})
+
+
+def arena_bytes(rows, capacity, token_bytes):
+    """The decode arena a bucket of `rows` rows of `capacity` tokens views (ARENA_PAD included)."""
+    return rows * (capacity + ARENA_PAD) * token_bytes
 
 
 def batch_bucket(n):
@@ -649,7 +673,7 @@ class Engine:
         """Tokens each row of a `rows`-row DecodeBatch holds in the arena: what decode_bytes gives
         a row (one scratch column kept), rounded down to CAPACITY_BUCKET, at most
         decode_capacity. Fixed per bucket, so a bucket's CUDA graph is captured once."""
-        columns = self.decode_bytes // (self.token_bytes * rows) - 1
+        columns = self.decode_bytes // (self.token_bytes * rows) - ARENA_PAD
         return min(columns // CAPACITY_BUCKET * CAPACITY_BUCKET, self.decode_capacity)
 
     def arena_views(self, n):
@@ -779,7 +803,8 @@ class DecodeBatch:
                   attends over all of them (the unwritten ones masked), an eager step over the
                   columns its positions reach
         keys_t    each row's keys, dense and transposed [layers, B, kv_heads, head_dim, capacity +
-                  1] (decode_attention), and values [layers, B, kv_heads, capacity + 1, head_dim]:
+                  ARENA_PAD] (decode_attention; every key row 32-byte aligned, column capacity
+                  the scratch one), and values [layers, B, kv_heads, capacity + ARENA_PAD, head_dim]:
         values    views of the engine's one arena (Engine.arena_views), copied from the pool and
                   kept between calls (filled); each step writes its token into both, so the pool
                   stays the cache of record
@@ -797,8 +822,8 @@ class DecodeBatch:
         self.engine = weakref.proxy(engine)
         self.capacity, self.block_size = capacity, cache.block_size
         layers, _, kv_heads, head_dim = cache.k.shape
-        keys_shape = (layers, rows, kv_heads, head_dim, capacity + 1)
-        values_shape = (layers, rows, kv_heads, capacity + 1, head_dim)
+        keys_shape = (layers, rows, kv_heads, head_dim, capacity + ARENA_PAD)
+        values_shape = (layers, rows, kv_heads, capacity + ARENA_PAD, head_dim)
         keys, values = engine.arena_views(math.prod(values_shape))
         self.keys_t, self.values = keys.view(keys_shape), values.view(values_shape)
         self.filled = engine.arena_rows(rows)
@@ -808,14 +833,17 @@ class DecodeBatch:
         self.tables = torch.full((rows, capacity // cache.block_size + 1), cache.scratch,
                                  dtype=torch.long, device=dev)
         self.rows, self.kv_pos = torch.arange(rows, device=dev), torch.arange(capacity, device=dev)
-        self.graphs = {}  # sampling -> (graph, outputs)
+        self.tiers = capacity_tiers(capacity)
+        self.graphs = {}  # (sampling, tier) -> (graph, outputs)
 
     def begin(self, sids, limit):
         """Bring the dense copy up to date with these sequences' cached keys and values: a row
         that already holds the first tokens of its sequence (the same sequence last call) takes
         only the tokens cached since. Columns from a row's length up to `limit` (beyond any key
-        the coming steps reach) are zeroed: memory never written may hold anything, and a
-        masked key's weight is 0 only when its value is finite."""
+        the coming steps reach, rounded up to its capacity tier, which a step may read) are
+        zeroed: memory never written may hold anything, and a masked key's weight is 0 only
+        when its value is finite."""
+        limit = self.tier(limit)
         cache, self.sids = self.engine.cache, list(sids)
         self.filled = self.engine.arena_rows(len(self.tokens))
         for row, sid in enumerate(self.sids):
@@ -851,7 +879,7 @@ class DecodeBatch:
         return max(positions[self.sids.index(s)] for s in running)
 
     def step(self, extent, sampling):
-        """One decode step of every row, keys visible up to `extent` (the capacity in a graph)."""
+        """One decode step of every row, keys visible up to `extent` (a capacity tier in a graph)."""
         w, cache, bs = self.engine.w, self.engine.cache, self.block_size
         pos = self.positions
         block = self.tables.gather(1, (pos // bs).clamp(max=self.tables.shape[1] - 1)[:, None])[:, 0]
@@ -883,17 +911,24 @@ class DecodeBatch:
         graph = self.engine.device.type == "cuda" and CUDA_GRAPHS
         tokens = torch.empty(len(self.tokens), steps, dtype=torch.long, device=self.tokens.device)
         logps = torch.empty(tokens.shape, dtype=torch.float32, device=self.tokens.device)
+        tier = self.tier(start + steps)  # the columns the window's last step reaches
         for j in range(steps):
-            t, lp = (self.replay(sampling) if graph else
-                     self.step(min(start + j + 1, self.capacity), sampling))
+            live = min(start + j + 1, self.capacity)
+            t, lp = (self.replay(sampling, tier) if graph else
+                     self.step(tier if DECODE_EXTENT == "tier" else live, sampling))
             tokens[:, j], logps[:, j] = t, lp
         return tokens.tolist(), logps.tolist()
 
-    def replay(self, sampling):
-        """The step as a CUDA graph over the whole capacity, captured on first use for this
-        sampling (while every row is inert, so that capturing writes nothing but scratch) and
-        kept for the engine's life: its tensors, the arena and the weights never move."""
-        if sampling not in self.graphs:
+    def tier(self, reach):
+        """The smallest of the bucket's capacity tiers (capacity_tiers) that holds `reach` columns."""
+        return next((t for t in self.tiers if t >= reach), self.capacity)
+
+    def replay(self, sampling, extent):
+        """The step as a CUDA graph over `extent` columns (a capacity tier), captured on first use
+        for this sampling and tier (while every row is inert, so that capturing writes nothing
+        but scratch) and kept for the engine's life: its tensors, the arena and the weights
+        never move."""
+        if (sampling, extent) not in self.graphs:
             start = time.perf_counter()
             live = self.live.clone()
             self.live.zero_()
@@ -903,15 +938,15 @@ class DecodeBatch:
             side = self.engine.side_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.step(self.capacity, sampling)  # warm-up outside the graph
+                self.step(extent, sampling)  # warm-up outside the graph
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.engine.graph_pool):
-                outputs = self.step(self.capacity, sampling)
-            self.graphs[sampling] = (graph, outputs)
+                outputs = self.step(extent, sampling)
+            self.graphs[sampling, extent] = (graph, outputs)
             self.live.copy_(live)
             self.engine.graph_capture_s += time.perf_counter() - start
-        graph, outputs = self.graphs[sampling]
+        graph, outputs = self.graphs[sampling, extent]
         graph.replay()
         return outputs
 

@@ -77,7 +77,7 @@ def engine_sizes(cfg, itemsize, rows, contexts, gpu):
     pool = min(PLAN_POOL_MARGIN * max(n * t for n, t in contexts) * token, limit)
     longest = min(max(t for _, t in contexts), cfg.max_position_embeddings) + engine.SYNC_EVERY
     train = engine.round_up(contexts[0][1] + engine.SYNC_EVERY, engine.CAPACITY_BUCKET)
-    arena = engine.batch_bucket(rows) * (train + 1) * token
+    arena = engine.arena_bytes(engine.batch_bucket(rows), train, token)
     return pool, arena, engine.round_up(longest, engine.CAPACITY_BUCKET)
 
 
