@@ -37,6 +37,7 @@ against Hugging Face `generate` on every path.
     python bench.py                          # the rollout workload against two baselines
 """
 import functools
+import itertools
 import math
 import os
 import time
@@ -63,6 +64,13 @@ BATCH_BUCKETS = (1, 2, 4, 8)  # decode batch shapes, then multiples of BATCH_STE
 BATCH_STEP = 16
 CAPACITY_BUCKET = 256     # a decode batch's capacity (tokens a row) is a multiple of this
 CUDA_GRAPHS = True        # on CUDA, capture each decode bucket once as a graph and replay it
+CAPACITY_TIERS = 4        # ... at this many extents (capacity / 4, / 2, 3 / 4, whole): a window
+# attends over the smallest tier its rows' positions reach, not the whole capacity
+DECODE_EXTENT = "live"    # eager decode steps attend up to the live length; "tier": as a graph does
+ARENA_PAD = 16            # columns after a row's capacity: its scratch column, and padding that
+# starts every transposed key row 32-byte aligned (cuBLAS reads aligned rows; capacity + 1 did not)
+ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
+# a forward past it runs in several calls (whole sequences, or windows of one's queries)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
 # forward here has a new one (the batch, its queries and its block-rounded keys all vary)
@@ -173,8 +181,9 @@ def rms_norm(x, weight, eps):
 
 def rotate(x, cos, signed_sin):
     """RoPE on [N, heads, head_dim], rotate-half convention: x cos + (-x2, x1) sin, written as
-    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim]."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim] (three operations:
+    the product and the sum are one addcmul)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 def decode_attention(q, keys_t, values, key_bias):
@@ -274,12 +283,14 @@ def stream_key(*parts):
     return zlib.crc32(repr(parts).encode())
 
 
-def uniform_noise(keys, positions, vocab):
+def uniform_noise(keys, positions, vocab, ids=None):
     """u in (0, 1) for every (row, token id): a pure function of the row's stream key, the
     position the sampled token will take and the id (counter-based, 24 bits). A sequence's draws
-    therefore never depend on the rows beside it, the pool, the admission order or the ranks."""
+    therefore never depend on the rows beside it, the pool, the admission order or the ranks.
+    ids [rows, n]: the noise of those ids only (the same values), else of every id below vocab."""
     base = mix32(mix32(keys & MASK32) ^ (positions & MASK32))
-    x = mix32((base[:, None] + torch.arange(vocab, device=keys.device)) & MASK32)
+    ids = torch.arange(vocab, device=keys.device) if ids is None else ids
+    x = mix32((base[:, None] + ids) & MASK32)
     return ((x >> 8).float() + 0.5) * 2.0 ** -24
 
 
@@ -287,27 +298,76 @@ def sample(logits, sampling, keys, positions):
     """Next tokens and their log-probs under the distribution actually sampled from.
 
     Gumbel-max: argmax(log p + g), g = -log(-log u), draws exactly from p; p is softmax(logits / T),
-    restricted to the top_k ids and to the smallest set of mass >= top_p when those are given."""
+    restricted to the top_k ids and to the smallest set of mass >= top_p when those are given.
+    With top_k, the truncation, top-p's sort and the noise touch the k candidates only (the
+    noise of an id is the same whichever ids are drawn, uniform_noise)."""
     logits = logits.float()
     if sampling.temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-    logp = torch.log_softmax(logits / sampling.temperature, -1)
-    if sampling.top_k:
-        kth = logp.topk(min(sampling.top_k, logp.shape[-1]), -1).values[:, -1:]
-        logp = torch.log_softmax(logp.masked_fill(logp < kth, -math.inf), -1)
-    if sampling.top_p is not None and sampling.top_p < 1.0:
-        sorted_logp, order = logp.sort(-1, descending=True)
-        outside = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= sampling.top_p
-        logp = logp.scatter(-1, order, sorted_logp.masked_fill(outside, -math.inf))
+    logp, ids = torch.log_softmax(logits / sampling.temperature, -1), None
+    if sampling.top_k:  # the k largest, sorted: top-p below needs no sort of its own
+        logp, ids = logp.topk(min(sampling.top_k, logp.shape[-1]), -1)
         logp = torch.log_softmax(logp, -1)
-    gumbel = -torch.log(-torch.log(uniform_noise(keys, positions, logp.shape[-1])))
-    tokens = (logp + gumbel).argmax(-1)
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        sorted_logp, order = (logp, None) if ids is not None else logp.sort(-1, descending=True)
+        outside = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= sampling.top_p
+        sorted_logp = sorted_logp.masked_fill(outside, -math.inf)
+        logp = sorted_logp if order is None else logp.scatter(-1, order, sorted_logp)
+        logp = torch.log_softmax(logp, -1)
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, positions, logp.shape[-1], ids)))
+    choice = (logp + gumbel).argmax(-1, keepdim=True)
+    tokens = choice[:, 0] if ids is None else ids.gather(-1, choice)[:, 0]
+    return tokens, logp.gather(-1, choice)[:, 0]
 
 
 def round_up(n, multiple):
     return -(-n // multiple) * multiple
+
+
+def blocks_for(tokens, block_size, copy_on_write=False):
+    """KV blocks that hold `tokens` tokens (ceil(tokens / block_size)); copy_on_write adds the one
+    a write may copy first, when it starts inside a block it shares with a fork. The one place
+    outside PagedCache that turns tokens into blocks: callers ask an Engine (or a PoolShape)."""
+    return -(-tokens // block_size) + bool(copy_on_write)
+
+
+def pool_limit_bytes(token_bytes, block_size=BLOCK_SIZE):
+    """The largest KV pool an engine builds (MAX_BLOCKS blocks), in bytes."""
+    return MAX_BLOCKS * block_size * token_bytes
+
+
+def attention_transient_bytes(heads, arena_columns, itemsize):
+    """The most memory attention takes beside the pool and the arena, in bytes: one padded-path
+    SDPA call (ATTENTION_CALL_MB, call_bytes: its mask, folded queries and output, and the
+    gathered keys and values the engine keeps for the next call) and the masks a forward keeps
+    (at most as much again, Batch), plus a decode step's float32 scores, their softmax and its
+    cast (one layer at a time, heads x every arena column)."""
+    return int(2 * ATTENTION_CALL_MB * 2**20) + arena_columns * heads * (8 + itemsize)
+
+
+class PoolShape(NamedTuple):
+    """What capacity checks read of an engine before any weight loads (eval.pool_shape): its
+    tokenizer, device, context and block size, with the Engine's own block arithmetic."""
+    tokenizer: object
+    device: torch.device
+    max_len: int
+    block_size: int
+
+    def blocks_for(self, tokens, copy_on_write=False):
+        return blocks_for(tokens, self.block_size, copy_on_write)
+
+
+def capacity_tiers(capacity):
+    """The extents a decode bucket of this capacity attends over (CAPACITY_TIERS of them, each a
+    multiple of CAPACITY_BUCKET, the last the capacity): a CUDA graph is captured per tier."""
+    return sorted({min(capacity, round_up(capacity * i // CAPACITY_TIERS, CAPACITY_BUCKET))
+                   for i in range(1, CAPACITY_TIERS + 1)})
+
+
+def arena_bytes(rows, capacity, token_bytes):
+    """The decode arena a bucket of `rows` rows of `capacity` tokens views (ARENA_PAD included)."""
+    return rows * (capacity + ARENA_PAD) * token_bytes
 
 
 def batch_bucket(n):
@@ -359,7 +419,7 @@ class PagedCache:
 
     def trim(self, sid):
         """Give back the blocks past a sequence's length (reserved for tokens never written)."""
-        table, keep = self.tables[sid], -(-self.lengths[sid] // self.block_size)
+        table, keep = self.tables[sid], blocks_for(self.lengths[sid], self.block_size)
         while len(table) > keep:
             self._release(table.pop())
 
@@ -368,7 +428,7 @@ class PagedCache:
         length, table, bs = self.lengths[sid], self.tables[sid], self.block_size
         if n <= 0:
             return 0
-        new = max(0, -(-(length + n) // bs) - len(table))
+        new = max(0, blocks_for(length + n, bs) - len(table))
         return new + bool(length % bs and self.refs[table[length // bs]] > 1)
 
     def reserve(self, sids, counts):
@@ -508,6 +568,14 @@ class Engine:
     def free_blocks(self):
         return len(self.cache.free_blocks)
 
+    def blocks_for(self, tokens, copy_on_write=False):
+        """KV blocks `tokens` tokens take in this engine's pool (engine.blocks_for)."""
+        return blocks_for(tokens, self.block_size, copy_on_write)
+
+    def can_fit(self, tokens=0, blocks=0):
+        """Whether the free pool takes `tokens` more tokens in fresh blocks plus `blocks` more."""
+        return self.blocks_for(tokens) + blocks <= self.free_blocks
+
     @property
     def max_len(self):
         return self.w["max_len"]
@@ -605,7 +673,7 @@ class Engine:
         """Tokens each row of a `rows`-row DecodeBatch holds in the arena: what decode_bytes gives
         a row (one scratch column kept), rounded down to CAPACITY_BUCKET, at most
         decode_capacity. Fixed per bucket, so a bucket's CUDA graph is captured once."""
-        columns = self.decode_bytes // (self.token_bytes * rows) - 1
+        columns = self.decode_bytes // (self.token_bytes * rows) - ARENA_PAD
         return min(columns // CAPACITY_BUCKET * CAPACITY_BUCKET, self.decode_capacity)
 
     def arena_views(self, n):
@@ -735,7 +803,8 @@ class DecodeBatch:
                   attends over all of them (the unwritten ones masked), an eager step over the
                   columns its positions reach
         keys_t    each row's keys, dense and transposed [layers, B, kv_heads, head_dim, capacity +
-                  1] (decode_attention), and values [layers, B, kv_heads, capacity + 1, head_dim]:
+                  ARENA_PAD] (decode_attention; every key row 32-byte aligned, column capacity
+                  the scratch one), and values [layers, B, kv_heads, capacity + ARENA_PAD, head_dim]:
         values    views of the engine's one arena (Engine.arena_views), copied from the pool and
                   kept between calls (filled); each step writes its token into both, so the pool
                   stays the cache of record
@@ -753,8 +822,8 @@ class DecodeBatch:
         self.engine = weakref.proxy(engine)
         self.capacity, self.block_size = capacity, cache.block_size
         layers, _, kv_heads, head_dim = cache.k.shape
-        keys_shape = (layers, rows, kv_heads, head_dim, capacity + 1)
-        values_shape = (layers, rows, kv_heads, capacity + 1, head_dim)
+        keys_shape = (layers, rows, kv_heads, head_dim, capacity + ARENA_PAD)
+        values_shape = (layers, rows, kv_heads, capacity + ARENA_PAD, head_dim)
         keys, values = engine.arena_views(math.prod(values_shape))
         self.keys_t, self.values = keys.view(keys_shape), values.view(values_shape)
         self.filled = engine.arena_rows(rows)
@@ -764,14 +833,17 @@ class DecodeBatch:
         self.tables = torch.full((rows, capacity // cache.block_size + 1), cache.scratch,
                                  dtype=torch.long, device=dev)
         self.rows, self.kv_pos = torch.arange(rows, device=dev), torch.arange(capacity, device=dev)
-        self.graphs = {}  # sampling -> (graph, outputs)
+        self.tiers = capacity_tiers(capacity)
+        self.graphs = {}  # (sampling, tier) -> (graph, outputs)
 
     def begin(self, sids, limit):
         """Bring the dense copy up to date with these sequences' cached keys and values: a row
         that already holds the first tokens of its sequence (the same sequence last call) takes
         only the tokens cached since. Columns from a row's length up to `limit` (beyond any key
-        the coming steps reach) are zeroed: memory never written may hold anything, and a
-        masked key's weight is 0 only when its value is finite."""
+        the coming steps reach, rounded up to its capacity tier, which a step may read) are
+        zeroed: memory never written may hold anything, and a masked key's weight is 0 only
+        when its value is finite."""
+        limit = self.tier(limit)
         cache, self.sids = self.engine.cache, list(sids)
         self.filled = self.engine.arena_rows(len(self.tokens))
         for row, sid in enumerate(self.sids):
@@ -807,7 +879,7 @@ class DecodeBatch:
         return max(positions[self.sids.index(s)] for s in running)
 
     def step(self, extent, sampling):
-        """One decode step of every row, keys visible up to `extent` (the capacity in a graph)."""
+        """One decode step of every row, keys visible up to `extent` (a capacity tier in a graph)."""
         w, cache, bs = self.engine.w, self.engine.cache, self.block_size
         pos = self.positions
         block = self.tables.gather(1, (pos // bs).clamp(max=self.tables.shape[1] - 1)[:, None])[:, 0]
@@ -839,17 +911,24 @@ class DecodeBatch:
         graph = self.engine.device.type == "cuda" and CUDA_GRAPHS
         tokens = torch.empty(len(self.tokens), steps, dtype=torch.long, device=self.tokens.device)
         logps = torch.empty(tokens.shape, dtype=torch.float32, device=self.tokens.device)
+        tier = self.tier(start + steps)  # the columns the window's last step reaches
         for j in range(steps):
-            t, lp = (self.replay(sampling) if graph else
-                     self.step(min(start + j + 1, self.capacity), sampling))
+            live = min(start + j + 1, self.capacity)
+            t, lp = (self.replay(sampling, tier) if graph else
+                     self.step(tier if DECODE_EXTENT == "tier" else live, sampling))
             tokens[:, j], logps[:, j] = t, lp
         return tokens.tolist(), logps.tolist()
 
-    def replay(self, sampling):
-        """The step as a CUDA graph over the whole capacity, captured on first use for this
-        sampling (while every row is inert, so that capturing writes nothing but scratch) and
-        kept for the engine's life: its tensors, the arena and the weights never move."""
-        if sampling not in self.graphs:
+    def tier(self, reach):
+        """The smallest of the bucket's capacity tiers (capacity_tiers) that holds `reach` columns."""
+        return next((t for t in self.tiers if t >= reach), self.capacity)
+
+    def replay(self, sampling, extent):
+        """The step as a CUDA graph over `extent` columns (a capacity tier), captured on first use
+        for this sampling and tier (while every row is inert, so that capturing writes nothing
+        but scratch) and kept for the engine's life: its tensors, the arena and the weights
+        never move."""
+        if (sampling, extent) not in self.graphs:
             start = time.perf_counter()
             live = self.live.clone()
             self.live.zero_()
@@ -859,17 +938,90 @@ class DecodeBatch:
             side = self.engine.side_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.step(self.capacity, sampling)  # warm-up outside the graph
+                self.step(extent, sampling)  # warm-up outside the graph
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.engine.graph_pool):
-                outputs = self.step(self.capacity, sampling)
-            self.graphs[sampling] = (graph, outputs)
+                outputs = self.step(extent, sampling)
+            self.graphs[sampling, extent] = (graph, outputs)
             self.live.copy_(live)
             self.engine.graph_capture_s += time.perf_counter() - start
-        graph, outputs = self.graphs[sampling]
+        graph, outputs = self.graphs[sampling, extent]
         graph.replay()
         return outputs
+
+
+class Call(NamedTuple):
+    """One SDPA call of the padded path: sequences first..first + rows - 1 of a Batch, packed
+    query tokens lo..hi - 1 of it, padded to `width` query rows a sequence (left-padded: row r
+    of sequence b sits at position q_pos[b, r]); keys of each sequence up to kv_lens[b] (the
+    table columns its queries can see)."""
+    lo: int
+    hi: int
+    index: torch.Tensor    # packed token lo + i -> row of the padded [rows * width] queries
+    q_pos: torch.Tensor    # [rows, width] position of each padded query row (clamped at 0)
+    kv_lens: torch.Tensor  # [rows] keys visible to the call's last query of each sequence
+    tables: torch.Tensor   # [rows, blocks] block table columns read
+
+
+def call_bytes(rows, width, keys, heads, kv_heads, head_dim, itemsize):
+    """What one padded attention call holds beside the pool, in bytes: the additive mask
+    [rows, 1, width * G, keys] (G = heads / kv_heads query heads a kv head, folded into the
+    query rows), the gathered keys and values, and the folded queries and their output. SDPA's
+    memory-efficient kernel itself keeps one float32 log-sum-exp a query row (counted too)."""
+    group = heads // kv_heads
+    return rows * (itemsize * (width * group * keys + 2 * keys * kv_heads * head_dim
+                               + 2 * width * heads * head_dim) + 4 * width * heads)
+
+
+def padded_calls(q_lens, kv_lens, tables, block_size, cost, budget):
+    """The padded path's SDPA calls: runs of whole sequences whose call stays within `budget`
+    bytes (cost(rows, width, keys)), and a sequence too large alone in windows of its queries
+    (each window reads only the keys its last query sees). Every transient is so bounded."""
+    q, kv = q_lens.tolist(), kv_lens.tolist()
+    starts = [0] + list(itertools.accumulate(q))
+    spans, b = [], 0  # (first, end, window start, window end) with windows counted per sequence
+    while b < len(q):
+        e = b + 1
+        while e < len(q) and cost(e + 1 - b, max(q[b:e + 1]),
+                                  blocks_for(max(kv[b:e + 1]), block_size) * block_size) <= budget:
+            e += 1
+        if e - b > 1 or cost(1, q[b], blocks_for(kv[b], block_size) * block_size) <= budget:
+            spans.append((b, e, 0, max(q[b:e])))
+        else:  # the keys fixed, the queries in windows that fit (one row at the least)
+            keys = blocks_for(kv[b], block_size) * block_size
+            per_row = cost(1, 2, keys) - cost(1, 1, keys)
+            width = max(1, (budget - cost(1, 0, keys)) // per_row)
+            spans += [(b, b + 1, w, min(w + width, q[b])) for w in range(0, q[b], width)]
+        b = e
+    calls = []
+    for first, end, w0, w1 in spans:
+        width, whole = w1 - w0, max(q[first:end])  # whole: the sequences' padded query rows
+        lens = torch.tensor(kv[first:end]) - (whole - w1)  # keys the window's last row sees
+        rows = torch.arange(end - first)
+        pos = torch.tensor(kv[first:end])[:, None] - whole + torch.arange(w0, w1)
+        lo = starts[first] + (w0 if end - first == 1 else 0)
+        hi = starts[end] - (q[first] - w1 if end - first == 1 else 0)
+        pad = torch.repeat_interleave(rows, torch.tensor(q[first:end]))  # packed -> sequence
+        if end - first == 1:
+            index = torch.arange(hi - lo)
+        else:  # token t of sequence i sits in padded row whole - q_i + t
+            offset = torch.tensor(starts[first:end]) - (whole - torch.tensor(q[first:end]))
+            index = pad * width + torch.arange(lo, hi) - offset[pad]
+        n_blocks = blocks_for(int(lens.max()), block_size)
+        calls.append(Call(lo, hi, index, pos.clamp(min=0), lens, tables[first:end, :n_blocks]))
+    return calls
+
+
+def call_mask(call, keys, group, dtype):
+    """The additive mask [rows, 1, width * group, keys] of a Call: 0 where padded query row r of
+    a sequence sees key j (j <= its position and j < the sequence's visible keys), else -inf,
+    each row repeated for the `group` query heads that the call folds into its query rows
+    (padding rows see key 0, so no row is all -inf)."""
+    kv_pos = torch.arange(keys, device=call.q_pos.device)
+    visible = (kv_pos <= call.q_pos[:, :, None]) & (kv_pos < call.kv_lens[:, None, None])
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, -math.inf).repeat_interleave(group, 1)[:, None]
 
 
 class Batch:
@@ -906,19 +1058,27 @@ class Batch:
             bias = torch.zeros(B, 1, len(kv_pos)).masked_fill_(kv_pos >= kv_lens[:, None, None],
                                                                -math.inf)
             self.bias = bias.repeat_interleave(engine.w["n_kv_heads"], 0).to(dev)  # float32
-        if self.path in ("flash", "padded"):  # queries padded on the left to [B, Q]: padded row
+        if self.path == "flash":  # queries padded on the left to [B, Q]: padded row
             # i of sequence b is its position kv_len - Q + i (bottom-right causal alignment)
             row = torch.repeat_interleave(torch.arange(B), q_lens)
             col = positions - (kv_lens - self.q_max)[row]
             self.pad_index = (row * self.q_max + col).to(dev)  # packed token -> [B * Q] row
-        if self.path == "padded":
-            q_pos = (kv_lens[:, None] - self.q_max + torch.arange(self.q_max)).clamp(min=0)
-            kv_pos = torch.arange(n_blocks * bs)
-            mask = (kv_pos[None, None] <= q_pos[:, :, None]) & (kv_pos < kv_lens[:, None, None])
-            mask = mask[:, None].to(dev)  # [B, 1, Q, K]; padding rows see key 0 (no NaN)
-            # additive, built once: SDPA would otherwise turn a boolean mask into this every layer
-            self.mask = torch.zeros(mask.shape, dtype=engine.dtype, device=dev)
-            self.mask.masked_fill_(~mask, -math.inf)
+        if self.path == "padded":  # SDPA calls of bounded size, grouped query heads folded
+            w = engine.w  # into the query rows (Call, call_mask)
+            self.group = w["n_heads"] // w["n_kv_heads"]
+            cost = functools.partial(call_bytes, heads=w["n_heads"], kv_heads=w["n_kv_heads"],
+                                     head_dim=w["head_dim"], itemsize=engine.dtype.itemsize)
+            self.calls = [c._replace(index=c.index.to(dev), q_pos=c.q_pos.to(dev),
+                                     kv_lens=c.kv_lens.to(dev)) for c in
+                          padded_calls(q_lens, kv_lens, self.tables, bs, cost,
+                                       int(ATTENTION_CALL_MB * 2**20))]
+            masks = [c.q_pos.numel() * self.group * c.tables.shape[1] * bs for c in self.calls]
+            # additive, built once a forward when all of them fit one call's budget, else once
+            # a call a layer: SDPA would otherwise turn a boolean mask into one every call
+            self.masks = ([call_mask(c, c.tables.shape[1] * bs, self.group, engine.dtype)
+                           for c in self.calls]
+                          if sum(masks) * engine.dtype.itemsize <= ATTENTION_CALL_MB * 2**20
+                          else None)
         if self.path == "split":  # sequence b's queries: packed rows lo..hi, its last keys
             ends = torch.cumsum(q_lens, 0).tolist()
             self.spans = [(end - n, end, kv) for end, n, kv in
@@ -927,16 +1087,38 @@ class Batch:
                           (torch.arange(kv) <= torch.arange(kv - hi + lo, kv)[:, None]).to(dev)
                           for lo, hi, kv in self.spans]
 
-    def gather(self, pool, side):
+    def gather(self, pool, side, tables=None):
         """Each sequence's keys (side 0) or values (side 1) as [B, blocks * block_size, kv_heads,
-        head_dim]: whole blocks are copied, which is a plain memory copy per block, and the mask
-        hides the tail. The copy lands in memory the engine keeps (Engine.gather_memory)."""
-        B, n_blocks = self.tables.shape
+        head_dim] through its block table (default: the Batch's): whole blocks are copied, which
+        is a plain memory copy per block, and the mask hides the tail. The copy lands in memory
+        the engine keeps (Engine.gather_memory)."""
+        tables = self.tables if tables is None else tables
+        B, n_blocks = tables.shape
         blocks = pool.view(-1, self.engine.cache.block_size, *pool.shape[1:])
         out = self.engine.gather_memory(side, B * n_blocks * blocks[0].numel())
         out = out.view(-1, *blocks.shape[1:])
-        return torch.index_select(blocks, 0, self.tables.flatten(), out=out).view(B, -1,
-                                                                                 *pool.shape[1:])
+        return torch.index_select(blocks, 0, tables.flatten(), out=out).view(B, -1,
+                                                                            *pool.shape[1:])
+
+    def padded_call(self, layer, i, q):
+        """Call i of the padded path on its packed queries q [n, H, D]: each kv head's G query
+        heads folded into the query rows ([rows, kv_heads, width * G, D]), so that SDPA sees
+        equal head counts and an additive mask, which its memory-efficient kernel takes on a GPU
+        (a masked grouped-query call would run only on MATH, with float32 scores of every head)."""
+        call, cache, G = self.calls[i], self.engine.cache, self.group
+        rows, width = call.q_pos.shape
+        H, D = q.shape[1:]
+        keys = self.gather(cache.k[layer], 0, call.tables)
+        values = self.gather(cache.v[layer], 1, call.tables)
+        padded = q.new_zeros(rows * width, H, D).index_copy_(0, call.index, q)
+        folded = padded.view(rows, width, H // G, G, D).transpose(1, 2).reshape(
+            rows, H // G, width * G, D)
+        mask = (self.masks[i] if self.masks is not None else
+                call_mask(call, keys.shape[1], G, q.dtype))
+        out = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask)
+        return out.view(rows, H // G, width, G, D).transpose(1, 2).reshape(rows * width, H, D)[
+            call.index]
 
     def attention(self, layer, q, k, v):
         """Write this step's k, v into the pool, then attend over each sequence's whole cache."""
@@ -951,14 +1133,16 @@ class Batch:
                 cache_seqlens=self.kv_lens.to(q.device, torch.int32),
                 block_table=self.tables.to(torch.int32), causal=True)
             return out.flatten(0, 1)[self.pad_index]
+        if self.path == "padded":
+            if len(self.calls) == 1:
+                return self.padded_call(layer, 0, q)
+            out = q.new_empty(q.shape)
+            for i, call in enumerate(self.calls):
+                out[call.lo:call.hi] = self.padded_call(layer, i, q[call.lo:call.hi])
+            return out
         keys, values = self.gather(cache.k[layer], 0), self.gather(cache.v[layer], 1)
         if self.path == "decode":
             return decode_attention(q, keys.permute(0, 2, 3, 1), values.transpose(1, 2), self.bias)
-        if self.path == "padded":
-            out = F.scaled_dot_product_attention(self.pad(q).transpose(1, 2), keys.transpose(1, 2),
-                                                 values.transpose(1, 2), attn_mask=self.mask,
-                                                 enable_gqa=True)
-            return out.transpose(1, 2).flatten(0, 1)[self.pad_index]
         outs = []
         for b, ((lo, hi, kv), mask) in enumerate(zip(self.spans, self.masks)):
             out = F.scaled_dot_product_attention(  # [1, heads, tokens, head_dim] each

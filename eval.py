@@ -379,7 +379,7 @@ def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None, probe
         contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, sample)
         model, tok, opts = persuadee.model, persuadee.tokenizer, (probe_space, probe_signs)
         reads = {"sample": [[episodes[i]["id"], t] for i, t in sample],
-                 "fork": probes.read_beliefs(model, tok, contexts, False, *opts).tolist(),
+                 "fork": probes.read_beliefs(persuadee, contexts, False, *opts).tolist(),
                  "reference": probes.read_beliefs_reference(model, tok, contexts, False, False,
                                                             *opts).tolist(),
                  "vocabulary": probes.read_beliefs_reference(model, tok, contexts, False, True,
@@ -409,14 +409,12 @@ def player(name, loaded, dtype, kv_blocks):
 def pool_shape(name, dtype):
     """What capacity checks read of the engine a local model would get (tokenizer, context,
     block size, device), from its tokenizer and config alone: no weight is read."""
-    import types
-
     import torch
 
     import engine
     import models
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return types.SimpleNamespace(
+    return engine.PoolShape(
         tokenizer=models.load_tokenizer(name), device=device,
         max_len=models.model_config(name).max_position_embeddings,
         block_size=engine.block_size_for(device, getattr(torch, dtype)))
@@ -430,7 +428,7 @@ def episode_blocks(eng, instances, t_max, max_new_tokens):
     longest = max(max(map(len, rollout.prompt_ids(eng.tokenizer, eng.tokenizer, i)))
                   for i in instances)
     tokens = min(eng.max_len, longest + t_max * 2 * (max_new_tokens + rollout.CLOSING_ROOM))
-    return (-(-tokens // eng.block_size) + rollout.message_blocks(eng, max_new_tokens)
+    return (eng.blocks_for(tokens) + rollout.message_blocks(eng, max_new_tokens)
             + probes.read_blocks(eng))
 
 

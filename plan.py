@@ -71,13 +71,13 @@ def engine_sizes(cfg, itemsize, rows, contexts, gpu):
     smaller bucket gets more tokens a row, up to the longest context); on a CPU the engine's
     defaults (engine.CACHE_GB_CPU, engine.DECODE_COPY_GB)."""
     token = kv_token_bytes(cfg, itemsize)
-    limit = engine.MAX_BLOCKS * engine.BLOCK_SIZE * token
+    limit = engine.pool_limit_bytes(token)
     if not gpu:
         return min(engine.CACHE_GB_CPU * 2**30, limit), engine.DECODE_COPY_GB * 2**30, None
     pool = min(PLAN_POOL_MARGIN * max(n * t for n, t in contexts) * token, limit)
     longest = min(max(t for _, t in contexts), cfg.max_position_embeddings) + engine.SYNC_EVERY
     train = engine.round_up(contexts[0][1] + engine.SYNC_EVERY, engine.CAPACITY_BUCKET)
-    arena = engine.batch_bucket(rows) * (train + 1) * token
+    arena = engine.arena_bytes(engine.batch_bucket(rows), train, token)
     return pool, arena, engine.round_up(longest, engine.CAPACITY_BUCKET)
 
 
@@ -108,6 +108,10 @@ def memory_plan(args, world, gib, gpu):
         pool, arena, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
         add(f"{role} KV pool", pool)
         add(f"{role} decode arena", arena)
+        if gpu:  # the padded path's largest SDPA call (its gathered keys stay: Batch.gather)
+            add(f"{role} attention transient",
+                engine.attention_transient_bytes(cfg.num_attention_heads,
+                                                 arena // kv_token_bytes(cfg, itemsize), itemsize))
         sizes[role] = dict(cache_bytes=pool, decode_bytes=arena, decode_capacity=capacity)
 
     shard = f" (1/{world} shard)" if world > 1 else ""

@@ -197,19 +197,37 @@ def read_blocks(eng):
     turns, shared = probe_ids(eng.tokenizer)
     if eng.device.type not in engine.COMPUTE_BOUND_DEVICES:
         shared = 0
-    fork = lambda n: 1 + -(-n // eng.block_size)
+    fork = lambda n: eng.blocks_for(n, copy_on_write=True)
     return (fork(shared) if shared else 0) + sum(fork(len(t) - shared) for t in turns)
 
 
-def read_beliefs(model, tokenizer, contexts, with_mass=False, space=None, signs=None):
-    """Probe values [n, 3] (order CA, PE, AC) for closed contexts given as token ids, via forks."""
-    eng = engine.Engine(model, tokenizer)
-    sids = [eng.new(c) for c in contexts]
-    eng.forward(sids)
-    values = read_engine(eng, sids, with_mass, space, signs)
-    for s in sids:
-        eng.free(s)
-    return values
+def read_beliefs(eng, contexts, with_mass=False, space=None, signs=None):
+    """Probe values [n, 3] (order CA, PE, AC) for closed contexts given as token ids, read via
+    forks on `eng` (the persuadee's own engine; no pool is built here): the contexts are
+    prefilled in chunks that the engine's free pool takes together with their probe forks
+    (Engine.admit), read, and freed, so any number of contexts reads on any pool that holds
+    one context and its forks; one that holds less raises with the numbers."""
+    need, out = read_blocks(eng), []
+    for i, c in enumerate(contexts):
+        if eng.blocks_for(len(c)) + need > eng.free_blocks:
+            raise RuntimeError(f"probes.py: context {i} ({len(c)} tokens) and its probe forks take "
+                               f"{eng.blocks_for(len(c)) + need} KV blocks, the pool has "
+                               f"{eng.free_blocks} free; read on an engine with a larger pool")
+    start = 0
+    while start < len(contexts):
+        sids = [eng.new(c) for c in contexts[start:]]
+        chunk = eng.admit(sids, [len(c) for c in contexts[start:]], reserve=need)
+        chunk = sids[:max(1, next((k for k, s in enumerate(sids) if s not in chunk), len(sids)))]
+        for s in sids[len(chunk):]:
+            eng.free(s)
+        eng.forward(chunk)
+        out.append(read_engine(eng, chunk, with_mass, space, signs))
+        for s in chunk:
+            eng.free(s)
+        start += len(chunk)
+    if with_mass:
+        return torch.cat([v for v, _ in out]), torch.cat([m for _, m in out])
+    return torch.cat(out)
 
 
 @torch.no_grad()

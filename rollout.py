@@ -148,7 +148,7 @@ def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timi
 
 def message_blocks(eng, max_new_tokens):
     """Blocks one more message of a sequence can take at most (one more for copy-on-write)."""
-    return -(-max_new_tokens // eng.block_size) + 1
+    return eng.blocks_for(max_new_tokens, copy_on_write=True)
 
 
 def side(player, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
@@ -427,8 +427,7 @@ class EngineSide:
         return self.prompts[instance["id"]]
 
     def room(self, instance, n):
-        blocks = -(-len(self.prompt(instance)) // self.eng.block_size)
-        return blocks + n * self.step <= self.eng.free_blocks
+        return self.eng.can_fit(len(self.prompt(instance)), n * self.step)
 
     def prefill(self, instance):
         """The prompt once; a persuader's last prompt token starts each episode's first message."""
@@ -557,7 +556,7 @@ def judge_scores(judge, instances, transcripts, seed=0, group_indices=None):
     prompts = [models.chat_ids(tok, arena.judge_messages(inst, transcript), True)
                for inst, transcript in zip(instances, transcripts)]
     answer = message_blocks(judge, JUDGE_MAX_NEW_TOKENS)
-    need = [-(-len(p) // judge.block_size) + answer for p in prompts]
+    need = [judge.blocks_for(len(p)) + answer for p in prompts]
     groups = {}
     for i, inst in enumerate(instances):
         groups.setdefault(inst["id"], []).append(i)

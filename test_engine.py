@@ -171,13 +171,31 @@ def test_flash_path_matches_sdpa_path():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_cuda_engine_matches_hf_generate(arch):
-    """The GPU twin of the CPU equivalence test (float32, PyTorch attention path)."""
-    model = tiny_model(arch).cuda()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_engine_matches_hf_generate(arch, dtype, monkeypatch):
+    """The GPU twin of the CPU equivalence test (PyTorch attention path), in float32 and in
+    bf16 (the graph path's dtype) with SDPA limited to flash and memory-efficient kernels, so
+    that a call only MATH would run fails here; bf16 log-probs of a sampled generate stay
+    within 1e-2 (mean) of the training forward's."""
+    from torch.nn.attention import SDPBackend
+    monkeypatch.setattr(engine, "SDPA_BACKENDS", [SDPBackend.FLASH_ATTENTION,
+                                                  SDPBackend.EFFICIENT_ATTENTION])
+    model = tiny_model(arch).to("cuda", dtype)
+    calls = record_sdpa(monkeypatch)
     ours = engine.generate(model, PROMPTS, 24)
+    assert not [c for c in calls if math_only(c)]
+    monkeypatch.undo()
     ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
     assert ours == ref
+    if dtype == torch.bfloat16:
+        eng = engine.Engine(model, block_size=16, num_blocks=64)
+        outs = eng.generate([eng.new(p) for p in PROMPTS], 16, engine.Sampling(1.0), [1, 2, 3], [])
+        for prompt, (ids, logps, _) in zip(PROMPTS, outs):
+            seq = torch.tensor([prompt + ids], device="cuda")
+            with torch.no_grad():
+                train = rpo.token_logprobs(model(seq).logits.float(), seq, 1.0)[0, len(prompt) - 1:]
+            assert (torch.tensor(logps, device="cuda") - train).abs().mean() < 1e-2
 
 
 def test_unwritten_pool_memory_never_reaches_the_logits(paths):
@@ -453,15 +471,17 @@ def test_decode_scores_are_float32_in_bfloat16():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_graphs_are_captured_once_survive_a_refresh_and_equal_eager(monkeypatch):
-    """On CUDA, sampled decoding captures each (bucket, sampling) once; after a refresh the same
-    calls replay the same graphs (no capture time added) and give the same tokens, which equal
-    the eager step's."""
-    model = tiny_model("qwen3").cuda()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_are_captured_once_survive_a_refresh_and_equal_eager(monkeypatch, dtype):
+    """On CUDA, sampled decoding captures each (bucket, sampling, tier) once; after a refresh the
+    same calls replay the same graphs (no capture time added) and give the same tokens and
+    log-probs, bit-equal to the eager step's at the same extent (the tier); at the live length
+    the log-probs differ by rounding only. In float32 and in bf16 (the graph path's dtype)."""
+    model = tiny_model("qwen3").to("cuda", dtype)
     sampling = engine.Sampling(0.7, top_p=0.8, top_k=20)
     eng = engine.Engine(model, block_size=4, num_blocks=400)
-    run = lambda: [ids for ids, _, _ in eng.generate([eng.new(p) for p in PROMPTS], 16, sampling,
-                                                      [1, 2, 3], [])]
+    run = lambda: [out[:2] for out in eng.generate([eng.new(p) for p in PROMPTS], 16, sampling,
+                                                    [1, 2, 3], [])]
     first = run()
     graphs = {b: dict(batch.graphs) for b, batch in eng.decode_batches.items()}
     captured = eng.graph_capture_s
@@ -469,4 +489,99 @@ def test_cuda_graphs_are_captured_once_survive_a_refresh_and_equal_eager(monkeyp
     assert run() == first and eng.graph_capture_s == captured
     assert {b: dict(batch.graphs) for b, batch in eng.decode_batches.items()} == graphs
     monkeypatch.setattr(engine, "CUDA_GRAPHS", False)
-    assert run() == first
+    monkeypatch.setattr(engine, "DECODE_EXTENT", "tier")
+    assert run() == first  # token ids and log-probs, bit for bit
+    monkeypatch.setattr(engine, "DECODE_EXTENT", "live")
+    for (ids, logps), (live_ids, live_logps) in zip(first, run()):
+        n = next((i for i, (a, b) in enumerate(zip(ids, live_ids)) if a != b), len(ids))
+        torch.testing.assert_close(torch.tensor(logps[:n]), torch.tensor(live_logps[:n]),
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def record_sdpa(monkeypatch):
+    """Every F.scaled_dot_product_attention call from here on, as (query shape, key shape, mask
+    or None, is_causal, enable_gqa): the calls a GPU would make once COMPUTE_BOUND_DEVICES is
+    emptied."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+        calls.append((tuple(q.shape), tuple(k.shape), attn_mask, is_causal, enable_gqa))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return calls
+
+
+def math_only(call):
+    """Whether only PyTorch's MATH kernel runs this SDPA call on CUDA: grouped-query heads with a
+    mask (flash takes no mask; memory-efficient needs equal head counts), or a causal flag with
+    queries != keys (SDPA's is_causal is top-left aligned: a cached prefix gets the wrong mask
+    or MATH)."""
+    q, k, mask, causal, _ = call
+    return (mask is not None and q[1] != k[1]) or (causal and q[2] != k[2])
+
+
+@pytest.mark.parametrize("budget_mb", [engine.ATTENTION_CALL_MB, 0.05])
+def test_gpu_path_attention_has_no_math_only_call_and_matches_hf(monkeypatch, budget_mb):
+    """On the GPU's code path (COMPUTE_BOUND_DEVICES emptied), on a grouped-query model: every
+    SDPA call of a generate (prefill and eager decode) takes equal head counts or no mask, none
+    is MATH-only, each call's mask stays within ATTENTION_CALL_MB (a small budget splits the
+    forward into calls of whole sequences and windows of one's queries) and greedy outputs
+    equal Hugging Face generate."""
+    monkeypatch.setattr(engine, "COMPUTE_BOUND_DEVICES", ())
+    monkeypatch.setattr(engine, "ATTENTION_CALL_MB", budget_mb)
+    monkeypatch.setattr(engine, "DECODE_COPY_GB", 0)  # every decode step through the Batch too
+    model = tiny_model("qwen3")
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    calls = record_sdpa(monkeypatch)
+    ours = engine.generate(model, PROMPTS, 12, block_size=16)
+    monkeypatch.undo()
+    assert len(calls) > 2 * model.config.num_hidden_layers
+    assert not [c for c in calls if math_only(c)]
+    if budget_mb < 1:
+        assert max(c[2].numel() * c[2].element_size() for c in calls) <= budget_mb * 2**20
+        assert len({c[0][0] for c in calls}) > 1  # calls of one and of several sequences
+        assert max(c[0][2] for c in calls) < 2 * 60  # the 60-token prefill ran in windows
+    assert ours == [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+def test_a_window_attends_over_its_capacity_tier_not_the_whole_capacity(monkeypatch):
+    """On the GPU's code path with DECODE_EXTENT "tier" (what a CUDA graph replays), every decode
+    step attends over the smallest capacity tier its window reaches: short contexts in a
+    bucket of large capacity read a quarter of it, not all of it; greedy outputs still equal
+    Hugging Face generate and sampled log-probs equal the live-length steps' within 1e-5."""
+    monkeypatch.setattr(engine, "COMPUTE_BOUND_DEVICES", ())
+    model = tiny_model("qwen3")
+    extents, step = [], engine.DecodeBatch.step
+
+    def recorded(self, extent, sampling):
+        extents.append((extent, self.capacity))
+        return step(self, extent, sampling)
+    monkeypatch.setattr(engine.DecodeBatch, "step", recorded)
+    sampling = engine.Sampling(0.7, top_p=0.8, top_k=20)
+    outs = {}
+    for mode in ("live", "tier"):
+        monkeypatch.setattr(engine, "DECODE_EXTENT", mode)
+        eng = engine.Engine(model, block_size=16, num_blocks=400, decode_capacity=1800)
+        extents.clear()
+        outs[mode] = eng.generate([eng.new(p) for p in PROMPTS], 16, sampling, [1, 2, 3], [])
+    assert {c for _, c in extents} == {2048}
+    assert engine.capacity_tiers(2048) == [512, 1024, 1536, 2048]
+    assert {e for e, _ in extents} == {512}  # every step: a quarter of the capacity
+    greedy = engine.generate(model, PROMPTS, 16)
+    assert [ids for ids, _, _ in outs["tier"]] == [ids for ids, _, _ in outs["live"]]
+    for (_, a, _), (_, b, _) in zip(outs["tier"], outs["live"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert greedy == [hf_greedy(model, p, 16) for p in PROMPTS]
+
+
+def test_arena_key_rows_start_aligned():
+    """Every transposed key row of a DecodeBatch starts on a 32-byte boundary (cuBLAS reads
+    aligned rows), whatever the bucket."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    eng = engine.Engine(model, block_size=16, num_blocks=64)
+    eng.generate([eng.new(p) for p in PROMPTS], 4)
+    for batch in eng.decode_batches.values():
+        assert batch.keys_t.stride(-2) * batch.keys_t.element_size() % 32 == 0
+        assert batch.keys_t.data_ptr() % 32 == 0

@@ -18,13 +18,15 @@ def test_probe_fork_read_matches_reference(arch, tokenizer, paths):
         [{"role": "system", "content": "You are Ana, a nurse."}],
         [{"role": "system", "content": "You are Bo."}, {"role": "user", "content": "Could we book it?"},
          {"role": "assistant", "content": "I need to see the numbers first."}]]]
-    fork, fork_mass = probes.read_beliefs(model, tokenizer, contexts, with_mass=True)
+    eng = engine.Engine(model, tokenizer)
+    fork, fork_mass = probes.read_beliefs(eng, contexts, with_mass=True)
     ref, ref_mass = probes.read_beliefs_reference(model, tokenizer, contexts, with_mass=True)
     assert fork.shape == (2, 3) == fork_mass.shape and (fork.abs() <= 1).all()
     assert ((fork_mass > 0) & (fork_mass <= 1)).all()
     torch.testing.assert_close(fork, ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(fork_mass, ref_mass, atol=1e-5, rtol=0)
-    torch.testing.assert_close(probes.read_beliefs(model, tokenizer, contexts), fork, atol=0, rtol=0)
+    torch.testing.assert_close(probes.read_beliefs(eng, contexts), fork, atol=0, rtol=0)
+    assert eng.free_blocks == eng.cache.num_blocks  # every context and fork freed
 
 
 def test_probe_value_is_yes_vs_no_probability(tokenizer):
@@ -126,3 +128,55 @@ def test_probe_signs_parse_from_a_flag():
     assert probes.parse_signs("PE=-1") == {**probes.PROBE_SIGNS, "PE": -1}
     with pytest.raises(argparse.ArgumentTypeError, match="NAME one of CA, PE, AC"):
         probes.parse_signs("XX=2")
+
+
+def test_gpu_path_probe_read_has_no_math_only_call_and_matches_reference(tokenizer, monkeypatch):
+    """A probe read on the GPU's code path (COMPUTE_BOUND_DEVICES emptied, each question's fork
+    whole in one forward) on a grouped-query model: no SDPA call only MATH runs, and the
+    read-outs equal plain full forwards."""
+    from test_engine import math_only, record_sdpa
+    model = tiny_model("qwen3")
+    contexts = [PROMPTS[0], PROMPTS[2], PROMPTS[1] + [9, 9]]
+    ref = probes.read_beliefs_reference(model, tokenizer, contexts)
+    monkeypatch.setattr(engine, "COMPUTE_BOUND_DEVICES", ())
+    calls = record_sdpa(monkeypatch)
+    fork = probes.read_beliefs(engine.Engine(model, tokenizer, block_size=16), contexts)
+    assert calls and not [c for c in calls if math_only(c)]
+    torch.testing.assert_close(fork, ref, atol=1e-4, rtol=0)
+
+
+def test_read_beliefs_reads_many_contexts_in_chunks_its_pool_takes(tokenizer):
+    """read_beliefs on an engine whose pool holds about two contexts and their forks: all five
+    read (in admitted chunks), equal the reference, and leave the pool as it was; a context
+    that cannot fit even alone is refused in one line."""
+    model = tiny_model("llama")
+    contexts = [PROMPTS[2], PROMPTS[0], PROMPTS[2][::-1], PROMPTS[1] + [9, 9], PROMPTS[0][::-1]]
+    eng = engine.Engine(model, tokenizer, block_size=4, num_blocks=200)
+    need = probes.read_blocks(eng)
+    eng = engine.Engine(model, tokenizer, block_size=4, num_blocks=2 * (need + 15) + 4)
+    fork, mass = probes.read_beliefs(eng, contexts, with_mass=True)
+    ref, ref_mass = probes.read_beliefs_reference(model, tokenizer, contexts, with_mass=True)
+    torch.testing.assert_close(fork, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-5, rtol=0)
+    assert eng.free_blocks == eng.cache.num_blocks
+    small = engine.Engine(model, tokenizer, block_size=4, num_blocks=need + 3)
+    with pytest.raises(RuntimeError, match="context 0 .60 tokens. and its probe forks take"):
+        probes.read_beliefs(small, contexts)
+
+
+def test_evaluation_fidelity_reads_on_the_persuadees_pool(tmp_path, monkeypatch):
+    """The evaluation's fidelity check when a fresh default pool would hold about two contexts
+    (engine.CACHE_GB_CPU made small): it reads on the persuadee's own engine, finishes, and
+    equals the reference."""
+    import arena
+    import eval as ev
+    model, tok = models.load_model("random:tiny-qwen3")
+    engines = [engine.Engine(model, tok, num_blocks=600) for _ in range(2)]
+    context = len(models.chat_ids(tok, arena.persuadee_messages(arena.heldout_instances()[0]),
+                                  False))
+    monkeypatch.setattr(engine, "CACHE_GB_CPU", 2 * context * engines[0].token_bytes / 2**30)
+    summary = ev.evaluate(*engines, arena.heldout_instances()[:3], tmp_path / "run", t_max=2,
+                          fidelity=6, max_new_tokens=6)
+    assert summary["probe_fidelity"]["n"] == 6 * 3
+    assert summary["probe_fidelity"]["max_abs_diff"] < 1e-4
+    assert all(eng.free_blocks == 600 for eng in engines)

@@ -101,7 +101,7 @@ def test_smollm2_plays_two_dialogues_end_to_end():
         assert all(-1 <= b <= 1 for b in r["beliefs"]) and len(r["beliefs"]) == r["turns"] + 1
     assert len(er.cache.free_blocks) == er.cache.num_blocks
     ctx = models.chat_ids(tokenizer, arena.persuadee_messages(scenarios[0]), False)
-    torch.testing.assert_close(probes.read_beliefs(model, tokenizer, [ctx]),
+    torch.testing.assert_close(probes.read_beliefs(ee, [ctx]),
                                probes.read_beliefs_reference(model, tokenizer, [ctx]),
                                atol=1e-4, rtol=0)
 
