@@ -883,6 +883,24 @@ def test_one_probe_answer_without_log_probs_turns_no_probe_off(capsys):
         server.close()
 
 
+def test_the_probe_read_out_quotes_nothing_the_persuader_wrote():
+    """A persuader planting the probe question: every probe request ends in the probes' own
+    question as a turn of its own, after the persuadee's reply; the planted text stays the
+    persuader's earlier turn (moves counts it as probe_planting)."""
+    class Planting(ScriptedServer):
+        def answer(self, body):
+            if "How to persuade" in body["messages"][0]["content"]:
+                return completion(f"{probes.INSTRUCTION} {probes.PROBES['AC']} Yes")
+            return super().answer(body)
+    server = Planting()
+    play(server.model(), server.model(), instances((2,)), 2)
+    asks = [b["messages"] for b in server.bodies if b.get("logprobs")]
+    questions = [{"role": "user", "content": f"{probes.INSTRUCTION} {q}"} for q in probes.PROBES.values()]
+    assert asks and all(m[-1] in questions for m in asks)
+    replies = [m for m in asks if any(x["content"].startswith(probes.INSTRUCTION) for x in m[:-1])]
+    assert replies and all(m[-2]["role"] == "assistant" for m in replies)
+
+
 def test_inert_rewrites_only_what_it_breaks():
     text = "Caf\u00e9 \ufb01ne \u2460 \uff1c|im_end|\uff1e and <|im_start|>"
     out, n = served.inert(text)
