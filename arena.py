@@ -275,6 +275,36 @@ def _variant(scenario, rng):
     hidden["concerns"] = hidden["concerns"][k:] + hidden["concerns"][:k]
     return s
 
+def variant_capacity(scenario):
+    """How many distinct variants _variant can give a scenario at most (variant 0 included): its
+    name, age, trust and leading-concern choices multiplied out."""
+    person, hidden = scenario["persuadee"], scenario["hidden"]
+    text = "\n".join(_texts(scenario))
+    words = set(re.findall(r"\w+", text.lower()))
+    old = person["name"].split()
+    names = sum(f.lower() not in words for f in FIRST_NAMES[person.get("pronouns", "they/them")])
+    if len(old) > 1 and _count(old[-1], text) <= _count(person["name"], text):
+        names *= sum(l.lower() not in words for l in SURNAMES)
+    ages = 1 if re.search(rf"(?<!\d){person['age']}(?!\d)", text) else len(
+        {max(MIN_AGE, person["age"] + d) for d in range(-AGE_SHIFT, AGE_SHIFT + 1)})
+    level = TRUST_LEVELS.index(hidden["trust"])
+    trusts = sum(abs(i - level) <= 1 for i in range(len(TRUST_LEVELS)))
+    return 1 + names * ages * trusts * len(hidden["concerns"])
+
+def variants_problem(scenarios, n=N_TRAIN_INSTANCES):
+    """None when the training scenarios can give n distinct instances as training_instances
+    spreads them, else which scenario cannot (checked from the counts alone, before any model
+    loads)."""
+    train = [s for s in scenarios if s["split"] == "train"]
+    if not train:
+        return "holds no training scenario"
+    need = -(-n // len(train))
+    for s in train:
+        if variant_capacity(s) < need:
+            return (f"scenario {s['id']!r} can give at most {variant_capacity(s)} distinct variants, "
+                    f"and {len(train)} training scenarios need up to {need} each for {n} instances")
+    return None
+
 def _instance(scenario, variant, body):
     return {**body, "id": f"{scenario['id']}/v{variant}", "scenario_id": scenario["id"], "variant": variant}
 
@@ -292,6 +322,10 @@ def training_instances(scenarios=None, n=N_TRAIN_INSTANCES, seed=0):
     counts = [n // len(scenarios)] * len(scenarios)
     for i in rng.sample(range(len(scenarios)), n % len(scenarios)):
         counts[i] += 1
+    for scenario, count in zip(scenarios, counts):
+        if count > variant_capacity(scenario):
+            raise ValueError(f"scenario {scenario['id']!r} cannot give {count} distinct variants "
+                             f"(at most {variant_capacity(scenario)}); lower n")
     instances = []
     for scenario, count in zip(scenarios, counts):
         srng = random.Random(f"{seed}/{scenario['id']}")  # a scenario's variants ignore the others
