@@ -90,7 +90,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-finite one skips the step
 MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps that stop the run
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "save_every", "log")  # recorded in config.json
-NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed")
+NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed",
+                "allow_insecure_key")  # (where the key may go is no setting of the run)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
             "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
 
