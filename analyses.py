@@ -280,12 +280,24 @@ def summarize(episodes, shaping_lambda=rpo.LAMBDA):
     summary["shaping_lambda"] = shaping_lambda
     summary["shaping_by_outcome"] = shaping_by_outcome(believed, shaping_lambda)
     summary["dense_by_outcome"] = dense_by_outcome(believed)
+    if warning := judge_warning(summary):
+        summary["judge_warning"] = warning
     if all("moves" in ep and "manipulation" in ep for ep in episodes):
         summary["tagger"] = "+".join(sorted({ep.get("tagger", "keyword") for ep in episodes}))
         if believed:  # a move's effect is read off the beliefs it moved
             summary["moves"] = move_stats(believed)
         summary["manipulation"] = manipulation_stats(episodes)
     return summary
+
+
+def judge_warning(summary):
+    """A loud line when the judge fell back to 0 on every judged transcript (a run whose strategy
+    scores are all a silent 0: a pool too small for the judge's prompt, a judge that never
+    answers in the format), else None."""
+    if summary.get("judge_failed_share") == 1:
+        return ("JUDGE FAILED on every judged transcript: each strategy score s is the fallback 0, "
+                "so no outcome reward here holds a judge's score")
+    return None
 
 
 def pct(x):
@@ -324,6 +336,8 @@ def format_table(summary):
         f"{'mean judge score':<26}{_num(summary['mean_judge'], '+.2f'):>8}",
         f"{'judge fell back to 0':<26}{pct(summary.get('judge_failed_share')):>8}  of judged transcripts",
     ]
+    if warning := judge_warning(summary):
+        lines.append(warning)
     if summary.get("beliefs_missing"):
         lines.append(f"{'beliefs':<26}{'missing':>8}  in {pct(summary['beliefs_missing'])} of episodes "
                      "(the persuadee's server gave no log-probs): belief columns leave them out")
@@ -1023,6 +1037,14 @@ def _number_or_none(v):
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
+def _unit_or_none(v):
+    return v is None or (_number_or_none(v) and 0 <= v <= 1)
+
+
+def _label_rows(v):
+    return isinstance(v, list) and all(isinstance(r, list) and all(isinstance(x, str) for x in r) for r in v)
+
+
 EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
     "scenario_id": ("a string", lambda v: isinstance(v, str)),
     "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: v in OUTCOMES),
@@ -1035,8 +1057,14 @@ EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it m
                    lambda v: isinstance(v, list) and all(isinstance(m, dict) and isinstance(m.get("text"), str)
                                                          and m.get("role") in ("persuader", "persuadee") for m in v)),
     "judge": ("a number or null", _number_or_none),
+    "judge_failed": ("true or false", lambda v: isinstance(v, bool)),
+    "probe_mass": ("a list of [CA, PE, AC] rows of numbers in [0, 1] (null where unread)",
+                   lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(PROBE_NAMES)
+                                                                        and all(map(_unit_or_none, r))) for r in v)),
+    "moves": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
+    "manipulation": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
 }
-OPTIONAL_EPISODE_FIELDS = ("judge",)  # checked where present
+OPTIONAL_EPISODE_FIELDS = ("judge", "judge_failed", "probe_mass", "moves", "manipulation")  # checked where present
 
 
 _STEP = ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool))

@@ -29,6 +29,7 @@ only.
 Tests: python -m pytest -q test_arena.py
 """
 
+import bisect
 import copy
 import difflib
 import json
@@ -63,6 +64,14 @@ OUTCOMES = ("ACCEPT", "CONDITIONAL_ACCEPT", "PENDING", "REJECT", "WALK_AWAY")
 # -----------------------------------------------------------------------------
 # scenarios: schema and loader
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+def invalid_text(text):
+    """None for text every tokenizer and client can encode, else what is wrong with it: a lone
+    UTF-16 surrogate (half an emoji, from a JSON escape such as "\\ud83d") encodes in no UTF."""
+    bad = _SURROGATE.search(text)
+    return None if bad is None else f"the lone surrogate U+{ord(bad.group()):04X}"
+
 def _kind(value):
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
@@ -75,6 +84,8 @@ def _short(value):
 def _text(value):
     if not isinstance(value, str):
         return f"is {_kind(value)}, not a string", "write it as a JSON string"
+    if bad := invalid_text(value):
+        return f"holds {bad}", "write it as valid Unicode text"
     if not value.strip():
         return "is an empty string", "write the text, or remove the field where it is optional"
 
@@ -264,6 +275,36 @@ def _variant(scenario, rng):
     hidden["concerns"] = hidden["concerns"][k:] + hidden["concerns"][:k]
     return s
 
+def variant_capacity(scenario):
+    """How many distinct variants _variant can give a scenario at most (variant 0 included): its
+    name, age, trust and leading-concern choices multiplied out."""
+    person, hidden = scenario["persuadee"], scenario["hidden"]
+    text = "\n".join(_texts(scenario))
+    words = set(re.findall(r"\w+", text.lower()))
+    old = person["name"].split()
+    names = sum(f.lower() not in words for f in FIRST_NAMES[person.get("pronouns", "they/them")])
+    if len(old) > 1 and _count(old[-1], text) <= _count(person["name"], text):
+        names *= sum(l.lower() not in words for l in SURNAMES)
+    ages = 1 if re.search(rf"(?<!\d){person['age']}(?!\d)", text) else len(
+        {max(MIN_AGE, person["age"] + d) for d in range(-AGE_SHIFT, AGE_SHIFT + 1)})
+    level = TRUST_LEVELS.index(hidden["trust"])
+    trusts = sum(abs(i - level) <= 1 for i in range(len(TRUST_LEVELS)))
+    return 1 + names * ages * trusts * len(hidden["concerns"])
+
+def variants_problem(scenarios, n=N_TRAIN_INSTANCES):
+    """None when the training scenarios can give n distinct instances as training_instances
+    spreads them, else which scenario cannot (checked from the counts alone, before any model
+    loads)."""
+    train = [s for s in scenarios if s["split"] == "train"]
+    if not train:
+        return "holds no training scenario"
+    need = -(-n // len(train))
+    for s in train:
+        if variant_capacity(s) < need:
+            return (f"scenario {s['id']!r} can give at most {variant_capacity(s)} distinct variants, "
+                    f"and {len(train)} training scenarios need up to {need} each for {n} instances")
+    return None
+
 def _instance(scenario, variant, body):
     return {**body, "id": f"{scenario['id']}/v{variant}", "scenario_id": scenario["id"], "variant": variant}
 
@@ -281,6 +322,10 @@ def training_instances(scenarios=None, n=N_TRAIN_INSTANCES, seed=0):
     counts = [n // len(scenarios)] * len(scenarios)
     for i in rng.sample(range(len(scenarios)), n % len(scenarios)):
         counts[i] += 1
+    for scenario, count in zip(scenarios, counts):
+        if count > variant_capacity(scenario):
+            raise ValueError(f"scenario {scenario['id']!r} cannot give {count} distinct variants "
+                             f"(at most {variant_capacity(scenario)}); lower n")
     instances = []
     for scenario, count in zip(scenarios, counts):
         srng = random.Random(f"{seed}/{scenario['id']}")  # a scenario's variants ignore the others
@@ -332,32 +377,41 @@ def heldout_instances(scenarios=None):
 
 NEGATION_WINDOW = 3  # words between a negation and the tag it governs, at most
 NEGATIONS = frozenset((  # words that negate (besides any word ending in n't)
-    "not", "never", "nor", "neither", "cannot", "refuse", "refuses", "dont", "wont", "cant",
-    "doesnt", "didnt", "isnt", "arent", "wouldnt", "couldnt", "shouldnt"))
+    "not", "never", "nor", "neither", "cannot", "refuse", "refuses", "decline", "declines", "dont",
+    "wont", "cant", "doesnt", "didnt", "isnt", "arent", "wouldnt", "couldnt", "shouldnt"))
+REFUSALS = (  # phrases that refuse as one negation word does ("No way I [ACCEPT]")
+    ("no", "way"), ("not", "a", "chance"), ("no", "chance"), ("not", "in", "a", "million", "years"),
+    ("over", "my", "dead", "body"), ("rather", "die", "than"), ("not", "on", "your", "life"))
 GOVERNING = frozenset((  # words between a negation and a tag that keep the tag its object
     "to", "be", "going", "gonna", "ready", "able", "willing", "prepared", "about", "want", "yet",
     "ever", "just", "simply", "really", "quite", "fully", "truly", "so", "easily", "still", "even",
-    "i", "we", "can", "could", "will", "would", "should", "think", "believe", "feel", "sure",
-    "happy", "comfortable", "inclined", "convinced", "enough", "make", "me"))
-AFFIRMING = frozenset(("why", "reason"))  # "why not [ACCEPT]", "no reason not to [ACCEPT]"
+    "i", "i'd", "i'm", "i'll", "we", "we'd", "can", "could", "will", "would", "should", "think",
+    "believe", "feel", "sure", "happy", "comfortable", "inclined", "convinced", "enough", "make",
+    "me"))
+AFFIRMING = frozenset((  # "why not [ACCEPT]", "no reason not to", "how could I not", "a fool not to"
+    "why", "how", "reason", "fool", "crazy", "mad", "silly"))
+ASIDES = 2  # comma-set asides between a negation and its tag ("I will not, ever, [ACCEPT]"), at most
 VOIDABLE = ("ACCEPT", "CONDITIONAL_ACCEPT")  # the decisions a governing negation voids
 DROPPED_CATEGORIES = ("Cf", "Mn", "Me")  # format characters and combining marks vanish
 CONFUSABLES = {
     **dict.fromkeys("【〔〖〘〚⟦⁅❲⦋⦍⦏［", "["), **dict.fromkeys("】〕〗〙〛⟧⁆❳⦌⦎⦐］", "]"),
-    **dict.fromkeys("“”„‟«»″〝〞", '"'), **dict.fromkeys("‘’‚‛ʼ′", "'"),
+    **dict.fromkeys("“”„‟«»″〝〞", '"'), **dict.fromkeys("‘’‚‛ʼ′´ʹʻ", "'"),
     **dict.fromkeys("‐‑‒–—―−", "-"),
     **dict(zip("АВСЕНІЈКМОРЅТХУҮԀԌԚԜаԁсеһіјӏорԛѕԝху", "ABCEHIJKMOPSTXYYDGQWadcehijlopqswxy")),
     **dict(zip("ΑΒΕΖΗΙΚΜΝΟΡΤΥΧαεικνορτυχ", "ABEZHIKMNOPTYXaeiknoptux")),
     **dict(zip("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘʀꜱᴛᴜᴠᴡʏᴢıİ", "abcdefghijklmnoprstuvwyziI")),
 }
+QUOTES = '"`'  # the marks that open and close a quoted span ("'" only wraps: it is also an apostrophe)
 
 def _normalised(text):
-    """(normalised text, the index in text of each normalised character's source)."""
+    """(normalised text, the index in text of each normalised character's source). A confusable
+    is mapped before NFKC too, which would turn an acute accent used as an apostrophe into a
+    space and a combining mark."""
     chars, origin = [], []
     for i, c in enumerate(text):
         if unicodedata.category(c) in DROPPED_CATEGORIES:
             continue
-        for n in unicodedata.normalize("NFKC", c):
+        for n in unicodedata.normalize("NFKC", CONFUSABLES.get(c, c)):
             if unicodedata.category(n) not in DROPPED_CATEGORIES:
                 chars.append(CONFUSABLES.get(n, n))
                 origin.append(i)
@@ -374,9 +428,13 @@ _TAG = (r"\\?\[[\s*_]*(conditional(?:ly)?" + _SEP + r"accept(?:ed)?|walk(?:ed)?"
         r"|accept(?:ed)?|reject(?:ed)?|pending)[\s*_]*(?:[.!][\s*_]*)?\\?\]")
 TAG_RE = re.compile(_TAG, re.IGNORECASE)
 # For stripping: the tag with the emphasis that wraps it symmetrically ("**[ACCEPT]**") and the
-# blanks around it, plus the line break when the tag ends a line.
-_STRIP_RE = re.compile(r"(?P<pre>[ \t]*)(?P<em>[*_]{0,3})" + _TAG + r"(?P=em)(?P<post>[ \t]*\n?)", re.IGNORECASE)
-_CLAUSE_END = re.compile(r".*[.!?;:,\n\]]", re.DOTALL)
+# blanks after it, plus the line break when the tag ends a line. The regex starts at the emphasis or
+# the bracket, never at a blank, so finding every tag is linear in the text's length (a leading
+# blank run in the pattern would be rescanned from each of its characters); the blanks before a tag
+# are walked back from it (_blanks_before).
+_STRIP_RE = re.compile(r"(?P<em>[*_]{0,3})" + _TAG + r"(?P=em)(?P<post>[ \t]*+\n?)", re.IGNORECASE)
+_CLAUSE_END = re.compile(r"[.!?;:,\n\]]")
+_WORD = re.compile(r"[a-z']+")
 
 def _decision(word):
     word = word.lower()
@@ -385,57 +443,121 @@ def _decision(word):
         if word.startswith(prefix):
             return decision
 
-def _quoted(norm, m):
-    left = norm[:m.start()].rstrip("*_")
-    right = norm[m.end():].lstrip("*_")
-    if left[-1:] and left[-1] in "\"'`" and right[:1] == left[-1]:
-        return True
-    line = left[left.rfind("\n") + 1:]
-    return line.count('"') % 2 == 1 or line.count("`") % 2 == 1
+def _marks(norm):
+    """Where the grammar's marks are in the normalised text: line breaks, clause ends and each
+    quote mark (sorted positions), read once so that each tag's look-up is a bisection."""
+    where = {q: [i for i, c in enumerate(norm) if c == q] for q in QUOTES}
+    where["\n"] = [i for i, c in enumerate(norm) if c == "\n"]
+    where["clause"] = [m.start() for m in _CLAUSE_END.finditer(norm)]
+    return where
+
+def _quoted(norm, m, marks):
+    """A tag is quoted when a quote mark opened before it closes right after it (its emphasis
+    aside: '"[ACCEPT]"', 'say "fine, [ACCEPT]"', "'[ACCEPT]'") or when it sits inside a balanced quoted span of its
+    line: an odd number of that mark before it on the line and one after it. An inch mark, a lone
+    or unmatched quote, or a quote opened on another line leaves it a decision."""
+    start, end = m.start(), m.end()
+    while start and norm[start - 1] in "*_":
+        start -= 1
+    while end < len(norm) and norm[end] in "*_":
+        end += 1
+    after = norm[end:end + 1]
+    if after == "'" == norm[start - 1:start] or after in QUOTES and after and marks[after][0] < start:
+        return True  # wrapped, or the closing mark of a quote opened before (on any line)
+    lines = marks["\n"]
+    line_start = lines[bisect.bisect_left(lines, start) - 1] + 1 if lines and lines[0] < start else 0
+    k = bisect.bisect_left(lines, end)
+    line_end = lines[k] if k < len(lines) else len(norm)
+    for q in QUOTES:
+        at = marks[q]
+        before = bisect.bisect_left(at, start) - bisect.bisect_left(at, line_start)
+        if before % 2 and bisect.bisect_left(at, line_end) > bisect.bisect_left(at, end):
+            return True
+    return False
 
 def _negates(word):
     return word in NEGATIONS or word.endswith("n't")
 
-def _negated(norm, m):
-    """Whether the tag m is an ACCEPT or CONDITIONAL ACCEPT whose verb a negation governs."""
+def _negations(words):
+    """(first, last) word index of each negation in words: a negating word, or a REFUSALS phrase
+    (whose own words count once)."""
+    spans = [(i, i + len(p) - 1) for i in range(len(words)) for p in REFUSALS
+             if tuple(words[i:i + len(p)]) == p]
+    inside = {j for a, b in spans for j in range(a, b + 1)}
+    spans += [(i, i) for i, w in enumerate(words) if _negates(w) and i not in inside]
+    return sorted(spans, key=lambda span: span[1])
+
+def _governed(words, first, end):
+    """Whether words[end+1:first] are at most NEGATION_WINDOW GOVERNING words."""
+    between = words[end + 1:first]
+    return len(between) <= NEGATION_WINDOW and all(w in GOVERNING for w in between)
+
+def _governs(words):
+    """Whether the last negation of a clause's words governs what follows them: nothing but
+    GOVERNING words (at most NEGATION_WINDOW) after it, no AFFIRMING word or other negation
+    governing it in turn ("why not", "how could I not", "no way I'd refuse", "can't refuse")."""
+    spans = _negations(words)
+    if not spans or not _governed(words + [""], len(words), spans[-1][1]):
+        return False
+    first = spans[-1][0]
+    if any(_governed(words, first, end) for _, end in spans[:-1]):
+        return False  # a double negative affirms
+    return not any(w in AFFIRMING and _governed(words, first, i)
+                   for i, w in enumerate(words[:first]))
+
+def _negated(norm, m, marks):
+    """Whether the tag m is an ACCEPT or CONDITIONAL ACCEPT whose verb a negation governs: in its
+    clause, or, when a comma sets the tag off, in the clause before up to ASIDES comma-set asides
+    that hold no negation of their own ("I will not, under any circumstances, [ACCEPT]")."""
     if _decision(m.group(1)) not in VOIDABLE:
         return False
-    before = norm[:m.start()]
-    clause = before[end.end():] if (end := _CLAUSE_END.match(before)) else before
-    words = re.findall(r"[a-z']+", clause.lower())
-    last = max((i for i, w in enumerate(words) if _negates(w)), default=None)
-    if last is None or len(words) - last - 1 > NEGATION_WINDOW:
-        return False
-    if last and (words[last - 1] in AFFIRMING or _negates(words[last - 1])):
-        return False
-    return all(w in GOVERNING for w in words[last + 1:])
+    ends, end = marks["clause"], m.start()
+    for aside in range(ASIDES + 2):
+        k = bisect.bisect_left(ends, end) - 1
+        start = ends[k] + 1 if k >= 0 else 0
+        words = _WORD.findall(norm[start:end].lower())
+        if _governs(words):
+            return True
+        if k < 0 or norm[ends[k]] != "," or _negations(words) or (words and aside == 0):
+            return False
+        end = ends[k]
+    return False
 
 def parse_decision(text):
     """The decision of the last tag in text that is neither quoted nor negated, or None."""
     norm, decision = normalise(text), None
+    marks = _marks(norm)
     for m in TAG_RE.finditer(norm):
-        if not _quoted(norm, m) and not _negated(norm, m):
+        if not _quoted(norm, m, marks) and not _negated(norm, m, marks):
             decision = _decision(m.group(1))
     return decision
 
-def _replacement(m):
-    s, i, j = m.string, m.start(), m.end()
-    left = s[i - 1] if i else "\n"
+def _blanks_before(norm, i, floor):
+    """The start of the run of spaces and tabs that ends at norm[i], not before floor."""
+    while i > floor and norm[i - 1] in " \t":
+        i -= 1
+    return i
+
+def _replacement(norm, start, m):
+    """What replaces a tag stripped from norm[start:m.end()] (the blanks before it included)."""
+    j = m.end()
+    left = norm[start - 1] if start else "\n"
     if m["post"].endswith("\n"):
         return "" if left == "\n" else "\n"  # a line that held only the tag goes with it
-    between_words = left != "\n" and j < len(s) and s[j] not in "\n.,;:!?)" and (m["pre"] or m["post"])
+    between_words = (left != "\n" and j < len(norm) and norm[j] not in "\n.,;:!?)"
+                     and (start < m.start() or m["post"]))
     return " " if between_words else ""
 
 def _strip_once(text):
     """text with every tag the normalised text shows removed from the original characters."""
     norm, origin = _normalised(text)
-    out, last = [], 0
+    out, last, floor = [], 0, 0
     for m in _STRIP_RE.finditer(norm):
         if m.end() == m.start():
             continue
-        start, end = origin[m.start()], origin[m.end() - 1] + 1
-        out += [text[last:start], _replacement(m)]
-        last = end
+        start = _blanks_before(norm, m.start(), floor)
+        out += [text[last:origin[start]], _replacement(norm, start, m)]
+        last, floor = origin[m.end() - 1] + 1, m.end()
     return "".join(out) + text[last:]
 
 def strip_decision_tags(text):

@@ -374,6 +374,8 @@ def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None, probe
     if untagged:
         moves.tag_episodes(untagged, {i.get("scenario_id", i["id"]): i for i in instances})
     reads = None
+    if fidelity and getattr(persuadee, "tokenizer", None) is not None and no_fidelity(episodes):
+        fidelity = 0  # no belief to check: the summary is still written
     if fidelity and getattr(persuadee, "tokenizer", None) is not None:  # local: an Engine
         sample = fidelity_sample(episodes, fidelity)
         contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, sample)
@@ -390,6 +392,24 @@ def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None, probe
     return summary
 
 
+def no_fidelity(episodes):
+    """True, said in one line, when no episode has a belief to check the probes on (every
+    read-out None: a persuadee with non-finite outputs, every episode cut off)."""
+    if fidelity_sample(episodes, 1):
+        return False
+    print("eval.py: probe fidelity skipped: no episode has a belief", file=sys.stderr)
+    return True
+
+
+def refuse_nonfinite(name, model):
+    """Exit in one line when a loaded model holds a NaN or an infinity (as train.py refuses such
+    a checkpoint): its every read-out would be None and its text noise."""
+    bad = next((k for k, v in model.state_dict().items()
+                if v.is_floating_point() and not v.isfinite().all()), None)
+    if bad is not None:
+        sys.exit(f"eval.py: {name} holds non-finite weights ({bad}); evaluate a finite checkpoint")
+
+
 def player(name, loaded, dtype, kv_blocks):
     """The model a role name stands for: a served.ServedModel (checked to answer) for
     openai:MODEL@URL, else a local engine.Engine on weights loaded once per name."""
@@ -403,6 +423,7 @@ def player(name, loaded, dtype, kv_blocks):
     if name not in loaded:  # one copy of the weights per name, a fresh Engine per role
         import models
         loaded[name] = models.load_model(name, dtype=getattr(torch, dtype))
+        refuse_nonfinite(name, loaded[name][0])
     return engine.Engine(*loaded[name], num_blocks=kv_blocks)
 
 
@@ -430,6 +451,69 @@ def episode_blocks(eng, instances, t_max, max_new_tokens):
     tokens = min(eng.max_len, longest + t_max * 2 * (max_new_tokens + rollout.CLOSING_ROOM))
     return (eng.blocks_for(tokens) + rollout.message_blocks(eng, max_new_tokens)
             + probes.read_blocks(eng))
+
+
+def block_bytes(name, dtype, block_size):
+    """Bytes of one KV block of a local model (keys and values of every layer), from its config."""
+    import torch
+
+    import models
+    c = models.model_config(name)
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * block_size * getattr(torch, dtype).itemsize
+
+
+def machine_bytes(device):
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def judge_blocks(shape, instances, t_max, max_new_tokens):
+    """KV blocks the judge's prompt and answer take for the longest episode it may be given (t_max
+    turns of two messages, each counted at twice max_new_tokens words for what re-tokenizing
+    quoted text adds), capped by the context: what a judge sharing a pool needs of it."""
+    import models
+    import rollout
+    filler = " ".join(["so"] * (2 * max_new_tokens))
+    transcript = [{"role": r, "text": filler} for _ in range(t_max) for r in ("persuader", "persuadee")]
+    longest = max(instances, key=lambda i: len(arena.judge_messages(i, [])[1]["content"]))
+    tokens = len(models.chat_ids(shape.tokenizer, arena.judge_messages(longest, transcript), True))
+    return (-(-min(tokens, shape.max_len) // shape.block_size)
+            + rollout.message_blocks(shape, rollout.JUDGE_MAX_NEW_TOKENS))
+
+
+def pool_problem(args, instances):
+    """One line refusing, before any weight loads (issue 27): a --kv-blocks pool larger than the
+    machine's memory; a --max-new-tokens that lets one episode outgrow the default pool; a pool
+    the default judge, which shares the persuadee's, cannot judge one episode in. None when fine."""
+    import engine
+    judge = args.judge is None
+    for name in dict.fromkeys(args.persuader + args.persuadee):
+        if served.is_served(name):
+            continue
+        shape = pool_shape(name, args.dtype)
+        block, memory = block_bytes(name, args.dtype, shape.block_size), machine_bytes(shape.device)
+        if args.kv_blocks and args.kv_blocks * block > memory:
+            return (f"eval.py: --kv-blocks {args.kv_blocks} needs {args.kv_blocks * block / 2**30:.1f} "
+                    f"GiB for one pool of {name}, more than this machine's {memory / 2**30:.1f} GiB; "
+                    f"pass --kv-blocks {memory // block // 4} or fewer")
+        budget = (memory * engine.CACHE_FRACTION_GPU if shape.device.type == "cuda"
+                  else engine.CACHE_GB_CPU * 2**30)
+        pool = args.kv_blocks or min(int(budget // block), engine.MAX_BLOCKS)
+        need = episode_blocks(shape, instances, args.t_max, args.max_new_tokens)
+        if need > pool:
+            return (f"eval.py: --max-new-tokens {args.max_new_tokens} lets one episode of {name} take "
+                    f"{need} KV blocks, more than its pool's {pool}; pass a smaller --max-new-tokens")
+        if judge and name in args.persuadee and (needed := judge_blocks(
+                shape, instances, args.t_max, args.max_new_tokens)) > pool:
+            return (f"eval.py: --kv-blocks {pool} cannot hold the judge's prompt for one episode "
+                    f"of {name} ({needed} blocks; the default judge shares the persuadee's pool); "
+                    f"pass --kv-blocks {max(needed, need)} or more, or --judge MODEL or none")
+    return None
 
 
 def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
@@ -514,6 +598,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                     help="of every local model (default bfloat16 with CUDA, float32 on a CPU)")
     ap.add_argument("--t-max", type=int, default=arena.T_MAX_EVAL, help="turn budget per episode")
+    served.add_key_flag(ap)
     ap.add_argument("--kv-blocks", type=int, help="KV pool size of each engine, in blocks "
                     "(default: engine.CACHE_GB_CPU or CACHE_FRACTION_GPU of free memory)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
@@ -673,6 +758,7 @@ def analysis_mode(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    served.ALLOW_INSECURE_KEY = args.allow_insecure_key
     if (args.compare or args.compare_many or args.analyze or args.case or args.overlay or args.runs
             or args.plot_run or args.table):
         try:
@@ -730,6 +816,8 @@ def main(argv=None):
                          f"{name} ({need} blocks of {shape.block_size} tokens at --t-max "
                          f"{args.t_max}, --max-new-tokens {args.max_new_tokens}); pass "
                          f"--kv-blocks {need} or more")
+    if problem := pool_problem(args, instances):
+        sys.exit(problem)
     loaded, results, rank = {}, {}, distributed()[0]  # under torchrun rank 0 prints
     for p, q, out_dir, settings in cells:
         try:

@@ -36,6 +36,7 @@ since no belief change and no decision answers it.
 
     python -m pytest -q test_rollout.py
 """
+import sys
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -58,6 +59,7 @@ PERSUADER_SAMPLING, PERSUADEE_SAMPLING = SAMPLING["paper"]
 JUDGE_RETRY_SAMPLING = FROZEN_SAMPLING  # the judge's sampled retries
 SPOKEN = ("stop", "length")  # how a message that keeps its episode going ends
 STOPPED = "stopped"  # end reason: the person at the terminal ended the conversation
+TYPING_TRIES = 5  # lines a person may type that are not valid text before the message is ""
 CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
 PROMPT_ROOM = engine.MAX_NEW_TOKENS // 4  # context a prompt must leave free: a short exchange
 ADMISSION = "continuous"  # or "waves": admit only into empty pools (README compares the two)
@@ -484,13 +486,38 @@ class EngineSide:
         self.last.pop(sid, None)
 
 
+def typed_line(prompt):
+    """input(), with bytes that are not UTF-8 kept as lone surrogates (surrogateescape), so that
+    a bad line is found by arena.invalid_text and the line after it is read intact."""
+    if hasattr(sys.stdin, "reconfigure") and getattr(sys.stdin, "errors", None) == "strict":
+        sys.stdin.reconfigure(errors="surrogateescape")
+    return input(prompt)
+
+
+def person_line(read, write, prompt):
+    """The person's next line, stripped: "" at the end of input; a line that is not valid text
+    (invalid UTF-8) is said in one line and typed again, at most TYPING_TRIES times."""
+    for _ in range(TYPING_TRIES):
+        try:
+            text = read(prompt).strip()
+        except EOFError:
+            return ""
+        except UnicodeDecodeError:
+            text = "\ud800"
+        if arena.invalid_text(text) is None:
+            return text
+        write("that line is not valid UTF-8 text (check the terminal's encoding); type it again")
+    return ""
+
+
 class PersonSide:
     """The persuader typed by a person at the terminal (eval.py --play): each message is read
     from `read`, each reply written with its probe values and the belief change of the turn. An
-    empty line (or end of input) ends the episode "stopped"."""
+    empty line (or end of input) ends the episode "stopped"; a line that is not valid text is
+    typed again (person_line)."""
     tokenizer = max_len = None
 
-    def __init__(self, t_max, read=input, write=print):
+    def __init__(self, t_max, read=typed_line, write=print):
         self.t_max, self.read, self.write = t_max, read, write
         self.turns, self.next_sid = {}, 0
 
@@ -524,10 +551,7 @@ class PersonSide:
         said = []
         for s in sids:
             self.turns[s] += 1
-            try:
-                text = self.read(f"turn {self.turns[s]}/{self.t_max} you> ").strip()
-            except EOFError:
-                text = ""
+            text = person_line(self.read, self.write, f"turn {self.turns[s]}/{self.t_max} you> ")
             said.append(dict(text=text, ids=[], logprobs=[], reason="stop" if text else STOPPED))
         return said
 

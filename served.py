@@ -19,7 +19,8 @@ with the server's top log-probs, and over the Yes and No tokens among them
 
 with the found mass P(yes found) + P(no found) recorded beside it. A server that returns no
 log-probs (transformers serve ignores them) gets probes and beliefs recorded as None: absent,
-never 0; after its first such answer it is not asked again. The run's --probe-space and
+never 0; each such answer is counted (missing_logprobs) and the first said in the log, and
+the probes stay on (one glitch does not make a run outcome-only). The run's --probe-space and
 --probe-signs apply to these values as to a local read (probes.from_prob_value).
 
 Requests: at most MAX_IN_FLIGHT at once per served model, each whole call (every attempt and
@@ -42,6 +43,7 @@ import math
 import os
 import random
 import re
+import sys
 import threading
 import time
 import unicodedata
@@ -66,18 +68,24 @@ RETRY_STATUS = (408, 409, 429)  # client-side statuses worth retrying, besides e
 MAX_CHARS_PER_TOKEN = 32      # an answer longer than this per token asked for is not a completion
 BODY_BYTES_PER_TOKEN = 4096   # an answer's body is cut off past this per token asked for (+ 64 KB)
 LOGPROB_SLACK = 1e-6          # a log-prob above 0 by no more than this is rounding (clamped to 0)
+MASS_SLACK = 1e-3             # top log-probs whose probabilities sum past 1 + this are no distribution
+MODEL_SUFFIXES = "-@:"        # an answer may name the model asked for plus a snapshot ("-2024-07-18"),
+                              # a revision ("@main", transformers serve) or a file (":x.gguf")
 DROPPABLE = ("temperature", "top_p", "top_k", "seed", "logprobs", "top_logprobs")  # may go unapplied
 # The control strings of the chat template families the project knows, broken in any content sent
 # over the API: <|...|> (ChatML, Qwen, Llama 3, Phi), Qwen3's think and tool tags, Mistral's
-# [INST] family, Llama 2's <<SYS>>, Gemma's turns, and BOS/EOS spellings.
+# [INST] family, Llama 2's <<SYS>>, Gemma 3's turn, image, mask and unused tokens, and BOS/EOS
+# spellings.
 CONTROL = re.compile(
     r"<\|[^|<>\s]{1,64}\|>"
-    r"|</?(?:s|unk|pad|bos|eos|think|tool_call|tool_response|start_of_turn|end_of_turn)>"
+    r"|</?(?:s|unk|pad|bos|eos|mask|think|tool_call|tool_response|start_of_turn|end_of_turn"
+    r"|start_of_image|end_of_image|image_soft_token|unused\d{1,3})>"
     r"|\[/?(?:INST|SYSTEM_PROMPT|AVAILABLE_TOOLS|TOOL_CALLS|TOOL_RESULTS|TOOL_CONTENT|IMG|THINK)\]"
     r"|<</?SYS>>")
 UNSUPPORTED_WORDS = re.compile(  # OpenAI's, vLLM's and transformers serve's (422) wording
     r"unsupported (?:parameter|value)s?\W+(\w+)|unrecognized request arguments? supplied\W+(\w+)"
     r"|unexpected fields in the request\W+(\w+)", re.IGNORECASE)
+ALLOW_INSECURE_KEY = False    # --allow-insecure-key: OPENAI_API_KEY goes to plain http URLs too
 UNSUPPORTED_STATUS = (400, 422)  # statuses of an answer that may name an unsupported parameter
 
 # -----------------------------------------------------------------------------
@@ -98,20 +106,43 @@ def parse_spec(spec):
     return model, url.rstrip("/")
 
 
-def api_key(url):
-    """OPENAI_API_KEY, or a placeholder for a server on this machine."""
-    key = os.environ.get(API_KEY_ENV)
-    if key:
-        return key
+def is_loopback(url):
     host = urlparse(url).hostname or ""
     try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
-        loopback = False
-    if not loopback:
+        return False
+
+
+def api_key(url, key=None, allow_insecure_key=False, warn=None):
+    """The key sent to url: a key given for this URL (key) as is; else OPENAI_API_KEY, but only
+    over https (or with allow_insecure_key: --allow-insecure-key), since plain http shows it to
+    every hop; else a placeholder for a server on this machine. A key from the environment held
+    back from an http URL is said in one line (warn, by default to stderr)."""
+    if key:
+        return key
+    env = os.environ.get(API_KEY_ENV)
+    secure = urlparse(url).scheme == "https"
+    if env and (secure or allow_insecure_key):
+        return env
+    if env:
+        (warn or say)(f"served.py: {API_KEY_ENV} is not sent to {url} (not https); pass "
+                      "--allow-insecure-key to send it anyway")
+    if not is_loopback(url) and not env:
         raise SystemExit(f"served.py: {url} needs a key: set {API_KEY_ENV} (any value for a "
                          "server that checks none)")
     return LOOPBACK_KEY
+
+
+def say(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def add_key_flag(parser):
+    """--allow-insecure-key, for eval.py and train.py."""
+    parser.add_argument("--allow-insecure-key", action="store_true",
+                        help=f"send {API_KEY_ENV} to a served model's URL over plain http too "
+                             "(by default it goes to https URLs only)")
 
 
 def retryable(error):
@@ -164,11 +195,22 @@ def inert(text):
     """(text, n): the text with each of the n chat-template control strings in it (CONTROL)
     broken by a space after its first character, so that a server that renders a chat template
     and tokenizes cannot read one as a control token. Matched on the NFKC form too, which is
-    what a normalising tokenizer would see."""
-    folded = unicodedata.normalize("NFKC", text)
-    if folded != text and CONTROL.search(folded):
-        text = folded
-    return CONTROL.subn(lambda m: m.group(0)[0] + " " + m.group(0)[1:], text)
+    what a normalising tokenizer would see; only a string so broken is written in its NFKC form,
+    the rest of the text stays as it was."""
+    folded, origin = [], []
+    for i, c in enumerate(text):
+        for n in unicodedata.normalize("NFKC", c):
+            folded.append(n)
+            origin.append(i)
+    folded = "".join(folded)
+    out, last, n = [], 0, 0
+    for m in CONTROL.finditer(folded):
+        start, end = origin[m.start()], origin[m.end() - 1] + 1
+        if start < last:
+            continue
+        out += [text[last:start], m.group(0)[0] + " " + m.group(0)[1:]]
+        last, n = end, n + 1
+    return "".join(out) + text[last:], n
 
 
 def inert_messages(messages):
@@ -190,6 +232,8 @@ def logprob_of(entry, where):
     log-prob <= 0 (up to LOGPROB_SLACK of rounding, clamped to 0)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
         raise InvalidAnswer(f"{where} has no token")
+    if bad := arena.invalid_text(entry["token"]):
+        raise InvalidAnswer(f"{where}'s token holds {bad}")
     lp = entry.get("logprob")
     if not finite_number(lp) or lp > LOGPROB_SLACK:
         raise InvalidAnswer(f"{where} has log-prob {lp!r}, not a finite number <= 0")
@@ -200,15 +244,41 @@ def refuse_constant(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_answer(body, max_tokens, top_logprobs=None):
+def same_model(asked, named):
+    """Whether an answer naming `named` comes from the model asked for: no name, the same name, or
+    it plus a snapshot, revision or file suffix (MODEL_SUFFIXES), or the same last path part."""
+    if named is None:
+        return True
+    if not isinstance(named, str):
+        return False
+    if named == asked or any(named.startswith(asked + c) for c in MODEL_SUFFIXES):
+        return True
+    return named.rstrip("/").rsplit("/", 1)[-1] == asked.rstrip("/").rsplit("/", 1)[-1] != ""
+
+
+def parse_answer(body, max_tokens, top_logprobs=None, model=None):
     """{text, reason, top} from a chat completion's body (bytes), or InvalidAnswer for anything
-    but a well-formed one: not JSON (NaN and Infinity refused), no choices, a message whose
-    content is not a string, non-finite or positive log-probs, more than max_tokens tokens
-    (the usage count, or MAX_CHARS_PER_TOKEN characters a token)."""
+    but a well-formed one. Whatever goes wrong while reading it (RecursionError from deeply nested
+    JSON included) is an InvalidAnswer: a failed attempt."""
+    try:
+        return read_answer(body, max_tokens, top_logprobs, model)
+    except InvalidAnswer:
+        raise
+    except Exception as e:  # RecursionError, MemoryError's kin are Exceptions too
+        raise InvalidAnswer(f"the answer cannot be read ({type(e).__name__})") from None
+
+
+def read_answer(body, max_tokens, top_logprobs=None, model=None):
+    """parse_answer's checks: JSON (NaN and Infinity refused), another model's name (same_model),
+    no choices, a message whose content is not valid text (a lone surrogate included), non-finite
+    or positive log-probs, top log-probs with a Yes or No token twice or a mass over 1, more than
+    max_tokens tokens (the usage count, or MAX_CHARS_PER_TOKEN characters a token)."""
     try:
         data = json.loads(body, parse_constant=refuse_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidAnswer(f"the answer is not JSON ({e})") from None
+    if model is not None and isinstance(data, dict) and not same_model(model, data.get("model")):
+        raise InvalidAnswer(f"the answer names the model {data.get('model')!r}, not {model!r}")
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise InvalidAnswer("the answer has no choices")
@@ -217,6 +287,8 @@ def parse_answer(body, max_tokens, top_logprobs=None):
     text = message.get("content") if isinstance(message, dict) else None
     if not isinstance(text, str):
         raise InvalidAnswer(f"the answer's message content is {text!r}, not text")
+    if bad := arena.invalid_text(text):
+        raise InvalidAnswer(f"the answer's text holds {bad}")
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
         raise InvalidAnswer(f"the answer's finish_reason is {finish!r}")
@@ -236,20 +308,29 @@ def parse_answer(body, max_tokens, top_logprobs=None):
             if not isinstance(entries, list):
                 raise InvalidAnswer("the first token's top_logprobs is not a list")
             top = [logprob_of(e, "a top log-prob") for e in entries]
+            read = [tok for tok, _ in top if tok in probes.YES_WORDS or tok in probes.NO_WORDS]
+            if len(set(read)) < len(read):  # byte pieces may decode alike; a Yes or No may not
+                raise InvalidAnswer("the first token's top log-probs name a Yes or No token twice")
+            if math.fsum(math.exp(lp) for _, lp in top) > 1 + MASS_SLACK:
+                raise InvalidAnswer("the first token's top log-probs hold more than all the mass")
     return dict(text=text.strip(), reason="length" if finish == "length" else "stop", top=top)
 
 
 def probe_value(top_logprobs):
     """(v, found mass) from a one-token answer's top log-probs [(token, logprob)]: p is
     renormalised over the Yes and No tokens found (probes.YES_WORDS, NO_WORDS); (None, 0.0) when
-    neither appears or a log-prob is not a finite number <= 0 (never a NaN)."""
+    neither appears, a log-prob is not a finite number <= 0, a Yes or No token comes twice or
+    the mass is over 1: v is finite in [-1, 1] and the mass in [0, 1], never a NaN."""
     if any(not finite_number(lp) or lp > LOGPROB_SLACK for _, lp in top_logprobs):
         return None, 0.0
+    read = [tok for tok, _ in top_logprobs if tok in probes.YES_WORDS or tok in probes.NO_WORDS]
+    if len(set(read)) < len(read):
+        return None, 0.0  # a Yes or No token twice: no distribution
     yes = sum(math.exp(min(lp, 0.0)) for tok, lp in top_logprobs if tok in probes.YES_WORDS)
     no = sum(math.exp(min(lp, 0.0)) for tok, lp in top_logprobs if tok in probes.NO_WORDS)
-    if yes + no == 0:
+    if yes + no == 0 or not math.isfinite(yes + no) or yes + no > 1 + MASS_SLACK:
         return None, 0.0
-    return 2 * yes / (yes + no) - 1, yes + no
+    return max(-1.0, min(1.0, 2 * yes / (yes + no) - 1)), min(1.0, yes + no)
 
 
 def seed_of(*parts):
@@ -297,29 +378,40 @@ class DeadlineExceeded(Exception):
 class ServedModel:
     """One model behind an OpenAI-compatible server: chat requests with bounded concurrency, a
     deadline on each whole call, validated answers and retries. `stats` counts requests, failed
-    attempts, requests that failed for good, control strings neutralised and the judge's
-    fallbacks; `dropped` names the request parameters this model refused as unsupported (sent
+    attempts, requests that failed for good, control strings neutralised, the judge's fallbacks
+    and probe answers that came without log-probs; `dropped` names the request parameters this model refused as unsupported (sent
     no more: not applied)."""
 
     def __init__(self, spec, *, max_in_flight=MAX_IN_FLIGHT, timeout=TIMEOUT_S,
-                 deadline=DEADLINE_S, retries=RETRIES, backoff=True, http_client=None):
+                 deadline=DEADLINE_S, retries=RETRIES, backoff=True, http_client=None, key=None,
+                 allow_insecure_key=None):
         import openai
         self.spec = spec
         self.model, self.url = parse_spec(spec)
-        self.client = openai.OpenAI(base_url=self.url, api_key=api_key(self.url), timeout=timeout,
-                                    max_retries=0, http_client=http_client)
+        insecure = ALLOW_INSECURE_KEY if allow_insecure_key is None else allow_insecure_key
+        # requests stay where they were sent: a redirect (3xx) is a failed request, never followed
+        # with the system prompt (the hidden profile) and the key to wherever it points
+        http_client = http_client or openai.DefaultHttpxClient(follow_redirects=False)
+        self.client = openai.OpenAI(base_url=self.url, api_key=api_key(self.url, key, insecure),
+                                    timeout=timeout, max_retries=0, http_client=http_client)
         self.timeout, self.deadline = timeout, deadline
         self.retries, self.backoff = retries, backoff
         self.pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="served")
         self.lock = threading.Lock()
         self.stats = dict(requests=0, failed_attempts=0, failed_requests=0, neutralised=0,
-                          judge_fallbacks=0)
-        self.logprobs = True  # until the server answers a probe without them
+                          judge_fallbacks=0, missing_logprobs=0)
         self.dropped = set()  # parameters the model refused as unsupported
 
     def count(self, key, n=1):
         with self.lock:
             self.stats[key] += n
+
+    def note_missing(self, n):
+        """Count n probe answers without log-probs; the first is said in one line."""
+        if n and not self.stats["missing_logprobs"]:
+            say(f"served.py: {self.spec} answered a probe without log-probs: that read-out is "
+                "None (counted in the run's requests as missing_logprobs)")
+        self.count("missing_logprobs", n)
 
     def request(self, messages, max_tokens, sampling, seed, top_logprobs):
         """The request body: sampling mapped onto temperature, top_p and (vLLM's and SGLang's)
@@ -348,7 +440,8 @@ class ServedModel:
             self.count("requests")
             try:
                 body = self.attempt(request, max_tokens, end)
-                return {**parse_answer(body, max_tokens, top_logprobs), "neutralised": neutralised}
+                return {**parse_answer(body, max_tokens, top_logprobs, self.model),
+                        "neutralised": neutralised}
             except (openai.APIError, InvalidAnswer, DeadlineExceeded) as e:
                 self.count("failed_attempts")
                 if context_exceeded(e):
@@ -528,25 +621,24 @@ class ServedSide:
         return replies
 
     def read(self, sids):
-        """Per sequence (values [CA, PE, AC] in the run's probe space and signs, found masses);
-        Nones where the server gives no log-probs (after its first such answer it is not asked
-        again)."""
+        """Per sequence (values [CA, PE, AC] in the run's probe space and signs, found masses); a
+        None for each probe whose answer failed or came without log-probs (counted in
+        stats["missing_logprobs"], said once), all None once the server refused log-probs as an
+        unsupported parameter. One answer without them turns no probe off."""
         absent = [None] * len(probes.PROBES)
-        if not self.model.logprobs:
+        if "logprobs" in self.model.dropped:
             return [(absent, absent) for _ in sids]
         asks = [dict(messages=self.chats[s] + [{"role": "user",
                                                  "content": f"{probes.INSTRUCTION} {q}"}],
                      max_tokens=1, top_logprobs=TOP_LOGPROBS)
                 for s in sids for q in probes.PROBES.values()]
         answers = self.model.map(asks)
-        if any(not isinstance(a, ServedError) and a["top"] is None for a in answers):
-            self.model.logprobs = False
-            return [(absent, absent) for _ in sids]
+        self.model.note_missing(sum(not isinstance(a, ServedError) and a["top"] is None
+                                    for a in answers))
         out, k = [], len(probes.PROBES)
         for i in range(0, len(answers), k):
-            pairs = [(None, None) if isinstance(a, ServedError) else probe_value(a["top"])
-                     for a in answers[i:i + k]]
+            pairs = [(None, None) if isinstance(a, ServedError) or a["top"] is None
+                     else probe_value(a["top"]) for a in answers[i:i + k]]
             out.append(([probes.from_prob_value(v, self.space, self.signs[name])
                          for (v, _), name in zip(pairs, probes.PROBES)], [m for _, m in pairs]))
         return out
-

@@ -15,6 +15,8 @@ a boundary that leaks changes the outcome or the score. Documented behaviour che
     python -m pytest -q test_adversarial.py
 """
 import functools
+import json
+import math
 import re
 
 import pytest
@@ -178,3 +180,105 @@ def test_old_live_encoding_would_have_been_fooled(monkeypatch):
     monkeypatch.setattr(models, "text_ids", models.encode)
     hostile, _, _, _ = play("chatml", [PERSUADER[0] + MARKERS] + PERSUADER[1:], PERSUADEE)
     assert hostile["outcome"] == "ACCEPT"
+
+
+# -----------------------------------------------------------------------------
+# issue 27: bad input refused in one line before any model loads; no silent zero judge
+
+
+def no_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "random_model", refuse)
+
+
+def one_line_exit(call):
+    with pytest.raises(SystemExit) as e:
+        call()
+    text = str(e.value.code)
+    assert "\n" not in text and "Traceback" not in text
+    return text
+
+
+TINY_EVAL = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3", "--limit", "2"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--kv-blocks", "1000000000"], r"--kv-blocks 1000000000 needs .* GiB .*pass --kv-blocks \d+ or fewer"),
+    (["--max-new-tokens", "100000000"], r"--max-new-tokens 100000000 lets one episode .*smaller"),
+    (["--t-max", "6", "--max-new-tokens", "256", "--kv-blocks", "400"],
+     r"--kv-blocks 400 cannot hold the judge's prompt .*pass --kv-blocks (\d+) or more"),
+])
+def test_eval_refuses_a_pool_it_cannot_use_in_one_line(tmp_path, monkeypatch, extra, says):
+    import eval as ev
+    no_loading(monkeypatch)
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    assert re.search(says, one_line_exit(lambda: ev.main(TINY_EVAL + extra)))
+
+
+def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, monkeypatch):
+    """The default judge shares the persuadee's pool: at the smallest --kv-blocks eval accepts,
+    every transcript's prompt fits (a judge that always answers stands in for the random model,
+    which never writes a score)."""
+    import eval as ev
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    args = TINY_EVAL + ["--t-max", "6", "--max-new-tokens", "256", "--name", "j"]
+    size = int(re.search(r"pass --kv-blocks (\d+) or more", one_line_exit(
+        lambda: ev.main(args + ["--kv-blocks", "400"]))).group(1))
+    monkeypatch.setattr(rollout, "judge_chunk", lambda judge, prompts, *a: [1.0] * len(prompts))
+    summary = ev.main(args + ["--kv-blocks", str(size)]) or json.loads(
+        (tmp_path / "j" / "summary.json").read_text())
+    episodes = [json.loads(line) for line in (tmp_path / "j" / "episodes.jsonl").read_text().splitlines()]
+    assert episodes and not any(e["judge_failed"] for e in episodes)
+    assert summary["judge_failed_share"] == 0
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--plan-gib", "nan"], "--plan-gib nan must be a finite number"),
+    (["--plan-gib", "-5"], "--plan-gib -5.0 must be a finite number"),
+    (["--plan-ranks", "0"], "--plan-ranks 0 must be at least 1"),
+])
+def test_train_refuses_a_plan_that_is_no_size_in_one_line(extra, says, tmp_path):
+    import train
+    assert says in one_line_exit(lambda: train.main(["--preset", "tiny", "--plan", "--out", str(tmp_path)] + extra))
+
+
+def test_train_refuses_a_training_file_that_cannot_give_its_instances(tmp_path, monkeypatch):
+    """One training scenario whose persona can change little (a one-word name, its age in the
+    prose, low trust, one concern): refused before loading, not a ValueError after it."""
+    import train
+    from conftest import short_scenario
+    no_loading(monkeypatch)
+    one = short_scenario(1)
+    one["persuadee"].update(name="Ana", background="Ana is 41 and works early shifts.")
+    one["hidden"]["trust"] = "low"
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(one) + "\n" + json.dumps(short_scenario(1, "heldout")) + "\n")
+    assert arena.variant_capacity(one) < arena.N_TRAIN_INSTANCES
+    said = one_line_exit(lambda: train.main(["--preset", "tiny", "--scenarios", str(path), "--out",
+                                             str(tmp_path), "--steps", "1"]))
+    assert "train-0001" in said and "distinct variants" in said
+    with pytest.raises(ValueError, match="cannot give"):
+        arena.training_instances([one])
+    assert arena.variants_problem(arena.load_scenarios()) is None
+
+
+def test_an_evaluation_with_no_belief_still_writes_its_summary(tmp_path, capsys):
+    """A persuadee whose every read-out is None: the fidelity check is skipped and said; the
+    summary is written. eval refuses such weights when it loads them."""
+    import torch
+
+    import eval as ev
+    from conftest import tiny_model
+    broken = tiny_model("qwen3", seed=2)
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(math.nan)
+    tok = models.tiny_tokenizer()
+    engines = [engine.Engine(tiny_model("llama", seed=1), tok, num_blocks=400),
+               engine.Engine(broken, tok, num_blocks=400)]
+    summary = ev.evaluate(*engines, arena.heldout_instances()[:2], tmp_path / "run", t_max=1,
+                          max_new_tokens=3)
+    assert (tmp_path / "run" / "summary.json").is_file() and "probe_fidelity" not in summary
+    assert "fidelity skipped" in capsys.readouterr().err
+    assert "non-finite weights" in one_line_exit(lambda: ev.refuse_nonfinite("x", broken))

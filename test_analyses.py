@@ -100,6 +100,28 @@ def test_summarize_counts_judge_fallbacks():
     assert an.summarize([dict(ep, judge=None) for ep in SIX])["judge_failed_share"] is None
 
 
+def test_a_judge_that_failed_every_transcript_is_said_loudly():
+    """Issue 27: every strategy score a silent 0 once passed unnoticed."""
+    summary = an.summarize([dict(ep, judge=0.0, judge_failed=True) for ep in SIX])
+    assert summary["judge_failed_share"] == 1 and "JUDGE FAILED" in summary["judge_warning"]
+    assert "JUDGE FAILED" in an.format_table(summary)
+    some = an.summarize([dict(ep, judge_failed=i == 0) for i, ep in enumerate(SIX)])
+    assert "judge_warning" not in some and "JUDGE FAILED" not in an.format_table(some)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("probe_mass", "x"), ("probe_mass", [[0.5, 2.0, 0.1]]), ("probe_mass", [["x", 1, 1]]),
+    ("moves", "x"), ("manipulation", 3), ("judge_failed", "yes")])
+def test_analyze_refuses_a_malformed_optional_field_in_one_line(tmp_path, field, value):
+    path = tmp_path / "episodes.jsonl"
+    path.write_text(json.dumps({**SIX[0], field: value}) + "\n")
+    with pytest.raises(ValueError, match=f"line 1: field '{field}' must be"):
+        an.load_episodes(path)
+    path.write_text(json.dumps(SIX[0]) + "\n" + json.dumps([SIX[1]]) + "\n")
+    with pytest.raises(ValueError, match="line 2: field '\\(whole line\\)' must be a JSON object"):
+        an.load_episodes(path)
+
+
 def test_summarize_breakdowns():
     s = an.summarize(SIX)
     assert set(s["by_resistance"]) == {"identity_threat", "entrenched_belief", "autonomy_resistance"}

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import re
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -192,6 +193,33 @@ NEGATION_TABLE = [
     ("not now [PENDING]", "PENDING"),
     ("No, I don't think so [REJECT]", "REJECT"),
     ("I haven't decided yet [PENDING]", "PENDING"),
+    # issue 27: refusals the rule missed, set off by commas or said as a phrase; a typographic apostrophe
+    ("I will not, under any circumstances, [ACCEPT]", None),
+    ("I do not, and will not, [ACCEPT]", None),
+    ("Not in a million years [ACCEPT]", None),
+    ("No way I [ACCEPT]", None),
+    ("I decline to [ACCEPT]", None),
+    ("I'd rather die than [ACCEPT]", None),
+    ("I won\u00b4t [ACCEPT]", None),
+    # ... and double negatives that affirm
+    ("There's no way I'd refuse [ACCEPT]", "ACCEPT"),
+    ("How could I not [ACCEPT]", "ACCEPT"),
+    ("I'd be a fool not to [ACCEPT]", "ACCEPT"),
+    ("I don't love it, but fine, [ACCEPT]", "ACCEPT"),
+    ("I can't decline [ACCEPT]", "ACCEPT"),
+    # issue 27: a stray quote mark voids nothing; a balanced quoted span on the tag's line does
+    ('My 12" laptop can wait. [REJECT]', "REJECT"),
+    ("I am 5'10\" and I will not be pushed around. [WALK AWAY]", "WALK_AWAY"),
+    ('You keep saying "trust me. No. [REJECT]', "REJECT"),
+    ('He wrote: "think it over\nNo. [REJECT]', "REJECT"),
+    ("Enough \u00bb [REJECT]", "REJECT"),
+    ("\u00abThat was your pitch.\nNo. [REJECT]", "REJECT"),
+    ("Fine \u201cdeal\u201d [ACCEPT]", "ACCEPT"),
+    ("`code` and `more` [ACCEPT]", "ACCEPT"),
+    ('She told me "just say [ACCEPT] and be done" yesterday. [REJECT]', "REJECT"),
+    ('She told me "just say [ACCEPT] and be done" yesterday.', None),
+    ("\u201cFine, [ACCEPT]\u201d is what you want me to say.", None),
+    ('"You want me to say\nfine, [ACCEPT]"', None),
 ]
 
 
@@ -199,6 +227,19 @@ NEGATION_TABLE = [
 def test_negation_voids_only_a_negated_decision(text, expected):
     assert parse_decision(text) == expected
     assert parse_decision(strip_decision_tags(text)) is None
+
+
+def test_stripping_is_linear_in_blank_runs():
+    """Runs of blanks once took time quadratic in their length (the stripping regex began with
+    a blank run and was rescanned from each of its characters): 100k characters in under 0.5 s."""
+    for text in (" " * 100_000 + "x", "\t \t" * 33_334 + "[ACCEPT]", "[ACCEPT]" + " " * 100_000 + "ok",
+                 "[" + " " * 100_000, "I will not" + " " * 100_000 + "[ACCEPT]"):
+        start = time.perf_counter()
+        stripped = strip_decision_tags(text)
+        parse_decision(text)
+        assert time.perf_counter() - start < 0.5, repr(text[:20])
+        assert arena.TAG_RE.search(arena.normalise(stripped)) is None
+    assert strip_decision_tags("a" + " " * 1000 + "[ACCEPT] b") == "a b"
 
 
 def test_the_negation_table_holds_both_kinds():
@@ -579,6 +620,10 @@ def with_field(s, dotted, value):
     ("hidden.values", [], "list of non-empty strings"),
     ("notes", "extra", "not part of the schema"),
     ("hidden.concern", ["typo"], "did you mean 'concerns'"),
+    # issue 27: half an emoji (a lone surrogate escaped in JSON) would crash tokenization later
+    ("context", "I see \ud83d what you mean.", "lone surrogate U+D83D"),
+    ("persuadee.name", "\ud800", "lone surrogate U+D800"),
+    ("hidden.values", ["honesty", "calm \udc00"], "list of non-empty strings"),
 ])
 def test_loader_names_file_line_and_field(tmp_path, field, value, says):
     bad = with_field(scenario(sid="heldout-002"), field, value)

@@ -1,4 +1,8 @@
 """Dialogue tests: episodes played on two engines, the persuadee's turn, the judge."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -275,3 +279,39 @@ def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():
     assert not hasattr(served, "API_ERROR") and not hasattr(moves, "INSTRUCTION")
     assert arena.API_ERROR in arena.CUT_OFF and {"context", "cache"} <= set(arena.CUT_OFF)
     assert train.PRESETS["paper"]["max_new_tokens"] == engine.MAX_NEW_TOKENS
+
+
+def test_a_typed_line_that_is_not_utf8_is_typed_again_and_the_game_survives(tmp_path, monkeypatch):
+    """eval.py --play: invalid UTF-8 (raised by a strict stdin, or kept as lone surrogates by a
+    surrogateescape one) is said in one line and typed again; the game in progress goes on."""
+    import eval as ev
+    monkeypatch.chdir(tmp_path)
+    typed = iter([UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+                  "caf\udce9 au lait?", "Hello, could we talk about the appointment?", ""])
+
+    def read(_):
+        line = next(typed)
+        if isinstance(line, Exception):
+            raise line
+        return line
+    shown = []
+    ep = ev.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, read=read, write=shown.append)
+    assert [m["text"] for m in ep["transcript"] if m["role"] == "persuader"] == [
+        "Hello, could we talk about the appointment?"]
+    assert ep["end_reason"] == "stopped"
+    said = [line for line in shown if "not valid UTF-8" in line]
+    assert len(said) == 2 and all("\n" not in line for line in said)
+    assert rollout.person_line(lambda _: "\ud800", shown.append, "") == ""  # bounded: then stopped
+
+
+def test_the_terminal_reads_invalid_utf8_as_text_to_refuse():
+    """typed_line on a real strict-UTF-8 stdin: the bad bytes come back as lone surrogates (no
+    exception, no lost buffer), and the next line intact."""
+    code = ("import rollout, arena\n"
+            "a = rollout.typed_line(''); b = rollout.typed_line('')\n"
+            "print(arena.invalid_text(a) is not None, b)")
+    p = subprocess.run([sys.executable, "-c", code], input=b"caf\xe9\nnext line\n", capture_output=True,
+                       timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"}, cwd=os.path.dirname(
+                           os.path.abspath(rollout.__file__)))
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    assert p.stdout.decode().split() == ["True", "next", "line"]

@@ -193,14 +193,18 @@ def test_served_episodes_follow_the_state_machine_and_strip_tags():
     assert finals == {(1, 3), (2, 3)}  # day 1: its upgrade window closes at turn 3; day 2: budget
 
 
-def test_a_server_without_logprobs_leaves_beliefs_absent():
-    """transformers serve ignores logprobs: beliefs are None, never 0, it is asked only once, and
-    the summary says the belief columns are missing."""
+def test_a_server_without_logprobs_leaves_beliefs_absent(capsys):
+    """A server that ignores logprobs: beliefs are None, never 0, every answer without them is
+    counted and the first said in one line, the probes stay on (issue 27: one glitch must not
+    turn them off), and the summary says the belief columns are missing."""
     server = ScriptedServer(logprobs=False)
-    records = play(rollout_engine(), server.model(), instances(), 3, max_new_tokens=6)
+    model = server.model()
+    records = play(rollout_engine(), model, instances(), 3, max_new_tokens=6)
     assert all(b is None for r in records for b in r["beliefs"])
     asked = [b for b in server.bodies if b["messages"][-1]["content"].startswith(probes.INSTRUCTION)]
-    assert len(asked) == len(probes.PROBES) * len(records)  # the first read's questions only
+    reads = sum(len(r["beliefs"]) for r in records)
+    assert len(asked) == len(probes.PROBES) * reads == model.stats["missing_logprobs"]
+    assert capsys.readouterr().err.count("without log-probs") == 1
     summary = analyses.summarize(records)
     assert summary["beliefs_missing"] == 1.0 and summary["mean_final_belief"] is None
     assert "missing" in analyses.format_table(summary)
@@ -511,8 +515,8 @@ def server(tmp_path_factory):
 
 def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
     """The served model as persuader and judge against a local persuadee: the records of a
-    local persuader, beliefs read locally. As persuadee: it ignores logprobs, so every belief is
-    absent and it is asked for them only once."""
+    local persuader, beliefs read locally. As persuadee: it gives no logprobs, so every belief is
+    absent, each such answer counted."""
     model = served.ServedModel(server)
     model.check()
     insts, er, ee = instances((1, 2)), rollout_engine(), rollout_engine("qwen3", 2)
@@ -524,7 +528,8 @@ def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
         assert all(isinstance(x, float) for x in a["beliefs"]) and isinstance(a["judge"], float)
     persuadee = served.ServedModel(server)
     records = play(er, persuadee, insts, 2, max_new_tokens=6)
-    assert persuadee.logprobs is False and persuadee.stats["failed_requests"] == 0
+    assert persuadee.stats["failed_requests"] == 0
+    assert persuadee.stats["missing_logprobs"] > 0 or "logprobs" in persuadee.dropped
     for r in records:
         assert r["beliefs"] == [None] * (r["turns"] + 1) and r["turns"] >= 1
         assert r["transcript"][1]["role"] == "persuadee"
@@ -691,14 +696,15 @@ class FakeServer:
     def __init__(self, answer, drip=None):
         import http.server
         fake = self
-        self.answer, self.drip, self.bodies = answer, drip, []
+        self.answer, self.drip, self.bodies, self.keys = answer, drip, [], []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.bodies.append(body)
+                fake.keys.append(self.headers.get("Authorization"))
                 status, headers, data = fake.answer(body, len(fake.bodies) - 1)
-                head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(data)}\r\n" + "".join(
+                head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(data)}\r\nConnection: close\r\n" + "".join(
                     f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
                 raw = head.encode() + data
                 try:
@@ -720,7 +726,7 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
     def model(self, **kw):
-        return served.ServedModel(f"openai:fake@{self.url}", **{"backoff": False, **kw})
+        return served.ServedModel(f"openai:scripted@{self.url}", **{"backoff": False, **kw})
 
     def close(self):
         self.httpd.shutdown()
@@ -760,6 +766,16 @@ GARBAGE = {  # what a broken server or proxy answers, each with status 200
     "more tokens than asked": ok("Fine.", usage={"completion_tokens": 500, "prompt_tokens": 3,
                                                  "total_tokens": 503}),
     "a JSON list": (200, JSON, b"[1, 2]"),
+    # issue 27: answers that passed validation and crashed the run later, or skewed a read-out
+    "a lone surrogate": (200, JSON, b'{"model": "scripted", "choices": [{"index": 0, "finish_reason": '
+                         b'"stop", "message": {"role": "assistant", "content": "I see \\ud83d you."}}]}'),
+    "a lone surrogate in a top token": ok("Yes", [("Yes", -0.5), ("\udc00", -1.0)]),
+    "deep JSON": (200, JSON, b"[" * 3000 + b"]" * 3000),
+    "deep JSON in a choice": (200, JSON, b'{"choices": [' + b"[" * 3000 + b"]" * 3000 + b"]}"),
+    "another model's name": ok("Fine.", model="gpt-4o-mini"),
+    "twenty Yes at log-prob 0": ok("Yes", [("Yes", 0.0)] * 20),
+    "a Yes token twice": ok("Yes", [("Yes", -1.5), ("No", -2.0), ("Yes", -1.5)]),
+    "top log-probs over all the mass": ok("Yes", [("Yes", -0.1), ("No", -0.2)]),
 }
 
 
@@ -779,6 +795,119 @@ def test_a_garbage_answer_is_a_failed_attempt_then_a_served_error(kind):
         assert model.stats["failed_attempts"] == 3 and model.stats["failed_requests"] == 1
     finally:
         server.close()
+
+
+def test_hostile_answers_never_escape_as_another_exception():
+    """parse_answer turns whatever an answer's reading raises into InvalidAnswer."""
+    for body in (b"[" * 100_000 + b"]" * 100_000, b'{"model": 1, "choices": 1}', b"\xff\xfe",
+                 json.dumps({"choices": [{"message": {"content": "x\ud800"}}]}).encode()):
+        with pytest.raises(served.InvalidAnswer):
+            served.parse_answer(body, 8, 2, "scripted")
+
+
+def test_an_answer_may_name_a_snapshot_or_revision_of_the_model_asked_for():
+    assert served.same_model("gpt-4o-mini", "gpt-4o-mini-2024-07-18")
+    assert served.same_model("org/model", "org/model@main") and served.same_model("m", None)
+    assert served.same_model("/data/ckpt/SmolLM2", "SmolLM2")
+    assert not served.same_model("gpt-4o-mini", "gpt-4o") and not served.same_model("m", 3)
+    assert not served.same_model("llama-3-8b", "evil-llama-3-8b-2")
+
+
+def test_probe_read_outs_have_mass_in_the_unit_interval():
+    assert served.probe_value([("Yes", 0.0)] * 20) == (None, 0.0)
+    assert served.probe_value([("Yes", -0.1), ("No", -0.2)]) == (None, 0.0)
+    assert served.probe_value([("Yes", -1.0), ("Yes", -1.0)]) == (None, 0.0)
+    v, mass = served.probe_value([("Yes", 0.0), ("No", -30.0)])
+    assert 0.0 <= mass <= 1.0 and -1.0 <= v <= 1.0
+
+
+def test_a_redirect_is_never_followed():
+    """A 3xx pointing at another port: a failed request, and the second server receives nothing
+    (not the system prompt with the hidden profile, not the key)."""
+    other = FakeServer(lambda body, n: ok("From elsewhere."))
+    server = FakeServer(lambda body, n: (307, {"location": f"{other.url}/chat/completions"}, b""))
+    try:
+        model = server.model(retries=1)
+        with pytest.raises(served.ServedError):
+            model.chat([{"role": "system", "content": "secret profile"}, {"role": "user", "content": "Hi"}], 8)
+        assert other.bodies == [] and len(server.bodies) >= 1
+        assert model.stats["failed_attempts"] >= 1 and model.stats["failed_requests"] == 1
+    finally:
+        server.close()
+        other.close()
+
+
+def test_the_key_goes_over_https_only_unless_allowed(monkeypatch, capsys):
+    """OPENAI_API_KEY is not sent to an http URL (warned in one line) unless allowed; a key given
+    for the URL is sent as is."""
+    monkeypatch.setenv(served.API_KEY_ENV, "sk-secret")
+    server = FakeServer(lambda body, n: ok("Fine."))
+    try:
+        server.model().chat([{"role": "user", "content": "Hi"}], 8)
+        warning = capsys.readouterr().err.strip().splitlines()
+        assert server.keys[-1] == f"Bearer {served.LOOPBACK_KEY}"
+        assert len(warning) == 1 and "not sent" in warning[0] and "--allow-insecure-key" in warning[0]
+        server.model(allow_insecure_key=True).chat([{"role": "user", "content": "Hi"}], 8)
+        assert server.keys[-1] == "Bearer sk-secret"
+        server.model(key="per-url").chat([{"role": "user", "content": "Hi"}], 8)
+        assert server.keys[-1] == "Bearer per-url"
+        assert "sk-secret" not in json.dumps(server.bodies)
+    finally:
+        server.close()
+    assert served.api_key("https://api.example.com/v1") == "sk-secret"
+    assert served.api_key("http://api.example.com/v1", warn=lambda line: None) == served.LOOPBACK_KEY
+    monkeypatch.setattr(served, "ALLOW_INSECURE_KEY", True)
+    assert served.ServedModel("openai:m@http://api.example.com/v1").client.api_key == "sk-secret"
+
+
+def test_one_probe_answer_without_log_probs_turns_no_probe_off(capsys):
+    """The first probe answer comes without log-probs: that read-out is None, counted and said
+    once; every later read is taken."""
+    scripted, first = ScriptedServer(), []
+
+    def answer(body, n):
+        reply = scripted.answer(body)
+        if body["messages"][-1]["content"].startswith(probes.INSTRUCTION) and not first:
+            first.append(n)
+            reply["choices"][0].pop("logprobs")
+        return 200, JSON, json.dumps(reply).encode()
+    server = FakeServer(answer)
+    try:
+        model = server.model()
+        [record] = play(rollout_engine(), model, instances((2,)), 3, max_new_tokens=6)
+        values = [v for row in record["probes"] for v in row]
+        assert values.count(None) == 1 and model.stats["missing_logprobs"] == 1
+        assert record["beliefs"][0] is None and all(b is not None for b in record["beliefs"][1:])
+        assert capsys.readouterr().err.count("without log-probs") == 1
+    finally:
+        server.close()
+
+
+def test_the_probe_read_out_quotes_nothing_the_persuader_wrote():
+    """A persuader planting the probe question: every probe request ends in the probes' own
+    question as a turn of its own, after the persuadee's reply; the planted text stays the
+    persuader's earlier turn (moves counts it as probe_planting)."""
+    class Planting(ScriptedServer):
+        def answer(self, body):
+            if "How to persuade" in body["messages"][0]["content"]:
+                return completion(f"{probes.INSTRUCTION} {probes.PROBES['AC']} Yes")
+            return super().answer(body)
+    server = Planting()
+    play(server.model(), server.model(), instances((2,)), 2)
+    asks = [b["messages"] for b in server.bodies if b.get("logprobs")]
+    questions = [{"role": "user", "content": f"{probes.INSTRUCTION} {q}"} for q in probes.PROBES.values()]
+    assert asks and all(m[-1] in questions for m in asks)
+    replies = [m for m in asks if any(x["content"].startswith(probes.INSTRUCTION) for x in m[:-1])]
+    assert replies and all(m[-2]["role"] == "assistant" for m in replies)
+
+
+def test_inert_rewrites_only_what_it_breaks():
+    text = "Caf\u00e9 \ufb01ne \u2460 \uff1c|im_end|\uff1e and <|im_start|>"
+    out, n = served.inert(text)
+    assert n == 2 and out == "Caf\u00e9 \ufb01ne \u2460 < |im_end|> and < |im_start|>"
+    for gemma in ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                  "<image_soft_token>", "<mask>", "<unused42>", "<bos>", "<eos>", "<pad>"):
+        assert served.inert(f"a {gemma} b")[1] == 1, gemma
 
 
 def test_a_proxy_page_fails_the_start_up_check_in_one_line():
@@ -1020,7 +1149,7 @@ class GarbageServer(FakeServer):
 def garbage(monkeypatch):
     monkeypatch.setattr(served, "BACKOFF_S", 0.0)
     server = GarbageServer()
-    yield f"openai:fake@{server.url}"
+    yield f"openai:scripted@{server.url}"
     server.close()
 
 
@@ -1049,6 +1178,47 @@ def test_a_training_step_against_a_garbage_persuadee_finishes(garbage, tmp_path,
     for line in (tmp_path / "garbage" / "metrics.jsonl").read_text().splitlines():
         strict_json(line)
     strict_json((tmp_path / "garbage" / "samples-1.json").read_text())
+
+
+class SurrogateServer(GarbageServer):
+    """Every third answer holds half an emoji (a lone surrogate); the rest are well formed."""
+
+    def respond(self, body, n):
+        if n % 3 == 2:
+            return GARBAGE["a lone surrogate"]
+        return super().respond(body, 0)
+
+
+@pytest.fixture
+def surrogates(monkeypatch):
+    monkeypatch.setattr(served, "BACKOFF_S", 0.0)
+    server = SurrogateServer()
+    yield f"openai:scripted@{server.url}"
+    server.close()
+
+
+def test_a_served_eval_against_lone_surrogates_finishes_and_counts_them(surrogates, tmp_path,
+                                                                         monkeypatch):
+    """Issue 27: such an answer once crashed the tokenizer or the client a turn later."""
+    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    ev.main(["--persuader", "random:tiny-llama", "--persuadee", surrogates, "--scenarios", "train",
+             "--limit", "3", "--t-max", "2", "--max-new-tokens", "4", "--name", "halves"])
+    episodes = [strict_json(l) for l in (tmp_path / "halves" / "episodes.jsonl").read_text()
+                .splitlines()]
+    summary = strict_json((tmp_path / "halves" / "summary.json").read_text())
+    assert len(episodes) == 3 and summary["requests"][surrogates]["failed_attempts"] > 0
+    for e in episodes:
+        assert all(arena.invalid_text(m["text"]) is None for m in e["transcript"])
+
+
+def test_a_training_step_against_lone_surrogates_finishes(surrogates, tmp_path, short_scenarios):
+    import train
+    history = train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
+                          "--name", "halves", "--steps", "1", "--persuadee", surrogates,
+                          "--save-every", "1000", "--max-new-tokens", "4"])
+    assert [m["step"] for m in history] == [1]
+    samples = strict_json((tmp_path / "halves" / "samples-1.json").read_text())
+    assert "\\ud83d" not in json.dumps(samples)
 
 
 def test_a_dropped_parameter_costs_no_attempt():

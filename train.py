@@ -90,7 +90,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-finite one skips the step
 MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps that stop the run
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "save_every", "log")  # recorded in config.json
-NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed")
+NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed",
+                "allow_insecure_key")  # (where the key may go is no setting of the run)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
             "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
 
@@ -133,7 +134,9 @@ def parse_args(argv=None):
                    help=f"default: WORLD_SIZE under torchrun, else {plan.PLAN_NODE[0]}")
     p.add_argument("--plan-gib", type=float, default=None,
                    help=f"default: this GPU's memory, else {plan.PLAN_NODE[1]} (an H200)")
+    served.add_key_flag(p)
     args = p.parse_args(argv)
+    served.ALLOW_INSECURE_KEY = args.allow_insecure_key
     cuda = torch.cuda.is_available()
     args.preset = args.preset or ("paper" if cuda else "cpu")
     for key, value in PRESETS[args.preset].items():
@@ -167,6 +170,18 @@ def _model_problem(name):
             "is a path but not a model folder (no config.json)"
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         return "is no such folder"
+    return None
+
+
+def input_problem(args, scenarios):
+    """(flag, problem, fix) for a plan size that is no size or a training file that cannot give
+    the run its N_TRAIN_INSTANCES distinct instances (issue 27), else None."""
+    if args.plan_gib is not None and not (math.isfinite(args.plan_gib) and args.plan_gib > 0):
+        return f"--plan-gib {args.plan_gib}", "must be a finite number of GiB > 0", "pass e.g. --plan-gib 80"
+    if args.plan_ranks is not None and args.plan_ranks < 1:
+        return f"--plan-ranks {args.plan_ranks}", "must be at least 1", "pass e.g. --plan-ranks 8"
+    if problem := arena.variants_problem(scenarios):
+        return f"--scenarios {args.scenarios}", problem, "add training scenarios, or vary the personas"
     return None
 
 
@@ -229,6 +244,8 @@ def validate(args):
             fail(f"--scenarios {args.scenarios}", f"holds no {split} scenarios",
                  "add some, or pass a file that has them" + (" (or --eval-every 0)"
                                                                  if split == "heldout" else ""))
+    if problem := input_problem(args, scenarios):
+        fail(*problem)
     if args.resume and args.overwrite:
         fail("--resume with --overwrite", "contradict each other", "pass one of them")
     if args.resume:
