@@ -1,0 +1,137 @@
+"""env.py: PersuasionEnv plays the episodes rollout.py's loop plays (local and served persuadee),
+passes gymnasium's checker, and serves them over OpenEnv to openenv-core's own client."""
+import pytest
+import torch
+
+import arena
+import engine
+import env as persuasion_env
+import rollout
+import served
+from conftest import tiny_model
+from test_served import Loopback, ScriptedServer, answer_tokenizer, instances  # noqa: F401
+
+MESSAGES = ["Hello Ana, I hear the shifts are early. [ACCEPT]", "Would the leaflet on side effects "
+            "help?", "We could book the quietest slot.", "One more thought.", "Last one."]
+
+
+def scripted(messages):
+    """A person's side reading the scripted messages: the project's loop with those messages."""
+    lines = iter(messages)
+
+    def read(prompt):
+        return next(lines)
+    return rollout.PersonSide(len(messages), read=read, write=lambda *a: None)
+
+
+def play_loop(persuadee, inst, t_max, seed, **kw):
+    return rollout.rollout_episodes(scripted(MESSAGES), persuadee, [inst], t_max, seed=seed,
+                                    judge=persuadee, **kw)[0]
+
+
+def play_env(env, inst, seed):
+    """The scripted messages through the env: (the per-step results, the last info)."""
+    messages, info = env.reset(seed=seed, options={"instance": inst["id"]})
+    assert list(messages) == arena.persuader_messages(inst) and info["turn"] == 0
+    beliefs0, steps = info["beliefs"], []
+    for text in MESSAGES:
+        obs, reward, terminated, truncated, info = env.step(text)
+        steps.append((obs, reward, terminated, truncated, info))
+        if terminated or truncated:
+            break
+    assert steps[0][4]["beliefs"][0] == beliefs0[0]
+    return steps
+
+
+def assert_same(record, steps):
+    info = steps[-1][4]
+    got = info["record"]
+    assert (got["transcript"], got["outcome"], got["end_reason"], got["turns"]) == \
+        (record["transcript"], record["outcome"], record["end_reason"], record["turns"])
+    assert info["beliefs"] == record["beliefs"] and got["probes"] == record["probes"]
+    assert (info["strategy"], info["judge_failed"]) == (record["judge"], record["judge_failed"])
+    replies = [m["text"] for m in record["transcript"] if m["role"] == "persuadee"]
+    assert [s[0][0]["content"] for s in steps] == [arena.persuader_sees(t) for t in replies]
+    for t, (_, reward, _, _, step_info) in enumerate(steps, 1):
+        assert step_info["beliefs"] == record["beliefs"][:t + 1]
+        assert list(step_info["probes"].values()) == record["probes"][t]
+        assert list(step_info["probe_mass"].values()) == record["probe_mass"][t]
+        assert reward == pytest.approx((record["beliefs"][t] - record["beliefs"][t - 1]) / 2)
+    total = sum(s[1] for s in steps)
+    assert total == pytest.approx((record["beliefs"][-1] - record["beliefs"][0]) / 2, abs=1e-12)
+    assert info["goal_reward"] == {"ACCEPT": 3.0, "PENDING": 0.0, "REJECT": -1.0}[record["outcome"]]
+    assert steps[-1][2] == (record["end_reason"] in ("decision", "rejections", "window"))
+    assert steps[-1][3] == (not steps[-1][2])
+
+
+def test_a_local_persuadee_plays_the_loops_episode(tokenizer):
+    """Scripted messages through PersuasionEnv and through rollout.py's loop (a person's side),
+    sampled persuadee, same seed: the same transcript, beliefs, probes, judge score, outcome."""
+    inst = instances()[0]
+    ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+    kw = dict(max_new_tokens=6, persuadee_sampling=rollout.FROZEN_SAMPLING)
+    record = play_loop(ee, inst, 3, seed=11, **kw)
+    env = persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=3, max_new_tokens=6)
+    steps = play_env(env, inst, 11)
+    assert_same(record, steps)
+    assert record["end_reason"] == "budget" and steps[-1][3]
+    again = play_env(env, inst, 11)  # a second episode on the same env, same seed: the same
+    assert [s[1] for s in again] == [s[1] for s in steps]
+    env.close()
+    assert len(ee.cache.free_blocks) == 2000  # every block came back
+
+
+def test_a_served_persuadee_plays_the_loops_episode(answer_tokenizer):  # noqa: F811
+    """The same through a loopback OpenAI-compatible server wrapping a tiny model (probes from
+    its top log-probs), greedy."""
+    inst = instances()[1]
+    server = Loopback(tiny_model("qwen3", seed=2), answer_tokenizer)
+    try:
+        model = served.ServedModel(server.spec, backoff=False)
+        kw = dict(max_new_tokens=6, persuadee_sampling=engine.GREEDY)
+        record = play_loop(model, inst, 3, seed=5, **kw)
+        env = persuasion_env.PersuasionEnv(model, scenarios=instances(), t_max=3,
+                                           max_new_tokens=6, sampling=engine.GREEDY)
+        assert_same(record, play_env(env, inst, 5))
+        assert None not in record["beliefs"]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("day, outcome", [(1, "ACCEPT"), (3, "REJECT")])
+def test_a_decision_terminates_with_the_goal_reward(day, outcome):
+    """A scripted served persuadee that decides: the episode terminates on its decision, with
+    the goal reward, the judge's score and the outcome reward in the last info."""
+    inst = instances((day,))[0]
+    model = ScriptedServer().model()
+    record = play_loop(model, inst, 4, seed=0, max_new_tokens=8)
+    env = persuasion_env.PersuasionEnv(model, scenarios=[inst], t_max=4, max_new_tokens=8)
+    steps = play_env(env, inst, 0)
+    assert_same(record, steps)
+    info = steps[-1][4]
+    assert record["outcome"] == outcome and steps[-1][2] and not steps[-1][3]
+    assert info["strategy"] == 1.0 and info["outcome_reward"] == info["goal_reward"] + 0.5
+    assert "[ACCEPT]" not in steps[-1][0][0]["content"]  # the reply reaches the trainer stripped
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step("After the end.")
+
+
+def test_gymnasiums_checker_passes_and_bad_input_is_named(tokenizer):
+    from gymnasium.utils.env_checker import check_env
+    ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+    env = persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=2, max_new_tokens=4)
+    check_env(env, skip_render_check=True)
+    obs, info = env.reset(seed=1)
+    assert env.observation_space.contains(obs) and info["instance"] in env.by_id
+    with pytest.raises(TypeError, match="as a str"):
+        env.step(["not", "text"])
+    with pytest.raises(ValueError, match="no instance"):
+        env.reset(options={"instance": "nope"})
+    with pytest.raises(ValueError, match="unknown reset option"):
+        env.reset(options={"scenario": 1})
+    with pytest.raises(ValueError, match="t_max must be a positive integer"):
+        persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=0)
+    obs, *_ = env.reset(seed=2, options={"instance": instances()[0]["id"]})
+    assert env.step("Still here after the bad calls?")[4]["turn"] == 1
+    env.close()
+    assert len(ee.cache.free_blocks) == 2000
