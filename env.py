@@ -50,6 +50,7 @@ DECISION_ENDS = ("decision", "rejections", "window")  # end reasons that termina
 ROLES = ("system", "user", "assistant")
 HOST = "127.0.0.1"  # the OpenEnv server listens on loopback only
 SERVER_SESSIONS = 1  # one episode at a time: the persuadee's pool belongs to one session
+SESSION_TIMEOUT_S = 600.0  # an OpenEnv session idle this long is closed (its episode abandoned)
 
 
 class Utterance(spaces.Text):
@@ -310,3 +311,129 @@ class PersuasionEnv(gym.Env):
 
     def close(self):
         self._abandon()
+
+# -----------------------------------------------------------------------------
+# OpenEnv: the same episodes over HTTP and WebSocket (openenv-core's server and client contract)
+
+
+def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
+    """A FastAPI app that serves make_env()'s episodes by openenv-core's contract: each WebSocket
+    session (/ws, what EnvClient and TRL's and SkyRL's integrations use) gets its own
+    PersuasionEnv from make_env; reset takes seed and instance, step takes {"message": str};
+    observations carry messages, terminated, truncated and info, with reward and done. One
+    session at a time (the persuadee's pool is one), idle sessions closed after
+    session_timeout_s; reset and step of every session run one at a time (one engine)."""
+    from typing import Any, Optional
+
+    from openenv.core.env_server import Action, Environment, Observation, State, create_app
+    from openenv.core.env_server.types import ConcurrencyConfig
+    from pydantic import ConfigDict, Field
+    lock = threading.Lock()
+
+    class PersuaderAction(Action):
+        model_config = ConfigDict(extra="allow")  # a wrong field gets env.py's own error (step)
+        message: Any = Field(None, description="the persuader's next message, a string")
+
+    class ArenaObservation(Observation):
+        messages: list = Field(default_factory=list, description="chat messages to append")
+        terminated: bool = False
+        truncated: bool = False
+        info: dict = Field(default_factory=dict)
+
+    class ArenaState(State):
+        instance: Optional[str] = None
+        seed: Optional[int] = None
+        done: bool = True
+
+    class ArenaEnvironment(Environment):
+        def __init__(self):
+            super().__init__()
+            self.env, self.steps, self.episode_id = make_env(), 0, None
+
+        def reset(self, seed=None, episode_id=None, instance=None, **kwargs):
+            if kwargs:
+                raise ValueError(f"env.py: unknown reset field(s) {sorted(kwargs)}; reset takes "
+                                 "seed, episode_id and instance")
+            with lock:
+                messages, info = self.env.reset(
+                    seed=seed, options=None if instance is None else {"instance": instance})
+            self.steps, self.episode_id = 0, episode_id
+            return ArenaObservation(messages=list(messages), info=info, reward=0.0)
+
+        def step(self, action, timeout_s=None, **kwargs):
+            extra = sorted(action.model_extra or {})
+            if extra or not isinstance(action.message, str):
+                raise ValueError(f"env.py: a step is {{\"message\": <the persuader's text>}}, got "
+                                 f"fields {extra or ['message']} with message of type "
+                                 f"{type(action.message).__name__}; the episode goes on")
+            with lock:
+                messages, reward, terminated, truncated, info = self.env.step(action.message)
+            self.steps += 1
+            return ArenaObservation(messages=list(messages), terminated=terminated,
+                                    truncated=truncated, info=info, reward=reward,
+                                    done=terminated or truncated)
+
+        @property
+        def state(self):
+            episode = self.env.episode or {}
+            inst = episode.get("instance")
+            return ArenaState(episode_id=self.episode_id, step_count=self.steps,
+                              instance=inst and inst["id"], seed=episode.get("seed"),
+                              done=episode.get("done", True))
+
+        def close(self):
+            with lock:
+                self.env.close()
+
+    return create_app(ArenaEnvironment, PersuaderAction, ArenaObservation, env_name="persuarena",
+                      concurrency_config=ConcurrencyConfig(max_concurrent_envs=SERVER_SESSIONS,
+                                                           session_timeout=session_timeout_s))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="PersuArena as an environment (module docstring).")
+    ap.add_argument("--serve", action="store_true", help="run the OpenEnv server on 127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--persuadee", default="smollm2", help="random:NAME, smollm2, a model "
+                    "folder or openai:MODEL@URL")
+    ap.add_argument("--judge", default=JUDGE_DEFAULT, help="'persuadee' (its model), 'none' "
+                    "(s = 0) or a model name")
+    ap.add_argument("--scenarios", default="train", help="train, heldout or a scenarios.jsonl")
+    ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN)
+    ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--kv-blocks", type=int, help="the persuadee's KV pool, in blocks")
+    args = ap.parse_args(argv)
+    problem = (None if args.serve else "nothing to do: pass --serve (the Python API is "
+               "env.PersuasionEnv)")
+    problem = problem or (None if 0 < args.port < 65536 else
+                          f"--port must be in 1..65535, got {args.port}")
+    problem = problem or next((f"--{name.replace('_', '-')} must be at least 1, got {value}"
+                               for name, value in (("t_max", args.t_max),
+                                                   ("max_new_tokens", args.max_new_tokens),
+                                                   ("kv_blocks", args.kv_blocks or 1))
+                               if value < 1), None)
+    if problem:
+        ap.error(problem)
+    return args
+
+
+def main(argv=None):
+    import uvicorn
+    args = parse_args(argv)
+    instances = load_instances(args.scenarios)  # a bad path is named before any model loads
+    loaded = {}
+    persuadee = PersuasionEnv._player(args.persuadee, loaded, args.dtype, args.kv_blocks)
+    judge = ({"persuadee": persuadee, "none": None}[args.judge] if args.judge in ("persuadee", "none")
+             else PersuasionEnv._player(args.judge, loaded, args.dtype, args.kv_blocks))
+
+    def make_env():
+        return PersuasionEnv(persuadee, scenarios=instances, t_max=args.t_max, judge=judge,
+                             max_new_tokens=args.max_new_tokens)
+    print(f"env.py: serving {args.persuadee} on http://{HOST}:{args.port} (OpenEnv: /ws, "
+          "/reset, /step, /state)", file=sys.stderr)
+    uvicorn.run(openenv_app(make_env), host=HOST, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -135,3 +135,78 @@ def test_gymnasiums_checker_passes_and_bad_input_is_named(tokenizer):
     assert env.step("Still here after the bad calls?")[4]["turn"] == 1
     env.close()
     assert len(ee.cache.free_blocks) == 2000
+
+
+@pytest.fixture
+def openenv_server(tokenizer):
+    """env.py's OpenEnv app on 127.0.0.1 (a free port) over a tiny local persuadee, in a thread."""
+    import socket
+    import threading
+
+    import uvicorn
+    ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+
+    def make_env():
+        return persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=3, max_new_tokens=6)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(persuasion_env.openenv_app(make_env), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        thread.join(0.05)
+    yield f"http://127.0.0.1:{port}", make_env, ee
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_openenvs_own_client_plays_a_whole_episode(openenv_server):
+    """openenv-core's GenericEnvClient over the WebSocket session: the episode the env plays
+    in-process for the same seed; a malformed action gets env.py's error and the episode goes on."""
+    from openenv.core import GenericEnvClient
+    url, make_env, ee = openenv_server
+    inst = instances()[0]
+    local = play_env(make_env(), inst, 4)
+    with GenericEnvClient(base_url=url).sync() as client:
+        first = client.reset(seed=4, instance=inst["id"])
+        assert first.observation["messages"] == arena.persuader_messages(inst)
+        assert first.observation["info"]["beliefs"] == local[0][4]["beliefs"][:1]
+        results = []
+        for k, text in enumerate(MESSAGES):
+            if k == 1:
+                for bad in ({"text": text}, {"message": 3}):
+                    with pytest.raises(RuntimeError, match='a step is {"message"'):
+                        client.step(bad)
+            results.append(client.step({"message": text}))
+            if results[-1].done:
+                break
+        state = client.state()
+    assert len(results) == len(local) and state["instance"] == inst["id"] and state["done"]
+    for got, (obs, reward, terminated, truncated, info) in zip(results, local):
+        assert got.observation["messages"] == list(obs) and got.reward == reward
+        assert (got.observation["terminated"], got.observation["truncated"]) == \
+            (terminated, truncated)
+        assert got.observation["info"]["beliefs"] == info["beliefs"]
+    assert results[-1].observation["info"]["record"]["transcript"] == \
+        local[-1][4]["record"]["transcript"]
+    assert len(ee.cache.free_blocks) == 2000
+
+
+def test_the_server_cli_refuses_bad_flags_before_loading(capsys):
+    for argv, words in ((["--port", "1"], "pass --serve"), (["--serve", "--port", "0"], "--port"),
+                        (["--serve", "--t-max", "0"], "--t-max must be at least 1")):
+        with pytest.raises(SystemExit):
+            persuasion_env.parse_args(argv)
+        assert words in capsys.readouterr().err
+
+
+def test_the_server_cli_serves_on_loopback_only(monkeypatch, short_scenarios):
+    import uvicorn
+    served_at = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served_at.update(app=app, **kw))
+    persuasion_env.main(["--serve", "--port", "8123", "--persuadee", "random:tiny-qwen3",
+                         "--scenarios", short_scenarios, "--judge", "none"])
+    assert (served_at["host"], served_at["port"]) == ("127.0.0.1", 8123)
+    assert {"/ws", "/reset", "/step", "/state"} <= {r.path for r in served_at["app"].routes}
