@@ -80,6 +80,10 @@ PRESETS = {
                  lr=1e-3, max_new_tokens=4, micro_batch=2, eval_every=0, eval_limit=2,
                  save_every=2, sampling="paper"),
 }
+LORA_RANK = 64                      # --preset one-gpu's adapter rank (train.py --lora)
+PRESETS["one-gpu"] = dict(  # the paper's models and sampling on one H200, LoRA (README: one GPU)
+    PRESETS["paper"], lora=LORA_RANK, lr=1e-5, instances=2, micro_batch=2, eval_limit=16,
+    plan_ranks=1)
 GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
 SEED = 0
@@ -735,6 +739,22 @@ def resume_metrics(path, start):
 # the loop
 
 
+def against_paper(args):
+    """What a LoRA run or the one-gpu preset trades against the paper preset, for --plan."""
+    if not args.lora and args.preset != "one-gpu":
+        return []
+    paper, world = PRESETS["paper"], args.plan_ranks or 1
+    episodes = args.instances * args.group_size
+    full = paper["instances"] * paper["group_size"]
+    return [f"against the paper preset (8 GPUs, full fine-tuning): LoRA rank {args.lora} on a "
+            f"frozen {args.dtype} base (the reference: adapter off), lr {args.lr:g} (paper "
+            f"{paper['lr']:g}); {episodes} episodes a step (paper {full}: "
+            f"{episodes / full:.3g}x the batch), {args.steps} steps, {episodes * args.steps:,} "
+            f"episodes in all (paper {full * paper['steps']:,}); held-out check on "
+            f"{args.eval_limit} scenarios (paper {paper['eval_limit']}); {world} rank(s), "
+            "data parallel"]
+
+
 def load(name, dtype, device):
     model, tokenizer = models.load_model(name, dtype=getattr(torch, dtype), device=device)
     return model.requires_grad_(False), tokenizer
@@ -743,6 +763,7 @@ def load(name, dtype, device):
 def main(argv=None):
     args = parse_args(argv)
     if args.plan:
+        print("\n".join(against_paper(args)))
         plan.print_plan(args)
         return []
     rank, world, device = setup_distributed()
