@@ -42,7 +42,6 @@ import engine
 import probes
 import rollout
 import rpo
-import served
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
 JUDGE_DEFAULT = "persuadee"  # the paper's frozen judge: the persuadee's model in a fresh context
@@ -316,19 +315,14 @@ class PersuasionEnv(gym.Env):
 # OpenEnv: the same episodes over HTTP and WebSocket (openenv-core's server and client contract)
 
 
-def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
-    """A FastAPI app that serves make_env()'s episodes by openenv-core's contract: each WebSocket
-    session (/ws, what EnvClient and TRL's and SkyRL's integrations use) gets its own
-    PersuasionEnv from make_env; reset takes seed and instance, step takes {"message": str};
-    observations carry messages, terminated, truncated and info, with reward and done. One
-    session at a time (the persuadee's pool is one), idle sessions closed after
-    session_timeout_s; reset and step of every session run one at a time (one engine)."""
+def openenv_models():
+    """The action, observation and state of the OpenEnv contract (pydantic models on
+    openenv-core's bases): a step is {"message": str}; an observation carries the messages,
+    terminated, truncated and info beside openenv's reward and done."""
     from typing import Any, Optional
 
-    from openenv.core.env_server import Action, Environment, Observation, State, create_app
-    from openenv.core.env_server.types import ConcurrencyConfig
+    from openenv.core.env_server import Action, Observation, State
     from pydantic import ConfigDict, Field
-    lock = threading.Lock()
 
     class PersuaderAction(Action):
         model_config = ConfigDict(extra="allow")  # a wrong field gets env.py's own error (step)
@@ -344,6 +338,19 @@ def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
         instance: Optional[str] = None
         seed: Optional[int] = None
         done: bool = True
+    return PersuaderAction, ArenaObservation, ArenaState
+
+
+def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
+    """A FastAPI app that serves make_env()'s episodes by openenv-core's contract: each WebSocket
+    session (/ws, what EnvClient and TRL's and SkyRL's integrations use) gets its own
+    PersuasionEnv from make_env; reset takes seed and instance, step takes {"message": str}.
+    One session at a time (the persuadee's pool is one), idle sessions closed after
+    session_timeout_s; reset, step and close of every env run one at a time (one engine)."""
+    from openenv.core.env_server import Environment, create_app
+    from openenv.core.env_server.types import ConcurrencyConfig
+    PersuaderAction, ArenaObservation, ArenaState = openenv_models()
+    lock = threading.Lock()
 
     class ArenaEnvironment(Environment):
         def __init__(self):
@@ -358,7 +365,7 @@ def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
                 messages, info = self.env.reset(
                     seed=seed, options=None if instance is None else {"instance": instance})
             self.steps, self.episode_id = 0, episode_id
-            return ArenaObservation(messages=list(messages), info=info, reward=0.0)
+            return ArenaObservation(messages=list(messages), info=info)
 
         def step(self, action, timeout_s=None, **kwargs):
             extra = sorted(action.model_extra or {})

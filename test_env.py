@@ -1,7 +1,6 @@
 """env.py: PersuasionEnv plays the episodes rollout.py's loop plays (local and served persuadee),
 passes gymnasium's checker, and serves them over OpenEnv to openenv-core's own client."""
 import pytest
-import torch
 
 import arena
 import engine
