@@ -23,9 +23,9 @@ def scripted(messages):
     return rollout.PersonSide(len(messages), read=read, write=lambda *a: None)
 
 
-def play_loop(persuadee, inst, t_max, seed, **kw):
+def play_loop(persuadee, inst, t_max, seed, judge=None, **kw):
     return rollout.rollout_episodes(scripted(MESSAGES), persuadee, [inst], t_max, seed=seed,
-                                    judge=persuadee, **kw)[0]
+                                    judge=judge, **kw)[0]
 
 
 def play_env(env, inst, seed):
@@ -65,12 +65,13 @@ def assert_same(record, steps):
 
 def test_a_local_persuadee_plays_the_loops_episode(tokenizer):
     """Scripted messages through PersuasionEnv and through rollout.py's loop (a person's side),
-    sampled persuadee, same seed: the same transcript, beliefs, probes, judge score, outcome."""
+    sampled persuadee, same seed: the same transcript, beliefs, probes and outcome."""
     inst = instances()[0]
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
     kw = dict(max_new_tokens=6, persuadee_sampling=rollout.FROZEN_SAMPLING)
     record = play_loop(ee, inst, 3, seed=11, **kw)
-    env = persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=3, max_new_tokens=6)
+    env = persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=3, max_new_tokens=6,
+                                       judge=None)  # the judge's equality: the scripted test
     steps = play_env(env, inst, 11)
     assert_same(record, steps)
     assert record["end_reason"] == "budget" and steps[-1][3]
@@ -90,7 +91,7 @@ def test_a_served_persuadee_plays_the_loops_episode(answer_tokenizer):  # noqa: 
         kw = dict(max_new_tokens=6, persuadee_sampling=engine.GREEDY)
         record = play_loop(model, inst, 3, seed=5, **kw)
         env = persuasion_env.PersuasionEnv(model, scenarios=instances(), t_max=3,
-                                           max_new_tokens=6, sampling=engine.GREEDY)
+                                           max_new_tokens=6, sampling=engine.GREEDY, judge=None)
         assert_same(record, play_env(env, inst, 5))
         assert None not in record["beliefs"]
     finally:
@@ -103,7 +104,7 @@ def test_a_decision_terminates_with_the_goal_reward(day, outcome):
     the goal reward, the judge's score and the outcome reward in the last info."""
     inst = instances((day,))[0]
     model = ScriptedServer().model()
-    record = play_loop(model, inst, 4, seed=0, max_new_tokens=8)
+    record = play_loop(model, inst, 4, seed=0, judge=model, max_new_tokens=8)
     env = persuasion_env.PersuasionEnv(model, scenarios=[inst], t_max=4, max_new_tokens=8)
     steps = play_env(env, inst, 0)
     assert_same(record, steps)
@@ -118,7 +119,8 @@ def test_a_decision_terminates_with_the_goal_reward(day, outcome):
 def test_gymnasiums_checker_passes_and_bad_input_is_named(tokenizer):
     from gymnasium.utils.env_checker import check_env
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
-    env = persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=2, max_new_tokens=4)
+    env = persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=2, max_new_tokens=4,
+                                       judge=None)
     check_env(env, skip_render_check=True)
     obs, info = env.reset(seed=1)
     assert env.observation_space.contains(obs) and info["instance"] in env.by_id
@@ -146,7 +148,8 @@ def openenv_server(tokenizer):
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
 
     def make_env():
-        return persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=3, max_new_tokens=6)
+        return persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=3, max_new_tokens=6,
+                                            judge=None)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
