@@ -10,14 +10,14 @@ messages come from step() (TrainerSide, as eval.py --play's PersonSide takes the
     step(persuader_text)  -> [the persuadee's reply as the persuader reads it (tags stripped)],
                              r_t = (b_t - b_{t-1}) / 2, terminated, truncated, info
 
-so that sum_t r_t = (b_T - b_0) / 2, the dense term of Probe-RPO (README, The reward). `terminated`
+so that sum_t r_t = (b_T - b_0) / 2, the dense term of Probe-RPO (rpo.process_rewards). `terminated`
 is a decision (ACCEPT, PENDING, WALK_AWAY, the second REJECT, a closed upgrade window);
-`truncated` the turn budget t_max or an end from outside the arena (the persuadee's context or KV
-pool, a served persuadee's request that kept failing). info carries the decision, the outcome,
-the beliefs so far [b_0..b_t], the turn's three probe values and their Yes+No masses; at the end
-the goal reward G(outcome), the judge's strategy score s and the outcome reward G + 0.5 s that a
-trainer mixes in by its own lambda. The persuadee is a local model (probes read in forks of its
-cache) or a served one, openai:MODEL@URL (probes from its top log-probs).
+`truncated` the turn budget t_max or an end from outside the arena (the persuadee's context or
+KV pool, a served persuadee's request that kept failing: README, Decisions: Context and cache
+ends). info carries the decision, the outcome, the beliefs so far [b_0..b_t], the turn's three
+probe values and their Yes+No masses; at the end the goal reward G(outcome), the judge's strategy
+score s and the outcome reward G + 0.5 s that a trainer mixes in by its own lambda. The persuadee
+is a local model (probes read in forks of its cache) or a served one, openai:MODEL@URL (probes from its top log-probs).
 
     env = PersuasionEnv("random:tiny-qwen3", scenarios="heldout", t_max=6)
     messages, info = env.reset(seed=0, options={"instance": "heldout-001"})
