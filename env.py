@@ -17,7 +17,8 @@ KV pool, a served persuadee's request that kept failing: README, Decisions: Cont
 ends). info carries the decision, the outcome, the beliefs so far [b_0..b_t], the turn's three
 probe values and their Yes+No masses; at the end the goal reward G(outcome), the judge's strategy
 score s and the outcome reward G + 0.5 s that a trainer mixes in by its own lambda. The persuadee
-is a local model (probes read in forks of its cache) or a served one, openai:MODEL@URL (probes from its top log-probs).
+is a local model (probes read in forks of its cache) or a served one, openai:MODEL@URL (probes
+from its top log-probs).
 
     env = PersuasionEnv("random:tiny-qwen3", scenarios="heldout", t_max=6)
     messages, info = env.reset(seed=0, options={"instance": "heldout-001"})
@@ -67,9 +68,9 @@ class Utterance(spaces.Text):
 def message_space():
     """Observations: a tuple of chat messages, each {"role", "content"}, that the persuader's
     context appends."""
-    return spaces.Sequence(spaces.Dict({"role": spaces.Text(9, min_length=4,
-                                                            charset="".join(sorted(set("".join(ROLES))))),
-                                        "content": Utterance(1_000_000)}))
+    role = spaces.Text(max(map(len, ROLES)), min_length=min(map(len, ROLES)),
+                       charset="".join(sorted(set("".join(ROLES)))))
+    return spaces.Sequence(spaces.Dict({"role": role, "content": Utterance(1_000_000)}))
 
 
 def load_instances(scenarios):
@@ -82,7 +83,8 @@ def load_instances(scenarios):
     if scenarios == "heldout":
         return arena.heldout_instances()
     try:
-        return [{**s, "scenario_id": s["id"], "variant": 0} for s in arena.load_scenarios(scenarios)]
+        return [{**s, "scenario_id": s["id"], "variant": 0}
+                for s in arena.load_scenarios(scenarios)]
     except (OSError, ValueError) as e:
         raise ValueError(f"env.py: cannot load scenarios from {scenarios!r} ({e}); pass 'train', "
                          "'heldout', a scenarios.jsonl path or a list of instances") from None
@@ -431,7 +433,8 @@ def main(argv=None):
     instances = load_instances(args.scenarios)  # a bad path is named before any model loads
     loaded = {}
     persuadee = PersuasionEnv._player(args.persuadee, loaded, args.dtype, args.kv_blocks)
-    judge = ({"persuadee": persuadee, "none": None}[args.judge] if args.judge in ("persuadee", "none")
+    judge = ({"persuadee": persuadee, "none": None}[args.judge]
+             if args.judge in ("persuadee", "none")
              else PersuasionEnv._player(args.judge, loaded, args.dtype, args.kv_blocks))
 
     def make_env():

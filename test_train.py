@@ -784,3 +784,19 @@ def test_lora_refuses_a_negative_rank_and_resume(tmp_path, short_scenarios, no_m
         with pytest.raises(SystemExit, match="--lora"):
             train.parse_args(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
                                      "--name", "x", *extra])
+
+
+def test_two_lora_ranks_match_one_process(tmp_path, short_scenarios):
+    """--lora under torchrun is data parallel: 2 CPU ranks (replicated adapters, gradients
+    averaged during backward) give one process's loss, gradient norm, KL and rewards at step 1
+    and, after the AdamW step, at step 2."""
+    common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2",
+                     "--instances", "2", "--group-size", "2", "--persuader-temperature", "1",
+                     "--max-new-tokens", "6", "--lora", "4", "--lr", "3e-2"]
+    one_and_two_ranks("train.py", common, 29527)
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+        assert a["grad_norm"] > 0
+    assert b["kl"] > 0
+    assert (tmp_path / "two" / "checkpoint-2" / "adapter_config.json").is_file()
