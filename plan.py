@@ -127,13 +127,15 @@ def memory_plan(args, world, gib, gpu):
         add(f"autocast {args.dtype} weight copies", itemsize * P)
     if separate_rollout:
         add(f"rollout copy {args.dtype} (actor engine's weights)", itemsize * P)
+    if getattr(args, "lora", None):  # train.py --lora: the policy lines above are LoRA's instead
+        items[:] = lora_items(policy_cfg, args, itemsize)
     engine_items("actor", policy_cfg)
     if not served_ee:
         ee_cfg = policy_cfg if same else models.model_config(args.persuadee)
         add(f"persuadee {args.dtype}" + (" (also the reference)" if same else ""),
             itemsize * parameter_count(ee_cfg))
         engine_items("persuadee", ee_cfg)
-    if args.kl_beta > 0 and not same:
+    if args.kl_beta > 0 and not same and not getattr(args, "lora", None):  # LoRA's is the base
         add(f"reference {args.dtype}{shard}", itemsize * P / world)
     if judge_own:
         judge_cfg = models.model_config(args.judge)
@@ -145,6 +147,29 @@ def memory_plan(args, world, gib, gpu):
     total = sum(n for _, n in items)
     return dict(items=items, total=total, capacity=int(gib * GiB), world=world, gpu=gpu,
                 sizes=sizes)
+
+
+def lora_parameter_count(cfg, rank):
+    """Adapter parameters: r (fan-in + fan-out) for each models.LORA_TARGETS projection of
+    every layer."""
+    h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    D, inner = getattr(cfg, "head_dim", None) or h // H, cfg.intermediate_size
+    fans = dict(q_proj=(h, H * D), k_proj=(h, Hkv * D), v_proj=(h, Hkv * D), o_proj=(H * D, h),
+                gate_proj=(h, inner), up_proj=(h, inner), down_proj=(inner, h))
+    return cfg.num_hidden_layers * rank * sum(sum(fans[t]) for t in models.LORA_TARGETS)
+
+
+def lora_items(cfg, args, itemsize):
+    """The policy's lines under --lora (data parallel: nothing is sharded): fp32 adapters, their
+    gradients and AdamW moments (16 bytes an adapter parameter), the frozen base in --dtype that
+    is also the KL reference (adapter off: no reference copy), and the rollout copy that takes
+    the merged weights."""
+    n = lora_parameter_count(cfg, args.lora)
+    P = parameter_count(cfg)
+    return [(f"LoRA adapters r={args.lora} fp32 ({n / 1e6:.0f}M, replicated)", 4 * n),
+            ("adapter gradients fp32", 4 * n), ("AdamW moments fp32 (adapters)", 8 * n),
+            (f"frozen base {args.dtype} (the reference, adapter off)", itemsize * P),
+            (f"rollout copy {args.dtype} (merged, actor engine's)", itemsize * P)]
 
 
 def activation_bytes(cfg, args, itemsize, gpu):

@@ -85,3 +85,33 @@ def test_the_largest_prefill_runs_in_attention_calls_within_their_budget():
         covered = torch.cat([torch.arange(c.lo, c.hi) for c in calls])
         assert covered.tolist() == list(range(int(q_lens.sum())))
         assert all(len(c.index) == c.hi - c.lo for c in calls)
+
+
+def test_the_one_gpu_preset_fits_one_h200_and_counts_adapters_base_and_reference(capsys,
+                                                                                  monkeypatch):
+    """train.py --preset one-gpu --plan: LoRA on the paper's models fits one H200 (139 GiB) with
+    over 15% to spare, reading no weight, and says what it gives up against the paper. The
+    adapters are counted as peft builds them (16 bytes a parameter: fp32 weights, gradients,
+    moments), the frozen base once in bf16 (no reference copy: the base with the adapter off),
+    the rollout copy once, nothing sharded."""
+    import models
+    from conftest import tiny_model
+    for shape in ("qwen3", "llama"):
+        lora = models.attach_lora(tiny_model(shape), 4, f"random:tiny-{shape}")
+        assert plan.lora_parameter_count(lora.config, 4) == \
+            sum(p.numel() for p in models.lora_parameters(lora))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the plan read a model"))
+    train.main(["--preset", "one-gpu", "--plan", "--plan-gib", "139", "--out", "/nonexistent"])
+    shown = capsys.readouterr().out
+    assert "against the paper preset" in shown and "16 episodes a step (paper 128" in shown
+    args = train.parse_args(["--preset", "one-gpu", "--plan", "--out", "/nonexistent"])
+    rank_plan = plan.memory_plan(args, 1, 139, True)
+    assert rank_plan["capacity"] - rank_plan["total"] > 0.15 * rank_plan["capacity"]
+    items = dict(rank_plan["items"])
+    P = plan.parameter_count(models.model_config(args.persuader))
+    L = plan.lora_parameter_count(models.model_config(args.persuader), train.LORA_RANK)
+    assert items[f"LoRA adapters r=64 fp32 ({L / 1e6:.0f}M, replicated)"] + \
+        items["adapter gradients fp32"] + items["AdamW moments fp32 (adapters)"] == 16 * L
+    assert items["frozen base bfloat16 (the reference, adapter off)"] == 2 * P
+    assert items["rollout copy bfloat16 (merged, actor engine's)"] == 2 * P
+    assert not any("reference bfloat16" in k or "master" in k or "autocast" in k for k in items)

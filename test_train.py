@@ -752,3 +752,51 @@ def test_a_judge_naming_the_persuadees_model_shares_its_engine(tmp_path, short_s
     built.clear()
     train.main(base + ["--name", "own", "--judge", "random:tiny-qwen2"])
     assert built == ["llama", "qwen3", "qwen2"]
+
+
+def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_path, short_scenarios,
+                                                                           monkeypatch):
+    """--lora on the tiny preset: the adapter moves (KL to the base > 0) while the rollout engine
+    plays the merged weights (the sampled log-probs are the policy's: ratio 1 at step 2); the
+    checkpoint is peft's adapter folder (PeftModel.from_pretrained, merge_and_unload) and
+    eval.py --persuader runs/NAME/checkpoint-K evaluates it."""
+    import eval as ev
+    from peft import PeftModel
+    history = tiny_run(tmp_path, short_scenarios, "lora", "--lora", 4, "--steps", 2, "--lr", 3e-2,
+                       "--save-every", 1, "--kl-beta", 0.01)
+    assert history[1]["kl"] > 1e-4 and abs(history[1]["ratio_mean"] - 1) < 1e-4
+    folder = tmp_path / "lora" / "checkpoint-2"
+    assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
+    config = json.loads((tmp_path / "lora" / "config.json").read_text())
+    assert config["lora"] == 4
+    base = models.random_model("tiny-llama")[0]
+    merged = PeftModel.from_pretrained(base, folder).merge_and_unload()
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight,
+                           models.random_model("tiny-llama")[0].model.layers[0].self_attn.q_proj.weight)
+    monkeypatch.chdir(tmp_path)
+    ev.main(["--persuader", str(folder), "--persuadee", "random:tiny-qwen3", "--judge", "none",
+             "--limit", "1", "--t-max", "1", "--max-new-tokens", "3", "--name", "lora-eval"])
+    assert (tmp_path / "evals" / "lora-eval" / "summary.json").is_file()
+
+
+def test_lora_refuses_a_negative_rank_and_resume(tmp_path, short_scenarios, no_model_loads):
+    for extra in (["--lora", "-1"], ["--lora", "4", "--resume"]):
+        with pytest.raises(SystemExit, match="--lora"):
+            train.parse_args(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
+                                     "--name", "x", *extra])
+
+
+def test_two_lora_ranks_match_one_process(tmp_path, short_scenarios):
+    """--lora under torchrun is data parallel: 2 CPU ranks (replicated adapters, gradients
+    averaged during backward) give one process's loss, gradient norm, KL and rewards at step 1
+    and, after the AdamW step, at step 2."""
+    common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2",
+                     "--instances", "2", "--group-size", "2", "--persuader-temperature", "1",
+                     "--max-new-tokens", "6", "--lora", "4", "--lr", "3e-2"]
+    one_and_two_ranks("train.py", common, 29527)
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+        assert a["grad_norm"] > 0
+    assert b["kl"] > 0
+    assert (tmp_path / "two" / "checkpoint-2" / "adapter_config.json").is_file()

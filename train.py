@@ -80,6 +80,10 @@ PRESETS = {
                  lr=1e-3, max_new_tokens=4, micro_batch=2, eval_every=0, eval_limit=2,
                  save_every=2, sampling="paper"),
 }
+LORA_RANK = 64                      # --preset one-gpu's adapter rank (train.py --lora)
+PRESETS["one-gpu"] = dict(  # the paper's models and sampling on one H200, LoRA (README: one GPU)
+    PRESETS["paper"], lora=LORA_RANK, lr=1e-5, instances=2, micro_batch=2, eval_limit=16,
+    plan_ranks=1)
 GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
 SEED = 0
@@ -108,6 +112,8 @@ def parse_args(argv=None):
                 "micro_batch", "eval_every", "eval_limit", "save_every"):
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--lora", type=int, help="train rank-RANK LoRA adapters on a frozen base "
+                   "(models.py, LoRA) instead of every weight; 0: full fine-tuning")
     # rpo.py owns these; read at parse time, so an edited constant changes the run
     p.add_argument("--lam", type=float, default=rpo.LAMBDA)
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR)
@@ -248,6 +254,8 @@ def validate(args):
         fail(*problem)
     if args.resume and args.overwrite:
         fail("--resume with --overwrite", "contradict each other", "pass one of them")
+    if (args.lora or 0) < 0 or args.lora and args.resume:
+        fail(f"--lora {args.lora}", "must be >= 0 and cannot resume yet", "start a new run")
     if args.resume:
         checkpoint_folder(run_dir)
     elif os.environ.get("RANK", "0") == "0" and run_dir.is_dir() and any(run_dir.iterdir()) \
@@ -748,6 +756,22 @@ def resume_metrics(path, start):
 # the loop
 
 
+def against_paper(args):
+    """What a LoRA run or the one-gpu preset trades against the paper preset, for --plan."""
+    if not args.lora and args.preset != "one-gpu":
+        return []
+    paper, world = PRESETS["paper"], args.plan_ranks or 1
+    episodes = args.instances * args.group_size
+    full = paper["instances"] * paper["group_size"]
+    return [f"against the paper preset (8 GPUs, full fine-tuning): LoRA rank {args.lora} on a "
+            f"frozen {args.dtype} base (the reference: adapter off), lr {args.lr:g} (paper "
+            f"{paper['lr']:g}); {episodes} episodes a step (paper {full}: "
+            f"{episodes / full:.3g}x the batch), {args.steps} steps, {episodes * args.steps:,} "
+            f"episodes in all (paper {full * paper['steps']:,}); held-out check on "
+            f"{args.eval_limit} scenarios (paper {paper['eval_limit']}); {world} rank(s), "
+            "data parallel"]
+
+
 def load(name, dtype, device):
     model, tokenizer = models.load_model(name, dtype=getattr(torch, dtype), device=device)
     return model.requires_grad_(False), tokenizer
@@ -756,6 +780,7 @@ def load(name, dtype, device):
 def main(argv=None):
     args = parse_args(argv)
     if args.plan:
+        print("\n".join(against_paper(args)))
         plan.print_plan(args)
         return []
     rank, world, device = setup_distributed()
@@ -785,7 +810,7 @@ def main(argv=None):
 
     # the actor: fp32 master weights (trained, sharded), its rollout copy in --dtype (the actor
     # engine's weights); the frozen reference, persuadee and judge in --dtype
-    policy, tokenizer = load(args.persuader, "float32", device)
+    policy, tokenizer = load(args.persuader, args.dtype if args.lora else "float32", device)
     if bad := nonfinite_weight(policy.state_dict()):
         sys.exit(f"train.py: --persuader {args.persuader} holds non-finite weights ({bad}); pass "
                  "a model with finite weights (an earlier checkpoint of the run that wrote it)")
@@ -796,23 +821,28 @@ def main(argv=None):
         persuadee_model, persuadee_tok = load(args.persuader, args.dtype, device)[0], tokenizer
     else:
         persuadee_model, persuadee_tok = load(args.persuadee, args.dtype, device)
+    if args.lora:  # fp32 adapters on the frozen base, data parallel; the base is the reference
+        policy = models.average_lora_gradients(models.attach_lora(policy, args.lora,
+                                                                  args.persuader), world)
     reference = None
     if args.kl_beta > 0:
-        reference = persuadee_model if same else shard(load(args.persuader, args.dtype, device)[0],
-                                                       world)
-    policy.requires_grad_(True)
+        reference = persuadee_model if same else models.AdapterOff(policy) if args.lora else \
+            shard(load(args.persuader, args.dtype, device)[0], world)
+    if not args.lora:
+        policy.requires_grad_(True)
     if plan.GRAD_CHECKPOINTING and device.type == "cuda":
         policy.gradient_checkpointing_enable()
-    separate = world > 1 or args.dtype != "float32"
+    separate = world > 1 or args.dtype != "float32" or bool(args.lora)
     rollout_model = load(args.persuader, args.dtype, device)[0] if separate else policy
-    policy = shard(policy, world, getattr(torch, args.dtype))
+    policy = policy if args.lora else shard(policy, world, getattr(torch, args.dtype))
+    update_rollout = models.refresh_from_lora if args.lora else copy_weights
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
     start = 0
     if args.resume:
         start = load_checkpoint(run_dir, policy, optimizer, device)
         say(f"resumed from step {start}")
     if separate:
-        copy_weights(policy, rollout_model)
+        update_rollout(policy, rollout_model)
     actor = engine.Engine(rollout_model, tokenizer, **sizes.get("actor", {}))
     persuadee = served_persuadee or engine.Engine(persuadee_model, persuadee_tok,
                                                   **sizes.get("persuadee", {}))
@@ -863,7 +893,7 @@ def main(argv=None):
         update = policy_update(policy, reference, optimizer, *silenced(played, records, turn_adv),
                                args, device, world)
         if separate:
-            copy_weights(policy, rollout_model)  # into the actor engine's own tensors
+            update_rollout(policy, rollout_model)  # into the actor engine's own tensors
         actor.refresh()
         times["update_s"] = time.perf_counter() - t2
         times["step_s"] = time.perf_counter() - t0

@@ -1,0 +1,449 @@
+"""
+env.py: PersuArena as an environment that another trainer drives (Gymnasium, and OpenEnv over HTTP).
+
+The persuader is outside: a policy in TRL, verl, SkyRL or any loop of its own. The arena keeps
+everything else: the hidden profile, the persuadee, the decision state machine and the probes. One
+episode is one instance played through rollout.py's one loop, with the persuader as a side whose
+messages come from step() (TrainerSide, as eval.py --play's PersonSide takes them from a person):
+
+    reset(seed, options={"instance": id}) -> the persuader's opening messages [system, user], info
+    step(persuader_text)  -> [the persuadee's reply as the persuader reads it (tags stripped)],
+                             r_t = (b_t - b_{t-1}) / 2, terminated, truncated, info
+
+so that sum_t r_t = (b_T - b_0) / 2, the dense term of Probe-RPO (rpo.process_rewards). `terminated`
+is a decision (ACCEPT, PENDING, WALK_AWAY, the second REJECT, a closed upgrade window);
+`truncated` the turn budget t_max or an end from outside the arena (the persuadee's context or
+KV pool, a served persuadee's request that kept failing: README, Decisions: Context and cache
+ends). info carries the decision, the outcome, the beliefs so far [b_0..b_t], the turn's three
+probe values and their Yes+No masses; at the end the goal reward G(outcome), the judge's strategy
+score s and the outcome reward G + 0.5 s that a trainer mixes in by its own lambda. The persuadee
+is a local model (probes read in forks of its cache) or a served one, openai:MODEL@URL (probes
+from its top log-probs).
+
+    env = PersuasionEnv("random:tiny-qwen3", scenarios="heldout", t_max=6)
+    messages, info = env.reset(seed=0, options={"instance": "heldout-001"})
+    reply, r, terminated, truncated, info = env.step("Hello Rafael, ...")
+    python env.py --serve --port 8000 --persuadee smollm2    # OpenEnv server on 127.0.0.1
+
+The loop runs in a worker thread that waits in TrainerSide.speak for each message: step() hands
+the message over and waits for the loop to ask for the next one or to end.
+
+    python -m pytest -q test_env.py
+"""
+import argparse
+import queue
+import sys
+import threading
+
+import gymnasium as gym
+from gymnasium import spaces
+
+import arena
+import engine
+import probes
+import rollout
+import rpo
+
+MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
+JUDGE_DEFAULT = "persuadee"  # the paper's frozen judge: the persuadee's model in a fresh context
+DECISION_ENDS = ("decision", "rejections", "window")  # end reasons that terminate; others truncate
+ROLES = ("system", "user", "assistant")
+HOST = "127.0.0.1"  # the OpenEnv server listens on loopback only
+SERVER_SESSIONS = 1  # one episode at a time: the persuadee's pool belongs to one session
+SESSION_TIMEOUT_S = 600.0  # an OpenEnv session idle this long is closed (its episode abandoned)
+
+
+class Utterance(spaces.Text):
+    """A message: any characters (a model may write any), at most max_length of them. Samples are
+    printable ASCII."""
+
+    def __init__(self, max_length=MAX_MESSAGE_CHARS, min_length=0):
+        super().__init__(max_length, min_length=min_length,
+                         charset="".join(chr(c) for c in range(32, 127)))
+
+    def contains(self, x):
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+
+def message_space():
+    """Observations: a tuple of chat messages, each {"role", "content"}, that the persuader's
+    context appends."""
+    role = spaces.Text(max(map(len, ROLES)), min_length=min(map(len, ROLES)),
+                       charset="".join(sorted(set("".join(ROLES)))))
+    return spaces.Sequence(spaces.Dict({"role": role, "content": Utterance(1_000_000)}))
+
+
+def load_instances(scenarios):
+    """Instances from "train" (the training variants), "heldout", a scenarios.jsonl path (each
+    scenario as written) or a list of instances."""
+    if isinstance(scenarios, list):
+        return scenarios
+    if scenarios == "train":
+        return arena.training_instances()
+    if scenarios == "heldout":
+        return arena.heldout_instances()
+    try:
+        return [{**s, "scenario_id": s["id"], "variant": 0}
+                for s in arena.load_scenarios(scenarios)]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"env.py: cannot load scenarios from {scenarios!r} ({e}); pass 'train', "
+                         "'heldout', a scenarios.jsonl path or a list of instances") from None
+
+
+def turn_reward(beliefs):
+    """r_t of the last turn, rpo.process_rewards' definition; 0 where a belief is unread (None)."""
+    if len(beliefs) < 2 or None in beliefs[-2:]:
+        return 0.0
+    return rpo.process_rewards(beliefs[-2:], None, anchor=False)[0]
+
+
+def named(values):
+    """A read-out's three values as {probe name: value} (None when the read-out is absent)."""
+    return None if values is None else dict(zip(probes.PROBES, values))
+
+
+class TrainerSide(rollout.PersonSide):
+    """The persuader driven from outside (rollout.py's side interface, a person's side whose
+    messages come through a queue): speak() announces that the loop waits for a message and
+    takes the next one from `actions`; None stops the episode ("stopped"). hear() keeps the reply
+    and the beliefs so far for step() to return."""
+
+    def __init__(self, t_max, actions, events):
+        super().__init__(t_max, read=None, write=None)
+        self.actions, self.events, self.heard = actions, events, None
+
+    def prefill(self, instance):
+        return None
+
+    def speak(self, sids, keys):
+        said = []
+        for _ in sids:
+            self.events.put(("speak", None))
+            text = self.actions.get()
+            said.append(dict(text=text or "", ids=[], logprobs=[],
+                             reason=rollout.STOPPED if text is None else "stop"))
+        return said
+
+    def hear(self, sid, text, final_turn=False, shown=None):
+        self.heard = text, list(shown[1])
+        return [], None
+
+
+class Watched:
+    """A persuadee side as rollout.side builds it, keeping what it read: the probe values and
+    masses of b_0 (start) and each reply (text, decision, probes, probe_mass)."""
+
+    def __init__(self, inner):
+        self.inner, self.starts, self.replies = inner, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def start(self, roots, counts):
+        sids, reads = self.inner.start(roots, counts)
+        self.starts.extend(reads)
+        return sids, reads
+
+    def reply(self, sids, keys, timings=None):
+        out = self.inner.reply(sids, keys, timings)
+        self.replies.extend(out)
+        return out
+
+
+class PersuasionEnv(gym.Env):
+    """PersuArena for a persuader driven from outside (module docstring). `persuadee` and `judge`
+    are model names as eval.py takes them (random:NAME, smollm2, a folder, openai:MODEL@URL) or
+    an engine.Engine / served.ServedModel already built; judge "persuadee" is the persuadee's
+    model, None scores s = 0. A name is loaded once, at construction."""
+    metadata = {"render_modes": []}
+
+    def __init__(self, persuadee="smollm2", scenarios="train", t_max=arena.T_MAX_TRAIN, *,
+                 judge=JUDGE_DEFAULT, dtype="float32", kv_blocks=None,
+                 max_new_tokens=engine.MAX_NEW_TOKENS, sampling=rollout.PERSUADEE_SAMPLING,
+                 probe_space=None, probe_signs=None):
+        for name, value in (("t_max", t_max), ("max_new_tokens", max_new_tokens)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"env.py: {name} must be a positive integer, got {value!r}")
+        self.instances = load_instances(scenarios)
+        if not self.instances:
+            raise ValueError(f"env.py: no instance in {scenarios!r}")
+        self.by_id = {inst["id"]: inst for inst in self.instances}
+        self.t_max, self.max_new_tokens, self.sampling = t_max, max_new_tokens, sampling
+        self.probe_space, self.probe_signs = probe_space, probe_signs
+        loaded = {}
+        self.persuadee = self._player(persuadee, loaded, dtype, kv_blocks)
+        self.judge = (self.persuadee if judge == JUDGE_DEFAULT else
+                      self._player(judge, loaded, dtype, kv_blocks))
+        self.action_space = Utterance()
+        self.observation_space = message_space()
+        self.worker = None
+        self.episode = None  # {instance, seed, turn, done} of the episode in play
+
+    @staticmethod
+    def _player(who, loaded, dtype, kv_blocks):
+        if who is None or not isinstance(who, str):
+            return who
+        import eval as ev
+        return ev.player(who, loaded, dtype, kv_blocks)
+
+    # -- the worker thread: rollout.py's loop over one episode ------------------------------
+
+    def _start(self, inst, seed):
+        self.actions, self.events = queue.Queue(), queue.Queue()
+        self.side = TrainerSide(self.t_max, self.actions, self.events)
+        self.watched = Watched(rollout.side(self.persuadee, "persuadee", self.sampling,
+                                            self.max_new_tokens, self.probe_space,
+                                            self.probe_signs))
+
+        def play():
+            try:
+                records = rollout.rollout_episodes(
+                    self.side, self.watched, [inst], self.t_max, seed=seed,
+                    persuadee_sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                    probe_space=self.probe_space, probe_signs=self.probe_signs)
+                self.events.put(("end", records[0]))
+            except BaseException as e:  # handed to the caller of reset or step
+                self.events.put(("error", e))
+        self.worker = threading.Thread(target=play, daemon=True, name="persuarena-episode")
+        self.worker.start()
+
+    def _next_event(self):
+        kind, payload = self.events.get()
+        if kind == "error":
+            self.worker.join()
+            self.episode["done"] = True
+            raise payload
+        if kind == "end":
+            self.worker.join()
+        return kind, payload
+
+    def _abandon(self):
+        """Stop an episode still in play (its sequences freed by the loop, as a person's stop)."""
+        if self.worker is not None and self.worker.is_alive():
+            self.actions.put(None)
+            while self.events.get()[0] == "speak":
+                self.actions.put(None)
+            self.worker.join()
+        self.worker = None
+
+    # -- the Gymnasium interface -------------------------------------------------------------
+
+    def reset(self, *, seed=None, options=None):
+        """A new episode of options["instance"] (an instance id), else one drawn by the seed.
+        The loop's random streams are keyed by `seed` (drawn when None), so the same seed and
+        messages give the same episode. Returns (the persuader's opening messages, info with
+        instance, seed, turn 0 and b_0's read-out)."""
+        super().reset(seed=seed)
+        options = options or {}
+        unknown = set(options) - {"instance"}
+        if unknown:
+            raise ValueError(f"env.py: unknown reset option(s) {sorted(unknown)}; the one option "
+                             "is 'instance' (an instance id)")
+        self._abandon()
+        if options.get("instance") is not None:
+            if options["instance"] not in self.by_id:
+                raise ValueError(f"env.py: no instance {options['instance']!r} here; ids look like "
+                                 f"{', '.join(list(self.by_id)[:3])}")
+            inst = self.by_id[options["instance"]]
+        else:
+            inst = self.instances[int(self.np_random.integers(len(self.instances)))]
+        episode_seed = seed if seed is not None else int(self.np_random.integers(2**31))
+        self.episode = dict(instance=inst, seed=episode_seed, turn=0, done=False)
+        self._start(inst, episode_seed)
+        kind, record = self._next_event()
+        if kind == "end":  # the loop could not start it: a pool too small for one episode
+            self.episode["done"] = True
+            raise ValueError(f"env.py: the persuadee cannot hold one episode of {inst['id']} "
+                             f"({record['end_reason']}); give it more KV blocks (kv_blocks)")
+        values, mass = self.watched.starts[-1] or (None, None)
+        belief = None if values is None else probes.belief(values)
+        info = dict(instance=inst["id"], seed=episode_seed, turn=0, t_max=self.t_max,
+                    beliefs=[belief], probes=named(values), probe_mass=named(mass))
+        return tuple(dict(m) for m in arena.persuader_messages(inst)), info
+
+    def step(self, action):
+        """One turn: the persuader's message (a str), the persuadee's reply and its read-out."""
+        if not isinstance(action, str):
+            raise TypeError(f"env.py: step takes the persuader's message as a str, got "
+                            f"{type(action).__name__}")
+        if len(action) > MAX_MESSAGE_CHARS:
+            raise ValueError(f"env.py: a persuader message of {len(action)} characters; at most "
+                             f"{MAX_MESSAGE_CHARS} (env.MAX_MESSAGE_CHARS)")
+        if self.episode is None or self.episode["done"]:
+            raise RuntimeError("env.py: no episode in play; call reset() first")
+        self.episode["turn"] += 1
+        self.actions.put(action.strip())
+        kind, record = self._next_event()
+        inst = self.episode["instance"]
+        if kind == "speak":  # the episode goes on: the loop waits for the next message
+            text, beliefs = self.side.heard
+            reply = self.watched.replies[-1]
+            info = dict(instance=inst["id"], turn=self.episode["turn"], decision=reply["decision"],
+                        outcome=None, end_reason=None, beliefs=beliefs,
+                        probes=named(reply["probes"]), probe_mass=named(reply["probe_mass"]))
+            return (({"role": "user", "content": arena.persuader_sees(text)},),
+                    turn_reward(beliefs), False, False, info)
+        return self._last_step(record)
+
+    def _last_step(self, record):
+        """The episode ended in this turn: its record, judged, in the info."""
+        self.episode["done"] = True
+        read = record["turns"] == self.episode["turn"]  # this turn's reply got a read-out
+        last = record["transcript"][-1] if record["transcript"] else None
+        replied = last is not None and last["role"] == "persuadee"
+        score, failed = rollout.judge_all(self.judge, [self.episode["instance"]],
+                                          [record["transcript"]], self.episode["seed"], [0])
+        record.update(judge=score[0], judge_failed=failed[0])
+        info = dict(instance=record["id"], turn=self.episode["turn"],
+                    decision=last["decision"] if replied else None, outcome=record["outcome"],
+                    end_reason=record["end_reason"], beliefs=record["beliefs"],
+                    probes=named(record["probes"][-1]) if read else None,
+                    probe_mass=named(record["probe_mass"][-1]) if read else None,
+                    goal_reward=rpo.GOAL[record["outcome"]], strategy=score[0],
+                    judge_failed=failed[0],
+                    outcome_reward=rpo.outcome_reward(record["outcome"], score[0]),
+                    record={k: v for k, v in record.items()
+                            if k not in ("ids", "turn_ids", "logprobs")})
+        observation = (({"role": "user", "content": arena.persuader_sees(last["text"])},)
+                       if replied else ())
+        terminated = record["end_reason"] in DECISION_ENDS
+        return (observation, turn_reward(record["beliefs"]) if read else 0.0, terminated,
+                not terminated, info)
+
+    def close(self):
+        self._abandon()
+
+# -----------------------------------------------------------------------------
+# OpenEnv: the same episodes over HTTP and WebSocket (openenv-core's server and client contract)
+
+
+def openenv_models():
+    """The action, observation and state of the OpenEnv contract (pydantic models on
+    openenv-core's bases): a step is {"message": str}; an observation carries the messages,
+    terminated, truncated and info beside openenv's reward and done."""
+    from typing import Any, Optional
+
+    from openenv.core.env_server import Action, Observation, State
+    from pydantic import ConfigDict, Field
+
+    class PersuaderAction(Action):
+        model_config = ConfigDict(extra="allow")  # a wrong field gets env.py's own error (step)
+        message: Any = Field(None, description="the persuader's next message, a string")
+
+    class ArenaObservation(Observation):
+        messages: list = Field(default_factory=list, description="chat messages to append")
+        terminated: bool = False
+        truncated: bool = False
+        info: dict = Field(default_factory=dict)
+
+    class ArenaState(State):
+        instance: Optional[str] = None
+        seed: Optional[int] = None
+        done: bool = True
+    return PersuaderAction, ArenaObservation, ArenaState
+
+
+def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
+    """A FastAPI app that serves make_env()'s episodes by openenv-core's contract: each WebSocket
+    session (/ws, what EnvClient and TRL's and SkyRL's integrations use) gets its own
+    PersuasionEnv from make_env; reset takes seed and instance, step takes {"message": str}.
+    One session at a time (the persuadee's pool is one), idle sessions closed after
+    session_timeout_s; reset, step and close of every env run one at a time (one engine)."""
+    from openenv.core.env_server import Environment, create_app
+    from openenv.core.env_server.types import ConcurrencyConfig
+    PersuaderAction, ArenaObservation, ArenaState = openenv_models()
+    lock = threading.Lock()
+
+    class ArenaEnvironment(Environment):
+        def __init__(self):
+            super().__init__()
+            self.env, self.steps, self.episode_id = make_env(), 0, None
+
+        def reset(self, seed=None, episode_id=None, instance=None, **kwargs):
+            if kwargs:
+                raise ValueError(f"env.py: unknown reset field(s) {sorted(kwargs)}; reset takes "
+                                 "seed, episode_id and instance")
+            with lock:
+                messages, info = self.env.reset(
+                    seed=seed, options=None if instance is None else {"instance": instance})
+            self.steps, self.episode_id = 0, episode_id
+            return ArenaObservation(messages=list(messages), info=info)
+
+        def step(self, action, timeout_s=None, **kwargs):
+            extra = sorted(action.model_extra or {})
+            if extra or not isinstance(action.message, str):
+                raise ValueError(f"env.py: a step is {{\"message\": <the persuader's text>}}, got "
+                                 f"fields {extra or ['message']} with message of type "
+                                 f"{type(action.message).__name__}; the episode goes on")
+            with lock:
+                messages, reward, terminated, truncated, info = self.env.step(action.message)
+            self.steps += 1
+            return ArenaObservation(messages=list(messages), terminated=terminated,
+                                    truncated=truncated, info=info, reward=reward,
+                                    done=terminated or truncated)
+
+        @property
+        def state(self):
+            episode = self.env.episode or {}
+            inst = episode.get("instance")
+            return ArenaState(episode_id=self.episode_id, step_count=self.steps,
+                              instance=inst and inst["id"], seed=episode.get("seed"),
+                              done=episode.get("done", True))
+
+        def close(self):
+            with lock:
+                self.env.close()
+
+    return create_app(ArenaEnvironment, PersuaderAction, ArenaObservation, env_name="persuarena",
+                      concurrency_config=ConcurrencyConfig(max_concurrent_envs=SERVER_SESSIONS,
+                                                           session_timeout=session_timeout_s))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="PersuArena as an environment (module docstring).")
+    ap.add_argument("--serve", action="store_true", help="run the OpenEnv server on 127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--persuadee", default="smollm2", help="random:NAME, smollm2, a model "
+                    "folder or openai:MODEL@URL")
+    ap.add_argument("--judge", default=JUDGE_DEFAULT, help="'persuadee' (its model), 'none' "
+                    "(s = 0) or a model name")
+    ap.add_argument("--scenarios", default="train", help="train, heldout or a scenarios.jsonl")
+    ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN)
+    ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--kv-blocks", type=int, help="the persuadee's KV pool, in blocks")
+    args = ap.parse_args(argv)
+    problem = (None if args.serve else "nothing to do: pass --serve (the Python API is "
+               "env.PersuasionEnv)")
+    problem = problem or (None if 0 < args.port < 65536 else
+                          f"--port must be in 1..65535, got {args.port}")
+    problem = problem or next((f"--{name.replace('_', '-')} must be at least 1, got {value}"
+                               for name, value in (("t_max", args.t_max),
+                                                   ("max_new_tokens", args.max_new_tokens),
+                                                   ("kv_blocks", args.kv_blocks or 1))
+                               if value < 1), None)
+    if problem:
+        ap.error(problem)
+    return args
+
+
+def main(argv=None):
+    import uvicorn
+    args = parse_args(argv)
+    instances = load_instances(args.scenarios)  # a bad path is named before any model loads
+    loaded = {}
+    persuadee = PersuasionEnv._player(args.persuadee, loaded, args.dtype, args.kv_blocks)
+    judge = ({"persuadee": persuadee, "none": None}[args.judge]
+             if args.judge in ("persuadee", "none")
+             else PersuasionEnv._player(args.judge, loaded, args.dtype, args.kv_blocks))
+
+    def make_env():
+        return PersuasionEnv(persuadee, scenarios=instances, t_max=args.t_max, judge=judge,
+                             max_new_tokens=args.max_new_tokens)
+    print(f"env.py: serving {args.persuadee} on http://{HOST}:{args.port} (OpenEnv: /ws, "
+          "/reset, /step, /state)", file=sys.stderr)
+    uvicorn.run(openenv_app(make_env), host=HOST, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
