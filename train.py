@@ -120,6 +120,7 @@ def parse_args(argv=None):
     p.add_argument("--persuadee-top-p", type=float, help="default: the preset's")
     p.add_argument("--persuadee-top-k", type=int, help="default: the preset's")
     p.add_argument("--seed", type=int, default=SEED)
+    arena.add_decision_flag(p)
     p.add_argument("--name", default=None, help="run folder runs/NAME (default: preset and time)")
     p.add_argument("--out", default="runs")
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
@@ -742,6 +743,7 @@ def main(argv=None):
         plan.print_plan(args)
         return []
     rank, world, device = setup_distributed()
+    rollout.DECISION = args.decision  # the persuadee's decision: its tag, or read as logits
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name
     say = print if rank == 0 else (lambda *a, **k: None)
