@@ -486,6 +486,8 @@ def step_metrics(step, records, groups, update, times, args, device):
     m.update(rpo.diagnostics({k: all_sum(v, device) for k, v in sums.items()}))
     negative, turns = (all_sum(v, device) for v in rpo.negative_process_counts(r["beliefs"] for r in records))
     m["negative_process_share"] = negative / turns if turns else 0.0
+    collapsed, counted = (all_sum(v, device) for v in rpo.collapsed_groups(records, args.group_size))
+    m["collapsed_group_share"] = collapsed / counted if counted else 0.0  # identical messages
     m.update(update)
     m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in times.items()})
     m["tokens_per_s"] = update["persuader_tokens"] / max(times["rollout_s"], 1e-9)
