@@ -23,6 +23,10 @@ tokens, and a read is a single forward. `read_beliefs_reference` computes the sa
 plain full forward of each context plus question, with no cache; the tests hold the two within
 1e-4 on every path.
 
+The logit decision (rollout.DECISION "logit") reuses the fork: read_decisions puts
+arena.DECISION_QUESTION to the persuadee and returns its probabilities over the first tokens of
+arena.DECISION_WORDS, renormalised over those; read_decisions_reference is its full-forward twin.
+
     python -m pytest -q test_probes.py
 """
 import argparse

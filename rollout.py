@@ -19,6 +19,8 @@ On a local side a dialogue is a growing context that only appends: the persuader
 goes into the persuadee's context, the reply into the persuader's, so every token of a
 conversation is prefilled exactly once (engine.py). After each reply the persuadee's beliefs are
 read in forks of its context (probes.py); at the end a frozen judge scores each transcript.
+With DECISION "logit" (--decision logit) the persuadee's decision is read in such a fork too
+(probes.read_decisions) and sampled with its episode's keyed stream, instead of parsed from its tag.
 
 Scheduling (the Scheduler below), so that any number of episodes completes on any pools that
 hold one of them:
