@@ -1139,3 +1139,52 @@ def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):
             summary["probe_fidelity"]["vocabulary"] = probe_fidelity(fidelity["reference"],
                                                                      fidelity["vocabulary"])
     return summary
+
+# -----------------------------------------------------------------------------
+# signal to noise and power (bench.py --snr; sweep.py's sizes)
+
+
+def message_variance_share(rewards):
+    """rewards: per instance, per persuader message, the r_t of several persuadee replies to that
+    one message (each with its own random stream). One-way random-effects ANOVA within each
+    instance, sums of squares pooled over instances: the message component
+    s2_message = max(0, (MS_between - MS_within) / n0) and the persuadee's sampling component
+    s2_persuadee = MS_within; share = s2_message / (s2_message + s2_persuadee), the part of r_t's
+    within-instance variance that the persuader's message decides (a group's contrast)."""
+    ss_w = ss_b = df_w = df_b = 0.0
+    sizes = []
+    for messages in rewards:
+        groups = [np.asarray(g, dtype=float) for g in messages if len(g)]
+        if len(groups) < 2:
+            continue
+        grand = np.concatenate(groups).mean()
+        ss_w += sum(((g - g.mean()) ** 2).sum() for g in groups)
+        ss_b += sum(g.size * (g.mean() - grand) ** 2 for g in groups)
+        df_w += sum(g.size - 1 for g in groups)
+        df_b += len(groups) - 1
+        sizes += [g.size for g in groups]
+    if not df_w or not df_b:
+        raise ValueError("message_variance_share needs two messages with two replies each")
+    ms_w, ms_b = ss_w / df_w, ss_b / df_b
+    n0 = float(np.mean(sizes))
+    s2_message = max(0.0, (ms_b - ms_w) / n0)
+    total = s2_message + ms_w
+    return dict(share=float(s2_message / total) if total else 0.0, s2_message=float(s2_message),
+                s2_persuadee=float(ms_w), ms_between=float(ms_b), messages=len(sizes),
+                replies=int(sum(sizes)))
+
+
+def episodes_for_proportions(p0, p1, alpha=0.05, power=0.8):
+    """Episodes per arm for a two-sided test of two independent proportions p0, p1 (normal
+    approximation): (z_a sqrt(2 pbar qbar) + z_b sqrt(p0 q0 + p1 q1))^2 / (p1 - p0)^2."""
+    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
+    pbar = (p0 + p1) / 2
+    n = (za * math.sqrt(2 * pbar * (1 - pbar)) + zb * math.sqrt(p0 * (1 - p0) + p1 * (1 - p1))) ** 2
+    return math.ceil(n / (p1 - p0) ** 2)
+
+
+def episodes_for_mean(sd, delta, alpha=0.05, power=0.8, paired=False):
+    """Episodes per arm (pairs when paired, sd then the sd of the paired differences) for a
+    two-sided test of a mean difference delta: k (z_a + z_b)^2 sd^2 / delta^2, k = 2 unpaired."""
+    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
+    return math.ceil((1 if paired else 2) * (za + zb) ** 2 * sd ** 2 / delta ** 2)

@@ -78,11 +78,14 @@ plan, graphs bit-equal to eager at the same extent, <= 12 kernels a decode layer
 """
 import argparse
 import json
+import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
+import analyses
 import arena
 import engine
 import models
@@ -723,5 +726,74 @@ def main():
         print(json.dumps(out))
 
 
+# -----------------------------------------------------------------------------
+# signal to noise of the dense reward (python bench.py --snr PRESET): issue 28
+
+
+def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
+    """r_1 = (b_1 - b_0) / 2 of the preset's models, per instance (the first held-out scenarios,
+    pick_instances), per sampled persuader opening message, for `resamples` persuadee replies to
+    that one message (each with its own random stream, the probes read after each): the input
+    of analyses.message_variance_share. Settings (models, dtype, sampling, message length) are
+    train.PRESETS[preset]'s; the persuadee's decision rule (rollout.DECISION) plays no part."""
+    import train
+    cfg = train.PRESETS[preset]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    er_model, er_tok = train.load(cfg["persuader"], cfg["dtype"], device)
+    ee_model, ee_tok = ((er_model, er_tok) if cfg["persuadee"] == cfg["persuader"]
+                        else train.load(cfg["persuadee"], cfg["dtype"], device))
+    er, ee = engine.Engine(er_model, er_tok), engine.Engine(ee_model, ee_tok)
+    er_sampling, ee_sampling = rollout.SAMPLING[cfg["sampling"]]
+    max_new, out = cfg["max_new_tokens"], []
+    for inst in pick_instances(instances):
+        er_prompt, ee_prompt = rollout.prompt_ids(er_tok, ee_tok, inst)
+        root = er.new(er_prompt[:-1])
+        er.forward([root])
+        sids = [er.fork(root, er_prompt[-1:]) for _ in range(messages)]
+        said = er.generate(sids, max_new, er_sampling,
+                           [engine.stream_key(seed, inst["id"], m, "persuader") for m in range(messages)])
+        texts = [er_tok.decode(ids, skip_special_tokens=True).strip() for ids, _, _ in said]
+        for sid in sids + [root]:
+            er.free(sid)
+        ee_root = ee.new(ee_prompt)
+        ee.forward([ee_root])
+        b0 = probes.belief(probes.read_engine(ee, [ee_root])[0].tolist())
+        per_message = []
+        for m, text in enumerate(texts):
+            forks = [ee.fork(ee_root, rollout.persuadee_heard(ee_tok, text, False))
+                     for _ in range(resamples)]
+            replies = rollout.persuadee_turn(
+                ee, forks, sampling=ee_sampling, max_new_tokens=max_new,
+                keys=[engine.stream_key(seed, inst["id"], m, r, "persuadee") for r in range(resamples)])
+            per_message.append([(probes.belief(r["probes"]) - b0) / 2 for r in replies
+                                if r["probes"] is not None])
+            for sid in forks:
+                ee.free(sid)
+        ee.free(ee_root)
+        out.append(per_message)
+    return out
+
+
+def snr_main(argv):
+    """--snr PRESET [--instances N --messages M --resamples R --seed S]: the share of r_1's
+    variance that the persuader's message decides, and r_1's spread."""
+    p = argparse.ArgumentParser(description="signal to noise of the dense reward")
+    p.add_argument("--snr", required=True, metavar="PRESET")
+    p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--messages", type=int, default=4)
+    p.add_argument("--resamples", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    rewards = first_turn_rewards(args.snr, args.instances, args.messages, args.resamples, args.seed)
+    out = analyses.message_variance_share(rewards)
+    flat = [r for inst in rewards for msg in inst for r in msg]
+    out.update(preset=args.snr, instances=args.instances, messages_per_instance=args.messages,
+               resamples=args.resamples, r1_mean=float(np.mean(flat)), r1_sd=float(np.std(flat, ddof=1)),
+               seconds=time.perf_counter() - start)
+    print(json.dumps(out))
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    snr_main(sys.argv[1:]) if "--snr" in sys.argv else main()

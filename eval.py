@@ -590,6 +590,7 @@ def parse_args(argv=None):
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell")
     ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")
     ap.add_argument("--seed", type=int, default=0)
+    arena.add_decision_flag(ap)
     ap.add_argument("--name", help=f"run name, one folder name; output goes to {EVALS_DIR}/NAME")
     ap.add_argument("--resume", action="store_true",
                     help="continue the evaluation of that name: play only its missing episodes")
@@ -702,7 +703,8 @@ def run_settings(args, persuader, persuadee):
                 sampling=[list(s) for s in rollout.SAMPLING[sampling_preset()]],
                 dtype=args.dtype, probe_space=args.probe_space, probe_signs=args.probe_signs,
                 anchor=run_anchor(persuader) if args.anchor is None else args.anchor,
-                t_max=args.t_max, max_new_tokens=args.max_new_tokens, tagger=args.tagger)
+                t_max=args.t_max, max_new_tokens=args.max_new_tokens, tagger=args.tagger,
+                **({"decision": args.decision} if args.decision != "tag" else {}))
 
 
 def _output_dir(args, default):
@@ -774,6 +776,8 @@ def main(argv=None):
         args.max_new_tokens = (engine.MAX_NEW_TOKENS if torch.cuda.is_available() or remote
                                else CPU_MAX_NEW_TOKENS)
     args.dtype = args.dtype or default_dtype()
+    import rollout
+    rollout.DECISION = args.decision  # the persuadee's decision: its tag, or read as logits
     if args.play:
         if len(args.persuadee) > 1:
             sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")

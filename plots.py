@@ -287,3 +287,42 @@ def plot_run(run_dir):
     path = run_dir / "curves.png"
     _save_fig(fig, path)
     return path
+
+
+SWEEP_FIGSIZE = (11.0, 4.0)
+
+
+def plot_sweep(entries, rows, folder):
+    """sweep.py's figures: curves.png, held-out b_T - b_0 and full acceptance by checkpoint step,
+    one line per lambda (mean over seeds, 95% band over seeds: analyses.mean_band); effect.png,
+    each lambda's last checkpoint minus the initial policy in b_T - b_0 (paired, 95% t interval)."""
+    fig, axes = plt.subplots(1, 2, figsize=SWEEP_FIGSIZE)
+    for lam in sorted({e["lam"] for e in entries}):
+        mine = [e for e in entries if e["lam"] == lam]
+        steps = sorted({e["step"] for e in mine})
+        for ax, key in zip(axes, ("mean_belief_change", "full_accept")):
+            series = [[e[key] for e in sorted(mine, key=lambda e: e["step"]) if e["seed"] == s]
+                      for s in sorted({e["seed"] for e in mine})]
+            series = [[math.nan if v is None else v for v in row] for row in series]
+            mean, half = analyses.mean_band(series)
+            ax.plot(steps[:mean.size], mean, marker="o", ms=3, label=f"lambda {lam:g}")
+            ax.fill_between(steps[:mean.size], mean - half, mean + half, alpha=0.2)
+    for ax, title in zip(axes, ("held-out mean b_T - b_0", "held-out full acceptance")):
+        ax.set(title=title, xlabel="training step (0 = initial policy)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _save_fig(fig, Path(folder) / "curves.png")
+    last = [r for r in rows if r["which"] == "last"]
+    fig, ax = plt.subplots(figsize=BELIEF_FIGSIZE)
+    for i, r in enumerate(last):
+        vs = r["vs_initial"]
+        if vs["belief_diff"] is None:
+            continue
+        low = vs["belief_diff"] - (vs["belief_diff_low"] if vs["belief_diff_low"] is not None else vs["belief_diff"])
+        high = (vs["belief_diff_high"] if vs["belief_diff_high"] is not None else vs["belief_diff"]) - vs["belief_diff"]
+        ax.errorbar([i], [vs["belief_diff"]], yerr=[[low], [high]], fmt="o", capsize=4)
+    ax.set_xticks(range(len(last)), [f"lambda {r['lam']:g}\nstep {r['step']}" for r in last])
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set(title="held-out effect: last checkpoint minus initial policy", ylabel="paired diff of b_T - b_0")
+    ax.grid(alpha=0.3)
+    _save_fig(fig, Path(folder) / "effect.png")

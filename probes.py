@@ -23,6 +23,10 @@ tokens, and a read is a single forward. `read_beliefs_reference` computes the sa
 plain full forward of each context plus question, with no cache; the tests hold the two within
 1e-4 on every path.
 
+The logit decision (rollout.DECISION "logit") reuses the fork: read_decisions puts
+arena.DECISION_QUESTION to the persuadee and returns its probabilities over the first tokens of
+arena.DECISION_WORDS, renormalised over those; read_decisions_reference is its full-forward twin.
+
     python -m pytest -q test_probes.py
 """
 import argparse
@@ -243,3 +247,62 @@ def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabula
     answers = vocabulary_answer_ids(tokenizer) if vocabulary else None
     values, mass = _readout(torch.stack(logits), tokenizer, len(contexts), answers, space, signs)
     return (values.cpu(), mass.cpu()) if with_mass else values.cpu()
+
+
+# -----------------------------------------------------------------------------
+# the logit decision (arena.DECISION_QUESTION; rollout.DECISION "logit"): the same fork machinery,
+# one question, and the probabilities of arena.DECISION_WORDS' first tokens instead of Yes/No
+
+
+@functools.cache  # built once per tokenizer
+def decision_ids(tokenizer):
+    """The decision question's turn ids, and per choice (arena.DECISION_WORDS order) the first
+    tokens of its word's spellings ("Accept", " Accept", "accept", " accept") that no other
+    choice shares. A tokenizer that leaves a choice no token of its own is refused in one line."""
+    import arena
+    firsts = [set(answer_ids(tokenizer, (w, " " + w, w.lower(), " " + w.lower())))
+              for w in arena.DECISION_WORDS.values()]
+    own = [tuple(sorted(f - set().union(*(g for g in firsts if g is not f)))) for f in firsts]
+    if not all(own):
+        lost = [w for w, ids in zip(arena.DECISION_WORDS.values(), own) if not ids]
+        raise ValueError(f"probes.py: the tokenizer gives the decision words {lost} no first token "
+                         "of their own; change arena.DECISION_WORDS")
+    return models.turn_ids(tokenizer, arena.DECISION_QUESTION), tuple(own)
+
+
+def decision_probs(logits, tokenizer):
+    """[n, V] next-token logits after the decision question -> [n, choices] probabilities of each
+    choice, renormalised over the choices' tokens (sum P(its ids) / sum over all choices)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    per_choice = torch.stack([logp[:, list(ids)].logsumexp(-1)
+                              for ids in decision_ids(tokenizer)[1]], -1)
+    return per_choice.softmax(-1)
+
+
+def decision_blocks(eng):
+    """KV blocks one sequence's decision read can take at most (read_blocks' rule)."""
+    return 1 + -(-len(decision_ids(eng.tokenizer)[0]) // eng.block_size)
+
+
+def read_decisions(eng, sids):
+    """Decision probabilities [n, choices] for sequences whose context is closed and fully cached:
+    one fork per sequence with the question, one forward, every fork freed."""
+    turn, need = decision_ids(eng.tokenizer)[0], decision_blocks(eng)
+    if need > eng.free_blocks:
+        raise RuntimeError(f"probes.py: a decision read takes up to {need} KV blocks, the pool "
+                           f"has {eng.free_blocks} free; leave room for it (rollout reserves it)")
+    out, step = [], eng.free_blocks // need
+    for i in range(0, len(sids), step):
+        forks = [eng.fork(s, turn) for s in sids[i:i + step]]
+        out.append(decision_probs(eng.forward(forks), eng.tokenizer))
+        for s in forks:
+            eng.free(s)
+    return torch.cat(out).cpu()
+
+
+@torch.no_grad()
+def read_decisions_reference(model, tokenizer, contexts):
+    """The same probabilities by one plain full forward of each context plus question, no cache."""
+    turn, device = decision_ids(tokenizer)[0], next(model.parameters()).device
+    logits = [model(torch.tensor([c + turn], device=device)).logits[0, -1] for c in contexts]
+    return decision_probs(torch.stack(logits), tokenizer).cpu()

@@ -19,6 +19,8 @@ On a local side a dialogue is a growing context that only appends: the persuader
 goes into the persuadee's context, the reply into the persuader's, so every token of a
 conversation is prefilled exactly once (engine.py). After each reply the persuadee's beliefs are
 read in forks of its context (probes.py); at the end a frozen judge scores each transcript.
+With DECISION "logit" (--decision logit) the persuadee's decision is read in such a fork too
+(probes.read_decisions) and sampled with its episode's keyed stream, instead of parsed from its tag.
 
 Scheduling (the Scheduler below), so that any number of episodes completes on any pools that
 hold one of them:
@@ -63,6 +65,8 @@ TYPING_TRIES = 5  # lines a person may type that are not valid text before the m
 CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
 PROMPT_ROOM = engine.MAX_NEW_TOKENS // 4  # context a prompt must leave free: a short exchange
 ADMISSION = "continuous"  # or "waves": admit only into empty pools (README compares the two)
+DECISION = "tag"  # "logit": the persuadee's decision read in a fork after each reply (README,
+# Decisions: Logit decision), for persuadees too small to write tags; set by --decision
 
 
 @contextmanager
@@ -114,13 +118,14 @@ def persuader_heard(tokenizer, message_ids, text):
 
 
 def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timings=None,
-                   probe_space=None, probe_signs=None):
+                   probe_space=None, probe_signs=None, decision="tag"):
     """The persuadee's half of a turn, for each sequence (the message it heard already pending,
     persuadee_heard): it replies, its reply is closed and its beliefs are read in forks.
 
     Returns per sequence {text, decision, reason, probes, probe_mass (the Yes+No mass of each
     read-out)}; a reply cut off by the cache or the context ("context", "cache") has no probes,
-    and its sequence is left as it is."""
+    and its sequence is left as it is. decision "logit": the decision is read in a fork instead
+    of from the reply's tag (read_logit_decisions)."""
     tok = persuadee.tokenizer
     with clock(timings, "persuadee_s"):
         outs = persuadee.generate(sids, max_new_tokens, sampling, keys)
@@ -145,7 +150,34 @@ def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timi
                                               signs=probe_signs)
         for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
             reply["probes"], reply["probe_mass"] = v, m
+        if decision == "logit":
+            by_sid = dict(zip(sids, keys or [0] * len(sids)))
+            read_logit_decisions(persuadee, [(sid, r, by_sid[sid]) for sid, r in closed], timings)
     return replies
+
+
+def sample_decisions(probs, keys, positions):
+    """One choice of arena.DECISION_WORDS per row of probs [n, choices], Gumbel-max with the
+    noise of engine.sample: a pure function of the row's stream key and its position, so a
+    replayed episode decides the same."""
+    import torch
+    keys = torch.tensor([engine.stream_key(k, "decision") for k in keys], dtype=torch.long)
+    noise = engine.uniform_noise(keys, torch.tensor(positions, dtype=torch.long), probs.shape[-1])
+    picks = (probs.clamp_min(1e-30).log() - torch.log(-torch.log(noise))).argmax(-1)
+    choices = list(arena.DECISION_WORDS)
+    return [choices[i] for i in picks.tolist()]
+
+
+def read_logit_decisions(persuadee, closed, timings=None):
+    """The decision of each closed reply (sid, reply, key), read in a fork of the persuadee's
+    context (probes.read_decisions) and sampled (sample_decisions); stored in the reply with the
+    probabilities it was drawn from (decision_probs)."""
+    with clock(timings, "probe_s"):
+        probs = probes.read_decisions(persuadee, [sid for sid, _, _ in closed])
+    positions = [persuadee.length(sid) for sid, _, _ in closed]
+    for (_, reply, _), decision, p in zip(closed, sample_decisions(probs, [k for _, _, k in closed],
+                                                                     positions), probs.tolist()):
+        reply["decision"], reply["decision_probs"] = decision, p
 
 
 def message_blocks(eng, max_new_tokens):
@@ -217,6 +249,9 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     er = side(persuader, "persuader", persuader_sampling, max_new_tokens)
     ee = side(persuadee, "persuadee", persuadee_sampling, max_new_tokens, probe_space,
               probe_signs)
+    if DECISION == "logit" and not isinstance(ee, EngineSide):
+        raise ValueError("rollout.py: --decision logit reads the persuadee's logits in a fork of "
+                         "its cache, which only a local persuadee has; use --decision tag")
     problems = prompt_problems(er, ee, instances)
     if problems:
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
@@ -418,7 +453,9 @@ class EngineSide:
         self.max_new_tokens, self.space, self.signs = max_new_tokens, probe_space, probe_signs
         self.tokenizer, self.max_len = eng.tokenizer, eng.max_len
         self.persuadee = role == "persuadee"
-        self.reserve = probes.read_blocks(eng) if self.persuadee else 0
+        self.decision = DECISION if self.persuadee else "tag"
+        self.reserve = (max(probes.read_blocks(eng), probes.decision_blocks(eng) if
+                            self.decision == "logit" else 0) if self.persuadee else 0)
         self.step = message_blocks(eng, max_new_tokens) + self.reserve
         self.prompts, self.tails, self.last = {}, {}, {}
 
@@ -479,7 +516,8 @@ class EngineSide:
     def reply(self, sids, keys, timings=None):
         return persuadee_turn(self.eng, sids, sampling=self.sampling,
                               max_new_tokens=self.max_new_tokens, keys=keys, timings=timings,
-                              probe_space=self.space, probe_signs=self.signs)
+                              probe_space=self.space, probe_signs=self.signs,
+                              decision=self.decision)
 
     def free(self, sid):
         self.eng.free(sid)

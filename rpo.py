@@ -71,6 +71,20 @@ def negative_process_counts(beliefs_per_episode):
     return sum(r < 0 for r in rewards), len(rewards)
 
 
+def collapsed_groups(records, group_size):
+    """(groups whose members all sent the identical persuader messages, groups of two or more):
+    a collapsed group's advantages sum to zero over one and the same token sequence, so its
+    gradient is exactly 0 in both terms, whatever the persuadee did. Counts add over ranks."""
+    collapsed = groups = 0
+    for g in range(0, len(records), group_size):
+        members = records[g:g + group_size]
+        if len(members) < 2:
+            continue
+        said = {tuple((i, t) for i, t in zip(r["ids"], r["turn_ids"]) if t) for r in members}
+        groups, collapsed = groups + 1, collapsed + (len(said) == 1)
+    return collapsed, groups
+
+
 def negative_process_share(beliefs_per_episode):
     """Share of turns whose process reward is negative, on the measured beliefs (never the anchor):
     how often a persuader turn lowers the persuadee's belief. The one definition train and eval log."""

@@ -599,3 +599,28 @@ def test_a_malformed_record_names_file_line_and_field(tmp_path, field, value, mu
     path.write_text(json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match=f"line 1: field '{field}' .* got missing"):
         an.load_episodes(path)
+
+
+def test_message_variance_share_recovers_known_components():
+    """Simulated r_t = instance + message + reply noise with message sd 0.02 and reply sd 0.04:
+    the share is 0.02^2 / (0.02^2 + 0.04^2) = 0.2, the instance offsets do not count; a message
+    that decides nothing gives ~0."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    data = [[list(off + m + rng.normal(0, 0.04, 8)) for m in rng.normal(0, 0.02, 60)]
+            for off in rng.normal(0, 1.0, 20)]
+    out = an.message_variance_share(data)
+    assert out["share"] == pytest.approx(0.2, abs=0.04)
+    assert out["s2_persuadee"] == pytest.approx(0.04 ** 2, rel=0.05)
+    noise = [[list(rng.normal(0, 0.04, 8)) for _ in range(60)] for _ in range(20)]
+    assert an.message_variance_share(noise)["share"] < 0.03
+    with pytest.raises(ValueError):
+        an.message_variance_share([[[1.0]]])
+
+
+def test_power_episodes_by_hand():
+    """p 0.5 -> 0.6: (1.95996 sqrt(2 .55 .45) + 0.84162 sqrt(.25 + .24))^2 / 0.01 = 387.3 -> 388;
+    a mean difference of 0.05 with sd 0.1: 2 (2.80158)^2 0.01 / 0.0025 = 62.8 -> 63 (paired 32)."""
+    assert an.episodes_for_proportions(0.5, 0.6) == 388
+    assert an.episodes_for_mean(0.1, 0.05) == 63
+    assert an.episodes_for_mean(0.1, 0.05, paired=True) == 32

@@ -487,13 +487,15 @@ def test_pending_inside_window_ends_pending():
     ep, results = run(10, ["CONDITIONAL_ACCEPT", "PENDING"])
     assert results == [None, "PENDING"] and ep.end_reason == "decision"
 
-@pytest.mark.parametrize("decisions, outcome", [
+SPENT_BUDGET_TABLE = [  # decisions over T_max = 3 turns, and the outcome (test_rollout reuses it)
     ([None, None, None], "PENDING"),
     (["REJECT", None, None], "REJECT"),
     ([None, "CONDITIONAL_ACCEPT", None], "CONDITIONAL_ACCEPT"),
     ([None, None, "CONDITIONAL_ACCEPT"], "CONDITIONAL_ACCEPT"),   # window opened on the last turn
     (["CONDITIONAL_ACCEPT", "REJECT", None], "REJECT"),            # window and budget close together
-])
+]
+
+@pytest.mark.parametrize("decisions, outcome", SPENT_BUDGET_TABLE)
 def test_spent_budget_keeps_recorded_decision_or_pending(decisions, outcome):
     ep, results = run(3, decisions)
     assert results[-1] == outcome and ep.turn == 3

@@ -180,3 +180,29 @@ def test_evaluation_fidelity_reads_on_the_persuadees_pool(tmp_path, monkeypatch)
     assert summary["probe_fidelity"]["n"] == 6 * 3
     assert summary["probe_fidelity"]["max_abs_diff"] < 1e-4
     assert all(eng.free_blocks == 600 for eng in engines)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decision_fork_read_matches_reference(arch, tokenizer, paths):
+    """The logit decision's probabilities over arena.DECISION_WORDS, read in a fork, equal a plain
+    full forward of context + decision question, and are the choices' first-token probabilities
+    renormalised (by hand from the reference's logits)."""
+    model = tiny_model(arch, max_position_embeddings=4096)
+    contexts = [models.encode(tokenizer, models.render(tokenizer, msgs, False)) for msgs in [
+        [{"role": "system", "content": "You are Ana, a nurse."}],
+        [{"role": "system", "content": "You are Bo."}, {"role": "user", "content": "Could we book it?"},
+         {"role": "assistant", "content": "I need to see the numbers first."}]]]
+    eng = engine.Engine(model, tokenizer)
+    sids = [eng.new(c) for c in contexts]
+    eng.forward(sids)
+    fork = probes.read_decisions(eng, sids)
+    free = eng.free_blocks
+    ref = probes.read_decisions_reference(model, tokenizer, contexts)
+    assert fork.shape == (2, len(probes.decision_ids(tokenizer)[1])) and free == eng.free_blocks
+    torch.testing.assert_close(fork, ref, atol=1e-5, rtol=0)
+    turn, own = probes.decision_ids(tokenizer)
+    with torch.no_grad():
+        p = model(torch.tensor([contexts[1] + turn])).logits[0, -1].softmax(-1)
+    by_hand = torch.stack([p[list(ids)].sum() for ids in own])
+    torch.testing.assert_close(ref[1], by_hand / by_hand.sum(), atol=1e-5, rtol=0)
+    assert all(not set(a) & set(b) for a in own for b in own if a is not b)

@@ -315,3 +315,52 @@ def test_the_terminal_reads_invalid_utf8_as_text_to_refuse():
                            os.path.abspath(rollout.__file__)))
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     assert p.stdout.decode().split() == ["True", "next", "line"]
+
+
+def replayed(record, t_max):
+    """The outcome, turns and end reason the arena's Episode gives the record's decisions."""
+    ep = arena.Episode(t_max)
+    for m in record["transcript"]:
+        if m["role"] == "persuadee":
+            ep.step(m["decision"])
+    return ep.outcome, ep.turn, ep.end_reason
+
+
+def test_logit_decisions_on_tiny_random_persuadees_move_outcomes(tokenizer, monkeypatch):
+    """--decision logit: tiny random persuadees (which never write a tag) reach outcomes other
+    than PENDING; each episode's recorded decisions, replayed through arena.Episode, give its
+    outcome; and a replay with the same seed decides the same (the keyed stream)."""
+    monkeypatch.setattr(rollout, "DECISION", "logit")
+    scenarios = arena.load_scenarios(split="heldout")[:6]
+    model = tiny_model("qwen3", seed=2, max_position_embeddings=8192)
+    play = lambda: rollout.rollout_episodes(
+        engine.Engine(tiny_model("llama", seed=1, max_position_embeddings=8192), tokenizer,
+                      num_blocks=3000),
+        engine.Engine(model, tokenizer, num_blocks=3000), scenarios, 3, group_size=2, seed=5,
+        max_new_tokens=4, persuader_sampling=engine.Sampling(1.0))
+    records = play()
+    assert {r["outcome"] for r in records} - {"PENDING"}
+    for r in records:
+        assert replayed(r, 3) == (r["outcome"], r["turns"], r["end_reason"])
+    assert [r["outcome"] for r in play()] == [r["outcome"] for r in records]
+
+
+from test_arena import SPENT_BUDGET_TABLE
+
+
+@pytest.mark.parametrize("decisions, outcome", SPENT_BUDGET_TABLE + [
+    (["REJECT", "REJECT"], "REJECT"), (["CONDITIONAL_ACCEPT", "ACCEPT"], "ACCEPT"),
+    (["WALK_AWAY"], "WALK_AWAY"), ([None, "PENDING"], "PENDING")])
+def test_logit_decisions_obey_the_arenas_transitions(decisions, outcome, tokenizer, monkeypatch):
+    """Decisions read as logits go through the same state machine: scripted one-hot read-outs
+    (the arena's transition table, T_max 3) end each episode as the table says."""
+    monkeypatch.setattr(rollout, "DECISION", "logit")
+    choices, script = list(arena.DECISION_WORDS), iter(decisions)
+    monkeypatch.setattr(probes, "read_decisions", lambda eng, sids: torch.nn.functional.one_hot(
+        torch.tensor([choices.index(next(script)) for _ in sids]), len(choices)).float())
+    model = tiny_model("llama", max_position_embeddings=8192)
+    er, ee = (engine.Engine(model, tokenizer, num_blocks=1000) for _ in range(2))
+    [r] = rollout.rollout_episodes(er, ee, arena.load_scenarios(split="heldout")[:1], 3,
+                                   max_new_tokens=3)
+    assert r["outcome"] == outcome and r["turns"] == len(decisions)
+    assert [m["decision"] for m in r["transcript"] if m["role"] == "persuadee"] == decisions

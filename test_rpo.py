@@ -324,3 +324,15 @@ def test_diagnostic_sums_add_over_shards_and_count_identical_outcomes():
     own = [rpo.diagnostics(s)["dead_rescued_share"] for s in shards]
     assert sum(own) / 2 == 0.5 != whole["dead_rescued_share"]
     assert rpo.step_diagnostics([g[:2] for g in groups], 0.5)["dead_goal_share"] == 0.0  # no goals given
+
+
+def test_collapsed_groups_count_identical_persuader_messages():
+    """A group is collapsed when every member's persuader tokens (turn id > 0) are the same,
+    whatever the persuadee's tokens (turn id 0) between them; groups of one are not counted."""
+    ep = lambda said, heard=(9,): dict(ids=[1, *said, *heard], turn_ids=[0, *[1] * len(said),
+                                                                        *[0] * len(heard)])
+    records = [ep([5, 6]), ep([5, 6], heard=(8, 8)),   # collapsed: only the persuadee differs
+               ep([5, 6]), ep([5, 7]),                  # one token differs
+               ep([5])]                                 # a group of one (the last, short group)
+    assert rpo.collapsed_groups(records, 2) == (1, 2)
+    assert rpo.collapsed_groups(records[:2], 2) == (1, 1)

@@ -29,19 +29,23 @@ def tiny_run(tmp_path, scenarios, name, *extra):
 
 def test_learning_raises_the_persuadees_belief(tmp_path, short_scenarios, monkeypatch):
     """Dense reward only (lambda 1, no anchor, no KL), deterministic persuadee: the trained
-    policy moves the persuadee's belief up against a frozen copy on the same seeds, and the same
-    loop with the advantage's sign flipped moves it down."""
+    policy moves the persuadee's belief up against a frozen copy on the same seeds (the same
+    instances and random streams), while its groups still differ (at lr 3e-2 every group
+    collapsed to one message by step ~16, and a collapsed group's gradient is 0); the same loop
+    with the advantage's sign flipped moves it down."""
     args = ("--steps", 30, "--lam", 1, "--no-anchor", "--kl-beta", 0, "--group-size", 4,
             "--instances", 2, "--t-max", 1, "--max-new-tokens", 8, "--persuadee-temperature", 0)
-    change = lambda history: [m["belief_change"] for m in history[-10:]]
-    frozen = change(tiny_run(tmp_path, short_scenarios, "frozen", *args, "--lr", 0))
-    trained = change(tiny_run(tmp_path, short_scenarios, "trained", *args, "--lr", 3e-2))
+    last = lambda history, key="belief_change": [m[key] for m in history[-10:]]
+    frozen = last(tiny_run(tmp_path, short_scenarios, "frozen", *args, "--lr", 0))
+    history = tiny_run(tmp_path, short_scenarios, "trained", *args, "--lr", 1.5e-2)
+    trained, collapsed = last(history), last(history, "collapsed_group_share")
     gain = sum(t - f for t, f in zip(trained, frozen)) / len(frozen)
     original = rpo.group_advantages
     monkeypatch.setattr(rpo, "group_advantages",
                         lambda *a, **k: [[-x for x in ep] for ep in original(*a, **k)])
-    flipped = change(tiny_run(tmp_path, short_scenarios, "flipped", *args, "--lr", 3e-2))
+    flipped = last(tiny_run(tmp_path, short_scenarios, "flipped", *args, "--lr", 1.5e-2))
     loss = sum(t - f for t, f in zip(flipped, frozen)) / len(frozen)
+    assert sum(collapsed) / len(collapsed) < 0.5, collapsed
     assert gain > 0.005, (trained, frozen)
     assert loss < -0.005, (flipped, frozen)
 
@@ -800,3 +804,38 @@ def test_two_lora_ranks_match_one_process(tmp_path, short_scenarios):
         assert a["grad_norm"] > 0
     assert b["kl"] > 0
     assert (tmp_path / "two" / "checkpoint-2" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.01])
+def test_a_zero_advantage_step_skips_its_passes_and_matches_the_full_update(kl_beta, monkeypatch):
+    """All advantages 0 (a lambda = 0 step of dead groups) after a real step: with no KL term the
+    skipped step leaves the same weights and AdamW state as the full forward and backward; with a
+    KL term the policy has left the reference, so the full update runs."""
+    import argparse as ap
+    import copy
+
+    import torch
+
+    import models
+    model = models.random_model("tiny-llama")[0]
+    args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=kl_beta, clip_low=0.2,
+                        clip_high=0.28, dtype="float32", lr=1e-2)
+    torch.manual_seed(0)
+    recs = [dict(ids=torch.randint(3, 600, (10,)).tolist(), turn_ids=[0, 0, 1, 1, 1, 0, 2, 2, 0, 0],
+                 logprobs=[-2.0] * 10) for _ in range(2)]
+    def run(skip):
+        if not skip:
+            monkeypatch.setattr(train, "zero_advantage_step", lambda *a: None)
+        policy = copy.deepcopy(model).requires_grad_(True)
+        opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+        device = torch.device("cpu")
+        train.policy_update(policy, model, opt, recs, [[0.5, -1.0], [-0.5, 1.0]], args, device, 1)
+        stats = train.policy_update(policy, model, opt, recs, [[0.0, 0.0], [0.0, 0.0]], args, device, 1)
+        monkeypatch.undo()
+        return stats, policy.state_dict()
+    fast, fast_weights = run(skip=True)
+    full, full_weights = run(skip=False)
+    assert fast["zero_gradient"] == (kl_beta == 0) and full["zero_gradient"] == 0
+    for k in full_weights:
+        torch.testing.assert_close(fast_weights[k], full_weights[k], atol=1e-7, rtol=0)
+    assert fast["persuader_tokens"] == full["persuader_tokens"] == 10

@@ -75,7 +75,9 @@ PRESETS = {
     "cpu": dict(persuader="smollm2", persuadee="smollm2", judge=None, dtype="float32", steps=3,
                 instances=2, group_size=4, t_max=2, eval_t_max=3, lr=1e-5, max_new_tokens=32,
                 micro_batch=2, eval_every=0, eval_limit=4, save_every=1, sampling="cpu"),
-    "tiny": dict(persuader="random:tiny-llama", persuadee="random:tiny-qwen3", judge=None,
+    # tiny: a random judge never writes a verdict (s falls back to 0 on every transcript, after
+    # four attempts): no judge gives the same s = 0 at no cost
+    "tiny": dict(persuader="random:tiny-llama", persuadee="random:tiny-qwen3", judge="none",
                  dtype="float32", steps=4, instances=2, group_size=2, t_max=2, eval_t_max=2,
                  lr=1e-3, max_new_tokens=4, micro_batch=2, eval_every=0, eval_limit=2,
                  save_every=2, sampling="paper"),
@@ -127,6 +129,7 @@ def parse_args(argv=None):
     p.add_argument("--persuadee-top-p", type=float, help="default: the preset's")
     p.add_argument("--persuadee-top-k", type=int, help="default: the preset's")
     p.add_argument("--seed", type=int, default=SEED)
+    arena.add_decision_flag(p)
     p.add_argument("--name", default=None, help="run folder runs/NAME (default: preset and time)")
     p.add_argument("--out", default="runs")
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
@@ -355,6 +358,44 @@ def setup_distributed():
     return rank, world, torch.device("cpu")
 
 
+def set_cpu_threads(device):
+    """On a CPU with OMP_NUM_THREADS unset, torch's threads: one per core the machine's load leaves
+    free (at least one). torch's default takes every core, and on a busy machine its threads then
+    wait on each other (a step can take several times as long). OMP_NUM_THREADS, when set, wins."""
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - round(os.getloadavg()[0]))))
+
+
+def at_reference(optimizer, args, device):
+    """True while the policy cannot have left its initial weights (the KL reference): lr 0, or no
+    weight decay and every AdamW first moment still exactly 0 (no nonzero gradient ever, this
+    run or before its checkpoint)."""
+    if args.lr == 0:
+        return True
+    moments = sum(int(getattr(st["exp_avg"], "_local_tensor", st["exp_avg"]).count_nonzero())
+                  for st in optimizer.state.values() if "exp_avg" in st)
+    return WEIGHT_DECAY == 0 and all_sum(moments, device) == 0
+
+
+def zero_advantage_step(policy, optimizer, turn_advantages, args, device):
+    """A step whose every advantage is exactly 0 (a lambda = 0 step whose groups are all dead) has
+    a zero gradient when its KL term has none (no KL term, or the policy still at the reference):
+    its forward and backward passes are skipped, and the optimizer still steps on zero gradients
+    (AdamW's moments decay as they would). Returns the update's stats (ratio_mean and clip_frac
+    unmeasured: None), or None when some advantage (on any rank) or the KL gradient is not 0."""
+    nonzero = all_sum(sum(a != 0 for ep in turn_advantages for a in ep), device)
+    if nonzero or (args.kl_beta != 0 and not at_reference(optimizer, args, device)):
+        return None
+    for p in policy.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return dict(loss=0.0, kl=0.0, clip_frac=None, ratio_mean=None, grad_norm=0.0,
+                persuader_tokens=None, step_skipped=0, nonfinite=[], zero_gradient=1)
+
+
 def all_sum(value, device):
     """Sum a number over ranks (a no-op in one process)."""
     if not dist.is_initialized():
@@ -436,6 +477,8 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
     optimizer state untouched) and stats say so (step_skipped, nonfinite)."""
     tokens_here = sum(sum(1 for t in r["turn_ids"][1:] if t) for r in records)
     num_tokens = all_sum(tokens_here, device)
+    if (stats := zero_advantage_step(policy, optimizer, turn_advantages, args, device)) is not None:
+        return dict(stats, persuader_tokens=num_tokens)
     stats = dict(loss=0.0, kl=0.0, clip_frac=0.0, ratio_mean=0.0)
     bad = dict.fromkeys(NONFINITE_CHECKS, 0)
     policy.train()
@@ -484,7 +527,7 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
     policy.eval()
     stats = {k: all_sum(v, device) for k, v in stats.items()}
     stats.update(grad_norm=grad_norm, persuader_tokens=num_tokens, step_skipped=int(bool(nonfinite)),
-                 nonfinite=nonfinite)
+                 nonfinite=nonfinite, zero_gradient=0)
     return stats
 
 
@@ -510,6 +553,8 @@ def step_metrics(step, records, groups, update, times, args, device):
     m.update(rpo.diagnostics({k: all_sum(v, device) for k, v in sums.items()}))
     negative, turns = (all_sum(v, device) for v in rpo.negative_process_counts(r["beliefs"] for r in records))
     m["negative_process_share"] = negative / turns if turns else 0.0
+    collapsed, counted = (all_sum(v, device) for v in rpo.collapsed_groups(records, args.group_size))
+    m["collapsed_group_share"] = collapsed / counted if counted else 0.0  # identical messages
     m.update(update)
     m.update({k: all_sum(v, device) / all_sum(1, device) for k, v in times.items()})
     m["tokens_per_s"] = update["persuader_tokens"] / max(times["rollout_s"], 1e-9)
@@ -784,6 +829,8 @@ def main(argv=None):
         plan.print_plan(args)
         return []
     rank, world, device = setup_distributed()
+    rollout.DECISION = args.decision  # the persuadee's decision: its tag, or read as logits
+    set_cpu_threads(device)
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name
     say = print if rank == 0 else (lambda *a, **k: None)

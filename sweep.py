@@ -1,0 +1,322 @@
+"""
+sweep.py: the paper's lambda experiment (Table 2, Fig. 7) in one command, at any preset.
+
+Every (lambda, seed) arm is a training run (train.py, called through its main) that evaluates its
+policy on the same held-out episodes every --eval-every steps (train.evaluate: one episode per
+scenario, the persuadee's random streams keyed by (seed, instance, side), so two arms of one
+seed, and the initial policy, meet the same persuadee draws: only the weights differ). The
+initial policy of each seed is evaluated the same way (step 0). Then, from the runs' records:
+
+    summary.json   arms: one entry per (lambda, seed, checkpoint step, step 0 included) with
+                   held-out full_accept, full_or_conditional, mean_belief_change (mean b_T - b_0),
+                   mean dense return, and the training steps' dead- and collapsed-group shares
+    table.md       per lambda its best and its last checkpoint, seeds pooled: Wilson intervals
+                   of the acceptance shares, a t interval of b_T - b_0, and paired tests (pairs:
+                   same seed, same scenario) against lambda = 0 at the same step and against the
+                   initial policy: exact McNemar on full acceptance, Wilcoxon on b_T - b_0;
+                   with --frozen-control, each arm against a same-seed run at lr 0 on the
+                   training episodes themselves (paired by step, group and member)
+    curves.png     held-out b_T - b_0 and full acceptance by step, per lambda, seed bands
+    effect.png     each lambda's last checkpoint minus the initial policy, 95% intervals
+
+Arms already trained are reused; a killed arm resumes from its checkpoint (train.py --resume).
+Arguments sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4).
+
+    python sweep.py --preset tiny --lams 0 1 --seeds 0 --steps 4 --eval-every 2 --eval-limit 2 --name smoke
+    python sweep.py --preset cpu --lams 0 0.5 1 --seeds 0 1 --steps 60 --eval-every 20 \\
+        --eval-limit 16 --decision logit --frozen-control --name cpu-logit -- --judge none
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+import analyses
+import arena
+
+LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
+SEEDS = (0, 1)
+SWEEPS_DIR = "sweeps"
+FROZEN = "frozen"  # the control arm's label: the same seed trained at lr 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", help="train.py preset of every arm")
+    p.add_argument("--lams", type=float, nargs="+", default=list(LAMS))
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--eval-every", type=int, required=True, help="held-out evaluation (and a "
+                   "kept checkpoint) every K steps; --steps must be a multiple of it")
+    p.add_argument("--eval-limit", type=int, required=True, help="held-out scenarios per evaluation")
+    p.add_argument("--name", required=True, help=f"the sweep's folder, {SWEEPS_DIR}/NAME")
+    p.add_argument("--out", default=SWEEPS_DIR)
+    p.add_argument("--frozen-control", action="store_true",
+                   help="also train each seed at lr 0: the same instances and random streams, "
+                        "only the weights differ")
+    arena.add_decision_flag(p)
+    args, extra = p.parse_known_args(argv)
+    problems = [f"--{k.replace('_', '-')} {getattr(args, k)} must be at least 1"
+                for k in ("steps", "eval_every", "eval_limit") if getattr(args, k) < 1]
+    if not problems and args.steps % args.eval_every:
+        problems.append(f"--steps {args.steps} is not a multiple of --eval-every {args.eval_every}")
+    if Path(args.name).name != args.name or args.name in ("", ".", ".."):
+        problems.append(f"--name {args.name!r} must be one folder name")
+    if 0.0 not in args.lams:
+        problems.append("--lams must include 0 (the arm every other is tested against)")
+    if problems:
+        p.error("; ".join(problems))
+    return args, [a for a in extra if a != "--"]
+
+
+def arm_name(lam, seed):
+    return f"{FROZEN}_s{seed}" if lam == FROZEN else f"lam{lam:g}_s{seed}"
+
+
+def arm_argv(args, extra, lam, seed, runs_dir):
+    """train.py's arguments for one arm (the frozen control: lr 0, no held-out evaluation, which
+    would repeat the initial policy's)."""
+    frozen = lam == FROZEN
+    return ["--preset", args.preset, "--lam", str(0.0 if frozen else lam), "--seed", str(seed),
+            "--steps", str(args.steps), "--eval-every", "0" if frozen else str(args.eval_every),
+            "--eval-limit", str(args.eval_limit), "--decision", args.decision,
+            "--save-every", str(args.steps if frozen else args.eval_every),
+            "--out", str(runs_dir), "--name", arm_name(lam, seed),
+            *(["--lr", "0"] if frozen else []), *extra]
+
+
+def _steps_in(path, key="step"):
+    if not path.is_file():
+        return set()
+    return {row[key] for row in analyses.read_jsonl(path, str(path))}
+
+
+def arm_finished(run_dir, args, frozen=False):
+    """Every step trained and every held-out evaluation written."""
+    wanted = set() if frozen else set(range(args.eval_every, args.steps + 1, args.eval_every))
+    return (args.steps in _steps_in(run_dir / "metrics.jsonl")
+            and wanted <= _steps_in(run_dir / "evals.jsonl"))
+
+
+def train_arm(argv, run_dir):
+    """train.py on one arm: fresh, or resumed from its last checkpoint."""
+    import train
+    if (run_dir / "latest").is_file():
+        argv = argv + ["--resume"]
+    elif run_dir.exists():
+        argv = argv + ["--overwrite"]  # started, but killed before its first checkpoint
+    train.main(argv)
+
+
+def evaluate_initial(argv, folder):
+    """The initial policy on the arms' held-out episodes (train.evaluate at step 0, the arm's
+    own settings), into folder/eval-0 and folder/evals.jsonl."""
+    import torch
+
+    import engine
+    import plan
+    import rollout
+    import train
+    args = train.parse_args(argv)
+    rollout.DECISION = args.decision
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes = plan.device_plan(args, 1, device)["sizes"] if device.type == "cuda" else {}
+    actor = engine.Engine(*train.load(args.persuader, args.dtype, device), **sizes.get("actor", {}))
+    persuadee = engine.Engine(*train.load(args.persuadee, args.dtype, device),
+                              **sizes.get("persuadee", {}))
+    judge = (None if args.judge == "none" else persuadee if args.judge in (None, args.persuadee)
+             else engine.Engine(*train.load(args.judge, args.dtype, device), **sizes.get("judge", {})))
+    folder.mkdir(parents=True, exist_ok=True)
+    train.evaluate(actor, persuadee, judge, args, 0, 0, folder)
+
+
+def belief_changes(episodes):
+    """{scenario_id: b_T - b_0} of the episodes whose beliefs were read."""
+    return {ep["scenario_id"]: ep["beliefs"][-1] - ep["beliefs"][0]
+            for ep in analyses.with_beliefs(episodes)}
+
+
+def step_window(metrics, step, every, key):
+    """The mean of a training metric over the steps that led to a checkpoint, (step - every, step]."""
+    values = [m[key] for m in metrics if step - every < m["step"] <= step and m.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def arm_entries(lam, seed, run, initial, every):
+    """summary.json's entries of one arm: the initial policy (step 0) and each checkpoint."""
+    entries = []
+    for step, episodes in [(0, initial)] + sorted(run["episodes"].items()):
+        summary = analyses.summarize(episodes, lam)
+        changes = list(belief_changes(episodes).values())
+        entries.append(dict(
+            lam=lam, seed=seed, step=step, n=len(episodes), full_accept=summary["full_accept"],
+            full_or_conditional=summary["full_or_conditional"],
+            mean_belief_change=sum(changes) / len(changes) if changes else None,
+            mean_dense_return=summary["mean_dense_return"],
+            dead_group_share=step_window(run["metrics"], step, every, "dead_group_share"),
+            collapsed_group_share=step_window(run["metrics"], step, every,
+                                              "collapsed_group_share")))
+    return entries
+
+
+def paired(a, b):
+    """Paired tests of episode sets a against b, keyed by (seed, scenario): exact McNemar on full
+    acceptance, Wilcoxon on b_T - b_0, and the mean of the paired b_T - b_0 differences."""
+    common = sorted(set(a) & set(b))
+    accept = [a[k]["outcome"] == "ACCEPT" for k in common], [b[k]["outcome"] == "ACCEPT" for k in common]
+    both = [k for k in common if analyses.with_beliefs([a[k]]) and analyses.with_beliefs([b[k]])]
+    change = lambda ep: ep["beliefs"][-1] - ep["beliefs"][0]
+    diffs = [change(a[k]) - change(b[k]) for k in both]
+    mean, low, high = analyses.t_interval(diffs)
+    return dict(n=len(common), mcnemar_p=analyses.mcnemar(*accept),
+                wilcoxon_p=analyses.wilcoxon([change(a[k]) for k in both],
+                                             [change(b[k]) for k in both]) if both else None,
+                belief_diff=mean, belief_diff_low=low, belief_diff_high=high)
+
+
+def pooled(runs, seeds, step):
+    """{(seed, scenario): episode} at one step over seeds (runs: seed -> {step: episodes})."""
+    return {(s, ep["scenario_id"]): ep for s in seeds for ep in runs[s].get(step, [])}
+
+
+def table_rows(held_out, lams, seeds, steps):
+    """Per lambda its best checkpoint (highest mean full acceptance over seeds, then b_T - b_0)
+    and its last, seeds pooled, against lambda = 0 (same step) and the initial policy."""
+    rows = []
+    for lam in lams:
+        def score(step):
+            eps = list(pooled(held_out[lam], seeds, step).values())
+            changes = [c for s in seeds for c in belief_changes(held_out[lam][s].get(step, [])).values()]
+            return (sum(ep["outcome"] == "ACCEPT" for ep in eps) / max(len(eps), 1),
+                    sum(changes) / len(changes) if changes else -math.inf)
+        best = max(steps, key=score)
+        for which, step in (("best", best), ("last", steps[-1])):
+            eps = pooled(held_out[lam], seeds, step)
+            episodes = list(eps.values())
+            accept = sum(ep["outcome"] == "ACCEPT" for ep in episodes)
+            either = sum(ep["outcome"] in ("ACCEPT", "CONDITIONAL_ACCEPT") for ep in episodes)
+            changes = [ep["beliefs"][-1] - ep["beliefs"][0] for ep in analyses.with_beliefs(episodes)]
+            rows.append(dict(lam=lam, which=which, step=step, n=len(episodes),
+                             full_accept=accept / max(len(episodes), 1),
+                             full_accept_interval=analyses.wilson_interval(accept, len(episodes)),
+                             full_or_conditional=either / max(len(episodes), 1),
+                             full_or_conditional_interval=analyses.wilson_interval(either, len(episodes)),
+                             belief_change=analyses.t_interval(changes),
+                             vs_initial=paired(eps, pooled(held_out[lam], seeds, 0)),
+                             vs_lambda0=None if lam == 0.0 else paired(eps, pooled(held_out[0.0], seeds, step))))
+    return rows
+
+
+def frozen_rows(runs, frozen, lams, seeds, steps):
+    """Each arm against its seed's lr-0 control on the training episodes of the second half of
+    training (paired by step, group and member): mean (b_T - b_0) difference and Wilcoxon."""
+    rows = []
+    for lam in lams:
+        a, b = {}, {}
+        for s in seeds:
+            for side, source in ((a, runs[lam][s]), (b, frozen[s])):
+                for r in source["rollouts"]:
+                    if r["step"] > steps // 2 and r["b_0"] is not None and r["b_T"] is not None:
+                        side[s, r["step"], r["group"], r["member"]] = r["b_T"] - r["b_0"]
+        keys = sorted(set(a) & set(b))
+        mean, low, high = analyses.t_interval([a[k] - b[k] for k in keys])
+        rows.append(dict(lam=lam, n=len(keys), belief_diff=mean, low=low, high=high,
+                         wilcoxon_p=analyses.wilcoxon([a[k] for k in keys], [b[k] for k in keys])
+                         if keys else None))
+    return rows
+
+
+def _f(x, fmt="+.4f"):
+    return "-" if x is None else format(x, fmt)
+
+
+def _p(x):
+    return "-" if x is None else f"{x:.3g}"
+
+
+def format_table(rows, frozen=None, header=""):
+    """table.md: the rows of table_rows (and frozen_rows) as markdown."""
+    pct = lambda v, iv: f"{100 * v:.1f} [{_f(iv[0] and 100 * iv[0], '.1f')}, {_f(iv[1] and 100 * iv[1], '.1f')}]"
+    lines = [header, "", "| lambda | checkpoint | n | full accept % [95%] | FA+CA % [95%] | "
+             "b_T - b_0 [95%] | vs initial: McNemar p | Wilcoxon p | paired diff | "
+             "vs lambda 0: McNemar p | Wilcoxon p | paired diff |", "|" + "---|" * 12]
+    for r in rows:
+        mean, low, high = r["belief_change"]
+        cells = [f"{r['lam']:g}", f"{r['which']} (step {r['step']})", str(r["n"]),
+                 pct(r["full_accept"], r["full_accept_interval"]),
+                 pct(r["full_or_conditional"], r["full_or_conditional_interval"]),
+                 f"{_f(mean)} [{_f(low)}, {_f(high)}]"]
+        for vs in (r["vs_initial"], r["vs_lambda0"]):
+            cells += (["-"] * 3 if vs is None else
+                      [_p(vs["mcnemar_p"]), _p(vs["wilcoxon_p"]),
+                       f"{_f(vs['belief_diff'])} [{_f(vs['belief_diff_low'])}, {_f(vs['belief_diff_high'])}]"])
+        lines.append("| " + " | ".join(cells) + " |")
+    if frozen:
+        lines += ["", "Against the same-seed frozen control (lr 0), training episodes of the second "
+                  "half, paired by step, group and member:", "",
+                  "| lambda | pairs | mean diff of b_T - b_0 [95%] | Wilcoxon p |", "|---|---|---|---|"]
+        lines += [f"| {r['lam']:g} | {r['n']} | {_f(r['belief_diff'])} [{_f(r['low'])}, "
+                  f"{_f(r['high'])}] | {_p(r['wilcoxon_p'])} |" for r in frozen]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args, extra = parse_args(argv)
+    root = Path(args.out) / args.name
+    runs_dir = root / "runs"
+    arms = [(lam, seed) for seed in args.seeds for lam in args.lams]
+    arms += [(FROZEN, seed) for seed in args.seeds] if args.frozen_control else []
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sweep.json").write_text(json.dumps(dict(vars(args), train_args=extra), indent=2))
+    bar = tqdm(total=len(arms) + len(args.seeds), desc="sweep arms")
+    for seed in args.seeds:  # the initial policy first: it is what every arm is tested against
+        folder = root / f"initial_s{seed}"
+        if 0 not in _steps_in(folder / "evals.jsonl"):
+            evaluate_initial(arm_argv(args, extra, args.lams[0], seed, runs_dir), folder)
+        bar.update()
+    for lam, seed in arms:
+        run_dir = runs_dir / arm_name(lam, seed)
+        bar.set_postfix_str(arm_name(lam, seed))
+        if not arm_finished(run_dir, args, lam == FROZEN):
+            train_arm(arm_argv(args, extra, lam, seed, runs_dir), run_dir)
+        bar.update()
+    bar.close()
+    return summarize_sweep(root, args)
+
+
+def summarize_sweep(root, args):
+    """summary.json, table.md and the figures from the sweep folder's runs."""
+    import plots
+    initial = {s: analyses.load_episodes(root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
+               for s in args.seeds}
+    runs = {lam: {s: analyses.read_run(root / "runs" / arm_name(lam, s)) for s in args.seeds}
+            for lam in args.lams}
+    held_out = {lam: {s: {0: initial[s], **runs[lam][s]["episodes"]} for s in args.seeds}
+                for lam in args.lams}
+    entries = [e for lam in args.lams for s in args.seeds
+               for e in arm_entries(lam, s, runs[lam][s], initial[s], args.eval_every)]
+    steps = [0] + list(range(args.eval_every, args.steps + 1, args.eval_every))
+    rows = table_rows(held_out, args.lams, args.seeds, steps[1:])
+    frozen = None
+    if args.frozen_control:
+        control = {s: {"rollouts": analyses.read_jsonl(root / "runs" / arm_name(FROZEN, s) /
+                                                        "rollouts.jsonl", "a frozen control run")}
+                   for s in args.seeds}
+        frozen = frozen_rows(runs, control, args.lams, args.seeds, args.steps)
+    summary = dict(settings=json.loads((root / "sweep.json").read_text()), arms=entries,
+                   table=rows, frozen_control=frozen)
+    (root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    header = (f"# sweep {args.name}: preset {args.preset}, lambdas {args.lams}, seeds {args.seeds}, "
+              f"{args.steps} steps, {args.eval_limit} held-out scenarios, decision {args.decision}")
+    (root / "table.md").write_text(format_table(rows, frozen, header))
+    plots.plot_sweep(entries, rows, root)
+    print((root / "table.md").read_text())
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
