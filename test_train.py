@@ -839,3 +839,24 @@ def test_a_zero_advantage_step_skips_its_passes_and_matches_the_full_update(kl_b
     for k in full_weights:
         torch.testing.assert_close(fast_weights[k], full_weights[k], atol=1e-7, rtol=0)
     assert fast["persuader_tokens"] == full["persuader_tokens"] == 10
+
+
+def test_a_zero_advantage_step_at_the_reference_skips_even_with_a_kl_term():
+    """Before any nonzero gradient the policy is its KL reference, whose KL gradient is 0: a
+    zero-advantage step with kl_beta 0.01 skips its passes and leaves the weights as they were."""
+    import argparse as ap
+    import copy
+
+    import torch
+
+    import models
+    model = models.random_model("tiny-llama")[0]
+    args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=0.01, clip_low=0.2,
+                        clip_high=0.28, dtype="float32", lr=1e-2)
+    policy = copy.deepcopy(model).requires_grad_(True)
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    recs = [dict(ids=list(range(3, 13)), turn_ids=[0, 0, 1, 1, 1, 0, 2, 2, 0, 0], logprobs=[-2.0] * 10)]
+    stats = train.policy_update(policy, model, opt, recs, [[0.0, 0.0]], args, torch.device("cpu"), 1)
+    assert stats["zero_gradient"] == 1 and stats["kl"] == 0.0
+    for k, v in model.state_dict().items():
+        assert torch.equal(policy.state_dict()[k], v)
