@@ -714,7 +714,7 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
     assert kept == records[:2]
     assert left_out == dict(never_started=2, api_errors=0, left_out=2)
     assert f"{long['id']} member 1 never started" in capsys.readouterr().out
-    args = ap.Namespace(lam=rpo.LAMBDA, anchor=rpo.ANCHOR, judge="none")
+    args = ap.Namespace(lam=rpo.LAMBDA, anchor=rpo.ANCHOR, judge="none", group_size=2)
     turn_adv, groups = train.advantages(kept, 2, args)
     m = train.step_metrics(1, kept, groups, dict(persuader_tokens=1), dict(rollout_s=1.0), args,
                            torch.device("cpu"))
