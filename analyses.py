@@ -42,6 +42,8 @@ from scipy import stats
 
 import moves
 import rpo
+from runs import finite, is_number
+from runs import read_jsonl as runs_read_jsonl
 from arena import API_ERROR, CUT_OFF, OUTCOMES
 
 SHORT = {"ACCEPT": "ACCEPT", "CONDITIONAL_ACCEPT": "COND", "PENDING": "PENDING", "REJECT": "REJECT",
@@ -70,7 +72,7 @@ def _mean(values):
 
 def _finite(x):
     """A float for JSON, None where a statistic is undefined (nan: too few or constant values)."""
-    return None if x is None or not math.isfinite(float(x)) else float(x)
+    return None if x is None else finite(float(x))
 
 
 def _anchor(ep):
@@ -837,17 +839,13 @@ def run_diagnostics(run):
     """The Fig. 7 diagnostics over a whole run: the mean over steps of each logged figure
     (metrics.jsonl), and where rollouts.jsonl exists, the run pooled (every group of every step,
     sums before the division: the paper's 10.3% dead, 83% rescued, ~15% dense share)."""
-    means = {k: _mean(m[k] for m in run["metrics"] if _is_number(m.get(k))) for k in DIAGNOSTICS}
+    means = {k: _mean(m[k] for m in run["metrics"] if is_number(m.get(k))) for k in DIAGNOSTICS}
     pooled = None
     if run["rollouts"]:
         anchor = rpo.ANCHOR if run["anchor"] is None else run["anchor"]
         lam = rpo.LAMBDA if run["lam"] is None else run["lam"]
         pooled = rpo.diagnostics(rpo.diagnostic_sums(rollout_groups(run["rollouts"], anchor), lam))
     return {"step_mean": means, "pooled": pooled}
-
-
-def _is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def run_analysis(run):
@@ -1000,19 +998,12 @@ def mean_band(rows):
 
 
 def _jsonl_rows(path, what):
-    """(line number, object) of every non-empty line of a JSONL file."""
+    """(line number, object) of every non-empty line of a JSONL file (runs.read_jsonl: a bad
+    last line is dropped with a warning, an earlier one refused)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass {what}")
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append((lineno, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg})") from None
-    return rows
+    return runs_read_jsonl(path)
 
 
 def read_jsonl(path, what):
@@ -1088,18 +1079,6 @@ def load_episodes(dir_or_file):
     if not episodes:
         raise ValueError(f"{path} holds no episodes; rerun the evaluation that wrote it")
     return episodes
-
-
-def standard(value):
-    """value with every non-finite float, at any depth, written as null (standard JSON: a mean
-    over no episode with beliefs is no NaN in a file)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: standard(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [standard(v) for v in value]
-    return value
 
 
 def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):

@@ -72,6 +72,17 @@ def clock(timings, key):
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
+def role_sampling(args):
+    """(persuader, persuadee) engine.Sampling of a run: its --sampling preset (SAMPLING), each
+    value a flag names (runs.add_sampling_flags) overriding it."""
+    persuader, persuadee = SAMPLING[args.sampling]
+    pick = lambda flag, preset: preset if flag is None else flag
+    return (persuader._replace(temperature=pick(args.persuader_temperature, persuader.temperature)),
+            persuadee._replace(temperature=pick(args.persuadee_temperature, persuadee.temperature),
+                               top_p=pick(args.persuadee_top_p, persuadee.top_p),
+                               top_k=pick(args.persuadee_top_k, persuadee.top_k)))
+
+
 def prompt_ids(persuader_tok, persuadee_tok, instance):
     """The persuader's prompt (ending in its generation prompt) and the persuadee's system turn."""
     return (models.chat_ids(persuader_tok, arena.persuader_messages(instance), True),
