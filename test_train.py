@@ -211,7 +211,7 @@ def test_defaults():
                                  "REJECT": -1.0, "WALK_AWAY": -1.0}
     assert (arena.T_MAX_TRAIN, arena.T_MAX_EVAL, arena.JUDGE_RETRIES) == (6, 10, 3)
     assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
-    paper = train.PRESETS["paper"]
+    paper = train.preset_values("paper")
     assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
 
 

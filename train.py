@@ -62,16 +62,14 @@ import rpo
 import runs
 import served
 
-# The presets, each from the constants that own its values; "cpu" and "tiny" state their
-# overrides of those constants here, in one place (arena.T_MAX_TRAIN and T_MAX_EVAL: turns,
-# engine.MAX_NEW_TOKENS: tokens a message), so that an edited constant changes every run that
-# does not override it.
+# The presets. Turns and tokens a message come from the constants that own them
+# (owned_defaults: arena.T_MAX_TRAIN, arena.T_MAX_EVAL, engine.MAX_NEW_TOKENS), read when the
+# arguments are parsed, so an edited constant changes every preset that does not override it;
+# "cpu" and "tiny" state their overrides here, in one place.
 PRESETS = {
     "paper": dict(persuader="Qwen/Qwen3-4B-Instruct-2507", persuadee="Qwen/Qwen3-14B",
-                  judge=None, dtype="bfloat16", steps=200, instances=16, group_size=8,
-                  t_max=arena.T_MAX_TRAIN, eval_t_max=arena.T_MAX_EVAL, lr=1e-6,
-                  max_new_tokens=engine.MAX_NEW_TOKENS, micro_batch=4, eval_every=20, eval_limit=120,
-                  save_every=20, sampling="paper"),
+                  judge=None, dtype="bfloat16", steps=200, instances=16, group_size=8, lr=1e-6,
+                  micro_batch=4, eval_every=20, eval_limit=120, save_every=20, sampling="paper"),
     "cpu": dict(persuader="smollm2", persuadee="smollm2", judge=None, dtype="float32", steps=3,
                 instances=2, group_size=4, lr=1e-5, micro_batch=2, eval_every=0, eval_limit=4,
                 save_every=1, sampling="cpu",
@@ -81,6 +79,19 @@ PRESETS = {
                  eval_every=0, eval_limit=2, save_every=2, sampling="paper",
                  t_max=2, eval_t_max=2, max_new_tokens=4),  # overrides: tiny random models
 }
+
+
+def owned_defaults():
+    """The preset values other files own, as they are now."""
+    return dict(t_max=arena.T_MAX_TRAIN, eval_t_max=arena.T_MAX_EVAL,
+                max_new_tokens=engine.MAX_NEW_TOKENS)
+
+
+def preset_values(name):
+    """Every value of a preset: the owned defaults, then the preset's own (its overrides)."""
+    return {**owned_defaults(), **PRESETS[name]}
+
+
 GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
 SEED = 0
@@ -139,7 +150,7 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     args.preset = args.preset or ("paper" if torch.cuda.is_available() else "cpu")
-    for key, value in PRESETS[args.preset].items():
+    for key, value in preset_values(args.preset).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -200,7 +211,7 @@ def validate(args):
     for key in POSITIVE:
         if getattr(args, key) < 1:
             _fail(f"--{key.replace('_', '-')} {getattr(args, key)}", "must be at least 1",
-                  f"pass a positive number, e.g. --{key.replace('_', '-')} {PRESETS['tiny'][key]}")
+                  f"pass a positive number, e.g. --{key.replace('_', '-')} {preset_values('tiny')[key]}")
     if args.instances > arena.N_TRAIN_INSTANCES:
         _fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training "
               "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
