@@ -493,6 +493,21 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print, max_ne
 # CLI
 
 
+def add_mode_flags(ap):
+    """The model-free modes, one at a time."""
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two eval directories, B against A")
+    mode.add_argument("--compare-many", nargs="+", metavar="BASE", help="baseline eval directories against --policy")
+    mode.add_argument("--analyze", metavar="DIR", help="recompute DIR/summary.json and plots from DIR/episodes.jsonl")
+    mode.add_argument("--case", nargs=2, metavar=("DIR", "SCENARIO_ID"), help="one episode turn by turn (Table 8)")
+    mode.add_argument("--overlay", nargs="+", metavar="DIR", help="belief and per-probe trajectories of runs overlaid (Fig. 6)")
+    mode.add_argument("--runs", nargs="+", metavar="RUN", help="checkpoint selection over training runs (Table 9)")
+    mode.add_argument("--table", nargs="+", metavar="DIR", help="the main table of eval directories, 95%% "
+                      "intervals and paired p-values against --reference (Markdown, or --format latex)")
+    mode.add_argument("--plot-run", metavar="DIR", help="plot DIR/metrics.jsonl into DIR/curves.png")
+    mode.add_argument("--play", metavar="SCENARIO_ID", help="you persuade the model persuadee, in the terminal")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--persuader", action="append", help="model name or path; repeat for a grid (default smollm2)")
@@ -532,17 +547,7 @@ def parse_args(argv=None):
                     help="with --analyze: the lambda of shaping_by_outcome (default: the run's "
                          "own, else rpo.LAMBDA)")
     ap.add_argument("--policy", metavar="DIR", help="with --compare-many: the trained policy's eval directory")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two eval directories, B against A")
-    mode.add_argument("--compare-many", nargs="+", metavar="BASE", help="baseline eval directories against --policy")
-    mode.add_argument("--analyze", metavar="DIR", help="recompute DIR/summary.json and plots from DIR/episodes.jsonl")
-    mode.add_argument("--case", nargs=2, metavar=("DIR", "SCENARIO_ID"), help="one episode turn by turn (Table 8)")
-    mode.add_argument("--overlay", nargs="+", metavar="DIR", help="belief and per-probe trajectories of runs overlaid (Fig. 6)")
-    mode.add_argument("--runs", nargs="+", metavar="RUN", help="checkpoint selection over training runs (Table 9)")
-    mode.add_argument("--table", nargs="+", metavar="DIR", help="the main table of eval directories, 95%% "
-                      "intervals and paired p-values against --reference (Markdown, or --format latex)")
-    mode.add_argument("--plot-run", metavar="DIR", help="plot DIR/metrics.jsonl into DIR/curves.png")
-    mode.add_argument("--play", metavar="SCENARIO_ID", help="you persuade the model persuadee, in the terminal")
+    add_mode_flags(ap)
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         ap.exit(2, f"eval.py: --limit must be at least 1, got {args.limit}\n")

@@ -154,6 +154,24 @@ def write_atomic(path, data, *, who=None, kept="the previous file is intact"):
         raise SystemExit(write_failure(who, path.name, path.parent, e, kept)) from None
 
 
+def write_folder_atomic(path, fill):
+    """A folder's new content: fill(temporary folder) in an exclusive temporary folder beside
+    path, then a rename over path (a kill leaves the old folder or the new one; a link at path
+    is removed, never followed). A failure removes the temporary folder and is raised."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _exclusive_temp(path, directory=True)
+    try:
+        fill(tmp)
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def append_line(path, text, sync=False):
     """Append text to path, opened with O_NOFOLLOW (a link there is refused, not followed)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -525,24 +543,20 @@ def checkpoint_folder(run_dir, who="train.py"):
 
 
 def _write_checkpoint(run_dir, step, model_sd, optim_sd, policy, tokenizer, previous, who):
-    """Rank 0: checkpoint-STEP through an exclusive temporary folder and a rename, then
-    `latest` (write_atomic); a failure removes the temporary folder and leaves `latest`."""
+    """Rank 0: checkpoint-STEP (write_folder_atomic), then `latest` (write_atomic); a failure
+    removes the temporary folder and leaves `latest`."""
     import torch
     final = run_dir / f"checkpoint-{step}"
-    tmp = _exclusive_temp(final, directory=True)
-    try:
-        unwrapped = getattr(policy, "module", policy)
-        unwrapped.save_pretrained(tmp, state_dict=model_sd)
-        tokenizer.save_pretrained(tmp)
+
+    def fill(folder):
+        getattr(policy, "module", policy).save_pretrained(folder, state_dict=model_sd)
+        tokenizer.save_pretrained(folder)
         torch.save(dict(step=step, optimizer=optim_sd, torch_rng=torch.get_rng_state()),
-                   tmp / "trainer.pt")
-        if final.is_symlink() or final.is_file():
-            final.unlink()
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+                   folder / "trainer.pt")
+    try:
+        write_folder_atomic(final, fill)
         write_atomic(run_dir / "latest", final.name)
     except Exception as e:  # safetensors, torch and the file system each raise their own kind
-        shutil.rmtree(tmp, ignore_errors=True)
         kept = f"{previous} is intact" if previous else "no earlier checkpoint exists"
         needed = sum(f.stat().st_size for f in (run_dir / previous).iterdir()) if previous else 0
         raise SystemExit(write_failure(who, f"checkpoint-{step}", run_dir, e, kept, needed,

@@ -333,6 +333,12 @@ def step_instances(instances, args, step, rank, world):
     return chosen[rank::world]
 
 
+def numeric(beliefs):
+    """A record's beliefs as rpo.py's arithmetic takes them: NaN where none was read (a served
+    persuadee without log-probs), which rpo counts. A record itself holds None (one "no value")."""
+    return [math.nan if b is None else b for b in beliefs]
+
+
 def advantages(records, group_size, args):
     """Rewards and Probe-RPO advantages for this rank's groups; returns per-episode turn
     advantages and the (outcome rewards, process rewards, goals) of each group for diagnostics."""
@@ -340,7 +346,7 @@ def advantages(records, group_size, args):
     for g in range(0, len(records), group_size):
         group = records[g:g + group_size]
         outcome = [rpo.outcome_reward(r["outcome"], r["judge"]) for r in group]
-        process = [rpo.process_rewards(r["beliefs"], r["outcome"], args.anchor) for r in group]
+        process = [rpo.process_rewards(numeric(r["beliefs"]), r["outcome"], args.anchor) for r in group]
         groups.append((outcome, process, [rpo.GOAL[r["outcome"]] for r in group]))
         per_episode += rpo.group_advantages(outcome, process, args.lam)
     return per_episode, groups
@@ -415,7 +421,7 @@ def step_metrics(step, records, groups, update, times, args, device):
     m["reward_mean"] = total(sum(g[0]) for g in groups) / n
     for o in arena.OUTCOMES:
         m[f"outcome_{o}"] = total(r["outcome"] == o for r in records) / n
-    read = [r for r in records if all(map(math.isfinite, r["beliefs"]))]  # rpo counts the rest
+    read = [r for r in records if None not in r["beliefs"]]  # rpo counts the rest
     m["belief_change"] = total(r["beliefs"][-1] - r["beliefs"][0] for r in read) / max(
         runs.all_sum(len(read), device), 1)
     m["turns_mean"] = total(r["turns"] for r in records) / n
@@ -426,7 +432,7 @@ def step_metrics(step, records, groups, update, times, args, device):
     # pooled: every rank's counts and sums are added before the division (rpo.diagnostics)
     sums = rpo.diagnostic_sums(groups, args.lam)
     m.update(rpo.diagnostics({k: runs.all_sum(v, device) for k, v in sums.items()}))
-    negative, turns = (runs.all_sum(v, device) for v in rpo.negative_process_counts(r["beliefs"] for r in records))
+    negative, turns = (runs.all_sum(v, device) for v in rpo.negative_process_counts(numeric(r["beliefs"]) for r in records))
     m["negative_process_share"] = negative / turns if turns else 0.0
     m.update(update)
     m.update(runs.mean_timings(times, device))  # the same keys, in one order, on every rank
@@ -447,8 +453,8 @@ def step_records(step, records, group_size, args, rank, world):
     rows = []
     for i, r in enumerate(records):
         local, member = divmod(i, group_size)
-        beliefs = [b if math.isfinite(b) else None for b in r["beliefs"]]
-        dense = rpo.dense_return(r["beliefs"], r["outcome"], args.anchor)
+        beliefs = r["beliefs"]
+        dense = rpo.dense_return(numeric(beliefs), r["outcome"], args.anchor)
         rows.append(dict(step=step, instance=r["id"], group=local * world + rank, member=member,
                          outcome=r["outcome"], goal=rpo.GOAL[r["outcome"]], judge=r["judge"],
                          judge_failed=bool(r.get("judge_failed")), b_0=beliefs[0] if beliefs else None,
@@ -638,8 +644,6 @@ def play_step(m, instances, args, step, rank, world):
         max_new_tokens=args.max_new_tokens, judge=m.judge, probe_space=args.probe_space,
         probe_signs=args.probe_signs, progress=bar, timings=times)
     bar.close()
-    for r in records:  # beliefs a served persuadee cannot give: NaN, which rpo.py counts
-        r["beliefs"] = [math.nan if b is None else b for b in r["beliefs"]]
     return records, times
 
 
