@@ -127,9 +127,14 @@ def _exclusive_temp(path, directory=False):
     """A new temporary file (or folder) beside path, with a random name, created exclusively
     (O_CREAT | O_EXCL | O_NOFOLLOW: tempfile's flags), so no planted link is followed."""
     prefix = f".{path.name[:NAME_MAX]}."
-    if directory:
-        return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    if directory:  # mkdtemp and mkstemp create 0700 and 0600: a run is shared as any file is
+        folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent))
+        folder.chmod(0o777 & ~umask)
+        return folder
     fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~umask)
     return fd, Path(name)
 
 
@@ -647,7 +652,8 @@ def load_checkpoint(run_dir, policy, optimizer, device=None, who="train.py"):
     so no other rank reads the whole trainer state."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     ranks = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     found, refusal = None, None
@@ -661,9 +667,11 @@ def load_checkpoint(run_dir, policy, optimizer, device=None, who="train.py"):
     step, model_sd, optim_sd, rng = found or (None, {}, {}, None)
     if ranks:
         step, rng = agree((step, rng))
-    set_state_dict(policy, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=StateDictOptions(full_state_dict=True, strict=False,
-                                            broadcast_from_rank0=ranks))
+    # the model and the optimizer each by itself: set_state_dict skips the model on a rank
+    # whose model state dict is empty, which broadcast_from_rank0 gives every rank but 0
+    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=ranks)
+    set_optimizer_state_dict(policy, optimizer, optim_sd, options=options)
+    set_model_state_dict(policy, model_sd, options=options)
     torch.set_rng_state(rng)
     return step
 

@@ -177,7 +177,7 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     assert probes.PROBE_SPACE == "prob"  # an option travels as an argument, the constant stays
     assert len(judged_by) == 2 and judged_by[0] is judged_by[1]
     assert judged_by[0].config.model_type == "llama"
-    runs = sorted((tmp_path / "evals" / "g").iterdir())
+    runs = sorted(p for p in (tmp_path / "evals" / "g").iterdir() if not p.name.startswith("."))  # the lock and marker aside
     assert len(runs) == 2 and all((r / "summary.json").exists() for r in runs)
     [ep] = an.load_episodes(runs[0])
     assert ep["scenario_id"] == eval.balanced_subset(__import__("arena").heldout_instances(), 3)[0]["id"]
