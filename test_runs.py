@@ -359,3 +359,16 @@ def test_two_ranks_resume_with_rank_0_alone_reading_the_trainer_state(tmp_path, 
     assert reads == ["rank 0 read trainer.pt"] and "resumed from step 1" in p.stdout
     rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["grad_norm"] > 0
+
+
+def test_the_sampling_flags_name_rollouts_presets():
+    """runs.py (no torch) lists the presets rollout.SAMPLING holds, and the flags resolve as the
+    presets overridden flag by flag."""
+    import argparse
+    assert runs.SAMPLING_PRESETS == tuple(rollout.SAMPLING)
+    parser = argparse.ArgumentParser()
+    runs.add_sampling_flags(parser)
+    args = parser.parse_args(["--sampling", "cpu", "--persuadee-top-k", "5"])
+    persuader, persuadee = rollout.role_sampling(args)
+    assert persuader == rollout.SAMPLING["cpu"][0]
+    assert persuadee == rollout.SAMPLING["cpu"][1]._replace(top_k=5)
