@@ -1014,6 +1014,32 @@ def _number_or_none(v):
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
+# The episode record, in one place: every field rollout.record writes, what an evaluation
+# stamps on it (eval.evaluate) and what moves.py labels. "No value" is None in every field (a
+# belief or probe a served persuadee could not read, a judge that gave no score); NaN lives only
+# inside the arithmetic of rpo.py and torch.
+EPISODE_RECORD = {
+    "id": "the instance's id (scenario and variant)", "scenario_id": "the scenario's id",
+    "domain": "the scenario's domain", "resistance": "the hidden resistance type",
+    "outcome": "one of arena.OUTCOMES", "turns": "persuader messages answered",
+    "end_reason": "why the episode ended (arena.Episode)",
+    "transcript": "[{role, text, decision}] in order",
+    "beliefs": "b_0..b_T, the mean of the probe values (None: unread)",
+    "probes": "[CA, PE, AC] values after each reply (None: unread)",
+    "probe_mass": "P(Yes) + P(No) of each read-out", "judge": "strategy score s (None: not judged)",
+    "judge_failed": "the judge's answer could not be parsed: s fell back to 0",
+    "ids": "persuader-side token stream (training)", "turn_ids": "message index of each token, 0 "
+    "for tokens the policy did not sample (training)", "logprobs": "sampling log-probs (training)",
+    "persuader": "the persuader's model (evaluation)", "persuadee": "the persuadee's model "
+    "(evaluation)", "seed": "the evaluation's seed", "anchor": "the reward setting (evaluation)",
+    "probe_space": "probe value space (evaluation)", "probe_signs": "probe valences (evaluation)",
+    "moves": "move labels per persuader message (moves.py)", "manipulation": "manipulation "
+    "labels per persuader message (moves.py)", "tagger": "which tagger labelled them",
+}
+TRAINING_FIELDS = ("ids", "turn_ids", "logprobs")  # of no use once an episode is scored
+STAMP_FIELDS = ("persuader", "persuadee", "seed", "anchor", "probe_space", "probe_signs")
+LABEL_FIELDS = ("moves", "manipulation", "tagger")
+
 EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
     "scenario_id": ("a string", lambda v: isinstance(v, str)),
     "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: v in OUTCOMES),

@@ -45,7 +45,7 @@ import rpo
 import runs
 import served
 
-TRAINING_KEYS = ("ids", "turn_ids", "logprobs")  # rollout's token stream, of no use once scored
+TRAINING_KEYS = analyses.TRAINING_FIELDS  # rollout's token stream, of no use once scored
 RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"

@@ -372,3 +372,23 @@ def test_the_sampling_flags_name_rollouts_presets():
     persuader, persuadee = rollout.role_sampling(args)
     assert persuader == rollout.SAMPLING["cpu"][0]
     assert persuadee == rollout.SAMPLING["cpu"][1]._replace(top_k=5)
+
+
+def test_the_episode_record_has_one_schema(tmp_path):
+    """rollout.record writes exactly analyses.EPISODE_RECORD's fields less the stamps and labels;
+    an evaluation's saved episode holds exactly the record's fields less the training stream;
+    what the analyses check is part of the record."""
+    import analyses
+    import arena
+    import engine
+    from conftest import tiny_model
+    tokenizer = models.tiny_tokenizer()
+    engines = [engine.Engine(tiny_model(a), tokenizer, num_blocks=400) for a in ("llama", "qwen3")]
+    [record] = rollout.rollout_episodes(*engines, arena.heldout_instances()[:1], 1, max_new_tokens=2)
+    schema = set(analyses.EPISODE_RECORD)
+    assert set(record) == schema - set(analyses.STAMP_FIELDS) - set(analyses.LABEL_FIELDS)
+    assert set(analyses.EPISODE_FIELDS) <= schema and eval.TRAINING_KEYS == analyses.TRAINING_FIELDS
+    eval.evaluate(*engines, arena.heldout_instances()[:1], tmp_path / "e", t_max=1, fidelity=0,
+                  max_new_tokens=2)
+    [saved] = [json.loads(line) for line in (tmp_path / "e" / "episodes.jsonl").read_text().splitlines()]
+    assert set(saved) == schema - set(analyses.TRAINING_FIELDS)
