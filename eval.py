@@ -747,7 +747,7 @@ def main(argv=None):
         return
     instances = chosen_instances(args)
     root, cells = evaluation_cells(args, instances)
-    open_folder(args, root, cells)  # checked and locked before any weight loads
+    open_folder(args, root, cells, instances)  # checked and locked before any weight loads
     try:
         run_cells(args, instances, cells)
     finally:
@@ -778,7 +778,7 @@ def evaluation_cells(args, instances):
                    run_settings(args, p, q)) for p, q in pairs]
 
 
-def open_folder(args, root, cells):
+def open_folder(args, root, cells, instances):
     """Before any weight loads: the folder checked (runs.check_folder), locked by rank 0,
     emptied by --overwrite, its settings pinned by --resume, --kv-blocks checked."""
     first = int(os.environ.get("RANK", 0)) == 0
@@ -788,7 +788,7 @@ def open_folder(args, root, cells):
             sys.exit(f"eval.py: {out_dir} was run with other settings ({'; '.join(differ)}): "
                      "a resumed evaluation keeps every setting; pass another --name or "
                      "--overwrite")
-    check_kv_blocks(args, chosen_instances(args))
+    check_kv_blocks(args, instances)
     if first:
         runs.lock(root, "eval.py")
         if args.overwrite:
