@@ -549,6 +549,8 @@ def parse_args(argv=None):
     ap.add_argument("--policy", metavar="DIR", help="with --compare-many: the trained policy's eval directory")
     add_mode_flags(ap)
     args = ap.parse_args(argv)
+    if args.resume:
+        pin_settings(args, ap, argv)
     if args.limit is not None and args.limit < 1:
         ap.exit(2, f"eval.py: --limit must be at least 1, got {args.limit}\n")
     if args.t_max < 1:
@@ -565,6 +567,35 @@ def parse_args(argv=None):
     if problem:
         ap.exit(2, f"eval.py: {problem}\n")
     return args
+
+
+PINNED = ("scenarios", "subset", "limit", "seed", "dtype", "probe_space", "probe_signs", "t_max",
+          "max_new_tokens", "tagger", "anchor")  # settings.json keys that are eval.py flags
+
+
+def pin_settings(args, parser, argv):
+    """--resume of one evaluation (evals/NAME/settings.json, not a grid): what the command line
+    leaves out is the evaluation's own, as with train.py --resume (runs.pin_settings); what it
+    names with another value is refused later (settings_mismatch), and every value is checked
+    as a fresh argument is (argument_problem), all before any model loads."""
+    path = Path(EVALS_DIR) / (args.name or "") / "settings.json"
+    if not args.name or runs.name_problem(args.name) or not path.is_file():
+        return
+    recorded = json.loads(path.read_text())
+    if not isinstance(recorded, dict):
+        return
+    explicit = runs.explicit_settings(parser, argv)
+    pinned = {k: recorded[k] for k in PINNED if k in recorded}
+    for role in ("persuader", "persuadee"):
+        if role not in explicit and isinstance(recorded.get(role), str):
+            pinned[role] = [recorded[role]]
+    sampling = recorded.get("sampling")
+    if not explicit & set(SAMPLING_FLAGS) and isinstance(sampling, list) and len(sampling) == 2:
+        pinned.update(sampling="paper", persuader_temperature=sampling[0][0],
+                      persuadee_temperature=sampling[1][0], persuadee_top_p=sampling[1][1],
+                      persuadee_top_k=sampling[1][2])
+    runs.pin_settings(args, pinned, explicit, "eval.py", may_change=tuple(pinned),
+                      record=str(path))
 
 
 def argument_problem(args):

@@ -366,8 +366,8 @@ def changed_constants(recorded):
 
 def _same_kind(value, like):
     """Whether a value read back from config.json has the type of the argument it stands for."""
-    if like is None:
-        return value is None or isinstance(value, str)
+    if like is None:  # an argument with no default: checked by validation
+        return True
     if isinstance(like, bool):
         return isinstance(value, bool)
     if isinstance(like, int):
@@ -377,7 +377,7 @@ def _same_kind(value, like):
     return isinstance(value, type(like))
 
 
-def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=()):
+def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), record="config.json"):
     """--resume: the settings of the run as recorded (config.json or settings.json). A setting
     the command line leaves out takes the recorded value (which must have its argument's type);
     one it names with another value is refused in one line naming each, except may_change; an
@@ -394,7 +394,7 @@ def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=()):
         flag = f"--{key.replace('_', '-')}"
         if key not in explicit:
             if not _same_kind(value, getattr(args, key)):
-                raise say_error(who, f"--resume: config.json holds {flag} {json.dumps(value)}, "
+                raise say_error(who, f"--resume: {record} holds {flag} {json.dumps(value)}, "
                                      f"not a {type(getattr(args, key)).__name__}; fix it there, "
                                      "or start a new run (another --name)")
             setattr(args, key, value)

@@ -392,3 +392,18 @@ def test_the_episode_record_has_one_schema(tmp_path):
                   max_new_tokens=2)
     [saved] = [json.loads(line) for line in (tmp_path / "e" / "episodes.jsonl").read_text().splitlines()]
     assert set(saved) == schema - set(analyses.TRAINING_FIELDS)
+
+
+def test_eval_resume_keeps_the_evaluations_own_settings(tmp_path, monkeypatch, capsys):
+    """eval.py --resume means what train.py --resume means: a setting the command line leaves
+    out is the evaluation's own (here --seed 1 and --t-max 1), one it changes is refused."""
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    argv = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3", "--limit", "1",
+            "--max-new-tokens", "2", "--kv-blocks", "600", "--name", "r"]
+    eval.main(argv + ["--seed", "1", "--t-max", "1"])
+    lines = (tmp_path / "r" / "episodes.jsonl").read_text()
+    eval.main(["--name", "r", "--resume"])
+    assert "1 of 1 episodes already played" in capsys.readouterr().err
+    assert (tmp_path / "r" / "episodes.jsonl").read_text() == lines
+    with pytest.raises(SystemExit, match="seed 1 there, 2 now"):
+        eval.main(["--name", "r", "--resume", "--seed", "2"])
