@@ -42,6 +42,8 @@ from scipy import stats
 
 import moves
 import rpo
+from runs import finite, is_number
+from runs import read_jsonl as runs_read_jsonl
 from arena import API_ERROR, CUT_OFF, OUTCOMES
 
 SHORT = {"ACCEPT": "ACCEPT", "CONDITIONAL_ACCEPT": "COND", "PENDING": "PENDING", "REJECT": "REJECT",
@@ -70,7 +72,7 @@ def _mean(values):
 
 def _finite(x):
     """A float for JSON, None where a statistic is undefined (nan: too few or constant values)."""
-    return None if x is None or not math.isfinite(float(x)) else float(x)
+    return None if x is None else finite(float(x))
 
 
 def _anchor(ep):
@@ -851,17 +853,13 @@ def run_diagnostics(run):
     """The Fig. 7 diagnostics over a whole run: the mean over steps of each logged figure
     (metrics.jsonl), and where rollouts.jsonl exists, the run pooled (every group of every step,
     sums before the division: the paper's 10.3% dead, 83% rescued, ~15% dense share)."""
-    means = {k: _mean(m[k] for m in run["metrics"] if _is_number(m.get(k))) for k in DIAGNOSTICS}
+    means = {k: _mean(m[k] for m in run["metrics"] if is_number(m.get(k))) for k in DIAGNOSTICS}
     pooled = None
     if run["rollouts"]:
         anchor = rpo.ANCHOR if run["anchor"] is None else run["anchor"]
         lam = rpo.LAMBDA if run["lam"] is None else run["lam"]
         pooled = rpo.diagnostics(rpo.diagnostic_sums(rollout_groups(run["rollouts"], anchor), lam))
     return {"step_mean": means, "pooled": pooled}
-
-
-def _is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def run_analysis(run):
@@ -1014,19 +1012,12 @@ def mean_band(rows):
 
 
 def _jsonl_rows(path, what):
-    """(line number, object) of every non-empty line of a JSONL file."""
+    """(line number, object) of every non-empty line of a JSONL file (runs.read_jsonl: a bad
+    last line is dropped with a warning, an earlier one refused)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass {what}")
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append((lineno, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg})") from None
-    return rows
+    return runs_read_jsonl(path)
 
 
 def read_jsonl(path, what):
@@ -1044,6 +1035,32 @@ def _unit_or_none(v):
 def _label_rows(v):
     return isinstance(v, list) and all(isinstance(r, list) and all(isinstance(x, str) for x in r) for r in v)
 
+
+# The episode record, in one place: every field rollout.record writes, what an evaluation
+# stamps on it (eval.evaluate) and what moves.py labels. "No value" is None in every field (a
+# belief or probe a served persuadee could not read, a judge that gave no score); NaN lives only
+# inside the arithmetic of rpo.py and torch.
+EPISODE_RECORD = {
+    "id": "the instance's id (scenario and variant)", "scenario_id": "the scenario's id",
+    "domain": "the scenario's domain", "resistance": "the hidden resistance type",
+    "outcome": "one of arena.OUTCOMES", "turns": "persuader messages answered",
+    "end_reason": "why the episode ended (arena.Episode)",
+    "transcript": "[{role, text, decision}] in order",
+    "beliefs": "b_0..b_T, the mean of the probe values (None: unread)",
+    "probes": "[CA, PE, AC] values after each reply (None: unread)",
+    "probe_mass": "P(Yes) + P(No) of each read-out", "judge": "strategy score s (None: not judged)",
+    "judge_failed": "the judge's answer could not be parsed: s fell back to 0",
+    "ids": "persuader-side token stream (training)", "turn_ids": "message index of each token, 0 "
+    "for tokens the policy did not sample (training)", "logprobs": "sampling log-probs (training)",
+    "persuader": "the persuader's model (evaluation)", "persuadee": "the persuadee's model "
+    "(evaluation)", "seed": "the evaluation's seed", "anchor": "the reward setting (evaluation)",
+    "probe_space": "probe value space (evaluation)", "probe_signs": "probe valences (evaluation)",
+    "moves": "move labels per persuader message (moves.py)", "manipulation": "manipulation "
+    "labels per persuader message (moves.py)", "tagger": "which tagger labelled them",
+}
+TRAINING_FIELDS = ("ids", "turn_ids", "logprobs")  # of no use once an episode is scored
+STAMP_FIELDS = ("persuader", "persuadee", "seed", "anchor", "probe_space", "probe_signs")
+LABEL_FIELDS = ("moves", "manipulation", "tagger")
 
 EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
     "scenario_id": ("a string", lambda v: isinstance(v, str)),
@@ -1116,18 +1133,6 @@ def load_episodes(dir_or_file):
     if not episodes:
         raise ValueError(f"{path} holds no episodes; rerun the evaluation that wrote it")
     return episodes
-
-
-def standard(value):
-    """value with every non-finite float, at any depth, written as null (standard JSON: a mean
-    over no episode with beliefs is no NaN in a file)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: standard(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [standard(v) for v in value]
-    return value
 
 
 def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):

@@ -69,14 +69,56 @@ def short_scenario(i, split="train", resistance="entrenched_belief"):
                        "secret": "fainted once", "condition": "a leaflet on side effects"}}
 
 
-@pytest.fixture
-def short_scenarios(tmp_path):
-    """A scenarios.jsonl of four short training and two short held-out scenarios."""
+def write_short_scenarios(folder):
+    """A scenarios.jsonl of four short training and two short held-out scenarios in folder."""
     import json
-    path = tmp_path / "scenarios.jsonl"
+    path = folder / "scenarios.jsonl"
     rows = [short_scenario(i) for i in range(1, 5)] + [short_scenario(i, "heldout") for i in (1, 2)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+@pytest.fixture
+def short_scenarios(tmp_path):
+    return write_short_scenarios(tmp_path)
+
+
+# the shared tiny run's own settings: lambda 0 and sampling flags no preset has
+TRAINED_RUN_FLAGS = ["--lam", "0", "--persuader-temperature", "0.9", "--persuadee-temperature",
+                     "0.6", "--persuadee-top-p", "0.7", "--persuadee-top-k", "11"]
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """One tiny training run, shared by the tests that read a run (each copies it): one step at
+    lambda 0 with its own sampling flags, a checkpoint and a held-out evaluation at step 1.
+    played-sampling.json holds the (persuader, persuadee) sampling rollout received in training
+    and in the evaluation. Returns (folder, its flags)."""
+    import json
+
+    import rollout
+    import train
+    root = tmp_path_factory.mktemp("trained")
+    played = {}
+    real = rollout.rollout_episodes
+
+    def recording(*a, **k):
+        kind = "evaluation" if k.get("on_record") else "training"
+        played[kind] = [list(k["persuader_sampling"]), list(k["persuadee_sampling"])]
+        return real(*a, **k)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(rollout, "rollout_episodes", recording)
+        train.main(["--preset", "tiny", "--judge", "none", "--scenarios", write_short_scenarios(root),
+                    "--out", str(root), "--name", "run", "--steps", "1", "--save-every", "1",
+                    "--eval-every", "1", "--eval-limit", "1", "--eval-t-max", "1",
+                    "--max-new-tokens", "3", *TRAINED_RUN_FLAGS])
+    (root / "run" / "played-sampling.json").write_text(json.dumps(played))
+    return root / "run", TRAINED_RUN_FLAGS
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: among the slowest tests (still run by default; "
+                                       "-m 'not slow' leaves them out)")
 
 
 PATHS = {"split+copy": {},  # a CPU's: prefill a sequence at a time, decode over a dense copy

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -43,25 +42,23 @@ import moves
 import plots
 import probes
 import rpo
+import runs
 import served
 
-TRAINING_KEYS = ("ids", "turn_ids", "logprobs")  # rollout's token stream, of no use once scored
+TRAINING_KEYS = analyses.TRAINING_FIELDS  # rollout's token stream, of no use once scored
 RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
 SAME_AS_PERSUADEE = "persuadee"  # the judge by default (the paper's frozen judge): the persuadee's model, fresh context
 FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checked against a full forward
 CPU_MAX_NEW_TOKENS = 64  # per message on a CPU, so that --limit 4 takes minutes
+CPU_SAMPLING_MODELS = (DEFAULT_MODEL,)  # persuaders whose default --sampling is "cpu" (README)
+SAMPLING_FLAGS = ("sampling", "persuader_temperature", "persuadee_temperature", "persuadee_top_p",
+                  "persuadee_top_k")  # runs.add_sampling_flags: a training run's, by default
 SUBSETS = {"balanced60": 3}  # named subsets: scenarios kept per domain x resistance cell, file order
 
 # -----------------------------------------------------------------------------
 # IO
-
-
-def _write_text(path, text):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def save_run(out_dir, episodes, summary, fidelity=None):
@@ -69,11 +66,10 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_text(out_dir / "episodes.jsonl", "".join(json.dumps(analyses.standard(ep), allow_nan=False) + "\n"
-                                                    for ep in episodes))
+    runs.write_atomic(out_dir / "episodes.jsonl", "".join(map(runs.json_line, episodes)))
     if fidelity is not None:
-        _write_text(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
-    _write_text(out_dir / "summary.json", json.dumps(analyses.standard(summary), indent=2, allow_nan=False) + "\n")
+        runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
+    runs.write_atomic(out_dir / "summary.json", json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
     save_plots(out_dir, episodes, summary)
 
 
@@ -92,12 +88,13 @@ def scenarios_by_id(path=arena.SCENARIOS_PATH):
     return {s["id"]: s for s in arena.load_scenarios(path)}
 
 
-def analyze(run_dir, shaping_lambda=rpo.LAMBDA):
+def analyze(run_dir, shaping_lambda=None):
     """Recompute summary.json and the plots of any eval folder the project wrote (an evaluation,
     a training run's eval-STEP, a --play session, a served run) from its episodes.jsonl (and
     fidelity.json) alone, with no model. Episodes stored without labels are tagged in memory by
     the keyword tagger, against the scenarios of their training run when the folder is an
     eval-STEP of one; episodes without beliefs or of unknown scenarios lose only those columns.
+    The shaping returns are at shaping_lambda, by default the folder's own (folder_lambda).
     Returns the summary."""
     run_dir = Path(run_dir)
     if not (run_dir / "episodes.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file():
@@ -117,12 +114,13 @@ def analyze(run_dir, shaping_lambda=rpo.LAMBDA):
             moves.tag_episodes(untagged, scenarios)
     path = run_dir / "fidelity.json"
     fidelity = json.loads(path.read_text()) if path.is_file() else None
-    summary = analyses.summarize_run(episodes, fidelity, shaping_lambda)
+    lam = folder_lambda(run_dir) if shaping_lambda is None else shaping_lambda
+    summary = analyses.summarize_run(episodes, fidelity, lam)
     path = run_dir / "summary.json"
     if path.is_file():  # what the run recorded of itself, which its episodes do not hold
         before = json.loads(path.read_text())
         summary.update({k: before[k] for k in RUN_KEYS if k in before})
-    _write_text(path, json.dumps(analyses.standard(summary), indent=2, allow_nan=False) + "\n")
+    runs.write_atomic(path, json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
     save_plots(run_dir, episodes, summary)
     return summary
 
@@ -187,12 +185,6 @@ def fidelity_contexts(tokenizer, instances, episodes, sample):
     return contexts
 
 
-def sampling_preset():
-    """The rollout.SAMPLING preset for this machine: "paper" with CUDA, "cpu" without."""
-    import torch
-    return "paper" if torch.cuda.is_available() else "cpu"
-
-
 def default_dtype():
     """As train.py's presets: bfloat16 with CUDA, float32 on a CPU (see README, bf16 on CPUs)."""
     import torch
@@ -201,51 +193,33 @@ def default_dtype():
 
 def distributed():
     """(rank, world): under torchrun the held-out scenarios are sharded over the ranks (the
-    process group is started here when the caller has not); else (0, 1)."""
-    import torch
-    import torch.distributed as dist
-    if "RANK" not in os.environ:
-        return 0, 1
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+    process group started by runs.setup_distributed when the caller has not); else (0, 1)."""
+    return runs.setup_distributed()[:2]
 
 # -----------------------------------------------------------------------------
 # resumable episodes.jsonl: every evaluation appends each episode as it ends
 
 
 def read_played(path):
-    """Records already in an episodes.jsonl, by id. A last line cut off by a kill is dropped from
-    the file; an id written twice is an error."""
+    """Records already in an episodes.jsonl, by id. A bad last line (cut off by a kill) is
+    dropped with a warning and from the file (runs.read_jsonl); an id written twice is an error."""
     path = Path(path)
     if not path.exists():
         return {}
-    lines = path.read_text().split("\n")
-    if lines[-1]:  # no newline after the last record: it was being written when the run died
-        _write_text(path, "\n".join(lines[:-1]) + ("\n" if len(lines) > 1 else ""))
     played = {}
-    for lineno, line in enumerate(lines[:-1], 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno} is not valid JSON ({e.msg}); delete that line to "
-                             "play its episode again") from None
+    for lineno, record in runs.read_jsonl(path, repair=True):
+        if not isinstance(record, dict) or "id" not in record:
+            raise ValueError(f"{path}, line {lineno} is no episode record; delete that line to "
+                             "play its episode again")
         if record["id"] in played:
-            raise ValueError(f"{path}:{lineno} repeats episode {record['id']}; delete one of them")
+            raise ValueError(f"{path}, line {lineno} repeats episode {record['id']}; delete one of them")
         played[record["id"]] = record
     return played
 
 
 def append_record(path, record):
     """One finished episode, flushed to disk before the next ends."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    runs.append_line(path, runs.json_line(record), sync=True)
 
 
 def part_paths(out_dir):
@@ -282,30 +256,34 @@ def play_resumable(persuader, persuadee, instances, path, *, t_max, judge=None, 
 
 
 def settings_mismatch(out_dir, settings):
-    """The settings that differ from those out_dir's evaluation was run with, named."""
+    """The settings (and pinned constants, runs.changed_constants) that differ from those
+    out_dir's evaluation was run with, named."""
     path = Path(out_dir) / "settings.json"
     if not path.exists():
         return []
     before = json.loads(path.read_text())
-    return [f"{k} {before.get(k)!r} there, {settings.get(k)!r} now"
-            for k in sorted(set(before) | set(settings)) if before.get(k) != settings.get(k)]
+    return runs.changed_constants(before) + [
+        f"{k} {before.get(k)!r} there, {settings.get(k)!r} now"
+        for k in sorted(set(before) | set(settings)) if k != "constants" and before.get(k) != settings.get(k)]
 
 
 def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL, seed=0,
              names=("", ""), fidelity=FIDELITY_SAMPLES, max_new_tokens=None,
-             judge=SAME_AS_PERSUADEE, anchor=rpo.ANCHOR, tagger="keyword", preset=None,
+             judge=SAME_AS_PERSUADEE, anchor=rpo.ANCHOR, tagger="keyword", sampling=None,
              probe_space=None, probe_signs=None, settings=None, resume=False, rank=0, world=1,
              shaping_lambda=rpo.LAMBDA):
     """One seeded episode per instance through rollout.py's loop (each role an engine.Engine, a
     served.ServedModel or a side); saves the run, returns its summary.
 
     The strategy judge is an Engine or ServedModel, by default the persuadee's (the paper's
-    frozen judge), or None (s = 0); the logit tagger reads it (a local one). `anchor` is the
-    reward setting the dense returns are computed under, `shaping_lambda` the lambda of the
-    summary's shaping returns (a training run's own). Every episode is appended to
-    out_dir/episodes.jsonl as it ends (under torchrun to this rank's part); with `resume`, those
-    already there are not played again, else the folder's episodes are discarded first. `settings` (what changes the results)
-    go to settings.json and into the summary. Under torchrun (world > 1) each rank plays
+    frozen judge), or None (s = 0); the logit tagger reads it (a local one). `sampling` is the
+    (persuader, persuadee) engine.Sampling (default rollout.SAMPLING["paper"]; a training run
+    passes its own flags', rollout.role_sampling). `anchor` is the reward setting the dense
+    returns are computed under, `shaping_lambda` the lambda of the summary's shaping returns (a
+    training run's own). Every episode is appended to out_dir/episodes.jsonl as it ends (under
+    torchrun to this rank's part); with `resume`, those already there are not played again, else
+    the folder's episodes are discarded first. `settings` (what changes the results) go to
+    settings.json and into the summary. Under torchrun (world > 1) each rank plays
     instances[rank::world] and rank 0 gathers, tags, summarises and saves (other ranks return
     None); an episode's record does not depend on its rank (rollout's keyed random streams), so
     the summary equals one process's."""
@@ -313,19 +291,10 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
     import rollout
     out_dir = Path(out_dir)
     judge = persuadee if judge == SAME_AS_PERSUADEE else judge
-    er_sampling, ee_sampling = rollout.SAMPLING[preset or sampling_preset()]
-    max_new_tokens = max_new_tokens or engine.MAX_NEW_TOKENS
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not resume and rank == 0:
-        for path in part_paths(out_dir):
-            path.unlink(missing_ok=True)
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()  # rank 0 has cleared the folder before any rank reads it
-    played = {} if not resume else {k: v for path in part_paths(out_dir)
-                                    for k, v in read_played(path).items()}
+    persuader_sampling, persuadee_sampling = sampling or rollout.SAMPLING["paper"]
+    played = _played_so_far(out_dir, resume, rank, world)
     if rank == 0 and settings is not None:
-        _write_text(out_dir / "settings.json", json.dumps(settings, indent=2) + "\n")
+        runs.write_atomic(out_dir / "settings.json", json.dumps(settings, indent=2) + "\n")
     mine = instances[rank::world]
     if done := sum(inst["id"] in played for inst in mine):
         print(f"resuming {out_dir}: {done} of {len(mine)} episodes already played",
@@ -335,35 +304,67 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
                  probe_signs=probe_signs or probes.PROBE_SIGNS)
     path = out_dir / ("episodes.jsonl" if world == 1 else f"episodes.rank{rank}.jsonl")
     episodes = play_resumable(persuader, persuadee, mine, path, t_max=t_max, judge=judge,
-                              seed=seed, stamp=stamp, played=played, max_new_tokens=max_new_tokens,
-                              persuader_sampling=er_sampling, persuadee_sampling=ee_sampling,
+                              seed=seed, stamp=stamp, played=played,
+                              max_new_tokens=max_new_tokens or engine.MAX_NEW_TOKENS,
+                              persuader_sampling=persuader_sampling,
+                              persuadee_sampling=persuadee_sampling,
                               probe_space=probe_space, probe_signs=probe_signs)
-    if world > 1:
-        shards = [None] * world
-        dist.all_gather_object(shards, episodes)
-        order = {inst["id"]: i for i, inst in enumerate(instances)}
-        episodes = sorted((ep for shard in shards for ep in shard), key=lambda ep: order[ep["id"]])
+    episodes = _gathered(episodes, instances, world)
     if rank:
         return None
     local_judge = judge if isinstance(judge, engine.Engine) else None
     local_persuadee = persuadee if isinstance(persuadee, engine.Engine) else None
     moves.tag_episodes(episodes, {inst.get("scenario_id", inst["id"]): inst for inst in instances},
                        tagger, local_judge or local_persuadee)
-    roles = dict(persuader=dict(model=names[0], sampling=list(er_sampling)),
-                 persuadee=dict(model=names[1], sampling=list(ee_sampling)),
-                 judge=dict(model=names[2] if len(names) > 2 else None,
-                            sampling=[list(engine.GREEDY), list(rollout.JUDGE_RETRY_SAMPLING)]))
-    for role, who in (("persuader", persuader), ("persuadee", persuadee), ("judge", judge)):
-        roles[role]["dtype"] = (str(who.dtype).removeprefix("torch.")
-                                if isinstance(who, engine.Engine) else None)
-        if isinstance(who, served.ServedModel):  # what the server would not take
-            roles[role]["not_applied"] = sorted(who.dropped)
+    roles = _roles(names, (persuader, persuadee, judge), (persuader_sampling, persuadee_sampling))
     summary = _finish(episodes, local_persuadee, instances, out_dir, fidelity,
                       dict(roles=roles, settings=settings or {}), probe_space, probe_signs,
                       shaping_lambda)
     for path in part_paths(out_dir)[1:]:
         path.unlink()  # merged into episodes.jsonl by save_run
     return summary
+
+
+def _played_so_far(out_dir, resume, rank, world):
+    """The episodes out_dir already holds (every rank's part) when resuming; else none, the
+    folder's parts removed by rank 0 before any rank reads them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not resume and rank == 0:
+        for path in part_paths(out_dir):
+            path.unlink(missing_ok=True)
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()  # rank 0 has cleared the folder before any rank reads it
+    return {} if not resume else {k: v for path in part_paths(out_dir)
+                                  for k, v in read_played(path).items()}
+
+
+def _gathered(episodes, instances, world):
+    """Every rank's episodes, in the instances' order (under torchrun), else these."""
+    if world == 1:
+        return episodes
+    import torch.distributed as dist
+    shards = [None] * world
+    dist.all_gather_object(shards, episodes)
+    order = {inst["id"]: i for i, inst in enumerate(instances)}
+    return sorted((ep for shard in shards for ep in shard), key=lambda ep: order[ep["id"]])
+
+
+def _roles(names, players, sampling):
+    """summary.json's record of each role: its model, sampling, dtype (a local one) and what a
+    server would not take."""
+    import engine
+    import rollout
+    roles = dict(persuader=dict(model=names[0], sampling=list(sampling[0])),
+                 persuadee=dict(model=names[1], sampling=list(sampling[1])),
+                 judge=dict(model=names[2] if len(names) > 2 else None,
+                            sampling=[list(engine.GREEDY), list(rollout.JUDGE_RETRY_SAMPLING)]))
+    for role, who in zip(("persuader", "persuadee", "judge"), players):
+        roles[role]["dtype"] = (str(who.dtype).removeprefix("torch.")
+                                if isinstance(who, engine.Engine) else None)
+        if isinstance(who, served.ServedModel):  # what the server would not take
+            roles[role]["not_applied"] = sorted(who.dropped)
+    return roles
 
 
 def _finish(episodes, persuadee, instances, out_dir, fidelity, extra=None, probe_space=None,
@@ -482,7 +483,7 @@ def judge_blocks(shape, instances, t_max, max_new_tokens):
     transcript = [{"role": r, "text": filler} for _ in range(t_max) for r in ("persuader", "persuadee")]
     longest = max(instances, key=lambda i: len(arena.judge_messages(i, [])[1]["content"]))
     tokens = len(models.chat_ids(shape.tokenizer, arena.judge_messages(longest, transcript), True))
-    return (-(-min(tokens, shape.max_len) // shape.block_size)
+    return (shape.blocks_for(min(tokens, shape.max_len))
             + rollout.message_blocks(shape, rollout.JUDGE_MAX_NEW_TOKENS))
 
 
@@ -519,9 +520,9 @@ def pool_problem(args, instances):
 def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
              max_new_tokens=None, judge=None, anchor=rpo.ANCHOR, tagger="keyword",
              kv_blocks=None, dtype="float32", probe_space=None, probe_signs=None, settings=None,
-             resume=False):
+             resume=False, sampling=None, shaping_lambda=rpo.LAMBDA):
     """Make each role's player by name (weights loaded once each) and evaluate (sharded under
-    torchrun). judge None: the persuadee's model (its own engine and pool); "none": no judge
+    torchrun) with `sampling` and the summary's shaping at `shaping_lambda`. judge None: the persuadee's model (its own engine and pool); "none": no judge
     (s = 0); else a model name or path, the same across a grid. Any role may be openai:MODEL@URL
     (served.py)."""
     rank, world = distributed()
@@ -533,16 +534,18 @@ def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
                        names=(persuader, persuadee, None if judge == "none" else judge_name),
                        max_new_tokens=max_new_tokens, judge=judge_player, anchor=anchor,
                        tagger=tagger, probe_space=probe_space, probe_signs=probe_signs,
-                       settings=settings, resume=resume, rank=rank, world=world)
+                       settings=settings, resume=resume, rank=rank, world=world,
+                       sampling=sampling, shaping_lambda=shaping_lambda)
     if summary is not None:
         summary["requests"] = {n: m.stats for n, m in loaded.items()
                                if isinstance(m, served.ServedModel)}
-        _write_text(Path(out_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
+        runs.write_atomic(Path(out_dir) / "summary.json",
+                          json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
     return summary
 
 
 def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print, max_new_tokens=None,
-         dtype="float32", probe_space=None, probe_signs=None):
+         dtype="float32", probe_space=None, probe_signs=None, sampling=None):
     """You are the persuader (rollout.PersonSide): type each message; the persuadee (a local
     model or openai:MODEL@URL) answers and you see its three probe values and the belief change
     of the turn. The episode is saved under evals/play-SCENARIO_ID-TIME like any other."""
@@ -557,7 +560,7 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print, max_ne
     you = rollout.PersonSide(t_max, read, write)
     [ep] = rollout.rollout_episodes(
         you, player(persuadee, {}, dtype, None), found[:1], t_max, seed=seed,
-        persuadee_sampling=rollout.SAMPLING[sampling_preset()][1],
+        persuadee_sampling=(sampling or rollout.SAMPLING["paper"])[1],
         max_new_tokens=max_new_tokens or engine.MAX_NEW_TOKENS, probe_space=probe_space,
         probe_signs=probe_signs)
     for key in TRAINING_KEYS:
@@ -570,6 +573,21 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print, max_ne
 
 # -----------------------------------------------------------------------------
 # CLI
+
+
+def add_mode_flags(ap):
+    """The model-free modes, one at a time."""
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two eval directories, B against A")
+    mode.add_argument("--compare-many", nargs="+", metavar="BASE", help="baseline eval directories against --policy")
+    mode.add_argument("--analyze", metavar="DIR", help="recompute DIR/summary.json and plots from DIR/episodes.jsonl")
+    mode.add_argument("--case", nargs=2, metavar=("DIR", "SCENARIO_ID"), help="one episode turn by turn (Table 8)")
+    mode.add_argument("--overlay", nargs="+", metavar="DIR", help="belief and per-probe trajectories of runs overlaid (Fig. 6)")
+    mode.add_argument("--runs", nargs="+", metavar="RUN", help="checkpoint selection over training runs (Table 9)")
+    mode.add_argument("--table", nargs="+", metavar="DIR", help="the main table of eval directories, 95%% "
+                      "intervals and paired p-values against --reference (Markdown, or --format latex)")
+    mode.add_argument("--plot-run", metavar="DIR", help="plot DIR/metrics.jsonl into DIR/curves.png")
+    mode.add_argument("--play", metavar="SCENARIO_ID", help="you persuade the model persuadee, in the terminal")
 
 
 def parse_args(argv=None):
@@ -586,6 +604,7 @@ def parse_args(argv=None):
                     help="the reward setting dense returns are computed under (default: the training "
                          "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
     probes.add_flags(ap)
+    runs.add_sampling_flags(ap)
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell")
     ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")
@@ -608,21 +627,14 @@ def parse_args(argv=None):
     ap.add_argument("--reference", metavar="DIR", help="with --table: the row the others are tested "
                     "against (default: the first directory)")
     ap.add_argument("--format", choices=("markdown", "latex"), default="markdown", help="with --table")
-    ap.add_argument("--shaping-lambda", type=float, default=rpo.LAMBDA,
-                    help="with --analyze: the lambda of shaping_by_outcome (default rpo.LAMBDA)")
+    ap.add_argument("--shaping-lambda", type=float, default=None,
+                    help="with --analyze: the lambda of shaping_by_outcome (default: the run's "
+                         "own, else rpo.LAMBDA)")
     ap.add_argument("--policy", metavar="DIR", help="with --compare-many: the trained policy's eval directory")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two eval directories, B against A")
-    mode.add_argument("--compare-many", nargs="+", metavar="BASE", help="baseline eval directories against --policy")
-    mode.add_argument("--analyze", metavar="DIR", help="recompute DIR/summary.json and plots from DIR/episodes.jsonl")
-    mode.add_argument("--case", nargs=2, metavar=("DIR", "SCENARIO_ID"), help="one episode turn by turn (Table 8)")
-    mode.add_argument("--overlay", nargs="+", metavar="DIR", help="belief and per-probe trajectories of runs overlaid (Fig. 6)")
-    mode.add_argument("--runs", nargs="+", metavar="RUN", help="checkpoint selection over training runs (Table 9)")
-    mode.add_argument("--table", nargs="+", metavar="DIR", help="the main table of eval directories, 95%% "
-                      "intervals and paired p-values against --reference (Markdown, or --format latex)")
-    mode.add_argument("--plot-run", metavar="DIR", help="plot DIR/metrics.jsonl into DIR/curves.png")
-    mode.add_argument("--play", metavar="SCENARIO_ID", help="you persuade the model persuadee, in the terminal")
+    add_mode_flags(ap)
     args = ap.parse_args(argv)
+    if args.resume:
+        pin_settings(args, ap, argv)
     if args.limit is not None and args.limit < 1:
         ap.exit(2, f"eval.py: --limit must be at least 1, got {args.limit}\n")
     if args.t_max < 1:
@@ -641,6 +653,35 @@ def parse_args(argv=None):
     return args
 
 
+PINNED = ("scenarios", "subset", "limit", "seed", "dtype", "probe_space", "probe_signs", "t_max",
+          "max_new_tokens", "tagger", "anchor")  # settings.json keys that are eval.py flags
+
+
+def pin_settings(args, parser, argv):
+    """--resume of one evaluation (evals/NAME/settings.json, not a grid): what the command line
+    leaves out is the evaluation's own, as with train.py --resume (runs.pin_settings); what it
+    names with another value is refused later (settings_mismatch), and every value is checked
+    as a fresh argument is (argument_problem), all before any model loads."""
+    path = Path(EVALS_DIR) / (args.name or "") / "settings.json"
+    if not args.name or runs.name_problem(args.name) or not path.is_file():
+        return
+    recorded = json.loads(path.read_text())
+    if not isinstance(recorded, dict):
+        return
+    explicit = runs.explicit_settings(parser, argv)
+    pinned = {k: recorded[k] for k in PINNED if k in recorded}
+    for role in ("persuader", "persuadee"):
+        if role not in explicit and isinstance(recorded.get(role), str):
+            pinned[role] = [recorded[role]]
+    sampling = recorded.get("sampling")
+    if not explicit & set(SAMPLING_FLAGS) and isinstance(sampling, list) and len(sampling) == 2:
+        pinned.update(sampling="paper", persuader_temperature=sampling[0][0],
+                      persuadee_temperature=sampling[1][0], persuadee_top_p=sampling[1][1],
+                      persuadee_top_k=sampling[1][2])
+    runs.pin_settings(args, pinned, explicit, "eval.py", may_change=tuple(pinned),
+                      record=str(path))
+
+
 def argument_problem(args):
     """What is wrong with the arguments of a model-driven mode, in one line, or None: found
     before any model loads."""
@@ -648,10 +689,10 @@ def argument_problem(args):
     if args.tagger == "logit" and (args.judge == "none" or served.is_served(judge)):
         return ("--tagger logit reads the judge's own logits, so it needs a local judge: give "
                 "--judge MODEL or use --tagger keyword")
-    if args.name is not None and (args.name in ("", ".", "..") or "/" in args.name
-                                  or os.sep in args.name or args.name != Path(args.name).name):
-        return (f"--name {args.name!r} must be one folder name under {EVALS_DIR}/ (no '/', not "
-                "'.' or '..')")
+    if args.name is not None and (problem := runs.name_problem(args.name)):
+        return f"--name {args.name!r} {problem} under {EVALS_DIR}/"
+    if problem := runs.sampling_problem(args):
+        return " ".join(problem)
     if args.resume and args.overwrite:
         return "--resume continues an evaluation and --overwrite deletes it: pass one of them"
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -670,13 +711,51 @@ def argument_problem(args):
     return None
 
 
-def run_anchor(persuader):
-    """The anchor setting of the training run a checkpoint belongs to (its folder's config.json),
-    else rpo.ANCHOR."""
+def run_config(persuader):
+    """The config.json of the training run a checkpoint folder belongs to, else {}."""
     config = Path(persuader).parent / "config.json"
     if Path(persuader).is_dir() and config.is_file():
-        return bool(json.loads(config.read_text()).get("anchor", rpo.ANCHOR))
-    return rpo.ANCHOR
+        recorded = json.loads(config.read_text())
+        return recorded if isinstance(recorded, dict) else {}
+    return {}
+
+
+def run_anchor(persuader):
+    """The anchor setting of the training run a checkpoint belongs to, else rpo.ANCHOR."""
+    return bool(run_config(persuader).get("anchor", rpo.ANCHOR))
+
+
+def run_lambda(persuader):
+    """The lambda of the training run a checkpoint belongs to (its shaping returns are reported
+    at it), else rpo.LAMBDA."""
+    return float(run_config(persuader).get("lam", rpo.LAMBDA))
+
+
+def folder_lambda(run_dir):
+    """The lambda an eval folder's shaping returns are reported at: its settings.json's, a
+    training run's (an eval-STEP folder's config.json), else rpo.LAMBDA."""
+    run_dir = Path(run_dir)
+    for path, key in ((run_dir / "settings.json", "shaping_lambda"),
+                      (run_dir.parent / "config.json", "lam")):
+        if path.is_file():
+            recorded = json.loads(path.read_text())
+            if isinstance(recorded, dict) and runs.is_number(recorded.get(key)):
+                return float(recorded[key])
+    return rpo.LAMBDA
+
+
+def cell_sampling(args, persuader):
+    """(persuader, persuadee) engine.Sampling of one evaluation: the sampling flags the command
+    line names over, when it names no --sampling, the training run's own (its config.json); the
+    preset by default "cpu" for CPU_SAMPLING_MODELS (SmolLM2), else "paper"."""
+    import types
+
+    import rollout
+    config = run_config(persuader) if args.sampling is None else {}
+    values = {k: getattr(args, k) if getattr(args, k) is not None else config.get(k)
+              for k in SAMPLING_FLAGS}
+    values["sampling"] = values["sampling"] or ("cpu" if persuader in CPU_SAMPLING_MODELS else "paper")
+    return rollout.role_sampling(types.SimpleNamespace(**values))
 
 
 def role_differences(a, b):
@@ -697,10 +776,10 @@ def role_differences(a, b):
 
 def run_settings(args, persuader, persuadee):
     """Every setting that changes one evaluation's results (pinned by --resume)."""
-    import rollout
     return dict(scenarios=args.scenarios, subset=args.subset, limit=args.limit, seed=args.seed,
                 persuader=persuader, persuadee=persuadee, judge=args.judge or persuadee,
-                sampling=[list(s) for s in rollout.SAMPLING[sampling_preset()]],
+                sampling=[list(s) for s in cell_sampling(args, persuader)],
+                shaping_lambda=run_lambda(persuader), constants=runs.pinned_constants(),
                 dtype=args.dtype, probe_space=args.probe_space, probe_signs=args.probe_signs,
                 anchor=run_anchor(persuader) if args.anchor is None else args.anchor,
                 t_max=args.t_max, max_new_tokens=args.max_new_tokens, tagger=args.tagger,
@@ -717,7 +796,7 @@ def analysis_mode(args):
         a, b = args.compare
         result = analyses.compare(analyses.load_episodes(a), analyses.load_episodes(b))
         path = (Path(b) if Path(b).is_dir() else Path(b).parent) / "compare.json"
-        _write_text(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
+        runs.write_atomic(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
         return "\n".join(role_differences(a, b) + [analyses.format_compare(result, a, b), f"wrote {path}"])
     if args.compare_many:
         result = analyses.compare_many({d: analyses.load_episodes(d) for d in args.compare_many},
@@ -738,22 +817,22 @@ def analysis_mode(args):
         return f"{analyses.format_case(ep)}\nwrote {path}"
     if args.overlay:
         out = _output_dir(args, "overlay_" + "_vs_".join(_slug(Path(d).name) for d in args.overlay))
-        runs = {d: analyses.with_beliefs(analyses.load_episodes(d)) for d in args.overlay}
-        if not all(runs.values()):
-            raise ValueError(f"{', '.join(d for d, eps in runs.items() if not eps)}: no episode has beliefs "
+        believed = {d: analyses.with_beliefs(analyses.load_episodes(d)) for d in args.overlay}
+        if not all(believed.values()):
+            raise ValueError(f"{', '.join(d for d, eps in believed.items() if not eps)}: no episode has beliefs "
                              "to overlay (a persuadee served without log-probs)")
-        plots.plot_overlay(runs, out / "overlay.png")
-        plots.plot_probe_overlay(runs, out / "overlay_probes.png")
-        return (f"{analyses.format_probe_overlay(analyses.probe_overlay(runs))}\n"
+        plots.plot_overlay(believed, out / "overlay.png")
+        plots.plot_probe_overlay(believed, out / "overlay_probes.png")
+        return (f"{analyses.format_probe_overlay(analyses.probe_overlay(believed))}\n"
                 f"wrote {out / 'overlay.png'} and {out / 'overlay_probes.png'}")
     if args.runs:
-        runs = [analyses.read_run(d) for d in args.runs]
-        selection = analyses.runs_selection(runs)
-        out = _output_dir(args, "runs_" + "_".join(_slug(r["name"]) for r in runs))
+        trained = [analyses.read_run(d) for d in args.runs]
+        selection = analyses.runs_selection(trained)
+        out = _output_dir(args, "runs_" + "_".join(_slug(r["name"]) for r in trained))
         plots.plot_runs(selection["runs"], out / "runs.png")
-        plots.plot_dynamics(runs, out / "dynamics.png")
+        plots.plot_dynamics(trained, out / "dynamics.png")
         out.mkdir(parents=True, exist_ok=True)
-        _write_text(out / "runs.json", json.dumps(selection, indent=2) + "\n")
+        runs.write_atomic(out / "runs.json", json.dumps(selection, indent=2) + "\n")
         return f"{analyses.format_runs(selection)}\nwrote {out / 'runs.png'}, {out / 'dynamics.png'} and {out / 'runs.json'}"
     return f"wrote {plots.plot_run(args.plot_run)}"
 
@@ -783,36 +862,63 @@ def main(argv=None):
             sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")
         play(args.play, args.persuadee[0], seed=args.seed, t_max=args.t_max,
              max_new_tokens=args.max_new_tokens, dtype=args.dtype, probe_space=args.probe_space,
-             probe_signs=args.probe_signs)
+             probe_signs=args.probe_signs, sampling=cell_sampling(args, "human"))
         return
+    instances = chosen_instances(args)
+    root, cells = evaluation_cells(args, instances)
+    open_folder(args, root, cells, instances)  # checked and locked before any weight loads
+    try:
+        run_cells(args, instances, cells)
+    finally:
+        runs.unlock(root)
+    runs.finish_distributed()
+
+
+def chosen_instances(args):
+    """The scenarios an evaluation plays: --scenarios, then --subset, then --limit."""
     instances = _instances(args.scenarios)
     if args.subset:
         try:
             instances = balanced_subset(instances, SUBSETS[args.subset])
         except ValueError as e:
             sys.exit(f"eval.py: --subset {args.subset}: {e}")
-    instances = instances[:args.limit]
+    return instances[:args.limit]
+
+
+def evaluation_cells(args, instances):
+    """The evaluation's folder (evals/NAME) and its cells: (persuader, persuadee, folder,
+    settings) for every pair of a grid, the folder itself for one pair."""
     pairs = [(p, q) for p in args.persuader for q in args.persuadee]
     split = args.scenarios + (f"_{args.subset}" if args.subset else "")
     base = args.name or (f"{_slug(pairs[0][0])}_vs_{_slug(pairs[0][1])}_{split}_s{args.seed}"
                          if len(pairs) == 1 else f"grid_{split}_s{args.seed}")
     root = Path(EVALS_DIR) / base
-    cells = [(p, q, root if len(pairs) == 1 else root / f"{_slug(p)}_vs_{_slug(q)}",
-              run_settings(args, p, q)) for p, q in pairs]
-    if root.exists() and any(root.iterdir()):
+    return root, [(p, q, root if len(pairs) == 1 else root / f"{_slug(p)}_vs_{_slug(q)}",
+                   run_settings(args, p, q)) for p, q in pairs]
+
+
+def open_folder(args, root, cells, instances):
+    """Before any weight loads: the folder checked (runs.check_folder), locked by rank 0,
+    emptied by --overwrite, its settings pinned by --resume, --kv-blocks checked."""
+    first = int(os.environ.get("RANK", 0)) == 0
+    runs.check_folder(root.parent, root.name, "eval.py", args.resume, args.overwrite, first=first)
+    for _, _, out_dir, settings in cells if args.resume else ():
+        if differ := settings_mismatch(out_dir, settings):
+            sys.exit(f"eval.py: {out_dir} was run with other settings ({'; '.join(differ)}): "
+                     "a resumed evaluation keeps every setting; pass another --name or "
+                     "--overwrite")
+    check_kv_blocks(args, instances)
+    if first:
+        runs.lock(root, "eval.py")
         if args.overwrite:
-            if int(os.environ.get("RANK", 0)) == 0:
-                shutil.rmtree(root)  # this evaluation's folder only
-        elif not args.resume:
-            sys.exit(f"eval.py: {root} holds an evaluation already; pass --resume to play its "
-                     "missing episodes, --overwrite to replace it, or another --name")
-        for _, _, out_dir, settings in cells if args.resume else ():
-            if differ := settings_mismatch(out_dir, settings):
-                sys.exit(f"eval.py: {out_dir} was run with other settings ({'; '.join(differ)}): "
-                         "a resumed evaluation keeps every setting; pass another --name or "
-                         "--overwrite")
+            runs.clear(root)  # this evaluation's folder only
+
+
+def check_kv_blocks(args, instances):
+    """--kv-blocks too few for one episode of a local model, refused from its tokenizer and
+    config before any weight loads."""
     for name in dict.fromkeys(args.persuader + args.persuadee) if args.kv_blocks else ():
-        if not served.is_served(name):  # before any weight loads
+        if not served.is_served(name):
             shape = pool_shape(name, args.dtype)
             need = episode_blocks(shape, instances, args.t_max, args.max_new_tokens)
             if args.kv_blocks < need:
@@ -822,6 +928,11 @@ def main(argv=None):
                          f"--kv-blocks {need} or more")
     if problem := pool_problem(args, instances):
         sys.exit(problem)
+
+
+def run_cells(args, instances, cells):
+    """Every cell evaluated (weights loaded once per name), each summary printed by rank 0, and
+    a grid's table."""
     loaded, results, rank = {}, {}, distributed()[0]  # under torchrun rank 0 prints
     for p, q, out_dir, settings in cells:
         try:
@@ -830,18 +941,15 @@ def main(argv=None):
                 max_new_tokens=args.max_new_tokens, judge=args.judge, anchor=settings["anchor"],
                 tagger=args.tagger, kv_blocks=args.kv_blocks, dtype=args.dtype,
                 probe_space=args.probe_space, probe_signs=args.probe_signs, settings=settings,
-                resume=args.resume)
+                resume=args.resume, sampling=cell_sampling(args, p),
+                shaping_lambda=settings["shaping_lambda"])
         except ValueError as e:  # a malformed episodes.jsonl, a prompt too long for a model
             sys.exit(f"eval.py: {e}")
         if rank == 0:
             print(f"\n== persuader {p}, persuadee {q}, judge {args.judge or q} -> {out_dir}\n"
                   f"{analyses.format_table(results[(p, q)])}")
-    if len(pairs) > 1 and rank == 0:
+    if len(cells) > 1 and rank == 0:
         print("\n" + analyses.grid_table(results))
-    if "RANK" in os.environ:  # a rank that exits with its process group alive can abort in gloo
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -239,11 +239,8 @@ def smollm2_path():
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    tmp = Path(tempfile.mkdtemp(prefix=out.name, dir=out.parent if out.parent.exists() else None))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out)  # atomic: a killed conversion leaves no half-written model behind
+    import runs  # atomic: a killed conversion leaves no half-written model behind
+    runs.write_folder_atomic(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     return str(out)
 
 

@@ -16,7 +16,6 @@ Tests: python -m pytest -q test_plots.py
 """
 
 import math
-import os
 from pathlib import Path
 
 import matplotlib
@@ -29,6 +28,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import analyses  # noqa: E402
 import moves  # noqa: E402
 from analyses import PROBE_NAMES  # noqa: E402
+from runs import is_number, write_atomic  # noqa: E402
 
 PROBE_TITLES = {"CA": "concern addressed (CA)", "PE": "persuasion effective (PE)",
                 "AC": "acceptance shift (AC)"}
@@ -66,10 +66,10 @@ def _draw_by_outcome(ax, episodes, series, title, ylabel):
 def _save_fig(fig, path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=DPI)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
+    finally:
+        plt.close(fig)
 
 
 def plot_beliefs(episodes, path):
@@ -233,7 +233,7 @@ def plot_dynamics(runs, path):
     fig, axes = plt.subplots(1, len(RUN_DYNAMICS), figsize=(RUN_PANEL_SIZE[0] * len(RUN_DYNAMICS), RUN_PANEL_SIZE[1]))
     for ax, (key, title) in zip(axes, RUN_DYNAMICS.items()):
         for run in runs:
-            pts = [(m["step"], m[key]) for m in run["metrics"] if _is_number(m.get(key))]
+            pts = [(m["step"], m[key]) for m in run["metrics"] if is_number(m.get(key))]
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3, label=run["name"])
         ax.set(title=title, xlabel="training step")
@@ -246,10 +246,6 @@ def plot_dynamics(runs, path):
     _save_fig(fig, path)
 
 
-def _is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def plot_run(run_dir):
     """Training curves from run_dir/metrics.jsonl into run_dir/curves.png: one panel per numeric
     metric, the outcome_* shares together in one panel. Returns the PNG path."""
@@ -260,7 +256,7 @@ def plot_run(run_dir):
     if not rows:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is empty; let train.py log at least one step")
     steps = [row.get("step", i) for i, row in enumerate(rows)]
-    keys = list(dict.fromkeys(k for row in rows for k, v in row.items() if k != "step" and _is_number(v)))
+    keys = list(dict.fromkeys(k for row in rows for k, v in row.items() if k != "step" and is_number(v)))
     outcome_keys = [k for k in keys if k.startswith("outcome_")]
     panels = ([("outcome shares", outcome_keys)] if outcome_keys else []) + \
         [(k, [k]) for k in keys if k not in outcome_keys]
@@ -271,7 +267,7 @@ def plot_run(run_dir):
                              figsize=(RUN_PANEL_SIZE[0] * RUN_COLS, RUN_PANEL_SIZE[1] * nrows))
     for ax, (title, group) in zip(axes.flat, panels):
         for k in group:
-            pts = [(s, row[k]) for s, row in zip(steps, rows) if _is_number(row.get(k))]
+            pts = [(s, row[k]) for s, row in zip(steps, rows) if is_number(row.get(k))]
             # metrics logged only some steps (e.g. held-out eval) get markers so lone points show
             ax.plot(*zip(*pts), marker="o" if len(pts) < len(rows) or len(pts) < 20 else None, ms=3,
                     label=k.removeprefix("outcome_") if len(group) > 1 else None)

@@ -78,6 +78,17 @@ def clock(timings, key):
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
+def role_sampling(args):
+    """(persuader, persuadee) engine.Sampling of a run: its --sampling preset (SAMPLING), each
+    value a flag names (runs.add_sampling_flags) overriding it."""
+    persuader, persuadee = SAMPLING[args.sampling]
+    pick = lambda flag, preset: preset if flag is None else flag
+    return (persuader._replace(temperature=pick(args.persuader_temperature, persuader.temperature)),
+            persuadee._replace(temperature=pick(args.persuadee_temperature, persuadee.temperature),
+                               top_p=pick(args.persuadee_top_p, persuadee.top_p),
+                               top_k=pick(args.persuadee_top_k, persuadee.top_k)))
+
+
 def prompt_ids(persuader_tok, persuadee_tok, instance):
     """The persuader's prompt (ending in its generation prompt) and the persuadee's system turn."""
     return (models.chat_ids(persuader_tok, arena.persuader_messages(instance), True),
@@ -211,8 +222,8 @@ def new_episode(inst, index, g, t_max, seed):
     """An episode's state before it starts: no context, no message, no belief."""
     key = (seed, inst["id"], g)
     return dict(index=index, g=g, inst=inst, state=arena.Episode(t_max), phase="speak",
-                er_key=engine.stream_key(*key, "persuader"),
-                ee_key=engine.stream_key(*key, "persuadee"), ids=[], turn_ids=[], logprobs=[],
+                persuader_key=engine.stream_key(*key, "persuader"),
+                persuadee_key=engine.stream_key(*key, "persuadee"), ids=[], turn_ids=[], logprobs=[],
                 transcript=[], probes=[], probe_mass=[], beliefs=[])
 
 
@@ -246,122 +257,20 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     still None: the judge scores every transcript once, at the end, when the pools are empty.
     `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
     and judge_s. Returns one record per episode (instance-major, rollout.record), judged."""
-    er = side(persuader, "persuader", persuader_sampling, max_new_tokens)
-    ee = side(persuadee, "persuadee", persuadee_sampling, max_new_tokens, probe_space,
-              probe_signs)
-    if DECISION == "logit" and not isinstance(ee, EngineSide):
+    persuader_side = side(persuader, "persuader", persuader_sampling, max_new_tokens)
+    persuadee_side = side(persuadee, "persuadee", persuadee_sampling, max_new_tokens, probe_space,
+                          probe_signs)
+    if DECISION == "logit" and not isinstance(persuadee_side, EngineSide):
         raise ValueError("rollout.py: --decision logit reads the persuadee's logits in a fork of "
                          "its cache, which only a local persuadee has; use --decision tag")
-    problems = prompt_problems(er, ee, instances)
+    problems = prompt_problems(persuader_side, persuadee_side, instances)
     if problems:
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
                          "out (rollout.prompt_problems finds them) or use a longer-context model.")
-    scheduler = Scheduler((er, ee), len(instances), group_size, max_active)
-
-    def fits(index, n):
-        return er.room(instances[index], n) and ee.room(instances[index], n)
-
-    def open_group(index):
-        with clock(timings, "persuader_s"):
-            er_root = er.prefill(instances[index])
-        with clock(timings, "persuadee_s"):
-            ee_root = ee.prefill(instances[index])
-        return er_root, ee_root
-
-    def never_started(index, g):  # cannot fit empty pools: recorded, never played
-        e = new_episode(instances[index], index, g, t_max, seed)
-        e["state"].end("cache")
-        scheduler.done[index, g] = e
-        ended(e)
-
-    def start(groups):
-        """Fork the prefilled prompts into the groups' episodes; b_0 read for all at once."""
-        counts = [len(members) for _, members, _ in groups]
-        er_sids, _ = er.start([roots[0] for _, _, roots in groups], counts)
-        with clock(timings, "probe_s"):
-            ee_sids, reads = ee.start([roots[1] for _, _, roots in groups], counts)
-        for (index, members, _), ers, ees, (b0, m0) in zip(groups, er_sids, ee_sids, reads):
-            inst = instances[index]
-            prompt = er.prompt(inst)
-            for g, er_sid, ee_sid in zip(members, ers, ees):
-                e = new_episode(inst, index, g, t_max, seed)
-                e.update(er=er_sid, ee=ee_sid, ids=list(prompt), turn_ids=[0] * len(prompt),
-                         logprobs=[0.0] * len(prompt), probes=[b0], probe_mass=[m0],
-                         beliefs=[probes.belief(b0)])
-                scheduler.running.append(e)
-
-    def extend(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training
-        e["ids"] += ids
-        e["turn_ids"] += [turn] * len(ids)
-        e["logprobs"] += logprobs or [0.0] * len(ids)
-
-    def cut_off(e, reason):
-        """The last persuader message got no reply: no loss on its tokens (module docstring)."""
-        turn = e["state"].turn + 1
-        e["turn_ids"] = [0 if t == turn else t for t in e["turn_ids"]]
-        finish(e, reason)
-
-    def finish(e, reason=None):
-        scheduler.finish(e, reason)
-        ended(e)
-
-    def ended(e):
-        if on_record is not None:
-            on_record(record(e, None, None))
-
-    def ready(side_, episodes, key):
-        fit = set(side_.ready([e[key] for e in episodes]))
-        return [e for e in episodes if e[key] in fit]
-
-    scheduler.refill(fits, open_group, never_started, start)
-    while scheduler.running or scheduler.waiting:
-        moved = False
-        speakers = ready(er, [e for e in scheduler.running if e["phase"] == "speak"], "er")
-        if speakers:
-            moved = True
-            with clock(timings, "persuader_s"):
-                said = er.speak([e["er"] for e in speakers], [e["er_key"] for e in speakers])
-            for e, out in zip(speakers, said):
-                extend(e, out["ids"], e["state"].turn + 1, out["logprobs"])
-                if out["reason"] not in (arena.API_ERROR, STOPPED):  # those said nothing
-                    e["transcript"].append({"role": "persuader", "text": out["text"],
-                                            "decision": None})
-                if out["reason"] not in SPOKEN:
-                    cut_off(e, out["reason"])
-                    continue
-                ee.hear(e["ee"], out["text"], e["state"].final_turn)
-                e["phase"] = "reply"
-        repliers = ready(ee, [e for e in scheduler.running if e["phase"] == "reply"], "ee")
-        if repliers:
-            moved = True
-            replies = ee.reply([e["ee"] for e in repliers], [e["ee_key"] for e in repliers],
-                               timings)
-            for e, reply in zip(repliers, replies):
-                if reply["reason"] != arena.API_ERROR:
-                    e["transcript"].append({"role": "persuadee", "text": reply["text"],
-                                            "decision": reply["decision"]})
-                if reply["reason"] in arena.CUT_OFF:
-                    cut_off(e, reply["reason"])
-                    continue
-                e["state"].step(reply["decision"])
-                e["probes"].append(reply["probes"])
-                e["probe_mass"].append(reply["probe_mass"])
-                e["beliefs"].append(probes.belief(reply["probes"]))
-                if e["state"].done:
-                    finish(e)
-                    continue
-                ids, reason = er.hear(e["er"], reply["text"], shown=(reply["probes"],
-                                                                     e["beliefs"]))
-                extend(e, ids)
-                e["phase"] = "speak"
-                if reason:
-                    finish(e, reason)
-        if not moved and scheduler.running:
-            scheduler.stall()
-        scheduler.refill(fits, open_group, never_started, start)
-        if progress is not None:
-            progress.update(len(scheduler.done) - progress.n)
-    episodes = [scheduler.done[i, g] for i in range(len(instances)) for g in range(group_size)]
+    loop = EpisodeLoop(persuader_side, persuadee_side, instances, t_max, seed, group_size,
+                       max_active, on_record, timings)
+    loop.run(progress)
+    episodes = [loop.scheduler.done[i, g] for i in range(len(instances)) for g in range(group_size)]
     spoken = [e for e in episodes if e["transcript"]]  # nothing to judge in the others: s = 0
     with clock(timings, "judge_s"):
         scores, failed = judge_all(judge, [e["inst"] for e in spoken],
@@ -369,6 +278,140 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                                    [e["g"] for e in spoken])
     verdicts = {id(e): v for e, v in zip(spoken, zip(scores, failed))}
     return [record(e, *verdicts.get(id(e), (0.0, False))) for e in episodes]
+
+
+class EpisodeLoop:
+    """The one episode loop over two sides: admit groups (Scheduler), then, until every
+    episode has ended, let every persuader whose side has room speak and every persuadee that
+    heard reply (its probes read), stepping each episode's arena state machine."""
+
+    def __init__(self, persuader, persuadee, instances, t_max, seed, group_size, max_active,
+                 on_record, timings):
+        self.persuader, self.persuadee = persuader, persuadee  # the two sides
+        self.instances, self.t_max, self.seed = instances, t_max, seed
+        self.on_record, self.timings = on_record, timings
+        self.scheduler = Scheduler((persuader, persuadee), len(instances), group_size, max_active)
+
+    def run(self, progress=None):
+        scheduler = self.scheduler
+        self.refill()
+        while scheduler.running or scheduler.waiting:
+            moved = self.speak() | self.reply()
+            if not moved and scheduler.running:
+                scheduler.stall()
+            self.refill()
+            if progress is not None:
+                progress.update(len(scheduler.done) - progress.n)
+
+    def refill(self):
+        self.scheduler.refill(self.fits, self.open_group, self.never_started, self.start)
+
+    def fits(self, index, n):
+        return self.persuader.room(self.instances[index], n) and self.persuadee.room(self.instances[index], n)
+
+    def open_group(self, index):
+        with clock(self.timings, "persuader_s"):
+            persuader_root = self.persuader.prefill(self.instances[index])
+        with clock(self.timings, "persuadee_s"):
+            persuadee_root = self.persuadee.prefill(self.instances[index])
+        return persuader_root, persuadee_root
+
+    def never_started(self, index, g):  # cannot fit empty pools: recorded, never played
+        e = new_episode(self.instances[index], index, g, self.t_max, self.seed)
+        e["state"].end("cache")
+        self.scheduler.done[index, g] = e
+        self.ended(e)
+
+    def start(self, groups):
+        """Fork the prefilled prompts into the groups' episodes; b_0 read for all at once."""
+        persuader, persuadee = self.persuader, self.persuadee
+        counts = [len(members) for _, members, _ in groups]
+        persuader_sids, _ = persuader.start([roots[0] for _, _, roots in groups], counts)
+        with clock(self.timings, "probe_s"):
+            persuadee_sids, reads = persuadee.start([roots[1] for _, _, roots in groups], counts)
+        for (index, members, _), persuader_group, persuadee_group, (b0, m0) in zip(groups, persuader_sids, persuadee_sids, reads):
+            inst = self.instances[index]
+            prompt = persuader.prompt(inst)
+            for g, persuader_sid, persuadee_sid in zip(members, persuader_group, persuadee_group):
+                e = new_episode(inst, index, g, self.t_max, self.seed)
+                e.update(persuader_sid=persuader_sid, persuadee_sid=persuadee_sid, ids=list(prompt), turn_ids=[0] * len(prompt),
+                         logprobs=[0.0] * len(prompt), probes=[b0], probe_mass=[m0],
+                         beliefs=[probes.belief(b0)])
+                self.scheduler.running.append(e)
+
+    @staticmethod
+    def extend(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training
+        e["ids"] += ids
+        e["turn_ids"] += [turn] * len(ids)
+        e["logprobs"] += logprobs or [0.0] * len(ids)
+
+    def cut_off(self, e, reason):
+        """The last persuader message got no reply: no loss on its tokens (module docstring)."""
+        turn = e["state"].turn + 1
+        e["turn_ids"] = [0 if t == turn else t for t in e["turn_ids"]]
+        self.finish(e, reason)
+
+    def finish(self, e, reason=None):
+        self.scheduler.finish(e, reason)
+        self.ended(e)
+
+    def ended(self, e):
+        if self.on_record is not None:
+            self.on_record(record(e, None, None))
+
+    def ready(self, side_, phase, key):
+        episodes = [e for e in self.scheduler.running if e["phase"] == phase]
+        fit = set(side_.ready([e[key] for e in episodes]))
+        return [e for e in episodes if e[key] in fit]
+
+    def speak(self):
+        """Every persuader with room says its message; the persuadee hears it. Whether any did."""
+        speakers = self.ready(self.persuader, "speak", "persuader_sid")
+        if not speakers:
+            return False
+        with clock(self.timings, "persuader_s"):
+            said = self.persuader.speak([e["persuader_sid"] for e in speakers], [e["persuader_key"] for e in speakers])
+        for e, out in zip(speakers, said):
+            self.extend(e, out["ids"], e["state"].turn + 1, out["logprobs"])
+            if out["reason"] not in (arena.API_ERROR, STOPPED):  # those said nothing
+                e["transcript"].append({"role": "persuader", "text": out["text"],
+                                        "decision": None})
+            if out["reason"] not in SPOKEN:
+                self.cut_off(e, out["reason"])
+                continue
+            self.persuadee.hear(e["persuadee_sid"], out["text"], e["state"].final_turn)
+            e["phase"] = "reply"
+        return True
+
+    def reply(self):
+        """Every persuadee with room replies (probes read after it); the state machine steps and
+        the persuader hears the reply. Whether any did."""
+        repliers = self.ready(self.persuadee, "reply", "persuadee_sid")
+        if not repliers:
+            return False
+        replies = self.persuadee.reply([e["persuadee_sid"] for e in repliers], [e["persuadee_key"] for e in repliers],
+                                self.timings)
+        for e, reply in zip(repliers, replies):
+            if reply["reason"] != arena.API_ERROR:
+                e["transcript"].append({"role": "persuadee", "text": reply["text"],
+                                        "decision": reply["decision"]})
+            if reply["reason"] in arena.CUT_OFF:
+                self.cut_off(e, reply["reason"])
+                continue
+            e["state"].step(reply["decision"])
+            e["probes"].append(reply["probes"])
+            e["probe_mass"].append(reply["probe_mass"])
+            e["beliefs"].append(probes.belief(reply["probes"]))
+            if e["state"].done:
+                self.finish(e)
+                continue
+            ids, reason = self.persuader.hear(e["persuader_sid"], reply["text"], shown=(reply["probes"],
+                                                                       e["beliefs"]))
+            self.extend(e, ids)
+            e["phase"] = "speak"
+            if reason:
+                self.finish(e, reason)
+        return True
 
 
 class Scheduler:
@@ -421,7 +464,7 @@ class Scheduler:
         self.waiting.extendleft([(index, members[n:]), (index, members[:n])])
 
     def release(self, e):
-        for s, key in zip(self.sides, ("er", "ee")):
+        for s, key in zip(self.sides, ("persuader_sid", "persuadee_sid")):
             s.free(e[key])
 
     def finish(self, e, reason=None):

@@ -53,6 +53,7 @@ from urllib.parse import urlparse
 import arena
 import engine
 import probes
+from runs import is_number as finite_number
 
 SERVED_PREFIX = "openai:"     # a model spec with this prefix is served: openai:MODEL@URL
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -221,10 +222,6 @@ def inert_messages(messages):
         out.append({**m, "content": content})
         total += n
     return out, total
-
-
-def finite_number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def logprob_of(entry, where):

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 import analyses as an
-import eval as ev
+import eval
 import plots
 import rpo
 from test_analyses import LAB, RUN_B, RUN_A, check_compare, episode, many_runs
@@ -23,15 +23,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_save_load_and_compare_cli(tmp_path, capsys):
-    ev.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
-    ev.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
+    eval.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
+    eval.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
     assert sorted(p.name for p in (tmp_path / "A").iterdir()) == \
         ["beliefs.png", "episodes.jsonl", "probes.png", "summary.json"]   # no temp files left behind
     assert an.load_episodes(tmp_path / "A") == RUN_A
     assert an.load_episodes(tmp_path / "B" / "episodes.jsonl") == RUN_B
     assert json.loads((tmp_path / "A" / "summary.json").read_text())["full_accept"] == pytest.approx(0.5)
     check_compare(an.compare(an.load_episodes(tmp_path / "A"), an.load_episodes(tmp_path / "B")))
-    ev.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "2 wins, 1 losses, 2 ties" in out and "outcome transitions" in out
     assert "B against A: 1 won, 1 lost, 3 tied" in out
@@ -77,7 +77,7 @@ def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "run" / "evals.jsonl").write_text('{"step": 1, "full_accept": 0.5}\n{"full_accept": 0.1}\n')
     with pytest.raises(SystemExit) as e:
-        ev.main([a.format(tmp=tmp_path) for a in argv])
+        eval.main([a.format(tmp=tmp_path) for a in argv])
     message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err
     assert e.value.code != 0
     assert message.strip().startswith("eval.py: ") and needle in message and "\n" not in message.strip()
@@ -92,14 +92,14 @@ def test_cli_subprocess_no_traceback():
 
 
 def test_table_cli_markdown_and_latex(tmp_path, capsys):
-    ev.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
-    ev.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
-    ev.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--reference", str(tmp_path / "B")])
+    eval.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
+    eval.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
+    eval.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--reference", str(tmp_path / "B")])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split(" | ")[1:4] == ["n", "FA", "FA+CA"]
     assert lines[2].startswith(f"| {tmp_path / 'A'} | 6 | 50.0 [18.8, 81.2] p=1 |")
     assert lines[3].startswith(f"| {tmp_path / 'B'} (ref.) | 5 | 40.0 [11.8, 76.9] |")
-    ev.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--format", "latex"])
+    eval.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--format", "latex"])
     out = capsys.readouterr().out
     assert out.startswith("\\begin{tabular}{lrrrrrrrr}") and "\\bottomrule" in out
 
@@ -111,7 +111,7 @@ def test_analyze_runs_on_a_folder_without_beliefs_labels_or_known_scenarios(tmp_
                  probes=[None] * len(ep["probes"])) for i, ep in enumerate(RUN_A)]
     (tmp_path / "served").mkdir()
     (tmp_path / "served" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in bare))
-    ev.main(["--analyze", str(tmp_path / "served")])
+    eval.main(["--analyze", str(tmp_path / "served")])
     captured = capsys.readouterr()
     assert "belief statistics: none" in captured.out and "no move labels" in captured.err
     summary = json.loads((tmp_path / "served" / "summary.json").read_text())
@@ -129,7 +129,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     model, tok = models.load_model("random:tiny-qwen3")
     instances = arena.heldout_instances()[:2]
     engines = [engine.Engine(model, tok, num_blocks=3000) for _ in range(2)]
-    summary = ev.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2, max_new_tokens=8)
+    summary = eval.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2, max_new_tokens=8)
     assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
     # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
     sample = json.loads((tmp_path / "run" / "fidelity.json").read_text())["sample"]
@@ -138,7 +138,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     assert sample[1][1] > 0 and summary["probe_fidelity"]["n"] == 2 * 3
     saved = an.load_episodes(tmp_path / "run")
     assert [e["id"] for e in saved] == [i["id"] for i in instances]
-    assert not any(k in saved[0] for k in ev.TRAINING_KEYS)
+    assert not any(k in saved[0] for k in eval.TRAINING_KEYS)
     for ep in saved:
         n_messages = sum(m["role"] == "persuader" for m in ep["transcript"])
         assert len(ep["moves"]) == len(ep["manipulation"]) == n_messages and ep["tagger"] == "keyword"
@@ -149,15 +149,15 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     assert written["belief_stats"]["yes_no_mass_mean"] > 0 and "manipulation" in written
     assert written["roles"]["persuadee"]["dtype"] == "float32"
     assert written["roles"]["persuadee"]["sampling"] == list(__import__("rollout").SAMPLING["cpu"][1])
-    written = {k: v for k, v in written.items() if k not in ev.RUN_KEYS}
+    written = {k: v for k, v in written.items() if k not in eval.RUN_KEYS}
     (tmp_path / "run" / "summary.json").unlink()
-    ev.main(["--analyze", str(tmp_path / "run")])
+    eval.main(["--analyze", str(tmp_path / "run")])
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == written
     assert "belief statistics" in capsys.readouterr().out
     # episodes stored without labels (an older run) are tagged by keyword in memory, not on disk
     bare = [{k: v for k, v in ep.items() if k not in ("moves", "manipulation", "tagger")} for ep in saved]
     (tmp_path / "run" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in bare))
-    assert ev.analyze(tmp_path / "run") == written
+    assert eval.analyze(tmp_path / "run") == written
     assert "moves" not in an.load_episodes(tmp_path / "run")[0]
 
 
@@ -171,16 +171,16 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     monkeypatch.setattr(rollout, "judge_scores",
                         lambda judge, instances, transcripts, seed=0, groups=None: judged_by.append(judge.model)
                         or ([0.0] * len(instances), [False] * len(instances)))
-    ev.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
+    eval.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
              "--judge", "random:tiny-llama", "--subset", "balanced60", "--limit", "1", "--t-max", "1",
              "--max-new-tokens", "3", "--name", "g", "--probe-space", "logodds"])
     assert probes.PROBE_SPACE == "prob"  # an option travels as an argument, the constant stays
     assert len(judged_by) == 2 and judged_by[0] is judged_by[1]
     assert judged_by[0].config.model_type == "llama"
-    runs = sorted((tmp_path / "evals" / "g").iterdir())
+    runs = sorted(p for p in (tmp_path / "evals" / "g").iterdir() if not p.name.startswith("."))  # the lock and marker aside
     assert len(runs) == 2 and all((r / "summary.json").exists() for r in runs)
     [ep] = an.load_episodes(runs[0])
-    assert ep["scenario_id"] == ev.balanced_subset(__import__("arena").heldout_instances(), 3)[0]["id"]
+    assert ep["scenario_id"] == eval.balanced_subset(__import__("arena").heldout_instances(), 3)[0]["id"]
     assert ep["probe_space"] == "logodds"
 
 
@@ -188,7 +188,7 @@ def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     typed = iter(["Hello, could we talk about the appointment?", "Could we book it for Tuesday?", ""])
     shown = []
-    ep = ev.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, read=lambda _: next(typed),
+    ep = eval.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, read=lambda _: next(typed),
                  write=shown.append)
     assert [m["role"] for m in ep["transcript"]] == ["persuader", "persuadee"] * 2
     assert ep["transcript"][0]["text"] == "Hello, could we talk about the appointment?"
@@ -208,7 +208,7 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     instances = arena.heldout_instances()
     assert len(instances) == 120
     engines = [engine.Engine(model, tok, num_blocks=400) for _ in range(2)]
-    summary = ev.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=0,
+    summary = eval.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=0,
                           max_new_tokens=4)
     episodes = an.load_episodes(tmp_path / "run")
     assert summary["n"] == 120 and [e["id"] for e in episodes] == [i["id"] for i in instances]
@@ -224,10 +224,10 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path):
     runs = {}
     for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run",
                                                  "--nproc_per_node", "2", "--master_port", "29533"])):
-        cmd = [sys.executable, *launcher, str(Path(ev.__file__)), *common, "--name", name]
+        cmd = [sys.executable, *launcher, str(Path(eval.__file__)), *common, "--name", name]
         p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-        runs[name] = tmp_path / ev.EVALS_DIR / name
+        runs[name] = tmp_path / eval.EVALS_DIR / name
     one, two = (an.load_episodes(runs[k]) for k in ("one", "two"))
     assert len(one) == 6 == len(two)
     for a, b in zip(one, two):  # texts exactly; beliefs to float noise (other batch neighbours)
@@ -252,14 +252,14 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path):
 
 def test_balanced_subset_keeps_three_per_cell():
     import arena
-    per_cell = ev.SUBSETS["balanced60"]
-    kept = ev.balanced_subset(arena.heldout_instances(), per_cell)
+    per_cell = eval.SUBSETS["balanced60"]
+    kept = eval.balanced_subset(arena.heldout_instances(), per_cell)
     cells = {(d, r): 0 for d in arena.DOMAINS for r in arena.RESISTANCE_TYPES}
     for inst in kept:
         cells[(inst["domain"], inst["hidden"]["resistance"])] += 1
     assert set(cells.values()) == {per_cell} and len(kept) == per_cell * len(cells) == 60
     with pytest.raises(ValueError, match="too few in"):
-        ev.balanced_subset(arena.heldout_instances()[:30], per_cell)
+        eval.balanced_subset(arena.heldout_instances()[:30], per_cell)
 
 
 ROLLOUTS = [  # (step, group, member, outcome, judge, beliefs) of rollouts.jsonl
@@ -300,7 +300,7 @@ def test_runs_checkpoint_selection_by_hand(tmp_path, capsys, monkeypatch):
     a = write_run(tmp_path, "lam0.5", 0.5, [0.2, 0.5, 0.4, 0.5], [0.0, 0.2, 0.1, 0.3, 0.3, 0.5, 0.6, 0.6], judged,
                   rollouts=True)
     b = write_run(tmp_path, "lam1", 1.0, [0.1, 0.3, 0.2, 0.2], [0.1] * 8, judged)
-    ev.main(["--runs", str(a), str(b), "--name", "sel"])
+    eval.main(["--runs", str(a), str(b), "--name", "sel"])
     out = capsys.readouterr().out
     table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[:6] if line.split()[0].isdigit()}
     assert table == {"2": ["20.0%", "10.0%"], "4": ["50.0%", "30.0%"], "6": ["40.0%", "20.0%"], "8": ["50.0%", "20.0%"]}
@@ -351,7 +351,7 @@ def test_runs_checkpoint_selection_by_hand(tmp_path, capsys, monkeypatch):
     w, h = plots.RUN_PANEL_SIZE
     assert png_size(tmp_path / "evals" / "sel" / "dynamics.png") == (round(w * len(plots.RUN_DYNAMICS) * plots.DPI), round(h * plots.DPI))
     with pytest.raises(SystemExit, match="evals.jsonl does not exist"):
-        ev.main(["--runs", str(tmp_path / "evals")])
+        eval.main(["--runs", str(tmp_path / "evals")])
 
 
 def test_training_keeps_evaluated_checkpoints_and_joins_summaries(tmp_path, short_scenarios, capsys, monkeypatch):
@@ -370,7 +370,7 @@ def test_training_keeps_evaluated_checkpoints_and_joins_summaries(tmp_path, shor
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(k in metrics[0] for k in plots.RUN_DYNAMICS) and "negative_process_share" in metrics[0]
     capsys.readouterr()
-    ev.main(["--runs", str(run), "--name", "tiny"])
+    eval.main(["--runs", str(run), "--name", "tiny"])
     out = capsys.readouterr().out
     assert "held-out full acceptance by step" in out and "pooled over the run" in out
     # rollouts.jsonl: 4 steps x 2 instances x 2 episodes, pooled by --runs into the run's figures
@@ -399,26 +399,26 @@ def test_every_new_table_and_figure_from_tiny_model_evaluations(tmp_path, monkey
     dirs = {}
     for name, persuader in (("A", llama), ("B", qwen)):
         dirs[name] = str(tmp_path / "evals" / name)
-        ev.evaluate(engine.Engine(*persuader, num_blocks=2000), engine.Engine(*qwen, num_blocks=2000), instances,
+        eval.evaluate(engine.Engine(*persuader, num_blocks=2000), engine.Engine(*qwen, num_blocks=2000), instances,
                     dirs[name], t_max=3, fidelity=6, max_new_tokens=6, names=(name, "tiny-qwen3"))
     capsys.readouterr()
-    ev.main(["--table", dirs["A"], dirs["B"]])
+    eval.main(["--table", dirs["A"], dirs["B"]])
     lines = capsys.readouterr().out.splitlines()
     assert len([line for line in lines if line.startswith("| ")]) == 1 + 2   # the header, A, B
     assert lines[3].startswith(f"| {dirs['B']} | 3 |") and "p=" in lines[3]
-    ev.main(["--table", dirs["A"], dirs["B"], "--format", "latex"])
+    eval.main(["--table", dirs["A"], dirs["B"], "--format", "latex"])
     assert capsys.readouterr().out.count("\\\\") == 3
-    ev.main(["--compare", dirs["A"], dirs["B"]])
+    eval.main(["--compare", dirs["A"], dirs["B"]])
     assert "won" in capsys.readouterr().out and (tmp_path / "evals" / "B" / "compare.json").is_file()
-    ev.main(["--compare-many", dirs["A"], "--policy", dirs["B"]])
+    eval.main(["--compare-many", dirs["A"], "--policy", dirs["B"]])
     assert "ranked by mean final belief" in capsys.readouterr().out
-    ev.main(["--overlay", dirs["A"], dirs["B"], "--name", "ov"])
+    eval.main(["--overlay", dirs["A"], dirs["B"], "--name", "ov"])
     assert "CA b_0" in capsys.readouterr().out
     assert png_size(tmp_path / "evals" / "ov" / "overlay_probes.png") == \
         tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)
-    ev.main(["--case", dirs["B"], instances[0]["id"]])
+    eval.main(["--case", dirs["B"], instances[0]["id"]])
     assert "of the net sum r_t" in capsys.readouterr().out
-    ev.main(["--analyze", dirs["A"]])
+    eval.main(["--analyze", dirs["A"]])
     out = capsys.readouterr().out
     assert "probe fidelity, fork vs full forward" in out and "by |v|" in out
     summary = json.loads((tmp_path / "evals" / "A" / "summary.json").read_text())
@@ -429,17 +429,17 @@ def test_every_new_table_and_figure_from_tiny_model_evaluations(tmp_path, monkey
 def test_run_anchor_follows_the_training_run(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-20"
     checkpoint.mkdir(parents=True)
-    assert ev.run_anchor(str(checkpoint)) == rpo.ANCHOR                  # no config: the default
+    assert eval.run_anchor(str(checkpoint)) == rpo.ANCHOR                  # no config: the default
     (tmp_path / "run" / "config.json").write_text(json.dumps({"anchor": not rpo.ANCHOR}))
-    assert ev.run_anchor(str(checkpoint)) == (not rpo.ANCHOR)
-    assert ev.run_anchor("smollm2") == rpo.ANCHOR
+    assert eval.run_anchor(str(checkpoint)) == (not rpo.ANCHOR)
+    assert eval.run_anchor("smollm2") == rpo.ANCHOR
 
 
 def test_compare_many_cli(tmp_path, capsys):
     policy, base1, base2 = many_runs().values()
     for name, eps in (("b1", base1), ("b2", base2), ("p", policy)):
-        ev.save_run(tmp_path / name, eps, an.summarize(eps))
-    ev.main(["--compare-many", str(tmp_path / "b1"), str(tmp_path / "b2"), "--policy", str(tmp_path / "p")])
+        eval.save_run(tmp_path / name, eps, an.summarize(eps))
+    eval.main(["--compare-many", str(tmp_path / "b1"), str(tmp_path / "b2"), "--policy", str(tmp_path / "p")])
     out = capsys.readouterr().out
     assert "closed by no baseline: 3; the policy closes 2 of them (66.7%)" in out
     table = out.split("scenarios every run has")[0]
@@ -448,13 +448,13 @@ def test_compare_many_cli(tmp_path, capsys):
     assert "ranked by mean final belief" in out
 
 def test_case_cli_prints_the_episode_and_writes_its_plot(tmp_path, capsys):
-    ev.save_run(tmp_path / "run", LAB, an.summarize(LAB))
-    ev.main(["--case", str(tmp_path / "run"), "m2"])
+    eval.save_run(tmp_path / "run", LAB, an.summarize(LAB))
+    eval.main(["--case", str(tmp_path / "run"), "m2"])
     out = capsys.readouterr().out
     assert "m2: CONDITIONAL_ACCEPT after 3 turns" in out and "the two largest turns carry" in out
     assert png_size(tmp_path / "run" / "case-m2.png") == tuple(round(v * plots.DPI) for v in plots.CASE_FIGSIZE)
     with pytest.raises(SystemExit, match="has no episode of nope"):
-        ev.main(["--case", str(tmp_path / "run"), "nope"])
+        eval.main(["--case", str(tmp_path / "run"), "nope"])
 
 
 def test_end_reasons_are_counted_and_a_cut_off_table_says_so():
@@ -474,28 +474,28 @@ def test_a_name_is_resumed_only_with_its_own_settings(tmp_path, monkeypatch, cap
     """Every evaluation appends episodes.jsonl: a rerun of a name is refused without --resume or
     --overwrite; --resume plays only the missing episodes and refuses other settings, naming
     them; --overwrite removes that evaluation's folder alone."""
-    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("x")
     argv = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3", "--limit",
             "2", "--t-max", "1", "--max-new-tokens", "3", "--kv-blocks", "600", "--name", "r"]
-    ev.main(argv)
+    eval.main(argv)
     lines = (tmp_path / "r" / "episodes.jsonl").read_text().splitlines()
     assert len(lines) == 2
     settings = json.loads((tmp_path / "r" / "settings.json").read_text())
     assert settings["seed"] == 0 and settings["dtype"] == "float32" and settings["limit"] == 2
     with pytest.raises(SystemExit, match="--resume"):
-        ev.main(argv)
+        eval.main(argv)
     with pytest.raises(SystemExit, match=r"seed 0 there, 1 now.*t_max 1 there, 2 now"):
-        ev.main(argv + ["--resume", "--seed", "1", "--t-max", "2"])
+        eval.main(argv + ["--resume", "--seed", "1", "--t-max", "2"])
     (tmp_path / "r" / "episodes.jsonl").write_text(lines[0] + "\n" + lines[1][:20])  # killed
     capsys.readouterr()
-    ev.main(argv + ["--resume"])
+    eval.main(argv + ["--resume"])
     assert "1 of 2 episodes already played" in capsys.readouterr().err
     again = (tmp_path / "r" / "episodes.jsonl").read_text().splitlines()
     assert [json.loads(l)["id"] for l in again] == [json.loads(l)["id"] for l in lines]
     assert json.loads(again[1])["transcript"] == json.loads(lines[1])["transcript"]
-    ev.main(argv + ["--overwrite", "--seed", "1"])
+    eval.main(argv + ["--overwrite", "--seed", "1"])
     assert json.loads((tmp_path / "r" / "settings.json").read_text())["seed"] == 1
     assert (tmp_path / "other" / "keep.txt").exists()
 
@@ -508,9 +508,9 @@ def test_kv_blocks_too_few_for_one_episode_say_how_many(tmp_path, monkeypatch):
         raise AssertionError("a model was loaded before --kv-blocks was checked")
     monkeypatch.setattr(models, "load_model", refuse)
     monkeypatch.setattr(models, "random_model", refuse)
-    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
     with pytest.raises(SystemExit, match=r"--kv-blocks 5 cannot hold one episode.*pass --kv-blocks \d+"):
-        ev.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+        eval.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
                  "--limit", "1", "--t-max", "1", "--max-new-tokens", "3", "--kv-blocks", "5"])
 
 
@@ -521,12 +521,12 @@ def test_compare_warns_when_the_runs_faced_different_roles(tmp_path, capsys):
         persuader=dict(model="p", sampling=[1.0, None, None], dtype="float32"),
         persuadee=dict(model=persuadee, sampling=sampling, dtype="float32"),
         judge=dict(model="j", sampling=[[0.0, None, None]], dtype="float32"))
-    ev.save_run(tmp_path / "A", RUN_A, {**an.summarize(RUN_A), "roles": roles("q", [0.7, 0.8, 20])})
-    ev.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("q", [0.7, 0.8, 20])})
-    ev.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    eval.save_run(tmp_path / "A", RUN_A, {**an.summarize(RUN_A), "roles": roles("q", [0.7, 0.8, 20])})
+    eval.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("q", [0.7, 0.8, 20])})
+    eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     assert "warning" not in capsys.readouterr().out
-    ev.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("r", [0.7, None, None])})
-    ev.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    eval.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("r", [0.7, None, None])})
+    eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "differ in the persuadee's model: q against r" in out
     assert "differ in the persuadee's sampling" in out and "judge" not in out.split("A =")[0]

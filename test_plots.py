@@ -6,7 +6,7 @@ import struct
 from pathlib import Path
 
 import analyses
-import eval as ev
+import eval
 import plots
 from test_analyses import LAB, SIX
 
@@ -39,11 +39,11 @@ def test_plot_run(tmp_path):
 
 def test_overlay_and_moves_plots(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    ev.save_run(tmp_path / "A", LAB, analyses.summarize(LAB))
-    ev.save_run(tmp_path / "B", SIX, analyses.summarize(SIX))
+    eval.save_run(tmp_path / "A", LAB, analyses.summarize(LAB))
+    eval.save_run(tmp_path / "B", SIX, analyses.summarize(SIX))
     assert png_size(tmp_path / "A" / "moves.png") == tuple(round(v * plots.DPI) for v in plots.MOVES_FIGSIZE)
     assert not (tmp_path / "B" / "moves.png").exists()   # no labels stored
-    ev.main(["--overlay", str(tmp_path / "A"), str(tmp_path / "B"), "--name", "ov"])
+    eval.main(["--overlay", str(tmp_path / "A"), str(tmp_path / "B"), "--name", "ov"])
     assert png_size(tmp_path / "evals" / "ov" / "overlay.png") == tuple(round(v * plots.DPI) for v in plots.OVERLAY_FIGSIZE)
     assert png_size(tmp_path / "evals" / "ov" / "overlay_probes.png") == \
         tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)

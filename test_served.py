@@ -20,7 +20,7 @@ import torch
 import analyses
 import arena
 import engine
-import eval as ev
+import eval
 import models
 import probes
 import rollout
@@ -282,12 +282,12 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     dying = Faulty(broken_day=2, kill_when=lambda: out.exists() and len(lines(out)) >= 4)
     model = dying.model(retries=2)
     with pytest.raises(Killed):
-        ev.play_resumable(model, model, insts, out, t_max=3)
+        eval.play_resumable(model, model, insts, out, t_max=3)
     before = lines(out)
     assert 4 <= len(before) < len(insts)
     resumed = Faulty(broken_day=2)
     model = resumed.model(retries=2)
-    records = ev.play_resumable(model, model, insts, out, t_max=3)
+    records = eval.play_resumable(model, model, insts, out, t_max=3)
     after = lines(out)
     assert after[:len(before)] == before
     assert sorted(json.loads(l)["id"] for l in after) == sorted(i["id"] for i in insts)
@@ -297,7 +297,7 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     failed = [r for r in records if "on day 2" in arena.persuadee_system_prompt(
         next(i for i in insts if i["id"] == r["id"]))]
     assert {r["end_reason"] for r in failed} == {arena.API_ERROR}
-    kept = lambda r: {k: v for k, v in r.items() if k not in ev.TRAINING_KEYS}
+    kept = lambda r: {k: v for k, v in r.items() if k not in eval.TRAINING_KEYS}
     assert [r for r in records if r not in failed] == [kept(w) for w, r in zip(whole, records)
                                                       if r not in failed]
     summary = analyses.summarize(records)
@@ -539,18 +539,18 @@ def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch
     """python eval.py --persuadee openai:MODEL@URL (the judge too, by default): episodes.jsonl,
     summary.json with the request counts and the belief columns missing; rerun, nothing is
     played again."""
-    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
     argv = ["--persuader", "random:tiny-llama", "--persuadee", server, "--scenarios", "train",
             "--limit", "2", "--t-max", "2", "--max-new-tokens", "6", "--name", "api"]
-    ev.main(argv)
+    eval.main(argv)
     episodes = lines(tmp_path / "api" / "episodes.jsonl")
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert len(episodes) == 2 and summary["requests"][server]["requests"] >= 3
     assert summary["beliefs_missing"] == 1.0 and "belief" in capsys.readouterr().out
     assert summary["roles"]["persuadee"]["not_applied"] == ["top_k"]  # the server refuses it
     with pytest.raises(SystemExit, match="--resume"):  # a name is not reused by accident
-        ev.main(argv)
-    ev.main(argv + ["--resume"])
+        eval.main(argv)
+    eval.main(argv + ["--resume"])
     assert lines(tmp_path / "api" / "episodes.jsonl") == episodes
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert summary["requests"][server]["requests"] == 1  # the start-up check only
@@ -655,7 +655,7 @@ def test_every_flag_means_the_same_with_a_served_role(tmp_path, monkeypatch, ans
     """A served persuader (loopback server) against a local persuadee through eval.py: --judge
     none scores s = 0 with no model called "none" loaded, --anchor and --probe-space reach the
     records, --kv-blocks sizes the local pool, --dtype the local model."""
-    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
     monkeypatch.setattr(models, "tiny_tokenizer", lambda *a, **k: answer_tokenizer)
     pools = []
 
@@ -666,7 +666,7 @@ def test_every_flag_means_the_same_with_a_served_role(tmp_path, monkeypatch, ans
     monkeypatch.setattr(engine, "Engine", Recorded)
     server = Loopback(tiny_model("llama", seed=1), answer_tokenizer)
     try:
-        ev.main(["--persuader", server.spec, "--persuadee", "random:tiny-qwen3", "--judge",
+        eval.main(["--persuader", server.spec, "--persuadee", "random:tiny-qwen3", "--judge",
                  "none", "--anchor", "--probe-space", "logodds", "--probe-signs", "PE=-1",
                  "--kv-blocks", "900", "--scenarios", "train", "--limit", "2", "--t-max", "2",
                  "--max-new-tokens", "4", "--name", "flags"])
@@ -1155,8 +1155,8 @@ def garbage(monkeypatch):
 
 def test_a_served_eval_against_garbage_finishes_and_counts_every_failure(garbage, tmp_path,
                                                                          monkeypatch):
-    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
-    ev.main(["--persuader", "random:tiny-llama", "--persuadee", garbage, "--scenarios", "train",
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    eval.main(["--persuader", "random:tiny-llama", "--persuadee", garbage, "--scenarios", "train",
              "--limit", "6", "--t-max", "3", "--max-new-tokens", "4", "--name", "garbage"])
     episodes = [strict_json(l) for l in (tmp_path / "garbage" / "episodes.jsonl").read_text()
                 .splitlines()]

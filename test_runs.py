@@ -1,0 +1,409 @@
+"""The run folder (runs.py) as train.py and eval.py use it: links never written through, a lock,
+--overwrite of a run only, resume pinning and validation, one JSONL rule, the run's own sampling
+and lambda in its evaluations, rank setup. One tiny trained run (conftest.trained_run) serves
+the tests that read a run; each copies it."""
+import datetime
+import errno
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval
+import models
+import probes
+import rollout
+import rpo
+import runs
+import train
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the run folder was checked")
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.fixture
+def run_copy(trained_run, tmp_path):
+    """A copy of the shared tiny run (lambda 0, its own sampling flags, one evaluation)."""
+    folder, argv = trained_run
+    shutil.copytree(folder, tmp_path / "run", symlinks=True)
+    return tmp_path / "run", argv
+
+
+def resume(run, *extra):
+    return train.main(["--out", str(run.parent), "--name", run.name, "--resume", *map(str, extra)])
+
+# -----------------------------------------------------------------------------
+# links, --overwrite, the lock
+
+
+def test_the_writers_never_follow_a_link(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    link = tmp_path / "config.json"
+    link.symlink_to(outside)
+    runs.write_atomic(link, "new")
+    assert outside.read_text() == "keep" and not link.is_symlink() and link.read_text() == "new"
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.symlink_to(outside)
+    with pytest.raises(OSError) as e:
+        runs.append_line(metrics, "{}\n")
+    assert e.value.errno == errno.ELOOP and outside.read_text() == "keep"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("planted", ["metrics.jsonl", "config.json", "latest", ".latest.tmp",
+                                     ".config.json.tmp", "metrics.jsonl.tmp", ".checkpoint-2.tmp"])
+def test_train_resume_refuses_a_run_with_planted_links(run_copy, tmp_path, planted, no_model_loads):
+    """A copied run folder whose files (or the temporary names earlier versions wrote through)
+    are links: --resume is refused in one line before any model loads, and nothing outside the
+    folder is written."""
+    run, _ = run_copy
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "file").write_text("keep")
+    target = victim if planted.startswith(".checkpoint") else victim / "file"
+    if (run / planted).exists():
+        (run / planted).unlink()
+    (run / planted).symlink_to(target)
+    with pytest.raises(SystemExit) as e:
+        resume(run, "--steps", 2)
+    assert "holds links" in str(e.value.code) and planted in str(e.value.code)
+    assert "\n" not in str(e.value.code)
+    assert [p.name for p in victim.iterdir()] == ["file"] and (victim / "file").read_text() == "keep"
+
+
+def test_eval_resume_refuses_a_folder_with_planted_links(tmp_path, monkeypatch, no_model_loads):
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path / "evals"))
+    folder = tmp_path / "evals" / "e"
+    folder.mkdir(parents=True)
+    (tmp_path / "elsewhere").write_text("keep")
+    (folder / "settings.json").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SystemExit, match="holds links"):
+        eval.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+                   "--limit", "1", "--name", "e", "--resume"])
+    assert (tmp_path / "elsewhere").read_text() == "keep"
+
+
+def test_a_folder_that_holds_no_run_survives_overwrite(tmp_path, short_scenarios, monkeypatch,
+                                                       no_model_loads):
+    """--out notrun --name src --overwrite: src holds a file no run writes, so nothing is
+    deleted, in train.py and in eval.py alike."""
+    source = tmp_path / "notrun" / "src"
+    source.mkdir(parents=True)
+    (source / "important.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(source.parent),
+                    "--name", "src", "--overwrite"])
+    assert "not a run this project wrote" in str(e.value.code) and "important.py" in str(e.value.code)
+    monkeypatch.setattr(eval, "EVALS_DIR", str(source.parent))
+    with pytest.raises(SystemExit, match="not a run this project wrote"):
+        eval.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+                   "--limit", "1", "--name", "src", "--overwrite"])
+    assert (source / "important.py").read_text() == "x = 1\n"
+
+
+def hold_lock(folder):
+    """Another process that takes folder's lock and keeps it until killed."""
+    code = (f"import runs, sys, time; runs.lock({str(folder)!r}, 'other'); print('locked', "
+            "flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_a_second_process_under_one_name_is_refused(tmp_path, short_scenarios, monkeypatch,
+                                                    no_model_loads):
+    other = hold_lock(tmp_path / "runs" / "busy")
+    try:
+        with pytest.raises(SystemExit) as e:
+            train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out",
+                        str(tmp_path / "runs"), "--name", "busy"])
+        message = str(e.value.code)
+        assert "is in use by process" in message and str(other.pid) in message and "\n" not in message
+        monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path / "runs"))
+        with pytest.raises(SystemExit, match="is in use by process"):
+            eval.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+                       "--limit", "1", "--name", "busy"])
+    finally:
+        other.kill()
+        other.wait()
+    assert not (tmp_path / "runs" / "busy" / "config.json").exists()
+
+
+@pytest.mark.parametrize("out", ["file", "readonly"])
+def test_an_out_that_cannot_hold_a_run_is_refused_before_loading(tmp_path, short_scenarios, out,
+                                                                 no_model_loads):
+    where = tmp_path / out
+    if out == "file":
+        where.write_text("x")
+    else:
+        where.mkdir()
+        where.chmod(0o500)
+    if os.access(where, os.W_OK) and out == "readonly":
+        pytest.skip("running as a user who may write anywhere")
+    with pytest.raises(SystemExit, match="cannot be written|is a file"):
+        train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(where),
+                    "--name", "r"])
+
+
+def test_a_long_name_is_refused_in_one_line(tmp_path, no_model_loads):
+    with pytest.raises(SystemExit, match=f"more than {runs.NAME_MAX}"):
+        train.parse_args(["--preset", "tiny", "--out", str(tmp_path), "--name", "x" * 300])
+    with pytest.raises(SystemExit):
+        eval.main(["--limit", "1", "--name", "bad\x07name"])
+
+
+def test_a_failed_first_checkpoint_advises_overwrite_which_then_runs(tmp_path, short_scenarios,
+                                                                     monkeypatch):
+    real = os.replace
+    def full(source, target, *a, **k):
+        if Path(target).name.startswith("checkpoint-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(source, target, *a, **k)
+    argv = ["--preset", "tiny", "--judge", "none", "--scenarios", short_scenarios, "--out",
+            str(tmp_path), "--name", "r", "--steps", "1", "--save-every", "1"]
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", full)
+        with pytest.raises(SystemExit) as e:
+            train.main(argv)
+    assert "rerun with --overwrite" in str(e.value.code) and "--resume" not in str(e.value.code)
+    train.main(argv + ["--overwrite"])
+    assert (tmp_path / "r" / "latest").read_text() == "checkpoint-1"
+
+# -----------------------------------------------------------------------------
+# --resume: settings and constants pinned, every value validated before loading
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("group_size", 0, "--group-size 0 must be at least 1"),
+    ("lam", math.nan, "--lam nan"),
+    ("lr", -1, "--lr -1"),
+    ("scenarios", "/moved/scenarios.jsonl", "--scenarios /moved/scenarios.jsonl"),
+    ("group_size", "two", "--group-size \"two\", not a int"),
+    ("persuadee_top_p", 2.0, "--persuadee-top-p 2.0"),
+])
+def test_a_resumed_config_with_an_invalid_value_is_refused_before_loading(run_copy, key, value, says,
+                                                                          no_model_loads):
+    run, _ = run_copy
+    config = json.loads((run / "config.json").read_text())
+    config[key] = value
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        resume(run, "--steps", 2)
+    message = str(e.value.code)
+    assert message.startswith("train.py: ") and says in message and "\n" not in message
+    assert "config.json" in message
+
+
+@pytest.mark.parametrize("module, name, value", [
+    (rpo, "STRATEGY_WEIGHT", 0.25),
+    (rpo, "GOAL", {**rpo.GOAL, "ACCEPT": 5.0}),
+    (probes, "PROBES", {**probes.PROBES, "CA": "Do you feel heard?"}),
+])
+def test_resume_after_editing_an_ablation_constant_is_refused_naming_it(run_copy, monkeypatch, module,
+                                                                       name, value, no_model_loads):
+    run, _ = run_copy
+    monkeypatch.setattr(module, name, value)
+    with pytest.raises(SystemExit) as e:
+        resume(run, "--steps", 2)
+    message = str(e.value.code)
+    assert f"{module.__name__}.{name}" in message and "\n" not in message
+    assert message.startswith("train.py: --resume: ")
+
+
+def test_editing_a_constant_reaches_a_preset_that_does_not_override_it(monkeypatch, tmp_path):
+    import arena
+    import engine
+    monkeypatch.setattr(arena, "T_MAX_TRAIN", 3)
+    monkeypatch.setattr(engine, "MAX_NEW_TOKENS", 77)
+    args = train.parse_args(["--preset", "paper", "--plan", "--out", str(tmp_path)])
+    assert (args.t_max, args.max_new_tokens) == (3, 77)
+
+# -----------------------------------------------------------------------------
+# one JSONL rule
+
+
+def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_path, capsys):
+    """A bad last line (a write cut by a kill or a full disk) is dropped with the same warning
+    in train's metrics.jsonl and eval's episodes.jsonl; a bad earlier line is refused by both,
+    naming the file and line."""
+    metrics, episodes = tmp_path / "metrics.jsonl", tmp_path / "episodes.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2, "lo\n')
+    episodes.write_text('{"id": "a"}\n{"id": "b", "tr\n')
+    train.resume_metrics(metrics, 5)
+    assert list(eval.read_played(episodes)) == ["a"]
+    warnings = [line.replace(str(tmp_path), "") for line in capsys.readouterr().err.splitlines()]
+    assert warnings == ["warning: dropping the partial last line 2 of /metrics.jsonl",
+                        "warning: dropping the partial last line 2 of /episodes.jsonl"]
+    assert metrics.read_text() == '{"step": 1}\n' and episodes.read_text() == '{"id": "a"}\n'
+    metrics.write_text('not json\n{"step": 1}\n')
+    episodes.write_text('not json\n{"id": "a"}\n')
+    with pytest.raises(SystemExit, match="metrics.jsonl, line 1 is not valid JSON"):
+        train.resume_metrics(metrics, 5)
+    with pytest.raises(ValueError, match="episodes.jsonl, line 1 is not valid JSON"):
+        eval.read_played(episodes)
+
+# -----------------------------------------------------------------------------
+# a run's evaluations: its own sampling, lambda and anchor
+
+
+def test_a_runs_periodic_evaluation_samples_with_its_own_flags(trained_run):
+    """The shared run was trained with its own four sampling flags: its evaluation at step 1
+    played with them (what rollout received) and recorded them."""
+    folder, argv = trained_run
+    flags = dict(zip(argv[::2], argv[1::2]))
+    persuader = [float(flags["--persuader-temperature"]), None, None]
+    persuadee = [float(flags["--persuadee-temperature"]), float(flags["--persuadee-top-p"]),
+                 int(flags["--persuadee-top-k"])]
+    roles = json.loads((folder / "eval-1" / "summary.json").read_text())["roles"]
+    assert roles["persuader"]["sampling"] == persuader and roles["persuadee"]["sampling"] == persuadee
+    played = json.loads((folder / "played-sampling.json").read_text())
+    assert played["training"] == played["evaluation"] == [persuader, persuadee]
+
+
+def test_a_standalone_summary_of_a_lambda_0_run_reports_shaping_at_lambda_0(run_copy, tmp_path,
+                                                                            monkeypatch):
+    run, argv = run_copy
+    assert json.loads((run / "config.json").read_text())["lam"] == 0 != rpo.LAMBDA
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path / "evals"))
+    eval.main(["--persuader", str(run / "checkpoint-1"), "--persuadee", "random:tiny-qwen3",
+               "--judge", "none", "--limit", "1", "--t-max", "1", "--max-new-tokens", "2",
+               "--kv-blocks", "600", "--name", "standalone"])
+    folder = tmp_path / "evals" / "standalone"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["shaping_lambda"] == 0
+    flags = dict(zip(argv[::2], argv[1::2]))  # the run's own sampling, read from config.json
+    assert summary["roles"]["persuader"]["sampling"][0] == float(flags["--persuader-temperature"])
+    for analyzed in (folder, run / "eval-1"):
+        (analyzed / "summary.json").unlink()
+        eval.main(["--analyze", str(analyzed)])
+        assert json.loads((analyzed / "summary.json").read_text())["shaping_lambda"] == 0
+
+# -----------------------------------------------------------------------------
+# ranks: the device before the process group, one order of timing keys, rank-0 checkpoints
+
+
+def test_a_gpu_rank_sets_its_device_before_the_process_group(monkeypatch):
+    import torch.distributed as dist
+    calls = []
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **k: calls.append(
+        ("init", backend, str(k["device_id"]), k["timeout"])))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert runs.setup_distributed()[:2] == (1, 2)
+    assert calls == [("set_device", "cuda:1"),
+                     ("init", "nccl", "cuda:1", datetime.timedelta(seconds=runs.DIST_TIMEOUT_S))]
+
+
+def test_every_rank_all_reduces_the_same_timing_keys_in_one_order(monkeypatch):
+    """A rank that admitted no group measured no persuader_s: it still reduces every key of
+    runs.TIMING_KEYS, in their order, as a busy rank does."""
+    reduced = []
+    monkeypatch.setattr(runs, "all_sum", lambda value, device: reduced.append(value) or value)
+    busy = dict(step_s=9.0, judge_s=1.0, probe_s=2.0, persuadee_s=3.0, persuader_s=4.0,
+                rollout_s=5.0, update_s=6.0)
+    idle = dict(judge_s=0.0, probe_s=0.0, rollout_s=0.5, update_s=0.1, step_s=0.7)
+    for times in (busy, idle):
+        reduced.clear()
+        out = runs.mean_timings(times, "cpu")
+        assert list(out) == list(runs.TIMING_KEYS) and len(reduced) == 1 + len(runs.TIMING_KEYS)
+    assert runs.mean_timings(busy, "cpu")["persuader_s"] == 4.0
+
+
+RESUME_ON_TWO_RANKS = '''
+import os, sys, torch
+import train
+real = torch.load
+def load(path, *a, **k):
+    print(f"rank {os.environ['RANK']} read {os.path.basename(str(path))}", flush=True)
+    return real(path, *a, **k)
+torch.load = load
+train.main(sys.argv[1:])
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_with_rank_0_alone_reading_the_trainer_state(tmp_path, short_scenarios):
+    """torchrun with 2 gloo ranks: a checkpoint saved by two ranks resumes on two ranks, and
+    only rank 0 reads trainer.pt (the weights and optimizer state are broadcast from it)."""
+    script = tmp_path / "resume_two.py"
+    script.write_text(RESUME_ON_TWO_RANKS)
+    common = ["--preset", "tiny", "--judge", "none", "--scenarios", short_scenarios, "--out",
+              str(tmp_path), "--name", "two", "--instances", "2", "--group-size", "2",
+              "--max-new-tokens", "3", "--save-every", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+              "--master_port", "29561"]
+    for extra in (["--steps", "1"], ["--steps", "2", "--resume"]):
+        p = subprocess.run(launch + [str(script), *common, *extra], cwd=HERE, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    reads = sorted(line for line in p.stdout.splitlines() if line.endswith("trainer.pt"))
+    assert reads == ["rank 0 read trainer.pt"] and "resumed from step 1" in p.stdout
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["grad_norm"] > 0
+
+
+def test_the_sampling_flags_name_rollouts_presets():
+    """runs.py (no torch) lists the presets rollout.SAMPLING holds, and the flags resolve as the
+    presets overridden flag by flag."""
+    import argparse
+    assert runs.SAMPLING_PRESETS == tuple(rollout.SAMPLING)
+    parser = argparse.ArgumentParser()
+    runs.add_sampling_flags(parser)
+    args = parser.parse_args(["--sampling", "cpu", "--persuadee-top-k", "5"])
+    persuader, persuadee = rollout.role_sampling(args)
+    assert persuader == rollout.SAMPLING["cpu"][0]
+    assert persuadee == rollout.SAMPLING["cpu"][1]._replace(top_k=5)
+
+
+def test_the_episode_record_has_one_schema(tmp_path):
+    """rollout.record writes exactly analyses.EPISODE_RECORD's fields less the stamps and labels;
+    an evaluation's saved episode holds exactly the record's fields less the training stream;
+    what the analyses check is part of the record."""
+    import analyses
+    import arena
+    import engine
+    from conftest import tiny_model
+    tokenizer = models.tiny_tokenizer()
+    engines = [engine.Engine(tiny_model(a), tokenizer, num_blocks=400) for a in ("llama", "qwen3")]
+    [record] = rollout.rollout_episodes(*engines, arena.heldout_instances()[:1], 1, max_new_tokens=2)
+    schema = set(analyses.EPISODE_RECORD)
+    assert set(record) == schema - set(analyses.STAMP_FIELDS) - set(analyses.LABEL_FIELDS)
+    assert set(analyses.EPISODE_FIELDS) <= schema and eval.TRAINING_KEYS == analyses.TRAINING_FIELDS
+    eval.evaluate(*engines, arena.heldout_instances()[:1], tmp_path / "e", t_max=1, fidelity=0,
+                  max_new_tokens=2)
+    [saved] = [json.loads(line) for line in (tmp_path / "e" / "episodes.jsonl").read_text().splitlines()]
+    assert set(saved) == schema - set(analyses.TRAINING_FIELDS)
+
+
+def test_eval_resume_keeps_the_evaluations_own_settings(tmp_path, monkeypatch, capsys):
+    """eval.py --resume means what train.py --resume means: a setting the command line leaves
+    out is the evaluation's own (here --seed 1 and --t-max 1), one it changes is refused."""
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    argv = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3", "--limit", "1",
+            "--max-new-tokens", "2", "--kv-blocks", "600", "--name", "r"]
+    eval.main(argv + ["--seed", "1", "--t-max", "1"])
+    lines = (tmp_path / "r" / "episodes.jsonl").read_text()
+    eval.main(["--name", "r", "--resume"])
+    assert "1 of 1 episodes already played" in capsys.readouterr().err
+    assert (tmp_path / "r" / "episodes.jsonl").read_text() == lines
+    with pytest.raises(SystemExit, match="seed 1 there, 2 now"):
+        eval.main(["--name", "r", "--resume", "--seed", "2"])
