@@ -183,8 +183,8 @@ class PersuasionEnv(gym.Env):
     def _player(who, loaded, dtype, kv_blocks):
         if who is None or not isinstance(who, str):
             return who
-        import eval as ev
-        return ev.player(who, loaded, dtype, kv_blocks)
+        import eval
+        return eval.player(who, loaded, dtype, kv_blocks)
 
     # -- the worker thread: rollout.py's loop over one episode ------------------------------
 

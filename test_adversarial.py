@@ -211,23 +211,23 @@ TINY_EVAL = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwe
      r"--kv-blocks 400 cannot hold the judge's prompt .*pass --kv-blocks (\d+) or more"),
 ])
 def test_eval_refuses_a_pool_it_cannot_use_in_one_line(tmp_path, monkeypatch, extra, says):
-    import eval as ev
+    import eval
     no_loading(monkeypatch)
-    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
-    assert re.search(says, one_line_exit(lambda: ev.main(TINY_EVAL + extra)))
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    assert re.search(says, one_line_exit(lambda: eval.main(TINY_EVAL + extra)))
 
 
 def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, monkeypatch):
     """The default judge shares the persuadee's pool: at the smallest --kv-blocks eval accepts,
     every transcript's prompt fits (a judge that always answers stands in for the random model,
     which never writes a score)."""
-    import eval as ev
-    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
+    import eval
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
     args = TINY_EVAL + ["--t-max", "6", "--max-new-tokens", "256", "--name", "j"]
     size = int(re.search(r"pass --kv-blocks (\d+) or more", one_line_exit(
-        lambda: ev.main(args + ["--kv-blocks", "400"]))).group(1))
+        lambda: eval.main(args + ["--kv-blocks", "400"]))).group(1))
     monkeypatch.setattr(rollout, "judge_chunk", lambda judge, prompts, *a: [1.0] * len(prompts))
-    summary = ev.main(args + ["--kv-blocks", str(size)]) or json.loads(
+    summary = eval.main(args + ["--kv-blocks", str(size)]) or json.loads(
         (tmp_path / "j" / "summary.json").read_text())
     episodes = [json.loads(line) for line in (tmp_path / "j" / "episodes.jsonl").read_text().splitlines()]
     assert episodes and not any(e["judge_failed"] for e in episodes)
@@ -269,7 +269,7 @@ def test_an_evaluation_with_no_belief_still_writes_its_summary(tmp_path, capsys)
     summary is written. eval refuses such weights when it loads them."""
     import torch
 
-    import eval as ev
+    import eval
     from conftest import tiny_model
     broken = tiny_model("qwen3", seed=2)
     with torch.no_grad():
@@ -277,8 +277,8 @@ def test_an_evaluation_with_no_belief_still_writes_its_summary(tmp_path, capsys)
     tok = models.tiny_tokenizer()
     engines = [engine.Engine(tiny_model("llama", seed=1), tok, num_blocks=400),
                engine.Engine(broken, tok, num_blocks=400)]
-    summary = ev.evaluate(*engines, arena.heldout_instances()[:2], tmp_path / "run", t_max=1,
+    summary = eval.evaluate(*engines, arena.heldout_instances()[:2], tmp_path / "run", t_max=1,
                           max_new_tokens=3)
     assert (tmp_path / "run" / "summary.json").is_file() and "probe_fidelity" not in summary
     assert "fidelity skipped" in capsys.readouterr().err
-    assert "non-finite weights" in one_line_exit(lambda: ev.refuse_nonfinite("x", broken))
+    assert "non-finite weights" in one_line_exit(lambda: eval.refuse_nonfinite("x", broken))

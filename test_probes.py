@@ -169,13 +169,13 @@ def test_evaluation_fidelity_reads_on_the_persuadees_pool(tmp_path, monkeypatch)
     (engine.CACHE_GB_CPU made small): it reads on the persuadee's own engine, finishes, and
     equals the reference."""
     import arena
-    import eval as ev
+    import eval
     model, tok = models.load_model("random:tiny-qwen3")
     engines = [engine.Engine(model, tok, num_blocks=600) for _ in range(2)]
     context = len(models.chat_ids(tok, arena.persuadee_messages(arena.heldout_instances()[0]),
                                   False))
     monkeypatch.setattr(engine, "CACHE_GB_CPU", 2 * context * engines[0].token_bytes / 2**30)
-    summary = ev.evaluate(*engines, arena.heldout_instances()[:3], tmp_path / "run", t_max=2,
+    summary = eval.evaluate(*engines, arena.heldout_instances()[:3], tmp_path / "run", t_max=2,
                           fidelity=6, max_new_tokens=6)
     assert summary["probe_fidelity"]["n"] == 6 * 3
     assert summary["probe_fidelity"]["max_abs_diff"] < 1e-4

@@ -284,7 +284,7 @@ def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():
 def test_a_typed_line_that_is_not_utf8_is_typed_again_and_the_game_survives(tmp_path, monkeypatch):
     """eval.py --play: invalid UTF-8 (raised by a strict stdin, or kept as lone surrogates by a
     surrogateescape one) is said in one line and typed again; the game in progress goes on."""
-    import eval as ev
+    import eval
     monkeypatch.chdir(tmp_path)
     typed = iter([UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
                   "caf\udce9 au lait?", "Hello, could we talk about the appointment?", ""])
@@ -295,7 +295,7 @@ def test_a_typed_line_that_is_not_utf8_is_typed_again_and_the_game_survives(tmp_
             raise line
         return line
     shown = []
-    ep = ev.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, read=read, write=shown.append)
+    ep = eval.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, read=read, write=shown.append)
     assert [m["text"] for m in ep["transcript"] if m["role"] == "persuader"] == [
         "Hello, could we talk about the appointment?"]
     assert ep["end_reason"] == "stopped"

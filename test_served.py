@@ -1200,8 +1200,8 @@ def surrogates(monkeypatch):
 def test_a_served_eval_against_lone_surrogates_finishes_and_counts_them(surrogates, tmp_path,
                                                                          monkeypatch):
     """Issue 27: such an answer once crashed the tokenizer or the client a turn later."""
-    monkeypatch.setattr(ev, "EVALS_DIR", str(tmp_path))
-    ev.main(["--persuader", "random:tiny-llama", "--persuadee", surrogates, "--scenarios", "train",
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    eval.main(["--persuader", "random:tiny-llama", "--persuadee", surrogates, "--scenarios", "train",
              "--limit", "3", "--t-max", "2", "--max-new-tokens", "4", "--name", "halves"])
     episodes = [strict_json(l) for l in (tmp_path / "halves" / "episodes.jsonl").read_text()
                 .splitlines()]

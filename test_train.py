@@ -765,7 +765,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     plays the merged weights (the sampled log-probs are the policy's: ratio 1 at step 2); the
     checkpoint is peft's adapter folder (PeftModel.from_pretrained, merge_and_unload) and
     eval.py --persuader runs/NAME/checkpoint-K evaluates it."""
-    import eval as ev
+    import eval
     from peft import PeftModel
     history = tiny_run(tmp_path, short_scenarios, "lora", "--lora", 4, "--steps", 2, "--lr", 3e-2,
                        "--save-every", 1, "--kl-beta", 0.01)
@@ -779,7 +779,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight,
                            models.random_model("tiny-llama")[0].model.layers[0].self_attn.q_proj.weight)
     monkeypatch.chdir(tmp_path)
-    ev.main(["--persuader", str(folder), "--persuadee", "random:tiny-qwen3", "--judge", "none",
+    eval.main(["--persuader", str(folder), "--persuadee", "random:tiny-qwen3", "--judge", "none",
              "--limit", "1", "--t-max", "1", "--max-new-tokens", "3", "--name", "lora-eval"])
     assert (tmp_path / "evals" / "lora-eval" / "summary.json").is_file()
 
