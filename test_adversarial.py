@@ -223,7 +223,7 @@ def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, mo
     which never writes a score)."""
     import eval
     monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    args = TINY_EVAL + ["--t-max", "6", "--max-new-tokens", "256", "--name", "j"]
+    args = TINY_EVAL[:-1] + ["1", "--t-max", "6", "--max-new-tokens", "256", "--name", "j"]
     size = int(re.search(r"pass --kv-blocks (\d+) or more", one_line_exit(
         lambda: eval.main(args + ["--kv-blocks", "400"]))).group(1))
     monkeypatch.setattr(rollout, "judge_chunk", lambda judge, prompts, *a: [1.0] * len(prompts))
