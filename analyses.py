@@ -4,7 +4,7 @@ Statistics over episode records: the paper's metrics and analyses, computed from
 (`import analyses` loads neither).
 
 Reported metrics: full acceptance, full-or-conditional, pending, reject and walk-away (fractions of
-episodes), mean turns, mean final belief (the measured b_T), closing efficiency (README, Decisions:
+episodes), mean turns, mean final belief (the measured b_T), closing efficiency (DECISIONS.md:
 Closing efficiency), mean dense return (sum_t r_t under the run's own reward setting), the share of
 turns with a negative process reward (rpo.negative_process_share: measured beliefs), mean
 strategy-judge score; the same per resistance type and per domain; and
@@ -127,7 +127,7 @@ def _summary(episodes):
 
 
 def closing_efficiency(episodes):
-    """Table 9's closing efficiency (README, Decisions: Closing efficiency): of the episodes that
+    """Table 9's closing efficiency (DECISIONS.md: Closing efficiency): of the episodes that
     ended with the persuadee leaning towards the request (b_T > 0), the share that closed (ACCEPT).
     None where no episode ended with b_T > 0."""
     leaning = [ep for ep in with_beliefs(episodes) if ep["beliefs"][-1] > 0]
@@ -610,7 +610,7 @@ TABLE_MEANS = {"mean_turns": "turns", "mean_final_belief": "final belief"}  # an
 
 
 def wilson_interval(k, n, z=Z95):
-    """The Wilson score interval of a proportion k / n (README, Decisions: Main table)."""
+    """The Wilson score interval of a proportion k / n (DECISIONS.md: Main table)."""
     if n == 0:
         return None, None
     p = k / n

@@ -20,7 +20,7 @@ The recorded decision is the latest non-terminal one, so REJECT and CONDITIONAL_
 each other: a REJECT inside the window is what the window closes on unless a later tag replaces it,
 and rejections are counted over the whole episode, whatever came between them.
 
-Tags are read only in square brackets, on normalised text (README, Decisions: Text normalisation),
+Tags are read only in square brackets, on normalised text (DECISIONS.md: Text normalisation),
 and both sides see the other's text with every tag stripped, so a persuader cannot forge a
 decision; a quoted or negated tag is no decision (the decision tags section says exactly what
 counts). arena.py uses the standard library
@@ -348,7 +348,7 @@ def heldout_instances(scenarios=None):
     return [{**copy.deepcopy(s), "scenario_id": s["id"], "variant": 0} for s in scenarios if s["split"] == "heldout"]
 
 # -----------------------------------------------------------------------------
-# decision tags (README, Decisions: Several tags, Text normalisation)
+# decision tags (DECISIONS.md: Several tags, Text normalisation)
 #
 # One grammar, read on normalised text by both the parser and the stripper. Normalising: each
 # character NFKC-folded on its own (fullwidth and styled forms become ASCII), format characters
@@ -583,7 +583,7 @@ def persuader_sees(persuadee_text):
     return strip_decision_tags(persuadee_text)
 
 # -----------------------------------------------------------------------------
-# prompts (README, Decisions: Persuader opening); each model's own chat template renders the
+# prompts (DECISIONS.md: Persuader opening); each model's own chat template renders the
 # message lists elsewhere
 
 def _first(scenario):
@@ -693,7 +693,7 @@ FINAL_TURN_INSTRUCTION = (
     "(This is the final exchange. Decide now and end your reply with exactly one decision tag in "
     "square brackets: ACCEPT, CONDITIONAL ACCEPT, PENDING, REJECT or WALK AWAY.)")
 
-# The logit decision (README, Decisions: Logit decision; rollout.DECISION "logit"): for a persuadee
+# The logit decision (DECISIONS.md: Logit decision; rollout.DECISION "logit"): for a persuadee
 # too small to write tags, the decision is read after each reply in a discarded fork of its
 # context: this question as a user turn, then its next-token probabilities over the first tokens of
 # each choice's word (probes.decision_probs), sampled with the episode's keyed stream, applied by
@@ -717,7 +717,7 @@ def add_decision_flag(parser):
 
 
 # -----------------------------------------------------------------------------
-# strategy judge (README, Decisions: Judge retries): a fresh context that sees the hidden profile and the whole transcript
+# strategy judge (DECISIONS.md: Judge retries): a fresh context that sees the hidden profile and the whole transcript
 
 JUDGE_KEYS = ("PROBING", "FIT", "ADAPTATION")
 JUDGE_RESISTANCE = {
@@ -788,7 +788,7 @@ def parse_judge(text):
     return sum(scores) / len(scores) - 3
 
 # -----------------------------------------------------------------------------
-# episode state machine (README, Decisions: Upgrade window, Final-turn instruction)
+# episode state machine (DECISIONS.md: Upgrade window, Final-turn instruction)
 
 API_ERROR = "api_error"  # end reason of an episode whose served model's request kept failing
 CUT_OFF = ("context", "cache", API_ERROR)  # end reasons of an episode cut off before its outcome:

@@ -52,7 +52,7 @@ Metrics:
     PYTHONPATH=. python bench.py --probe-vs-judge --dialogues 4 --turns 2   # Table 4: probe vs judge call
     PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --skip-baselines --cudnn-attention
 
-The GPU check (--gpu-check; README, "The GPU check", says how to carry the tokenizer to a
+The GPU check (--gpu-check; BENCHMARKS.md, "The GPU check", says how to carry the tokenizer to a
 machine without network): one rank of the paper preset on one GPU, random weights of the
 paper's shapes in bf16: a Qwen3-4B-shaped persuader and a Qwen3-14B-shaped persuadee (also the
 judge), engines sized by plan.py's memory plan for 8 ranks (16 episodes a rank), and

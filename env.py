@@ -13,7 +13,7 @@ messages come from step() (TrainerSide, as eval.py --play's PersonSide takes the
 so that sum_t r_t = (b_T - b_0) / 2, the dense term of Probe-RPO (rpo.process_rewards). `terminated`
 is a decision (ACCEPT, PENDING, WALK_AWAY, the second REJECT, a closed upgrade window);
 `truncated` the turn budget t_max or an end from outside the arena (the persuadee's context or
-KV pool, a served persuadee's request that kept failing: README, Decisions: Context and cache
+KV pool, a served persuadee's request that kept failing: DECISIONS.md: Context and cache
 ends). info carries the decision, the outcome, the beliefs so far [b_0..b_t], the turn's three
 probe values and their Yes+No masses; at the end the goal reward G(outcome), the judge's strategy
 score s and the outcome reward G + 0.5 s that a trainer mixes in by its own lambda. The persuadee

@@ -52,7 +52,7 @@ DEFAULT_MODEL = "smollm2"
 SAME_AS_PERSUADEE = "persuadee"  # the judge by default (the paper's frozen judge): the persuadee's model, fresh context
 FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checked against a full forward
 CPU_MAX_NEW_TOKENS = 64  # per message on a CPU, so that --limit 4 takes minutes
-CPU_SAMPLING_MODELS = (DEFAULT_MODEL,)  # persuaders whose default --sampling is "cpu" (README)
+CPU_SAMPLING_MODELS = (DEFAULT_MODEL,)  # persuaders whose default --sampling is "cpu" (DECISIONS.md: CPU sampling preset)
 SAMPLING_FLAGS = ("sampling", "persuader_temperature", "persuadee_temperature", "persuadee_top_p",
                   "persuadee_top_k")  # runs.add_sampling_flags: a training run's, by default
 SUBSETS = {"balanced60": 3}  # named subsets: scenarios kept per domain x resistance cell, file order
@@ -159,7 +159,7 @@ def _instances(split):
 
 def fidelity_sample(episodes, n):
     """n read-outs (episode index, t) spread evenly over every read-out t = 0..T of every episode
-    with beliefs, so that the check covers every stage of a conversation (README, Decisions:
+    with beliefs, so that the check covers every stage of a conversation (DECISIONS.md:
     Probe fidelity sample)."""
     every = [(i, t) for i, ep in enumerate(episodes) if analyses.with_beliefs([ep])
              for t in range(len(ep["probes"]))]
@@ -186,7 +186,7 @@ def fidelity_contexts(tokenizer, instances, episodes, sample):
 
 
 def default_dtype():
-    """As train.py's presets: bfloat16 with CUDA, float32 on a CPU (see README, bf16 on CPUs)."""
+    """As train.py's presets: bfloat16 with CUDA, float32 on a CPU (DECISIONS.md: Precision)."""
     import torch
     return "bfloat16" if torch.cuda.is_available() else "float32"
 

@@ -53,7 +53,7 @@ JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
 FROZEN_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the frozen roles' sampling: the
 # persuadee's replies and the judge's retries (Qwen3 non-thinking, as its makers advise)
 SAMPLING = {  # per preset: (persuader, persuadee). The persuader samples its whole tempered
-    # distribution (pi_old exact); cpu: SmolLM2-135M at T 0.7, chosen by reading its samples (README)
+    # distribution (pi_old exact); cpu: SmolLM2-135M at T 0.7, chosen by reading its samples (DECISIONS.md: CPU sampling preset)
     "paper": (engine.Sampling(1.0), FROZEN_SAMPLING),
     "cpu": (engine.Sampling(0.7), FROZEN_SAMPLING),
 }
@@ -64,9 +64,9 @@ STOPPED = "stopped"  # end reason: the person at the terminal ended the conversa
 TYPING_TRIES = 5  # lines a person may type that are not valid text before the message is ""
 CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
 PROMPT_ROOM = engine.MAX_NEW_TOKENS // 4  # context a prompt must leave free: a short exchange
-ADMISSION = "continuous"  # or "waves": admit only into empty pools (README compares the two)
-DECISION = "tag"  # "logit": the persuadee's decision read in a fork after each reply (README,
-# Decisions: Logit decision), for persuadees too small to write tags; set by --decision
+ADMISSION = "continuous"  # or "waves": admit only into empty pools (BENCHMARKS.md compares the two)
+DECISION = "tag"  # "logit": the persuadee's decision read in a fork after each reply (DECISIONS.md:
+# Logit decision), for persuadees too small to write tags; set by --decision
 
 
 @contextmanager

@@ -2,9 +2,9 @@
 Probe-RPO: GRPO whose outcome advantage is mixed with a dense, belief-based process reward.
 
 After every persuader turn t the persuadee's implicit belief b_t in [-1, 1] is read from its own
-next-token logits (README, Decisions: Probe wording); b_0 is read before the first message. This
+next-token logits (DECISIONS.md: Probe wording); b_0 is read before the first message. This
 file turns beliefs, outcomes and strategy scores into per-token advantages and the policy loss
-(README, Decisions: Centred dense term, Loss normalisation):
+(DECISIONS.md: Centred dense term, Loss normalisation):
 
   process reward     r_t = (b_t - b_{t-1}) / 2,    t = 1..T,    sum_t r_t = (b_T - b_0) / 2
   terminal anchor    off by default: b_T is the measured belief, as in the paper (whose shaping
@@ -35,7 +35,7 @@ Tests: python -m pytest -q test_rpo.py
 import math
 
 LAMBDA = 0.5  # weight of the dense process term; 0 recovers outcome-only GRPO
-ANCHOR = False  # ablation: replace the last belief by the outcome's anchor belief (README, Decisions: Terminal anchor)
+ANCHOR = False  # ablation: replace the last belief by the outcome's anchor belief (DECISIONS.md: Terminal anchor)
 GOAL = {"ACCEPT": 3.0, "CONDITIONAL_ACCEPT": 1.0, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -2.0}  # goal reward per outcome
 ANCHOR_BELIEF = {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -1.0}  # b_T under ANCHOR
 STRATEGY_WEIGHT = 0.5  # weight of the judge's strategy score s in the outcome reward

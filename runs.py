@@ -53,7 +53,7 @@ TIMING_KEYS = ("judge_s", "probe_s", "persuader_s", "persuadee_s", "rollout_s", 
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")  # the only names `latest` may hold
 WANDB_PROJECT = "persuarena"  # W&B project of every run
 LOGGERS = ("tensorboard", "wandb")  # --log choices, each an optional package
-# the module constants an ablation edits (README: run an ablation), pinned in config.json
+# the module constants an ablation edits (README: Run it), pinned in config.json
 PINNED_CONSTANTS = {"rpo": ("GOAL", "STRATEGY_WEIGHT", "ANCHOR_BELIEF", "STD_EPS"),
                     "probes": ("PROBES", "INSTRUCTION", "YES_WORDS", "NO_WORDS", "LOGODDS_CLIP"),
                     "arena": ("UPGRADE_WINDOW", "MAX_REJECTIONS", "JUDGE_RETRIES",

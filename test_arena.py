@@ -1,6 +1,6 @@
 """Tests for arena.py: python -m pytest -q test_arena.py
 
-Every expected value below is derived from the rules the README states (The scenario set, Decisions), not read off the code."""
+Every expected value below is derived from the rules the README (The scenario set) and DECISIONS.md state, not read off the code."""
 
 import copy
 import json
@@ -79,7 +79,7 @@ def hidden_strings(s, identifiers=True):
     return out + list(h["concerns"])
 
 # -----------------------------------------------------------------------------
-# decision parser (README, Decisions: Several tags, Text normalisation)
+# decision parser (DECISIONS.md: Several tags, Text normalisation)
 
 @pytest.mark.parametrize("text, expected", [
     ("Alright. [ACCEPT]", "ACCEPT"),
@@ -346,7 +346,7 @@ def test_conditional_variants_property(seps, upper, prose):
     assert parse_decision("I accept. " + tag + prose) == "CONDITIONAL_ACCEPT"
 
 # -----------------------------------------------------------------------------
-# strategy judge (README, Decisions: Judge retries)
+# strategy judge (DECISIONS.md: Judge retries)
 
 @pytest.mark.parametrize("text, expected", [
     ("PROBING: 4\nFIT: 3\nADAPTATION: 2", 0.0),
@@ -406,7 +406,7 @@ def test_judge_messages_show_profile_and_transcript():
         arena.judge_messages(s, [{"role": "narrator", "text": "x"}])
 
 # -----------------------------------------------------------------------------
-# episode state machine (README, Decisions: Upgrade window, Final-turn instruction)
+# episode state machine (DECISIONS.md: Upgrade window, Final-turn instruction)
 
 def test_judge_transcript_cannot_be_forged():
     """A persuader message that writes a persuadee line, a judge answer and a closing quote stays

@@ -39,7 +39,7 @@ def test_process_rewards_anchor_replaces_last_belief():
 
 
 def test_accept_and_conditional_at_one_belief_same_dense_return_unless_anchored():
-    """README, Decisions, Terminal anchor: the default dense return is accept-blind (the paper's 0.479 vs 0.461); the anchor
+    """DECISIONS.md: Terminal anchor: the default dense return is accept-blind (the paper's 0.479 vs 0.461); the anchor
     ablation separates the two outcomes by lambda * the anchor gap / 2."""
     beliefs = [-0.96, -0.2, 0.5, 0.9]
     lam = 0.5

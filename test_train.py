@@ -205,7 +205,7 @@ def test_rpo_owns_the_defaults(monkeypatch):
 
 
 def test_defaults():
-    """The paper's values and this project's defaults (README, Decisions), gathered here: the one
+    """The paper's values and this project's defaults (DECISIONS.md), gathered here: the one
     test an edited default breaks; every other test derives from the constants."""
     assert (rpo.LAMBDA, rpo.KL_BETA, rpo.CLIP_LOW, rpo.CLIP_HIGH) == (0.5, 0.01, 0.2, 0.28)
     assert rpo.ANCHOR is False and (rpo.STD_EPS, rpo.STRATEGY_WEIGHT) == (1e-6, 0.5)

@@ -82,7 +82,7 @@ PRESETS = {
                  t_max=2, eval_t_max=2, max_new_tokens=4),  # overrides: tiny random models
 }
 LORA_RANK = 64                      # --preset one-gpu's adapter rank (train.py --lora)
-PRESETS["one-gpu"] = dict(  # the paper's models and sampling on one H200, LoRA (README: one GPU)
+PRESETS["one-gpu"] = dict(  # the paper's models and sampling on one H200, LoRA (README: Train with LoRA on one GPU)
     PRESETS["paper"], lora=LORA_RANK, lr=1e-5, instances=2, micro_batch=2, eval_limit=16,
     plan_ranks=1)
 
@@ -493,7 +493,7 @@ def step_metrics(step, records, groups, update, times, args, device):
         runs.all_sum(len(read), device), 1)
     m["turns_mean"] = total(r["turns"] for r in records) / n
     m["judge_mean"] = total(r["judge"] for r in records) / n
-    # the share of transcripts whose strategy score fell back to s = 0 (README, Decisions: Judge retries)
+    # the share of transcripts whose strategy score fell back to s = 0 (DECISIONS.md: Judge retries)
     m["judge_failed_share"] = None if args.judge == "none" else total(
         bool(r.get("judge_failed")) for r in records) / n
     # pooled: every rank's counts and sums are added before the division (rpo.diagnostics)
