@@ -1145,22 +1145,33 @@ class GarbageServer(FakeServer):
         return ok("Tell me more about it.")
 
 
-@pytest.fixture
-def garbage(monkeypatch):
+def scripted(monkeypatch, server_class):
+    """A loopback server of server_class as a served model, retried without backoff."""
     monkeypatch.setattr(served, "BACKOFF_S", 0.0)
-    server = GarbageServer()
+    server = server_class()
     yield f"openai:scripted@{server.url}"
     server.close()
 
 
+@pytest.fixture
+def garbage(monkeypatch):
+    yield from scripted(monkeypatch, GarbageServer)
+
+
+def served_eval(persuadee, tmp_path, monkeypatch, *, limit, t_max):
+    """eval.py of the tiny persuader against a served persuadee: (episodes, summary), each line
+    standard JSON."""
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    eval.main(["--persuader", "random:tiny-llama", "--persuadee", persuadee, "--scenarios", "train",
+               "--limit", str(limit), "--t-max", str(t_max), "--max-new-tokens", "4", "--name", "served"])
+    episodes = [strict_json(line) for line in
+                (tmp_path / "served" / "episodes.jsonl").read_text().splitlines()]
+    return episodes, strict_json((tmp_path / "served" / "summary.json").read_text())
+
+
 def test_a_served_eval_against_garbage_finishes_and_counts_every_failure(garbage, tmp_path,
                                                                          monkeypatch):
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    eval.main(["--persuader", "random:tiny-llama", "--persuadee", garbage, "--scenarios", "train",
-             "--limit", "6", "--t-max", "3", "--max-new-tokens", "4", "--name", "garbage"])
-    episodes = [strict_json(l) for l in (tmp_path / "garbage" / "episodes.jsonl").read_text()
-                .splitlines()]
-    summary = strict_json((tmp_path / "garbage" / "summary.json").read_text())
+    episodes, summary = served_eval(garbage, tmp_path, monkeypatch, limit=6, t_max=3)
     errors = sum(e["end_reason"] == arena.API_ERROR for e in episodes)
     assert len(episodes) == 6 and errors >= 1 and summary["api_errors"] == errors
     assert summary["requests"][garbage]["failed_requests"] >= errors
@@ -1191,21 +1202,13 @@ class SurrogateServer(GarbageServer):
 
 @pytest.fixture
 def surrogates(monkeypatch):
-    monkeypatch.setattr(served, "BACKOFF_S", 0.0)
-    server = SurrogateServer()
-    yield f"openai:scripted@{server.url}"
-    server.close()
+    yield from scripted(monkeypatch, SurrogateServer)
 
 
 def test_a_served_eval_against_lone_surrogates_finishes_and_counts_them(surrogates, tmp_path,
                                                                          monkeypatch):
     """Issue 27: such an answer once crashed the tokenizer or the client a turn later."""
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    eval.main(["--persuader", "random:tiny-llama", "--persuadee", surrogates, "--scenarios", "train",
-             "--limit", "3", "--t-max", "2", "--max-new-tokens", "4", "--name", "halves"])
-    episodes = [strict_json(l) for l in (tmp_path / "halves" / "episodes.jsonl").read_text()
-                .splitlines()]
-    summary = strict_json((tmp_path / "halves" / "summary.json").read_text())
+    episodes, summary = served_eval(surrogates, tmp_path, monkeypatch, limit=3, t_max=2)
     assert len(episodes) == 3 and summary["requests"][surrogates]["failed_attempts"] > 0
     for e in episodes:
         assert all(arena.invalid_text(m["text"]) is None for m in e["transcript"])
