@@ -67,7 +67,7 @@ judge), engines sized by plan.py's memory plan for 8 ranks (16 episodes a rank),
               window's capacity tier): token ids and log-probs bit-equal; and eagerly at the live
               length (attending over fewer columns: rounding, not a bug): max |delta log-prob|
   memory      torch.cuda.max_memory_allocated against the plan's figures for what this process
-              holds (rollout copy, persuadee, both KV pools and decode arenas)
+              holds (rollout copy, persuadee, both KV pools and decode memories)
   kernels     aten ops a decode layer issues on the GPU's code path (decode_layer_ops)
 Targets: decode step <= 1.5x the weight + live-KV floor, probe share <= 5%, peak within 10% of the
 plan, graphs bit-equal to eager at the same extent, <= 12 kernels a decode layer.
@@ -580,8 +580,8 @@ def gpu_check(args):
         out[f"{name}_decode_step_ms"] = 1e3 * seconds / max(n, 1)
         out[f"{name}_floor_ms"] = 1e3 * floor
         out[f"{name}_decode_buckets"] = sorted(eng.decode_batches)
-    held = ("rollout copy", "actor KV pool", "actor decode arena", "actor attention transient",
-            "persuadee bfloat16", "persuadee KV pool", "persuadee decode arena",
+    held = ("rollout copy", "actor KV pool", "actor decode memory", "actor attention transient",
+            "persuadee bfloat16", "persuadee KV pool", "persuadee decode memory",
             "persuadee attention transient")
     planned = sum(n for name, n in rank_plan["items"] if name.startswith(held))
     out.update(peak_gib=peak / 2**30, planned_gib=planned / 2**30,

@@ -4,9 +4,9 @@ plan.py: the memory plan. What one rank of a training run holds, from the models
 
 Per rank, for a policy of P parameters (fp32 master weights, gradients and AdamW's two moments,
 sharded over the ranks by FSDP2), a frozen reference, a persuadee and a judge (in --dtype), each
-engine's KV pool and decode arena, and one micro-batch of activations:
+engine's KV pool and decode memory, and one micro-batch of activations:
 
-    total = 16 P / world + (dtype copies of the weights) + sum_engines (KV pool + arena)
+    total = 16 P / world + (dtype copies of the weights) + sum_engines (KV pool + decode memory)
             + activations + PLAN_RESERVED_GIB,      headroom = capacity - total
 
 KV per token = 2 (keys, values) x layers x kv_heads x head_dim x itemsize; a pool holds the
@@ -65,9 +65,9 @@ def context_tokens(t_max, max_new_tokens):
 
 
 def engine_sizes(cfg, itemsize, rows, contexts, gpu):
-    """(KV pool bytes, decode arena bytes, arena capacity) of one engine. On a GPU from the
+    """(KV pool bytes, decode memory bytes, decode capacity) of one engine. On a GPU from the
     workload: a pool for the contexts in play (rows, tokens each, of training and of the
-    held-out evaluation) and an arena of the largest batch bucket at the training context (a
+    held-out evaluation) and a decode memory of the largest batch bucket at the training context (a
     smaller bucket gets more tokens a row, up to the longest context); on a CPU the engine's
     defaults (engine.CACHE_GB_CPU, engine.DECODE_COPY_GB)."""
     token = kv_token_bytes(cfg, itemsize)
@@ -77,15 +77,15 @@ def engine_sizes(cfg, itemsize, rows, contexts, gpu):
     pool = min(PLAN_POOL_MARGIN * max(n * t for n, t in contexts) * token, limit)
     longest = min(max(t for _, t in contexts), cfg.max_position_embeddings) + engine.SYNC_EVERY
     train = engine.round_up(contexts[0][1] + engine.SYNC_EVERY, engine.CAPACITY_BUCKET)
-    arena = engine.arena_bytes(engine.batch_bucket(rows), train, token)
-    return pool, arena, engine.round_up(longest, engine.CAPACITY_BUCKET)
+    decode_memory = engine.decode_memory_bytes(engine.batch_bucket(rows), train, token)
+    return pool, decode_memory, engine.round_up(longest, engine.CAPACITY_BUCKET)
 
 
 def memory_plan(args, world, gib, gpu):
     """Every tensor a rank holds, in bytes, from the configs alone: the policy's fp32 master
     shard, gradients and AdamW moments; FSDP's gathered layers (or autocast's bf16 weights in
     one process); the rollout copy, reference, persuadee and judge; each engine's KV pool and
-    decode arena; one micro-batch's activations; what CUDA keeps outside tensors. Returns the
+    decode memory; one micro-batch's activations; what CUDA keeps outside tensors. Returns the
     items, the total, the device's bytes and each engine's sizes (Engine keyword arguments)."""
     GiB, itemsize = 2**30, getattr(torch, args.dtype).itemsize
     policy_cfg = models.model_config(args.persuader)
@@ -105,14 +105,14 @@ def memory_plan(args, world, gib, gpu):
         items.append((name, int(n)))
 
     def engine_items(role, cfg):
-        pool, arena, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
+        pool, decode_memory, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
         add(f"{role} KV pool", pool)
-        add(f"{role} decode arena", arena)
+        add(f"{role} decode memory", decode_memory)
         if gpu:  # the padded path's largest SDPA call (its gathered keys stay: Batch.gather)
             add(f"{role} attention transient",
-                engine.attention_transient_bytes(cfg.num_attention_heads,
-                                                 arena // kv_token_bytes(cfg, itemsize), itemsize))
-        sizes[role] = dict(cache_bytes=pool, decode_bytes=arena, decode_capacity=capacity)
+                engine.attention_transient_bytes(
+                    cfg.num_attention_heads, decode_memory // kv_token_bytes(cfg, itemsize), itemsize))
+        sizes[role] = dict(cache_bytes=pool, decode_bytes=decode_memory, decode_capacity=capacity)
 
     shard = f" (1/{world} shard)" if world > 1 else ""
     add(f"policy master weights fp32{shard}", 4 * P / world)
