@@ -90,8 +90,8 @@ def memory_plan(args, world, gib, gpu):
     GiB, itemsize = 2**30, getattr(torch, args.dtype).itemsize
     policy_cfg = models.model_config(args.persuader)
     P = parameter_count(policy_cfg)
-    served_ee = served.is_served(args.persuadee)
-    same = not served_ee and args.persuadee == args.persuader
+    served_persuadee = served.is_served(args.persuadee)
+    same = not served_persuadee and args.persuadee == args.persuader
     separate_rollout = world > 1 or args.dtype != "float32"
     judge_own = args.judge not in (None, "none", args.persuadee) and not served.is_served(args.judge)
     rows = max(args.instances // world, 1) * args.group_size
@@ -130,11 +130,11 @@ def memory_plan(args, world, gib, gpu):
     if getattr(args, "lora", None):  # train.py --lora: the policy lines above are LoRA's instead
         items[:] = lora_items(policy_cfg, args, itemsize)
     engine_items("actor", policy_cfg)
-    if not served_ee:
-        ee_cfg = policy_cfg if same else models.model_config(args.persuadee)
+    if not served_persuadee:
+        persuadee_cfg = policy_cfg if same else models.model_config(args.persuadee)
         add(f"persuadee {args.dtype}" + (" (also the reference)" if same else ""),
-            itemsize * parameter_count(ee_cfg))
-        engine_items("persuadee", ee_cfg)
+            itemsize * parameter_count(persuadee_cfg))
+        engine_items("persuadee", persuadee_cfg)
     if args.kl_beta > 0 and not same and not getattr(args, "lora", None):  # LoRA's is the base
         add(f"reference {args.dtype}{shard}", itemsize * P / world)
     if judge_own:
