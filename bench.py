@@ -591,6 +591,15 @@ def print_gpu_check(out, shapes, device, records, generated, bandwidth):
     print(f"peak memory {out['peak_gib']:.2f} GiB against the plan's {out['planned_gib']:.2f} GiB")
 
 
+def planned_rollout_bytes(rank_plan):
+    """What a rank's memory plan says the rollout holds: the rollout copy, the persuadee and each
+    engine's KV pool, decode memory and attention transient (what gpu_check's peak measures)."""
+    held = ("rollout copy", "actor KV pool", "actor decode memory", "actor attention transient",
+            "persuadee bfloat16", "persuadee KV pool", "persuadee decode memory",
+            "persuadee attention transient")
+    return sum(n for name, n in rank_plan["items"] if name.startswith(held))
+
+
 def gpu_check(args):
     """One rank of the paper preset at the paper's shapes, measured as the module docstring says.
     Returns the figures as a dict."""
@@ -645,10 +654,7 @@ def gpu_check(args):
         out[f"{name}_decode_step_ms"] = 1e3 * seconds / max(n, 1)
         out[f"{name}_floor_ms"] = 1e3 * floor
         out[f"{name}_decode_buckets"] = sorted(eng.decode_batches)
-    held = ("rollout copy", "actor KV pool", "actor decode memory", "actor attention transient",
-            "persuadee bfloat16", "persuadee KV pool", "persuadee decode memory",
-            "persuadee attention transient")
-    planned = sum(n for name, n in rank_plan["items"] if name.startswith(held))
+    planned = planned_rollout_bytes(rank_plan)
     out.update(peak_gib=peak / 2**30, planned_gib=planned / 2**30,
                peak_over_plan=peak / planned if gpu else None)
     print_gpu_check(out, shapes, args.device, records, generated, bandwidth)

@@ -81,6 +81,37 @@ def engine_sizes(cfg, itemsize, rows, contexts, gpu):
     return pool, decode_memory, engine.round_up(longest, engine.CAPACITY_BUCKET)
 
 
+def engine_contexts(args, world, rows):
+    """(rows, context tokens) of each batch a rank's engines hold: the training rollout's, and
+    with --eval-every the held-out evaluation's."""
+    contexts = [(rows, context_tokens(args.t_max, args.max_new_tokens))]
+    if args.eval_every:
+        contexts.append((-(-args.eval_limit // world), context_tokens(args.eval_t_max,
+                                                                      args.max_new_tokens)))
+    return contexts
+
+
+def policy_items(policy_cfg, args, world, itemsize, shard):
+    """The policy's lines of a rank's memory plan (full fine-tuning): fp32 master shard,
+    gradients and AdamW moments; FSDP's gathered layers or autocast's weight copies; the rollout
+    copy when the actor engine cannot share the master weights."""
+    P = parameter_count(policy_cfg)
+    items = [(f"policy master weights fp32{shard}", int(4 * P / world)),
+             (f"policy gradients fp32{shard}", int(4 * P / world)),
+             (f"AdamW moments fp32{shard}", int(8 * P / world))]
+    if world > 1:  # the roots (embeddings, lm_head) of policy and reference, two layers in flight
+        roots = policy_cfg.vocab_size * policy_cfg.hidden_size * (
+            1 if policy_cfg.tie_word_embeddings else 2)
+        items.append(("FSDP gathered weights and fp32 reduce buffers",
+                      int(itemsize * (2 * roots + 2 * layer_count(policy_cfg))
+                          + 4 * layer_count(policy_cfg))))
+    elif args.dtype != "float32":
+        items.append((f"autocast {args.dtype} weight copies", int(itemsize * P)))
+    if world > 1 or args.dtype != "float32":  # a separate rollout copy
+        items.append((f"rollout copy {args.dtype} (actor engine's weights)", int(itemsize * P)))
+    return items
+
+
 def memory_plan(args, world, gib, gpu):
     """Every tensor a rank holds, in bytes, from the configs alone: the policy's fp32 master
     shard, gradients and AdamW moments; FSDP's gathered layers (or autocast's bf16 weights in
@@ -92,14 +123,14 @@ def memory_plan(args, world, gib, gpu):
     P = parameter_count(policy_cfg)
     served_persuadee = served.is_served(args.persuadee)
     same = not served_persuadee and args.persuadee == args.persuader
-    separate_rollout = world > 1 or args.dtype != "float32"
     judge_own = args.judge not in (None, "none", args.persuadee) and not served.is_served(args.judge)
     rows = max(args.instances // world, 1) * args.group_size
-    contexts = [(rows, context_tokens(args.t_max, args.max_new_tokens))]
-    if args.eval_every:
-        contexts.append((-(-args.eval_limit // world), context_tokens(args.eval_t_max,
-                                                                      args.max_new_tokens)))
-    items, sizes = [], {}
+    contexts = engine_contexts(args, world, rows)
+    shard = f" (1/{world} shard)" if world > 1 else ""
+    if getattr(args, "lora", None):  # train.py --lora: LoRA's policy lines instead
+        items, sizes = lora_items(policy_cfg, args, itemsize), {}
+    else:
+        items, sizes = policy_items(policy_cfg, args, world, itemsize, shard), {}
 
     def add(name, n):
         items.append((name, int(n)))
@@ -114,21 +145,6 @@ def memory_plan(args, world, gib, gpu):
                     cfg.num_attention_heads, decode_memory // kv_token_bytes(cfg, itemsize), itemsize))
         sizes[role] = dict(cache_bytes=pool, decode_bytes=decode_memory, decode_capacity=capacity)
 
-    shard = f" (1/{world} shard)" if world > 1 else ""
-    add(f"policy master weights fp32{shard}", 4 * P / world)
-    add(f"policy gradients fp32{shard}", 4 * P / world)
-    add(f"AdamW moments fp32{shard}", 8 * P / world)
-    if world > 1:  # the roots (embeddings, lm_head) of policy and reference, two layers in flight
-        roots = policy_cfg.vocab_size * policy_cfg.hidden_size * (
-            1 if policy_cfg.tie_word_embeddings else 2)
-        add("FSDP gathered weights and fp32 reduce buffers",
-            itemsize * (2 * roots + 2 * layer_count(policy_cfg)) + 4 * layer_count(policy_cfg))
-    elif args.dtype != "float32":
-        add(f"autocast {args.dtype} weight copies", itemsize * P)
-    if separate_rollout:
-        add(f"rollout copy {args.dtype} (actor engine's weights)", itemsize * P)
-    if getattr(args, "lora", None):  # train.py --lora: the policy lines above are LoRA's instead
-        items[:] = lora_items(policy_cfg, args, itemsize)
     engine_items("actor", policy_cfg)
     if not served_persuadee:
         persuadee_cfg = policy_cfg if same else models.model_config(args.persuadee)
