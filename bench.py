@@ -67,7 +67,7 @@ judge), engines sized by plan.py's memory plan for 8 ranks (16 episodes a rank),
               window's capacity tier): token ids and log-probs bit-equal; and eagerly at the live
               length (attending over fewer columns: rounding, not a bug): max |delta log-prob|
   memory      torch.cuda.max_memory_allocated against the plan's figures for what this process
-              holds (rollout copy, persuadee, both KV pools and decode arenas)
+              holds (rollout copy, persuadee, both KV pools and decode memories)
   kernels     aten ops a decode layer issues on the GPU's code path (decode_layer_ops)
 Targets: decode step <= 1.5x the weight + live-KV floor, probe share <= 5%, peak within 10% of the
 plan, graphs bit-equal to eager at the same extent, <= 12 kernels a decode layer.
@@ -147,40 +147,43 @@ def add(st, **kw):
         st[k] += v
 
 
+def time_engine(eng, st, is_persuadee, sync):
+    """Patch timers and counters into `st` around one engine's generate, forward and free
+    (instance attributes: deleting them restores the class methods)."""
+    generate, forward, free = eng.generate, eng.forward, eng.free
+
+    def timed_generate(sids, *a, **k):
+        st["started"], t = True, time.perf_counter()
+        label = "persuadee reply" if is_persuadee else "persuader message"
+        with torch.profiler.record_function(label):
+            outs = generate(sids, *a, **k)
+        add(st, reply=(time.perf_counter() - t) * is_persuadee, gen=sum(len(o[0]) for o in outs))
+        return outs
+
+    def timed_forward(sids, *args):
+        n, kv = [len(eng.pending[s]) for s in sids], sum(eng.length(s) for s in sids)
+        t = time.perf_counter()
+        out = forward(sids, *args)
+        sync()
+        if max(n) == 1:  # a decode step
+            add(st, dec_t=time.perf_counter() - t, dec_n=1, dec_b=len(sids), dec_kv=kv)
+        else:
+            add(st, pre_t=time.perf_counter() - t, pre_tok=sum(n))
+        return out
+
+    def counted_free(sid):
+        if st["started"] and not st["in_probe"]:  # a conversation, not a root or a probe fork
+            st["unique"] += eng.cache.lengths[sid]
+        free(sid)
+    eng.generate, eng.forward, eng.free = timed_generate, timed_forward, counted_free
+
+
 def run_engine(model, tok, instances, turns, max_new, sync):
     """rollout.rollout_episodes with timers around the persuadee's generate, every forward and
     probes.read_engine (patched on the engine instances and the module, restored afterwards)."""
-    er, ee = engine.Engine(model, tok), engine.Engine(model, tok)
+    persuader, persuadee = engine.Engine(model, tok), engine.Engine(model, tok)
     st = dict(reply=0.0, probe=0.0, probe_tokens=0, gen=0, unique=0, dec_t=0.0, dec_n=0, dec_b=0,
               dec_kv=0, pre_t=0.0, pre_tok=0, in_probe=False, started=False)
-
-    def wrap(eng, is_ee):
-        generate, forward, free = eng.generate, eng.forward, eng.free
-
-        def timed_generate(sids, *a, **k):
-            st["started"], t = True, time.perf_counter()
-            with torch.profiler.record_function("persuadee reply" if is_ee else "persuader message"):
-                outs = generate(sids, *a, **k)
-            add(st, reply=(time.perf_counter() - t) * is_ee, gen=sum(len(o[0]) for o in outs))
-            return outs
-
-        def timed_forward(sids, *args):
-            n, kv = [len(eng.pending[s]) for s in sids], sum(eng.length(s) for s in sids)
-            t = time.perf_counter()
-            out = forward(sids, *args)
-            sync()
-            if max(n) == 1:  # a decode step
-                add(st, dec_t=time.perf_counter() - t, dec_n=1, dec_b=len(sids), dec_kv=kv)
-            else:
-                add(st, pre_t=time.perf_counter() - t, pre_tok=sum(n))
-            return out
-
-        def counted_free(sid):
-            if st["started"] and not st["in_probe"]:  # a conversation, not a root or a probe fork
-                st["unique"] += eng.cache.lengths[sid]
-            free(sid)
-        eng.generate, eng.forward, eng.free = timed_generate, timed_forward, counted_free
-
     read = probes.read_engine
 
     def timed_read(eng, sids, **kw):
@@ -199,26 +202,79 @@ def run_engine(model, tok, instances, turns, max_new, sync):
         add(st, dec_t=time.perf_counter() - t, dec_n=steps, dec_b=steps * len(running),
             dec_kv=steps * sum(batch.engine.cached(s) for s in running))
         return out
-    wrap(er, False)
-    wrap(ee, True)
+    time_engine(persuader, st, False, sync)
+    time_engine(persuadee, st, True, sync)
     probes.read_engine = timed_read
     engine.DecodeBatch.run = timed_run
     try:
         t0 = time.perf_counter()
-        eps = rollout.rollout_episodes(er, ee, instances, t_max=turns, persuader_sampling=engine.GREEDY,
+        eps = rollout.rollout_episodes(persuader, persuadee, instances, t_max=turns,
+                                       persuader_sampling=engine.GREEDY,
                                        persuadee_sampling=engine.GREEDY, max_new_tokens=max_new)
         st["wall"] = time.perf_counter() - t0
     finally:
         probes.read_engine = read
         engine.DecodeBatch.run = run_steps
-        for eng in (er, ee):  # back to the class methods (this also breaks the closure cycles)
+        for eng in (persuader, persuadee):  # back to the class methods (breaks the closure cycles)
             del eng.generate, eng.forward, eng.free
-    st["graph_capture_s"] = er.graph_capture_s + ee.graph_capture_s
-    st["conv"] = er.tokens_prefilled + ee.tokens_prefilled - st["probe_tokens"]
+    st["graph_capture_s"] = persuader.graph_capture_s + persuadee.graph_capture_s
+    st["conv"] = persuader.tokens_prefilled + persuadee.tokens_prefilled - st["probe_tokens"]
     st["twice"] = st["conv"] - st["unique"]
     st["dialogues"] = [[m["text"] for m in e["transcript"]] for e in eps]
     st["probes"] = [e["probes"] for e in eps]
     return st
+
+
+def left_padded(prompts, pad, device):
+    """Token-id prompts of unequal length as one left-padded batch: (ids, attention mask)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def hf_generate(model, prompts, cfg, stop, pad, batch_api=False):
+    """Transformers' own generation on token-id prompts, each output cut after its first stop id:
+    model.generate on a left-padded batch, or generate_batch (continuous batching, its KV pages
+    sized to the prompts plus cfg.max_new_tokens each)."""
+    if batch_api:
+        from transformers import ContinuousBatchingConfig
+        tokens = sum(len(q) + cfg.max_new_tokens for q in prompts)
+        pages = engine.blocks_for(tokens, PAGE_SIZE) + len(prompts)
+        res = list(model.generate_batch(
+            inputs=prompts, generation_config=cfg, warmup=False,
+            continuous_batching_config=ContinuousBatchingConfig(num_blocks=pages)).values())
+        if len(res) != len(prompts) or any(r.error for r in res):
+            raise RuntimeError(f"generate_batch failed: {[r.error for r in res]}")
+        return [list(r.generated_tokens) for r in res]
+    ids, mask = left_padded(prompts, pad, next(model.parameters()).device)
+    new = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.shape[1]:]
+    return [next((ids[:i + 1] for i, t in enumerate(ids) if t in stop), ids) for ids in new.tolist()]
+
+
+def fed(st, d, key, n):
+    """n conversation tokens of dialogue d's `key` side went through the model (run_hf)."""
+    add(st, conv=n)
+    d["fed"][key] = max(d["fed"][key], n)
+
+
+def hf_read_probes(model, tok, batch, questions, pad, st):
+    """The probes of each dialogue's persuadee history, read by the plain model (one left-padded
+    forward a question, no cache), appended to d["probes"]."""
+    t, values = time.perf_counter(), []
+    for q in questions:
+        histories = [d["persuadee"] + q for d in batch]
+        ids, mask = left_padded(histories, pad, next(model.parameters()).device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding shifts positions
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                       logits_to_keep=1).logits[:, -1]
+        values.append(probes.values_from_logits(logits, tok).cpu())
+        for d in batch:
+            fed(st, d, "persuadee", len(d["persuadee"]))
+            add(st, probe_tokens=len(q))
+    for d, v in zip(batch, torch.stack(values, 1).tolist()):
+        d["probes"].append(v)
+    add(st, probe=time.perf_counter() - t)
 
 
 @torch.no_grad()
@@ -229,61 +285,26 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
     each side generated, so that the two implementations see identical contexts and greedy
     decoding must give identical messages."""
     from transformers import GenerationConfig
-    dev, stop = next(model.parameters()).device, engine.stop_ids(model, tok)
+    stop = engine.stop_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=stop,
                            pad_token_id=pad)
     questions, _ = probes.probe_ids(tok)
     st = dict(reply=0.0, probe=0.0, gen=0, conv=0, probe_tokens=0)
-    ds = [dict(zip(("er", "ee"), rollout.prompt_ids(tok, tok, i)), state=arena.Episode(turns),
-               texts=[], probes=[], fed={"er": 0, "ee": 0}) for i in instances]
-
-    def feed(d, key, n):  # n conversation tokens of one side went through the model
-        add(st, conv=n)
-        d["fed"][key] = max(d["fed"][key], n)
-
-    def left_padded(prompts):
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
-        return ids, mask
+    ds = [dict(zip(("persuader", "persuadee"), rollout.prompt_ids(tok, tok, i)),
+               state=arena.Episode(turns), texts=[], probes=[], fed={"persuader": 0, "persuadee": 0})
+          for i in instances]
 
     def generate(batch, key):
         prompts = [d[key] for d in batch]
-        if batch_api:
-            from transformers import ContinuousBatchingConfig
-            pages = -(-sum(len(q) + max_new for q in prompts) // PAGE_SIZE) + len(prompts)
-            res = list(model.generate_batch(
-                inputs=prompts, generation_config=cfg, warmup=False,
-                continuous_batching_config=ContinuousBatchingConfig(num_blocks=pages)).values())
-            if len(res) != len(prompts) or any(r.error for r in res):
-                raise RuntimeError(f"generate_batch failed: {[r.error for r in res]}")
-            outs = [list(r.generated_tokens) for r in res]
-        else:
-            ids, mask = left_padded(prompts)
-            new = model.generate(input_ids=ids, attention_mask=mask,
-                                 generation_config=cfg)[:, ids.shape[1]:]
-            outs = [next((ids[:i + 1] for i, t in enumerate(ids) if t in stop), ids)
-                    for ids in new.tolist()]
+        outs = hf_generate(model, prompts, cfg, stop, pad, batch_api)
         for d, p, ids in zip(batch, prompts, outs):
-            feed(d, key, len(p) + len(ids) - 1)  # the last sampled token is never fed
+            fed(st, d, key, len(p) + len(ids) - 1)  # the last sampled token is never fed
             add(st, gen=len(ids))
         return outs
 
     def read_probes(batch):
-        t, values = time.perf_counter(), []
-        for q in questions:
-            ids, mask = left_padded([d["ee"] + q for d in batch])
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding shifts positions
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                           logits_to_keep=1).logits[:, -1]
-            values.append(probes.values_from_logits(logits, tok).cpu())
-            for d in batch:
-                feed(d, "ee", len(d["ee"]))
-                add(st, probe_tokens=len(q))
-        for d, v in zip(batch, torch.stack(values, 1).tolist()):
-            d["probes"].append(v)
-        add(st, probe=time.perf_counter() - t)
+        hf_read_probes(model, tok, batch, questions, pad, st)
 
     def text(ids):
         return tok.decode(ids, skip_special_tokens=True).strip()
@@ -292,23 +313,25 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
     read_probes(ds)  # b_0
     active = ds
     while active:
-        for d, ids in zip(active, generate(active, "er")):
-            d["er_ids"] = ids
+        for d, ids in zip(active, generate(active, "persuader")):
+            d["persuader_ids"] = ids
             d["texts"].append(text(ids))
-            d["ee"] = d["ee"] + rollout.persuadee_heard(tok, d["texts"][-1], d["state"].final_turn)
+            d["persuadee"] = d["persuadee"] + rollout.persuadee_heard(tok, d["texts"][-1],
+                                                                     d["state"].final_turn)
         t = time.perf_counter()
-        replies = generate(active, "ee")
+        replies = generate(active, "persuadee")
         sync()
         add(st, reply=time.perf_counter() - t)
         for d, ids in zip(active, replies):
-            d["ee"] = d["ee"] + ids + models.closing_ids(tok, ids)
+            d["persuadee"] = d["persuadee"] + ids + models.closing_ids(tok, ids)
             d["texts"].append(text(ids))
             d["state"].step(arena.parse_decision(d["texts"][-1]))
         read_probes(active)
         for d in active:
             if not d["state"].done:  # the persuader reads the reply, tags stripped
-                d["er"] = (d["er"] + d["er_ids"] + models.closing_ids(tok, d["er_ids"])
-                           + models.turn_ids(tok, arena.persuader_sees(d["texts"][-1])))
+                said = d["persuader_ids"]
+                d["persuader"] = (d["persuader"] + said + models.closing_ids(tok, said)
+                                  + models.turn_ids(tok, arena.persuader_sees(d["texts"][-1])))
         active = [d for d in active if not d["state"].done]
     st["wall"] = time.perf_counter() - t0
     st["twice"] = st["conv"] - sum(sum(d["fed"].values()) for d in ds)
@@ -356,8 +379,9 @@ def probe_vs_judge(model, tok, instances, turns, max_new, sync):
     judge call reads the transcript in a fresh context (the strategy judge's prompt,
     arena.judge_messages: nothing cached) and answers with as many greedy tokens as there are
     probes, one per question; both are batched over the dialogues. Best of 3 each."""
-    er, ee = engine.Engine(model, tok), engine.Engine(model, tok)
-    eps = rollout.rollout_episodes(er, ee, instances, t_max=turns, persuader_sampling=engine.GREEDY,
+    persuader, persuadee = engine.Engine(model, tok), engine.Engine(model, tok)
+    eps = rollout.rollout_episodes(persuader, persuadee, instances, t_max=turns,
+                                   persuader_sampling=engine.GREEDY,
                                    persuadee_sampling=engine.GREEDY, max_new_tokens=max_new)
     contexts, prompts = [], []
     for inst, ep in zip(instances, eps):
@@ -366,18 +390,18 @@ def probe_vs_judge(model, tok, instances, turns, max_new, sync):
             for m in ep["transcript"]]
         contexts.append(models.chat_ids(tok, messages, False))
         prompts.append(models.chat_ids(tok, arena.judge_messages(inst, ep["transcript"]), True))
-    sids = [ee.new(ids) for ids in contexts]
-    ee.forward(sids)  # the persuadee's contexts, cached as in a rollout
+    sids = [persuadee.new(ids) for ids in contexts]
+    persuadee.forward(sids)  # the persuadee's contexts, cached as in a rollout
 
     def judge_call():
-        js = [ee.new(ids) for ids in prompts]
-        ee.generate(js, max_new_tokens=len(probes.PROBES), sampling=engine.GREEDY, stop_ids=())
+        js = [persuadee.new(ids) for ids in prompts]
+        persuadee.generate(js, max_new_tokens=len(probes.PROBES), sampling=engine.GREEDY, stop_ids=())
         for j in js:
-            ee.free(j)
-    probe_s = best_time(lambda: probes.read_engine(ee, sids), sync, reps=3)
+            persuadee.free(j)
+    probe_s = best_time(lambda: probes.read_engine(persuadee, sids), sync, reps=3)
     judge_s = best_time(judge_call, sync, reps=3)
     for sid in sids:
-        ee.free(sid)
+        persuadee.free(sid)
     return dict(probe_read_s=probe_s, judge_call_s=judge_s, probe_over_judge=probe_s / judge_s,
                 dialogues=len(instances), context_tokens=sum(map(len, contexts)) / len(contexts),
                 judge_prompt_tokens=sum(map(len, prompts)) / len(prompts))
@@ -459,35 +483,10 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(models.smollm2_path())
 
 
-def gpu_check(args):
-    """One rank of the paper preset at the paper's shapes, measured as the module docstring says.
-    Returns the figures as a dict."""
-    import tempfile
-    import plan
-    import train
-    gpu = args.device.startswith("cuda")
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    er_shape, ee_shape = args.check_models.split(",")
-    targs = train.parse_args(["--preset", "paper", "--persuader", f"random:{er_shape}",
-                              "--persuadee", f"random:{ee_shape}", "--dtype", "bfloat16",
-                              "--out", tempfile.mkdtemp(), "--plan"])
-    targs.t_max = args.check_turns or targs.t_max
-    targs.max_new_tokens = args.check_new_tokens or targs.max_new_tokens
-    rank_plan = plan.memory_plan(targs, 8, plan.PLAN_NODE[1], True)
-    tok = smollm2_tokenizer()
-    er_model = models.random_model(er_shape, torch.bfloat16, args.device, seed=1, tokenizer=tok)[0]
-    ee_model = models.random_model(ee_shape, torch.bfloat16, args.device, seed=2, tokenizer=tok)[0]
-    er = engine.Engine(er_model, tok, **rank_plan["sizes"]["actor"])
-    ee = engine.Engine(ee_model, tok, **rank_plan["sizes"]["persuadee"])
-    er_sampling, ee_sampling = rollout.SAMPLING["paper"]
-    for eng in (er, ee):
-        eng.stop_ids = list(range(7, eng.model.config.vocab_size, STOP_SHARE))
-    rows = targs.instances // 8 * targs.group_size
-
-    # warm-up: every bucket under every sampling each engine will use
-    t = time.perf_counter()
-    for eng, samplings in ((er, [er_sampling]),
-                           (ee, [ee_sampling, engine.GREEDY, rollout.JUDGE_RETRY_SAMPLING])):
+def warm_up(engine_samplings, rows, gpu):
+    """Every decode bucket up to `rows` rows under every sampling each engine will use, its CUDA
+    graphs captured here rather than in the timed run."""
+    for eng, samplings in engine_samplings:
         for bucket in sorted({engine.batch_bucket(n) for n in range(1, rows + 1)}):
             for sampling in samplings:
                 sids = [eng.new(list(range(10, 40))) for _ in range(bucket)]
@@ -498,12 +497,13 @@ def gpu_check(args):
                 for tier in batch.tiers if batch is not None and gpu else ():
                     batch.live.zero_()  # every row inert: a replay writes scratch only
                     batch.replay(sampling, tier)  # captured here, not in the timed run
-    sync()
-    warm_s, capture_s = time.perf_counter() - t, er.graph_capture_s + ee.graph_capture_s
-    print(f"warm-up done in {warm_s:.1f} s", flush=True)
 
-    # the timed 6-turn rollout
-    steps = {id(er_model): [0.0, 0, 0], id(ee_model): [0.0, 0, 0]}  # seconds, steps, KV tokens
+
+def timed_check_rollout(persuader, persuadee, targs, samplings, sync, gpu):
+    """The paper preset's rollout of one rank, timed: (records, wall seconds, per model id
+    [decode seconds, steps, KV tokens], persuadee reply and probe seconds, peak bytes)."""
+    persuader_sampling, persuadee_sampling = samplings
+    steps = {id(persuader.model): [0.0, 0, 0], id(persuadee.model): [0.0, 0, 0]}
     run_steps, read = engine.DecodeBatch.run, probes.read_engine
     st = dict(reply=0.0, probe=0.0)
 
@@ -522,90 +522,146 @@ def gpu_check(args):
             return read(eng, sids, **kw)
         finally:
             st["probe"] += time.perf_counter() - t
-    ee_generate = ee.generate
+    persuadee_generate = persuadee.generate
 
     def timed_generate(*a, **k):
         t = time.perf_counter()
-        out = ee_generate(*a, **k)
+        out = persuadee_generate(*a, **k)
         sync()
         st["reply"] += time.perf_counter() - t
         return out
-    engine.DecodeBatch.run, probes.read_engine, ee.generate = timed_run, timed_read, timed_generate
+    engine.DecodeBatch.run, probes.read_engine, persuadee.generate = timed_run, timed_read, timed_generate
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     try:
         t = time.perf_counter()
         records = rollout.rollout_episodes(
-            er, ee, pick_instances(targs.instances // 8), targs.t_max, group_size=targs.group_size,
-            seed=1, persuader_sampling=er_sampling, persuadee_sampling=ee_sampling,
-            max_new_tokens=targs.max_new_tokens, judge=ee)
+            persuader, persuadee, pick_instances(targs.instances // 8), targs.t_max,
+            group_size=targs.group_size, seed=1, persuader_sampling=persuader_sampling,
+            persuadee_sampling=persuadee_sampling, max_new_tokens=targs.max_new_tokens,
+            judge=persuadee)
         sync()
         wall = time.perf_counter() - t
     finally:
         engine.DecodeBatch.run, probes.read_engine = run_steps, read
-        del ee.generate
+        del persuadee.generate
     peak = torch.cuda.max_memory_allocated() if gpu else 0
-    print(f"rollout done in {wall:.1f} s", flush=True)
-    generated = sum(sum(1 for t in r["turn_ids"] if t) for r in records)
+    return records, wall, steps, st, peak
 
-    # graphs against eager: the same sampled calls, fresh sequences, the same keys
+
+def graphs_against_eager(persuadee, sampling, rows):
+    """The same sampled calls on fresh sequences, the same keys, with CUDA graphs, eager at the
+    graph's extent (the capacity tier) and eager at the live length: (graph tokens, tokens that
+    differ from eager tier, whether its log-probs match too, max |delta log-prob| against live)."""
     prompts = [[(97 * i + 13 * j) % 40000 + 10 for j in range(1500 + 37 * i)] for i in range(rows)]
     runs = {}
     for name, graphs, extent in (("graph", True, "live"), ("eager tier", False, "tier"),
                                  ("eager live", False, "live")):
         engine.CUDA_GRAPHS, engine.DECODE_EXTENT = graphs, extent
-        sids = [ee.new(p) for p in prompts]
-        runs[name] = ee.generate(sids, 64, ee_sampling, list(range(rows)), [])
+        sids = [persuadee.new(p) for p in prompts]
+        runs[name] = persuadee.generate(sids, 64, sampling, list(range(rows)), [])
         for sid in sids:
-            ee.free(sid)
+            persuadee.free(sid)
     engine.CUDA_GRAPHS, engine.DECODE_EXTENT = True, "live"
     tokens = {name: [ids for ids, _, _ in out] for name, out in runs.items()}
     differ = sum(a != b for x, y in zip(tokens["graph"], tokens["eager tier"])
                  for a, b in zip(x, y))
     same_logps = all(a[:2] == b[:2] for a, b in zip(runs["graph"], runs["eager tier"]))
-    live_delta = max_logp_difference(runs["graph"], runs["eager live"])
+    return tokens["graph"], differ, same_logps, max_logp_difference(runs["graph"], runs["eager live"])
 
-    bandwidth, _ = machine(ee_model, args.device, torch.bfloat16, sync)
-    out = dict(tok_s=generated / wall, wall_s=wall, warmup_s=warm_s, capture_s=capture_s,
-               capture_in_timed_run_s=er.graph_capture_s + ee.graph_capture_s - capture_s,
-               probe_share=st["probe"] / max(st["reply"], 1e-9), turns=max(r["turns"] for r in records),
-               graph_tokens_differ=differ, graph_tokens=sum(map(len, tokens["graph"])),
-               graph_bit_equal=differ == 0 and same_logps, live_max_abs_dlogp=live_delta,
-               decode_layer_kernels=decode_layer_ops()[0],
-               bandwidth_gb_s=bandwidth / 1e9)
-    for name, eng, model in (("persuader", er, er_model), ("persuadee", ee, ee_model)):
-        seconds, n, kv = steps[id(model)]
-        weights = sum(p.numel() for p in model.parameters()) * 2  # bf16
-        floor = weights / bandwidth + kv / max(n, 1) * eng.token_bytes / bandwidth
-        out[f"{name}_decode_step_ms"] = 1e3 * seconds / max(n, 1)
-        out[f"{name}_floor_ms"] = 1e3 * floor
-        out[f"{name}_decode_buckets"] = sorted(eng.decode_batches)
-    held = ("rollout copy", "actor KV pool", "actor decode arena", "actor attention transient",
-            "persuadee bfloat16", "persuadee KV pool", "persuadee decode arena",
-            "persuadee attention transient")
-    planned = sum(n for name, n in rank_plan["items"] if name.startswith(held))
-    out.update(peak_gib=peak / 2**30, planned_gib=planned / 2**30,
-               peak_over_plan=peak / planned if gpu else None)
-    print(f"gpu check: {er_shape} persuader, {ee_shape} persuadee (judge), bf16 on {args.device}")
-    print(f"warm-up {warm_s:.1f} s, of which CUDA-graph capture {capture_s:.1f} s; capture in the "
-          f"timed run {out['capture_in_timed_run_s']:.2f} s")
+
+def print_gpu_check(out, shapes, device, records, generated, bandwidth):
+    """The GPU check's figures (gpu_check's dict), as lines."""
+    print(f"gpu check: {shapes[0]} persuader, {shapes[1]} persuadee (judge), bf16 on {device}")
+    print(f"warm-up {out['warmup_s']:.1f} s, of which CUDA-graph capture {out['capture_s']:.1f} s; "
+          f"capture in the timed run {out['capture_in_timed_run_s']:.2f} s")
     print(f"rollout: {len(records)} episodes x {out['turns']} turns, {generated} persuader tokens, "
-          f"{wall:.1f} s ({out['tok_s']:.1f} persuader tok/s), probe share {out['probe_share']:.3f}")
+          f"{out['wall_s']:.1f} s ({out['tok_s']:.1f} persuader tok/s), probe share "
+          f"{out['probe_share']:.3f}")
     for name in ("persuader", "persuadee"):
         print(f"{name} decode step {out[f'{name}_decode_step_ms']:.2f} ms against a floor of "
               f"{out[f'{name}_floor_ms']:.2f} ms (weights + KV at {bandwidth / 1e9:.0f} GB/s); "
               f"buckets {out[f'{name}_decode_buckets']}")
-    print(f"graphs vs eager at the same extent (the capacity tier): {differ} of "
+    print(f"graphs vs eager at the same extent (the capacity tier): {out['graph_tokens_differ']} of "
           f"{out['graph_tokens']} sampled tokens differ, bit-equal tokens and log-probs: "
           f"{out['graph_bit_equal']}; against eager at the live length: max |delta log-prob| "
-          f"{live_delta:.2e} over the tokens both sampled alike")
+          f"{out['live_max_abs_dlogp']:.2e} over the tokens both sampled alike")
     print(f"decode layer: {out['decode_layer_kernels']} kernels (aten ops of tiny-qwen3 on the GPU "
           "path, counted on the CPU; target <= 12)")
     print(f"peak memory {out['peak_gib']:.2f} GiB against the plan's {out['planned_gib']:.2f} GiB")
+
+
+def planned_rollout_bytes(rank_plan):
+    """What a rank's memory plan says the rollout holds: the rollout copy, the persuadee and each
+    engine's KV pool, decode memory and attention transient (what gpu_check's peak measures)."""
+    held = ("rollout copy", "actor KV pool", "actor decode memory", "actor attention transient",
+            "persuadee bfloat16", "persuadee KV pool", "persuadee decode memory",
+            "persuadee attention transient")
+    return sum(n for name, n in rank_plan["items"] if name.startswith(held))
+
+
+def gpu_check(args):
+    """One rank of the paper preset at the paper's shapes, measured as the module docstring says.
+    Returns the figures as a dict."""
+    import tempfile
+    import plan
+    import train
+    gpu = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    shapes = args.check_models.split(",")
+    targs = train.parse_args(["--preset", "paper", "--persuader", f"random:{shapes[0]}",
+                              "--persuadee", f"random:{shapes[1]}", "--dtype", "bfloat16",
+                              "--out", tempfile.mkdtemp(), "--plan"])
+    targs.t_max = args.check_turns or targs.t_max
+    targs.max_new_tokens = args.check_new_tokens or targs.max_new_tokens
+    rank_plan = plan.memory_plan(targs, 8, plan.PLAN_NODE[1], True)
+    tok = smollm2_tokenizer()
+    persuader_model, persuadee_model = (
+        models.random_model(shape, torch.bfloat16, args.device, seed=seed, tokenizer=tok)[0]
+        for shape, seed in zip(shapes, (1, 2)))
+    persuader = engine.Engine(persuader_model, tok, **rank_plan["sizes"]["actor"])
+    persuadee = engine.Engine(persuadee_model, tok, **rank_plan["sizes"]["persuadee"])
+    persuader_sampling, persuadee_sampling = rollout.SAMPLING["paper"]
+    for eng in (persuader, persuadee):
+        eng.stop_ids = list(range(7, eng.model.config.vocab_size, STOP_SHARE))
+    rows = targs.instances // 8 * targs.group_size
+
+    t = time.perf_counter()
+    warm_up([(persuader, [persuader_sampling]),
+             (persuadee, [persuadee_sampling, engine.GREEDY, rollout.JUDGE_RETRY_SAMPLING])], rows, gpu)
+    sync()
+    warm_s, capture_s = time.perf_counter() - t, persuader.graph_capture_s + persuadee.graph_capture_s
+    print(f"warm-up done in {warm_s:.1f} s", flush=True)
+    records, wall, steps, st, peak = timed_check_rollout(
+        persuader, persuadee, targs, (persuader_sampling, persuadee_sampling), sync, gpu)
+    print(f"rollout done in {wall:.1f} s", flush=True)
+    generated = sum(sum(1 for t in r["turn_ids"] if t) for r in records)
+    graph_tokens, differ, same_logps, live_delta = graphs_against_eager(persuadee, persuadee_sampling,
+                                                                        rows)
+
+    bandwidth, _ = machine(persuadee_model, args.device, torch.bfloat16, sync)
+    out = dict(tok_s=generated / wall, wall_s=wall, warmup_s=warm_s, capture_s=capture_s,
+               capture_in_timed_run_s=persuader.graph_capture_s + persuadee.graph_capture_s - capture_s,
+               probe_share=st["probe"] / max(st["reply"], 1e-9), turns=max(r["turns"] for r in records),
+               graph_tokens_differ=differ, graph_tokens=sum(map(len, graph_tokens)),
+               graph_bit_equal=differ == 0 and same_logps, live_max_abs_dlogp=live_delta,
+               decode_layer_kernels=decode_layer_ops()[0],
+               bandwidth_gb_s=bandwidth / 1e9)
+    for name, eng in (("persuader", persuader), ("persuadee", persuadee)):
+        seconds, n, kv = steps[id(eng.model)]
+        weights = sum(p.numel() for p in eng.model.parameters()) * 2  # bf16
+        floor = weights / bandwidth + kv / max(n, 1) * eng.token_bytes / bandwidth
+        out[f"{name}_decode_step_ms"] = 1e3 * seconds / max(n, 1)
+        out[f"{name}_floor_ms"] = 1e3 * floor
+        out[f"{name}_decode_buckets"] = sorted(eng.decode_batches)
+    planned = planned_rollout_bytes(rank_plan)
+    out.update(peak_gib=peak / 2**30, planned_gib=planned / 2**30,
+               peak_over_plan=peak / planned if gpu else None)
+    print_gpu_check(out, shapes, args.device, records, generated, bandwidth)
     return out
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     p.add_argument("--model", default=MODEL)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -629,30 +685,13 @@ def main():
                    help="--gpu-check's turns (default: the paper preset's T_max)")
     p.add_argument("--check-new-tokens", type=int, default=None,
                    help="--gpu-check's new tokens a message (default: the paper preset's)")
-    args = p.parse_args()
-    if args.gpu_check:
-        out = gpu_check(args)
-        if args.json:
-            print(json.dumps(out))
-        return
-    if args.cudnn_attention:
-        engine.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-                                 *engine.SDPA_BACKENDS]
-    gpu = args.device.startswith("cuda")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    model, tok = load(args, dtype)
-    instances = pick_instances(args.dialogues)
-    if args.probe_vs_judge:
-        r = probe_vs_judge(model, tok, instances, args.turns, args.max_new_tokens, sync)
-        print(f"probe read {1e3 * r['probe_read_s']:.1f} ms, judge call {1e3 * r['judge_call_s']:.1f} ms "
-              f"({r['probe_over_judge']:.1%}) for {r['dialogues']} dialogues (persuadee context "
-              f"{r['context_tokens']:.0f} tokens, judge prompt {r['judge_prompt_tokens']:.0f} tokens)")
-        if args.json:
-            print(json.dumps(r))
-        return
-    er_len, ee_len = zip(*[map(len, rollout.prompt_ids(tok, tok, i)) for i in instances])
-    bandwidth, flops = machine(model, args.device, dtype, sync)
+    return p.parse_args(argv)
+
+
+def run_implementations(args, model, tok, instances, sync, gpu):
+    """The engine's dialogues and (unless --skip-baselines) transformers' generate and
+    generate_batch on the same ones, each after a one-turn warm-up: their dicts by name, with
+    tok_s and the probe share added; a failing baseline is reported and left out."""
     impls = {"engine": run_engine}
     if not args.skip_baselines:
         impls["hf generate"] = run_hf
@@ -667,7 +706,12 @@ def main():
             print(f"{name} failed: {type(e).__name__}: {e}")
     for r in res.values():
         r["tok_s"], r["share"] = r["gen"] / r["wall"], r["probe"] / max(r["reply"], 1e-9)
+    return res
 
+
+def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances):
+    """The engine's run against the baselines' (res: run_engine's and run_hf's dicts by name) and
+    against the machine's floors (bandwidth bytes/s, flops FLOP/s), as one flat dict."""
     e, hf, cb = res["engine"], res.get("hf generate"), res.get("hf generate_batch")
     cfg, n_dec = model.config, max(e["dec_n"], 1)
     layer_params = sum(q.numel() for q in model.model.layers.parameters())
@@ -694,12 +738,17 @@ def main():
         matmul_gflop_s=flops / 1e9, device=args.device, dtype=str(dtype).split(".")[-1],
         model=args.random_init or args.model, dialogues=len(instances), turns=args.turns,
         max_new_tokens=args.max_new_tokens, graph_capture_s=e["graph_capture_s"])
-    out["decode_layer_kernels"], names, _, _ = decode_layer_ops()
+    return out
 
+
+def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
+    """The comparison's figures (comparison_figures' dict, res by implementation), as lines."""
+    persuader_len, persuadee_len = prompt_lengths
+    mismatch, hf, cb = out["first_mismatch"], res.get("hf generate"), res.get("hf generate_batch")
     print(f"workload: {out['dialogues']} dialogues x {args.turns} turns, {args.max_new_tokens} new "
           f"tokens, greedy, {out['dtype']} on {args.device}, {out['model']}; mean prompt tokens: "
-          f"persuader system+opening {sum(er_len) / len(er_len):.0f}, persuadee system "
-          f"{sum(ee_len) / len(ee_len):.0f}")
+          f"persuader system+opening {sum(persuader_len) / len(persuader_len):.0f}, persuadee system "
+          f"{sum(persuadee_len) / len(persuadee_len):.0f}")
     print(f"machine: memory {out['bandwidth_gb_s']:.1f} GB/s, matmul {out['matmul_gflop_s']:.0f} "
           f"GFLOP/s [{MATMUL_ROWS}, {cfg.hidden_size}] x [{cfg.hidden_size}, "
           f"{2 * cfg.intermediate_size}]")
@@ -722,6 +771,37 @@ def main():
     print(f"decode layer (tiny-qwen3 on the GPU's code path, aten ops that run a kernel): "
           f"{out['decode_layer_kernels']} (target <= 12): "
           + ", ".join(f"{k} {n}" for k, n in sorted(names.items(), key=lambda kv: -kv[1])))
+
+
+def main():
+    args = parse_args()
+    if args.gpu_check:
+        out = gpu_check(args)
+        if args.json:
+            print(json.dumps(out))
+        return
+    if args.cudnn_attention:
+        engine.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                                 *engine.SDPA_BACKENDS]
+    gpu = args.device.startswith("cuda")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    model, tok = load(args, dtype)
+    instances = pick_instances(args.dialogues)
+    if args.probe_vs_judge:
+        r = probe_vs_judge(model, tok, instances, args.turns, args.max_new_tokens, sync)
+        print(f"probe read {1e3 * r['probe_read_s']:.1f} ms, judge call {1e3 * r['judge_call_s']:.1f} ms "
+              f"({r['probe_over_judge']:.1%}) for {r['dialogues']} dialogues (persuadee context "
+              f"{r['context_tokens']:.0f} tokens, judge prompt {r['judge_prompt_tokens']:.0f} tokens)")
+        if args.json:
+            print(json.dumps(r))
+        return
+    persuader_len, persuadee_len = zip(*[map(len, rollout.prompt_ids(tok, tok, i)) for i in instances])
+    bandwidth, flops = machine(model, args.device, dtype, sync)
+    res = run_implementations(args, model, tok, instances, sync, gpu)
+    out = comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances)
+    out["decode_layer_kernels"], names, _, _ = decode_layer_ops()
+    print_comparison(args, out, res, names, (persuader_len, persuadee_len), model.config, gpu)
     if args.json:
         print(json.dumps(out))
 
@@ -739,37 +819,39 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
     import train
     cfg = train.PRESETS[preset]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    er_model, er_tok = train.load(cfg["persuader"], cfg["dtype"], device)
-    ee_model, ee_tok = ((er_model, er_tok) if cfg["persuadee"] == cfg["persuader"]
-                        else train.load(cfg["persuadee"], cfg["dtype"], device))
-    er, ee = engine.Engine(er_model, er_tok), engine.Engine(ee_model, ee_tok)
-    er_sampling, ee_sampling = rollout.SAMPLING[cfg["sampling"]]
+    persuader_model, persuader_tok = train.load(cfg["persuader"], cfg["dtype"], device)
+    persuadee_model, persuadee_tok = (
+        (persuader_model, persuader_tok) if cfg["persuadee"] == cfg["persuader"]
+        else train.load(cfg["persuadee"], cfg["dtype"], device))
+    persuader = engine.Engine(persuader_model, persuader_tok)
+    persuadee = engine.Engine(persuadee_model, persuadee_tok)
+    persuader_sampling, persuadee_sampling = rollout.SAMPLING[cfg["sampling"]]
     max_new, out = cfg["max_new_tokens"], []
     for inst in pick_instances(instances):
-        er_prompt, ee_prompt = rollout.prompt_ids(er_tok, ee_tok, inst)
-        root = er.new(er_prompt[:-1])
-        er.forward([root])
-        sids = [er.fork(root, er_prompt[-1:]) for _ in range(messages)]
-        said = er.generate(sids, max_new, er_sampling,
-                           [engine.stream_key(seed, inst["id"], m, "persuader") for m in range(messages)])
-        texts = [er_tok.decode(ids, skip_special_tokens=True).strip() for ids, _, _ in said]
+        persuader_prompt, persuadee_prompt = rollout.prompt_ids(persuader_tok, persuadee_tok, inst)
+        root = persuader.new(persuader_prompt[:-1])
+        persuader.forward([root])
+        sids = [persuader.fork(root, persuader_prompt[-1:]) for _ in range(messages)]
+        keys = [engine.stream_key(seed, inst["id"], m, "persuader") for m in range(messages)]
+        said = persuader.generate(sids, max_new, persuader_sampling, keys)
+        texts = [persuader_tok.decode(ids, skip_special_tokens=True).strip() for ids, _, _ in said]
         for sid in sids + [root]:
-            er.free(sid)
-        ee_root = ee.new(ee_prompt)
-        ee.forward([ee_root])
-        b0 = probes.belief(probes.read_engine(ee, [ee_root])[0].tolist())
+            persuader.free(sid)
+        persuadee_root = persuadee.new(persuadee_prompt)
+        persuadee.forward([persuadee_root])
+        b0 = probes.belief(probes.read_engine(persuadee, [persuadee_root])[0].tolist())
         per_message = []
         for m, text in enumerate(texts):
-            forks = [ee.fork(ee_root, rollout.persuadee_heard(ee_tok, text, False))
+            forks = [persuadee.fork(persuadee_root, rollout.persuadee_heard(persuadee_tok, text, False))
                      for _ in range(resamples)]
             replies = rollout.persuadee_turn(
-                ee, forks, sampling=ee_sampling, max_new_tokens=max_new,
+                persuadee, forks, sampling=persuadee_sampling, max_new_tokens=max_new,
                 keys=[engine.stream_key(seed, inst["id"], m, r, "persuadee") for r in range(resamples)])
             per_message.append([(probes.belief(r["probes"]) - b0) / 2 for r in replies
                                 if r["probes"] is not None])
             for sid in forks:
-                ee.free(sid)
-        ee.free(ee_root)
+                persuadee.free(sid)
+        persuadee.free(persuadee_root)
         out.append(per_message)
     return out
 

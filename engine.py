@@ -25,7 +25,7 @@ installed, a GPU is present and the model is fp16/bf16 (BLOCK_SIZE divisible by 
 PyTorch SDPA over gathered blocks, one padded call on a GPU (never on cuDNN, whose per-shape graph
 builds would cost more than the attention, SDPA_BACKENDS) and one causal call a sequence on a
 CPU. Decode runs on DecodeBatch: a fixed shape per batch bucket, persistent device metadata, a
-dense copy of the batch's cache in the engine's one decode arena (sized once, viewed per bucket)
+dense copy of the batch's cache in the engine's one decode memory (sized once, viewed per bucket)
 with a device-side mask and float32 scores, host checks every SYNC_EVERY steps, and on CUDA one
 CUDA graph per bucket and sampling, captured once for the engine's life. The weights are the
 model's own: q/k/v and gate/up are fused into tensors that become the parameters' storage (fuse),
@@ -57,7 +57,7 @@ MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get mill
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
 COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
 # attention a sequence at a time, the probes' common opening prefilled once
-DECODE_COPY_GB = 1.0      # the decode arena (every decode batch's dense copy) on a CPU
+DECODE_COPY_GB = 1.0      # the decode memory (every decode batch's dense copy) on a CPU
 DECODE_COPY_FRACTION_GPU = 0.10  # ... and its share of free memory on a GPU (train.py plans it)
 SYNC_EVERY = 8            # decode steps between host checks for stop tokens (no sync per token)
 BATCH_BUCKETS = (1, 2, 4, 8)  # decode batch shapes, then multiples of BATCH_STEP (nano-vllm's)
@@ -67,7 +67,7 @@ CUDA_GRAPHS = True        # on CUDA, capture each decode bucket once as a graph 
 CAPACITY_TIERS = 4        # ... at this many extents (capacity / 4, / 2, 3 / 4, whole): a window
 # attends over the smallest tier its rows' positions reach, not the whole capacity
 DECODE_EXTENT = "live"    # eager decode steps attend up to the live length; "tier": as a graph does
-ARENA_PAD = 16            # columns after a row's capacity: its scratch column, and padding that
+DECODE_PAD = 16           # columns after a row's capacity: its scratch column, and padding that
 # starts every transposed key row 32-byte aligned (cuBLAS reads aligned rows; capacity + 1 did not)
 ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
 # a forward past it runs in several calls (whole sequences, or windows of one's queries)
@@ -337,13 +337,13 @@ def pool_limit_bytes(token_bytes, block_size=BLOCK_SIZE):
     return MAX_BLOCKS * block_size * token_bytes
 
 
-def attention_transient_bytes(heads, arena_columns, itemsize):
-    """The most memory attention takes beside the pool and the arena, in bytes: one padded-path
+def attention_transient_bytes(heads, decode_columns, itemsize):
+    """The most memory attention takes beside the pool and the decode memory, in bytes: one padded-path
     SDPA call (ATTENTION_CALL_MB, call_bytes: its mask, folded queries and output, and the
     gathered keys and values the engine keeps for the next call) and the masks a forward keeps
     (at most as much again, Batch), plus a decode step's float32 scores, their softmax and its
-    cast (one layer at a time, heads x every arena column)."""
-    return int(2 * ATTENTION_CALL_MB * 2**20) + arena_columns * heads * (8 + itemsize)
+    cast (one layer at a time, heads x every decode memory column)."""
+    return int(2 * ATTENTION_CALL_MB * 2**20) + decode_columns * heads * (8 + itemsize)
 
 
 class PoolShape(NamedTuple):
@@ -365,9 +365,9 @@ def capacity_tiers(capacity):
                    for i in range(1, CAPACITY_TIERS + 1)})
 
 
-def arena_bytes(rows, capacity, token_bytes):
-    """The decode arena a bucket of `rows` rows of `capacity` tokens views (ARENA_PAD included)."""
-    return rows * (capacity + ARENA_PAD) * token_bytes
+def decode_memory_bytes(rows, capacity, token_bytes):
+    """The decode memory a bucket of `rows` rows of `capacity` tokens views (DECODE_PAD included)."""
+    return rows * (capacity + DECODE_PAD) * token_bytes
 
 
 def batch_bucket(n):
@@ -481,9 +481,9 @@ class Engine:
                  decode_capacity=None, cache_bytes=None):
         """num_blocks or cache_bytes: the KV pool (default CACHE_GB_CPU, or CACHE_FRACTION_GPU of
         free memory; at most MAX_BLOCKS blocks);
-        decode_bytes: the decode arena, the one dense copy every DecodeBatch views (default
+        decode_bytes: the decode memory, the one dense copy every DecodeBatch views (default
         DECODE_COPY_GB, or DECODE_COPY_FRACTION_GPU of free memory); decode_capacity: the most
-        tokens an arena row holds (default: the model's context). train.py passes its memory
+        tokens a decode memory row holds (default: the model's context). train.py passes its memory
         plan's figures for all three."""
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -511,7 +511,7 @@ class Engine:
         self.pending = {}
         self.stop_ids = stop_ids(model, tokenizer) if tokenizer is not None else []
         self.tokens_prefilled = 0
-        self.arena = None  # [2, decode_bytes / 2 elements]: keys, values (arena_views)
+        self.decode_memory = None  # [2, decode_bytes / 2 elements]: keys, values (decode_memory_views)
         self.graph_pool = self.side_stream = None  # CUDA: one graph pool, one capture stream
         self.gather_buffers = [self.cache.k.new_empty(0)] * 2  # Batch.gather's keys and values
         self.graph_capture_s = 0.0  # time spent capturing decode graphs (CUDA)
@@ -533,7 +533,7 @@ class Engine:
         if addresses != self.addresses:
             self.decode_batches = {}
         self.addresses = addresses
-        self.copy_rows = (None, [])  # what the arena's rows hold (arena_rows)
+        self.copy_rows = (None, [])  # what the decode memory's rows hold (decode_memory_rows)
 
     def new(self, tokens=()):
         sid = self.cache.new()
@@ -657,10 +657,10 @@ class Engine:
         active = [s for s in sids if out[s][2] is None]
         while active:  # another DecodeBatch whenever the sequences left fit a smaller bucket
             reach = self._reach(active, max_new_tokens)
-            rows = len(active)  # as many rows a DecodeBatch as the arena holds at this reach
-            while rows and self.arena_capacity(batch_bucket(rows)) < reach:
+            rows = len(active)  # as many rows a DecodeBatch as decode memory holds at this reach
+            while rows and self.decode_capacity_for(batch_bucket(rows)) < reach:
                 rows -= 1
-            if not rows:  # a single row would not fit the arena: the ragged forward, step by step
+            if not rows:  # one row would not fit the decode memory: the ragged forward, step by step
                 self._decode_eager(active, max_new_tokens, sampling, keys, out, stop)
             for i in range(0, len(active), rows) if rows else ():
                 self._decode(active[i:i + rows], max_new_tokens, sampling, keys, out, stop)
@@ -669,28 +669,28 @@ class Engine:
             self.cache.trim(s)
         return [out[s] for s in sids]
 
-    def arena_capacity(self, rows):
-        """Tokens each row of a `rows`-row DecodeBatch holds in the arena: what decode_bytes gives
-        a row (one scratch column kept), rounded down to CAPACITY_BUCKET, at most
+    def decode_capacity_for(self, rows):
+        """Tokens each row of a `rows`-row DecodeBatch holds in the decode memory: what
+        decode_bytes gives a row (one scratch column kept), rounded down to CAPACITY_BUCKET, at most
         decode_capacity. Fixed per bucket, so a bucket's CUDA graph is captured once."""
-        columns = self.decode_bytes // (self.token_bytes * rows) - ARENA_PAD
+        columns = self.decode_bytes // (self.token_bytes * rows) - DECODE_PAD
         return min(columns // CAPACITY_BUCKET * CAPACITY_BUCKET, self.decode_capacity)
 
-    def arena_views(self, n):
-        """Keys and values of a DecodeBatch, n elements each: views of the engine's one decode
-        arena of decode_bytes, allocated at first use and never again (every bucket views it).
+    def decode_memory_views(self, n):
+        """Keys and values of a DecodeBatch, n elements each: views of the engine's one
+        decode memory of decode_bytes, allocated at first use and never again (every bucket views it).
         On a CPU it is left untouched until used (fresh memory costs its first touch: zero-filling
         an 8-row copy took 0.25 s of page faults); on CUDA it starts zeroed, since a graph step
         reads every column up to the capacity and masks the unwritten ones, which must be finite."""
-        if self.arena is None:
+        if self.decode_memory is None:
             per_side = self.decode_bytes // (2 * self.dtype.itemsize)
             make = self.cache.k.new_zeros if self.device.type == "cuda" else self.cache.k.new_empty
-            self.arena = make(2, per_side)
-        return self.arena[0, :n], self.arena[1, :n]
+            self.decode_memory = make(2, per_side)
+        return self.decode_memory[0, :n], self.decode_memory[1, :n]
 
-    def arena_rows(self, rows):
-        """What each arena row holds for a `rows`-row DecodeBatch (DecodeBatch.filled): kept while
-        batches of this bucket use the arena, reset once another bucket's view wrote it."""
+    def decode_memory_rows(self, rows):
+        """What each decode memory row holds for a `rows`-row DecodeBatch (DecodeBatch.filled):
+        kept while batches of this bucket use it, reset once another bucket's view wrote it."""
         if self.copy_rows[0] != rows:
             self.copy_rows = (rows, [None] * rows)
         return self.copy_rows[1]
@@ -741,7 +741,7 @@ class Engine:
         until those left fit a smaller batch bucket (finished rows still cost compute)."""
         bucket = batch_bucket(len(sids))
         if bucket not in self.decode_batches:  # one a bucket, for the engine's life
-            self.decode_batches[bucket] = DecodeBatch(self, bucket, self.arena_capacity(bucket))
+            self.decode_batches[bucket] = DecodeBatch(self, bucket, self.decode_capacity_for(bucket))
         batch = self.decode_batches[bucket]
         batch.begin(sids, min(batch.capacity, self._reach(sids, max_new_tokens)))
         active = list(sids)
@@ -792,25 +792,25 @@ class Engine:
 
 class DecodeBatch:
     """Fixed-shape decode steps for one batch bucket: every tensor a step reads lives here or in
-    the engine's decode arena on the device and keeps its shape and address, so that on CUDA a
+    the engine's decode memory on the device and keeps its shape and address, so that on CUDA a
     step is captured once as a graph (per sampling) and replayed for the engine's life, weight
     refreshes included; on a CPU the same step runs eagerly.
 
         rows      B = the bucket; rows past the sequences and rows not running are padded and
                   inert: they write into the pool's scratch block and the copy's scratch column,
                   their position does not move, their samples are discarded
-        capacity  Engine.arena_capacity(B) tokens a row, fixed for the bucket; a graph step
+        capacity  Engine.decode_capacity_for(B) tokens a row, fixed for the bucket; a graph step
                   attends over all of them (the unwritten ones masked), an eager step over the
                   columns its positions reach
         keys_t    each row's keys, dense and transposed [layers, B, kv_heads, head_dim, capacity +
-                  ARENA_PAD] (decode_attention; every key row 32-byte aligned, column capacity
-                  the scratch one), and values [layers, B, kv_heads, capacity + ARENA_PAD, head_dim]:
-        values    views of the engine's one arena (Engine.arena_views), copied from the pool and
-                  kept between calls (filled); each step writes its token into both, so the pool
-                  stays the cache of record
+                  DECODE_PAD] (decode_attention; every key row 32-byte aligned, column capacity
+                  the scratch one), and values [layers, B, kv_heads, capacity + DECODE_PAD, head_dim]:
+        values    views of the engine's one decode memory (Engine.decode_memory_views), copied
+                  from the pool and kept between calls (filled); each step writes its token into
+                  both, so the pool stays the cache of record
         filled    per row, (sequence, tokens of it the row holds): a row that holds its sequence's
                   first tokens from the last call takes only the tokens cached since; reset when
-                  another bucket's view wrote the arena (Engine.arena_rows)
+                  another bucket's view wrote the decode memory (Engine.decode_memory_rows)
         metadata  tokens, positions, the running mask, stream keys and block tables, written from
                   the host once a window of SYNC_EVERY steps; the mask of visible keys is built on
                   the device from the positions"""
@@ -822,11 +822,11 @@ class DecodeBatch:
         self.engine = weakref.proxy(engine)
         self.capacity, self.block_size = capacity, cache.block_size
         layers, _, kv_heads, head_dim = cache.k.shape
-        keys_shape = (layers, rows, kv_heads, head_dim, capacity + ARENA_PAD)
-        values_shape = (layers, rows, kv_heads, capacity + ARENA_PAD, head_dim)
-        keys, values = engine.arena_views(math.prod(values_shape))
+        keys_shape = (layers, rows, kv_heads, head_dim, capacity + DECODE_PAD)
+        values_shape = (layers, rows, kv_heads, capacity + DECODE_PAD, head_dim)
+        keys, values = engine.decode_memory_views(math.prod(values_shape))
         self.keys_t, self.values = keys.view(keys_shape), values.view(values_shape)
-        self.filled = engine.arena_rows(rows)
+        self.filled = engine.decode_memory_rows(rows)
         new = lambda fill=0, dtype=torch.long: torch.full((rows,), fill, dtype=dtype, device=dev)
         self.tokens, self.positions, self.keys = new(), new(), new()
         self.live = new(False, torch.bool)
@@ -845,7 +845,7 @@ class DecodeBatch:
         when its value is finite."""
         limit = self.tier(limit)
         cache, self.sids = self.engine.cache, list(sids)
-        self.filled = self.engine.arena_rows(len(self.tokens))
+        self.filled = self.engine.decode_memory_rows(len(self.tokens))
         for row, sid in enumerate(self.sids):
             n = cache.lengths[sid]
             start = self.filled[row][1] if self.filled[row] and self.filled[row][0] == sid else 0
@@ -926,7 +926,7 @@ class DecodeBatch:
     def replay(self, sampling, extent):
         """The step as a CUDA graph over `extent` columns (a capacity tier), captured on first use
         for this sampling and tier (while every row is inert, so that capturing writes nothing
-        but scratch) and kept for the engine's life: its tensors, the arena and the weights
+        but scratch) and kept for the engine's life: its tensors, the decode memory and the weights
         never move."""
         if (sampling, extent) not in self.graphs:
             start = time.perf_counter()

@@ -590,7 +590,8 @@ def add_mode_flags(ap):
     mode.add_argument("--play", metavar="SCENARIO_ID", help="you persuade the model persuadee, in the terminal")
 
 
-def parse_args(argv=None):
+def build_parser():
+    """eval.py's flags (parse_args checks the combinations once parsed)."""
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     ap.add_argument("--persuader", action="append", help="model name or path; repeat for a grid (default smollm2)")
     ap.add_argument("--persuadee", action="append", help="model name or path; repeat for a grid (default smollm2)")
@@ -632,6 +633,11 @@ def parse_args(argv=None):
                          "own, else rpo.LAMBDA)")
     ap.add_argument("--policy", metavar="DIR", help="with --compare-many: the trained policy's eval directory")
     add_mode_flags(ap)
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.resume:
         pin_settings(args, ap, argv)

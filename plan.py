@@ -4,9 +4,9 @@ plan.py: the memory plan. What one rank of a training run holds, from the models
 
 Per rank, for a policy of P parameters (fp32 master weights, gradients and AdamW's two moments,
 sharded over the ranks by FSDP2), a frozen reference, a persuadee and a judge (in --dtype), each
-engine's KV pool and decode arena, and one micro-batch of activations:
+engine's KV pool and decode memory, and one micro-batch of activations:
 
-    total = 16 P / world + (dtype copies of the weights) + sum_engines (KV pool + arena)
+    total = 16 P / world + (dtype copies of the weights) + sum_engines (KV pool + decode memory)
             + activations + PLAN_RESERVED_GIB,      headroom = capacity - total
 
 KV per token = 2 (keys, values) x layers x kv_heads x head_dim x itemsize; a pool holds the
@@ -65,9 +65,9 @@ def context_tokens(t_max, max_new_tokens):
 
 
 def engine_sizes(cfg, itemsize, rows, contexts, gpu):
-    """(KV pool bytes, decode arena bytes, arena capacity) of one engine. On a GPU from the
+    """(KV pool bytes, decode memory bytes, decode capacity) of one engine. On a GPU from the
     workload: a pool for the contexts in play (rows, tokens each, of training and of the
-    held-out evaluation) and an arena of the largest batch bucket at the training context (a
+    held-out evaluation) and a decode memory of the largest batch bucket at the training context (a
     smaller bucket gets more tokens a row, up to the longest context); on a CPU the engine's
     defaults (engine.CACHE_GB_CPU, engine.DECODE_COPY_GB)."""
     token = kv_token_bytes(cfg, itemsize)
@@ -77,64 +77,80 @@ def engine_sizes(cfg, itemsize, rows, contexts, gpu):
     pool = min(PLAN_POOL_MARGIN * max(n * t for n, t in contexts) * token, limit)
     longest = min(max(t for _, t in contexts), cfg.max_position_embeddings) + engine.SYNC_EVERY
     train = engine.round_up(contexts[0][1] + engine.SYNC_EVERY, engine.CAPACITY_BUCKET)
-    arena = engine.arena_bytes(engine.batch_bucket(rows), train, token)
-    return pool, arena, engine.round_up(longest, engine.CAPACITY_BUCKET)
+    decode_memory = engine.decode_memory_bytes(engine.batch_bucket(rows), train, token)
+    return pool, decode_memory, engine.round_up(longest, engine.CAPACITY_BUCKET)
+
+
+def engine_contexts(args, world, rows):
+    """(rows, context tokens) of each batch a rank's engines hold: the training rollout's, and
+    with --eval-every the held-out evaluation's."""
+    contexts = [(rows, context_tokens(args.t_max, args.max_new_tokens))]
+    if args.eval_every:
+        contexts.append((-(-args.eval_limit // world), context_tokens(args.eval_t_max,
+                                                                      args.max_new_tokens)))
+    return contexts
+
+
+def policy_items(policy_cfg, args, world, itemsize, shard):
+    """The policy's lines of a rank's memory plan (full fine-tuning): fp32 master shard,
+    gradients and AdamW moments; FSDP's gathered layers or autocast's weight copies; the rollout
+    copy when the actor engine cannot share the master weights."""
+    P = parameter_count(policy_cfg)
+    items = [(f"policy master weights fp32{shard}", int(4 * P / world)),
+             (f"policy gradients fp32{shard}", int(4 * P / world)),
+             (f"AdamW moments fp32{shard}", int(8 * P / world))]
+    if world > 1:  # the roots (embeddings, lm_head) of policy and reference, two layers in flight
+        roots = policy_cfg.vocab_size * policy_cfg.hidden_size * (
+            1 if policy_cfg.tie_word_embeddings else 2)
+        items.append(("FSDP gathered weights and fp32 reduce buffers",
+                      int(itemsize * (2 * roots + 2 * layer_count(policy_cfg))
+                          + 4 * layer_count(policy_cfg))))
+    elif args.dtype != "float32":
+        items.append((f"autocast {args.dtype} weight copies", int(itemsize * P)))
+    if world > 1 or args.dtype != "float32":  # a separate rollout copy
+        items.append((f"rollout copy {args.dtype} (actor engine's weights)", int(itemsize * P)))
+    return items
 
 
 def memory_plan(args, world, gib, gpu):
     """Every tensor a rank holds, in bytes, from the configs alone: the policy's fp32 master
     shard, gradients and AdamW moments; FSDP's gathered layers (or autocast's bf16 weights in
     one process); the rollout copy, reference, persuadee and judge; each engine's KV pool and
-    decode arena; one micro-batch's activations; what CUDA keeps outside tensors. Returns the
+    decode memory; one micro-batch's activations; what CUDA keeps outside tensors. Returns the
     items, the total, the device's bytes and each engine's sizes (Engine keyword arguments)."""
     GiB, itemsize = 2**30, getattr(torch, args.dtype).itemsize
     policy_cfg = models.model_config(args.persuader)
     P = parameter_count(policy_cfg)
-    served_ee = served.is_served(args.persuadee)
-    same = not served_ee and args.persuadee == args.persuader
-    separate_rollout = world > 1 or args.dtype != "float32"
+    served_persuadee = served.is_served(args.persuadee)
+    same = not served_persuadee and args.persuadee == args.persuader
     judge_own = args.judge not in (None, "none", args.persuadee) and not served.is_served(args.judge)
     rows = max(args.instances // world, 1) * args.group_size
-    contexts = [(rows, context_tokens(args.t_max, args.max_new_tokens))]
-    if args.eval_every:
-        contexts.append((-(-args.eval_limit // world), context_tokens(args.eval_t_max,
-                                                                      args.max_new_tokens)))
-    items, sizes = [], {}
+    contexts = engine_contexts(args, world, rows)
+    shard = f" (1/{world} shard)" if world > 1 else ""
+    if getattr(args, "lora", None):  # train.py --lora: LoRA's policy lines instead
+        items, sizes = lora_items(policy_cfg, args, itemsize), {}
+    else:
+        items, sizes = policy_items(policy_cfg, args, world, itemsize, shard), {}
 
     def add(name, n):
         items.append((name, int(n)))
 
     def engine_items(role, cfg):
-        pool, arena, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
+        pool, decode_memory, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
         add(f"{role} KV pool", pool)
-        add(f"{role} decode arena", arena)
+        add(f"{role} decode memory", decode_memory)
         if gpu:  # the padded path's largest SDPA call (its gathered keys stay: Batch.gather)
             add(f"{role} attention transient",
-                engine.attention_transient_bytes(cfg.num_attention_heads,
-                                                 arena // kv_token_bytes(cfg, itemsize), itemsize))
-        sizes[role] = dict(cache_bytes=pool, decode_bytes=arena, decode_capacity=capacity)
+                engine.attention_transient_bytes(
+                    cfg.num_attention_heads, decode_memory // kv_token_bytes(cfg, itemsize), itemsize))
+        sizes[role] = dict(cache_bytes=pool, decode_bytes=decode_memory, decode_capacity=capacity)
 
-    shard = f" (1/{world} shard)" if world > 1 else ""
-    add(f"policy master weights fp32{shard}", 4 * P / world)
-    add(f"policy gradients fp32{shard}", 4 * P / world)
-    add(f"AdamW moments fp32{shard}", 8 * P / world)
-    if world > 1:  # the roots (embeddings, lm_head) of policy and reference, two layers in flight
-        roots = policy_cfg.vocab_size * policy_cfg.hidden_size * (
-            1 if policy_cfg.tie_word_embeddings else 2)
-        add("FSDP gathered weights and fp32 reduce buffers",
-            itemsize * (2 * roots + 2 * layer_count(policy_cfg)) + 4 * layer_count(policy_cfg))
-    elif args.dtype != "float32":
-        add(f"autocast {args.dtype} weight copies", itemsize * P)
-    if separate_rollout:
-        add(f"rollout copy {args.dtype} (actor engine's weights)", itemsize * P)
-    if getattr(args, "lora", None):  # train.py --lora: the policy lines above are LoRA's instead
-        items[:] = lora_items(policy_cfg, args, itemsize)
     engine_items("actor", policy_cfg)
-    if not served_ee:
-        ee_cfg = policy_cfg if same else models.model_config(args.persuadee)
+    if not served_persuadee:
+        persuadee_cfg = policy_cfg if same else models.model_config(args.persuadee)
         add(f"persuadee {args.dtype}" + (" (also the reference)" if same else ""),
-            itemsize * parameter_count(ee_cfg))
-        engine_items("persuadee", ee_cfg)
+            itemsize * parameter_count(persuadee_cfg))
+        engine_items("persuadee", persuadee_cfg)
     if args.kl_beta > 0 and not same and not getattr(args, "lora", None):  # LoRA's is the base
         add(f"reference {args.dtype}{shard}", itemsize * P / world)
     if judge_own:

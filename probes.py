@@ -281,7 +281,7 @@ def decision_probs(logits, tokenizer):
 
 def decision_blocks(eng):
     """KV blocks one sequence's decision read can take at most (read_blocks' rule)."""
-    return 1 + -(-len(decision_ids(eng.tokenizer)[0]) // eng.block_size)
+    return eng.blocks_for(len(decision_ids(eng.tokenizer)[0]), copy_on_write=True)
 
 
 def read_decisions(eng, sids):

@@ -215,7 +215,7 @@ def test_a_reused_decode_copy_holds_nothing_of_before():
     eng = engine.Engine(model, block_size=4, num_blocks=256)
     long = [eng.new(p * 4) for p in PROMPTS]
     eng.generate(long, 10)
-    eng.arena.normal_(0, 30)  # large, finite: what any keys and values could leave
+    eng.decode_memory.normal_(0, 30)  # large, finite: what any keys and values could leave
     prompts = [p[:2 + 2 * i] for i, p in enumerate(PROMPTS)]  # shorter rows see stale columns
     ours = [ids for ids, _, _ in eng.generate([eng.new(p) for p in prompts], 10)]
     assert ours == engine.generate(model, prompts, 10)
@@ -341,7 +341,7 @@ def test_uniform_noise_is_a_pure_function_of_key_position_and_id():
 
 
 # -----------------------------------------------------------------------------
-# memory at scale: the weights held once, one decode arena, graphs that outlive a refresh
+# memory at scale: the weights held once, one decode memory, graphs that outlive a refresh
 
 
 def storages(tensors):
@@ -399,9 +399,9 @@ def test_a_refresh_keeps_the_fused_storage_and_reads_the_new_weights(monkeypatch
     assert ours == [hf_greedy(model, p, 12) for p in PROMPTS]
 
 
-def test_six_turns_of_shrinking_batches_hold_one_decode_arena(tokenizer):
+def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
     """A 6-turn rollout whose messages stop at different lengths (so batches shrink every turn)
-    while the contexts grow: each engine holds one decode arena, allocated once, of the stated
+    while the contexts grow: each engine holds one decode memory, allocated once, of the stated
     size; every DecodeBatch views it; the batch cache is keyed by bucket alone, each batch at
     its bucket's fixed capacity; and every episode completes."""
     import rollout
@@ -412,23 +412,23 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_arena(tokenizer):
               for arch in ("llama", "qwen3"))
     for eng in (er, ee):  # a sixth of the vocabulary stops a message: lengths vary
         eng.stop_ids = list(range(3, tokenizer.vocab_size, 6))
-    arenas = {}
+    memories = {}
 
-    def count_arenas(eng):
+    def count_decode_memories(eng):
         views = {t.untyped_storage().data_ptr() for b in eng.decode_batches.values()
                  for t in (b.keys_t, b.values)}
-        assert views == {eng.arena.untyped_storage().data_ptr()}
+        assert views == {eng.decode_memory.untyped_storage().data_ptr()}
         held = [t for holder in (eng, *eng.decode_batches.values()) for t in vars(holder).values()
                 if torch.is_tensor(t)]  # every buffer the engine and its batches hold
         known = storages([eng.cache.k, eng.cache.v, *eng.gather_buffers])
         big = {ptr for ptr, n in storages(held).items() if n > 256 << 10 and ptr not in known}
-        assert big == {eng.arena.untyped_storage().data_ptr()}  # nothing else of copy size
-        arenas.setdefault(id(eng), set()).add((id(eng.arena), eng.arena.data_ptr()))
+        assert big == {eng.decode_memory.untyped_storage().data_ptr()}  # nothing else of copy size
+        memories.setdefault(id(eng), set()).add((id(eng.decode_memory), eng.decode_memory.data_ptr()))
     generate = engine.Engine.generate
 
     def counted(self, *a, **k):
         out = generate(self, *a, **k)
-        count_arenas(self)
+        count_decode_memories(self)
         return out
     instances = [short_scenario(i) for i in range(1, 3)]
     engine.Engine.generate = counted
@@ -441,12 +441,12 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_arena(tokenizer):
         engine.Engine.generate = generate
     assert len(records) == 8 and max(r["turns"] for r in records) == 6
     for eng in (er, ee):
-        assert len(arenas[id(eng)]) == 1  # one arena, never reallocated
-        assert eng.arena.numel() * eng.arena.element_size() == decode_bytes // 4 * 4
+        assert len(memories[id(eng)]) == 1  # one decode memory, never reallocated
+        assert eng.decode_memory.numel() * eng.decode_memory.element_size() == decode_bytes // 4 * 4
         assert set(eng.decode_batches) <= set(engine.BATCH_BUCKETS)  # buckets, no capacity
         assert len(eng.decode_batches) > 1  # the batches did shrink
         for bucket, batch in eng.decode_batches.items():
-            assert batch.capacity == eng.arena_capacity(bucket) and batch.keys_t.shape[1] == bucket
+            assert batch.capacity == eng.decode_capacity_for(bucket) and batch.keys_t.shape[1] == bucket
 
 
 def test_decode_scores_are_float32_in_bfloat16():
@@ -576,7 +576,7 @@ def test_a_window_attends_over_its_capacity_tier_not_the_whole_capacity(monkeypa
     assert greedy == [hf_greedy(model, p, 16) for p in PROMPTS]
 
 
-def test_arena_key_rows_start_aligned():
+def test_decode_memory_key_rows_start_aligned():
     """Every transposed key row of a DecodeBatch starts on a 32-byte boundary (cuBLAS reads
     aligned rows), whatever the bucket."""
     model = tiny_model("llama").to(torch.bfloat16)
