@@ -181,9 +181,10 @@ def rms_norm(x, weight, eps):
 
 def rotate(x, cos, signed_sin):
     """RoPE on [N, heads, head_dim], rotate-half convention: x cos + (-x2, x1) sin, written as
-    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim] (three operations:
-    the product and the sum are one addcmul)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim]. Not one addcmul: a
+    fused multiply-add rounds differently in a vector body and its scalar tail, so an episode's
+    numbers would depend on its batch neighbours (DECISIONS.md: Keyed random streams)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def decode_attention(q, keys_t, values, key_bias):

@@ -669,9 +669,13 @@ def pin_settings(args, parser, argv):
     names with another value is refused later (settings_mismatch), and every value is checked
     as a fresh argument is (argument_problem), all before any model loads."""
     path = Path(EVALS_DIR) / (args.name or "") / "settings.json"
-    if not args.name or runs.name_problem(args.name) or not path.is_file():
-        return
-    recorded = json.loads(path.read_text())
+    if (not args.name or runs.name_problem(args.name) or path.is_symlink()
+            or runs.links_in(path.parent) or not path.is_file()):
+        return  # open_folder refuses what is wrong with the folder, in one line
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # settings_mismatch names the unreadable record
     if not isinstance(recorded, dict):
         return
     explicit = runs.explicit_settings(parser, argv)

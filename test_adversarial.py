@@ -223,9 +223,11 @@ def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, mo
     which never writes a score)."""
     import eval
     monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    args = TINY_EVAL[:-1] + ["1", "--t-max", "6", "--max-new-tokens", "256", "--name", "j"]
-    size = int(re.search(r"pass --kv-blocks (\d+) or more", one_line_exit(
-        lambda: eval.main(args + ["--kv-blocks", "400"]))).group(1))
+    args = TINY_EVAL[:-1] + ["1", "--t-max", "4", "--max-new-tokens", "128", "--name", "j"]
+    # 210 blocks hold one episode of these lengths (206) but not the judge's prompt of it (225)
+    said = one_line_exit(lambda: eval.main(args + ["--kv-blocks", "210"]))
+    assert "judge's prompt" in said
+    size = int(re.search(r"pass --kv-blocks (\d+) or more", said).group(1))
     monkeypatch.setattr(rollout, "judge_chunk", lambda judge, prompts, *a: [1.0] * len(prompts))
     summary = eval.main(args + ["--kv-blocks", str(size)]) or json.loads(
         (tmp_path / "j" / "summary.json").read_text())

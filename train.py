@@ -167,6 +167,8 @@ def parse_args(argv=None):
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     fill_sampling(args)
     run_dir = Path(args.out) / args.name
+    if args.lora and args.resume:  # before the folder is read
+        _fail(f"--lora {args.lora} with --resume", "cannot resume yet", "start a new run")
     runs.check_folder(args.out, args.name, "train.py", args.resume, args.overwrite,
                       first=os.environ.get("RANK", "0") == "0")
     if args.resume:
@@ -247,8 +249,8 @@ def validate(args):
         if problem := _model_problem(name):
             _fail(f"--{role} {name}", problem, "pass a Hugging Face model folder, a hub name, "
                   "'smollm2' or random:NAME")
-    if (args.lora or 0) < 0 or args.lora and args.resume:
-        _fail(f"--lora {args.lora}", "must be >= 0 and cannot resume yet", "start a new run")
+    if (args.lora or 0) < 0:
+        _fail(f"--lora {args.lora}", "must be >= 0", "pass a rank such as --lora 8, or 0 for full fine-tuning")
     if problem := input_problem(args, validate_scenarios(args)):
         _fail(*problem)
     if args.group_size == 1:
