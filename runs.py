@@ -554,7 +554,11 @@ def _write_checkpoint(run_dir, step, model_sd, optim_sd, policy, tokenizer, prev
     final = run_dir / f"checkpoint-{step}"
 
     def fill(folder):
-        getattr(policy, "module", policy).save_pretrained(folder, state_dict=model_sd)
+        model = getattr(policy, "module", policy)
+        # a peft adapter folder: embeddings are never adapted here, and asking peft to check
+        # ("auto") looks the base model up on a hub, which a run never does
+        extra = dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}
+        model.save_pretrained(folder, state_dict=model_sd, **extra)
         tokenizer.save_pretrained(folder)
         torch.save(dict(step=step, optimizer=optim_sd, torch_rng=torch.get_rng_state()),
                    folder / "trainer.pt")
