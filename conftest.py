@@ -1,5 +1,8 @@
 """Shared test fixtures: tiny random models and a tokenizer built in code, nothing downloaded."""
+import os
+
 import pytest
+import torch
 
 import engine
 import models
@@ -117,6 +120,9 @@ def trained_run(tmp_path_factory):
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of pytest.ini's -n: one core each
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
     config.addinivalue_line("markers", "slow: among the slowest tests (still run by default; "
                                        "-m 'not slow' leaves them out)")
 

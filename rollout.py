@@ -98,12 +98,19 @@ def prompt_ids(persuader_tok, persuadee_tok, instance):
 def prompt_problems(persuader, persuadee, instances):
     """{instance id: why it cannot be played}, for prompts that leave less than PROMPT_ROOM
     tokens of a local model's context (a server checks its own). Each side is a side or an
-    engine.Engine."""
+    engine.Engine. An engine's prompt is encoded only when models.chat_length_bound does not
+    already show that it fits."""
     problems = {}
     for inst in instances:
         for role, eng in (("persuader", persuader), ("persuadee", persuadee)):
             if getattr(eng, "max_len", None) is None:
                 continue
+            if not hasattr(eng, "prompt"):
+                messages = (arena.persuadee_messages(inst) if role == "persuadee" else
+                            arena.persuader_messages(inst))
+                bound = models.chat_length_bound(eng.tokenizer, messages, role == "persuader")
+                if bound + PROMPT_ROOM <= eng.max_len:
+                    continue
             ids = (eng.prompt(inst) if hasattr(eng, "prompt") else
                    prompt_ids(eng.tokenizer, eng.tokenizer, inst)[role == "persuadee"])
             if len(ids) + PROMPT_ROOM > eng.max_len:

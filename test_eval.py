@@ -223,7 +223,7 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path):
               "--limit", "6", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600"]
     runs = {}
     for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run",
-                                                 "--nproc_per_node", "2", "--master_port", "29533"])):
+                                                 "--nproc_per_node", "2", "--standalone"])):
         cmd = [sys.executable, *launcher, str(Path(eval.__file__)), *common, "--name", name]
         p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -217,6 +218,13 @@ def test_a_prompt_longer_than_the_context_is_named_before_anything_runs(tokenize
     short = tiny_model("llama", max_position_embeddings=256)
     er, ee = engine.Engine(short, tokenizer), engine.Engine(short, tokenizer)
     assert set(rollout.prompt_problems(er, ee, [inst])) == {inst["id"]}
+    # the bound skips encoding only prompts that fit: at every context length around the
+    # prompts' own, the problems equal those of the exact lengths
+    lengths = [len(ids) for ids in rollout.prompt_ids(tokenizer, tokenizer, inst)]
+    for max_len in range(min(lengths) + rollout.PROMPT_ROOM - 2, max(lengths) + rollout.PROMPT_ROOM + 3):
+        side = SimpleNamespace(tokenizer=tokenizer, max_len=max_len)  # what prompt_problems reads
+        exact = {inst["id"]} if max(lengths) + rollout.PROMPT_ROOM > max_len else set()
+        assert set(rollout.prompt_problems(side, side, [inst])) == exact, max_len
     with pytest.raises(ValueError, match=f"prompt of {inst['id']} is \\d+ tokens"):
         rollout.rollout_episodes(er, ee, [inst], 2)
     assert er.free_blocks == er.cache.num_blocks

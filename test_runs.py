@@ -350,7 +350,7 @@ def test_two_ranks_resume_with_rank_0_alone_reading_the_trainer_state(tmp_path, 
               "--max-new-tokens", "3", "--save-every", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-              "--master_port", "29561"]
+              "--standalone"]
     for extra in (["--steps", "1"], ["--steps", "2", "--resume"]):
         p = subprocess.run(launch + [str(script), *common, *extra], cwd=HERE, env=env,
                            capture_output=True, text=True, timeout=600)

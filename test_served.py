@@ -1271,7 +1271,7 @@ def test_two_ranks_train_on_when_one_ranks_episodes_are_left_out(tmp_path, short
                          else None)
     server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer(), fail=fail)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", "29541", str(Path(__file__).parent / "train.py"), "--preset", "tiny",
+           "--standalone", str(Path(__file__).parent / "train.py"), "--preset", "tiny",
            "--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "two",
            "--steps", "3", "--persuadee", server.spec, "--judge", "none", "--save-every", "1000"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

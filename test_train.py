@@ -57,12 +57,12 @@ def run_script(argv, env_extra=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def one_and_two_ranks(script, args, port, env=None, timeout=300):
+def one_and_two_ranks(script, args, env=None, timeout=300):
     """Run `script args` as one process (--name one) and under torchrun with 2 gloo ranks
-    (--name two), both to a zero exit."""
+    (--name two, on a free port: --standalone), both to a zero exit."""
     one = run_script([script, *args, "--name", "one"], env)
-    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                      str(port), script, *args, "--name", "two"], env)
+    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                      script, *args, "--name", "two"], env)
     for p in (one, two):
         out = p.communicate(timeout=timeout)[0]
         assert p.returncode == 0, out[-3000:]
@@ -80,7 +80,7 @@ def test_two_ranks_match_one_process(tmp_path, short_scenarios):
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2",
                      "--instances", "2", "--group-size", "2", "--persuader-temperature", "1",
                      "--persuadee-temperature", "0.7", "--max-new-tokens", "6"]
-    one_and_two_ranks("train.py", common, 29517)
+    one_and_two_ranks("train.py", common)
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         for key in COMPARED:
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
@@ -502,7 +502,7 @@ def test_two_ranks_log_the_pooled_diagnostics_of_one_process(tmp_path, short_sce
     env = {"PYTHONPATH": str(Path(__file__).parent)}
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3", "--instances", "4",
                      "--group-size", "2", "--lam", "0.5", "--max-new-tokens", "3"]
-    one_and_two_ranks(str(script), common, 29541, env, timeout=600)
+    one_and_two_ranks(str(script), common, env, timeout=600)
     rollouts = {k: [json.loads(line) for line in (tmp_path / k / "rollouts.jsonl").read_text().splitlines()]
                 for k in ("one", "two")}
     assert rollouts["one"] == rollouts["two"] and len(rollouts["one"]) == 3 * 4 * 2
@@ -568,7 +568,7 @@ def test_two_bf16_ranks_under_mixed_precision_match_one_process(tmp_path, short_
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "1",
                      "--instances", "2", "--group-size", "2", "--dtype", "bfloat16", "--lr",
                      "1e-6", "--save-every", "1", "--max-new-tokens", "6"]
-    one_and_two_ranks("train.py", common, 29519)
+    one_and_two_ranks("train.py", common)
     (a,), (b,) = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert a["persuader_tokens"] == b["persuader_tokens"] and a["grad_norm"] > 0
     assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * a["grad_norm"]
@@ -798,7 +798,7 @@ def test_two_lora_ranks_match_one_process(tmp_path, short_scenarios):
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2",
                      "--instances", "2", "--group-size", "2", "--persuader-temperature", "1",
                      "--max-new-tokens", "6", "--lora", "4", "--lr", "3e-2"]
-    one_and_two_ranks("train.py", common, 29527)
+    one_and_two_ranks("train.py", common)
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         for key in COMPARED:
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
