@@ -380,6 +380,18 @@ def batch_bucket(n):
 # the paged cache and the engine
 
 
+def zero_pool(shape, dtype, device):
+    """A zero tensor for a KV pool. On a CPU it comes from calloc'd memory (numpy.zeros), whose
+    pages the OS maps, already zero, only when first written: a pool costs the memory and time
+    of what its sequences use, not of its size. (Zeros, not garbage: a masked key's value row
+    is multiplied by a weight of 0, and 0 * NaN is NaN.)"""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class PagedCache:
     """A pool of KV blocks shared by many sequences through block tables and reference counts.
 
@@ -388,8 +400,7 @@ class PagedCache:
 
     def __init__(self, n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype, device):
         shape = (n_layers, (num_blocks + 1) * block_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = zero_pool(shape, dtype, device), zero_pool(shape, dtype, device)
         self.block_size, self.num_blocks, self.scratch = block_size, num_blocks, num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.refs = [0] * num_blocks

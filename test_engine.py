@@ -585,3 +585,14 @@ def test_decode_memory_key_rows_start_aligned():
     for batch in eng.decode_batches.values():
         assert batch.keys_t.stride(-2) * batch.keys_t.element_size() % 32 == 0
         assert batch.keys_t.data_ptr() % 32 == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cpu_pool_is_zero_writable_and_independent(dtype):
+    """engine.zero_pool on a CPU (calloc'd memory): the shape and dtype asked for, every element
+    0, writes land where they are written, and two pools share nothing."""
+    a, b = (engine.zero_pool((2, 8, 3, 4), dtype, "cpu") for _ in range(2))
+    assert a.shape == (2, 8, 3, 4) and a.dtype == dtype and a.is_contiguous()
+    assert torch.equal(a, torch.zeros_like(a))
+    a[1, 5, 2, 3] = 1.5
+    assert a.float().sum() == 1.5 and a[1, 5, 2, 3] == 1.5 and b.abs().sum() == 0

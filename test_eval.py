@@ -4,6 +4,7 @@ Run: python -m pytest -q test_eval.py"""
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -216,18 +217,21 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     assert all(eng.free_blocks == 400 for eng in engines)
 
 
-def test_two_ranks_write_the_summary_of_one_process(tmp_path):
+def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     """torchrun --nproc_per_node 2 eval.py shards the scenarios over the ranks; rank 0 gathers
-    them: episodes.jsonl and summary.json equal one process's."""
+    them: episodes.jsonl and summary.json equal one process's (run in this one meanwhile)."""
     common = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
               "--limit", "6", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600"]
-    runs = {}
-    for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run",
-                                                 "--nproc_per_node", "2", "--standalone"])):
-        cmd = [sys.executable, *launcher, str(Path(eval.__file__)), *common, "--name", name]
-        p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-        runs[name] = tmp_path / eval.EVALS_DIR / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(Path(eval.__file__)), *common, "--name", "two"]
+    log = tmp_path / "two.log"
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        monkeypatch.chdir(tmp_path)
+        eval.main(common + ["--name", "one"])
+        assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
+    runs = {name: tmp_path / eval.EVALS_DIR / name for name in ("one", "two")}
     one, two = (an.load_episodes(runs[k]) for k in ("one", "two"))
     assert len(one) == 6 == len(two)
     for a, b in zip(one, two):  # texts exactly; beliefs to float noise (other batch neighbours)
