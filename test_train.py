@@ -98,8 +98,6 @@ def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "4",
                      "--save-every", "2", "--instances", "2", "--group-size", "2",
                      "--max-new-tokens", "6"]
-    whole = run_script(["train.py", *common, "--name", "whole"])
-    assert whole.wait(timeout=300) == 0
     killed = run_script(["train.py", *common, "--name", "killed"])
     latest = tmp_path / "killed" / "latest"
     deadline = time.time() + 300
@@ -109,6 +107,7 @@ def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait()
     resumed = run_script(["train.py", *common, "--name", "killed", "--resume"])
+    train.main([str(a) for a in common] + ["--name", "whole"])  # the uninterrupted run, meanwhile
     out = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0 and "resumed from step 2" in out, out[-3000:]
     a, b = metrics(tmp_path / "whole"), metrics(tmp_path / "killed")
