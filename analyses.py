@@ -27,7 +27,8 @@ acceptance (compare_many, section E.4); the main table with 95% intervals and pa
 case_rows); checkpoint selection over training runs (Table 9: runs_selection) with the run-level
 Fig. 7 diagnostics pooled from rollouts.jsonl.
 
-eval.py is the command line over these functions; plots.py draws them.
+The intervals, paired tests and correlations are significance.py's; eval.py is the command line
+over these functions; plots.py draws them.
 Tests: python -m pytest -q test_analyses.py
 """
 
@@ -42,16 +43,14 @@ from scipy import stats
 
 import moves
 import rpo
-from runs import finite, is_number
-from runs import read_jsonl as runs_read_jsonl
+from records import PROBE_NAMES, RUN_FIELDS, load_episodes, read_records
+from significance import (finite_or_none, mcnemar, mean_band, pearson, proportion_difference,
+                          spearman, t_interval, welch_difference, wilcoxon, wilson_interval)
+from runs import is_number
 from arena import API_ERROR, CUT_OFF, OUTCOMES
 
 SHORT = {"ACCEPT": "ACCEPT", "CONDITIONAL_ACCEPT": "COND", "PENDING": "PENDING", "REJECT": "REJECT",
          "WALK_AWAY": "WALK"}
-PROBE_NAMES = ("CA", "PE", "AC")  # column order of an episode's "probes" rows (probes.PROBES, checked by a test)
-Z95 = 1.959964  # two-sided 95% normal quantile for the confidence bands and Wald intervals
-CONFIDENCE = 0.95  # level of the Welch intervals of the move effects
-EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
 SATURATION = 0.95  # a probe value beyond this carries almost no gradient of belief
 FIDELITY_BINS = (0.0, 0.2, 0.5, 0.9, 1.0)  # |v| edges: undecided .. decided, for the probe fidelity split
 CLOSED = "ACCEPT"  # the outcome that counts as closing a scenario in --compare-many
@@ -68,11 +67,6 @@ DIAGNOSTICS = ("dead_group_share", "dead_goal_share", "dead_rescued_share", "den
 def _mean(values):
     values = list(values)
     return sum(values) / len(values) if values else None
-
-
-def _finite(x):
-    """A float for JSON, None where a statistic is undefined (nan: too few or constant values)."""
-    return None if x is None else finite(float(x))
 
 
 def _anchor(ep):
@@ -141,22 +135,6 @@ def _groups(episodes, key):
     return {k: _summary(v) for k, v in sorted(groups.items())}
 
 
-def spearman(x, y):
-    """{rho, p} of scipy's Spearman rank correlation; None where undefined (n < 3 or a constant)."""
-    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
-        return None
-    r = stats.spearmanr(x, y)
-    return {"rho": _finite(r.statistic), "p": _finite(r.pvalue), "n": len(x)}
-
-
-def pearson(x, y):
-    """{r, p} of scipy's Pearson correlation; None where undefined (n < 3 or a constant)."""
-    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
-        return None
-    r = stats.pearsonr(x, y)
-    return {"r": _finite(r.statistic), "p": _finite(r.pvalue), "n": len(x)}
-
-
 def pearson_matrix(rows):
     """Pearson correlations between the columns of rows [N, K], None where a column is constant."""
     a = np.asarray(rows, dtype=float)
@@ -165,7 +143,7 @@ def pearson_matrix(rows):
         return [[None] * k for _ in range(k)]
     with np.errstate(invalid="ignore", divide="ignore"):
         c = np.corrcoef(a, rowvar=False)
-    return [[_finite(v) for v in row] for row in np.atleast_2d(c)]
+    return [[finite_or_none(v) for v in row] for row in np.atleast_2d(c)]
 
 
 def belief_stats(episodes):
@@ -200,27 +178,6 @@ def shaping_by_outcome(episodes, lam=rpo.LAMBDA):
     """Mean shaping return lam * sum_t r_t per outcome reached: the paper's scale (section F's
     0.479 ACCEPT and 0.461 CONDITIONAL_ACCEPT at lambda 0.5, bounded by [-lam, lam])."""
     return {o: lam * v for o, v in dense_by_outcome(episodes).items()}
-
-
-def welch_difference(with_label, without_label):
-    """Difference of means (with - without) and its Welch 95% interval; None below two of each."""
-    if len(with_label) < 2 or len(without_label) < 2:
-        return None
-    diff = float(np.mean(with_label) - np.mean(without_label))
-    test = stats.ttest_ind(with_label, without_label, equal_var=False)
-    low, high = test.confidence_interval(CONFIDENCE)
-    return {"diff": diff, "low": _finite(low), "high": _finite(high), "n_with": len(with_label),
-            "n_without": len(without_label)}
-
-
-def proportion_difference(with_label, without_label):
-    """Difference of two proportions (booleans) with its Wald 95% interval; None if a side is empty."""
-    if not with_label or not without_label:
-        return None
-    p1, p2 = float(np.mean(with_label)), float(np.mean(without_label))
-    half = Z95 * math.sqrt(p1 * (1 - p1) / len(with_label) + p2 * (1 - p2) / len(without_label))
-    return {"diff": p1 - p2, "low": p1 - p2 - half, "high": p1 - p2 + half, "n_with": len(with_label),
-            "n_without": len(without_label)}
 
 
 def move_stats(episodes):
@@ -422,31 +379,6 @@ def _label_lines(summary):
 # paired tests and comparison
 
 
-def mcnemar(a, b):
-    """Two-sided exact McNemar p-value for paired booleans: a binomial test on the discordant pairs."""
-    if len(a) != len(b):
-        raise ValueError(f"mcnemar needs paired samples, got {len(a)} and {len(b)}")
-    only_a = sum(bool(x) and not bool(y) for x, y in zip(a, b))
-    only_b = sum(bool(y) and not bool(x) for x, y in zip(a, b))
-    if only_a + only_b == 0:
-        return 1.0
-    return float(stats.binomtest(only_a, only_a + only_b, 0.5).pvalue)
-
-
-def wilcoxon(x, y):
-    """Two-sided Wilcoxon signed-rank p-value of x - y, zero differences dropped.
-    Exact null distribution for up to EXACT_WILCOXON_MAX_N differences without ties in |d|; otherwise
-    the normal approximation with scipy's tie-corrected variance and no continuity correction."""
-    d = np.asarray(x, dtype=float) - np.asarray(y, dtype=float)
-    d = d[d != 0]
-    if d.size == 0:
-        return 1.0
-    ties = np.unique(np.abs(d)).size < d.size
-    method = "exact" if d.size <= EXACT_WILCOXON_MAX_N and not ties else "asymptotic"
-    return float(stats.wilcoxon(d, zero_method="wilcox", correction=False, alternative="two-sided",
-                                method=method).pvalue)
-
-
 def compare(episodes_a, episodes_b):
     """Pair two runs by scenario_id and test B against A. Runs covering different scenarios are
     compared on the common ones, with a warning naming what is missing."""
@@ -607,25 +539,6 @@ TABLE_OUTCOMES = {"full_accept": ("FA", ("ACCEPT",)), "full_or_conditional": ("F
                   "pending": ("pending", ("PENDING",)), "reject": ("reject", ("REJECT",)),
                   "walk_away": ("walk-away", ("WALK_AWAY",))}  # the main table's outcome columns
 TABLE_MEANS = {"mean_turns": "turns", "mean_final_belief": "final belief"}  # and its mean columns
-
-
-def wilson_interval(k, n, z=Z95):
-    """The Wilson score interval of a proportion k / n (DECISIONS.md: Main table)."""
-    if n == 0:
-        return None, None
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
-
-
-def t_interval(values, level=CONFIDENCE):
-    """Mean and its Student-t interval; None bounds below two values."""
-    x = np.asarray(values, dtype=float)
-    if x.size < 2:
-        return (float(x.mean()) if x.size else None), None, None
-    half = stats.t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
-    return float(x.mean()), float(x.mean() - half), float(x.mean() + half)
 
 
 def main_table(runs, reference):
@@ -979,161 +892,17 @@ def format_probe_overlay(result):
 
 
 def trajectory_stats(episodes, series):
-    """Per outcome, the mean of a per-turn series by turn, the 95% half-width of that mean (normal
-    approximation, 0 where a turn has one episode) and the episode count. series(ep) -> values
-    b_0..b_T; turn t averages the episodes that reached it."""
+    """Per outcome, the mean of a per-turn series by turn, the 95% half-width of that mean
+    (significance.mean_band) and the episode count. series(ep) -> values b_0..b_T; turn t
+    averages the episodes that reached it."""
     out = {}
     for outcome in OUTCOMES:
         rows = [series(ep) for ep in episodes if ep["outcome"] == outcome]
-        if not rows:
-            continue
-        length = max(len(row) for row in rows)
-        mean, half, count = np.zeros(length), np.zeros(length), np.zeros(length, dtype=int)
-        for t in range(length):
-            v = np.array([row[t] for row in rows if len(row) > t], dtype=float)
-            mean[t], count[t] = v.mean(), v.size
-            half[t] = Z95 * v.std(ddof=1) / math.sqrt(v.size) if v.size > 1 else 0.0
-        out[outcome] = (mean, half, count)
+        if rows:
+            length = max(len(row) for row in rows)
+            count = np.array([sum(len(row) > t for row in rows) for t in range(length)])
+            out[outcome] = (*mean_band(rows), count)
     return out
-
-
-def mean_band(rows):
-    """Mean by index over ragged rows and its 95% normal half-width (0 where one row)."""
-    length = max((len(r) for r in rows), default=0)
-    mean, half = np.zeros(length), np.zeros(length)
-    for t in range(length):
-        v = np.array([r[t] for r in rows if len(r) > t], dtype=float)
-        mean[t] = v.mean()
-        half[t] = Z95 * v.std(ddof=1) / math.sqrt(v.size) if v.size > 1 else 0.0
-    return mean, half
-
-# -----------------------------------------------------------------------------
-# episode records on disk
-
-
-def _jsonl_rows(path, what):
-    """(line number, object) of every non-empty line of a JSONL file (runs.read_jsonl: a bad
-    last line is dropped with a warning, an earlier one refused)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; pass {what}")
-    return runs_read_jsonl(path)
-
-
-def read_jsonl(path, what):
-    return [row for _, row in _jsonl_rows(path, what)]
-
-
-def _number_or_none(v):
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
-
-
-def _unit_or_none(v):
-    return v is None or (_number_or_none(v) and 0 <= v <= 1)
-
-
-def _label_rows(v):
-    return isinstance(v, list) and all(isinstance(r, list) and all(isinstance(x, str) for x in r) for r in v)
-
-
-# The episode record, in one place: every field rollout.record writes, what an evaluation
-# stamps on it (eval.evaluate) and what moves.py labels. "No value" is None in every field (a
-# belief or probe a served persuadee could not read, a judge that gave no score); NaN lives only
-# inside the arithmetic of rpo.py and torch.
-EPISODE_RECORD = {
-    "id": "the instance's id (scenario and variant)", "scenario_id": "the scenario's id",
-    "domain": "the scenario's domain", "resistance": "the hidden resistance type",
-    "outcome": "one of arena.OUTCOMES", "turns": "persuader messages answered",
-    "end_reason": "why the episode ended (arena.Episode)",
-    "transcript": "[{role, text, decision}] in order",
-    "beliefs": "b_0..b_T, the mean of the probe values (None: unread)",
-    "probes": "[CA, PE, AC] values after each reply (None: unread)",
-    "probe_mass": "P(Yes) + P(No) of each read-out", "judge": "strategy score s (None: not judged)",
-    "judge_failed": "the judge's answer could not be parsed: s fell back to 0",
-    "ids": "persuader-side token stream (training)", "turn_ids": "message index of each token, 0 "
-    "for tokens the policy did not sample (training)", "logprobs": "sampling log-probs (training)",
-    "persuader": "the persuader's model (evaluation)", "persuadee": "the persuadee's model "
-    "(evaluation)", "seed": "the evaluation's seed", "anchor": "the reward setting (evaluation)",
-    "probe_space": "probe value space (evaluation)", "probe_signs": "probe valences (evaluation)",
-    "moves": "move labels per persuader message (moves.py)", "manipulation": "manipulation "
-    "labels per persuader message (moves.py)", "tagger": "which tagger labelled them",
-}
-TRAINING_FIELDS = ("ids", "turn_ids", "logprobs")  # of no use once an episode is scored
-STAMP_FIELDS = ("persuader", "persuadee", "seed", "anchor", "probe_space", "probe_signs")
-LABEL_FIELDS = ("moves", "manipulation", "tagger")
-
-EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
-    "scenario_id": ("a string", lambda v: isinstance(v, str)),
-    "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: v in OUTCOMES),
-    "turns": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "beliefs": ("a list of numbers (null where unread)", lambda v: isinstance(v, list) and all(map(_number_or_none, v))),
-    "probes": ("a list of [CA, PE, AC] rows (null where unread)",
-               lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(PROBE_NAMES)
-                                                                    and all(map(_number_or_none, r))) for r in v)),
-    "transcript": ("a list of {role, text} messages",
-                   lambda v: isinstance(v, list) and all(isinstance(m, dict) and isinstance(m.get("text"), str)
-                                                         and m.get("role") in ("persuader", "persuadee") for m in v)),
-    "judge": ("a number or null", _number_or_none),
-    "judge_failed": ("true or false", lambda v: isinstance(v, bool)),
-    "probe_mass": ("a list of [CA, PE, AC] rows of numbers in [0, 1] (null where unread)",
-                   lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(PROBE_NAMES)
-                                                                        and all(map(_unit_or_none, r))) for r in v)),
-    "moves": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
-    "manipulation": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
-}
-OPTIONAL_EPISODE_FIELDS = ("judge", "judge_failed", "probe_mass", "moves", "manipulation")  # checked where present
-
-
-_STEP = ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool))
-_NUMBER = ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
-RUN_FIELDS = {  # what --runs reads of a training run's files
-    "evals.jsonl": {"step": _STEP, "full_accept": _NUMBER},
-    "metrics.jsonl": {"step": _STEP},
-    "rollouts.jsonl": {"step": _STEP, "group": _STEP, "member": _STEP, "outcome": EPISODE_FIELDS["outcome"],
-                       "goal": _NUMBER, "judge": EPISODE_FIELDS["judge"], "beliefs": EPISODE_FIELDS["beliefs"]},
-}
-
-
-def check_record(row, fields, optional=()):
-    """None for a record that has every field of `fields` as it must be (those named in optional
-    may be absent), else (field, what it must be, what it is)."""
-    if not isinstance(row, dict):
-        return "(whole line)", "a JSON object", type(row).__name__
-    for field, (must, ok) in fields.items():
-        if field not in row:
-            if field in optional:
-                continue
-            return field, must, "missing"
-        if not ok(row[field]):
-            return field, must, json.dumps(row[field])[:60]
-    return None
-
-
-def read_records(path, what, fields, optional=()):
-    """The rows of a JSONL file, each checked against fields: a bad one is one error naming the
-    file, the line and the field."""
-    rows = _jsonl_rows(path, what)
-    for lineno, row in rows:
-        if problem := check_record(row, fields, optional):
-            field, must, got = problem
-            raise ValueError(f"{path}, line {lineno}: field '{field}' must be {must}, got {got}")
-    return [row for _, row in rows]
-
-
-def load_episodes(dir_or_file):
-    """Episodes of a run directory (its episodes.jsonl) or of a .jsonl file; a record the analyses
-    cannot read is refused with its file, line and field."""
-    path = Path(dir_or_file)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass an eval directory such as evals/NAME")
-    if path.is_dir():
-        path = path / "episodes.jsonl"
-    episodes = read_records(path, "an eval directory written by `python eval.py --name NAME`",
-                            EPISODE_FIELDS, OPTIONAL_EPISODE_FIELDS)
-    if not episodes:
-        raise ValueError(f"{path} holds no episodes; rerun the evaluation that wrote it")
-    return episodes
-
 
 def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):
     """summarize() plus probe_fidelity from the stored fork and reference read-outs."""
@@ -1144,52 +913,3 @@ def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):
             summary["probe_fidelity"]["vocabulary"] = probe_fidelity(fidelity["reference"],
                                                                      fidelity["vocabulary"])
     return summary
-
-# -----------------------------------------------------------------------------
-# signal to noise and power (bench.py --snr; sweep.py's sizes)
-
-
-def message_variance_share(rewards):
-    """rewards: per instance, per persuader message, the r_t of several persuadee replies to that
-    one message (each with its own random stream). One-way random-effects ANOVA within each
-    instance, sums of squares pooled over instances: the message component
-    s2_message = max(0, (MS_between - MS_within) / n0) and the persuadee's sampling component
-    s2_persuadee = MS_within; share = s2_message / (s2_message + s2_persuadee), the part of r_t's
-    within-instance variance that the persuader's message decides (a group's contrast)."""
-    ss_w = ss_b = df_w = df_b = 0.0
-    sizes = []
-    for messages in rewards:
-        groups = [np.asarray(g, dtype=float) for g in messages if len(g)]
-        if len(groups) < 2:
-            continue
-        grand = np.concatenate(groups).mean()
-        ss_w += sum(((g - g.mean()) ** 2).sum() for g in groups)
-        ss_b += sum(g.size * (g.mean() - grand) ** 2 for g in groups)
-        df_w += sum(g.size - 1 for g in groups)
-        df_b += len(groups) - 1
-        sizes += [g.size for g in groups]
-    if not df_w or not df_b:
-        raise ValueError("message_variance_share needs two messages with two replies each")
-    ms_w, ms_b = ss_w / df_w, ss_b / df_b
-    n0 = float(np.mean(sizes))
-    s2_message = max(0.0, (ms_b - ms_w) / n0)
-    total = s2_message + ms_w
-    return dict(share=float(s2_message / total) if total else 0.0, s2_message=float(s2_message),
-                s2_persuadee=float(ms_w), ms_between=float(ms_b), messages=len(sizes),
-                replies=int(sum(sizes)))
-
-
-def episodes_for_proportions(p0, p1, alpha=0.05, power=0.8):
-    """Episodes per arm for a two-sided test of two independent proportions p0, p1 (normal
-    approximation): (z_a sqrt(2 pbar qbar) + z_b sqrt(p0 q0 + p1 q1))^2 / (p1 - p0)^2."""
-    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
-    pbar = (p0 + p1) / 2
-    n = (za * math.sqrt(2 * pbar * (1 - pbar)) + zb * math.sqrt(p0 * (1 - p0) + p1 * (1 - p1))) ** 2
-    return math.ceil(n / (p1 - p0) ** 2)
-
-
-def episodes_for_mean(sd, delta, alpha=0.05, power=0.8, paired=False):
-    """Episodes per arm (pairs when paired, sd then the sd of the paired differences) for a
-    two-sided test of a mean difference delta: k (z_a + z_b)^2 sd^2 / delta^2, k = 2 unpaired."""
-    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
-    return math.ceil((1 if paired else 2) * (za + zb) ** 2 * sd ** 2 / delta ** 2)

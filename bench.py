@@ -85,12 +85,12 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-import analyses
 import arena
 import engine
 import models
 import probes
 import rollout
+import significance
 
 MODEL = "smollm2"
 DIALOGUES = 8
@@ -814,7 +814,7 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
     """r_1 = (b_1 - b_0) / 2 of the preset's models, per instance (the first held-out scenarios,
     pick_instances), per sampled persuader opening message, for `resamples` persuadee replies to
     that one message (each with its own random stream, the probes read after each): the input
-    of analyses.message_variance_share. Settings (models, dtype, sampling, message length) are
+    of significance.message_variance_share. Settings (models, dtype, sampling, message length) are
     train.PRESETS[preset]'s; the persuadee's decision rule (rollout.DECISION) plays no part."""
     import train
     cfg = train.PRESETS[preset]
@@ -868,7 +868,7 @@ def snr_main(argv):
     args = p.parse_args(argv)
     start = time.perf_counter()
     rewards = first_turn_rewards(args.snr, args.instances, args.messages, args.resamples, args.seed)
-    out = analyses.message_variance_share(rewards)
+    out = significance.message_variance_share(rewards)
     flat = [r for inst in rewards for msg in inst for r in msg]
     out.update(preset=args.snr, instances=args.instances, messages_per_instance=args.messages,
                resamples=args.resamples, r1_mean=float(np.mean(flat)), r1_sd=float(np.std(flat, ddof=1)),

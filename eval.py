@@ -41,11 +41,12 @@ import arena
 import moves
 import plots
 import probes
+import records
 import rpo
 import runs
 import served
 
-TRAINING_KEYS = analyses.TRAINING_FIELDS  # rollout's token stream, of no use once scored
+TRAINING_KEYS = records.TRAINING_FIELDS  # rollout's token stream, of no use once scored
 RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
@@ -100,7 +101,7 @@ def analyze(run_dir, shaping_lambda=None):
     if not (run_dir / "episodes.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file():
         raise ValueError(f"{run_dir} is a training run (metrics.jsonl, no episodes.jsonl); pass one of its "
                          "eval-STEP folders, or read it with --runs or --plot-run")
-    episodes = analyses.load_episodes(run_dir)
+    episodes = records.load_episodes(run_dir)
     untagged = [ep for ep in episodes if "moves" not in ep]
     if untagged:
         config = run_dir.parent / "config.json"
@@ -804,16 +805,16 @@ def analysis_mode(args):
     """The model-free modes; returns what they print."""
     if args.compare:
         a, b = args.compare
-        result = analyses.compare(analyses.load_episodes(a), analyses.load_episodes(b))
+        result = analyses.compare(records.load_episodes(a), records.load_episodes(b))
         path = (Path(b) if Path(b).is_dir() else Path(b).parent) / "compare.json"
         runs.write_atomic(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
         return "\n".join(role_differences(a, b) + [analyses.format_compare(result, a, b), f"wrote {path}"])
     if args.compare_many:
-        result = analyses.compare_many({d: analyses.load_episodes(d) for d in args.compare_many},
-                                       analyses.load_episodes(args.policy))
+        result = analyses.compare_many({d: records.load_episodes(d) for d in args.compare_many},
+                                       records.load_episodes(args.policy))
         return analyses.format_compare_many(result, args.policy)
     if args.table:
-        table = analyses.main_table({d: analyses.load_episodes(d) for d in args.table},
+        table = analyses.main_table({d: records.load_episodes(d) for d in args.table},
                                     args.reference or args.table[0])
         return analyses.format_main_table(table, args.format)
     if args.analyze:
@@ -821,13 +822,13 @@ def analysis_mode(args):
         return f"{analyses.format_table(summary)}\nwrote {Path(args.analyze) / 'summary.json'} and the plots"
     if args.case:
         folder, sid = args.case
-        ep = analyses.find_episode(analyses.load_episodes(folder), sid, folder)
+        ep = analyses.find_episode(records.load_episodes(folder), sid, folder)
         path = Path(folder) / f"case-{_slug(sid)}.png"
         plots.plot_case(ep, path)
         return f"{analyses.format_case(ep)}\nwrote {path}"
     if args.overlay:
         out = _output_dir(args, "overlay_" + "_vs_".join(_slug(Path(d).name) for d in args.overlay))
-        believed = {d: analyses.with_beliefs(analyses.load_episodes(d)) for d in args.overlay}
+        believed = {d: analyses.with_beliefs(records.load_episodes(d)) for d in args.overlay}
         if not all(believed.values()):
             raise ValueError(f"{', '.join(d for d, eps in believed.items() if not eps)}: no episode has beliefs "
                              "to overlay (a persuadee served without log-probs)")

@@ -27,7 +27,9 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 import analyses  # noqa: E402
 import moves  # noqa: E402
-from analyses import PROBE_NAMES  # noqa: E402
+import records  # noqa: E402
+import significance  # noqa: E402
+from records import PROBE_NAMES  # noqa: E402
 from runs import is_number, write_atomic  # noqa: E402
 
 PROBE_TITLES = {"CA": "concern addressed (CA)", "PE": "persuasion effective (PE)",
@@ -166,7 +168,7 @@ def plot_overlay(runs, path):
     for name, episodes in zip(system_labels(runs), runs.values()):
         for ax, rows, start in ((axes[0], [ep["beliefs"] for ep in episodes], 0),
                                 (axes[1], [analyses.raw_process_rewards(ep) for ep in episodes], 1)):
-            mean, half = analyses.mean_band(rows)
+            mean, half = significance.mean_band(rows)
             x = np.arange(start, start + mean.size)
             ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(episodes)})")
             ax.fill_between(x, mean - half, mean + half, alpha=0.2)
@@ -187,7 +189,7 @@ def plot_probe_overlay(runs, path):
     fig, axes = plt.subplots(1, len(PROBE_NAMES), figsize=PROBE_FIGSIZE, sharey=True)
     for i, (ax, probe) in enumerate(zip(axes, PROBE_NAMES)):
         for name, episodes in zip(system_labels(runs), runs.values()):
-            mean, half = analyses.mean_band([[row[i] for row in ep["probes"]] for ep in episodes])
+            mean, half = significance.mean_band([[row[i] for row in ep["probes"]] for ep in episodes])
             x = np.arange(mean.size)
             ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(episodes)})")
             ax.fill_between(x, mean - half, mean + half, alpha=0.2)
@@ -252,7 +254,7 @@ def plot_run(run_dir):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory; pass a training run such as runs/NAME")
-    rows = analyses.read_jsonl(run_dir / "metrics.jsonl", "a training run directory written by train.py")
+    rows = records.read_jsonl(run_dir / "metrics.jsonl", "a training run directory written by train.py")
     if not rows:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is empty; let train.py log at least one step")
     steps = [row.get("step", i) for i, row in enumerate(rows)]
@@ -290,7 +292,7 @@ SWEEP_FIGSIZE = (11.0, 4.0)
 
 def plot_sweep(entries, rows, folder):
     """sweep.py's figures: curves.png, held-out b_T - b_0 and full acceptance by checkpoint step,
-    one line per lambda (mean over seeds, 95% band over seeds: analyses.mean_band); effect.png,
+    one line per lambda (mean over seeds, 95% band over seeds: significance.mean_band); effect.png,
     each lambda's last checkpoint minus the initial policy in b_T - b_0 (paired, 95% t interval)."""
     fig, axes = plt.subplots(1, 2, figsize=SWEEP_FIGSIZE)
     for lam in sorted({e["lam"] for e in entries}):
@@ -300,7 +302,7 @@ def plot_sweep(entries, rows, folder):
             series = [[e[key] for e in sorted(mine, key=lambda e: e["step"]) if e["seed"] == s]
                       for s in sorted({e["seed"] for e in mine})]
             series = [[math.nan if v is None else v for v in row] for row in series]
-            mean, half = analyses.mean_band(series)
+            mean, half = significance.mean_band(series)
             ax.plot(steps[:mean.size], mean, marker="o", ms=3, label=f"lambda {lam:g}")
             ax.fill_between(steps[:mean.size], mean - half, mean + half, alpha=0.2)
     for ax, title in zip(axes, ("held-out mean b_T - b_0", "held-out full acceptance")):

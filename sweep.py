@@ -36,6 +36,8 @@ from tqdm import tqdm
 
 import analyses
 import arena
+import records
+import significance
 
 LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
@@ -92,7 +94,7 @@ def arm_argv(args, extra, lam, seed, runs_dir):
 def _steps_in(path, key="step"):
     if not path.is_file():
         return set()
-    return {row[key] for row in analyses.read_jsonl(path, str(path))}
+    return {row[key] for row in records.read_jsonl(path, str(path))}
 
 
 def arm_finished(run_dir, args, frozen=False):
@@ -171,9 +173,9 @@ def paired(a, b):
     both = [k for k in common if analyses.with_beliefs([a[k]]) and analyses.with_beliefs([b[k]])]
     change = lambda ep: ep["beliefs"][-1] - ep["beliefs"][0]
     diffs = [change(a[k]) - change(b[k]) for k in both]
-    mean, low, high = analyses.t_interval(diffs)
-    return dict(n=len(common), mcnemar_p=analyses.mcnemar(*accept),
-                wilcoxon_p=analyses.wilcoxon([change(a[k]) for k in both],
+    mean, low, high = significance.t_interval(diffs)
+    return dict(n=len(common), mcnemar_p=significance.mcnemar(*accept),
+                wilcoxon_p=significance.wilcoxon([change(a[k]) for k in both],
                                              [change(b[k]) for k in both]) if both else None,
                 belief_diff=mean, belief_diff_low=low, belief_diff_high=high)
 
@@ -202,10 +204,10 @@ def table_rows(held_out, lams, seeds, steps):
             changes = [ep["beliefs"][-1] - ep["beliefs"][0] for ep in analyses.with_beliefs(episodes)]
             rows.append(dict(lam=lam, which=which, step=step, n=len(episodes),
                              full_accept=accept / max(len(episodes), 1),
-                             full_accept_interval=analyses.wilson_interval(accept, len(episodes)),
+                             full_accept_interval=significance.wilson_interval(accept, len(episodes)),
                              full_or_conditional=either / max(len(episodes), 1),
-                             full_or_conditional_interval=analyses.wilson_interval(either, len(episodes)),
-                             belief_change=analyses.t_interval(changes),
+                             full_or_conditional_interval=significance.wilson_interval(either, len(episodes)),
+                             belief_change=significance.t_interval(changes),
                              vs_initial=paired(eps, pooled(held_out[lam], seeds, 0)),
                              vs_lambda0=None if lam == 0.0 else paired(eps, pooled(held_out[0.0], seeds, step))))
     return rows
@@ -223,9 +225,9 @@ def frozen_rows(runs, frozen, lams, seeds, steps):
                     if r["step"] > steps // 2 and r["b_0"] is not None and r["b_T"] is not None:
                         side[s, r["step"], r["group"], r["member"]] = r["b_T"] - r["b_0"]
         keys = sorted(set(a) & set(b))
-        mean, low, high = analyses.t_interval([a[k] - b[k] for k in keys])
+        mean, low, high = significance.t_interval([a[k] - b[k] for k in keys])
         rows.append(dict(lam=lam, n=len(keys), belief_diff=mean, low=low, high=high,
-                         wilcoxon_p=analyses.wilcoxon([a[k] for k in keys], [b[k] for k in keys])
+                         wilcoxon_p=significance.wilcoxon([a[k] for k in keys], [b[k] for k in keys])
                          if keys else None))
     return rows
 
@@ -291,7 +293,7 @@ def main(argv=None):
 def summarize_sweep(root, args):
     """summary.json, table.md and the figures from the sweep folder's runs."""
     import plots
-    initial = {s: analyses.load_episodes(root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
+    initial = {s: records.load_episodes(root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
                for s in args.seeds}
     runs = {lam: {s: analyses.read_run(root / "runs" / arm_name(lam, s)) for s in args.seeds}
             for lam in args.lams}
@@ -303,7 +305,7 @@ def summarize_sweep(root, args):
     rows = table_rows(held_out, args.lams, args.seeds, steps[1:])
     frozen = None
     if args.frozen_control:
-        control = {s: {"rollouts": analyses.read_jsonl(root / "runs" / arm_name(FROZEN, s) /
+        control = {s: {"rollouts": records.read_jsonl(root / "runs" / arm_name(FROZEN, s) /
                                                         "rollouts.jsonl", "a frozen control run")}
                    for s in args.seeds}
         frozen = frozen_rows(runs, control, args.lams, args.seeds, args.steps)

@@ -17,6 +17,7 @@ from scipy import stats
 import analyses as an
 import moves
 import rpo
+import significance
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,11 +26,6 @@ def test_importing_analyses_loads_no_torch():
     code = "import analyses, sys; assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules"
     p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-
-
-def test_mirrored_names_match_their_owners():
-    import probes
-    assert an.PROBE_NAMES == tuple(probes.PROBES)
 
 
 def episode(sid, outcome, beliefs, domain="finance", resistance="identity_threat", judge=0.0):
@@ -109,19 +105,6 @@ def test_a_judge_that_failed_every_transcript_is_said_loudly():
     assert "judge_warning" not in some and "JUDGE FAILED" not in an.format_table(some)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("probe_mass", "x"), ("probe_mass", [[0.5, 2.0, 0.1]]), ("probe_mass", [["x", 1, 1]]),
-    ("moves", "x"), ("manipulation", 3), ("judge_failed", "yes")])
-def test_analyze_refuses_a_malformed_optional_field_in_one_line(tmp_path, field, value):
-    path = tmp_path / "episodes.jsonl"
-    path.write_text(json.dumps({**SIX[0], field: value}) + "\n")
-    with pytest.raises(ValueError, match=f"line 1: field '{field}' must be"):
-        an.load_episodes(path)
-    path.write_text(json.dumps(SIX[0]) + "\n" + json.dumps([SIX[1]]) + "\n")
-    with pytest.raises(ValueError, match="line 2: field '\\(whole line\\)' must be a JSON object"):
-        an.load_episodes(path)
-
-
 def test_summarize_breakdowns():
     s = an.summarize(SIX)
     assert set(s["by_resistance"]) == {"identity_threat", "entrenched_belief", "autonomy_resistance"}
@@ -169,29 +152,8 @@ def test_trajectory_stats():
     assert list(count) == [2, 2, 2, 1]
     assert mean[0] == pytest.approx(-0.1)                        # (0 - .2)/2
     # sd(0, -.2) = .1414, half-width 1.96 * .1414 / sqrt(2) = 1.96 * .1
-    assert half[0] == pytest.approx(an.Z95 * 0.1)
+    assert half[0] == pytest.approx(significance.Z95 * 0.1)
     assert mean[3] == pytest.approx(0.6) and half[3] == 0.0      # only e6 reaches turn 3
-
-
-def test_mcnemar_small_exact():
-    # 1 pair only A succeeds, 7 only B, 5 both, 3 neither: p = 2 * (C(8,0) + C(8,1)) / 2^8 = 18/256
-    a = [True] * 1 + [False] * 7 + [True] * 5 + [False] * 3
-    b = [False] * 1 + [True] * 7 + [True] * 5 + [False] * 3
-    assert an.mcnemar(a, b) == pytest.approx(18 / 256)
-    assert an.mcnemar(b, a) == pytest.approx(18 / 256)
-
-
-def test_mcnemar_textbook():
-    # the classic table a=101, b=121, c=59, d=33 (chi2 = 21.35); exact p = 2 P(X <= 59), X ~ Bin(180, .5)
-    a = [True] * 101 + [True] * 121 + [False] * 59 + [False] * 33
-    b = [True] * 101 + [False] * 121 + [True] * 59 + [False] * 33
-    p = 2 * sum(math.comb(180, k) for k in range(60)) / 2 ** 180
-    assert an.mcnemar(a, b) == pytest.approx(p, rel=1e-9)
-    assert 1e-6 < p < 1e-4
-
-
-def test_mcnemar_no_discordant():
-    assert an.mcnemar([True, False, True], [True, False, True]) == 1.0
 
 
 def exact_signed_rank_p(d):
@@ -203,35 +165,6 @@ def exact_signed_rank_p(d):
     dist = [sum(r for r, s in zip(range(1, n + 1), signs) if s) for signs in itertools.product((0, 1), repeat=n)]
     lo, hi = sum(v <= w for v in dist), sum(v >= w for v in dist)
     return min(1.0, 2 * min(lo, hi) / 2 ** n)
-
-
-def test_wilcoxon_exact_small():
-    # differences 1.5 -.5 2.5 3.5 4.5 -5.5 6.5 7.5 and a zero (dropped): n = 8, W- = 1 + 6 = 7;
-    # subsets of {1..8} with sum <= 7: 1+1+1+2+2+3+4+5 = 19, so p = 2 * 19/256
-    x = [11.5, 9.5, 12.5, 13.5, 14.5, 4.5, 16.5, 17.5, 10.0]
-    y = [10.0] * 9
-    assert an.wilcoxon(x, y) == pytest.approx(38 / 256)
-    assert an.wilcoxon(x, y) == pytest.approx(exact_signed_rank_p([a - b for a, b in zip(x, y)]))
-
-
-def test_wilcoxon_ties_normal_approx():
-    # d = 1 1 2 -2 3 3 3 4 -1 5 (+ a zero, dropped): n = 10; |d| ranks 1,1,1 -> 2; 2,2 -> 4.5; 3,3,3 -> 7
-    # W- = 4.5 + 2 = 6.5; mean 10*11/4 = 27.5; var 10*11*21/24 - (24 + 6 + 24)/48 = 96.25 - 1.125
-    d = [1, 1, 2, -2, 3, 3, 3, 4, -1, 5, 0]
-    z = (6.5 - 27.5) / math.sqrt(96.25 - 1.125)
-    assert an.wilcoxon(d, [0] * len(d)) == pytest.approx(math.erfc(abs(z) / math.sqrt(2)), rel=1e-9)
-
-
-def test_wilcoxon_large_sample_normal_approx():
-    # n = 60 > EXACT_WILCOXON_MAX_N, no ties: every third difference negative, ranks 1, 4, ..., 58
-    d = [-(i + 1) if i % 3 == 0 else i + 1 for i in range(60)]
-    w_minus = sum(range(1, 61, 3))
-    z = (w_minus - 60 * 61 / 4) / math.sqrt(60 * 61 * 121 / 24)
-    assert an.wilcoxon(d, [0] * 60) == pytest.approx(math.erfc(abs(z) / math.sqrt(2)), rel=1e-9)
-
-
-def test_wilcoxon_all_zero():
-    assert an.wilcoxon([1, 2, 3], [1, 2, 3]) == 1.0
 
 
 RUN_A = [episode("s1", "PENDING", [0, 0.1]), episode("s2", "ACCEPT", [0, 0.5]),
@@ -580,47 +513,3 @@ def test_main_table_against_scipy():
     assert "\\toprule" in latex and "run\\_a (ref.) & 6 & 50.0 {\\scriptsize [18.8, 81.2]}" in latex
     with pytest.raises(ValueError, match="reference row"):
         an.main_table({"A": RUN_A}, "B")
-
-
-@pytest.mark.parametrize("field, value, must", [
-    ("outcome", "MAYBE", "must be one of ACCEPT"), ("turns", -1, "whole number"),
-    ("beliefs", [0.1, "x"], "list of numbers"), ("probes", [[0.1, 0.2]], "[CA, PE, AC] rows"),
-    ("transcript", [{"role": "judge", "text": "hi"}], "{role, text}"), ("scenario_id", None, "a string"),
-])
-def test_a_malformed_record_names_file_line_and_field(tmp_path, field, value, must):
-    path = tmp_path / "episodes.jsonl"
-    bad = dict(SIX[1], **{field: value})
-    path.write_text("".join(json.dumps(ep) + "\n" for ep in [SIX[0], bad]))
-    with pytest.raises(ValueError) as e:
-        an.load_episodes(tmp_path)
-    message = str(e.value)
-    assert message.startswith(f"{path}, line 2: field '{field}' ") and must in message and "\n" not in message
-    del bad[field]
-    path.write_text(json.dumps(bad) + "\n")
-    with pytest.raises(ValueError, match=f"line 1: field '{field}' .* got missing"):
-        an.load_episodes(path)
-
-
-def test_message_variance_share_recovers_known_components():
-    """Simulated r_t = instance + message + reply noise with message sd 0.02 and reply sd 0.04:
-    the share is 0.02^2 / (0.02^2 + 0.04^2) = 0.2, the instance offsets do not count; a message
-    that decides nothing gives ~0."""
-    import numpy as np
-    rng = np.random.default_rng(0)
-    data = [[list(off + m + rng.normal(0, 0.04, 8)) for m in rng.normal(0, 0.02, 60)]
-            for off in rng.normal(0, 1.0, 20)]
-    out = an.message_variance_share(data)
-    assert out["share"] == pytest.approx(0.2, abs=0.04)
-    assert out["s2_persuadee"] == pytest.approx(0.04 ** 2, rel=0.05)
-    noise = [[list(rng.normal(0, 0.04, 8)) for _ in range(60)] for _ in range(20)]
-    assert an.message_variance_share(noise)["share"] < 0.03
-    with pytest.raises(ValueError):
-        an.message_variance_share([[[1.0]]])
-
-
-def test_power_episodes_by_hand():
-    """p 0.5 -> 0.6: (1.95996 sqrt(2 .55 .45) + 0.84162 sqrt(.25 + .24))^2 / 0.01 = 387.3 -> 388;
-    a mean difference of 0.05 with sd 0.1: 2 (2.80158)^2 0.01 / 0.0025 = 62.8 -> 63 (paired 32)."""
-    assert an.episodes_for_proportions(0.5, 0.6) == 388
-    assert an.episodes_for_mean(0.1, 0.05) == 63
-    assert an.episodes_for_mean(0.1, 0.05, paired=True) == 32

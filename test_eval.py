@@ -16,6 +16,7 @@ from scipy import stats
 import analyses as an
 import eval
 import plots
+import records
 import rpo
 from test_analyses import LAB, RUN_B, RUN_A, check_compare, episode, many_runs
 from test_plots import png_size
@@ -28,10 +29,10 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     eval.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
     assert sorted(p.name for p in (tmp_path / "A").iterdir()) == \
         ["beliefs.png", "episodes.jsonl", "probes.png", "summary.json"]   # no temp files left behind
-    assert an.load_episodes(tmp_path / "A") == RUN_A
-    assert an.load_episodes(tmp_path / "B" / "episodes.jsonl") == RUN_B
+    assert records.load_episodes(tmp_path / "A") == RUN_A
+    assert records.load_episodes(tmp_path / "B" / "episodes.jsonl") == RUN_B
     assert json.loads((tmp_path / "A" / "summary.json").read_text())["full_accept"] == pytest.approx(0.5)
-    check_compare(an.compare(an.load_episodes(tmp_path / "A"), an.load_episodes(tmp_path / "B")))
+    check_compare(an.compare(records.load_episodes(tmp_path / "A"), records.load_episodes(tmp_path / "B")))
     eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "2 wins, 1 losses, 2 ties" in out and "outcome transitions" in out
@@ -134,10 +135,10 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
     # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
     sample = json.loads((tmp_path / "run" / "fidelity.json").read_text())["sample"]
-    saved = an.load_episodes(tmp_path / "run")
+    saved = records.load_episodes(tmp_path / "run")
     assert sample == [[saved[0]["id"], 0], [saved[1]["id"], len(saved[1]["probes"]) - 1]]
     assert sample[1][1] > 0 and summary["probe_fidelity"]["n"] == 2 * 3
-    saved = an.load_episodes(tmp_path / "run")
+    saved = records.load_episodes(tmp_path / "run")
     assert [e["id"] for e in saved] == [i["id"] for i in instances]
     assert not any(k in saved[0] for k in eval.TRAINING_KEYS)
     for ep in saved:
@@ -159,7 +160,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     bare = [{k: v for k, v in ep.items() if k not in ("moves", "manipulation", "tagger")} for ep in saved]
     (tmp_path / "run" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in bare))
     assert eval.analyze(tmp_path / "run") == written
-    assert "moves" not in an.load_episodes(tmp_path / "run")[0]
+    assert "moves" not in records.load_episodes(tmp_path / "run")[0]
 
 
 def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
@@ -180,7 +181,7 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     assert judged_by[0].config.model_type == "llama"
     runs = sorted(p for p in (tmp_path / "evals" / "g").iterdir() if not p.name.startswith("."))  # the lock and marker aside
     assert len(runs) == 2 and all((r / "summary.json").exists() for r in runs)
-    [ep] = an.load_episodes(runs[0])
+    [ep] = records.load_episodes(runs[0])
     assert ep["scenario_id"] == eval.balanced_subset(__import__("arena").heldout_instances(), 3)[0]["id"]
     assert ep["probe_space"] == "logodds"
 
@@ -195,7 +196,7 @@ def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatc
     assert ep["transcript"][0]["text"] == "Hello, could we talk about the appointment?"
     assert ep["end_reason"] == "stopped" and len(ep["probes"]) == 3 == len(ep["beliefs"])
     assert sum("belief" in line for line in shown) == 2
-    [saved] = an.load_episodes(next((tmp_path / "evals").iterdir()))
+    [saved] = records.load_episodes(next((tmp_path / "evals").iterdir()))
     assert saved["transcript"] == ep["transcript"]
 
 
@@ -211,7 +212,7 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     engines = [engine.Engine(model, tok, num_blocks=400) for _ in range(2)]
     summary = eval.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=0,
                           max_new_tokens=4)
-    episodes = an.load_episodes(tmp_path / "run")
+    episodes = records.load_episodes(tmp_path / "run")
     assert summary["n"] == 120 and [e["id"] for e in episodes] == [i["id"] for i in instances]
     assert not any(e["end_reason"] in ("cache", "context") for e in episodes)
     assert all(eng.free_blocks == 400 for eng in engines)
@@ -232,7 +233,7 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
         eval.main(common + ["--name", "one"])
         assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
     runs = {name: tmp_path / eval.EVALS_DIR / name for name in ("one", "two")}
-    one, two = (an.load_episodes(runs[k]) for k in ("one", "two"))
+    one, two = (records.load_episodes(runs[k]) for k in ("one", "two"))
     assert len(one) == 6 == len(two)
     for a, b in zip(one, two):  # texts exactly; beliefs to float noise (other batch neighbours)
         floats = ("beliefs", "probes", "probe_mass")

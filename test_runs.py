@@ -18,6 +18,7 @@ import torch
 import eval
 import models
 import probes
+import records
 import rollout
 import rpo
 import runs
@@ -375,23 +376,22 @@ def test_the_sampling_flags_name_rollouts_presets():
 
 
 def test_the_episode_record_has_one_schema(tmp_path):
-    """rollout.record writes exactly analyses.EPISODE_RECORD's fields less the stamps and labels;
+    """rollout.record writes exactly records.EPISODE_RECORD's fields less the stamps and labels;
     an evaluation's saved episode holds exactly the record's fields less the training stream;
     what the analyses check is part of the record."""
-    import analyses
     import arena
     import engine
     from conftest import tiny_model
     tokenizer = models.tiny_tokenizer()
     engines = [engine.Engine(tiny_model(a), tokenizer, num_blocks=400) for a in ("llama", "qwen3")]
     [record] = rollout.rollout_episodes(*engines, arena.heldout_instances()[:1], 1, max_new_tokens=2)
-    schema = set(analyses.EPISODE_RECORD)
-    assert set(record) == schema - set(analyses.STAMP_FIELDS) - set(analyses.LABEL_FIELDS)
-    assert set(analyses.EPISODE_FIELDS) <= schema and eval.TRAINING_KEYS == analyses.TRAINING_FIELDS
+    schema = set(records.EPISODE_RECORD)
+    assert set(record) == schema - set(records.STAMP_FIELDS) - set(records.LABEL_FIELDS)
+    assert set(records.EPISODE_FIELDS) <= schema and eval.TRAINING_KEYS == records.TRAINING_FIELDS
     eval.evaluate(*engines, arena.heldout_instances()[:1], tmp_path / "e", t_max=1, fidelity=0,
                   max_new_tokens=2)
     [saved] = [json.loads(line) for line in (tmp_path / "e" / "episodes.jsonl").read_text().splitlines()]
-    assert set(saved) == schema - set(analyses.TRAINING_FIELDS)
+    assert set(saved) == schema - set(records.TRAINING_FIELDS)
 
 
 def test_eval_resume_keeps_the_evaluations_own_settings(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,141 @@
+"""
+records.py: the episode record, in one place, and reading records back from disk (no torch).
+
+EPISODE_RECORD names every field rollout.record writes, what an evaluation stamps on it
+(eval.evaluate) and what moves.py labels. "No value" is None in every field (a belief or probe a
+served persuadee could not read, a judge that gave no score); NaN lives only inside the
+arithmetic of rpo.py and torch. EPISODE_FIELDS is what the analyses read of a record and what
+each must be; load_episodes refuses a record that breaks it, naming the file, line and field;
+RUN_FIELDS is the same for a training run's metrics.jsonl, evals.jsonl and rollouts.jsonl. A
+JSONL file is read by runs.read_jsonl: a bad last line (a killed writer) is dropped with a
+warning, an earlier one refused.
+
+Tests: python -m pytest -q test_records.py
+"""
+import json
+from pathlib import Path
+
+from arena import OUTCOMES
+from runs import read_jsonl as runs_read_jsonl
+
+PROBE_NAMES = ("CA", "PE", "AC")  # column order of an episode's "probes" rows (probes.PROBES, checked by a test)
+
+
+def _jsonl_rows(path, what):
+    """(line number, object) of every non-empty line of a JSONL file (runs.read_jsonl: a bad
+    last line is dropped with a warning, an earlier one refused)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass {what}")
+    return runs_read_jsonl(path)
+
+
+def read_jsonl(path, what):
+    return [row for _, row in _jsonl_rows(path, what)]
+
+
+def _number_or_none(v):
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _unit_or_none(v):
+    return v is None or (_number_or_none(v) and 0 <= v <= 1)
+
+
+def _label_rows(v):
+    return isinstance(v, list) and all(isinstance(r, list) and all(isinstance(x, str) for x in r) for r in v)
+
+
+EPISODE_RECORD = {
+    "id": "the instance's id (scenario and variant)", "scenario_id": "the scenario's id",
+    "domain": "the scenario's domain", "resistance": "the hidden resistance type",
+    "outcome": "one of arena.OUTCOMES", "turns": "persuader messages answered",
+    "end_reason": "why the episode ended (arena.Episode)",
+    "transcript": "[{role, text, decision}] in order",
+    "beliefs": "b_0..b_T, the mean of the probe values (None: unread)",
+    "probes": "[CA, PE, AC] values after each reply (None: unread)",
+    "probe_mass": "P(Yes) + P(No) of each read-out", "judge": "strategy score s (None: not judged)",
+    "judge_failed": "the judge's answer could not be parsed: s fell back to 0",
+    "ids": "persuader-side token stream (training)", "turn_ids": "message index of each token, 0 "
+    "for tokens the policy did not sample (training)", "logprobs": "sampling log-probs (training)",
+    "persuader": "the persuader's model (evaluation)", "persuadee": "the persuadee's model "
+    "(evaluation)", "seed": "the evaluation's seed", "anchor": "the reward setting (evaluation)",
+    "probe_space": "probe value space (evaluation)", "probe_signs": "probe valences (evaluation)",
+    "moves": "move labels per persuader message (moves.py)", "manipulation": "manipulation "
+    "labels per persuader message (moves.py)", "tagger": "which tagger labelled them",
+}
+TRAINING_FIELDS = ("ids", "turn_ids", "logprobs")  # of no use once an episode is scored
+STAMP_FIELDS = ("persuader", "persuadee", "seed", "anchor", "probe_space", "probe_signs")
+LABEL_FIELDS = ("moves", "manipulation", "tagger")
+
+EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
+    "scenario_id": ("a string", lambda v: isinstance(v, str)),
+    "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: v in OUTCOMES),
+    "turns": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "beliefs": ("a list of numbers (null where unread)", lambda v: isinstance(v, list) and all(map(_number_or_none, v))),
+    "probes": ("a list of [CA, PE, AC] rows (null where unread)",
+               lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(PROBE_NAMES)
+                                                                    and all(map(_number_or_none, r))) for r in v)),
+    "transcript": ("a list of {role, text} messages",
+                   lambda v: isinstance(v, list) and all(isinstance(m, dict) and isinstance(m.get("text"), str)
+                                                         and m.get("role") in ("persuader", "persuadee") for m in v)),
+    "judge": ("a number or null", _number_or_none),
+    "judge_failed": ("true or false", lambda v: isinstance(v, bool)),
+    "probe_mass": ("a list of [CA, PE, AC] rows of numbers in [0, 1] (null where unread)",
+                   lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(PROBE_NAMES)
+                                                                        and all(map(_unit_or_none, r))) for r in v)),
+    "moves": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
+    "manipulation": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
+}
+OPTIONAL_EPISODE_FIELDS = ("judge", "judge_failed", "probe_mass", "moves", "manipulation")  # checked where present
+
+
+_STEP = ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool))
+_NUMBER = ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+RUN_FIELDS = {  # what --runs reads of a training run's files
+    "evals.jsonl": {"step": _STEP, "full_accept": _NUMBER},
+    "metrics.jsonl": {"step": _STEP},
+    "rollouts.jsonl": {"step": _STEP, "group": _STEP, "member": _STEP, "outcome": EPISODE_FIELDS["outcome"],
+                       "goal": _NUMBER, "judge": EPISODE_FIELDS["judge"], "beliefs": EPISODE_FIELDS["beliefs"]},
+}
+
+
+def check_record(row, fields, optional=()):
+    """None for a record that has every field of `fields` as it must be (those named in optional
+    may be absent), else (field, what it must be, what it is)."""
+    if not isinstance(row, dict):
+        return "(whole line)", "a JSON object", type(row).__name__
+    for field, (must, ok) in fields.items():
+        if field not in row:
+            if field in optional:
+                continue
+            return field, must, "missing"
+        if not ok(row[field]):
+            return field, must, json.dumps(row[field])[:60]
+    return None
+
+
+def read_records(path, what, fields, optional=()):
+    """The rows of a JSONL file, each checked against fields: a bad one is one error naming the
+    file, the line and the field."""
+    rows = _jsonl_rows(path, what)
+    for lineno, row in rows:
+        if problem := check_record(row, fields, optional):
+            field, must, got = problem
+            raise ValueError(f"{path}, line {lineno}: field '{field}' must be {must}, got {got}")
+    return [row for _, row in rows]
+
+
+def load_episodes(dir_or_file):
+    """Episodes of a run directory (its episodes.jsonl) or of a .jsonl file; a record the analyses
+    cannot read is refused with its file, line and field."""
+    path = Path(dir_or_file)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; pass an eval directory such as evals/NAME")
+    if path.is_dir():
+        path = path / "episodes.jsonl"
+    episodes = read_records(path, "an eval directory written by `python eval.py --name NAME`",
+                            EPISODE_FIELDS, OPTIONAL_EPISODE_FIELDS)
+    if not episodes:
+        raise ValueError(f"{path} holds no episodes; rerun the evaluation that wrote it")
+    return episodes

@@ -1,0 +1,171 @@
+"""
+significance.py: intervals, paired tests, correlations and sample sizes: the statistics that the
+paper's comparisons rest on (scipy and numpy; no torch, no episode records).
+
+  wilson_interval          a proportion's Wilson score interval (the main table's acceptance)
+  t_interval               a mean's Student-t interval (belief changes, the sweep's differences)
+  mean_band                means by index over ragged rows with 95% normal half-widths (figures)
+  welch_difference         a difference of means with its Welch interval (move effects)
+  proportion_difference    a difference of proportions with its Wald interval
+  mcnemar                  exact McNemar on paired booleans (acceptance, same scenarios)
+  wilcoxon                 Wilcoxon signed-rank on paired numbers (goal reward, b_T - b_0)
+  spearman, pearson        correlations, None where undefined
+  message_variance_share   the share of r_t's variance the persuader's message decides
+  episodes_for_proportions, episodes_for_mean   episodes a comparison needs (power)
+
+analyses.py applies these to episode records; sweep.py and bench.py call them directly.
+Tests: python -m pytest -q test_significance.py
+"""
+import math
+
+import numpy as np
+from scipy import stats
+
+from runs import finite
+
+Z95 = 1.959964  # two-sided 95% normal quantile for the confidence bands and Wald intervals
+CONFIDENCE = 0.95  # level of the Welch intervals of the move effects
+EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
+
+
+def finite_or_none(x):
+    """A float for JSON, None where a statistic is undefined (nan: too few or constant values)."""
+    return None if x is None else finite(float(x))
+
+
+def wilson_interval(k, n, z=Z95):
+    """The Wilson score interval of a proportion k / n (DECISIONS.md: Main table)."""
+    if n == 0:
+        return None, None
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def t_interval(values, level=CONFIDENCE):
+    """Mean and its Student-t interval; None bounds below two values."""
+    x = np.asarray(values, dtype=float)
+    if x.size < 2:
+        return (float(x.mean()) if x.size else None), None, None
+    half = stats.t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
+    return float(x.mean()), float(x.mean() - half), float(x.mean() + half)
+
+
+def mean_band(rows):
+    """Mean by index over ragged rows and its 95% normal half-width (0 where one row)."""
+    length = max((len(r) for r in rows), default=0)
+    mean, half = np.zeros(length), np.zeros(length)
+    for t in range(length):
+        v = np.array([r[t] for r in rows if len(r) > t], dtype=float)
+        mean[t] = v.mean()
+        half[t] = Z95 * v.std(ddof=1) / math.sqrt(v.size) if v.size > 1 else 0.0
+    return mean, half
+
+
+def welch_difference(with_label, without_label):
+    """Difference of means (with - without) and its Welch 95% interval; None below two of each."""
+    if len(with_label) < 2 or len(without_label) < 2:
+        return None
+    diff = float(np.mean(with_label) - np.mean(without_label))
+    test = stats.ttest_ind(with_label, without_label, equal_var=False)
+    low, high = test.confidence_interval(CONFIDENCE)
+    return {"diff": diff, "low": finite_or_none(low), "high": finite_or_none(high), "n_with": len(with_label),
+            "n_without": len(without_label)}
+
+
+def proportion_difference(with_label, without_label):
+    """Difference of two proportions (booleans) with its Wald 95% interval; None if a side is empty."""
+    if not with_label or not without_label:
+        return None
+    p1, p2 = float(np.mean(with_label)), float(np.mean(without_label))
+    half = Z95 * math.sqrt(p1 * (1 - p1) / len(with_label) + p2 * (1 - p2) / len(without_label))
+    return {"diff": p1 - p2, "low": p1 - p2 - half, "high": p1 - p2 + half, "n_with": len(with_label),
+            "n_without": len(without_label)}
+
+
+def mcnemar(a, b):
+    """Two-sided exact McNemar p-value for paired booleans: a binomial test on the discordant pairs."""
+    if len(a) != len(b):
+        raise ValueError(f"mcnemar needs paired samples, got {len(a)} and {len(b)}")
+    only_a = sum(bool(x) and not bool(y) for x, y in zip(a, b))
+    only_b = sum(bool(y) and not bool(x) for x, y in zip(a, b))
+    if only_a + only_b == 0:
+        return 1.0
+    return float(stats.binomtest(only_a, only_a + only_b, 0.5).pvalue)
+
+
+def wilcoxon(x, y):
+    """Two-sided Wilcoxon signed-rank p-value of x - y, zero differences dropped.
+    Exact null distribution for up to EXACT_WILCOXON_MAX_N differences without ties in |d|; otherwise
+    the normal approximation with scipy's tie-corrected variance and no continuity correction."""
+    d = np.asarray(x, dtype=float) - np.asarray(y, dtype=float)
+    d = d[d != 0]
+    if d.size == 0:
+        return 1.0
+    ties = np.unique(np.abs(d)).size < d.size
+    method = "exact" if d.size <= EXACT_WILCOXON_MAX_N and not ties else "asymptotic"
+    return float(stats.wilcoxon(d, zero_method="wilcox", correction=False, alternative="two-sided",
+                                method=method).pvalue)
+
+
+def spearman(x, y):
+    """{rho, p} of scipy's Spearman rank correlation; None where undefined (n < 3 or a constant)."""
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    r = stats.spearmanr(x, y)
+    return {"rho": finite_or_none(r.statistic), "p": finite_or_none(r.pvalue), "n": len(x)}
+
+
+def pearson(x, y):
+    """{r, p} of scipy's Pearson correlation; None where undefined (n < 3 or a constant)."""
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    r = stats.pearsonr(x, y)
+    return {"r": finite_or_none(r.statistic), "p": finite_or_none(r.pvalue), "n": len(x)}
+
+
+def message_variance_share(rewards):
+    """rewards: per instance, per persuader message, the r_t of several persuadee replies to that
+    one message (each with its own random stream). One-way random-effects ANOVA within each
+    instance, sums of squares pooled over instances: the message component
+    s2_message = max(0, (MS_between - MS_within) / n0) and the persuadee's sampling component
+    s2_persuadee = MS_within; share = s2_message / (s2_message + s2_persuadee), the part of r_t's
+    within-instance variance that the persuader's message decides (a group's contrast)."""
+    ss_w = ss_b = df_w = df_b = 0.0
+    sizes = []
+    for messages in rewards:
+        groups = [np.asarray(g, dtype=float) for g in messages if len(g)]
+        if len(groups) < 2:
+            continue
+        grand = np.concatenate(groups).mean()
+        ss_w += sum(((g - g.mean()) ** 2).sum() for g in groups)
+        ss_b += sum(g.size * (g.mean() - grand) ** 2 for g in groups)
+        df_w += sum(g.size - 1 for g in groups)
+        df_b += len(groups) - 1
+        sizes += [g.size for g in groups]
+    if not df_w or not df_b:
+        raise ValueError("message_variance_share needs two messages with two replies each")
+    ms_w, ms_b = ss_w / df_w, ss_b / df_b
+    n0 = float(np.mean(sizes))
+    s2_message = max(0.0, (ms_b - ms_w) / n0)
+    total = s2_message + ms_w
+    return dict(share=float(s2_message / total) if total else 0.0, s2_message=float(s2_message),
+                s2_persuadee=float(ms_w), ms_between=float(ms_b), messages=len(sizes),
+                replies=int(sum(sizes)))
+
+
+def episodes_for_proportions(p0, p1, alpha=0.05, power=0.8):
+    """Episodes per arm for a two-sided test of two independent proportions p0, p1 (normal
+    approximation): (z_a sqrt(2 pbar qbar) + z_b sqrt(p0 q0 + p1 q1))^2 / (p1 - p0)^2."""
+    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
+    pbar = (p0 + p1) / 2
+    n = (za * math.sqrt(2 * pbar * (1 - pbar)) + zb * math.sqrt(p0 * (1 - p0) + p1 * (1 - p1))) ** 2
+    return math.ceil(n / (p1 - p0) ** 2)
+
+
+def episodes_for_mean(sd, delta, alpha=0.05, power=0.8, paired=False):
+    """Episodes per arm (pairs when paired, sd then the sd of the paired differences) for a
+    two-sided test of a mean difference delta: k (z_a + z_b)^2 sd^2 / delta^2, k = 2 unpaired."""
+    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
+    return math.ceil((1 if paired else 2) * (za + zb) ** 2 * sd ** 2 / delta ** 2)

@@ -1,0 +1,51 @@
+"""Tests of records.py: the one episode schema and what reading a record back refuses."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import probes
+import records
+from test_analyses import SIX
+
+
+def test_importing_records_loads_no_torch():
+    code = "import records, sys; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_probe_names_are_the_probes_own():
+    assert records.PROBE_NAMES == tuple(probes.PROBES)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("probe_mass", "x"), ("probe_mass", [[0.5, 2.0, 0.1]]), ("probe_mass", [["x", 1, 1]]),
+    ("moves", "x"), ("manipulation", 3), ("judge_failed", "yes")])
+def test_analyze_refuses_a_malformed_optional_field_in_one_line(tmp_path, field, value):
+    path = tmp_path / "episodes.jsonl"
+    path.write_text(json.dumps({**SIX[0], field: value}) + "\n")
+    with pytest.raises(ValueError, match=f"line 1: field '{field}' must be"):
+        records.load_episodes(path)
+    path.write_text(json.dumps(SIX[0]) + "\n" + json.dumps([SIX[1]]) + "\n")
+    with pytest.raises(ValueError, match="line 2: field '\\(whole line\\)' must be a JSON object"):
+        records.load_episodes(path)
+
+
+@pytest.mark.parametrize("field, value, must", [
+    ("outcome", "MAYBE", "must be one of ACCEPT"), ("turns", -1, "whole number"),
+    ("beliefs", [0.1, "x"], "list of numbers"), ("probes", [[0.1, 0.2]], "[CA, PE, AC] rows"),
+    ("transcript", [{"role": "judge", "text": "hi"}], "{role, text}"), ("scenario_id", None, "a string"),
+])
+def test_a_malformed_record_names_file_line_and_field(tmp_path, field, value, must):
+    path = tmp_path / "episodes.jsonl"
+    bad = dict(SIX[1], **{field: value})
+    path.write_text("".join(json.dumps(ep) + "\n" for ep in [SIX[0], bad]))
+    with pytest.raises(ValueError) as e:
+        records.load_episodes(tmp_path)
+    message = str(e.value)
+    assert message.startswith(f"{path}, line 2: field '{field}' ") and must in message and "\n" not in message
+    del bad[field]
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=f"line 1: field '{field}' .* got missing"):
+        records.load_episodes(path)

@@ -1,0 +1,106 @@
+"""Tests of significance.py against hand computations and brute-force enumerations."""
+import math
+
+import numpy as np
+import pytest
+
+import significance
+from test_analyses import exact_signed_rank_p
+
+
+def test_importing_significance_loads_no_torch():
+    import subprocess
+    import sys
+    code = "import significance, sys; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_wilson_interval_by_hand():
+    """k 3 of n 10 at z 1.96: centre (0.3 + 0.19208) / 1.38416, half 1.96 sqrt(0.021 + 0.0096040)
+    / 1.38416; n 0 has no interval."""
+    low, high = significance.wilson_interval(3, 10, z=1.96)
+    centre, half = (0.3 + 1.96 ** 2 / 20) / (1 + 1.96 ** 2 / 10), \
+        1.96 * math.sqrt(0.021 + 1.96 ** 2 / 400) / (1 + 1.96 ** 2 / 10)
+    assert (low, high) == pytest.approx((centre - half, centre + half))
+    assert significance.wilson_interval(0, 0) == (None, None)
+
+
+def test_t_interval_by_hand():
+    """1, 2, 3, 4: mean 2.5, sd 1.290994, t(0.975, 3) = 3.182446: half 3.182446 * 1.290994 / 2."""
+    mean, low, high = significance.t_interval([1, 2, 3, 4])
+    assert mean == 2.5 and (low, high) == pytest.approx((2.5 - 2.054260, 2.5 + 2.054260), abs=1e-5)
+    assert significance.t_interval([7]) == (7.0, None, None)
+
+
+def test_mcnemar_small_exact():
+    # 1 pair only A succeeds, 7 only B, 5 both, 3 neither: p = 2 * (C(8,0) + C(8,1)) / 2^8 = 18/256
+    a = [True] * 1 + [False] * 7 + [True] * 5 + [False] * 3
+    b = [False] * 1 + [True] * 7 + [True] * 5 + [False] * 3
+    assert significance.mcnemar(a, b) == pytest.approx(18 / 256)
+    assert significance.mcnemar(b, a) == pytest.approx(18 / 256)
+
+
+def test_mcnemar_textbook():
+    # the classic table a=101, b=121, c=59, d=33 (chi2 = 21.35); exact p = 2 P(X <= 59), X ~ Bin(180, .5)
+    a = [True] * 101 + [True] * 121 + [False] * 59 + [False] * 33
+    b = [True] * 101 + [False] * 121 + [True] * 59 + [False] * 33
+    p = 2 * sum(math.comb(180, k) for k in range(60)) / 2 ** 180
+    assert significance.mcnemar(a, b) == pytest.approx(p, rel=1e-9)
+    assert 1e-6 < p < 1e-4
+
+
+def test_mcnemar_no_discordant():
+    assert significance.mcnemar([True, False, True], [True, False, True]) == 1.0
+
+
+def test_wilcoxon_exact_small():
+    # differences 1.5 -.5 2.5 3.5 4.5 -5.5 6.5 7.5 and a zero (dropped): n = 8, W- = 1 + 6 = 7;
+    # subsets of {1..8} with sum <= 7: 1+1+1+2+2+3+4+5 = 19, so p = 2 * 19/256
+    x = [11.5, 9.5, 12.5, 13.5, 14.5, 4.5, 16.5, 17.5, 10.0]
+    y = [10.0] * 9
+    assert significance.wilcoxon(x, y) == pytest.approx(38 / 256)
+    assert significance.wilcoxon(x, y) == pytest.approx(exact_signed_rank_p([a - b for a, b in zip(x, y)]))
+
+
+def test_wilcoxon_ties_normal_approx():
+    # d = 1 1 2 -2 3 3 3 4 -1 5 (+ a zero, dropped): n = 10; |d| ranks 1,1,1 -> 2; 2,2 -> 4.5; 3,3,3 -> 7
+    # W- = 4.5 + 2 = 6.5; mean 10*11/4 = 27.5; var 10*11*21/24 - (24 + 6 + 24)/48 = 96.25 - 1.125
+    d = [1, 1, 2, -2, 3, 3, 3, 4, -1, 5, 0]
+    z = (6.5 - 27.5) / math.sqrt(96.25 - 1.125)
+    assert significance.wilcoxon(d, [0] * len(d)) == pytest.approx(math.erfc(abs(z) / math.sqrt(2)), rel=1e-9)
+
+
+def test_wilcoxon_large_sample_normal_approx():
+    # n = 60 > EXACT_WILCOXON_MAX_N, no ties: every third difference negative, ranks 1, 4, ..., 58
+    d = [-(i + 1) if i % 3 == 0 else i + 1 for i in range(60)]
+    w_minus = sum(range(1, 61, 3))
+    z = (w_minus - 60 * 61 / 4) / math.sqrt(60 * 61 * 121 / 24)
+    assert significance.wilcoxon(d, [0] * 60) == pytest.approx(math.erfc(abs(z) / math.sqrt(2)), rel=1e-9)
+
+
+def test_wilcoxon_all_zero():
+    assert significance.wilcoxon([1, 2, 3], [1, 2, 3]) == 1.0
+
+
+def test_message_variance_share_recovers_known_components():
+    """Simulated r_t = instance + message + reply noise with message sd 0.02 and reply sd 0.04:
+    the share is 0.02^2 / (0.02^2 + 0.04^2) = 0.2, the instance offsets do not count; a message
+    that decides nothing gives ~0."""
+    rng = np.random.default_rng(0)
+    data = [[list(off + m + rng.normal(0, 0.04, 8)) for m in rng.normal(0, 0.02, 60)]
+            for off in rng.normal(0, 1.0, 20)]
+    out = significance.message_variance_share(data)
+    assert out["share"] == pytest.approx(0.2, abs=0.04)
+    assert out["s2_persuadee"] == pytest.approx(0.04 ** 2, rel=0.05)
+    noise = [[list(rng.normal(0, 0.04, 8)) for _ in range(60)] for _ in range(20)]
+    assert significance.message_variance_share(noise)["share"] < 0.03
+    with pytest.raises(ValueError):
+        significance.message_variance_share([[[1.0]]])
+
+
+def test_power_episodes_by_hand():
+    """p 0.5 -> 0.6: (1.95996 sqrt(2 .55 .45) + 0.84162 sqrt(.25 + .24))^2 / 0.01 = 387.3 -> 388;
+    a mean difference of 0.05 with sd 0.1: 2 (2.80158)^2 0.01 / 0.0025 = 62.8 -> 63 (paired 32)."""
+    assert significance.episodes_for_proportions(0.5, 0.6) == 388
+    assert significance.episodes_for_mean(0.1, 0.05) == 63
+    assert significance.episodes_for_mean(0.1, 0.05, paired=True) == 32
