@@ -221,7 +221,7 @@ def logit_probabilities_reference(model, tokenizer, scenario, messages):
     rows = []
     with torch.no_grad():
         for c in _contexts(tokenizer, scenario, messages):
-            logits = torch.stack([model(torch.tensor([c + q], device=device)).logits[0, -1]
+            logits = torch.stack([model(torch.tensor([c + q], device=device), logits_to_keep=1).logits[0, -1]
                                   for q in question_ids(tokenizer)])
             rows.append((probes.values_from_logits(logits, tokenizer, "prob") + 1) / 2)
     return torch.stack(rows).cpu()

@@ -242,7 +242,7 @@ def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabula
     reference for where the four spellings depart from the model's own first-token answer."""
     turns, _ = probe_ids(tokenizer)
     device = next(model.parameters()).device
-    logits = [model(torch.tensor([context + t], device=device)).logits[0, -1]
+    logits = [model(torch.tensor([context + t], device=device), logits_to_keep=1).logits[0, -1]
               for context in contexts for t in turns]
     answers = vocabulary_answer_ids(tokenizer) if vocabulary else None
     values, mass = _readout(torch.stack(logits), tokenizer, len(contexts), answers, space, signs)
@@ -304,5 +304,6 @@ def read_decisions(eng, sids):
 def read_decisions_reference(model, tokenizer, contexts):
     """The same probabilities by one plain full forward of each context plus question, no cache."""
     turn, device = decision_ids(tokenizer)[0], next(model.parameters()).device
-    logits = [model(torch.tensor([c + turn], device=device)).logits[0, -1] for c in contexts]
+    logits = [model(torch.tensor([c + turn], device=device), logits_to_keep=1).logits[0, -1]
+              for c in contexts]
     return decision_probs(torch.stack(logits), tokenizer).cpu()
