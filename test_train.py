@@ -35,7 +35,8 @@ def test_learning_raises_the_persuadees_belief(tmp_path, short_scenarios, monkey
     collapsed to one message by step ~16, and a collapsed group's gradient is 0); the same loop
     with the advantage's sign flipped moves it down."""
     args = ("--steps", 30, "--lam", 1, "--no-anchor", "--kl-beta", 0, "--group-size", 4,
-            "--instances", 2, "--t-max", 1, "--max-new-tokens", 8, "--persuadee-temperature", 0)
+            "--instances", 2, "--t-max", 1, "--max-new-tokens", 8, "--persuadee-temperature", 0,
+            "--save-every", 30)
     last = lambda history, key="belief_change": [m[key] for m in history[-10:]]
     frozen = last(tiny_run(tmp_path, short_scenarios, "frozen", *args, "--lr", 0))
     history = tiny_run(tmp_path, short_scenarios, "trained", *args, "--lr", 1.5e-2)
