@@ -119,12 +119,18 @@ def trained_run(tmp_path_factory):
     return root / "run", TRAINED_RUN_FLAGS
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tests first (a stable sort): pytest.ini's workers then finish together instead of
+    one of them running the longest tests at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of pytest.ini's -n: one core each
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(1)
-    config.addinivalue_line("markers", "slow: among the slowest tests (still run by default; "
-                                       "-m 'not slow' leaves them out)")
+    config.addinivalue_line("markers", "slow: among the slowest tests (still run by default, and "
+                                       "first; -m 'not slow' leaves them out)")
 
 
 PATHS = {"split+copy": {},  # a CPU's: prefill a sequence at a time, decode over a dense copy

@@ -200,6 +200,7 @@ def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatc
     assert saved["transcript"] == ep["transcript"]
 
 
+@pytest.mark.slow
 def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path):
     """The main table's scale in miniature: every held-out scenario, one episode each, on pools
     of 400 blocks of 16 tokens (a few episodes at a time): no episode ends "cache". (No judge:
@@ -220,6 +221,7 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     assert all(eng.free_blocks == 400 for eng in engines)
 
 
+@pytest.mark.slow
 def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     """torchrun --nproc_per_node 2 eval.py shards the scenarios over the ranks; rank 0 gathers
     them: episodes.jsonl and summary.json equal one process's (run in this one meanwhile)."""
@@ -392,6 +394,7 @@ def test_training_keeps_evaluated_checkpoints_and_joins_summaries(tmp_path, shor
     assert [c["step"] for c in selected["checkpoints"]] == [2, 4]
 
 
+@pytest.mark.slow
 def test_every_new_table_and_figure_from_tiny_model_evaluations(tmp_path, monkeypatch, capsys):
     """Two tiny-model evaluations of the same held-out scenarios, then the commands of the
     paper's tables and figures on them: --table (Markdown, LaTeX), --compare (compare.json),

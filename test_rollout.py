@@ -94,6 +94,7 @@ def fake_generate(text):
     return generate
 
 
+@pytest.mark.slow
 def test_smollm2_plays_two_dialogues_end_to_end():
     """Integration: the real CPU default model, two short dialogues, probes and all."""
     model, tokenizer = models.load_model("smollm2")

@@ -437,6 +437,7 @@ def test_local_and_served_sides_agree_exactly(answer_tokenizer):
         assert model.stats["failed_requests"] == 0 and server.requests > 0
 
 
+@pytest.mark.slow
 def test_mixed_sides_on_a_pool_of_about_two_episodes_finish_every_episode(answer_tokenizer):
     """A served persuader with a local persuadee whose pool holds about two episodes, and the
     reverse: every episode of six completes (none ends "cache"), every block comes back, and the
@@ -513,6 +514,7 @@ def server(tmp_path_factory):
     log.close()
 
 
+@pytest.mark.slow
 def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
     """The served model as persuader and judge against a local persuadee: the records of a
     local persuader, beliefs read locally. As persuadee: it gives no logprobs, so every belief is
@@ -1262,6 +1264,7 @@ def test_every_served_side_receives_role_markers_as_text(chat_tokenizer):
     assert model.stats["neutralised"] > 0
 
 
+@pytest.mark.slow
 def test_two_ranks_train_on_when_one_ranks_episodes_are_left_out(tmp_path, short_scenarios):
     """torchrun, 2 ranks, against a served persuadee whose replies fail for good in one of the
     four training scenarios (drawn on one rank in steps 1 and 3 at seed 0): the ranks whose groups are left out still run the update's

@@ -8,6 +8,7 @@ import sweep
 import train
 
 
+@pytest.mark.slow
 def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
     """2 lambdas x 1 seed x 2 steps, --eval-limit 2, logit decisions and a frozen control:
     summary.json has one entry per arm and checkpoint (step 0 = the initial policy, paired on the

@@ -28,6 +28,7 @@ def tiny_run(tmp_path, scenarios, name, *extra):
                               *map(str, extra)])
 
 
+@pytest.mark.slow
 def test_learning_raises_the_persuadees_belief(tmp_path, short_scenarios, monkeypatch):
     """Dense reward only (lambda 1, no anchor, no KL), deterministic persuadee: the trained
     policy moves the persuadee's belief up against a frozen copy on the same seeds (the same
@@ -78,6 +79,7 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path, short_scenarios):
     """torchrun with 2 CPU ranks (gloo, FSDP) and one process, same global batch: the same loss,
     gradient norm, KL and rewards at step 1 and, after one sharded AdamW step, at step 2, with
@@ -94,6 +96,7 @@ def test_two_ranks_match_one_process(tmp_path, short_scenarios):
     assert b["kl"] > 0  # step 2 runs on the updated, sharded weights
 
 
+@pytest.mark.slow
 def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
     """kill -9 after the step-2 checkpoint, --resume: step 4 equals an uninterrupted run's."""
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "4",
@@ -497,6 +500,7 @@ def pooled_by_hand(rows, lam):
             "dense_share": abs_dense / abs_total}
 
 
+@pytest.mark.slow
 def test_two_ranks_log_the_pooled_diagnostics_of_one_process(tmp_path, short_scenarios):
     """Dead groups, rescued share, dense share (and the rest) are pooled over ranks, numerators and
     denominators summed before the division: torchrun --nproc_per_node 2 logs one process's
@@ -562,6 +566,7 @@ def test_a_bf16_step_at_lr_1e6_moves_the_weights_as_fp32_adamw_does(tmp_path, sh
     assert agree > 0.9
 
 
+@pytest.mark.slow
 def test_two_bf16_ranks_under_mixed_precision_match_one_process(tmp_path, short_scenarios):
     """bfloat16, lr 1e-6: torchrun with 2 gloo ranks (FSDP2, MixedPrecisionPolicy bf16 params,
     fp32 gradient reduction, fp32 AdamW shards) against one process (autocast from fp32
@@ -796,6 +801,7 @@ def test_lora_refuses_a_negative_rank_and_resume(tmp_path, short_scenarios, no_m
                                      "--name", "x", *extra])
 
 
+@pytest.mark.slow
 def test_two_lora_ranks_match_one_process(tmp_path, short_scenarios):
     """--lora under torchrun is data parallel: 2 CPU ranks (replicated adapters, gradients
     averaged during backward) give one process's loss, gradient norm, KL and rewards at step 1
