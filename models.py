@@ -310,8 +310,8 @@ def control_ids(tokenizer):
 def text_ids(tokenizer, text):
     """Ids of text as plain text: no added token, special or not, is matched, so the result holds
     no control id. A fast tokenizer runs its own pipeline (normalizer, pre-tokenizer, model)
-    without the added-token pass (_plain_pipeline); split_special_tokens covers the special ones
-    otherwise."""
+    without the added-token pass (_edge_cache's "plain"); split_special_tokens covers the
+    special ones otherwise."""
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
     return _edge_cache(tokenizer)["plain"].encode(text, add_special_tokens=False).ids
