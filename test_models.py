@@ -197,7 +197,7 @@ def piecewise_text_ids(tok, text):
     return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(st.sampled_from(["chatml", "qwen3", "llama3"]), st.lists(hostile, min_size=1, max_size=3),
        st.booleans())
 def test_text_ids_equal_the_piecewise_pipeline_and_the_bound_holds(kind, contents, gen):

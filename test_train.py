@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -59,20 +60,16 @@ def run_script(argv, env_extra=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def one_and_two_ranks(script, args, env=None, timeout=300):
-    """Run `script args` as one process (--name one) and under torchrun with 2 gloo ranks
-    (--name two, on a free port: --standalone), both to a zero exit. train.py's one process runs
-    in this one (its imports are paid already) while the ranks start."""
+def one_and_two_ranks(script, args, env=None, timeout=300, one=None):
+    """Run `script args` under torchrun with 2 gloo ranks (--name two, on a free port:
+    --standalone) and as one process (--name one), both to a zero exit. The one process is this
+    one (its imports are paid already), running one(argv), train.main by default, while the
+    ranks start; `script` must then do what one does."""
     two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                       script, *args, "--name", "two"], env)
-    if script == "train.py" and env is None:
-        train.main([str(a) for a in args] + ["--name", "one"])
-        processes = [two]
-    else:
-        processes = [run_script([script, *args, "--name", "one"], env), two]
-    for p in processes:
-        out = p.communicate(timeout=timeout)[0]
-        assert p.returncode == 0, out[-3000:]
+    (one or train.main)([str(a) for a in args] + ["--name", "one"])
+    out = two.communicate(timeout=timeout)[0]
+    assert two.returncode == 0, out[-3000:]
 
 
 def metrics(run_dir):
@@ -466,11 +463,17 @@ def test_a_non_finite_log_prob_skips_the_step(tmp_path, short_scenarios, monkeyp
     assert all(torch.equal(initial[k], v) for k, v in saved.items())  # no step was taken
 
 
+def hashed_decision(text):
+    """The persuadee decides by a hash of its reply text (rank-free: the texts are), so groups
+    differ."""
+    return (None, "ACCEPT", "REJECT", "WALK_AWAY", "PENDING")[zlib.crc32(text.encode()) % 5]
+
+
 HASHED_PERSUADEE = '''
-import sys, zlib
+import sys
 import arena, train
-# the persuadee decides by a hash of its reply text (rank-free: the texts are), so groups differ
-arena.parse_decision = lambda text: (None, "ACCEPT", "REJECT", "WALK_AWAY", "PENDING")[zlib.crc32(text.encode()) % 5]
+from test_train import hashed_decision
+arena.parse_decision = hashed_decision
 train.main(sys.argv[1:])
 '''
 DIAGNOSTICS = ("dead_group_share", "dead_goal_share", "dead_rescued_share", "dense_share", "outcome_term_abs",
@@ -511,7 +514,11 @@ def test_two_ranks_log_the_pooled_diagnostics_of_one_process(tmp_path, short_sce
     env = {"PYTHONPATH": str(Path(__file__).parent)}
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3", "--instances", "4",
                      "--group-size", "2", "--lam", "0.5", "--max-new-tokens", "3"]
-    one_and_two_ranks(str(script), common, env, timeout=600)
+    def hashed(argv):  # what the script does, in this process
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(arena, "parse_decision", hashed_decision)
+            train.main(argv)
+    one_and_two_ranks(str(script), common, env, timeout=600, one=hashed)
     rollouts = {k: [json.loads(line) for line in (tmp_path / k / "rollouts.jsonl").read_text().splitlines()]
                 for k in ("one", "two")}
     assert rollouts["one"] == rollouts["two"] and len(rollouts["one"]) == 3 * 4 * 2
