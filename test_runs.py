@@ -24,6 +24,9 @@ import rpo
 import runs
 import train
 
+# one worker builds conftest.trained_run and runs every test here that copies it
+pytestmark = pytest.mark.xdist_group("trained-run")
+
 HERE = Path(__file__).resolve().parent
 
 

@@ -514,6 +514,7 @@ def server(tmp_path_factory):
     log.close()
 
 
+@pytest.mark.xdist_group("transformers-serve")  # one server, on one worker
 @pytest.mark.slow
 def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
     """The served model as persuader and judge against a local persuadee: the records of a
@@ -537,6 +538,7 @@ def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
         assert r["transcript"][1]["role"] == "persuadee"
 
 
+@pytest.mark.xdist_group("transformers-serve")  # one server, on one worker
 def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch, capsys):
     """python eval.py --persuadee openai:MODEL@URL (the judge too, by default): episodes.jsonl,
     summary.json with the request counts and the belief columns missing; rerun, nothing is
@@ -559,6 +561,7 @@ def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch
     assert "2 of 2 episodes already played" in capsys.readouterr().err
 
 
+@pytest.mark.xdist_group("transformers-serve")  # one server, on one worker
 def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_scenarios,
                                                        monkeypatch):
     """train.py --judge openai:MODEL@URL: every episode of a step is judged through the server
@@ -584,6 +587,7 @@ def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_s
     assert history[0]["judge_s"] > 0
 
 
+@pytest.mark.xdist_group("transformers-serve")  # one server, on one worker
 def test_train_steps_against_a_served_persuadee(server, tmp_path, short_scenarios):
     """train.py --persuadee openai:MODEL@URL: the policy stays local and trains on its own token
     stream (every sampled token tagged with its message, as rollout records it); the server's
