@@ -105,14 +105,16 @@ def prompt_problems(persuader, persuadee, instances):
         for role, eng in (("persuader", persuader), ("persuadee", persuadee)):
             if getattr(eng, "max_len", None) is None:
                 continue
-            if not hasattr(eng, "prompt"):
+            if hasattr(eng, "prompt"):
+                ids = eng.prompt(inst)
+            else:
                 messages = (arena.persuadee_messages(inst) if role == "persuadee" else
                             arena.persuader_messages(inst))
-                bound = models.chat_length_bound(eng.tokenizer, messages, role == "persuader")
+                generation = role == "persuader"  # as prompt_ids encodes each side
+                bound = models.chat_length_bound(eng.tokenizer, messages, generation)
                 if bound + PROMPT_ROOM <= eng.max_len:
                     continue
-            ids = (eng.prompt(inst) if hasattr(eng, "prompt") else
-                   prompt_ids(eng.tokenizer, eng.tokenizer, inst)[role == "persuadee"])
+                ids = models.chat_ids(eng.tokenizer, messages, generation)
             if len(ids) + PROMPT_ROOM > eng.max_len:
                 problems[inst["id"]] = (f"the {role} prompt of {inst['id']} is {len(ids)} tokens, "
                                         f"the model's context {eng.max_len}")
