@@ -79,15 +79,18 @@ def arm_name(lam, seed):
     return f"{FROZEN}_s{seed}" if lam == FROZEN else f"lam{lam:g}_s{seed}"
 
 
-def arm_argv(args, extra, lam, seed, runs_dir):
+def arm_argv(args, extra, lam, seed, runs_dir, check_fidelity=False):
     """train.py's arguments for one arm (the frozen control: lr 0, no held-out evaluation, which
-    would repeat the initial policy's)."""
+    would repeat the initial policy's). The probes' fork-against-full-forward check runs in the
+    initial policy's evaluation only (check_fidelity): the persuadee is frozen, so the arms'
+    evaluations would repeat it, and on a CPU it is most of an evaluation's time."""
     frozen = lam == FROZEN
     return ["--preset", args.preset, "--lam", str(0.0 if frozen else lam), "--seed", str(seed),
             "--steps", str(args.steps), "--eval-every", "0" if frozen else str(args.eval_every),
             "--eval-limit", str(args.eval_limit), "--decision", args.decision,
             "--save-every", str(args.steps if frozen else args.eval_every),
             "--out", str(runs_dir), "--name", arm_name(lam, seed),
+            *([] if check_fidelity else ["--eval-fidelity", "0"]),
             *(["--lr", "0"] if frozen else []), *extra]
 
 
@@ -278,7 +281,7 @@ def main(argv=None):
     for seed in args.seeds:  # the initial policy first: it is what every arm is tested against
         folder = root / f"initial_s{seed}"
         if 0 not in _steps_in(folder / "evals.jsonl"):
-            evaluate_initial(arm_argv(args, extra, args.lams[0], seed, runs_dir), folder)
+            evaluate_initial(arm_argv(args, extra, args.lams[0], seed, runs_dir, True), folder)
         bar.update()
     for lam, seed in arms:
         run_dir = runs_dir / arm_name(lam, seed)

@@ -32,6 +32,11 @@ def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
     table = (root / "table.md").read_text()
     assert "| 1 | last (step 2) | 2 |" in table and "frozen control" in table
     assert (root / "curves.png").stat().st_size and (root / "effect.png").stat().st_size
+    # the frozen persuadee's probe fidelity is checked once, in the initial evaluation
+    assert json.loads((root / "initial_s0" / "eval-0" / "fidelity.json").read_text())["sample"]
+    assert not list((root / "runs").glob("*/eval-*/fidelity.json"))
+    assert all("probe_fidelity" not in json.loads(p.read_text())
+               for p in (root / "runs").glob("*/eval-*/summary.json"))
     calls = []
     monkeypatch.setattr(train, "main", lambda a: calls.append(a))
     monkeypatch.setattr(sweep, "evaluate_initial", lambda *a: calls.append(a))

@@ -244,7 +244,7 @@ def no_model_loads(monkeypatch):
     (["--resume"], "no checkpoint"), (["--resume", "--overwrite"], "contradict"),
     (["--scenarios", "/nonexistent"], "--scenarios /nonexistent"),
     (["--judge", "/no/such/judge"], "--judge /no/such/judge"),
-    (["--max-new-tokens", "-3"], "--max-new-tokens -3"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens -3"), (["--eval-fidelity", "-1"], "--eval-fidelity -1"),
 ])
 def test_bad_arguments_fail_before_any_model_loads(tmp_path, short_scenarios, no_model_loads, extra, says):
     with pytest.raises(SystemExit) as e:

@@ -105,7 +105,7 @@ SAMPLE_DIALOGUES = 2                # episodes a step kept in samples-STEP.json 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-finite one skips the step
 MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps that stop the run
-RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "save_every", "log")  # recorded in config.json
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "eval_fidelity", "save_every", "log")  # recorded in config.json
 NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed", "plan",
                 "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
@@ -124,6 +124,9 @@ def build_parser():
                 "micro_batch", "eval_every", "eval_limit", "save_every"):
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--eval-fidelity", type=int, help="read-outs of each held-out evaluation checked "
+                   "against a full forward (default eval.FIDELITY_SAMPLES; 0 skips the check, "
+                   "which changes no result: the persuadee is frozen, one check covers the run)")
     p.add_argument("--lora", type=int, help="train rank-RANK LoRA adapters on a frozen base "
                    "(models.py, LoRA) instead of every weight; 0: full fine-tuning")
     # rpo.py owns these; read at parse time, so an edited constant changes the run
@@ -230,6 +233,8 @@ def validate(args):
               "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
     if args.eval_every < 0:
         _fail(f"--eval-every {args.eval_every}", "is negative", "pass 0 (no evaluation) or a number of steps")
+    if args.eval_fidelity is not None and args.eval_fidelity < 0:
+        _fail(f"--eval-fidelity {args.eval_fidelity}", "is negative", "pass 0 (no check) or a number of read-outs")
     if args.dtype not in DTYPES:
         _fail(f"--dtype {args.dtype}", "is not a dtype this loop runs", f"pass one of {', '.join(DTYPES)}")
     for flag, value, example in (("--lr", args.lr, 1e-6), ("--lam", args.lam, rpo.LAMBDA),
@@ -866,7 +871,9 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
                             max_new_tokens=args.max_new_tokens, judge=judge, anchor=args.anchor,
                             sampling=rollout.role_sampling(args), probe_space=args.probe_space,
                             probe_signs=args.probe_signs, rank=rank, world=world,
-                            shaping_lambda=args.lam)
+                            shaping_lambda=args.lam,
+                            fidelity=(eval.FIDELITY_SAMPLES if args.eval_fidelity is None
+                                      else args.eval_fidelity))
     if rank == 0:
         record_evaluation(run_dir / "evals.jsonl", step, summary)
         print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "
