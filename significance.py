@@ -169,3 +169,22 @@ def episodes_for_mean(sd, delta, alpha=0.05, power=0.8, paired=False):
     two-sided test of a mean difference delta: k (z_a + z_b)^2 sd^2 / delta^2, k = 2 unpaired."""
     za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
     return math.ceil((1 if paired else 2) * (za + zb) ** 2 * sd ** 2 / delta ** 2)
+
+
+def detectable_mean(sd, n, alpha=0.05, power=0.8, paired=False):
+    """The smallest mean difference n episodes per arm (pairs when paired) detect: the inverse of
+    episodes_for_mean, sqrt(k / n) (z_a + z_b) sd."""
+    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
+    return math.sqrt((1 if paired else 2) / n) * (za + zb) * sd
+
+
+def detectable_proportion(p0, n, alpha=0.05, power=0.8):
+    """The smallest rise from p0 that n episodes per arm detect (episodes_for_proportions at most
+    n), to 1e-4; None when not even p0 to 1 is detectable."""
+    low, high = p0, 1.0
+    if p0 >= 1 or episodes_for_proportions(p0, high - 1e-9, alpha, power) > n:
+        return None
+    while high - low > 1e-4:
+        mid = (low + high) / 2
+        low, high = (mid, high) if episodes_for_proportions(p0, mid, alpha, power) > n else (low, mid)
+    return high - p0

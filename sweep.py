@@ -14,6 +14,7 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
                    of the acceptance shares, a t interval of b_T - b_0, and paired tests (pairs:
                    same seed, same scenario) against lambda = 0 at the same step and against the
                    initial policy: exact McNemar on full acceptance, Wilcoxon on b_T - b_0;
+                   the differences these pairs detect at 80% power (summary.json "power");
                    with --frozen-control, each arm against a same-seed run at lr 0 on the
                    training episodes themselves (paired by step, group and member)
     curves.png     held-out b_T - b_0 and full acceptance by step, per lambda, seed bands
@@ -29,6 +30,7 @@ Arguments sweep.py does not know go to every arm's train.py (e.g. --judge none -
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -177,7 +179,8 @@ def paired(a, b):
     change = lambda ep: ep["beliefs"][-1] - ep["beliefs"][0]
     diffs = [change(a[k]) - change(b[k]) for k in both]
     mean, low, high = significance.t_interval(diffs)
-    return dict(n=len(common), mcnemar_p=significance.mcnemar(*accept),
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else None
+    return dict(n=len(common), mcnemar_p=significance.mcnemar(*accept), belief_diff_sd=sd,
                 wilcoxon_p=significance.wilcoxon([change(a[k]) for k in both],
                                              [change(b[k]) for k in both]) if both else None,
                 belief_diff=mean, belief_diff_low=low, belief_diff_high=high)
@@ -235,6 +238,21 @@ def frozen_rows(runs, frozen, lams, seeds, steps):
     return rows
 
 
+def sweep_power(rows, initial):
+    """What the held-out comparisons could detect at 80% power, two-sided alpha 0.05: a paired
+    b_T - b_0 difference (the sd of the paired differences pooled over every comparison of the
+    table, as a root mean square) and a rise in full acceptance from the initial policy's share
+    (independent proportions: McNemar's own power depends on the discordant pairs)."""
+    sds = [vs["belief_diff_sd"] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])
+           if vs is not None and vs["belief_diff_sd"] is not None]
+    n = min(r["vs_initial"]["n"] for r in rows)
+    sd = math.sqrt(sum(x * x for x in sds) / len(sds)) if sds else None
+    p0 = sum(ep["outcome"] == "ACCEPT" for ep in initial) / max(len(initial), 1)
+    return dict(pairs=n, belief_diff_sd=sd, initial_full_accept=p0,
+                detectable_belief_diff=sd and n and significance.detectable_mean(sd, n, paired=True),
+                detectable_full_accept=n and significance.detectable_proportion(p0, n))
+
+
 def _f(x, fmt="+.4f"):
     return "-" if x is None else format(x, fmt)
 
@@ -243,8 +261,8 @@ def _p(x):
     return "-" if x is None else f"{x:.3g}"
 
 
-def format_table(rows, frozen=None, header=""):
-    """table.md: the rows of table_rows (and frozen_rows) as markdown."""
+def format_table(rows, frozen=None, header="", power=None):
+    """table.md: the rows of table_rows (and frozen_rows, and sweep_power) as markdown."""
     pct = lambda v, iv: f"{100 * v:.1f} [{_f(iv[0] and 100 * iv[0], '.1f')}, {_f(iv[1] and 100 * iv[1], '.1f')}]"
     lines = [header, "", "| lambda | checkpoint | n | full accept % [95%] | FA+CA % [95%] | "
              "b_T - b_0 [95%] | vs initial: McNemar p | Wilcoxon p | paired diff | "
@@ -260,6 +278,14 @@ def format_table(rows, frozen=None, header=""):
                       [_p(vs["mcnemar_p"]), _p(vs["wilcoxon_p"]),
                        f"{_f(vs['belief_diff'])} [{_f(vs['belief_diff_low'])}, {_f(vs['belief_diff_high'])}]"])
         lines.append("| " + " | ".join(cells) + " |")
+    if power:
+        rise = power["detectable_full_accept"]
+        lines += ["", f"Power (80%, two-sided alpha 0.05, {power['pairs']} held-out pairs a "
+                  f"comparison): a paired b_T - b_0 difference of {_f(power['detectable_belief_diff'], '.4f')} "
+                  f"(sd of the paired differences {_f(power['belief_diff_sd'], '.4f')}); a rise in full "
+                  f"acceptance from the initial {100 * power['initial_full_accept']:.1f}% of "
+                  + ("more than the sample allows" if rise is None else f"{100 * rise:.1f} points")
+                  + " (independent proportions)."]
     if frozen:
         lines += ["", "Against the same-seed frozen control (lr 0), training episodes of the second "
                   "half, paired by step, group and member:", "",
@@ -312,12 +338,13 @@ def summarize_sweep(root, args):
                                                         "rollouts.jsonl", "a frozen control run")}
                    for s in args.seeds}
         frozen = frozen_rows(runs, control, args.lams, args.seeds, args.steps)
+    power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
     summary = dict(settings=json.loads((root / "sweep.json").read_text()), arms=entries,
-                   table=rows, frozen_control=frozen)
+                   table=rows, frozen_control=frozen, power=power)
     (root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     header = (f"# sweep {args.name}: preset {args.preset}, lambdas {args.lams}, seeds {args.seeds}, "
               f"{args.steps} steps, {args.eval_limit} held-out scenarios, decision {args.decision}")
-    (root / "table.md").write_text(format_table(rows, frozen, header))
+    (root / "table.md").write_text(format_table(rows, frozen, header, power))
     plots.plot_sweep(entries, rows, root)
     print((root / "table.md").read_text())
     return summary

@@ -104,3 +104,10 @@ def test_power_episodes_by_hand():
     assert significance.episodes_for_proportions(0.5, 0.6) == 388
     assert significance.episodes_for_mean(0.1, 0.05) == 63
     assert significance.episodes_for_mean(0.1, 0.05, paired=True) == 32
+    # the inverses: what those sample sizes detect (to the rounding up of the sizes)
+    assert significance.detectable_mean(0.1, 63) == pytest.approx(0.05, rel=0.01)
+    assert significance.detectable_mean(0.1, 32, paired=True) == pytest.approx(0.05, rel=0.02)
+    assert significance.detectable_mean(0.1, 63) > significance.detectable_mean(0.1, 63, paired=True)
+    assert significance.detectable_proportion(0.5, 388) == pytest.approx(0.1, abs=2e-4)
+    assert significance.episodes_for_proportions(0.5, 0.5 + significance.detectable_proportion(0.5, 100)) <= 100
+    assert significance.detectable_proportion(0.5, 3) is None

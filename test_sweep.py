@@ -31,6 +31,11 @@ def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
     assert initial[0]["mean_belief_change"] == initial[1]["mean_belief_change"]
     table = (root / "table.md").read_text()
     assert "| 1 | last (step 2) | 2 |" in table and "frozen control" in table
+    power = summary["power"]
+    assert power["pairs"] == 2 and "Power (80%" in table
+    if power["belief_diff_sd"]:  # two pairs: what they detect is the inverse of what they need
+        assert sweep.significance.episodes_for_mean(
+            power["belief_diff_sd"], power["detectable_belief_diff"] * 1.001, paired=True) <= 2
     assert (root / "curves.png").stat().st_size and (root / "effect.png").stat().st_size
     # the frozen persuadee's probe fidelity is checked once, in the initial evaluation
     assert json.loads((root / "initial_s0" / "eval-0" / "fidelity.json").read_text())["sample"]
