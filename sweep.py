@@ -231,8 +231,12 @@ def frozen_rows(runs, frozen, lams, seeds, steps):
                     if r["step"] > steps // 2 and r["b_0"] is not None and r["b_T"] is not None:
                         side[s, r["step"], r["group"], r["member"]] = r["b_T"] - r["b_0"]
         keys = sorted(set(a) & set(b))
-        mean, low, high = significance.t_interval([a[k] - b[k] for k in keys])
+        diffs = [a[k] - b[k] for k in keys]
+        mean, low, high = significance.t_interval(diffs)
+        detectable = (significance.detectable_mean(statistics.stdev(diffs), len(diffs), paired=True)
+                      if len(diffs) > 1 else None)  # at 80% power, alpha 0.05
         rows.append(dict(lam=lam, n=len(keys), belief_diff=mean, low=low, high=high,
+                         detectable=detectable,
                          wilcoxon_p=significance.wilcoxon([a[k] for k in keys], [b[k] for k in keys])
                          if keys else None))
     return rows
@@ -289,9 +293,11 @@ def format_table(rows, frozen=None, header="", power=None):
     if frozen:
         lines += ["", "Against the same-seed frozen control (lr 0), training episodes of the second "
                   "half, paired by step, group and member:", "",
-                  "| lambda | pairs | mean diff of b_T - b_0 [95%] | Wilcoxon p |", "|---|---|---|---|"]
+                  "| lambda | pairs | mean diff of b_T - b_0 [95%] | Wilcoxon p | detectable (80% power) |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {r['lam']:g} | {r['n']} | {_f(r['belief_diff'])} [{_f(r['low'])}, "
-                  f"{_f(r['high'])}] | {_p(r['wilcoxon_p'])} |" for r in frozen]
+                  f"{_f(r['high'])}] | {_p(r['wilcoxon_p'])} | {_f(r['detectable'], '.4f')} |"
+                  for r in frozen]
     return "\n".join(lines) + "\n"
 
 

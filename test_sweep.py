@@ -1,6 +1,8 @@
 """sweep.py end to end on tiny models: every arm trained and evaluated, summary and table
 written, a second invocation reuses the finished arms."""
 import json
+import math
+import statistics
 
 import pytest
 
@@ -58,3 +60,36 @@ def test_bad_sweep_arguments_are_one_line(extra, says, capsys):
     with pytest.raises(SystemExit):
         sweep.parse_args(base + extra)
     assert says in capsys.readouterr().err
+
+
+def test_frozen_rows_pair_training_episodes_of_the_second_half():
+    """Each arm's episode against the control's of the same seed, step, group and member, over
+    steps after the first half only (steps 1-2 of 4 differ by 10 and must not count)."""
+    def rollouts(shift):
+        return [dict(step=step, group=g, member=m, b_0=0.0,
+                     b_T=0.1 * m + g + shift(step, g, m)) for step in (1, 2, 3, 4)
+                for g in (0, 1) for m in (0, 1)]
+    gains = {(3, 0, 0): 0.01, (3, 0, 1): 0.03, (3, 1, 0): -0.02, (3, 1, 1): 0.05,
+             (4, 0, 0): 0.00, (4, 0, 1): 0.04, (4, 1, 0): 0.02, (4, 1, 1): 0.01}
+    arm = rollouts(lambda step, g, m: 10.0 if step <= 2 else gains[step, g, m])
+    control = rollouts(lambda *_: 0.0)
+    [row] = sweep.frozen_rows({0.0: {0: {"rollouts": arm}}}, {0: {"rollouts": control}}, [0.0], [0], 4)
+    diffs = list(gains.values())
+    assert row["n"] == 8 and row["belief_diff"] == pytest.approx(sum(diffs) / 8)
+    assert row["low"] < row["belief_diff"] < row["high"]
+    # sqrt(1 / 8) (1.95996 + 0.84162) sd
+    assert row["detectable"] == pytest.approx(0.99052 * statistics.stdev(diffs), rel=1e-4)
+
+
+def test_sweep_power_by_hand():
+    """The paired sd pooled as a root mean square over every comparison that has one; the
+    acceptance baseline is the initial policy's share."""
+    rows = [dict(vs_initial=dict(n=4, belief_diff_sd=0.3), vs_lambda0=None),
+            dict(vs_initial=dict(n=4, belief_diff_sd=0.4), vs_lambda0=dict(n=4, belief_diff_sd=None))]
+    initial = [dict(outcome=o) for o in ("ACCEPT", "REJECT", "PENDING", "CONDITIONAL_ACCEPT")]
+    power = sweep.sweep_power(rows, initial)
+    sd = math.sqrt((0.09 + 0.16) / 2)
+    assert power["pairs"] == 4 and power["belief_diff_sd"] == pytest.approx(sd)
+    assert power["initial_full_accept"] == 0.25
+    assert power["detectable_belief_diff"] == pytest.approx(math.sqrt(1 / 4) * 2.801585 * sd, rel=1e-5)
+    assert power["detectable_full_accept"] is None  # 4 pairs cannot detect even 25% -> 100%
