@@ -71,7 +71,7 @@ PRESETS = {
                   judge=None, dtype="bfloat16", steps=200, instances=16, group_size=8, lr=1e-6,
                   micro_batch=4, eval_every=20, eval_limit=120, save_every=20, sampling="paper"),
     "cpu": dict(persuader="smollm2", persuadee="smollm2", judge=None, dtype="float32", steps=3,
-                instances=2, group_size=4, lr=1e-5, micro_batch=2, eval_every=0, eval_limit=4,
+                instances=2, group_size=4, lr=1e-5, micro_batch=4, eval_every=0, eval_limit=4,
                 save_every=1, sampling="cpu",
                 t_max=2, eval_t_max=3, max_new_tokens=32),  # overrides: a CPU step in about a minute
     # tiny: a random judge never writes a verdict (s falls back to 0 on every transcript, after
@@ -424,6 +424,20 @@ def zero_advantage_step(policy, optimizer, turn_advantages, args, device):
                 persuader_tokens=None, step_skipped=0, nonfinite=[], zero_gradient=1)
 
 
+def kept_logits(model, ids, keep, share_stem):
+    """model(ids).logits at the positions keep. With share_stem, the prefix every row shares (a
+    group's persuader prompt, up to the first kept position) runs once, and its keys and values,
+    autograd graph included, are repeated for the rows, which run only what follows: the same
+    logits and gradients for fewer FLOPs (DECISIONS.md: Shared prompt in the update)."""
+    stem = min(engine.shared_stem(ids.tolist()), int(keep[0])) if share_stem and len(ids) > 1 else 0
+    if stem == 0:
+        return model(ids, use_cache=False, logits_to_keep=keep).logits
+    out = model(ids[:1, :stem], use_cache=True, logits_to_keep=1)
+    name = "cache" if "cache" in out else "past_key_values"  # transformers' newer name, its older
+    out[name].batch_repeat_interleave(len(ids))
+    return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem, **{name: out[name]}).logits
+
+
 def policy_update(policy, reference, optimizer, records, turn_advantages, args, device, world):
     """One optimizer step on the persuader tokens of this rank's episodes.
 
@@ -437,6 +451,8 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
     stats = dict(loss=0.0, kl=0.0, clip_frac=0.0, ratio_mean=0.0)
     bad = dict.fromkeys(NONFINITE_CHECKS, 0)
     policy.train()
+    # one process without gradient checkpointing (which drops a training cache) shares prompts
+    share = world == 1 and not getattr(policy, "is_gradient_checkpointing", False)
     for i in range(0, len(records), args.micro_batch):
         batch = records[i:i + args.micro_batch]
         width = max(len(r["ids"]) for r in batch)
@@ -452,12 +468,12 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
         adv = adv[:, 1:].to(device)[:, keep]
         temperature = args.persuader_temperature or 1.0  # greedy records log-probs at T = 1
         with compute_context(policy, args, world):
-            logits = policy(ids, use_cache=False, logits_to_keep=keep).logits
+            logits = kept_logits(policy, ids, keep, share)
         logp = rpo.target_logprobs(logits, targets, temperature)
         ref = None
         if args.kl_beta > 0:
             with torch.no_grad(), compute_context(reference, args, world):
-                logits = reference(ids, use_cache=False, logits_to_keep=keep).logits
+                logits = kept_logits(reference, ids, keep, world == 1)
                 ref = rpo.target_logprobs(logits, targets, temperature)
         loss, s = rpo.policy_loss(logp, old, ref, adv, mask, num_tokens, args.clip_low,
                                   args.clip_high, args.kl_beta)
