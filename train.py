@@ -429,7 +429,8 @@ def kept_logits(model, ids, keep, share_stem):
     group's persuader prompt, up to the first kept position) runs once, and its keys and values,
     autograd graph included, are repeated for the rows, which run only what follows: the same
     logits and gradients for fewer FLOPs (DECISIONS.md: Shared prompt in the update)."""
-    stem = min(engine.shared_stem(ids.tolist()), int(keep[0])) if share_stem and len(ids) > 1 else 0
+    share_stem = share_stem and len(ids) > 1 and len(keep) > 0  # (no kept position: no stem)
+    stem = min(engine.shared_stem(ids.tolist()), int(keep[0])) if share_stem else 0
     if stem == 0:
         return model(ids, use_cache=False, logits_to_keep=keep).logits
     out = model(ids[:1, :stem], use_cache=True, logits_to_keep=1)
