@@ -911,3 +911,12 @@ def test_a_zero_advantage_step_at_the_reference_skips_even_with_a_kl_term():
     assert stats["zero_gradient"] == 1 and stats["kl"] == 0.0
     for k, v in model.state_dict().items():
         assert torch.equal(policy.state_dict()[k], v)
+
+
+def test_prompts_are_shared_in_one_process_without_checkpointing():
+    import models
+    model = models.random_model("tiny-llama")[0]
+    assert train.shares_prompts(model, 1) and not train.shares_prompts(model, 2)
+    model.activation_checkpointing_enable() if hasattr(model, "activation_checkpointing_enable") \
+        else model.gradient_checkpointing_enable()
+    assert not train.shares_prompts(model, 1)

@@ -439,6 +439,15 @@ def kept_logits(model, ids, keep, share_stem):
     return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem, **{name: out[name]}).logits
 
 
+def shares_prompts(policy, world):
+    """Whether kept_logits may run shared prompts once: in one process (not under FSDP) and
+    without gradient checkpointing, which drops a training cache."""
+    checkpointing = getattr(policy, "is_activation_checkpointing", None)  # transformers' newer name
+    if checkpointing is None:
+        checkpointing = getattr(policy, "is_gradient_checkpointing", False)
+    return world == 1 and not checkpointing
+
+
 def policy_update(policy, reference, optimizer, records, turn_advantages, args, device, world):
     """One optimizer step on the persuader tokens of this rank's episodes.
 
@@ -452,8 +461,7 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
     stats = dict(loss=0.0, kl=0.0, clip_frac=0.0, ratio_mean=0.0)
     bad = dict.fromkeys(NONFINITE_CHECKS, 0)
     policy.train()
-    # one process without gradient checkpointing (which drops a training cache) shares prompts
-    share = world == 1 and not getattr(policy, "is_gradient_checkpointing", False)
+    share = shares_prompts(policy, world)
     for i in range(0, len(records), args.micro_batch):
         batch = records[i:i + args.micro_batch]
         width = max(len(r["ids"]) for r in batch)
