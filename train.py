@@ -70,12 +70,14 @@ PRESETS = {
     "paper": dict(persuader="Qwen/Qwen3-4B-Instruct-2507", persuadee="Qwen/Qwen3-14B",
                   judge=None, dtype="bfloat16", steps=200, instances=16, group_size=8, lr=1e-6,
                   micro_batch=4, eval_every=20, eval_limit=120, save_every=20, sampling="paper"),
-    "cpu": dict(persuader="smollm2", persuadee="smollm2", judge=None, dtype="float32", steps=3,
+    # cpu: SmolLM2-135M as judge wrote a verdict for 1 transcript in 56, a copy of the answer
+    # template, at a quarter of the step (DECISIONS.md: Small presets' judge): no judge, s = 0
+    "cpu": dict(persuader="smollm2", persuadee="smollm2", judge="none", dtype="float32", steps=3,
                 instances=2, group_size=4, lr=1e-5, micro_batch=4, eval_every=0, eval_limit=4,
                 save_every=1, sampling="cpu",
                 t_max=2, eval_t_max=3, max_new_tokens=32),  # overrides: a CPU step in about a minute
     # tiny: a random judge never writes a verdict (s falls back to 0 on every transcript, after
-    # four attempts): no judge gives the same s = 0 at no cost
+    # four attempts): no judge gives the same s = 0 at no cost (DECISIONS.md: Small presets' judge)
     "tiny": dict(persuader="random:tiny-llama", persuadee="random:tiny-qwen3", judge="none",
                  dtype="float32", steps=4, instances=2, group_size=2, lr=1e-3, micro_batch=2,
                  eval_every=0, eval_limit=2, save_every=2, sampling="paper",
@@ -439,6 +441,11 @@ def kept_logits(model, ids, keep, share_stem):
     return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem, **{name: out[name]}).logits
 
 
+def checkpoint_activations(policy):
+    """Activation (gradient) checkpointing on, by transformers' newer name where it has one."""
+    (getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable)()
+
+
 def shares_prompts(policy, world):
     """Whether kept_logits may run shared prompts once: in one process (not under FSDP) and
     without gradient checkpointing, which drops a training cache."""
@@ -650,7 +657,8 @@ def plan_run(args, world, device, say):
     if refusal := plan.plan_refusal(rank_plan):
         sys.exit(refusal)
     if args.preset == "cpu" and not torch.cuda.is_available():
-        say(f"no CUDA device: cpu preset ({args.persuader} as persuader, persuadee and judge)")
+        say(f"no CUDA device: cpu preset ({args.persuader} as persuader and persuadee, judge "
+            f"{args.judge or args.persuadee})")
     say(f"run {Path(args.out) / args.name}  preset {args.preset}  ranks {world}  lambda {args.lam}  "
         f"anchor {args.anchor}  G {args.group_size}  instances/step {args.instances}")
     if args.instances % world:
@@ -694,7 +702,7 @@ def build_models(args, world, device, sizes):
     if not args.lora:
         policy.requires_grad_(True)
     if plan.GRAD_CHECKPOINTING and device.type == "cuda":
-        policy.gradient_checkpointing_enable()
+        checkpoint_activations(policy)
     separate = world > 1 or args.dtype != "float32" or bool(args.lora)
     rollout_model = load(args.persuader, args.dtype, device)[0] if separate else policy
     policy = policy if args.lora else shard(policy, world, getattr(torch, args.dtype))
