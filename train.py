@@ -71,7 +71,7 @@ PRESETS = {
                   judge=None, dtype="bfloat16", steps=200, instances=16, group_size=8, lr=1e-6,
                   micro_batch=4, eval_every=20, eval_limit=120, save_every=20, sampling="paper"),
     # cpu: SmolLM2-135M as judge wrote a verdict for 1 transcript in 56, a copy of the answer
-    # template, at a quarter of the step (DECISIONS.md: Small presets' judge): no judge, s = 0
+    # template, at 30% of the step (DECISIONS.md: Small presets' judge): no judge, s = 0
     "cpu": dict(persuader="smollm2", persuadee="smollm2", judge="none", dtype="float32", steps=3,
                 instances=2, group_size=4, lr=1e-5, micro_batch=4, eval_every=0, eval_limit=4,
                 save_every=1, sampling="cpu",
