@@ -75,7 +75,7 @@ PRESETS = {
     "cpu": dict(persuader="smollm2", persuadee="smollm2", judge="none", dtype="float32", steps=3,
                 instances=2, group_size=4, lr=1e-5, micro_batch=4, eval_every=0, eval_limit=4,
                 save_every=1, sampling="cpu",
-                t_max=2, eval_t_max=3, max_new_tokens=32),  # overrides: a CPU step in about a minute
+                t_max=2, eval_t_max=3, max_new_tokens=32),  # overrides: a CPU step in about 40 s
     # tiny: a random judge never writes a verdict (s falls back to 0 on every transcript, after
     # four attempts): no judge gives the same s = 0 at no cost (DECISIONS.md: Small presets' judge)
     "tiny": dict(persuader="random:tiny-llama", persuadee="random:tiny-qwen3", judge="none",
