@@ -63,6 +63,15 @@ def completion(text, top=None, finish="stop"):
             "choices": [choice]}
 
 
+SERVER_POLL_S = 0.01  # how often a loopback server's loop checks for shutdown (socketserver: 0.5)
+
+
+def serve(httpd):
+    """httpd serving on a daemon thread; its shutdown() then returns within SERVER_POLL_S."""
+    threading.Thread(target=httpd.serve_forever, kwargs=dict(poll_interval=SERVER_POLL_S),
+                     daemon=True).start()
+
+
 class ScriptedServer:
     """Answers like an OpenAI server: the persuader forges a tag in every message, the persuadee
     follows SCRIPTS, a probe gets fixed top log-probs (none with logprobs=False), the judge
@@ -353,7 +362,7 @@ class Loopback:
             def log_message(self, *args):
                 pass
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        serve(self.httpd)
         self.lock = threading.Lock()
         self.spec = f"openai:tiny@http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
@@ -728,7 +737,7 @@ class FakeServer:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        serve(self.httpd)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
     def model(self, **kw):
