@@ -331,40 +331,6 @@ def test_every_rank_all_reduces_the_same_timing_keys_in_one_order(monkeypatch):
     assert runs.mean_timings(busy, "cpu")["persuader_s"] == 4.0
 
 
-RESUME_ON_TWO_RANKS = '''
-import os, sys, torch
-import train
-real = torch.load
-def load(path, *a, **k):
-    print(f"rank {os.environ['RANK']} read {os.path.basename(str(path))}", flush=True)
-    return real(path, *a, **k)
-torch.load = load
-train.main(sys.argv[1:])
-'''
-
-
-@pytest.mark.slow
-def test_two_ranks_resume_with_rank_0_alone_reading_the_trainer_state(tmp_path, short_scenarios):
-    """torchrun with 2 gloo ranks: a checkpoint saved by two ranks resumes on two ranks, and
-    only rank 0 reads trainer.pt (the weights and optimizer state are broadcast from it)."""
-    script = tmp_path / "resume_two.py"
-    script.write_text(RESUME_ON_TWO_RANKS)
-    common = ["--preset", "tiny", "--judge", "none", "--scenarios", short_scenarios, "--out",
-              str(tmp_path), "--name", "two", "--instances", "2", "--group-size", "2",
-              "--max-new-tokens", "3", "--save-every", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-              "--standalone"]
-    for extra in (["--steps", "1"], ["--steps", "2", "--resume"]):
-        p = subprocess.run(launch + [str(script), *common, *extra], cwd=HERE, env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    reads = sorted(line for line in p.stdout.splitlines() if line.endswith("trainer.pt"))
-    assert reads == ["rank 0 read trainer.pt"] and "resumed from step 1" in p.stdout
-    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and rows[1]["grad_norm"] > 0
-
-
 def test_the_sampling_flags_name_rollouts_presets():
     """runs.py (no torch) lists the presets rollout.SAMPLING holds, and the flags resolve as the
     presets overridden flag by flag."""

@@ -491,6 +491,16 @@ from test_train import hashed_decision
 arena.parse_decision = hashed_decision
 train.main(sys.argv[1:])
 '''
+RESUME_ON_TWO_RANKS = '''
+import os, sys, torch
+import train
+real = torch.load
+def load(path, *a, **k):
+    print(f"rank {os.environ['RANK']} read {os.path.basename(str(path))}", flush=True)
+    return real(path, *a, **k)
+torch.load = load
+train.main(sys.argv[1:])
+'''
 DIAGNOSTICS = ("dead_group_share", "dead_goal_share", "dead_rescued_share", "dense_share", "outcome_term_abs",
                "dense_term_abs", "negative_process_share")
 
@@ -527,7 +537,8 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
     by the rank or the batch it shares. Dead groups, rescued share, dense share (and the rest) are
     pooled over ranks, numerators and denominators summed before the division: the ranks log one
     process's figures, which equal a numpy computation from rollouts.jsonl, and differ from the
-    mean of the two ranks' own ratios in some step (so a rank-averaged figure would fail this)."""
+    mean of the two ranks' own ratios in some step (so a rank-averaged figure would fail this).
+    The ranks' last checkpoint then resumes on two ranks, only rank 0 reading trainer.pt."""
     script = tmp_path / "hashed_persuadee.py"
     script.write_text(HASHED_PERSUADEE)
     env = {"PYTHONPATH": str(Path(__file__).parent)}
@@ -561,6 +572,18 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
                               for x, y in [by_rank] for key in x)
     assert discriminating, "every step had the same ratios on both ranks: change the hash"
     assert b["kl"] > 0  # the last step runs on the updated, sharded weights
+    # the two ranks' last checkpoint resumes on two ranks, rank 0 alone reading the trainer state
+    # (the weights and optimizer state are broadcast from it)
+    (tmp_path / "resume_two.py").write_text(RESUME_ON_TWO_RANKS)
+    resumed = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                          str(tmp_path / "resume_two.py"), *common, "--steps", "4", "--name", "two",
+                          "--resume"], env)
+    out = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, out[-3000:]
+    reads = sorted(line for line in out.splitlines() if line.endswith("trainer.pt"))
+    assert reads == ["rank 0 read trainer.pt"] and "resumed from step 3" in out
+    rows = metrics(tmp_path / "two")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[3]["grad_norm"] > 0
 
 # -----------------------------------------------------------------------------
 # precision and memory at the paper's scale, in miniature
