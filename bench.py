@@ -87,6 +87,7 @@ import torch
 
 import arena
 import engine
+import layers
 import models
 import probes
 import rollout
@@ -440,7 +441,7 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
                 return func(*args, **(kwargs or {}))
             finally:
                 counter.inside_norm = False
-    saved = engine.COMPUTE_BOUND_DEVICES, engine.PACK_CPU_WEIGHTS, engine.DecodeBatch.step
+    saved = engine.COMPUTE_BOUND_DEVICES, layers.PACK_CPU_WEIGHTS, engine.DecodeBatch.step
     counts, counter = {}, None
 
     def counted(self, extent, sampling):
@@ -451,15 +452,15 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
             out = saved[2](self, extent, sampling)
         counts.setdefault(len(self.engine.w["layers"]), counter.ops)
         return out
-    engine.COMPUTE_BOUND_DEVICES, engine.PACK_CPU_WEIGHTS, engine.DecodeBatch.step = (), False, counted
+    engine.COMPUTE_BOUND_DEVICES, layers.PACK_CPU_WEIGHTS, engine.DecodeBatch.step = (), False, counted
     try:
-        for layers in (2, 3):
-            model, tok = models.random_model(shape, torch.bfloat16, num_hidden_layers=layers)
+        for n_layers in (2, 3):
+            model, tok = models.random_model(shape, torch.bfloat16, num_hidden_layers=n_layers)
             eng = engine.Engine(model, tok, block_size=16, num_blocks=64)
             eng.generate([eng.new(list(range(10, 40))) for _ in range(4)], 2, sampling,
                          [1, 2, 3, 4], [])
     finally:
-        engine.COMPUTE_BOUND_DEVICES, engine.PACK_CPU_WEIGHTS, engine.DecodeBatch.step = saved
+        engine.COMPUTE_BOUND_DEVICES, layers.PACK_CPU_WEIGHTS, engine.DecodeBatch.step = saved
     layer = counts[3] - counts[2]
     kernels = {k: n for k, n in layer.items() if k not in VIEW_OPS}
     outside = sum(counts[2].values()) - 2 * sum(layer.values())
@@ -677,7 +678,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", metavar="TRACE", help="profile the engine's run: print the operations "
                    "inside probe reads and persuadee replies, write a chrome trace to TRACE")
     p.add_argument("--cudnn-attention", action="store_true", help="let the engine's SDPA calls use "
-                   "cuDNN too (engine.SDPA_BACKENDS leaves it out), to measure what that costs")
+                   "cuDNN too (layers.SDPA_BACKENDS leaves it out), to measure what that costs")
     p.add_argument("--gpu-check", action="store_true", help="the GPU check (module docstring)")
     p.add_argument("--check-models", default=CHECK_MODELS,
                    help="--gpu-check's persuader and persuadee RANDOM_CONFIGS shapes")
@@ -781,8 +782,8 @@ def main():
             print(json.dumps(out))
         return
     if args.cudnn_attention:
-        engine.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-                                 *engine.SDPA_BACKENDS]
+        layers.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                                 *layers.SDPA_BACKENDS]
     gpu = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     sync = torch.cuda.synchronize if gpu else (lambda: None)

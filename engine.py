@@ -23,12 +23,12 @@ appended ("pending") token, so every token is prefilled exactly once:
 Prefill (and probe forks) run the ragged forward (Batch): flash-attn's paged kernels when it is
 installed, a GPU is present and the model is fp16/bf16 (BLOCK_SIZE divisible by 256), else
 PyTorch SDPA over gathered blocks, one padded call on a GPU (never on cuDNN, whose per-shape graph
-builds would cost more than the attention, SDPA_BACKENDS) and one causal call a sequence on a
+builds would cost more than the attention, layers.SDPA_BACKENDS) and one causal call a sequence on a
 CPU. Decode runs on DecodeBatch: a fixed shape per batch bucket, persistent device metadata, a
 dense copy of the batch's cache in the engine's one decode memory (sized once, viewed per bucket)
 with a device-side mask and float32 scores, host checks every SYNC_EVERY steps, and on CUDA one
 CUDA graph per bucket and sampling, captured once for the engine's life. The weights are the
-model's own: q/k/v and gate/up are fused into tensors that become the parameters' storage (fuse),
+model's own: q/k/v and gate/up are fused into tensors that become the parameters' storage (layers.fuse),
 so nothing is held twice and a weight refresh is a write at the same addresses. The forward is
 written against the Hugging Face weights of Llama, Qwen2 and Qwen3 and tested token for token
 against Hugging Face `generate` on every path.
@@ -47,14 +47,14 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import layers
 
 BLOCK_SIZE = 16           # tokens per KV block on the PyTorch path
 FLASH_BLOCK_SIZE = 256    # ... and with flash-attn's paged kernels (their block size divides by 256)
 CACHE_GB_CPU = 2.0        # KV pool size on a CPU
 CACHE_FRACTION_GPU = 0.15  # share of free GPU memory given to each engine's KV pool
 MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
-PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
 COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
 # attention a sequence at a time, the probes' common opening prefilled once
 DECODE_COPY_GB = 1.0      # the decode memory (every decode batch's dense copy) on a CPU
@@ -71,9 +71,6 @@ DECODE_PAD = 16           # columns after a row's capacity: its scratch column, 
 # starts every transposed key row 32-byte aligned (cuBLAS reads aligned rows; capacity + 1 did not)
 ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
 # a forward past it runs in several calls (whole sequences, or windows of one's queries)
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
-# forward here has a new one (the batch, its queries and its block-rounded keys all vary)
 MAX_NEW_TOKENS = 256      # per message
 
 try:
@@ -102,158 +99,6 @@ def flash_usable(device, dtype):
 def block_size_for(device, dtype):
     """Tokens per KV block of an engine on `device` in `dtype` (before any weight loads)."""
     return FLASH_BLOCK_SIZE if flash_usable(device, dtype) else BLOCK_SIZE
-
-
-class Packed:
-    """A weight in oneDNN's prepacked layout, for CPU matrix products of a few rows (decode)."""
-
-    def __init__(self, weight):
-        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-
-
-def pack(weight):
-    usable = (PACK_CPU_WEIGHTS and weight.device.type == "cpu" and weight.dtype == torch.float32
-              and torch.backends.mkldnn.is_available()
-              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-    return Packed(weight) if usable else weight
-
-
-def linear(x, weight, bias=None):
-    if isinstance(weight, Packed):
-        return torch.ops.mkldnn._linear_pointwise(x, weight.data, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-def fuse(params):
-    """One tensor holding these parameters (matrices or bias vectors) one after another, which
-    becomes their storage: each parameter is re-pointed at its slice, so the fused copy is the
-    only copy (no byte held twice) and a write into the parameters (train.copy_weights, an
-    optimizer step) is a write into the tensor the engine reads. Parameters already lying back
-    to back in one storage (a model fused before) give that same tensor again, same address."""
-    parts = [p.detach() for p in params]
-    first, rows = parts[0], sum(p.shape[0] for p in parts)
-    offsets = [p.storage_offset() for p in parts]
-    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-           for p in parts) and all(b == a + p.numel() for a, b, p in zip(offsets, offsets[1:], parts)):
-        return first.as_strided((rows, *first.shape[1:]), first.stride(), offsets[0])
-    fused = torch.cat(parts)
-    for p, piece in zip(params, fused.split([p.shape[0] for p in parts])):
-        p.data = piece
-    return fused
-
-
-def fused_weights(model):
-    """The decoder's weights, with q/k/v and gate/up fused so a layer is four matrix products.
-    The fused tensors are the model's own storage (fuse); every other entry is a parameter
-    itself. Only PACK_CPU_WEIGHTS adds a layout of its own (oneDNN's, on a CPU)."""
-    m, cfg = model.model, model.config
-    layers = []
-    with torch.no_grad():
-        for layer in m.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            w = dict(
-                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                qkv=fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                o=a.o_proj.weight, gate_up=fuse([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                down=mlp.down_proj.weight)
-            if a.q_proj.bias is not None:  # Qwen2
-                w["qkv_bias"] = fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k
-                w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
-            w = {k: v.detach() for k, v in w.items()}
-            layers.append({k: pack(v) if k in ("qkv", "o", "gate_up", "down") else v
-                           for k, v in w.items()})
-    rope = m.rotary_emb
-    return dict(
-        layers=layers, embed=m.embed_tokens.weight.detach(), norm=m.norm.weight.detach(),
-        lm_head=pack(model.lm_head.weight.detach()), inv_freq=rope.inv_freq.detach().float(),
-        rope_scale=float(getattr(rope, "attention_scaling", 1.0)), eps=cfg.rms_norm_eps,
-        n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        max_len=cfg.max_position_embeddings)
-
-
-def rms_norm(x, weight, eps):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim, accumulated in float32 (PyTorch's
-    own op: one fused kernel on a GPU where a hand-written one launches eight)."""
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def rotate(x, cos, signed_sin):
-    """RoPE on [N, heads, head_dim], rotate-half convention: x cos + (-x2, x1) sin, written as
-    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim]. Not one addcmul: a
-    fused multiply-add rounds differently in a vector body and its scalar tail, so an episode's
-    numbers would depend on its batch neighbours (DECISIONS.md: Keyed random streams)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-def decode_attention(q, keys_t, values, key_bias):
-    """softmax(q k^T / sqrt(d) + bias) v for one query per sequence: q [B, H, D], keys_t
-    [B, kv_heads, D, K] (keys transposed: the score product then reads rows of K contiguous
-    floats, ~25% faster on a CPU than reading keys across), values [B, kv_heads, K, D], key_bias
-    float32 [B * kv_heads, 1, K] (0 where a key is visible, else -inf). Query head h*G + g reads
-    kv head h (grouped-query attention), so each kv head meets its G queries in one product; on
-    a CPU two batched products beat SDPA's kernel at one query. The scores and the softmax are
-    float32 whatever the model's dtype (as in flash-attn and SDPA): pi_old recorded here then
-    differs from the trainer's recomputation by the weights' rounding, not the scores'."""
-    B, H, D = q.shape
-    Hkv, K = keys_t.shape[1], keys_t.shape[3]
-    q, keys_t = q.reshape(B * Hkv, H // Hkv, D), keys_t.reshape(B * Hkv, D, K)
-    if q.dtype == torch.float32:
-        scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
-    elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
-        scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
-    else:
-        scores = torch.baddbmm(key_bias, q.float(), keys_t.float(), alpha=D ** -0.5)
-    probs = torch.softmax(scores, -1).to(values.dtype)
-    return torch.bmm(probs, values.reshape(B * Hkv, K, D)).view(B, H, D)
-
-
-@functools.cache
-def fp32_products():
-    """Whether this PyTorch's CUDA bmm writes float32 from half inputs (out_dtype); checked once."""
-    try:
-        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device="cuda")
-        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError):
-        return False
-
-
-def rope(w, positions, dtype):
-    """cos and signed sin [N, 1, head_dim] of each token's position (rotate-half RoPE)."""
-    freqs = positions[:, None].float() * w["inv_freq"][None]
-    emb = torch.cat([freqs, freqs], -1)
-    cos = (emb.cos() * w["rope_scale"]).to(dtype)[:, None]
-    sin = (emb.sin() * w["rope_scale"]).to(dtype)[:, None]
-    sin[..., :sin.shape[-1] // 2] *= -1
-    return cos, sin
-
-
-def decoder(w, ids, positions, attend):
-    """Final hidden states [N, hidden] of a packed batch of tokens; attend(layer, q, k, v) is the
-    attention path, which also stores k and v wherever the path keeps them."""
-    x = w["embed"][ids]
-    cos, sin = rope(w, positions, x.dtype)
-    H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
-    with sdpa_kernel(SDPA_BACKENDS):
-        for i, lw in enumerate(w["layers"]):
-            h = rms_norm(x, lw["ln1"], w["eps"])
-            qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
-            qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
-            if "q_norm" in lw:  # each head's q and k normalised, then scaled by its weight
-                qk = F.rms_norm(qk, (D,), eps=w["eps"])
-                qk[:, :H] *= lw["q_norm"]
-                qk[:, H:] *= lw["k_norm"]
-            qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
-            q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
-            x = x + linear(attend(i, q, k, v).reshape(len(ids), H * D), lw["o"])
-            gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
-            x = x + linear(F.silu(gate).mul_(up), lw["down"])
-    return x
-
-
-def lm_logits(w, x):
-    return linear(rms_norm(x, w["norm"], w["eps"]), w["lm_head"])
 
 
 class Sampling(NamedTuple):
@@ -540,7 +385,7 @@ class Engine:
                 mine = dict(self.model.named_parameters())
                 for name, p in model.named_parameters():
                     mine[name].copy_(p)
-        self.w = fused_weights(self.model)
+        self.w = layers.fused_weights(self.model)
         addresses = tuple(p.data_ptr() for p in self.model.parameters())
         if addresses != self.addresses:
             self.decode_batches = {}
@@ -639,9 +484,9 @@ class Engine:
         positions = torch.cat([torch.arange(s, s + len(t)) for s, t in zip(starts, news)])
         slots = torch.cat([cache.slots(s, st, len(t)) for s, st, t in zip(sids, starts, news)])
         batch = Batch(self, sids, q_lens, kv_lens, positions, slots)
-        x = decoder(w, ids, positions.to(self.device), batch.attention)
+        x = layers.decoder(w, ids, positions.to(self.device), batch.attention)
         last = torch.cumsum(q_lens, 0).to(self.device) - 1
-        logits = lm_logits(w, x[last])
+        logits = layers.lm_logits(w, x[last])
         for s, n in zip(sids, counts):
             cache.lengths[s] += n
             self.pending[s] = []
@@ -815,7 +660,7 @@ class DecodeBatch:
                   attends over all of them (the unwritten ones masked), an eager step over the
                   columns its positions reach
         keys_t    each row's keys, dense and transposed [layers, B, kv_heads, head_dim, capacity +
-                  DECODE_PAD] (decode_attention; every key row 32-byte aligned, column capacity
+                  DECODE_PAD] (layers.decode_attention; every key row 32-byte aligned, column capacity
                   the scratch one), and values [layers, B, kv_heads, capacity + DECODE_PAD, head_dim]:
         values    views of the engine's one decode memory (Engine.decode_memory_views), copied
                   from the pool and kept between calls (filled); each step writes its token into
@@ -906,10 +751,10 @@ class DecodeBatch:
             cache.v[layer][slots] = v
             self.keys_t[layer][self.rows, :, :, column] = k
             self.values[layer][self.rows, :, column] = v
-            return decode_attention(q, self.keys_t[layer][..., :extent],
+            return layers.decode_attention(q, self.keys_t[layer][..., :extent],
                                     self.values[layer][:, :, :extent], bias)
 
-        logits = lm_logits(w, decoder(w, self.tokens, pos, attend))
+        logits = layers.lm_logits(w, layers.decoder(w, self.tokens, pos, attend))
         tokens, logps = sample(logits, sampling, self.keys, pos + 1)
         self.tokens.copy_(torch.where(self.live, tokens, self.tokens))
         self.positions.add_(self.live.long())
@@ -1154,7 +999,7 @@ class Batch:
             return out
         keys, values = self.gather(cache.k[layer], 0), self.gather(cache.v[layer], 1)
         if self.path == "decode":
-            return decode_attention(q, keys.permute(0, 2, 3, 1), values.transpose(1, 2), self.bias)
+            return layers.decode_attention(q, keys.permute(0, 2, 3, 1), values.transpose(1, 2), self.bias)
         outs = []
         for b, ((lo, hi, kv), mask) in enumerate(zip(self.spans, self.masks)):
             out = F.scaled_dot_product_attention(  # [1, heads, tokens, head_dim] each

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import engine
+import layers
 import rpo
 from conftest import tiny_model
 
@@ -67,18 +68,6 @@ def test_sampling_logprobs_equal_training_forward(top_p, paths):
             torch.testing.assert_close(torch.tensor(logps), ref, atol=1e-4, rtol=0)
         else:  # truncation only raises a kept token's probability
             assert (torch.tensor(logps) >= ref - 1e-5).all()
-
-
-def test_decode_attention_matches_sdpa():
-    """The two-product grouped-query decode attention equals SDPA with a boolean key mask."""
-    torch.manual_seed(0)
-    B, H, Hkv, K, D = 3, 6, 2, 11, 8
-    q, keys, values = torch.randn(B, H, D), torch.randn(B, Hkv, K, D), torch.randn(B, Hkv, K, D)
-    visible = torch.arange(K) < torch.tensor([11, 4, 1])[:, None, None]  # [B, 1, K]
-    bias = torch.zeros(B, 1, K).masked_fill(~visible, float("-inf")).repeat_interleave(Hkv, 0)
-    ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible[:, None],
-                                         enable_gqa=True)[:, :, 0]
-    torch.testing.assert_close(engine.decode_attention(q, keys.transpose(2, 3), values, bias), ref)
 
 
 def test_decode_steps_leave_the_pool_complete(paths):
@@ -178,7 +167,7 @@ def test_cuda_engine_matches_hf_generate(arch, dtype, monkeypatch):
     that a call only MATH would run fails here; bf16 log-probs of a sampled generate stay
     within 1e-2 (mean) of the training forward's."""
     from torch.nn.attention import SDPBackend
-    monkeypatch.setattr(engine, "SDPA_BACKENDS", [SDPBackend.FLASH_ATTENTION,
+    monkeypatch.setattr(layers, "SDPA_BACKENDS", [SDPBackend.FLASH_ATTENTION,
                                                   SDPBackend.EFFICIENT_ATTENTION])
     model = tiny_model(arch).to("cuda", dtype)
     calls = record_sdpa(monkeypatch)
@@ -360,7 +349,7 @@ def test_a_fused_model_holds_no_parameter_bytes_twice(arch, monkeypatch):
     storage), a second engine on the same model adds nothing, and the Hugging Face forward
     still gives the logits it gave before. (A CPU's oneDNN-packed layout, PACK_CPU_WEIGHTS, is
     a copy of its own: off here, as on a GPU.)"""
-    monkeypatch.setattr(engine, "PACK_CPU_WEIGHTS", False)
+    monkeypatch.setattr(layers, "PACK_CPU_WEIGHTS", False)
     model = tiny_model(arch)
     ids = torch.tensor([PROMPTS[0]])
     before = model(ids).logits
@@ -379,7 +368,7 @@ def test_a_refresh_keeps_the_fused_storage_and_reads_the_new_weights(monkeypatch
     another model (refresh(other)) are read at the same addresses: every fused tensor keeps its
     data_ptr, the decode batches (and on CUDA their graphs) are kept, and greedy decoding
     follows the new weights token for token."""
-    monkeypatch.setattr(engine, "PACK_CPU_WEIGHTS", False)
+    monkeypatch.setattr(layers, "PACK_CPU_WEIGHTS", False)
     model, other = tiny_model("qwen3"), tiny_model("qwen3", seed=5)
     eng = engine.Engine(model, block_size=4, num_blocks=200)
     eng.generate([eng.new(p) for p in PROMPTS], 12)
@@ -447,27 +436,6 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
         assert len(eng.decode_batches) > 1  # the batches did shrink
         for bucket, batch in eng.decode_batches.items():
             assert batch.capacity == eng.decode_capacity_for(bucket) and batch.keys_t.shape[1] == bucket
-
-
-def test_decode_scores_are_float32_in_bfloat16():
-    """bf16 queries and keys whose scores differ by less than bf16's spacing at their size:
-    the attention equals the reference with float32 scores and softmax (then bf16
-    probabilities, as flash-attn's), far closer than scores rounded to bf16 would give."""
-    torch.manual_seed(0)
-    B, H, Hkv, K, D = 2, 4, 2, 64, 16
-    q = (torch.randn(B, H, D) * 4).bfloat16()
-    keys, values = (torch.randn(B, Hkv, K, D) * 4).bfloat16(), torch.randn(B, Hkv, K, D).bfloat16()
-    bias = torch.zeros(B * Hkv, 1, K)
-    out = engine.decode_attention(q, keys.transpose(2, 3), values, bias).float()
-    G = H // Hkv
-    kq = keys.float().repeat_interleave(G, 1)
-    scores = torch.einsum("bhd,bhkd->bhk", q.float(), kq) / D ** 0.5
-    ref = torch.einsum("bhk,bhkd->bhd", scores.softmax(-1).bfloat16().float(),
-                       values.float().repeat_interleave(G, 1))
-    rounded = torch.einsum("bhk,bhkd->bhd", scores.bfloat16().float().softmax(-1),
-                           values.float().repeat_interleave(G, 1))
-    error, rounding = (out - ref).abs().max(), (rounded - ref).abs().max()
-    assert error < 0.02 and error < rounding / 4, (error, rounding)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

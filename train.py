@@ -54,6 +54,7 @@ from tqdm import tqdm
 
 import arena
 import engine
+import layers
 import models
 import plan
 import probes
@@ -335,14 +336,14 @@ def shard(model, world, compute_dtype=None):
 
 def compute_context(model, args, world):
     """Where the trainer's forwards (policy and reference) run: off cuDNN's SDPA, as the
-    engine's own attention (engine.SDPA_BACKENDS: its per-shape graph builds cost more than
+    engine's own attention (layers.SDPA_BACKENDS: its per-shape graph builds cost more than
     the attention at shapes that change every micro-batch), and in one process with a half
     --dtype under autocast from the fp32 master weights (under FSDP the MixedPrecisionPolicy
     casts them instead)."""
     from contextlib import ExitStack
     from torch.nn.attention import sdpa_kernel
     stack = ExitStack()
-    stack.enter_context(sdpa_kernel(engine.SDPA_BACKENDS))
+    stack.enter_context(sdpa_kernel(layers.SDPA_BACKENDS))
     device = next(model.parameters()).device
     if world == 1 and args.dtype != "float32":
         stack.enter_context(torch.autocast(device.type, dtype=getattr(torch, args.dtype)))
@@ -352,7 +353,7 @@ def compute_context(model, args, world):
 @torch.no_grad()
 def copy_weights(policy, rollout_model):
     """Gather the sharded fp32 master weights, one parameter at a time, into the rollout copy
-    (cast to its dtype). Its parameters are the actor engine's own fused tensors (engine.fuse),
+    (cast to its dtype). Its parameters are the actor engine's own fused tensors (layers.fuse),
     so this writes straight into what the engine reads, at the same addresses."""
     target = dict(rollout_model.named_parameters())
     for name, p in policy.named_parameters():

@@ -1,0 +1,177 @@
+"""
+layers.py: the decoder's forward as plain tensor functions over fused weights (no cache, no
+batching policy: engine.py owns those and passes the attention in).
+
+    x_{l+1} = x_l + W_o Attn(RoPE(W_qkv RMSNorm(x_l)))
+    x_{l+2} = x_{l+1} + W_down (silu(W_gate h) * W_up h),  h = RMSNorm(x_{l+1})
+    logits  = W_lm RMSNorm(x_L)
+
+Written against the Hugging Face weights of Llama, Qwen2 and Qwen3 (Qwen2's q/k/v biases, Qwen3's
+per-head q/k norms). q/k/v and gate/up are fused into tensors that become the parameters' own
+storage (fuse), so nothing is held twice and a weight refresh is a write at the same addresses; on
+a CPU the products' weights are oneDNN-prepacked (PACK_CPU_WEIGHTS). decode_attention is the one
+query-per-sequence attention that engine.py's decode paths call. Tested through the engine, token
+for token against Hugging Face `generate` (test_engine.py).
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
+# forward here has a new one (the batch, its queries and its block-rounded keys all vary)
+
+
+class Packed:
+    """A weight in oneDNN's prepacked layout, for CPU matrix products of a few rows (decode)."""
+
+    def __init__(self, weight):
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+
+
+def pack(weight):
+    usable = (PACK_CPU_WEIGHTS and weight.device.type == "cpu" and weight.dtype == torch.float32
+              and torch.backends.mkldnn.is_available()
+              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return Packed(weight) if usable else weight
+
+
+def linear(x, weight, bias=None):
+    if isinstance(weight, Packed):
+        return torch.ops.mkldnn._linear_pointwise(x, weight.data, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def fuse(params):
+    """One tensor holding these parameters (matrices or bias vectors) one after another, which
+    becomes their storage: each parameter is re-pointed at its slice, so the fused copy is the
+    only copy (no byte held twice) and a write into the parameters (train.copy_weights, an
+    optimizer step) is a write into the tensor the engine reads. Parameters already lying back
+    to back in one storage (a model fused before) give that same tensor again, same address."""
+    parts = [p.detach() for p in params]
+    first, rows = parts[0], sum(p.shape[0] for p in parts)
+    offsets = [p.storage_offset() for p in parts]
+    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           for p in parts) and all(b == a + p.numel() for a, b, p in zip(offsets, offsets[1:], parts)):
+        return first.as_strided((rows, *first.shape[1:]), first.stride(), offsets[0])
+    fused = torch.cat(parts)
+    for p, piece in zip(params, fused.split([p.shape[0] for p in parts])):
+        p.data = piece
+    return fused
+
+
+def fused_weights(model):
+    """The decoder's weights, with q/k/v and gate/up fused so a layer is four matrix products.
+    The fused tensors are the model's own storage (fuse); every other entry is a parameter
+    itself. Only PACK_CPU_WEIGHTS adds a layout of its own (oneDNN's, on a CPU)."""
+    m, cfg = model.model, model.config
+    layers = []
+    with torch.no_grad():
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            w = dict(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                qkv=fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                o=a.o_proj.weight, gate_up=fuse([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                down=mlp.down_proj.weight)
+            if a.q_proj.bias is not None:  # Qwen2
+                w["qkv_bias"] = fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k
+                w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
+            w = {k: v.detach() for k, v in w.items()}
+            layers.append({k: pack(v) if k in ("qkv", "o", "gate_up", "down") else v
+                           for k, v in w.items()})
+    rope = m.rotary_emb
+    return dict(
+        layers=layers, embed=m.embed_tokens.weight.detach(), norm=m.norm.weight.detach(),
+        lm_head=pack(model.lm_head.weight.detach()), inv_freq=rope.inv_freq.detach().float(),
+        rope_scale=float(getattr(rope, "attention_scaling", 1.0)), eps=cfg.rms_norm_eps,
+        n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        max_len=cfg.max_position_embeddings)
+
+
+def rms_norm(x, weight, eps):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, accumulated in float32 (PyTorch's
+    own op: one fused kernel on a GPU where a hand-written one launches eight)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def rotate(x, cos, signed_sin):
+    """RoPE on [N, heads, head_dim], rotate-half convention: x cos + (-x2, x1) sin, written as
+    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim]. Not one addcmul: a
+    fused multiply-add rounds differently in a vector body and its scalar tail, so an episode's
+    numbers would depend on its batch neighbours (DECISIONS.md: Keyed random streams)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def decode_attention(q, keys_t, values, key_bias):
+    """softmax(q k^T / sqrt(d) + bias) v for one query per sequence: q [B, H, D], keys_t
+    [B, kv_heads, D, K] (keys transposed: the score product then reads rows of K contiguous
+    floats, ~25% faster on a CPU than reading keys across), values [B, kv_heads, K, D], key_bias
+    float32 [B * kv_heads, 1, K] (0 where a key is visible, else -inf). Query head h*G + g reads
+    kv head h (grouped-query attention), so each kv head meets its G queries in one product; on
+    a CPU two batched products beat SDPA's kernel at one query. The scores and the softmax are
+    float32 whatever the model's dtype (as in flash-attn and SDPA): pi_old recorded here then
+    differs from the trainer's recomputation by the weights' rounding, not the scores'."""
+    B, H, D = q.shape
+    Hkv, K = keys_t.shape[1], keys_t.shape[3]
+    q, keys_t = q.reshape(B * Hkv, H // Hkv, D), keys_t.reshape(B * Hkv, D, K)
+    if q.dtype == torch.float32:
+        scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
+    elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
+        scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
+    else:
+        scores = torch.baddbmm(key_bias, q.float(), keys_t.float(), alpha=D ** -0.5)
+    probs = torch.softmax(scores, -1).to(values.dtype)
+    return torch.bmm(probs, values.reshape(B * Hkv, K, D)).view(B, H, D)
+
+
+@functools.cache
+def fp32_products():
+    """Whether this PyTorch's CUDA bmm writes float32 from half inputs (out_dtype); checked once."""
+    try:
+        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device="cuda")
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
+
+
+def rope(w, positions, dtype):
+    """cos and signed sin [N, 1, head_dim] of each token's position (rotate-half RoPE)."""
+    freqs = positions[:, None].float() * w["inv_freq"][None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos = (emb.cos() * w["rope_scale"]).to(dtype)[:, None]
+    sin = (emb.sin() * w["rope_scale"]).to(dtype)[:, None]
+    sin[..., :sin.shape[-1] // 2] *= -1
+    return cos, sin
+
+
+def decoder(w, ids, positions, attend):
+    """Final hidden states [N, hidden] of a packed batch of tokens; attend(layer, q, k, v) is the
+    attention path, which also stores k and v wherever the path keeps them."""
+    x = w["embed"][ids]
+    cos, sin = rope(w, positions, x.dtype)
+    H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
+    with sdpa_kernel(SDPA_BACKENDS):
+        for i, lw in enumerate(w["layers"]):
+            h = rms_norm(x, lw["ln1"], w["eps"])
+            qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
+            qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
+            if "q_norm" in lw:  # each head's q and k normalised, then scaled by its weight
+                qk = F.rms_norm(qk, (D,), eps=w["eps"])
+                qk[:, :H] *= lw["q_norm"]
+                qk[:, H:] *= lw["k_norm"]
+            qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
+            q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
+            x = x + linear(attend(i, q, k, v).reshape(len(ids), H * D), lw["o"])
+            gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
+            x = x + linear(F.silu(gate).mul_(up), lw["down"])
+    return x
+
+
+def lm_logits(w, x):
+    return linear(rms_norm(x, w["norm"], w["eps"]), w["lm_head"])
