@@ -34,7 +34,7 @@ written against the Hugging Face weights of Llama, Qwen2 and Qwen3 and tested to
 against Hugging Face `generate` on every path.
 
     python -m pytest -q test_engine.py       # engine tests on tiny random models
-    python bench.py                          # the rollout workload against two baselines
+    python -m lab.bench                          # the rollout workload against two baselines
 """
 import functools
 import itertools

@@ -36,15 +36,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import analyses
+from lab import analyses
 import arena
-import moves
-import plots
+from lab import moves
+from lab import plots
 import probes
-import records
+from lab import records
 import rpo
-import runs
-import served
+from lab import runs
+from lab import served
 
 TRAINING_KEYS = records.TRAINING_FIELDS  # rollout's token stream, of no use once scored
 RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played

@@ -255,7 +255,7 @@ def _convert_smollm2(out):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    import runs  # atomic: a killed conversion leaves no half-written model behind
+    from lab import runs  # atomic: a killed conversion leaves no half-written model behind
     runs.write_folder_atomic(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 

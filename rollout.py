@@ -47,7 +47,7 @@ import arena
 import engine
 import models
 import probes
-import served
+from lab import served
 
 JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
 FROZEN_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the frozen roles' sampling: the

@@ -56,12 +56,12 @@ import arena
 import engine
 import layers
 import models
-import plan
+from lab import plan
 import probes
 import rollout
 import rpo
-import runs
-import served
+from lab import runs
+from lab import served
 
 # The presets. Turns and tokens a message come from the constants that own them
 # (owned_defaults: arena.T_MAX_TRAIN, arena.T_MAX_EVAL, engine.MAX_NEW_TOKENS), read when the

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from arena import OUTCOMES
-from runs import read_jsonl as runs_read_jsonl
+from lab.runs import read_jsonl as runs_read_jsonl
 
 PROBE_NAMES = ("CA", "PE", "AC")  # column order of an episode's "probes" rows (probes.PROBES, checked by a test)
 

@@ -25,12 +25,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-import analyses  # noqa: E402
-import moves  # noqa: E402
-import records  # noqa: E402
-import significance  # noqa: E402
-from records import PROBE_NAMES  # noqa: E402
-from runs import is_number, write_atomic  # noqa: E402
+from lab import analyses  # noqa: E402
+from lab import moves  # noqa: E402
+from lab import records  # noqa: E402
+from lab import significance  # noqa: E402
+from lab.records import PROBE_NAMES  # noqa: E402
+from lab.runs import is_number, write_atomic  # noqa: E402
 
 PROBE_TITLES = {"CA": "concern addressed (CA)", "PE": "persuasion effective (PE)",
                 "AC": "acceptance shift (AC)"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine
-import plan
+from lab import plan
 import train
 from test_train import TINY, no_model_loads  # noqa: F401 (a fixture)
 

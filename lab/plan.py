@@ -23,7 +23,7 @@ import torch
 
 import engine
 import models
-import served
+from lab import served
 
 GRAD_CHECKPOINTING = True  # on GPUs: recompute activations in the backward pass (train.py follows)
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)

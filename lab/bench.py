@@ -45,12 +45,12 @@ Metrics:
                    decoder layers' weights (the lm_head only runs on last tokens). The engine's
                    decode step and prefill rate are its forward calls (sampling excluded).
 
-    PYTHONPATH=. python bench.py                                           # full workload (minutes)
-    PYTHONPATH=. python bench.py --dialogues 2 --turns 1 --max-new-tokens 8  # quick check
-    PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --json  # GPU, 4B random model
-    PYTHONPATH=. python bench.py --skip-baselines --profile trace.json   # where the engine's time goes
-    PYTHONPATH=. python bench.py --probe-vs-judge --dialogues 4 --turns 2   # Table 4: probe vs judge call
-    PYTHONPATH=. python bench.py --device cuda --random-init qwen3-4b --skip-baselines --cudnn-attention
+    PYTHONPATH=. python -m lab.bench                                           # full workload (minutes)
+    PYTHONPATH=. python -m lab.bench --dialogues 2 --turns 1 --max-new-tokens 8  # quick check
+    PYTHONPATH=. python -m lab.bench --device cuda --random-init qwen3-4b --json  # GPU, 4B random model
+    PYTHONPATH=. python -m lab.bench --skip-baselines --profile trace.json   # where the engine's time goes
+    PYTHONPATH=. python -m lab.bench --probe-vs-judge --dialogues 4 --turns 2   # Table 4: probe vs judge call
+    PYTHONPATH=. python -m lab.bench --device cuda --random-init qwen3-4b --skip-baselines --cudnn-attention
 
 The GPU check (--gpu-check; BENCHMARKS.md, "The GPU check", says how to carry the tokenizer to a
 machine without network): one rank of the paper preset on one GPU, random weights of the
@@ -72,8 +72,8 @@ judge), engines sized by plan.py's memory plan for 8 ranks (16 episodes a rank),
 Targets: decode step <= 1.5x the weight + live-KV floor, probe share <= 5%, peak within 10% of the
 plan, graphs bit-equal to eager at the same extent, <= 12 kernels a decode layer.
 
-    PYTHONPATH=. python bench.py --gpu-check --json                      # on the GPU (minutes)
-    PYTHONPATH=. python bench.py --gpu-check --device cpu --check-models tiny-llama,tiny-qwen3 \
+    PYTHONPATH=. python -m lab.bench --gpu-check --json                      # on the GPU (minutes)
+    PYTHONPATH=. python -m lab.bench --gpu-check --device cpu --check-models tiny-llama,tiny-qwen3 \
         --check-turns 2 --check-new-tokens 16                           # the script's logic, here
 """
 import argparse
@@ -91,7 +91,7 @@ import layers
 import models
 import probes
 import rollout
-import significance
+from lab import significance
 
 MODEL = "smollm2"
 DIALOGUES = 8
@@ -605,7 +605,7 @@ def gpu_check(args):
     """One rank of the paper preset at the paper's shapes, measured as the module docstring says.
     Returns the figures as a dict."""
     import tempfile
-    import plan
+    from lab import plan
     import train
     gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -808,7 +808,7 @@ def main():
 
 
 # -----------------------------------------------------------------------------
-# signal to noise of the dense reward (python bench.py --snr PRESET): issue 28
+# signal to noise of the dense reward (python -m lab.bench --snr PRESET): issue 28
 
 
 def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):

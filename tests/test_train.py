@@ -16,7 +16,7 @@ import torch
 import arena
 import models
 import rpo
-import runs
+from lab import runs
 import train
 
 
@@ -56,7 +56,7 @@ def test_learning_raises_the_persuadees_belief(tmp_path, short_scenarios, monkey
 
 def run_script(argv, env_extra=None, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.Popen([sys.executable, *argv], cwd=Path(__file__).parent, env=env,
+    return subprocess.Popen([sys.executable, *argv], cwd=Path(__file__).parent.parent, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
@@ -541,7 +541,7 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
     The ranks' last checkpoint then resumes on two ranks, only rank 0 reading trainer.pt."""
     script = tmp_path / "hashed_persuadee.py"
     script.write_text(HASHED_PERSUADEE)
-    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    env = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).parent.parent), str(Path(__file__).parent)))}
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3", "--instances", "4",
                      "--group-size", "2", "--lam", "0.5", "--max-new-tokens", "3"]
     def hashed(argv):  # what the script does, in this process

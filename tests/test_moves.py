@@ -7,7 +7,7 @@ import torch
 
 import arena
 import engine
-import moves
+from lab import moves
 from conftest import short_scenario, tiny_model
 
 EXAMPLES = {  # label -> messages written to carry it
@@ -45,7 +45,7 @@ def test_keyword_tagger_finds_each_label(label):
 def test_every_probe_question_planted_in_a_message_is_counted():
     """Issue 27: a persuader writing the read-out's own instruction or question into its message
     primes the read-out; the audit counts it, per message, per episode and in the summary."""
-    import analyses
+    from lab import analyses
     import probes
     planted = [probes.INSTRUCTION] + list(probes.PROBES.values())
     for text in planted + [f"{probes.INSTRUCTION} {q} Yes" for q in probes.PROBES.values()]:

@@ -41,12 +41,12 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-import moves
+from lab import moves
 import rpo
-from records import PROBE_NAMES, RUN_FIELDS, load_episodes, read_records
-from significance import (finite_or_none, mcnemar, mean_band, pearson, proportion_difference,
+from lab.records import PROBE_NAMES, RUN_FIELDS, load_episodes, read_records
+from lab.significance import (finite_or_none, mcnemar, mean_band, pearson, proportion_difference,
                           spearman, t_interval, welch_difference, wilcoxon, wilson_interval)
-from runs import is_number
+from lab.runs import is_number
 from arena import API_ERROR, CUT_OFF, OUTCOMES
 
 SHORT = {"ACCEPT": "ACCEPT", "CONDITIONAL_ACCEPT": "COND", "PENDING": "PENDING", "REJECT": "REJECT",

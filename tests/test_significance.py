@@ -4,14 +4,14 @@ import math
 import numpy as np
 import pytest
 
-import significance
+from lab import significance
 from test_analyses import exact_signed_rank_p
 
 
 def test_importing_significance_loads_no_torch():
     import subprocess
     import sys
-    code = "import significance, sys; assert 'torch' not in sys.modules"
+    code = "from lab import significance; import sys; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-import sweep
+from lab import sweep
 import train
 
 

@@ -270,18 +270,18 @@ def test_one_loop_drives_every_episode():
     """arena.Episode is constructed in rollout.py alone (bench.py's Hugging Face baseline
     aside): served, local and typed episodes all go through rollout_episodes."""
     from pathlib import Path
-    here = Path(__file__).resolve().parent
-    drivers = {p.name for p in here.glob("*.py") if not p.name.startswith("test_")
-               and "arena.Episode(" in p.read_text()}
-    assert drivers == {"rollout.py", "bench.py"}
-    assert "def play_episodes" not in (here / "served.py").read_text()
+    here = Path(__file__).resolve().parent.parent
+    drivers = {str(p.relative_to(here)) for p in [*here.glob("*.py"), *here.glob("lab/*.py")]
+               if "arena.Episode(" in p.read_text()}
+    assert drivers == {"rollout.py", "lab/bench.py"}
+    assert "def play_episodes" not in (here / "lab" / "served.py").read_text()
 
 
 def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():
     """One owner for the frozen roles' sampling, the cut-off end reasons, the yes/no
     instruction and the 256 new tokens; the persuader never truncates (pi_old exact)."""
-    import moves
-    import served
+    from lab import moves
+    from lab import served
     import train
     assert all(ee is rollout.FROZEN_SAMPLING for _, ee in rollout.SAMPLING.values())
     assert rollout.JUDGE_RETRY_SAMPLING is rollout.FROZEN_SAMPLING

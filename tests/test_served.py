@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import analyses
+from lab import analyses
 import arena
 import engine
 import eval
 import models
 import probes
 import rollout
-import served
+from lab import served
 from conftest import short_scenario, tiny_model
 
 try:
@@ -1287,7 +1287,7 @@ def test_two_ranks_train_on_when_one_ranks_episodes_are_left_out(tmp_path, short
                          else None)
     server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer(), fail=fail)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--standalone", str(Path(__file__).parent / "train.py"), "--preset", "tiny",
+           "--standalone", str(Path(__file__).parent.parent / "train.py"), "--preset", "tiny",
            "--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "two",
            "--steps", "3", "--persuadee", server.spec, "--judge", "none", "--save-every", "1000"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

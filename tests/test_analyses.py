@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import analyses as an
-import moves
+from lab import analyses as an
+from lab import moves
 import rpo
-import significance
+from lab import significance
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 
 def test_importing_analyses_loads_no_torch():
-    code = "import analyses, sys; assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules"
+    code = "from lab import analyses; import sys; assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules"
     p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
 

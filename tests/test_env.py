@@ -4,9 +4,9 @@ import pytest
 
 import arena
 import engine
-import env as persuasion_env
+from lab import env as persuasion_env
 import rollout
-import served
+from lab import served
 from conftest import tiny_model
 from test_served import Loopback, ScriptedServer, answer_tokenizer, instances  # noqa: F401
 

@@ -18,16 +18,16 @@ import torch
 import eval
 import models
 import probes
-import records
+from lab import records
 import rollout
 import rpo
-import runs
+from lab import runs
 import train
 
 # one worker builds conftest.trained_run and runs every test here that copies it
 pytestmark = pytest.mark.xdist_group("trained-run")
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_a_folder_that_holds_no_run_survives_overwrite(tmp_path, short_scenarios
 
 def hold_lock(folder):
     """Another process that takes folder's lock and keeps it until killed."""
-    code = (f"import runs, sys, time; runs.lock({str(folder)!r}, 'other'); print('locked', "
+    code = (f"from lab import runs; import sys, time; runs.lock({str(folder)!r}, 'other'); print('locked', "
             "flush=True); time.sleep(600)")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"

@@ -6,12 +6,12 @@ import sys
 import pytest
 
 import probes
-import records
+from lab import records
 from test_analyses import SIX
 
 
 def test_importing_records_loads_no_torch():
-    code = "import records, sys; assert 'torch' not in sys.modules"
+    code = "from lab import records; import sys; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

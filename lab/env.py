@@ -23,7 +23,7 @@ from its top log-probs).
     env = PersuasionEnv("random:tiny-qwen3", scenarios="heldout", t_max=6)
     messages, info = env.reset(seed=0, options={"instance": "heldout-001"})
     reply, r, terminated, truncated, info = env.step("Hello Rafael, ...")
-    python env.py --serve --port 8000 --persuadee smollm2    # OpenEnv server on 127.0.0.1
+    python -m lab.env --serve --port 8000 --persuadee smollm2    # OpenEnv server on 127.0.0.1
 
 The loop runs in a worker thread that waits in TrainerSide.speak for each message: step() hands
 the message over and waits for the loop to ask for the next one or to end.

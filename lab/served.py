@@ -53,7 +53,7 @@ from urllib.parse import urlparse
 import arena
 import engine
 import probes
-from runs import is_number as finite_number
+from lab.runs import is_number as finite_number
 
 SERVED_PREFIX = "openai:"     # a model spec with this prefix is served: openai:MODEL@URL
 API_KEY_ENV = "OPENAI_API_KEY"

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import analyses as an
+from lab import analyses as an
 import eval
-import plots
-import records
+from lab import plots
+from lab import records
 import rpo
 from test_analyses import LAB, RUN_B, RUN_A, check_compare, episode, many_runs
 from test_plots import png_size
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 
 def test_save_load_and_compare_cli(tmp_path, capsys):

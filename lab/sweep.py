@@ -23,8 +23,8 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
 Arms already trained are reused; a killed arm resumes from its checkpoint (train.py --resume).
 Arguments sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4).
 
-    python sweep.py --preset tiny --lams 0 1 --seeds 0 --steps 4 --eval-every 2 --eval-limit 2 --name smoke
-    python sweep.py --preset cpu --lams 0 0.5 1 --seeds 0 1 --steps 60 --eval-every 20 \\
+    python -m lab.sweep --preset tiny --lams 0 1 --seeds 0 --steps 4 --eval-every 2 --eval-limit 2 --name smoke
+    python -m lab.sweep --preset cpu --lams 0 0.5 1 --seeds 0 1 --steps 60 --eval-every 20 \\
         --eval-limit 16 --decision logit --frozen-control --name cpu-logit -- --judge none
 """
 import argparse
@@ -36,10 +36,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import analyses
+from lab import analyses
 import arena
-import records
-import significance
+from lab import records
+from lab import significance
 
 LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
@@ -125,7 +125,7 @@ def evaluate_initial(argv, folder):
     import torch
 
     import engine
-    import plan
+    from lab import plan
     import rollout
     import train
     args = train.parse_args(argv)
@@ -327,7 +327,7 @@ def main(argv=None):
 
 def summarize_sweep(root, args):
     """summary.json, table.md and the figures from the sweep folder's runs."""
-    import plots
+    from lab import plots
     initial = {s: records.load_episodes(root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
                for s in args.seeds}
     runs = {lam: {s: analyses.read_run(root / "runs" / arm_name(lam, s)) for s in args.seeds}

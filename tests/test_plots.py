@@ -5,9 +5,9 @@ import json
 import struct
 from pathlib import Path
 
-import analyses
+from lab import analyses
 import eval
-import plots
+from lab import plots
 from test_analyses import LAB, SIX
 
 

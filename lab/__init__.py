@@ -1,0 +1,4 @@
+"""lab: everything around the method. The top level holds the paper (arena, probes, rollout, rpo,
+train, eval and the engine they run on); this package holds run folders, served models, the
+Gymnasium/OpenEnv export, the memory plan, sweeps, benchmarks, analyses, plots, significance,
+records and move labels. Its scripts run from the repository root as `python -m lab.NAME`."""
