@@ -8,41 +8,23 @@ batching policy: engine.py owns those and passes the attention in).
 
 Written against the Hugging Face weights of Llama, Qwen2 and Qwen3 (Qwen2's q/k/v biases, Qwen3's
 per-head q/k norms). q/k/v and gate/up are fused into tensors that become the parameters' own
-storage (fuse), so nothing is held twice and a weight refresh is a write at the same addresses; on
-a CPU the products' weights are oneDNN-prepacked (PACK_CPU_WEIGHTS). decode_attention is the one
-query-per-sequence attention that engine.py's decode paths call. Tested through the engine, token
-for token against Hugging Face `generate` (test_engine.py).
+storage (fuse), so nothing is held twice and a weight refresh is a write at the same addresses.
+Tested against Hugging Face's own forward (tests/test_layers.py) and through the engine, token for
+token against Hugging Face `generate` (tests/test_engine.py).
 """
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # not cuDNN, which recent PyTorch prefers on Hopper: it builds a graph per new shape, and every
 # forward here has a new one (the batch, its queries and its block-rounded keys all vary)
 
 
-class Packed:
-    """A weight in oneDNN's prepacked layout, for CPU matrix products of a few rows (decode)."""
-
-    def __init__(self, weight):
-        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-
-
-def pack(weight):
-    usable = (PACK_CPU_WEIGHTS and weight.device.type == "cpu" and weight.dtype == torch.float32
-              and torch.backends.mkldnn.is_available()
-              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-    return Packed(weight) if usable else weight
-
-
 def linear(x, weight, bias=None):
-    if isinstance(weight, Packed):
-        return torch.ops.mkldnn._linear_pointwise(x, weight.data, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    """x W^T + b. A weight may instead be a callable taking (x, bias): lab.fastpath's
+    prepacked CPU weights."""
+    return weight(x, bias) if callable(weight) else F.linear(x, weight, bias)
 
 
 def fuse(params):
@@ -66,7 +48,7 @@ def fuse(params):
 def fused_weights(model):
     """The decoder's weights, with q/k/v and gate/up fused so a layer is four matrix products.
     The fused tensors are the model's own storage (fuse); every other entry is a parameter
-    itself. Only PACK_CPU_WEIGHTS adds a layout of its own (oneDNN's, on a CPU)."""
+    itself (lab.fastpath.pack_weights may give a CPU's products a layout of their own)."""
     m, cfg = model.model, model.config
     layers = []
     with torch.no_grad():
@@ -81,13 +63,11 @@ def fused_weights(model):
                 w["qkv_bias"] = fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
             if hasattr(a, "q_norm"):  # Qwen3 normalises each head's q and k
                 w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
-            w = {k: v.detach() for k, v in w.items()}
-            layers.append({k: pack(v) if k in ("qkv", "o", "gate_up", "down") else v
-                           for k, v in w.items()})
+            layers.append({k: v.detach() for k, v in w.items()})
     rope = m.rotary_emb
     return dict(
         layers=layers, embed=m.embed_tokens.weight.detach(), norm=m.norm.weight.detach(),
-        lm_head=pack(model.lm_head.weight.detach()), inv_freq=rope.inv_freq.detach().float(),
+        lm_head=model.lm_head.weight.detach(), inv_freq=rope.inv_freq.detach().float(),
         rope_scale=float(getattr(rope, "attention_scaling", 1.0)), eps=cfg.rms_norm_eps,
         n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -106,38 +86,6 @@ def rotate(x, cos, signed_sin):
     fused multiply-add rounds differently in a vector body and its scalar tail, so an episode's
     numbers would depend on its batch neighbours (DECISIONS.md: Keyed random streams)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-def decode_attention(q, keys_t, values, key_bias):
-    """softmax(q k^T / sqrt(d) + bias) v for one query per sequence: q [B, H, D], keys_t
-    [B, kv_heads, D, K] (keys transposed: the score product then reads rows of K contiguous
-    floats, ~25% faster on a CPU than reading keys across), values [B, kv_heads, K, D], key_bias
-    float32 [B * kv_heads, 1, K] (0 where a key is visible, else -inf). Query head h*G + g reads
-    kv head h (grouped-query attention), so each kv head meets its G queries in one product; on
-    a CPU two batched products beat SDPA's kernel at one query. The scores and the softmax are
-    float32 whatever the model's dtype (as in flash-attn and SDPA): pi_old recorded here then
-    differs from the trainer's recomputation by the weights' rounding, not the scores'."""
-    B, H, D = q.shape
-    Hkv, K = keys_t.shape[1], keys_t.shape[3]
-    q, keys_t = q.reshape(B * Hkv, H // Hkv, D), keys_t.reshape(B * Hkv, D, K)
-    if q.dtype == torch.float32:
-        scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
-    elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
-        scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
-    else:
-        scores = torch.baddbmm(key_bias, q.float(), keys_t.float(), alpha=D ** -0.5)
-    probs = torch.softmax(scores, -1).to(values.dtype)
-    return torch.bmm(probs, values.reshape(B * Hkv, K, D)).view(B, H, D)
-
-
-@functools.cache
-def fp32_products():
-    """Whether this PyTorch's CUDA bmm writes float32 from half inputs (out_dtype); checked once."""
-    try:
-        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device="cuda")
-        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError):
-        return False
 
 
 def rope(w, positions, dtype):

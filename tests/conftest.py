@@ -6,6 +6,7 @@ import torch
 
 import engine
 import models
+from lab import fastpath
 
 
 
@@ -133,14 +134,16 @@ def pytest_configure(config):
                                        "first; -m 'not slow' leaves them out)")
 
 
-PATHS = {"split+copy": {},  # a CPU's: prefill a sequence at a time, decode over a dense copy
+PATHS = {"reference": {"FAST_PATH": False},  # engine.py alone: paged attention, plain decode
+         "split+copy": {},  # the fast path on a CPU: a sequence at a time, decode over a dense copy
          "split+gather": {"DECODE_COPY_GB": 0},  # the copy would not fit: gather every step
-         "padded": {"COMPUTE_BOUND_DEVICES": ()}}  # a GPU's without flash-attn
+         "padded": {"COMPUTE_BOUND_DEVICES": ()}}  # the fast path on a GPU without flash-attn
 
 
 @pytest.fixture(params=list(PATHS))
 def paths(request, monkeypatch):
-    """Runs a test once per PyTorch attention path pair (engine.Batch)."""
+    """Runs a test on the reference engine and once per attention path pair of the fast path
+    (lab.fastpath.Batch); each knob is set in the module that owns it."""
     for name, value in PATHS[request.param].items():
-        monkeypatch.setattr(engine, name, value)
+        monkeypatch.setattr(engine if hasattr(engine, name) else fastpath, name, value)
     return request.param

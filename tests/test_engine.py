@@ -7,6 +7,7 @@ import engine
 import layers
 import rpo
 from conftest import tiny_model
+from lab import fastpath
 
 ARCHS = ["llama", "qwen3", "qwen2"]
 PROMPTS = [[5, 9, 14, 3, 77, 120, 8, 41, 19, 66, 7, 301, 45, 12, 99, 4, 18, 250, 33, 61, 5, 88],
@@ -26,6 +27,44 @@ def test_greedy_matches_hf_generate(arch, block_size, paths):
     model = tiny_model(arch)
     ours = engine.generate(model, PROMPTS, 24, block_size=block_size)
     assert ours == [hf_greedy(model, p, 24) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_reference_and_the_fast_path_agree(arch):
+    """The same calls on the reference engine (FAST_PATH off: paged attention through the block
+    tables, one forward a token) and on the fast path: prefill logits within float32 rounding
+    (a fork's too, reading shared blocks), greedy and sampled tokens identical, their log-probs
+    within 1e-5 (top-k sampling: a top-p cut can move by a rounding, and with it every kept
+    log-prob's normalisation). (Each against Hugging Face: test_greedy_matches_hf_generate and the others
+    that take `paths`.)"""
+    model = tiny_model(arch)
+    runs = {}
+    for fast in (False, True):
+        eng = engine.Engine(model, block_size=4, num_blocks=300, fast_path=fast)
+        assert (eng.fast is None) != fast
+        roots = [eng.new(p) for p in PROMPTS]
+        logits = eng.forward(roots)
+        forks = eng.forward([eng.fork(s, [3, 5, 8]) for s in roots])
+        greedy = eng.generate([eng.new(p) for p in PROMPTS], 16, stop_ids=[])
+        sampled = eng.generate([eng.new(p) for p in PROMPTS], 16, engine.Sampling(0.8, top_k=20),
+                               [4, 5, 6], [])
+        runs[fast] = torch.cat([logits, forks]), greedy, sampled
+    (ref_logits, *ref_outs), (logits, *outs) = runs[False], runs[True]
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+    for ours, ref in zip(outs, ref_outs):
+        assert [ids for ids, _, _ in ours] == [ids for ids, _, _ in ref]
+        for (_, a, _), (_, b, _) in zip(ours, ref):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_the_switch_is_read_when_an_engine_is_made(monkeypatch):
+    """engine.FAST_PATH is the default of Engine(fast_path=...), read at each construction."""
+    model = tiny_model("llama")
+    monkeypatch.setattr(engine, "FAST_PATH", False)
+    assert engine.Engine(model, num_blocks=8).fast is None
+    assert engine.Engine(model, num_blocks=8, fast_path=True).fast is not None
+    monkeypatch.setattr(engine, "FAST_PATH", True)
+    assert engine.Engine(model, num_blocks=8).fast is not None
 
 
 def test_stop_tokens_and_max_new_tokens():
@@ -140,13 +179,13 @@ def test_pool_and_context_overflow_end_cleanly():
     assert outs[0][2] == "context" and eng.length(long_b) <= 31
 
 
-@pytest.mark.skipif(engine.flash_attn_with_kvcache is None or not torch.cuda.is_available(),
+@pytest.mark.skipif(fastpath.flash_attn_with_kvcache is None or not torch.cuda.is_available(),
                     reason="flash-attn and a GPU are needed for the paged flash kernels")
 def test_flash_path_matches_sdpa_path():
     model = tiny_model("qwen3").cuda()
     flash = engine.Engine(model, block_size=256, num_blocks=8)
     sdpa = engine.Engine(model, block_size=256, num_blocks=8)
-    sdpa.use_flash = False
+    sdpa.fast.use_flash = False
     outs = []
     for eng in (flash, sdpa):
         sids = [eng.new(p) for p in PROMPTS]
@@ -204,7 +243,7 @@ def test_a_reused_decode_copy_holds_nothing_of_before():
     eng = engine.Engine(model, block_size=4, num_blocks=256)
     long = [eng.new(p * 4) for p in PROMPTS]
     eng.generate(long, 10)
-    eng.decode_memory.normal_(0, 30)  # large, finite: what any keys and values could leave
+    eng.fast.decode_memory.normal_(0, 30)  # large, finite: what any keys and values could leave
     prompts = [p[:2 + 2 * i] for i, p in enumerate(PROMPTS)]  # shorter rows see stale columns
     ours = [ids for ids, _, _ in eng.generate([eng.new(p) for p in prompts], 10)]
     assert ours == engine.generate(model, prompts, 10)
@@ -228,10 +267,10 @@ def test_a_second_turn_copies_only_new_tokens_and_matches_hf(arch):
     heard = [[7, 8, 9], [11], [12, 13, 14, 15, 16]]
     for sid, ids in zip(sids, heard):
         eng.append(sid, ids)
-    shape, rows = eng.copy_rows
+    shape, rows = eng.fast.copy_rows
     held = [n for _, n in rows[:len(sids)]]
     second = [ids for ids, _, _ in eng.generate(sids, 6, stop_ids=[])]
-    assert eng.copy_rows[0] == shape and eng.copy_rows[1] is rows  # the same rows, kept
+    assert eng.fast.copy_rows[0] == shape and eng.fast.copy_rows[1] is rows  # the same rows, kept
     assert held == [len(p) + 5 for p in PROMPTS]  # what the first call left in the rows
     for p, a, h, b in zip(PROMPTS, first, heard, second):
         assert b == hf_greedy(model, p + a + h, 6)
@@ -281,7 +320,7 @@ def test_padded_rows_change_no_other_row(arch, paths):
     for sampling in (engine.GREEDY, engine.Sampling(1.0, top_p=0.95)):
         eng = engine.Engine(model, block_size=4, num_blocks=200)
         together = eng.generate([eng.new(p) for p in PROMPTS], 20, sampling, [7, 8, 9], [stop])
-        assert engine.batch_bucket(3) == 4 and (sampling.temperature or together[1][2] == "stop")
+        assert fastpath.batch_bucket(3) == 4 and (sampling.temperature or together[1][2] == "stop")
         for prompt, key, (ids, logps, reason) in zip(PROMPTS, [7, 8, 9], together):
             [(alone, alone_logps, alone_reason)] = eng.generate([eng.new(prompt)], 20, sampling,
                                                                 [key], [stop])
@@ -349,7 +388,7 @@ def test_a_fused_model_holds_no_parameter_bytes_twice(arch, monkeypatch):
     storage), a second engine on the same model adds nothing, and the Hugging Face forward
     still gives the logits it gave before. (A CPU's oneDNN-packed layout, PACK_CPU_WEIGHTS, is
     a copy of its own: off here, as on a GPU.)"""
-    monkeypatch.setattr(layers, "PACK_CPU_WEIGHTS", False)
+    monkeypatch.setattr(fastpath, "PACK_CPU_WEIGHTS", False)
     model = tiny_model(arch)
     ids = torch.tensor([PROMPTS[0]])
     before = model(ids).logits
@@ -368,15 +407,15 @@ def test_a_refresh_keeps_the_fused_storage_and_reads_the_new_weights(monkeypatch
     another model (refresh(other)) are read at the same addresses: every fused tensor keeps its
     data_ptr, the decode batches (and on CUDA their graphs) are kept, and greedy decoding
     follows the new weights token for token."""
-    monkeypatch.setattr(layers, "PACK_CPU_WEIGHTS", False)
+    monkeypatch.setattr(fastpath, "PACK_CPU_WEIGHTS", False)
     model, other = tiny_model("qwen3"), tiny_model("qwen3", seed=5)
     eng = engine.Engine(model, block_size=4, num_blocks=200)
     eng.generate([eng.new(p) for p in PROMPTS], 12)
     addresses = [t.data_ptr() for t in weight_tensors(eng.w)]
-    batches = dict(eng.decode_batches)
+    batches = dict(eng.fast.decode_batches)
     eng.refresh(other)
     assert [t.data_ptr() for t in weight_tensors(eng.w)] == addresses
-    assert eng.decode_batches == batches and batches
+    assert eng.fast.decode_batches == batches and batches
     ours = [ids for ids, _, _ in eng.generate([eng.new(p) for p in PROMPTS], 12)]
     assert ours == [hf_greedy(other, p, 12) for p in PROMPTS]
     with torch.no_grad():  # an in-place write, as train.copy_weights does
@@ -404,15 +443,16 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
     memories = {}
 
     def count_decode_memories(eng):
-        views = {t.untyped_storage().data_ptr() for b in eng.decode_batches.values()
+        views = {t.untyped_storage().data_ptr() for b in eng.fast.decode_batches.values()
                  for t in (b.keys_t, b.values)}
-        assert views == {eng.decode_memory.untyped_storage().data_ptr()}
-        held = [t for holder in (eng, *eng.decode_batches.values()) for t in vars(holder).values()
+        assert views == {eng.fast.decode_memory.untyped_storage().data_ptr()}
+        held = [t for holder in (eng, eng.fast, *eng.fast.decode_batches.values()) for t in vars(holder).values()
                 if torch.is_tensor(t)]  # every buffer the engine and its batches hold
-        known = storages([eng.cache.k, eng.cache.v, *eng.gather_buffers])
+        known = storages([eng.cache.k, eng.cache.v,
+                          *[t for t in eng.fast.gather_buffers if t is not None]])
         big = {ptr for ptr, n in storages(held).items() if n > 256 << 10 and ptr not in known}
-        assert big == {eng.decode_memory.untyped_storage().data_ptr()}  # nothing else of copy size
-        memories.setdefault(id(eng), set()).add((id(eng.decode_memory), eng.decode_memory.data_ptr()))
+        assert big == {eng.fast.decode_memory.untyped_storage().data_ptr()}  # nothing else of copy size
+        memories.setdefault(id(eng), set()).add((id(eng.fast.decode_memory), eng.fast.decode_memory.data_ptr()))
     generate = engine.Engine.generate
 
     def counted(self, *a, **k):
@@ -431,11 +471,12 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
     assert len(records) == 8 and max(r["turns"] for r in records) == 6
     for eng in (er, ee):
         assert len(memories[id(eng)]) == 1  # one decode memory, never reallocated
-        assert eng.decode_memory.numel() * eng.decode_memory.element_size() == decode_bytes // 4 * 4
-        assert set(eng.decode_batches) <= set(engine.BATCH_BUCKETS)  # buckets, no capacity
-        assert len(eng.decode_batches) > 1  # the batches did shrink
-        for bucket, batch in eng.decode_batches.items():
-            assert batch.capacity == eng.decode_capacity_for(bucket) and batch.keys_t.shape[1] == bucket
+        fast = eng.fast
+        assert fast.decode_memory.numel() * fast.decode_memory.element_size() == decode_bytes // 4 * 4
+        assert set(fast.decode_batches) <= set(fastpath.BATCH_BUCKETS)  # buckets, no capacity
+        assert len(fast.decode_batches) > 1  # the batches did shrink
+        for bucket, batch in fast.decode_batches.items():
+            assert batch.capacity == fast.decode_capacity_for(bucket) and batch.keys_t.shape[1] == bucket
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -451,15 +492,15 @@ def test_cuda_graphs_are_captured_once_survive_a_refresh_and_equal_eager(monkeyp
     run = lambda: [out[:2] for out in eng.generate([eng.new(p) for p in PROMPTS], 16, sampling,
                                                     [1, 2, 3], [])]
     first = run()
-    graphs = {b: dict(batch.graphs) for b, batch in eng.decode_batches.items()}
-    captured = eng.graph_capture_s
+    graphs = {b: dict(batch.graphs) for b, batch in eng.fast.decode_batches.items()}
+    captured = eng.fast.graph_capture_s
     eng.refresh()
-    assert run() == first and eng.graph_capture_s == captured
-    assert {b: dict(batch.graphs) for b, batch in eng.decode_batches.items()} == graphs
-    monkeypatch.setattr(engine, "CUDA_GRAPHS", False)
-    monkeypatch.setattr(engine, "DECODE_EXTENT", "tier")
+    assert run() == first and eng.fast.graph_capture_s == captured
+    assert {b: dict(batch.graphs) for b, batch in eng.fast.decode_batches.items()} == graphs
+    monkeypatch.setattr(fastpath, "CUDA_GRAPHS", False)
+    monkeypatch.setattr(fastpath, "DECODE_EXTENT", "tier")
     assert run() == first  # token ids and log-probs, bit for bit
-    monkeypatch.setattr(engine, "DECODE_EXTENT", "live")
+    monkeypatch.setattr(fastpath, "DECODE_EXTENT", "live")
     for (ids, logps), (live_ids, live_logps) in zip(first, run()):
         n = next((i for i, (a, b) in enumerate(zip(ids, live_ids)) if a != b), len(ids))
         torch.testing.assert_close(torch.tensor(logps[:n]), torch.tensor(live_logps[:n]),
@@ -490,7 +531,7 @@ def math_only(call):
     return (mask is not None and q[1] != k[1]) or (causal and q[2] != k[2])
 
 
-@pytest.mark.parametrize("budget_mb", [engine.ATTENTION_CALL_MB, 0.05])
+@pytest.mark.parametrize("budget_mb", [fastpath.ATTENTION_CALL_MB, 0.05])
 def test_gpu_path_attention_has_no_math_only_call_and_matches_hf(monkeypatch, budget_mb):
     """On the GPU's code path (COMPUTE_BOUND_DEVICES emptied), on a grouped-query model: every
     SDPA call of a generate (prefill and eager decode) takes equal head counts or no mask, none
@@ -498,8 +539,8 @@ def test_gpu_path_attention_has_no_math_only_call_and_matches_hf(monkeypatch, bu
     forward into calls of whole sequences and windows of one's queries) and greedy outputs
     equal Hugging Face generate."""
     monkeypatch.setattr(engine, "COMPUTE_BOUND_DEVICES", ())
-    monkeypatch.setattr(engine, "ATTENTION_CALL_MB", budget_mb)
-    monkeypatch.setattr(engine, "DECODE_COPY_GB", 0)  # every decode step through the Batch too
+    monkeypatch.setattr(fastpath, "ATTENTION_CALL_MB", budget_mb)
+    monkeypatch.setattr(fastpath, "DECODE_COPY_GB", 0)  # every decode step through the Batch too
     model = tiny_model("qwen3")
     assert model.config.num_attention_heads > model.config.num_key_value_heads
     calls = record_sdpa(monkeypatch)
@@ -521,21 +562,21 @@ def test_a_window_attends_over_its_capacity_tier_not_the_whole_capacity(monkeypa
     Hugging Face generate and sampled log-probs equal the live-length steps' within 1e-5."""
     monkeypatch.setattr(engine, "COMPUTE_BOUND_DEVICES", ())
     model = tiny_model("qwen3")
-    extents, step = [], engine.DecodeBatch.step
+    extents, step = [], fastpath.DecodeBatch.step
 
     def recorded(self, extent, sampling):
         extents.append((extent, self.capacity))
         return step(self, extent, sampling)
-    monkeypatch.setattr(engine.DecodeBatch, "step", recorded)
+    monkeypatch.setattr(fastpath.DecodeBatch, "step", recorded)
     sampling = engine.Sampling(0.7, top_p=0.8, top_k=20)
     outs = {}
     for mode in ("live", "tier"):
-        monkeypatch.setattr(engine, "DECODE_EXTENT", mode)
+        monkeypatch.setattr(fastpath, "DECODE_EXTENT", mode)
         eng = engine.Engine(model, block_size=16, num_blocks=400, decode_capacity=1800)
         extents.clear()
         outs[mode] = eng.generate([eng.new(p) for p in PROMPTS], 16, sampling, [1, 2, 3], [])
     assert {c for _, c in extents} == {2048}
-    assert engine.capacity_tiers(2048) == [512, 1024, 1536, 2048]
+    assert fastpath.capacity_tiers(2048) == [512, 1024, 1536, 2048]
     assert {e for e, _ in extents} == {512}  # every step: a quarter of the capacity
     greedy = engine.generate(model, PROMPTS, 16)
     assert [ids for ids, _, _ in outs["tier"]] == [ids for ids, _, _ in outs["live"]]
@@ -550,9 +591,42 @@ def test_decode_memory_key_rows_start_aligned():
     model = tiny_model("llama").to(torch.bfloat16)
     eng = engine.Engine(model, block_size=16, num_blocks=64)
     eng.generate([eng.new(p) for p in PROMPTS], 4)
-    for batch in eng.decode_batches.values():
+    for batch in eng.fast.decode_batches.values():
         assert batch.keys_t.stride(-2) * batch.keys_t.element_size() % 32 == 0
         assert batch.keys_t.data_ptr() % 32 == 0
+
+
+def test_decode_attention_matches_sdpa():
+    """The two-product grouped-query decode attention equals SDPA with a boolean key mask."""
+    torch.manual_seed(0)
+    B, H, Hkv, K, D = 3, 6, 2, 11, 8
+    q, keys, values = torch.randn(B, H, D), torch.randn(B, Hkv, K, D), torch.randn(B, Hkv, K, D)
+    visible = torch.arange(K) < torch.tensor([11, 4, 1])[:, None, None]  # [B, 1, K]
+    bias = torch.zeros(B, 1, K).masked_fill(~visible, float("-inf")).repeat_interleave(Hkv, 0)
+    ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible[:, None],
+                                         enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(fastpath.decode_attention(q, keys.transpose(2, 3), values, bias), ref)
+
+
+def test_decode_scores_are_float32_in_bfloat16():
+    """bf16 queries and keys whose scores differ by less than bf16's spacing at their size:
+    the attention equals the reference with float32 scores and softmax (then bf16
+    probabilities, as flash-attn's), far closer than scores rounded to bf16 would give."""
+    torch.manual_seed(0)
+    B, H, Hkv, K, D = 2, 4, 2, 64, 16
+    q = (torch.randn(B, H, D) * 4).bfloat16()
+    keys, values = (torch.randn(B, Hkv, K, D) * 4).bfloat16(), torch.randn(B, Hkv, K, D).bfloat16()
+    bias = torch.zeros(B * Hkv, 1, K)
+    out = fastpath.decode_attention(q, keys.transpose(2, 3), values, bias).float()
+    G = H // Hkv
+    kq = keys.float().repeat_interleave(G, 1)
+    scores = torch.einsum("bhd,bhkd->bhk", q.float(), kq) / D ** 0.5
+    ref = torch.einsum("bhk,bhkd->bhd", scores.softmax(-1).bfloat16().float(),
+                       values.float().repeat_interleave(G, 1))
+    rounded = torch.einsum("bhk,bhkd->bhd", scores.bfloat16().float().softmax(-1),
+                           values.float().repeat_interleave(G, 1))
+    error, rounding = (out - ref).abs().max(), (rounded - ref).abs().max()
+    assert error < 0.02 and error < rounding / 4, (error, rounding)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
