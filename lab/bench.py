@@ -91,7 +91,7 @@ import layers
 import models
 import probes
 import rollout
-from lab import significance
+from lab import fastpath, significance
 
 MODEL = "smollm2"
 DIALOGUES = 8
@@ -195,7 +195,7 @@ def run_engine(model, tok, instances, turns, max_new, sync):
         finally:
             add(st, probe=time.perf_counter() - t, probe_tokens=eng.tokens_prefilled - n0)
             st["in_probe"] = False
-    run_steps = engine.DecodeBatch.run
+    run_steps = fastpath.DecodeBatch.run
 
     def timed_run(batch, running, keys, steps, sampling):
         t = time.perf_counter()
@@ -206,7 +206,7 @@ def run_engine(model, tok, instances, turns, max_new, sync):
     time_engine(persuader, st, False, sync)
     time_engine(persuadee, st, True, sync)
     probes.read_engine = timed_read
-    engine.DecodeBatch.run = timed_run
+    fastpath.DecodeBatch.run = timed_run
     try:
         t0 = time.perf_counter()
         eps = rollout.rollout_episodes(persuader, persuadee, instances, t_max=turns,
@@ -215,10 +215,10 @@ def run_engine(model, tok, instances, turns, max_new, sync):
         st["wall"] = time.perf_counter() - t0
     finally:
         probes.read_engine = read
-        engine.DecodeBatch.run = run_steps
+        fastpath.DecodeBatch.run = run_steps
         for eng in (persuader, persuadee):  # back to the class methods (breaks the closure cycles)
             del eng.generate, eng.forward, eng.free
-    st["graph_capture_s"] = persuader.graph_capture_s + persuadee.graph_capture_s
+    st["graph_capture_s"] = persuader.fast.graph_capture_s + persuadee.fast.graph_capture_s
     st["conv"] = persuader.tokens_prefilled + persuadee.tokens_prefilled - st["probe_tokens"]
     st["twice"] = st["conv"] - st["unique"]
     st["dialogues"] = [[m["text"] for m in e["transcript"]] for e in eps]
@@ -412,9 +412,9 @@ VIEW_OPS = ("view", "_unsafe_view", "slice", "select", "t", "transpose", "permut
 
 
 def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
-    """Aten operations one decode layer issues on the GPU's code path (COMPUTE_BOUND_DEVICES
-    emptied, no CPU weight packing, bf16), counted on this machine with a TorchDispatchMode
-    over one DecodeBatch step of models of `shape` with 2 and 3 layers: (ops that run a kernel,
+    """Aten operations one decode layer issues on the GPU's code path (the fast path's
+    DecodeBatch step, which engine.COMPUTE_BOUND_DEVICES does not touch; bf16, which no CPU
+    weight packing takes), counted on this machine with a TorchDispatchMode over one step of models of `shape` with 2 and 3 layers: (ops that run a kernel,
     of which the names, all ops with views, the step's ops outside the layers). F.rms_norm
     counts as one (CUDA's fused kernel; a CPU runs its ~8-op decomposition); the float32 score
     product counts as a CPU runs it (casts, baddbmm), which CUDA's bmm with out_dtype replaces
@@ -441,7 +441,7 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
                 return func(*args, **(kwargs or {}))
             finally:
                 counter.inside_norm = False
-    saved = engine.COMPUTE_BOUND_DEVICES, layers.PACK_CPU_WEIGHTS, engine.DecodeBatch.step
+    step = fastpath.DecodeBatch.step
     counts, counter = {}, None
 
     def counted(self, extent, sampling):
@@ -449,10 +449,10 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
         counter = Count()
         counter.ops, counter.inside_norm = collections.Counter(), False
         with FusedNorm(), counter:
-            out = saved[2](self, extent, sampling)
+            out = step(self, extent, sampling)
         counts.setdefault(len(self.engine.w["layers"]), counter.ops)
         return out
-    engine.COMPUTE_BOUND_DEVICES, layers.PACK_CPU_WEIGHTS, engine.DecodeBatch.step = (), False, counted
+    fastpath.DecodeBatch.step = counted
     try:
         for n_layers in (2, 3):
             model, tok = models.random_model(shape, torch.bfloat16, num_hidden_layers=n_layers)
@@ -460,7 +460,7 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
             eng.generate([eng.new(list(range(10, 40))) for _ in range(4)], 2, sampling,
                          [1, 2, 3, 4], [])
     finally:
-        engine.COMPUTE_BOUND_DEVICES, layers.PACK_CPU_WEIGHTS, engine.DecodeBatch.step = saved
+        fastpath.DecodeBatch.step = step
     layer = counts[3] - counts[2]
     kernels = {k: n for k, n in layer.items() if k not in VIEW_OPS}
     outside = sum(counts[2].values()) - 2 * sum(layer.values())
@@ -488,13 +488,13 @@ def warm_up(engine_samplings, rows, gpu):
     """Every decode bucket up to `rows` rows under every sampling each engine will use, its CUDA
     graphs captured here rather than in the timed run."""
     for eng, samplings in engine_samplings:
-        for bucket in sorted({engine.batch_bucket(n) for n in range(1, rows + 1)}):
+        for bucket in sorted({fastpath.batch_bucket(n) for n in range(1, rows + 1)}):
             for sampling in samplings:
                 sids = [eng.new(list(range(10, 40))) for _ in range(bucket)]
-                eng.generate(sids, engine.SYNC_EVERY + 1, sampling, list(range(bucket)), [])
+                eng.generate(sids, fastpath.SYNC_EVERY + 1, sampling, list(range(bucket)), [])
                 for sid in sids:
                     eng.free(sid)
-                batch = eng.decode_batches.get(bucket)
+                batch = eng.fast.decode_batches.get(bucket)
                 for tier in batch.tiers if batch is not None and gpu else ():
                     batch.live.zero_()  # every row inert: a replay writes scratch only
                     batch.replay(sampling, tier)  # captured here, not in the timed run
@@ -505,7 +505,7 @@ def timed_check_rollout(persuader, persuadee, targs, samplings, sync, gpu):
     [decode seconds, steps, KV tokens], persuadee reply and probe seconds, peak bytes)."""
     persuader_sampling, persuadee_sampling = samplings
     steps = {id(persuader.model): [0.0, 0, 0], id(persuadee.model): [0.0, 0, 0]}
-    run_steps, read = engine.DecodeBatch.run, probes.read_engine
+    run_steps, read = fastpath.DecodeBatch.run, probes.read_engine
     st = dict(reply=0.0, probe=0.0)
 
     def timed_run(batch, running, keys, n, sampling):
@@ -531,7 +531,7 @@ def timed_check_rollout(persuader, persuadee, targs, samplings, sync, gpu):
         sync()
         st["reply"] += time.perf_counter() - t
         return out
-    engine.DecodeBatch.run, probes.read_engine, persuadee.generate = timed_run, timed_read, timed_generate
+    fastpath.DecodeBatch.run, probes.read_engine, persuadee.generate = timed_run, timed_read, timed_generate
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -544,7 +544,7 @@ def timed_check_rollout(persuader, persuadee, targs, samplings, sync, gpu):
         sync()
         wall = time.perf_counter() - t
     finally:
-        engine.DecodeBatch.run, probes.read_engine = run_steps, read
+        fastpath.DecodeBatch.run, probes.read_engine = run_steps, read
         del persuadee.generate
     peak = torch.cuda.max_memory_allocated() if gpu else 0
     return records, wall, steps, st, peak
@@ -558,12 +558,12 @@ def graphs_against_eager(persuadee, sampling, rows):
     runs = {}
     for name, graphs, extent in (("graph", True, "live"), ("eager tier", False, "tier"),
                                  ("eager live", False, "live")):
-        engine.CUDA_GRAPHS, engine.DECODE_EXTENT = graphs, extent
+        persuadee.fast.cuda_graphs, persuadee.fast.decode_extent = graphs, extent
         sids = [persuadee.new(p) for p in prompts]
         runs[name] = persuadee.generate(sids, 64, sampling, list(range(rows)), [])
         for sid in sids:
             persuadee.free(sid)
-    engine.CUDA_GRAPHS, engine.DECODE_EXTENT = True, "live"
+    persuadee.fast.cuda_graphs = persuadee.fast.decode_extent = None  # the constants again
     tokens = {name: [ids for ids, _, _ in out] for name, out in runs.items()}
     differ = sum(a != b for x, y in zip(tokens["graph"], tokens["eager tier"])
                  for a, b in zip(x, y))
@@ -631,7 +631,8 @@ def gpu_check(args):
     warm_up([(persuader, [persuader_sampling]),
              (persuadee, [persuadee_sampling, engine.GREEDY, rollout.JUDGE_RETRY_SAMPLING])], rows, gpu)
     sync()
-    warm_s, capture_s = time.perf_counter() - t, persuader.graph_capture_s + persuadee.graph_capture_s
+    warm_s = time.perf_counter() - t
+    capture_s = persuader.fast.graph_capture_s + persuadee.fast.graph_capture_s
     print(f"warm-up done in {warm_s:.1f} s", flush=True)
     records, wall, steps, st, peak = timed_check_rollout(
         persuader, persuadee, targs, (persuader_sampling, persuadee_sampling), sync, gpu)
@@ -642,7 +643,8 @@ def gpu_check(args):
 
     bandwidth, _ = machine(persuadee_model, args.device, torch.bfloat16, sync)
     out = dict(tok_s=generated / wall, wall_s=wall, warmup_s=warm_s, capture_s=capture_s,
-               capture_in_timed_run_s=persuader.graph_capture_s + persuadee.graph_capture_s - capture_s,
+               capture_in_timed_run_s=(persuader.fast.graph_capture_s + persuadee.fast.graph_capture_s
+                                       - capture_s),
                probe_share=st["probe"] / max(st["reply"], 1e-9), turns=max(r["turns"] for r in records),
                graph_tokens_differ=differ, graph_tokens=sum(map(len, graph_tokens)),
                graph_bit_equal=differ == 0 and same_logps, live_max_abs_dlogp=live_delta,
@@ -654,7 +656,7 @@ def gpu_check(args):
         floor = weights / bandwidth + kv / max(n, 1) * eng.token_bytes / bandwidth
         out[f"{name}_decode_step_ms"] = 1e3 * seconds / max(n, 1)
         out[f"{name}_floor_ms"] = 1e3 * floor
-        out[f"{name}_decode_buckets"] = sorted(eng.decode_batches)
+        out[f"{name}_decode_buckets"] = sorted(eng.fast.decode_batches)
     planned = planned_rollout_bytes(rank_plan)
     out.update(peak_gib=peak / 2**30, planned_gib=planned / 2**30,
                peak_over_plan=peak / planned if gpu else None)

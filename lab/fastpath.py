@@ -261,6 +261,8 @@ class FastPath:
         self.graph_pool = self.side_stream = None  # CUDA: one graph pool, one capture stream
         self.gather_buffers = [None, None]  # Batch.gather's keys and values
         self.graph_capture_s = 0.0  # time spent capturing decode graphs (CUDA)
+        self.cuda_graphs = self.decode_extent = None  # this engine's CUDA_GRAPHS and DECODE_EXTENT
+        # where set (lab.bench compares them on one engine); None: the constants, read each run
 
     @property
     def decode_capacity(self):
@@ -630,14 +632,17 @@ class DecodeBatch:
         """`steps` decode steps of the running sequences; tokens and log-probs per row as lists,
         read back once."""
         start = self.load(running, keys)
-        graph = self.engine.device.type == "cuda" and CUDA_GRAPHS
+        fast = self.fast
+        graphs = CUDA_GRAPHS if fast.cuda_graphs is None else fast.cuda_graphs
+        extent = DECODE_EXTENT if fast.decode_extent is None else fast.decode_extent
+        graph = self.engine.device.type == "cuda" and graphs
         tokens = torch.empty(len(self.tokens), steps, dtype=torch.long, device=self.tokens.device)
         logps = torch.empty(tokens.shape, dtype=torch.float32, device=self.tokens.device)
         tier = self.tier(start + steps)  # the columns the window's last step reaches
         for j in range(steps):
             live = min(start + j + 1, self.capacity)
             t, lp = (self.replay(sampling, tier) if graph else
-                     self.step(tier if DECODE_EXTENT == "tier" else live, sampling))
+                     self.step(tier if extent == "tier" else live, sampling))
             tokens[:, j], logps[:, j] = t, lp
         return tokens.tolist(), logps.tolist()
 

@@ -23,7 +23,7 @@ import torch
 
 import engine
 import models
-from lab import served
+from lab import fastpath, served
 
 GRAD_CHECKPOINTING = True  # on GPUs: recompute activations in the backward pass (train.py follows)
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
@@ -69,16 +69,16 @@ def engine_sizes(cfg, itemsize, rows, contexts, gpu):
     workload: a pool for the contexts in play (rows, tokens each, of training and of the
     held-out evaluation) and a decode memory of the largest batch bucket at the training context (a
     smaller bucket gets more tokens a row, up to the longest context); on a CPU the engine's
-    defaults (engine.CACHE_GB_CPU, engine.DECODE_COPY_GB)."""
+    defaults (engine.CACHE_GB_CPU, fastpath.DECODE_COPY_GB)."""
     token = kv_token_bytes(cfg, itemsize)
     limit = engine.pool_limit_bytes(token)
     if not gpu:
-        return min(engine.CACHE_GB_CPU * 2**30, limit), engine.DECODE_COPY_GB * 2**30, None
+        return min(engine.CACHE_GB_CPU * 2**30, limit), fastpath.DECODE_COPY_GB * 2**30, None
     pool = min(PLAN_POOL_MARGIN * max(n * t for n, t in contexts) * token, limit)
-    longest = min(max(t for _, t in contexts), cfg.max_position_embeddings) + engine.SYNC_EVERY
-    train = engine.round_up(contexts[0][1] + engine.SYNC_EVERY, engine.CAPACITY_BUCKET)
-    decode_memory = engine.decode_memory_bytes(engine.batch_bucket(rows), train, token)
-    return pool, decode_memory, engine.round_up(longest, engine.CAPACITY_BUCKET)
+    longest = min(max(t for _, t in contexts), cfg.max_position_embeddings) + fastpath.SYNC_EVERY
+    train = fastpath.round_up(contexts[0][1] + fastpath.SYNC_EVERY, fastpath.CAPACITY_BUCKET)
+    decode_memory = fastpath.decode_memory_bytes(fastpath.batch_bucket(rows), train, token)
+    return pool, decode_memory, fastpath.round_up(longest, fastpath.CAPACITY_BUCKET)
 
 
 def engine_contexts(args, world, rows):
@@ -139,9 +139,9 @@ def memory_plan(args, world, gib, gpu):
         pool, decode_memory, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
         add(f"{role} KV pool", pool)
         add(f"{role} decode memory", decode_memory)
-        if gpu:  # the padded path's largest SDPA call (its gathered keys stay: Batch.gather)
+        if gpu:  # the padded path's largest SDPA call (its gathered keys stay: fastpath.Batch.gather)
             add(f"{role} attention transient",
-                engine.attention_transient_bytes(
+                fastpath.attention_transient_bytes(
                     cfg.num_attention_heads, decode_memory // kv_token_bytes(cfg, itemsize), itemsize))
         sizes[role] = dict(cache_bytes=pool, decode_bytes=decode_memory, decode_capacity=capacity)
 

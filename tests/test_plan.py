@@ -6,8 +6,7 @@ counts of random models of the same shapes; a run that cannot fit is refused bef
 import pytest
 import torch
 
-import engine
-from lab import plan
+from lab import fastpath, plan
 import train
 from test_train import TINY, no_model_loads  # noqa: F401 (a fixture)
 
@@ -35,7 +34,7 @@ def test_the_paper_plan_fits_and_its_weights_are_the_parameter_counts(capsys, mo
     assert items["reference bfloat16 (1/8 shard)"] == 2 * P // 8
     assert items["persuadee bfloat16"] == 2 * E
     for role in ("actor", "persuadee"):  # the attention transient is planned
-        assert items[f"{role} attention transient"] >= 2 * engine.ATTENTION_CALL_MB * 2**20
+        assert items[f"{role} attention transient"] >= 2 * fastpath.ATTENTION_CALL_MB * 2**20
     for shape in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "smollm2-135m"):
         assert plan.parameter_count(models.random_config(shape)) == count(shape), shape
 
@@ -76,11 +75,11 @@ def test_the_largest_prefill_runs_in_attention_calls_within_their_budget():
     into padded-path SDPA calls each within ATTENTION_CALL_MB, with every query in exactly one
     call, and a single 32k-token prefill into windows of its queries."""
     import functools
-    cost = functools.partial(engine.call_bytes, heads=40, kv_heads=8, head_dim=128, itemsize=2)
-    budget = engine.ATTENTION_CALL_MB * 2**20
+    cost = functools.partial(fastpath.call_bytes, heads=40, kv_heads=8, head_dim=128, itemsize=2)
+    budget = fastpath.ATTENTION_CALL_MB * 2**20
     for q_lens in (torch.tensor([4096 - 37 * i for i in range(16)]), torch.tensor([32768])):
         tables = torch.zeros(len(q_lens), 32768 // 16, dtype=torch.long)
-        calls = engine.padded_calls(q_lens, q_lens, tables, 16, cost, budget)
+        calls = fastpath.padded_calls(q_lens, q_lens, tables, 16, cost, budget)
         assert max(cost(*c.q_pos.shape, c.tables.shape[1] * 16) for c in calls) <= budget
         covered = torch.cat([torch.arange(c.lo, c.hi) for c in calls])
         assert covered.tolist() == list(range(int(q_lens.sum())))
