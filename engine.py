@@ -147,9 +147,10 @@ def blocks_for(tokens, block_size, copy_on_write=False):
     return -(-tokens // block_size) + bool(copy_on_write)
 
 
-def pool_limit_bytes(token_bytes, block_size=BLOCK_SIZE):
-    """The largest KV pool an engine builds (MAX_BLOCKS blocks), in bytes."""
-    return MAX_BLOCKS * block_size * token_bytes
+def pool_limit_bytes(token_bytes, block_size=None):
+    """The largest KV pool an engine builds (MAX_BLOCKS blocks of block_size, default
+    BLOCK_SIZE, tokens), in bytes."""
+    return MAX_BLOCKS * (block_size or BLOCK_SIZE) * token_bytes
 
 
 class PoolShape(NamedTuple):
@@ -210,7 +211,7 @@ class PagedCache:
     """A pool of KV blocks shared by many sequences through block tables and reference counts.
 
     Outside a generate call a sequence's table holds exactly the blocks its length needs. One
-    more block, `scratch`, is never handed out: padded decode rows write there."""
+    more block, `scratch`, is never handed out: the fast path's padded decode rows write there."""
 
     def __init__(self, n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype, device):
         shape = (n_layers, (num_blocks + 1) * block_size, n_kv_heads, head_dim)
@@ -450,9 +451,9 @@ class Engine:
         self.tokens_prefilled += len(ids)
         return logits.float()
 
-    def generate(self, sids, max_new_tokens=MAX_NEW_TOKENS, sampling=GREEDY, keys=None,
-                 stop_ids=None):
-        """Sample a message for each sequence after its pending tokens.
+    def generate(self, sids, max_new_tokens=None, sampling=GREEDY, keys=None, stop_ids=None):
+        """Sample a message of at most max_new_tokens (default MAX_NEW_TOKENS) tokens for each
+        sequence after its pending tokens.
 
         keys[i] is sequence i's random stream (stream_key); token j of a sequence is drawn from
         noise keyed by (key, position), so what a sequence samples does not depend on the rows
@@ -464,6 +465,7 @@ class Engine:
         could not take its next tokens; it ends cleanly with what it has). The last sampled
         token stays pending in the sequence."""
         stop = set(self.stop_ids if stop_ids is None else stop_ids)
+        max_new_tokens = MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
         keys = dict(zip(sids, keys if keys is not None else [0] * len(sids)))
         out = {s: ([], [], None) for s in sids}
         active = self.step(list(sids), [len(self.pending[s]) for s in sids], max_new_tokens,
@@ -531,10 +533,10 @@ class Engine:
 
 
 def generate(model, prompts, max_new_tokens, sampling=GREEDY, stop_ids=None, seed=0,
-             block_size=None):
+             block_size=None, fast_path=None):
     """Token ids in, token ids out, through the paged engine (stop token kept, like HF); prompt
-    i samples from the stream stream_key(seed, i)."""
-    engine = Engine(model, block_size=block_size)
+    i samples from the stream stream_key(seed, i). fast_path: Engine's (default FAST_PATH)."""
+    engine = Engine(model, block_size=block_size, fast_path=fast_path)
     sids = [engine.new(p) for p in prompts]
     outs = engine.generate(sids, max_new_tokens, sampling,
                            [stream_key(seed, i) for i in range(len(sids))], stop_ids or [])
