@@ -11,7 +11,8 @@ FINAL_TURN_INSTRUCTION as a system turn after the persuader's message on the fin
 
 Implementations, in one process on one model object, each warmed up on a tiny run first:
   engine             rollout.rollout_episodes on two engine.Engine (paged KV cache, every token
-                     prefilled once, probes read in forks of the cached context)
+                     prefilled once, probes read in forks of the cached context), on the path
+                     engine.FAST_PATH selects (lab/fastpath.py by default; False: the reference)
   hf generate        model.generate on left-padded batches of each side's whole history, run again
                      every turn: the same ids as the engine's contexts (the sampled ids, closed and
                      framed by the same chat edge, rollout.prompt_ids / persuadee_heard and
@@ -218,7 +219,7 @@ def run_engine(model, tok, instances, turns, max_new, sync):
         fastpath.DecodeBatch.run = run_steps
         for eng in (persuader, persuadee):  # back to the class methods (breaks the closure cycles)
             del eng.generate, eng.forward, eng.free
-    st["graph_capture_s"] = persuader.fast.graph_capture_s + persuadee.fast.graph_capture_s
+    st["graph_capture_s"] = sum(e.fast.graph_capture_s for e in (persuader, persuadee) if e.fast)
     st["conv"] = persuader.tokens_prefilled + persuadee.tokens_prefilled - st["probe_tokens"]
     st["twice"] = st["conv"] - st["unique"]
     st["dialogues"] = [[m["text"] for m in e["transcript"]] for e in eps]
@@ -456,7 +457,7 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
     try:
         for n_layers in (2, 3):
             model, tok = models.random_model(shape, torch.bfloat16, num_hidden_layers=n_layers)
-            eng = engine.Engine(model, tok, block_size=16, num_blocks=64)
+            eng = engine.Engine(model, tok, block_size=16, num_blocks=64, fast_path=True)
             eng.generate([eng.new(list(range(10, 40))) for _ in range(4)], 2, sampling,
                          [1, 2, 3, 4], [])
     finally:

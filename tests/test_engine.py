@@ -67,7 +67,7 @@ def test_the_switch_is_read_when_an_engine_is_made(monkeypatch):
     assert engine.Engine(model, num_blocks=8).fast is not None
 
 
-def test_stop_tokens_and_max_new_tokens():
+def test_stop_tokens_and_max_new_tokens(paths):
     model = tiny_model("llama")
     free = hf_greedy(model, PROMPTS[0], 12)
     stop = free[5]
@@ -128,7 +128,7 @@ def test_decode_steps_leave_the_pool_complete(paths):
         torch.testing.assert_close(row, ref, atol=1e-4, rtol=0)
 
 
-def test_fork_shares_blocks_and_never_changes_parent():
+def test_fork_shares_blocks_and_never_changes_parent(paths):
     model = tiny_model("llama")
     eng = engine.Engine(model, block_size=4, num_blocks=32)
     parent = eng.new(PROMPTS[0][:10])  # 2 full blocks + a partial one
@@ -165,7 +165,7 @@ def test_thousands_of_forks_and_frees_leak_nothing():
     assert len(eng.cache.free_blocks) == 40 and not any(eng.cache.refs)
 
 
-def test_pool_and_context_overflow_end_cleanly():
+def test_pool_and_context_overflow_end_cleanly(paths):
     model = tiny_model("llama", max_position_embeddings=30)
     eng = engine.Engine(model, block_size=4, num_blocks=10)
     long_a, long_b = eng.new(PROMPTS[2][:20]), eng.new(PROMPTS[0][:20])
@@ -276,7 +276,7 @@ def test_a_second_turn_copies_only_new_tokens_and_matches_hf(arch):
         assert b == hf_greedy(model, p + a + h, 6)
 
 
-def test_generate_on_a_pool_too_small_for_the_batch_never_raises():
+def test_generate_on_a_pool_too_small_for_the_batch_never_raises(paths):
     """Two 4-token sequences with one pending token each on a 3-block pool of 4-token blocks:
     only one of them can take a block. It generates as it would alone; the other ends "cache"
     untouched (no IndexError)."""
