@@ -415,8 +415,9 @@ VIEW_OPS = ("view", "_unsafe_view", "slice", "select", "t", "transpose", "permut
 def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
     """Aten operations one decode layer issues on the GPU's code path (the fast path's
     DecodeBatch step, which engine.COMPUTE_BOUND_DEVICES does not touch; bf16, which no CPU
-    weight packing takes), counted on this machine with a TorchDispatchMode over one step of models of `shape` with 2 and 3 layers: (ops that run a kernel,
-    of which the names, all ops with views, the step's ops outside the layers). F.rms_norm
+    weight packing takes), counted on this machine with a TorchDispatchMode over one step of
+    models of `shape` with 2 and 3 layers: (ops that run a kernel, of which the names, all ops
+    with views, the step's ops outside the layers). F.rms_norm
     counts as one (CUDA's fused kernel; a CPU runs its ~8-op decomposition); the float32 score
     product counts as a CPU runs it (casts, baddbmm), which CUDA's bmm with out_dtype replaces
     by bmm, mul_, add_ (as many)."""

@@ -35,8 +35,7 @@ def test_the_reference_and_the_fast_path_agree(arch):
     tables, one forward a token) and on the fast path: prefill logits within float32 rounding
     (a fork's too, reading shared blocks), greedy and sampled tokens identical, their log-probs
     within 1e-5 (top-k sampling: a top-p cut can move by a rounding, and with it every kept
-    log-prob's normalisation). (Each against Hugging Face: test_greedy_matches_hf_generate and the others
-    that take `paths`.)"""
+    log-prob's normalisation). Each path against Hugging Face: the tests that take `paths`."""
     model = tiny_model(arch)
     runs = {}
     for fast in (False, True):
@@ -443,16 +442,18 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
     memories = {}
 
     def count_decode_memories(eng):
-        views = {t.untyped_storage().data_ptr() for b in eng.fast.decode_batches.values()
+        fast = eng.fast
+        memory = fast.decode_memory.untyped_storage().data_ptr()
+        views = {t.untyped_storage().data_ptr() for b in fast.decode_batches.values()
                  for t in (b.keys_t, b.values)}
-        assert views == {eng.fast.decode_memory.untyped_storage().data_ptr()}
-        held = [t for holder in (eng, eng.fast, *eng.fast.decode_batches.values()) for t in vars(holder).values()
-                if torch.is_tensor(t)]  # every buffer the engine and its batches hold
+        assert views == {memory}
+        held = [t for holder in (eng, fast, *fast.decode_batches.values())  # every buffer held
+                for t in vars(holder).values() if torch.is_tensor(t)]
         known = storages([eng.cache.k, eng.cache.v,
-                          *[t for t in eng.fast.gather_buffers if t is not None]])
+                          *[t for t in fast.gather_buffers if t is not None]])
         big = {ptr for ptr, n in storages(held).items() if n > 256 << 10 and ptr not in known}
-        assert big == {eng.fast.decode_memory.untyped_storage().data_ptr()}  # nothing else of copy size
-        memories.setdefault(id(eng), set()).add((id(eng.fast.decode_memory), eng.fast.decode_memory.data_ptr()))
+        assert big == {memory}  # nothing else of copy size
+        memories.setdefault(id(eng), set()).add((id(fast.decode_memory), fast.decode_memory.data_ptr()))
     generate = engine.Engine.generate
 
     def counted(self, *a, **k):
