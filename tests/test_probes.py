@@ -134,7 +134,7 @@ def test_gpu_path_probe_read_has_no_math_only_call_and_matches_reference(tokeniz
     """A probe read on the GPU's code path (COMPUTE_BOUND_DEVICES emptied, each question's fork
     whole in one forward) on a grouped-query model: no SDPA call only MATH runs, and the
     read-outs equal plain full forwards."""
-    from test_engine import math_only, record_sdpa
+    from test_fastpath import math_only, record_sdpa
     model = tiny_model("qwen3")
     contexts = [PROMPTS[0], PROMPTS[2], PROMPTS[1] + [9, 9]]
     ref = probes.read_beliefs_reference(model, tokenizer, contexts)
