@@ -153,18 +153,6 @@ def pool_limit_bytes(token_bytes, block_size=None):
     return MAX_BLOCKS * (block_size or BLOCK_SIZE) * token_bytes
 
 
-class PoolShape(NamedTuple):
-    """What capacity checks read of an engine before any weight loads (eval.pool_shape): its
-    tokenizer, device, context and block size, with the Engine's own block arithmetic."""
-    tokenizer: object
-    device: torch.device
-    max_len: int
-    block_size: int
-
-    def blocks_for(self, tokens, copy_on_write=False):
-        return blocks_for(tokens, self.block_size, copy_on_write)
-
-
 # -----------------------------------------------------------------------------
 # the paged cache and the engine
 
@@ -205,6 +193,18 @@ def paged_attention(cache, sids, slots, q_lens, kv_lens):
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
     return attend
+
+
+class PoolShape(NamedTuple):
+    """What capacity checks read of an engine before any weight loads (eval.pool_shape): its
+    tokenizer, device, context and block size, with the Engine's own block arithmetic."""
+    tokenizer: object
+    device: torch.device
+    max_len: int
+    block_size: int
+
+    def blocks_for(self, tokens, copy_on_write=False):
+        return blocks_for(tokens, self.block_size, copy_on_write)
 
 
 class PagedCache:
