@@ -37,6 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lab import analyses
+from lab import cli
 import arena
 from lab import records
 from lab import significance
@@ -62,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--frozen-control", action="store_true",
                    help="also train each seed at lr 0: the same instances and random streams, "
                         "only the weights differ")
-    arena.add_decision_flag(p)
+    cli.add_decision_flag(p)
     args, extra = p.parse_known_args(argv)
     problems = [f"--{k.replace('_', '-')} {getattr(args, k)} must be at least 1"
                 for k in ("steps", "eval_every", "eval_limit") if getattr(args, k) < 1]
@@ -126,10 +127,8 @@ def evaluate_initial(argv, folder):
 
     import engine
     from lab import plan
-    import rollout
     import train
-    args = train.parse_args(argv)
-    rollout.DECISION = args.decision
+    args = cli.train_args(argv, train.SEED)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = plan.device_plan(args, 1, device)["sizes"] if device.type == "cuda" else {}
     actor = engine.Engine(*train.load(args.persuader, args.dtype, device), **sizes.get("actor", {}))
