@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import arena
 import engine
 import layers
 import models

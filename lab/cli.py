@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import arena
 import engine
 import models
@@ -79,7 +81,7 @@ def read_config(run_dir, who):
     except (OSError, ValueError) as e:
         problem = type(e).__name__
     if problem:
-        raise say_error(who, f"--resume: {path} cannot be read ({problem}); restore it from a "
+        raise runs.say_error(who, f"--resume: {path} cannot be read ({problem}); restore it from a "
                              "copy, or start a new run (another --name)")
     return recorded
 
@@ -270,7 +272,7 @@ def train_parser(seed):
     return p
 
 
-def train_args(argv=None, seed=0):
+def train_args(argv, seed):
     """The run's settings: the command line over its preset (over the owning constants); with
     --resume the run's config.json over the preset, pinned. Every value is validated before any
     model loads, the values read back from config.json as a fresh command line's are."""

@@ -21,8 +21,12 @@ import probes
 from lab import records
 import rollout
 import rpo
-from lab import runs
+from lab import cli, presets, runs, steps
 import train
+
+
+def parse_train(argv):
+    return cli.train_args(argv, train.SEED)
 
 # one worker builds conftest.trained_run and runs every test here that copies it
 pytestmark = pytest.mark.xdist_group("trained-run")
@@ -164,7 +168,7 @@ def test_an_out_that_cannot_hold_a_run_is_refused_before_loading(tmp_path, short
 
 def test_a_long_name_is_refused_in_one_line(tmp_path, no_model_loads):
     with pytest.raises(SystemExit, match=f"more than {runs.NAME_MAX}"):
-        train.parse_args(["--preset", "tiny", "--out", str(tmp_path), "--name", "x" * 300])
+        parse_train(["--preset", "tiny", "--out", str(tmp_path), "--name", "x" * 300])
     with pytest.raises(SystemExit):
         eval.main(["--limit", "1", "--name", "bad\x07name"])
 
@@ -232,7 +236,7 @@ def test_editing_a_constant_reaches_a_preset_that_does_not_override_it(monkeypat
     import engine
     monkeypatch.setattr(arena, "T_MAX_TRAIN", 3)
     monkeypatch.setattr(engine, "MAX_NEW_TOKENS", 77)
-    args = train.parse_args(["--preset", "paper", "--plan", "--out", str(tmp_path)])
+    args = parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])
     assert (args.t_max, args.max_new_tokens) == (3, 77)
 
 # -----------------------------------------------------------------------------
@@ -246,7 +250,7 @@ def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_p
     metrics, episodes = tmp_path / "metrics.jsonl", tmp_path / "episodes.jsonl"
     metrics.write_text('{"step": 1}\n{"step": 2, "lo\n')
     episodes.write_text('{"id": "a"}\n{"id": "b", "tr\n')
-    train.resume_metrics(metrics, 5)
+    steps.resume_metrics(metrics, 5)
     assert list(eval.read_played(episodes)) == ["a"]
     warnings = [line.replace(str(tmp_path), "") for line in capsys.readouterr().err.splitlines()]
     assert warnings == ["warning: dropping the partial last line 2 of /metrics.jsonl",
@@ -255,7 +259,7 @@ def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_p
     metrics.write_text('not json\n{"step": 1}\n')
     episodes.write_text('not json\n{"id": "a"}\n')
     with pytest.raises(SystemExit, match="metrics.jsonl, line 1 is not valid JSON"):
-        train.resume_metrics(metrics, 5)
+        steps.resume_metrics(metrics, 5)
     with pytest.raises(ValueError, match="episodes.jsonl, line 1 is not valid JSON"):
         eval.read_played(episodes)
 
@@ -332,12 +336,12 @@ def test_every_rank_all_reduces_the_same_timing_keys_in_one_order(monkeypatch):
 
 
 def test_the_sampling_flags_name_rollouts_presets():
-    """runs.py (no torch) lists the presets rollout.SAMPLING holds, and the flags resolve as the
-    presets overridden flag by flag."""
+    """--sampling offers the presets rollout.SAMPLING holds (read there, never copied), and the
+    flags resolve as the presets overridden flag by flag."""
     import argparse
-    assert runs.SAMPLING_PRESETS == tuple(rollout.SAMPLING)
     parser = argparse.ArgumentParser()
-    runs.add_sampling_flags(parser)
+    cli.add_sampling_flags(parser)
+    assert next(a for a in parser._actions if a.dest == "sampling").choices == tuple(rollout.SAMPLING)
     args = parser.parse_args(["--sampling", "cpu", "--persuadee-top-k", "5"])
     persuader, persuadee = rollout.role_sampling(args)
     assert persuader == rollout.SAMPLING["cpu"][0]
