@@ -24,13 +24,22 @@ file turns beliefs, outcomes and strategy scores into per-token advantages and t
                        L   = sum over persuader tokens of l / N,  N = persuader tokens in the global
                              batch (all ranks, all micro-batches): summed micro-batch losses = mean.
 
+From episode records (rollout.record) to the loss: playable keeps the groups whose every episode
+was played; advantages gives each episode's A_{i,t} (rewards as above, a belief that could not be
+read counted and left out of its group's dense term); silenced puts the left-out episodes back in
+their places without a persuader token (every rank runs the same micro-batches); and
+micro_batch_loss takes a micro-batch of records to L: the policy's log-probs at the persuader's
+tokens (kept_logits: logits only where a persuader token is predicted, a group's shared prompt
+run once), the frozen reference's, and policy_loss over them with the global token count.
+train.py keeps the backward, its scale over ranks, clipping and the optimizer.
+
 Alignment: token_logprobs returns [B, L-1] for ids[:, 1:], so a per-token quantity built over the
 L input positions (token_advantages, the persuader mask) is sliced [:, 1:] before policy_loss.
 
 torch is imported inside the functions that make tensors, so that the reward math (process_rewards,
-dense_return, GOAL) serves analyses.py without loading torch.
+dense_return, GOAL) serves lab/analyses.py without loading torch.
 
-Tests: python -m pytest -q test_rpo.py
+Tests: python -m pytest -q tests/test_rpo.py
 """
 import math
 

@@ -326,7 +326,7 @@ def train(args, run_dir, rank, world, device, sizes, say):
 
 
 def main(argv=None):
-    args = cli.train_args(argv, SEED)
+    args = cli.train_args(argv, sys.modules[__name__])
     if args.plan:
         print("\n".join(cli.against_paper(args)))
         plan.print_plan(args)

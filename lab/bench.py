@@ -612,7 +612,7 @@ def gpu_check(args):
     shapes = args.check_models.split(",")
     targs = cli.train_args(["--preset", "paper", "--persuader", f"random:{shapes[0]}",
                              "--persuadee", f"random:{shapes[1]}", "--dtype", "bfloat16",
-                             "--out", tempfile.mkdtemp(), "--plan"], train.SEED)
+                             "--out", tempfile.mkdtemp(), "--plan"], train)
     targs.t_max = args.check_turns or targs.t_max
     targs.max_new_tokens = args.check_new_tokens or targs.max_new_tokens
     rank_plan = plan.memory_plan(targs, 8, plan.PLAN_NODE[1], True)

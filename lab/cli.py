@@ -272,11 +272,13 @@ def train_parser(seed):
     return p
 
 
-def train_args(argv, seed):
-    """The run's settings: the command line over its preset (over the owning constants); with
-    --resume the run's config.json over the preset, pinned. Every value is validated before any
-    model loads, the values read back from config.json as a fresh command line's are."""
-    p = train_parser(seed)
+def train_args(argv, own):
+    """train.py's settings (own: the train module, whose SEED is --seed's default and whose
+    constants are pinned with the method's): the command line over its preset (over the owning
+    constants); with --resume the run's config.json over the preset, pinned. Every value is
+    validated before any model loads, the values read back from config.json as a fresh command
+    line's are."""
+    p = train_parser(own.SEED)
     args = p.parse_args(argv)
     args.preset = args.preset or ("paper" if torch.cuda.is_available() else "cpu")
     for key, value in presets.preset_values(args.preset).items():
@@ -292,7 +294,7 @@ def train_args(argv, seed):
     if args.resume:
         runs.checkpoint_folder(run_dir)
         pin_settings(args, read_config(run_dir, "train.py"), explicit_settings(p, argv),
-                          "train.py", RESUME_MAY_CHANGE, NOT_SETTINGS)
+                     "train.py", RESUME_MAY_CHANGE, NOT_SETTINGS, own=own)
     try:
         validate(args)
     except SystemExit as e:

@@ -85,13 +85,16 @@ def json_line(row):
     return json.dumps(finite(row), allow_nan=False) + "\n"
 
 
-def read_jsonl(path, skip_bad=False, repair=False):
+def read_jsonl(path, skip_bad=False, repair=False, what=None):
     """[(line number, object)] of a JSONL file's non-empty lines. A last line that is not valid
     JSON (a write cut by a kill or a full disk) is dropped with a warning, in every file alike;
     with repair the file is rewritten without it (so that appends start on a fresh line). An
     earlier bad line is a ValueError naming the file and line, or with skip_bad (a file that is
-    a cache of what can be redone) dropped with a warning."""
+    a cache of what can be redone) dropped with a warning. A missing file is a
+    FileNotFoundError saying to pass `what` (what the caller needed) when given."""
     path = Path(path)
+    if what is not None and not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass {what}")
     text = path.read_text(errors="replace")
     lines = text.split("\n")
     while lines and not lines[-1].strip():

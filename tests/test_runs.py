@@ -26,7 +26,7 @@ import train
 
 
 def parse_train(argv):
-    return cli.train_args(argv, train.SEED)
+    return cli.train_args(argv, train)
 
 # one worker builds conftest.trained_run and runs every test here that copies it
 pytestmark = pytest.mark.xdist_group("trained-run")

@@ -25,7 +25,7 @@ COMPARED = ("loss", "grad_norm", "reward_mean", "belief_change", "kl", "persuade
 
 
 def parse_train(argv):
-    return cli.train_args(argv, train.SEED)
+    return cli.train_args(argv, train)
 
 
 def tiny_run(tmp_path, scenarios, name, *extra):
