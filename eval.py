@@ -619,7 +619,7 @@ def build_parser():
                     help="continue the evaluation of that name: play only its missing episodes")
     ap.add_argument("--overwrite", action="store_true",
                     help="delete that evaluation's folder and start again")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    ap.add_argument("--dtype", choices=cli.DTYPES,
                     help="of every local model (default bfloat16 with CUDA, float32 on a CPU)")
     ap.add_argument("--t-max", type=int, default=arena.T_MAX_EVAL, help="turn budget per episode")
     served.add_key_flag(ap)
@@ -851,18 +851,20 @@ def analysis_mode(args):
 
 
 def cpu_defaults(args):
-    """--max-new-tokens and --judge a command line leaves out: on a machine without CUDA, with a
-    local role, the cpu training preset's (lab/presets.py), so a laptop trains and evaluates
-    alike; else engine.MAX_NEW_TOKENS and the persuadee's own model."""
+    """--max-new-tokens and --judge a command line leaves out: on a machine without CUDA, the cpu
+    training preset's (lab/presets.py), so a laptop trains and evaluates alike: its message
+    length when some role is local, its judge (none) when every persuadee is local (a served
+    one still judges); else engine.MAX_NEW_TOKENS and the persuadee's own model."""
     import torch
 
     import engine
-    remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
-    on_cpu = not (torch.cuda.is_available() or remote)
-    cpu = presets.cpu_defaults() if on_cpu else {}
+    cpu = {} if torch.cuda.is_available() else presets.cpu_defaults()
     if args.max_new_tokens is None:
-        args.max_new_tokens = cpu.get("max_new_tokens", engine.MAX_NEW_TOKENS)
-    if args.judge is None and args.tagger != "logit":  # the logit tagger reads a local judge
+        remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
+        args.max_new_tokens = engine.MAX_NEW_TOKENS if remote else cpu.get(
+            "max_new_tokens", engine.MAX_NEW_TOKENS)
+    if (args.judge is None and args.tagger != "logit"  # the logit tagger reads a local judge
+            and not any(served.is_served(n) for n in args.persuadee)):
         args.judge = cpu.get("judge")
 
 

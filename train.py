@@ -17,6 +17,11 @@ moments are fp32, sharded with FSDP2 under a MixedPrecisionPolicy (bf16 compute,
 reduction; autocast in one process); its rollout copy in --dtype is the actor engine's own
 weights; the frozen reference is sharded too (or is the persuadee's model when they are the
 same); persuadee and judge are frozen and unsharded. --lora trains adapters on a frozen base.
+Checkpoints (runs/NAME/checkpoint-STEP) are Hugging Face folders of the fp32 master weights plus
+the optimizer, written to a temporary folder and renamed: a killed run resumes from the last one
+(--resume, its settings and constants pinned). metrics.jsonl is the record of truth, one line a
+step; rollouts.jsonl one small record per training episode. A non-finite log-prob, advantage,
+loss or gradient norm skips its step; MAX_SKIPPED_STEPS in a row stop the run.
 Flags, validation and resume pinning are lab/cli.py's; presets lab/presets.py's (a run prints
 every value its preset sets over the constant that owns it); the run folder, checkpoints and
 loggers lab/runs.py's; start-up, the step's records and metrics lab/steps.py's; the memory plan

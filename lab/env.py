@@ -43,6 +43,7 @@ import engine
 import probes
 import rollout
 import rpo
+from lab import cli
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
 JUDGE_DEFAULT = "persuadee"  # the paper's frozen judge: the persuadee's model in a fresh context
@@ -410,7 +411,7 @@ def parse_args(argv=None):
     ap.add_argument("--scenarios", default="train", help="train, heldout or a scenarios.jsonl")
     ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN)
     ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--dtype", default="float32", choices=cli.DTYPES)
     ap.add_argument("--kv-blocks", type=int, help="the persuadee's KV pool, in blocks")
     args = ap.parse_args(argv)
     problem = (None if args.serve else "nothing to do: pass --serve (the Python API is "

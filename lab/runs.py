@@ -1,5 +1,6 @@
 """
 runs.py: a run folder on disk, shared by train.py (runs/NAME) and eval.py (evals/NAME).
+(What config.json pins on --resume, and how, is lab/cli.py's.)
 
 A run folder is written only by the process that holds its lock, only by this module's writers,
 and never through a link:
@@ -17,9 +18,8 @@ and never through a link:
     full disk) is dropped with a warning, the same in every file; an earlier bad line is an
     error naming the file and line (or, for a file that is only a cache, dropped with a warning);
   - finite(): the one non-finite-to-null rule (None in records and files, NaN only in tensors);
-  - resume pinning: config.json holds a run's settings and the module constants an ablation
-    edits (pinned_constants); --resume refuses a changed one in one line naming it, and every
-    value read back is validated like a fresh argument before any model loads;
+  - nonfinite_weight(): the one check for a NaN or an infinity in a model's weights (a
+    checkpoint saved or resumed, a --persuader loaded by train.py or eval.py);
   - checkpoints (save_checkpoint / load_checkpoint), the loggers (stdout, TensorBoard and W&B as
     one Loggers object) and rank setup (setup_distributed, all_sum).
 The standard library only at import: torch is imported inside the checkpoint and rank functions.
