@@ -219,6 +219,10 @@ def test_a_resumed_config_with_an_invalid_value_is_refused_before_loading(run_co
     (rpo, "STRATEGY_WEIGHT", 0.25),
     (rpo, "GOAL", {**rpo.GOAL, "ACCEPT": 5.0}),
     (probes, "PROBES", {**probes.PROBES, "CA": "Do you feel heard?"}),
+    # no hand-kept list: every CAPS constant of the method's modules and of train.py is pinned
+    (rollout, "ADMISSION", "waves"),
+    (rpo, "CLIP_HIGH", 0.3),
+    (train, "GRAD_CLIP", 0.5),
 ])
 def test_resume_after_editing_an_ablation_constant_is_refused_naming_it(run_copy, monkeypatch, module,
                                                                        name, value, no_model_loads):
@@ -238,6 +242,23 @@ def test_editing_a_constant_reaches_a_preset_that_does_not_override_it(monkeypat
     monkeypatch.setattr(engine, "MAX_NEW_TOKENS", 77)
     args = parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])
     assert (args.t_max, args.max_new_tokens) == (3, 77)
+
+
+def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch, tmp_path):
+    """The tiny preset pins turns and tokens: the run says so, naming the constant and its value
+    (an edit of arena.T_MAX_TRAIN then shows why it changed nothing); a value the command line
+    gives, or one the preset leaves to its constant, is not listed."""
+    import arena
+    monkeypatch.setattr(arena, "T_MAX_TRAIN", 5)
+    tiny = presets.PRESETS["tiny"]
+    notes = presets.preset_notes(parse_train(["--preset", "tiny", "--out", str(tmp_path)]))
+    assert notes == [f"t_max {tiny['t_max']} (tiny preset; arena.T_MAX_TRAIN 5)",
+                     f"eval_t_max {tiny['eval_t_max']} (tiny preset; arena.T_MAX_EVAL {arena.T_MAX_EVAL})",
+                     f"max_new_tokens {tiny['max_new_tokens']} (tiny preset; engine.MAX_NEW_TOKENS "
+                     f"{__import__('engine').MAX_NEW_TOKENS})"]
+    given = parse_train(["--preset", "tiny", "--t-max", "3", "--out", str(tmp_path)])
+    assert [n.split()[0] for n in presets.preset_notes(given)] == ["eval_t_max", "max_new_tokens"]
+    assert presets.preset_notes(parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])) == []
 
 # -----------------------------------------------------------------------------
 # one JSONL rule
@@ -380,3 +401,17 @@ def test_eval_resume_keeps_the_evaluations_own_settings(tmp_path, monkeypatch, c
     assert (tmp_path / "r" / "episodes.jsonl").read_text() == lines
     with pytest.raises(SystemExit, match="seed 1 there, 2 now"):
         eval.main(["--name", "r", "--resume", "--seed", "2"])
+
+
+def test_pinned_constants_hold_every_caps_constant_json_can():
+    """cli.pinned_constants: the CAPS constants of the method's modules and the entry point's
+    own, as JSON holds them; where files are (_PATH, _DIR) and what JSON cannot hold are not."""
+    import arena
+    pinned = cli.pinned_constants(train)
+    assert pinned["train.MAX_SKIPPED_STEPS"] == train.MAX_SKIPPED_STEPS
+    assert pinned["arena.T_MAX_TRAIN"] == arena.T_MAX_TRAIN
+    assert pinned["rollout.DECISION"] == rollout.DECISION
+    assert pinned["arena.NEGATIONS"] == sorted(arena.NEGATIONS, key=repr)
+    assert "arena.SCENARIOS_PATH" not in pinned and "models.CACHE_DIR" not in pinned
+    assert "arena.TAG_RE" not in pinned
+    assert json.loads(json.dumps(pinned)) == pinned

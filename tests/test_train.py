@@ -940,3 +940,26 @@ def test_prompts_are_shared_in_one_process_without_checkpointing():
         warnings.simplefilter("error")  # no deprecated name
         train.checkpoint_activations(model)
     assert not train.shares_prompts(model, 1)
+
+
+def test_flags_are_passed_down_and_the_preset_is_named_before_step_one(tmp_path, short_scenarios,
+                                                                       monkeypatch, capsys):
+    """--decision reaches every rollout as an argument (rollout.DECISION, its default, is never
+    assigned), and the tiny preset names the values it sets over their constants (turns,
+    tokens) before step 1."""
+    import rollout
+    seen, original = [], rollout.rollout_episodes
+
+    def spy(*a, **k):
+        seen.append(k.get("decision"))
+        return original(*a, **k)
+    monkeypatch.setattr(rollout, "rollout_episodes", spy)
+    before = rollout.DECISION
+    tiny_run(tmp_path, short_scenarios, "flags", "--steps", 1, "--max-new-tokens", 3,
+             "--decision", "logit")
+    assert seen == ["logit"] and rollout.DECISION == before
+    out = capsys.readouterr().out
+    t_max = presets.PRESETS["tiny"]["t_max"]
+    note = f"t_max {t_max} (tiny preset; arena.T_MAX_TRAIN {arena.T_MAX_TRAIN})"
+    assert note in out and out.index(note) < out.index("step 1:")
+    assert not any(line.startswith("max_new_tokens ") for line in out.splitlines())  # given: 3
