@@ -80,7 +80,7 @@ def clock(timings, key):
 
 def role_sampling(args):
     """(persuader, persuadee) engine.Sampling of a run: its --sampling preset (SAMPLING), each
-    value a flag names (runs.add_sampling_flags) overriding it."""
+    value a flag names (lab.cli.add_sampling_flags) overriding it."""
     persuader, persuadee = SAMPLING[args.sampling]
     pick = lambda flag, preset: preset if flag is None else flag
     return (persuader._replace(temperature=pick(args.persuader_temperature, persuader.temperature)),

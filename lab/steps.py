@@ -39,8 +39,9 @@ def set_cpu_threads(device):
 
 def served_roles(args):
     """(persuadee, judge) served over the OpenAI API, each checked to answer, else None."""
-    persuadee = served.ServedModel(args.persuadee) if served.is_served(args.persuadee) else None
-    judge = (served.ServedModel(args.judge) if served.is_served(args.judge) else
+    key = dict(allow_insecure_key=args.allow_insecure_key)  # --allow-insecure-key
+    persuadee = served.ServedModel(args.persuadee, **key) if served.is_served(args.persuadee) else None
+    judge = (served.ServedModel(args.judge, **key) if served.is_served(args.judge) else
              persuadee if args.judge is None else None)  # default: the persuadee
     for model in {id(m): m for m in (persuadee, judge) if m}.values():
         model.check()  # a wrong URL or key is a one-line exit before any model loads
