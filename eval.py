@@ -718,9 +718,9 @@ def argument_problem(args):
                 "incomparable")
     for flag, name in [("--judge", args.judge)] + [("--persuader", n) for n in args.persuader] + \
             [("--persuadee", n) for n in args.persuadee]:
-        if (name and name != "none" and not served.is_served(name)
-                and name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()):
-            return f"{flag} {name} is no such folder; pass a model folder, a hub name or smollm2"
+        if name and name != "none" and not served.is_served(name) and (
+                problem := cli.model_problem(name)):
+            return f"{flag} {name} {problem}; {cli.MODEL_FIX}"
     return None
 
 

@@ -34,6 +34,7 @@ import rpo
 from lab import plan, presets, runs, served
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
+MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "eval_fidelity", "save_every", "log")  # recorded in config.json
 NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed", "plan",
                 "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
@@ -213,7 +214,7 @@ def model_problem(name):
         return None if name[7:] in known else f"names no random shape (one of {', '.join(known)})"
     path = Path(name).expanduser()
     if path.exists():
-        return None if (path / "config.json").is_file() else \
+        return None if (path / "config.json").is_file() or models.is_adapter(path) else \
             "is a path but not a model folder (no config.json)"
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         return "is no such folder"
@@ -310,10 +311,10 @@ def validate(args):
     for key in POSITIVE:
         if getattr(args, key) < 1:
             fail(f"--{key.replace('_', '-')} {getattr(args, key)}", "must be at least 1",
-                  f"pass a positive number, e.g. --{key.replace('_', '-')} {presets.preset_values('tiny')[key]}")
+                 f"pass a positive number, e.g. --{key.replace('_', '-')} {presets.preset_values('tiny')[key]}")
     if args.instances > arena.N_TRAIN_INSTANCES:
         fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training "
-              "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
+             "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every}", "is negative", "pass 0 (no evaluation) or a number of steps")
     if args.eval_fidelity is not None and args.eval_fidelity < 0:
@@ -327,7 +328,7 @@ def validate(args):
             fail(f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {example}")
     if not (math.isfinite(args.clip_low) and 0 <= args.clip_low < 1):
         fail(f"--clip-low {args.clip_low}", "must lie in [0, 1) (the ratio is clipped at 1 - clip-low)",
-              f"pass e.g. --clip-low {rpo.CLIP_LOW}")
+             f"pass e.g. --clip-low {rpo.CLIP_LOW}")
     if problem := sampling_problem(args):
         fail(*problem)
     for role in ("persuader", "persuadee", "judge"):
@@ -335,8 +336,7 @@ def validate(args):
         if name in (None, "none") and role == "judge" or served.is_served(name) and role != "persuader":
             continue  # a served persuadee or judge is checked at start-up (ServedModel.check)
         if problem := model_problem(name):
-            fail(f"--{role} {name}", problem, "pass a Hugging Face model folder, a hub name, "
-                  "'smollm2' or random:NAME")
+            fail(f"--{role} {name}", problem, MODEL_FIX)
     if (args.lora or 0) < 0:
         fail(f"--lora {args.lora}", "must be >= 0", "pass a rank such as --lora 8, or 0 for full fine-tuning")
     if problem := input_problem(args, validate_scenarios(args)):
@@ -352,13 +352,13 @@ def validate_scenarios(args):
         scenarios = arena.load_scenarios(args.scenarios)
     except OSError as e:
         fail(f"--scenarios {args.scenarios}", f"cannot be read ({e.strerror or e})",
-              "pass a readable scenarios.jsonl")
+             "pass a readable scenarios.jsonl")
     except (ValueError, TypeError) as e:
         fail("--scenarios", f"is not a valid scenarios file ({e})", "fix that line")
     for split, needed in (("train", True), ("heldout", args.eval_every > 0)):
         if needed and not any(s["split"] == split for s in scenarios):
             fail(f"--scenarios {args.scenarios}", f"holds no {split} scenarios",
-                  "add some, or pass a file that has them" + (" (or --eval-every 0)"
+                 "add some, or pass a file that has them" + (" (or --eval-every 0)"
                                                                   if split == "heldout" else ""))
     return scenarios
 

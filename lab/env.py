@@ -43,7 +43,7 @@ import engine
 import probes
 import rollout
 import rpo
-from lab import cli
+from lab import cli, served
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
 JUDGE_DEFAULT = "persuadee"  # the paper's frozen judge: the persuadee's model in a fresh context
@@ -423,6 +423,10 @@ def parse_args(argv=None):
                                                    ("max_new_tokens", args.max_new_tokens),
                                                    ("kv_blocks", args.kv_blocks or 1))
                                if value < 1), None)
+    for flag, name in (("--persuadee", args.persuadee), ("--judge", args.judge)):
+        if not problem and name not in ("persuadee", "none") and not served.is_served(name) and (
+                found := cli.model_problem(name)):  # before any model loads, as train.py does
+            problem = f"{flag} {name} {found}; {cli.MODEL_FIX}"
     if problem:
         ap.error(problem)
     return args
