@@ -3,14 +3,19 @@ cli.py: the command-line mechanism every entry point shares (train.py, eval.py, 
 lab.sweep, lab.env, lab.bench): flags whose defaults are the constants that own them, one-line
 refusals (what, where, how to fix) before any model loads, and resume pinning.
 
-  - train_args(argv, seed): train.py's settings: the command line over its preset
+  - train_args(argv, own): train.py's settings: the command line over its preset
     (lab/presets.py) over the owning constants; with --resume the run's config.json, pinned;
   - pinned_constants(own): every JSON-serialisable CAPS constant of the method's modules (and
     of the entry point's own), recorded in config.json / settings.json; --resume refuses a
     run whose constants changed (changed_constants) or a setting changed (pin_settings), with
     no hand-kept list of knobs;
   - the shared flags: the sampling preset and its four overrides (rollout.SAMPLING), --decision
-    (rollout.DECISION), the served key's --allow-insecure-key (served.ALLOW_INSECURE_KEY).
+    (default rollout.DECISION), --dtype's choices (DTYPES), and one check of a model argument
+    (model_problem) for train.py, eval.py and lab.env; probes.add_flags and
+    served.add_key_flag (default served.ALLOW_INSECURE_KEY) beside them. A flag's default is
+    the constant that owns it, read when the parser is built, and its value travels down as an
+    argument (rollout_episodes(decision=...), ServedModel(allow_insecure_key=...)): no entry
+    point assigns another module's constant.
 
     python train.py --help
 """

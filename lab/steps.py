@@ -104,7 +104,7 @@ def at_reference(optimizer, args, device, weight_decay):
     return weight_decay == 0 and runs.all_sum(moments, device) == 0
 
 
-def zero_advantage_step(policy, optimizer, turn_advantages, args, device, weight_decay=0.0):
+def zero_advantage_step(policy, optimizer, turn_advantages, args, device, weight_decay):
     """A step whose every advantage is exactly 0 (a lambda = 0 step whose groups are all dead) has
     a zero gradient when its KL term has none (no KL term, or the policy still at the reference):
     its forward and backward passes are skipped, and the optimizer still steps on zero gradients
