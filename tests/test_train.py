@@ -140,38 +140,6 @@ def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
     assert grads(moved, adv)[0] != pytest.approx(base, rel=1e-3)
 
 
-@pytest.mark.parametrize("first_kept", [9, 5])
-def test_a_shared_prompt_runs_once_with_the_plain_forwards_logits_and_gradients(first_kept):
-    """rpo.kept_logits with share_stem: three right-padded rows whose first 12 tokens agree
-    (a group's prompt). The prefix runs once, its keys and values repeated for the rows; the
-    logits at the kept positions and every weight's gradient equal the plain forward's. The
-    prefix stops at the first kept position (5: inside the shared part)."""
-    import copy
-
-    import torch
-
-    import models
-    model = models.random_model("tiny-llama")[0].requires_grad_(True)
-    torch.manual_seed(1)
-    stem = torch.randint(3, 600, (12,)).tolist()
-    rows = [stem + torch.randint(3, 600, (n,)).tolist() for n in (6, 9, 3)]
-    width = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    keep = torch.arange(first_kept, width - 1)
-    weights = torch.randn(3, len(keep), model.config.vocab_size)
-    out = {}
-    for share in (False, True):
-        m = copy.deepcopy(model).train()
-        logits = rpo.kept_logits(m, ids, keep, share)
-        (logits * weights).sum().backward()
-        out[share] = logits.detach(), {k: p.grad for k, p in m.named_parameters()}
-    assert out[True][0].shape == out[False][0].shape == (3, len(keep), model.config.vocab_size)
-    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
-    for name, grad in out[False][1].items():  # float32 sums in another order: 1e-6 of the scale
-        assert (out[True][1][name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
-    assert any(g.abs().sum() > 0 for g in out[True][1].values())
-
-
 def test_tensorboard_events_hold_the_metrics_the_heldout_summary_and_samples(tmp_path, short_scenarios):
     """--log tensorboard: tensorboard's own event reader finds every number of metrics.jsonl
     under train/ at its step, the held-out summary under heldout/, and the sample table."""
