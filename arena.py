@@ -693,7 +693,7 @@ FINAL_TURN_INSTRUCTION = (
     "(This is the final exchange. Decide now and end your reply with exactly one decision tag in "
     "square brackets: ACCEPT, CONDITIONAL ACCEPT, PENDING, REJECT or WALK AWAY.)")
 
-# The logit decision (DECISIONS.md: Logit decision; rollout.DECISION "logit"): for a persuadee
+# The logit decision (DECISIONS.md: Logit decision; --decision logit): for a persuadee
 # too small to write tags, the decision is read after each reply in a discarded fork of its
 # context: this question as a user turn, then its next-token probabilities over the first tokens of
 # each choice's word (probes.decision_probs), sampled with the episode's keyed stream, applied by
@@ -706,14 +706,6 @@ DECISION_QUESTION = (
     "to stop here), Reject (they trampled a value), Walk (you are leaving), or Undecided (you want "
     "to keep talking).")
 DECISION_SOURCES = ("tag", "logit")  # --decision: the reply's tag (the paper's), or the fork read
-
-
-def add_decision_flag(parser):
-    """--decision, which train.py and eval.py share (it sets rollout.DECISION)."""
-    parser.add_argument("--decision", choices=DECISION_SOURCES, default="tag",
-                        help="the persuadee's decision: its reply's tag (the paper's), or read "
-                             "from its next-token probabilities in a fork after each reply "
-                             "(logit: for persuadees too small to write tags)")
 
 
 # -----------------------------------------------------------------------------

@@ -38,8 +38,10 @@ from pathlib import Path
 
 from lab import analyses
 import arena
+from lab import cli
 from lab import moves
 from lab import plots
+from lab import presets
 import probes
 from lab import records
 import rpo
@@ -52,10 +54,9 @@ EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
 SAME_AS_PERSUADEE = "persuadee"  # the judge by default (the paper's frozen judge): the persuadee's model, fresh context
 FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checked against a full forward
-CPU_MAX_NEW_TOKENS = 64  # per message on a CPU, so that --limit 4 takes minutes
 CPU_SAMPLING_MODELS = (DEFAULT_MODEL,)  # persuaders whose default --sampling is "cpu" (DECISIONS.md: CPU sampling preset)
 SAMPLING_FLAGS = ("sampling", "persuader_temperature", "persuadee_temperature", "persuadee_top_p",
-                  "persuadee_top_k")  # runs.add_sampling_flags: a training run's, by default
+                  "persuadee_top_k")  # cli.add_sampling_flags: a training run's, by default
 SUBSETS = {"balanced60": 3}  # named subsets: scenarios kept per domain x resistance cell, file order
 
 # -----------------------------------------------------------------------------
@@ -257,13 +258,13 @@ def play_resumable(persuader, persuadee, instances, path, *, t_max, judge=None, 
 
 
 def settings_mismatch(out_dir, settings):
-    """The settings (and pinned constants, runs.changed_constants) that differ from those
+    """The settings (and pinned constants, cli.changed_constants) that differ from those
     out_dir's evaluation was run with, named."""
     path = Path(out_dir) / "settings.json"
     if not path.exists():
         return []
     before = json.loads(path.read_text())
-    return runs.changed_constants(before) + [
+    return cli.changed_constants(before, sys.modules[__name__]) + [
         f"{k} {before.get(k)!r} there, {settings.get(k)!r} now"
         for k in sorted(set(before) | set(settings)) if k != "constants" and before.get(k) != settings.get(k)]
 
@@ -272,7 +273,7 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
              names=("", ""), fidelity=FIDELITY_SAMPLES, max_new_tokens=None,
              judge=SAME_AS_PERSUADEE, anchor=rpo.ANCHOR, tagger="keyword", sampling=None,
              probe_space=None, probe_signs=None, settings=None, resume=False, rank=0, world=1,
-             shaping_lambda=rpo.LAMBDA):
+             shaping_lambda=rpo.LAMBDA, decision=None):
     """One seeded episode per instance through rollout.py's loop (each role an engine.Engine, a
     served.ServedModel or a side); saves the run, returns its summary.
 
@@ -309,7 +310,8 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=arena.T_MAX_EVAL
                               max_new_tokens=max_new_tokens or engine.MAX_NEW_TOKENS,
                               persuader_sampling=persuader_sampling,
                               persuadee_sampling=persuadee_sampling,
-                              probe_space=probe_space, probe_signs=probe_signs)
+                              probe_space=probe_space, probe_signs=probe_signs,
+                              decision=decision)
     episodes = _gathered(episodes, instances, world)
     if rank:
         return None
@@ -406,19 +408,17 @@ def no_fidelity(episodes):
 def refuse_nonfinite(name, model):
     """Exit in one line when a loaded model holds a NaN or an infinity (as train.py refuses such
     a checkpoint): its every read-out would be None and its text noise."""
-    bad = next((k for k, v in model.state_dict().items()
-                if v.is_floating_point() and not v.isfinite().all()), None)
-    if bad is not None:
+    if (bad := runs.nonfinite_weight(model.state_dict())) is not None:
         sys.exit(f"eval.py: {name} holds non-finite weights ({bad}); evaluate a finite checkpoint")
 
 
-def player(name, loaded, dtype, kv_blocks):
+def player(name, loaded, dtype, kv_blocks, allow_insecure_key=None):
     """The model a role name stands for: a served.ServedModel (checked to answer) for
     openai:MODEL@URL, else a local engine.Engine on weights loaded once per name."""
     import engine
     if served.is_served(name):
         if name not in loaded:
-            loaded[name] = served.ServedModel(name)
+            loaded[name] = served.ServedModel(name, allow_insecure_key=allow_insecure_key)
             loaded[name].check()
         return loaded[name]
     import torch
@@ -521,22 +521,23 @@ def pool_problem(args, instances):
 def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
              max_new_tokens=None, judge=None, anchor=rpo.ANCHOR, tagger="keyword",
              kv_blocks=None, dtype="float32", probe_space=None, probe_signs=None, settings=None,
-             resume=False, sampling=None, shaping_lambda=rpo.LAMBDA):
+             resume=False, sampling=None, shaping_lambda=rpo.LAMBDA, decision=None,
+             allow_insecure_key=None):
     """Make each role's player by name (weights loaded once each) and evaluate (sharded under
     torchrun) with `sampling` and the summary's shaping at `shaping_lambda`. judge None: the persuadee's model (its own engine and pool); "none": no judge
     (s = 0); else a model name or path, the same across a grid. Any role may be openai:MODEL@URL
     (served.py)."""
     rank, world = distributed()
     judge_name = judge or persuadee
-    players = [player(n, loaded, dtype, kv_blocks) for n in (persuader, persuadee)]
+    players = [player(n, loaded, dtype, kv_blocks, allow_insecure_key) for n in (persuader, persuadee)]
     judge_player = (None if judge == "none" else players[1] if judge is None  # its pool too
-                    else player(judge_name, loaded, dtype, kv_blocks))
+                    else player(judge_name, loaded, dtype, kv_blocks, allow_insecure_key))
     summary = evaluate(*players, instances, out_dir, t_max=t_max, seed=seed,
                        names=(persuader, persuadee, None if judge == "none" else judge_name),
                        max_new_tokens=max_new_tokens, judge=judge_player, anchor=anchor,
                        tagger=tagger, probe_space=probe_space, probe_signs=probe_signs,
                        settings=settings, resume=resume, rank=rank, world=world,
-                       sampling=sampling, shaping_lambda=shaping_lambda)
+                       sampling=sampling, shaping_lambda=shaping_lambda, decision=decision)
     if summary is not None:
         summary["requests"] = {n: m.stats for n, m in loaded.items()
                                if isinstance(m, served.ServedModel)}
@@ -546,7 +547,8 @@ def run_eval(persuader, persuadee, instances, out_dir, *, seed, t_max, loaded,
 
 
 def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print, max_new_tokens=None,
-         dtype="float32", probe_space=None, probe_signs=None, sampling=None):
+         dtype="float32", probe_space=None, probe_signs=None, sampling=None, decision=None,
+         allow_insecure_key=None):
     """You are the persuader (rollout.PersonSide): type each message; the persuadee (a local
     model or openai:MODEL@URL) answers and you see its three probe values and the belief change
     of the turn. The episode is saved under evals/play-SCENARIO_ID-TIME like any other."""
@@ -560,10 +562,10 @@ def play(scenario_id, persuadee, *, seed, t_max, read=input, write=print, max_ne
         sys.exit(f"eval.py: unknown scenario id {scenario_id!r}; use an id from scenarios.jsonl, e.g. heldout-017")
     you = rollout.PersonSide(t_max, read, write)
     [ep] = rollout.rollout_episodes(
-        you, player(persuadee, {}, dtype, None), found[:1], t_max, seed=seed,
+        you, player(persuadee, {}, dtype, None, allow_insecure_key), found[:1], t_max, seed=seed,
         persuadee_sampling=(sampling or rollout.SAMPLING["paper"])[1],
         max_new_tokens=max_new_tokens or engine.MAX_NEW_TOKENS, probe_space=probe_space,
-        probe_signs=probe_signs)
+        probe_signs=probe_signs, decision=decision)
     for key in TRAINING_KEYS:
         ep.pop(key)
     ep.update(judge=None, persuader="human", persuadee=persuadee, seed=seed)
@@ -606,26 +608,26 @@ def build_parser():
                     help="the reward setting dense returns are computed under (default: the training "
                          "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
     probes.add_flags(ap)
-    runs.add_sampling_flags(ap)
+    cli.add_sampling_flags(ap)
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell")
     ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")
     ap.add_argument("--seed", type=int, default=0)
-    arena.add_decision_flag(ap)
+    cli.add_decision_flag(ap)
     ap.add_argument("--name", help=f"run name, one folder name; output goes to {EVALS_DIR}/NAME")
     ap.add_argument("--resume", action="store_true",
                     help="continue the evaluation of that name: play only its missing episodes")
     ap.add_argument("--overwrite", action="store_true",
                     help="delete that evaluation's folder and start again")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    ap.add_argument("--dtype", choices=cli.DTYPES,
                     help="of every local model (default bfloat16 with CUDA, float32 on a CPU)")
     ap.add_argument("--t-max", type=int, default=arena.T_MAX_EVAL, help="turn budget per episode")
     served.add_key_flag(ap)
     ap.add_argument("--kv-blocks", type=int, help="KV pool size of each engine, in blocks "
                     "(default: engine.CACHE_GB_CPU or CACHE_FRACTION_GPU of free memory)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help=f"per message (default engine.MAX_NEW_TOKENS with CUDA or every role "
-                         f"served, {CPU_MAX_NEW_TOKENS} on a CPU)")
+                    help="per message (default engine.MAX_NEW_TOKENS with CUDA or every role "
+                         "served, the cpu training preset's on a CPU: lab/presets.py)")
     ap.add_argument("--reference", metavar="DIR", help="with --table: the row the others are tested "
                     "against (default: the first directory)")
     ap.add_argument("--format", choices=("markdown", "latex"), default="markdown", help="with --table")
@@ -666,7 +668,7 @@ PINNED = ("scenarios", "subset", "limit", "seed", "dtype", "probe_space", "probe
 
 def pin_settings(args, parser, argv):
     """--resume of one evaluation (evals/NAME/settings.json, not a grid): what the command line
-    leaves out is the evaluation's own, as with train.py --resume (runs.pin_settings); what it
+    leaves out is the evaluation's own, as with train.py --resume (cli.pin_settings); what it
     names with another value is refused later (settings_mismatch), and every value is checked
     as a fresh argument is (argument_problem), all before any model loads."""
     path = Path(EVALS_DIR) / (args.name or "") / "settings.json"
@@ -679,7 +681,7 @@ def pin_settings(args, parser, argv):
         return  # settings_mismatch names the unreadable record
     if not isinstance(recorded, dict):
         return
-    explicit = runs.explicit_settings(parser, argv)
+    explicit = cli.explicit_settings(parser, argv)
     pinned = {k: recorded[k] for k in PINNED if k in recorded}
     for role in ("persuader", "persuadee"):
         if role not in explicit and isinstance(recorded.get(role), str):
@@ -689,8 +691,8 @@ def pin_settings(args, parser, argv):
         pinned.update(sampling="paper", persuader_temperature=sampling[0][0],
                       persuadee_temperature=sampling[1][0], persuadee_top_p=sampling[1][1],
                       persuadee_top_k=sampling[1][2])
-    runs.pin_settings(args, pinned, explicit, "eval.py", may_change=tuple(pinned),
-                      record=str(path))
+    cli.pin_settings(args, pinned, explicit, "eval.py", may_change=tuple(pinned),
+                     record=str(path), own=sys.modules[__name__])
 
 
 def argument_problem(args):
@@ -702,7 +704,7 @@ def argument_problem(args):
                 "--judge MODEL or use --tagger keyword")
     if args.name is not None and (problem := runs.name_problem(args.name)):
         return f"--name {args.name!r} {problem} under {EVALS_DIR}/"
-    if problem := runs.sampling_problem(args):
+    if problem := cli.sampling_problem(args):
         return " ".join(problem)
     if args.resume and args.overwrite:
         return "--resume continues an evaluation and --overwrite deletes it: pass one of them"
@@ -716,9 +718,9 @@ def argument_problem(args):
                 "incomparable")
     for flag, name in [("--judge", args.judge)] + [("--persuader", n) for n in args.persuader] + \
             [("--persuadee", n) for n in args.persuadee]:
-        if (name and name != "none" and not served.is_served(name)
-                and name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists()):
-            return f"{flag} {name} is no such folder; pass a model folder, a hub name or smollm2"
+        if name and name != "none" and not served.is_served(name) and (
+                problem := cli.model_problem(name)):
+            return f"{flag} {name} {problem}; {cli.MODEL_FIX}"
     return None
 
 
@@ -790,7 +792,7 @@ def run_settings(args, persuader, persuadee):
     return dict(scenarios=args.scenarios, subset=args.subset, limit=args.limit, seed=args.seed,
                 persuader=persuader, persuadee=persuadee, judge=args.judge or persuadee,
                 sampling=[list(s) for s in cell_sampling(args, persuader)],
-                shaping_lambda=run_lambda(persuader), constants=runs.pinned_constants(),
+                shaping_lambda=run_lambda(persuader), constants=cli.pinned_constants(sys.modules[__name__]),
                 dtype=args.dtype, probe_space=args.probe_space, probe_signs=args.probe_signs,
                 anchor=run_anchor(persuader) if args.anchor is None else args.anchor,
                 t_max=args.t_max, max_new_tokens=args.max_new_tokens, tagger=args.tagger,
@@ -848,9 +850,26 @@ def analysis_mode(args):
     return f"wrote {plots.plot_run(args.plot_run)}"
 
 
+def cpu_defaults(args):
+    """--max-new-tokens and --judge a command line leaves out: on a machine without CUDA, the cpu
+    training preset's (lab/presets.py), so a laptop trains and evaluates alike: its message
+    length when some role is local, its judge (none) when every persuadee is local (a served
+    one still judges); else engine.MAX_NEW_TOKENS and the persuadee's own model."""
+    import torch
+
+    import engine
+    cpu = {} if torch.cuda.is_available() else presets.cpu_defaults()
+    if args.max_new_tokens is None:
+        remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
+        args.max_new_tokens = engine.MAX_NEW_TOKENS if remote else cpu.get(
+            "max_new_tokens", engine.MAX_NEW_TOKENS)
+    if (args.judge is None and args.tagger != "logit"  # the logit tagger reads a local judge
+            and not any(served.is_served(n) for n in args.persuadee)):
+        args.judge = cpu.get("judge")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    served.ALLOW_INSECURE_KEY = args.allow_insecure_key
     if (args.compare or args.compare_many or args.analyze or args.case or args.overlay or args.runs
             or args.plot_run or args.table):
         try:
@@ -858,22 +877,15 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             sys.exit(f"eval.py: {e}")
         return
-    if args.max_new_tokens is None:  # the model-driven modes only
-        import torch
-
-        import engine
-        remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
-        args.max_new_tokens = (engine.MAX_NEW_TOKENS if torch.cuda.is_available() or remote
-                               else CPU_MAX_NEW_TOKENS)
+    cpu_defaults(args)  # the model-driven modes only
     args.dtype = args.dtype or default_dtype()
-    import rollout
-    rollout.DECISION = args.decision  # the persuadee's decision: its tag, or read as logits
     if args.play:
         if len(args.persuadee) > 1:
             sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")
         play(args.play, args.persuadee[0], seed=args.seed, t_max=args.t_max,
              max_new_tokens=args.max_new_tokens, dtype=args.dtype, probe_space=args.probe_space,
-             probe_signs=args.probe_signs, sampling=cell_sampling(args, "human"))
+             probe_signs=args.probe_signs, sampling=cell_sampling(args, "human"),
+             decision=args.decision, allow_insecure_key=args.allow_insecure_key)
         return
     instances = chosen_instances(args)
     root, cells = evaluation_cells(args, instances)
@@ -953,7 +965,8 @@ def run_cells(args, instances, cells):
                 tagger=args.tagger, kv_blocks=args.kv_blocks, dtype=args.dtype,
                 probe_space=args.probe_space, probe_signs=args.probe_signs, settings=settings,
                 resume=args.resume, sampling=cell_sampling(args, p),
-                shaping_lambda=settings["shaping_lambda"])
+                shaping_lambda=settings["shaping_lambda"], decision=args.decision,
+                allow_insecure_key=args.allow_insecure_key)
         except ValueError as e:  # a malformed episodes.jsonl, a prompt too long for a model
             sys.exit(f"eval.py: {e}")
         if rank == 0:

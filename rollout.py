@@ -66,7 +66,7 @@ CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
 PROMPT_ROOM = engine.MAX_NEW_TOKENS // 4  # context a prompt must leave free: a short exchange
 ADMISSION = "continuous"  # or "waves": admit only into empty pools (BENCHMARKS.md compares the two)
 DECISION = "tag"  # "logit": the persuadee's decision read in a fork after each reply (DECISIONS.md:
-# Logit decision), for persuadees too small to write tags; set by --decision
+# Logit decision), for persuadees too small to write tags; --decision's default
 
 
 @contextmanager
@@ -80,7 +80,7 @@ def clock(timings, key):
 
 def role_sampling(args):
     """(persuader, persuadee) engine.Sampling of a run: its --sampling preset (SAMPLING), each
-    value a flag names (runs.add_sampling_flags) overriding it."""
+    value a flag names (lab.cli.add_sampling_flags) overriding it."""
     persuader, persuadee = SAMPLING[args.sampling]
     pick = lambda flag, preset: preset if flag is None else flag
     return (persuader._replace(temperature=pick(args.persuader_temperature, persuader.temperature)),
@@ -205,14 +205,15 @@ def message_blocks(eng, max_new_tokens):
     return eng.blocks_for(max_new_tokens, copy_on_write=True)
 
 
-def side(player, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
+def side(player, role, sampling, max_new_tokens, probe_space=None, probe_signs=None, decision=None):
     """The side that plays `role`: player is a served.ServedModel, already a side (it has
-    `room`; returned as it is), or an engine.Engine (or anything with its interface)."""
+    `room`; returned as it is), or an engine.Engine (or anything with its interface).
+    decision: how a local persuadee's decision is read (default DECISION)."""
     if isinstance(player, served.ServedModel):
         return served.ServedSide(player, role, sampling, max_new_tokens, probe_space, probe_signs)
     if hasattr(player, "room"):
         return player
-    return EngineSide(player, role, sampling, max_new_tokens, probe_space, probe_signs)
+    return EngineSide(player, role, sampling, max_new_tokens, probe_space, probe_signs, decision)
 
 
 def judge_all(model, instances, transcripts, seed, group_indices):
@@ -254,8 +255,8 @@ def record(e, score, failed):
 def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
                      persuader_sampling=PERSUADER_SAMPLING, persuadee_sampling=PERSUADEE_SAMPLING,
                      max_new_tokens=engine.MAX_NEW_TOKENS, judge=None, max_active=None,
-                     probe_space=None, probe_signs=None, on_record=None, progress=None,
-                     timings=None):
+                     probe_space=None, probe_signs=None, decision=None, on_record=None,
+                     progress=None, timings=None):
     """Play G = group_size episodes of every instance to the end, scheduled onto the sides.
 
     persuader and persuadee are each an engine.Engine, a served.ServedModel or a side (module
@@ -267,9 +268,10 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
     and judge_s. Returns one record per episode (instance-major, rollout.record), judged."""
     persuader_side = side(persuader, "persuader", persuader_sampling, max_new_tokens)
+    decision = DECISION if decision is None else decision
     persuadee_side = side(persuadee, "persuadee", persuadee_sampling, max_new_tokens, probe_space,
-                          probe_signs)
-    if DECISION == "logit" and not isinstance(persuadee_side, EngineSide):
+                          probe_signs, decision)
+    if decision == "logit" and not isinstance(persuadee_side, EngineSide):
         raise ValueError("rollout.py: --decision logit reads the persuadee's logits in a fork of "
                          "its cache, which only a local persuadee has; use --decision tag")
     problems = prompt_problems(persuader_side, persuadee_side, instances)
@@ -500,12 +502,13 @@ class EngineSide:
     message is admitted with room for its worst case (max_new_tokens; for the persuadee the
     reply's closing and the probe forks too)."""
 
-    def __init__(self, eng, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
+    def __init__(self, eng, role, sampling, max_new_tokens, probe_space=None, probe_signs=None,
+                 decision=None):
         self.eng, self.role, self.sampling = eng, role, sampling
         self.max_new_tokens, self.space, self.signs = max_new_tokens, probe_space, probe_signs
         self.tokenizer, self.max_len = eng.tokenizer, eng.max_len
         self.persuadee = role == "persuadee"
-        self.decision = DECISION if self.persuadee else "tag"
+        self.decision = (DECISION if decision is None else decision) if self.persuadee else "tag"
         self.reserve = (max(probes.read_blocks(eng), probes.decision_blocks(eng) if
                             self.decision == "logit" else 0) if self.persuadee else 0)
         self.step = message_blocks(eng, max_new_tokens) + self.reserve

@@ -24,15 +24,26 @@ file turns beliefs, outcomes and strategy scores into per-token advantages and t
                        L   = sum over persuader tokens of l / N,  N = persuader tokens in the global
                              batch (all ranks, all micro-batches): summed micro-batch losses = mean.
 
+From episode records (rollout.record) to the loss: playable keeps the groups whose every episode
+was played; advantages gives each episode's A_{i,t} (rewards as above, a belief that could not be
+read counted and left out of its group's dense term); silenced puts the left-out episodes back in
+their places without a persuader token (every rank runs the same micro-batches); and
+micro_batch_loss takes a micro-batch of records to L: the policy's log-probs at the persuader's
+tokens (kept_logits: logits only where a persuader token is predicted, a group's shared prompt
+run once), the frozen reference's, and policy_loss over them with the global token count.
+train.py keeps the backward, its scale over ranks, clipping and the optimizer.
+
 Alignment: token_logprobs returns [B, L-1] for ids[:, 1:], so a per-token quantity built over the
 L input positions (token_advantages, the persuader mask) is sliced [:, 1:] before policy_loss.
 
 torch is imported inside the functions that make tensors, so that the reward math (process_rewards,
-dense_return, GOAL) serves analyses.py without loading torch.
+dense_return, GOAL) serves lab/analyses.py without loading torch.
 
-Tests: python -m pytest -q test_rpo.py
+Tests: python -m pytest -q tests/test_rpo.py
 """
 import math
+
+import arena
 
 LAMBDA = 0.5  # weight of the dense process term; 0 recovers outcome-only GRPO
 ANCHOR = False  # ablation: replace the last belief by the outcome's anchor belief (DECISIONS.md: Terminal anchor)
@@ -169,6 +180,60 @@ def batch_token_advantages(turn_ids, advantages):
     return table.gather(1, turn_ids)
 
 
+def numeric(beliefs):
+    """A record's beliefs as the reward arithmetic takes them: NaN where none was read (a served
+    persuadee without log-probs), which _readable counts. A record itself holds None."""
+    return [math.nan if b is None else b for b in beliefs]
+
+
+def playable(records, group_size):
+    """(the groups whose every episode was played, counts of those left out, why each was): an
+    episode that never started (it cannot fit the empty pools: no belief, no token of its own)
+    or whose served model failed for good ("api_error") takes its whole group out of the step's
+    metrics and loss (a group's baseline needs all of its members)."""
+    why = {i: "never started: it does not fit the empty KV pools alone" if not r["beliefs"]
+           else "its served model kept failing" for i, r in enumerate(records)
+           if not r["beliefs"] or r["end_reason"] == arena.API_ERROR}
+    kept = [r for g in range(0, len(records), group_size) for r in records[g:g + group_size]
+            if not any(i in why for i in range(g, g + group_size))]
+    said = "; ".join(f"{records[i]['id']} member {i % group_size} {w}" for i, w in why.items())
+    return kept, dict(never_started=sum(not r["beliefs"] for r in records),
+                      api_errors=sum(r["end_reason"] == arena.API_ERROR for r in records),
+                      left_out=len(records) - len(kept)), said
+
+
+def advantages(records, group_size, lam=LAMBDA, anchor=ANCHOR):
+    """Rewards and Probe-RPO advantages of whole groups of episode records: the turn advantages
+    A_{i,t} of each episode, and (outcome rewards, process rewards, goals) of each group (what
+    diagnostic_sums reads)."""
+    groups, per_episode = [], []
+    for g in range(0, len(records), group_size):
+        group = records[g:g + group_size]
+        outcome = [outcome_reward(r["outcome"], r["judge"]) for r in group]
+        process = [process_rewards(numeric(r["beliefs"]), r["outcome"], anchor) for r in group]
+        groups.append((outcome, process, [GOAL[r["outcome"]] for r in group]))
+        per_episode += group_advantages(outcome, process, lam)
+    return per_episode, groups
+
+
+def silenced(played, kept, turn_advantages):
+    """Every played episode for the update, in its place, those left out (playable) with no
+    persuader token and no advantage: each rank then runs the same micro-batches (FSDP's
+    collectives), and the left-out ones add nothing to the loss or its token count."""
+    kept_ids = {id(r) for r in kept}
+    advantage = iter(turn_advantages)
+    records, per_episode = [], []
+    for r in played:
+        if id(r) in kept_ids:
+            records.append(r)
+            per_episode.append(next(advantage))
+        else:
+            ids = r["ids"] or [0]  # one inert token for an episode that never started
+            records.append(dict(ids=ids, turn_ids=[0] * len(ids), logprobs=[0.0] * len(ids)))
+            per_episode.append([])
+    return records, per_episode
+
+
 # -----------------------------------------------------------------------------
 # log-probs and loss
 
@@ -222,6 +287,74 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
             "ratio_mean": float(ratio[mask].sum()) / n if n else 0.0,
             "tokens": n,
         }
+    return loss, stats
+
+
+def persuader_tokens(records):
+    """The tokens the loss is taken over: every predicted token of a persuader message."""
+    return sum(sum(1 for t in r["turn_ids"][1:] if t) for r in records)
+
+
+def kept_logits(model, ids, keep, share_stem):
+    """model(ids).logits at the positions keep. With share_stem, the prefix every row shares (a
+    group's persuader prompt, up to the first kept position) runs once, and its keys and values,
+    autograd graph included, are repeated for the rows, which run only what follows: the same
+    logits and gradients for fewer FLOPs (DECISIONS.md: Shared prompt in the update)."""
+    import engine
+    share_stem = share_stem and len(ids) > 1 and len(keep) > 0  # (no kept position: no stem)
+    stem = min(engine.shared_stem(ids.tolist()), int(keep[0])) if share_stem else 0
+    if stem == 0:
+        return model(ids, use_cache=False, logits_to_keep=keep).logits
+    out = model(ids[:1, :stem], use_cache=True, logits_to_keep=1)
+    name = "cache" if "cache" in out else "past_key_values"  # transformers' newer name, its older
+    out[name].batch_repeat_interleave(len(ids))
+    return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem, **{name: out[name]}).logits
+
+
+def micro_batch_loss(policy, reference, records, turn_advantages, num_tokens, *, temperature=1.0,
+                     clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA, share_stem=False,
+                     share_reference_stem=None, context=None):
+    """The loss of one micro-batch of episode records (ids, turn_ids, the sampled logprobs) and
+    their turn advantages: the policy's and the frozen reference's log-probs of the persuader's
+    tokens, policy_loss over them with the GLOBAL token count num_tokens (so the micro-batches'
+    losses, summed over ranks, are the batch mean). context(model), when given, is where each
+    forward runs (precision, attention backend); share_stem (kept_logits) for the policy's, and
+    share_reference_stem (default: the same) for the reference's. Returns the loss and its
+    stats: its value, kl, clip_frac, ratio_mean weighted by this micro-batch's share of
+    num_tokens, and under "nonfinite" 1 for each of logprobs, advantages, loss that is not
+    finite (counted by the caller, which then does not step)."""
+    import contextlib
+
+    import torch
+    context = context or (lambda model: contextlib.nullcontext())
+    device = next(policy.parameters()).device
+    width = max(len(r["ids"]) for r in records)
+    pad = lambda key, fill, dtype: torch.tensor(
+        [r[key] + [fill] * (width - len(r[key])) for r in records], dtype=dtype, device=device)
+    ids, turn_ids = pad("ids", 0, torch.long), pad("turn_ids", 0, torch.long)
+    adv = batch_token_advantages(turn_ids.cpu(), turn_advantages)
+    # logits only where some row predicts a persuader token: the lm_head and softmax over the
+    # vocabulary are skipped for the prompts and the persuadee's text
+    keep = (turn_ids[:, 1:] > 0).any(0).nonzero()[:, 0]
+    targets, mask = ids[:, keep + 1], turn_ids[:, keep + 1] > 0
+    old = pad("logprobs", 0.0, torch.float32)[:, keep + 1]
+    adv = adv[:, 1:].to(device)[:, keep]
+    with context(policy):
+        logp = target_logprobs(kept_logits(policy, ids, keep, share_stem), targets, temperature)
+    ref = None
+    if beta > 0:
+        with torch.no_grad(), context(reference):
+            share = share_stem if share_reference_stem is None else share_reference_stem
+            ref = target_logprobs(kept_logits(reference, ids, keep, share), targets, temperature)
+    loss, s = policy_loss(logp, old, ref, adv, mask, num_tokens, clip_low, clip_high, beta)
+    with torch.no_grad():
+        weight = s["tokens"] / max(num_tokens, 1)
+        logprobs = [x[mask] for x in (logp, old) + ((ref,) if ref is not None else ())]
+        nonfinite = dict(logprobs=int(not all(torch.isfinite(x).all() for x in logprobs)),
+                         advantages=int(not torch.isfinite(adv[mask]).all()),
+                         loss=int(not torch.isfinite(loss)))
+        stats = dict(loss=loss.item(), **{k: s[k] * weight for k in ("kl", "clip_frac", "ratio_mean")},
+                     nonfinite=nonfinite)
     return loss, stats
 
 

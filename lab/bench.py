@@ -92,7 +92,7 @@ import layers
 import models
 import probes
 import rollout
-from lab import fastpath, significance
+from lab import cli, fastpath, presets, significance
 
 MODEL = "smollm2"
 DIALOGUES = 8
@@ -612,9 +612,9 @@ def gpu_check(args):
     gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     shapes = args.check_models.split(",")
-    targs = train.parse_args(["--preset", "paper", "--persuader", f"random:{shapes[0]}",
-                              "--persuadee", f"random:{shapes[1]}", "--dtype", "bfloat16",
-                              "--out", tempfile.mkdtemp(), "--plan"])
+    targs = cli.train_args(["--preset", "paper", "--persuader", f"random:{shapes[0]}",
+                             "--persuadee", f"random:{shapes[1]}", "--dtype", "bfloat16",
+                             "--out", tempfile.mkdtemp(), "--plan"], train)
     targs.t_max = args.check_turns or targs.t_max
     targs.max_new_tokens = args.check_new_tokens or targs.max_new_tokens
     rank_plan = plan.memory_plan(targs, 8, plan.PLAN_NODE[1], True)
@@ -820,9 +820,9 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
     pick_instances), per sampled persuader opening message, for `resamples` persuadee replies to
     that one message (each with its own random stream, the probes read after each): the input
     of significance.message_variance_share. Settings (models, dtype, sampling, message length) are
-    train.PRESETS[preset]'s; the persuadee's decision rule (rollout.DECISION) plays no part."""
+    presets.PRESETS[preset]'s; the persuadee's decision rule (rollout.DECISION) plays no part."""
     import train
-    cfg = train.PRESETS[preset]
+    cfg = presets.PRESETS[preset]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     persuader_model, persuader_tok = train.load(cfg["persuader"], cfg["dtype"], device)
     persuadee_model, persuadee_tok = (

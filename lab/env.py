@@ -43,6 +43,7 @@ import engine
 import probes
 import rollout
 import rpo
+from lab import cli, served
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
 JUDGE_DEFAULT = "persuadee"  # the paper's frozen judge: the persuadee's model in a fresh context
@@ -410,7 +411,7 @@ def parse_args(argv=None):
     ap.add_argument("--scenarios", default="train", help="train, heldout or a scenarios.jsonl")
     ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN)
     ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--dtype", default="float32", choices=cli.DTYPES)
     ap.add_argument("--kv-blocks", type=int, help="the persuadee's KV pool, in blocks")
     args = ap.parse_args(argv)
     problem = (None if args.serve else "nothing to do: pass --serve (the Python API is "
@@ -422,6 +423,10 @@ def parse_args(argv=None):
                                                    ("max_new_tokens", args.max_new_tokens),
                                                    ("kv_blocks", args.kv_blocks or 1))
                                if value < 1), None)
+    for flag, name in (("--persuadee", args.persuadee), ("--judge", args.judge)):
+        if not problem and name not in ("persuadee", "none") and not served.is_served(name) and (
+                found := cli.model_problem(name)):  # before any model loads, as train.py does
+            problem = f"{flag} {name} {found}; {cli.MODEL_FIX}"
     if problem:
         ap.error(problem)
     return args

@@ -30,7 +30,7 @@ from lab import moves  # noqa: E402
 from lab import records  # noqa: E402
 from lab import significance  # noqa: E402
 from lab.records import PROBE_NAMES  # noqa: E402
-from lab.runs import is_number, write_atomic  # noqa: E402
+from lab.runs import is_number, read_jsonl, write_atomic  # noqa: E402
 
 PROBE_TITLES = {"CA": "concern addressed (CA)", "PE": "persuasion effective (PE)",
                 "AC": "acceptance shift (AC)"}
@@ -254,7 +254,8 @@ def plot_run(run_dir):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory; pass a training run such as runs/NAME")
-    rows = records.read_jsonl(run_dir / "metrics.jsonl", "a training run directory written by train.py")
+    rows = [row for _, row in read_jsonl(run_dir / "metrics.jsonl",
+                                         what="a training run directory written by train.py")]
     if not rows:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is empty; let train.py log at least one step")
     steps = [row.get("step", i) for i, row in enumerate(rows)]

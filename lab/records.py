@@ -16,22 +16,9 @@ import json
 from pathlib import Path
 
 from arena import OUTCOMES
-from lab.runs import read_jsonl as runs_read_jsonl
+from lab.runs import read_jsonl
 
 PROBE_NAMES = ("CA", "PE", "AC")  # column order of an episode's "probes" rows (probes.PROBES, checked by a test)
-
-
-def _jsonl_rows(path, what):
-    """(line number, object) of every non-empty line of a JSONL file (runs.read_jsonl: a bad
-    last line is dropped with a warning, an earlier one refused)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; pass {what}")
-    return runs_read_jsonl(path)
-
-
-def read_jsonl(path, what):
-    return [row for _, row in _jsonl_rows(path, what)]
 
 
 def _number_or_none(v):
@@ -118,7 +105,7 @@ def check_record(row, fields, optional=()):
 def read_records(path, what, fields, optional=()):
     """The rows of a JSONL file, each checked against fields: a bad one is one error naming the
     file, the line and the field."""
-    rows = _jsonl_rows(path, what)
+    rows = read_jsonl(path, what=what)
     for lineno, row in rows:
         if problem := check_record(row, fields, optional):
             field, must, got = problem

@@ -1,5 +1,6 @@
 """
 runs.py: a run folder on disk, shared by train.py (runs/NAME) and eval.py (evals/NAME).
+(What config.json pins on --resume, and how, is lab/cli.py's.)
 
 A run folder is written only by the process that holds its lock, only by this module's writers,
 and never through a link:
@@ -17,9 +18,8 @@ and never through a link:
     full disk) is dropped with a warning, the same in every file; an earlier bad line is an
     error naming the file and line (or, for a file that is only a cache, dropped with a warning);
   - finite(): the one non-finite-to-null rule (None in records and files, NaN only in tensors);
-  - resume pinning: config.json holds a run's settings and the module constants an ablation
-    edits (pinned_constants); --resume refuses a changed one in one line naming it, and every
-    value read back is validated like a fresh argument before any model loads;
+  - nonfinite_weight(): the one check for a NaN or an infinity in a model's weights (a
+    checkpoint saved or resumed, a --persuader loaded by train.py or eval.py);
   - checkpoints (save_checkpoint / load_checkpoint), the loggers (stdout, TensorBoard and W&B as
     one Loggers object) and rank setup (setup_distributed, all_sum).
 The standard library only at import: torch is imported inside the checkpoint and rank functions.
@@ -53,11 +53,6 @@ TIMING_KEYS = ("judge_s", "probe_s", "persuader_s", "persuadee_s", "rollout_s", 
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")  # the only names `latest` may hold
 WANDB_PROJECT = "persuarena"  # W&B project of every run
 LOGGERS = ("tensorboard", "wandb")  # --log choices, each an optional package
-# the module constants an ablation edits (README: Run it), pinned in config.json
-PINNED_CONSTANTS = {"rpo": ("GOAL", "STRATEGY_WEIGHT", "ANCHOR_BELIEF", "STD_EPS"),
-                    "probes": ("PROBES", "INSTRUCTION", "YES_WORDS", "NO_WORDS", "LOGODDS_CLIP"),
-                    "arena": ("UPGRADE_WINDOW", "MAX_REJECTIONS", "JUDGE_RETRIES",
-                              "NEGATION_WINDOW")}
 
 
 def say_error(who, text):
@@ -90,13 +85,16 @@ def json_line(row):
     return json.dumps(finite(row), allow_nan=False) + "\n"
 
 
-def read_jsonl(path, skip_bad=False, repair=False):
+def read_jsonl(path, skip_bad=False, repair=False, what=None):
     """[(line number, object)] of a JSONL file's non-empty lines. A last line that is not valid
     JSON (a write cut by a kill or a full disk) is dropped with a warning, in every file alike;
     with repair the file is rewritten without it (so that appends start on a fresh line). An
     earlier bad line is a ValueError naming the file and line, or with skip_bad (a file that is
-    a cache of what can be redone) dropped with a warning."""
+    a cache of what can be redone) dropped with a warning. A missing file is a
+    FileNotFoundError saying to pass `what` (what the caller needed) when given."""
     path = Path(path)
+    if what is not None and not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass {what}")
     text = path.read_text(errors="replace")
     lines = text.split("\n")
     while lines and not lines[-1].strip():
@@ -335,121 +333,15 @@ def clear(run_dir):
 # resume: the settings and the module constants a run was made with
 
 
-def pinned_constants():
-    """{"module.NAME": value} of every constant in PINNED_CONSTANTS, as JSON holds it."""
-    return {f"{module}.{name}": json.loads(json.dumps(getattr(importlib.import_module(module), name)))
-            for module, names in PINNED_CONSTANTS.items() for name in names}
 
 
-def read_config(run_dir, who):
-    """A run's config.json as a dict, or a one-line exit."""
-    path = Path(run_dir) / "config.json"
-    try:
-        recorded = json.loads(path.read_text())
-        problem = None if isinstance(recorded, dict) else "not a JSON object"
-    except (OSError, ValueError) as e:
-        problem = type(e).__name__
-    if problem:
-        raise say_error(who, f"--resume: {path} cannot be read ({problem}); restore it from a "
-                             "copy, or start a new run (another --name)")
-    return recorded
 
 
-def changed_constants(recorded):
-    """The pinned constants that differ from those a run recorded (config.json "constants"),
-    each as 'module.NAME VALUE here, VALUE in the run'."""
-    now = pinned_constants()
-    then = recorded.get("constants", {})
-    return [f"{k} is {json.dumps(now.get(k))} here and {json.dumps(then.get(k))} in the run"
-            for k in sorted(set(then) | set(now)) if k in then and then.get(k) != now.get(k)]
 
 
-def _same_kind(value, like):
-    """Whether a value read back from config.json has the type of the argument it stands for."""
-    if like is None:  # an argument with no default: checked by validation
-        return True
-    if isinstance(like, bool):
-        return isinstance(value, bool)
-    if isinstance(like, int):
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(like, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, type(like))
 
 
-def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), record="config.json"):
-    """--resume: the settings of the run as recorded (config.json or settings.json). A setting
-    the command line leaves out takes the recorded value (which must have its argument's type);
-    one it names with another value is refused in one line naming each, except may_change; an
-    edited pinned constant is refused in one line naming it. The caller then validates args as
-    it does a fresh command line, before any model loads."""
-    if constants := changed_constants(recorded):
-        raise say_error(who, f"--resume: {'; '.join(constants)}; a resumed run keeps the "
-                             "objective it was trained with: restore the constant, or start a new "
-                             "run (another --name)")
-    changed = []
-    for key, value in recorded.items():
-        if key in not_settings or key == "constants" or not hasattr(args, key):
-            continue
-        flag = f"--{key.replace('_', '-')}"
-        if key not in explicit:
-            if not _same_kind(value, getattr(args, key)):
-                raise say_error(who, f"--resume: {record} holds {flag} {json.dumps(value)}, "
-                                     f"not a {type(getattr(args, key)).__name__}; fix it there, "
-                                     "or start a new run (another --name)")
-            setattr(args, key, value)
-        elif json.dumps(getattr(args, key)) != json.dumps(value) and key not in may_change:
-            changed.append(f"{flag} {getattr(args, key)} (the run has {value})")
-    if changed:
-        may = ", ".join(f"--{k.replace('_', '-')}" for k in may_change)
-        raise say_error(who, f"--resume keeps the run's settings, and {', '.join(changed)} would "
-                             f"change them; drop them (only {may} may change), or start a new run "
-                             "(another --name)")
 
-
-def explicit_settings(parser, argv):
-    """The settings a command line names (not left to their defaults): a namespace that
-    already holds an attribute keeps argparse from writing the default into it."""
-    unset = object()
-    parsed = parser.parse_args(argv)
-    names = {k for k, v in vars(parsed).items() if not isinstance(v, list)}
-    probe = parser.parse_args(argv, namespace=__import__("argparse").Namespace(
-        **dict.fromkeys(names, unset)))
-    return {k for k, v in vars(probe).items() if v is not unset and
-            (k in names or v != parser.get_default(k))}
-
-# -----------------------------------------------------------------------------
-# the sampling flags, shared by train.py and eval.py (rollout.SAMPLING holds the presets)
-
-
-SAMPLING_PRESETS = ("paper", "cpu")  # the keys of rollout.SAMPLING (a test checks they agree)
-
-
-def add_sampling_flags(parser):
-    """--sampling (a preset of rollout.SAMPLING) and the four flags that override it, recorded in
-    every run's config.json or settings.json and summary.json."""
-    parser.add_argument("--sampling", choices=SAMPLING_PRESETS, default=None,
-                        help="rollout.SAMPLING preset of both roles (default: the run's own)")
-    parser.add_argument("--persuader-temperature", type=float,
-                        help="default: the preset's (no top-k/top-p: exact pi_old)")
-    parser.add_argument("--persuadee-temperature", type=float, help="default: the preset's")
-    parser.add_argument("--persuadee-top-p", type=float, help="default: the preset's")
-    parser.add_argument("--persuadee-top-k", type=int, help="default: the preset's")
-
-
-def sampling_problem(args):
-    """What is wrong with the sampling flags, as (flag, problem, fix), or None."""
-    for flag, value, example in (("--persuader-temperature", args.persuader_temperature, 1.0),
-                                 ("--persuadee-temperature", args.persuadee_temperature, 0.7)):
-        if value is not None and (not math.isfinite(value) or value < 0):
-            return f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {example}"
-    if args.persuadee_top_p is not None and not 0 < args.persuadee_top_p <= 1:
-        return (f"--persuadee-top-p {args.persuadee_top_p}", "must lie in (0, 1]",
-                "pass e.g. --persuadee-top-p 0.8")
-    if args.persuadee_top_k is not None and args.persuadee_top_k < 1:
-        return (f"--persuadee-top-k {args.persuadee_top_k}", "must be at least 1",
-                "pass e.g. --persuadee-top-k 20")
-    return None
 
 
 # -----------------------------------------------------------------------------

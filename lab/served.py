@@ -140,8 +140,9 @@ def say(line):
 
 
 def add_key_flag(parser):
-    """--allow-insecure-key, for eval.py and train.py."""
-    parser.add_argument("--allow-insecure-key", action="store_true",
+    """--allow-insecure-key (default ALLOW_INSECURE_KEY), for eval.py and train.py, passed to
+    ServedModel as allow_insecure_key."""
+    parser.add_argument("--allow-insecure-key", action="store_true", default=ALLOW_INSECURE_KEY,
                         help=f"send {API_KEY_ENV} to a served model's URL over plain http too "
                              "(by default it goes to https URLs only)")
 

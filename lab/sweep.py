@@ -37,9 +37,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lab import analyses
+from lab import cli
 import arena
 from lab import records
 from lab import significance
+from lab.runs import read_jsonl
 
 LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
@@ -62,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--frozen-control", action="store_true",
                    help="also train each seed at lr 0: the same instances and random streams, "
                         "only the weights differ")
-    arena.add_decision_flag(p)
+    cli.add_decision_flag(p)
     args, extra = p.parse_known_args(argv)
     problems = [f"--{k.replace('_', '-')} {getattr(args, k)} must be at least 1"
                 for k in ("steps", "eval_every", "eval_limit") if getattr(args, k) < 1]
@@ -99,7 +101,7 @@ def arm_argv(args, extra, lam, seed, runs_dir, check_fidelity=False):
 def _steps_in(path, key="step"):
     if not path.is_file():
         return set()
-    return {row[key] for row in records.read_jsonl(path, str(path))}
+    return {row[key] for _, row in read_jsonl(path, what=str(path))}
 
 
 def arm_finished(run_dir, args, frozen=False):
@@ -126,10 +128,8 @@ def evaluate_initial(argv, folder):
 
     import engine
     from lab import plan
-    import rollout
     import train
-    args = train.parse_args(argv)
-    rollout.DECISION = args.decision
+    args = cli.train_args(argv, train)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = plan.device_plan(args, 1, device)["sizes"] if device.type == "cuda" else {}
     actor = engine.Engine(*train.load(args.persuader, args.dtype, device), **sizes.get("actor", {}))
@@ -340,8 +340,8 @@ def summarize_sweep(root, args):
     rows = table_rows(held_out, args.lams, args.seeds, steps[1:])
     frozen = None
     if args.frozen_control:
-        control = {s: {"rollouts": records.read_jsonl(root / "runs" / arm_name(FROZEN, s) /
-                                                        "rollouts.jsonl", "a frozen control run")}
+        control = {s: {"rollouts": [row for _, row in read_jsonl(
+                    root / "runs" / arm_name(FROZEN, s) / "rollouts.jsonl", what="a frozen control run")]}
                    for s in args.seeds}
         frozen = frozen_rows(runs, control, args.lams, args.seeds, args.steps)
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])

@@ -8,7 +8,8 @@ import torch
 
 from lab import fastpath, plan
 import train
-from test_train import TINY, no_model_loads  # noqa: F401 (a fixture)
+from lab import presets
+from test_train import TINY, no_model_loads, parse_train  # noqa: F401 (a fixture)
 
 
 def test_the_paper_plan_fits_and_its_weights_are_the_parameter_counts(capsys, monkeypatch):
@@ -20,7 +21,7 @@ def test_the_paper_plan_fits_and_its_weights_are_the_parameter_counts(capsys, mo
     def no_weights(*a, **k):
         raise AssertionError("the plan read a model")
     monkeypatch.setattr(models, "load_model", no_weights)
-    rank_plan = plan.print_plan(train.parse_args(["--preset", "paper", "--plan", "--plan-ranks",
+    rank_plan = plan.print_plan(parse_train(["--preset", "paper", "--plan", "--plan-ranks",
                                                   "8", "--plan-gib", "139", "--out", "/nonexistent"]))
     shown = capsys.readouterr().out
     assert "headroom" in shown and rank_plan["total"] < rank_plan["capacity"]
@@ -45,15 +46,15 @@ def test_a_plan_that_cannot_fit_is_refused_in_one_line_before_loading(tmp_path, 
     model loads; --plan says the same; a distinct judge is planned into memory, a judge naming
     the persuadee's model is not."""
     with pytest.raises(SystemExit) as e:
-        plan.print_plan(train.parse_args(["--preset", "paper", "--plan", "--plan-ranks", "8",
+        plan.print_plan(parse_train(["--preset", "paper", "--plan", "--plan-ranks", "8",
                                            "--plan-gib", "40", "--out", str(tmp_path)]))
     message = str(e.value.code)
     assert message.startswith("train.py: this run does not fit: ") and "\n" not in message
     assert "GiB a rank needed, 40.0 GiB available" in message
     paper = ["--preset", "paper", "--plan", "--plan-ranks", "8", "--plan-gib", "139", "--out",
              str(tmp_path)]
-    shared = plan.memory_plan(train.parse_args(paper + ["--judge", "Qwen/Qwen3-14B"]), 8, 139, True)
-    own = plan.memory_plan(train.parse_args(paper + ["--judge", "random:qwen3-14b"]), 8, 139, True)
+    shared = plan.memory_plan(parse_train(paper + ["--judge", "Qwen/Qwen3-14B"]), 8, 139, True)
+    own = plan.memory_plan(parse_train(paper + ["--judge", "random:qwen3-14b"]), 8, 139, True)
     assert not any(name.startswith("judge") for name, _ in shared["items"])
     assert dict(own["items"])["judge bfloat16 (its own model)"] == dict(shared["items"])["persuadee bfloat16"]
     assert own["total"] > own["capacity"]  # a second 14B does not fit beside the rest
@@ -103,12 +104,12 @@ def test_the_one_gpu_preset_fits_one_h200_and_counts_adapters_base_and_reference
     train.main(["--preset", "one-gpu", "--plan", "--plan-gib", "139", "--out", "/nonexistent"])
     shown = capsys.readouterr().out
     assert "against the paper preset" in shown and "16 episodes a step (paper 128" in shown
-    args = train.parse_args(["--preset", "one-gpu", "--plan", "--out", "/nonexistent"])
+    args = parse_train(["--preset", "one-gpu", "--plan", "--out", "/nonexistent"])
     rank_plan = plan.memory_plan(args, 1, 139, True)
     assert rank_plan["capacity"] - rank_plan["total"] > 0.15 * rank_plan["capacity"]
     items = dict(rank_plan["items"])
     P = plan.parameter_count(models.model_config(args.persuader))
-    L = plan.lora_parameter_count(models.model_config(args.persuader), train.LORA_RANK)
+    L = plan.lora_parameter_count(models.model_config(args.persuader), presets.LORA_RANK)
     assert items[f"LoRA adapters r=64 fp32 ({L / 1e6:.0f}M, replicated)"] + \
         items["adapter gradients fp32"] + items["AdamW moments fp32 (adapters)"] == 16 * L
     assert items["frozen base bfloat16 (the reference, adapter off)"] == 2 * P

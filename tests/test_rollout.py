@@ -282,13 +282,13 @@ def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():
     instruction and the 256 new tokens; the persuader never truncates (pi_old exact)."""
     from lab import moves
     from lab import served
-    import train
+    from lab import presets
     assert all(ee is rollout.FROZEN_SAMPLING for _, ee in rollout.SAMPLING.values())
     assert rollout.JUDGE_RETRY_SAMPLING is rollout.FROZEN_SAMPLING
     assert all(er.top_p is None and er.top_k is None for er, _ in rollout.SAMPLING.values())
     assert not hasattr(served, "API_ERROR") and not hasattr(moves, "INSTRUCTION")
     assert arena.API_ERROR in arena.CUT_OFF and {"context", "cache"} <= set(arena.CUT_OFF)
-    assert train.preset_values("paper")["max_new_tokens"] == engine.MAX_NEW_TOKENS
+    assert presets.preset_values("paper")["max_new_tokens"] == engine.MAX_NEW_TOKENS
 
 
 def test_a_typed_line_that_is_not_utf8_is_typed_again_and_the_game_survives(tmp_path, monkeypatch):

@@ -336,3 +336,133 @@ def test_collapsed_groups_count_identical_persuader_messages():
                ep([5])]                                 # a group of one (the last, short group)
     assert rpo.collapsed_groups(records, 2) == (1, 2)
     assert rpo.collapsed_groups(records[:2], 2) == (1, 1)
+
+
+# -----------------------------------------------------------------------------
+# from episode records to the loss, without train.py
+
+def record(outcome, judge, beliefs, end_reason="accept"):
+    return dict(outcome=outcome, judge=judge, beliefs=beliefs, end_reason=end_reason, id="x")
+
+
+def test_advantages_from_records_by_hand():
+    """Two groups of two records: R = GOAL + STRATEGY_WEIGHT * s; a None belief reads as NaN,
+    which leaves the episode's dense term out of its group (and its outcome term in)."""
+    recs = [record("ACCEPT", 1.0, [0.0, 0.4]), record("REJECT", 0.0, [0.0, -0.2]),
+            record("PENDING", 0.0, [0.0, None]), record("PENDING", 2.0, [0.2, 0.2])]
+    per_episode, groups = rpo.advantages(recs, 2, lam=0.5, anchor=False)
+    # group 1: R = 3.5, -1.0; std (ddof 1) = 4.5 / sqrt 2; A_out = +-(2.25 / std)
+    a = 2.25 / (4.5 / math.sqrt(2) + EPS)
+    # D = 0.2 and -0.1, pooled mean 0.05: D~ = 0.15, -0.15
+    assert close(per_episode[:2], [[a + 0.5 * 0.15], [-a - 0.5 * 0.15]])
+    # group 2: R = 0, 1; the first episode unreadable: dense 0, pooled over the second alone (D = 0)
+    b = 0.5 / (math.sqrt(0.5) + EPS)
+    assert close(per_episode[2:], [[-b], [b]])
+    assert groups[0][0] == [3.5, -1.0] and groups[0][2] == [3.0, -1.0]
+    assert math.isnan(groups[1][1][0][0])
+
+
+def test_playable_leaves_out_whole_groups_and_silenced_keeps_their_places():
+    recs = [record("ACCEPT", 0.0, [0.0, 0.1]), record("REJECT", 0.0, [0.0, 0.1]),
+            record("PENDING", 0.0, []), record("PENDING", 0.0, [0.0, 0.1], end_reason="api_error")]
+    for r in recs:
+        r.update(ids=[5, 6, 7], turn_ids=[0, 1, 1], logprobs=[0.0, -1.0, -1.0])
+    kept, counts, why = rpo.playable(recs, 2)
+    assert kept == recs[:2] and counts == dict(never_started=1, api_errors=1, left_out=2)
+    assert "member 0 never started" in why and "member 1 its served model kept failing" in why
+    records, adv = rpo.silenced(recs, kept, [[1.0], [-1.0]])
+    assert records[:2] == kept and adv == [[1.0], [-1.0], [], []]
+    assert all(r["turn_ids"] == [0, 0, 0] for r in records[2:])
+    assert rpo.persuader_tokens(records) == 4
+
+
+@pytest.mark.parametrize("share_stem", [False, True])
+def test_micro_batch_loss_is_the_hand_loss_of_plain_forwards(share_stem):
+    """rpo.micro_batch_loss on two right-padded records against the loss written out from plain
+    full forwards of the policy and the reference (log_softmax over the whole vocabulary at T):
+    the clipped surrogate plus KL_BETA * k3 on each persuader token, summed and divided by the
+    global token count; the same value and the same gradients, shared prompt or not."""
+    import copy
+
+    import models
+    torch.manual_seed(0)
+    policy = models.random_model("tiny-llama")[0].requires_grad_(True)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    stem = torch.randint(3, 600, (6,)).tolist()
+    ids = [stem + torch.randint(3, 600, (6,)).tolist(), stem + torch.randint(3, 600, (3,)).tolist()]
+    turn_ids = [[0] * 6 + [1, 1, 0, 2, 2, 2], [0] * 6 + [1, 1, 1]]
+    old = [[-7.0 + 0.1 * k if t else 123.0 for k, t in enumerate(row)] for row in turn_ids]
+    recs = [dict(ids=i, turn_ids=t, logprobs=o) for i, t, o in zip(ids, turn_ids, old)]
+    advantages = [[0.7, -1.2], [0.4]]
+    T, beta, low, high, N = 0.9, 0.05, 0.2, 0.28, 11  # N: more tokens than here (other ranks)
+    loss, stats = rpo.micro_batch_loss(policy, reference, recs, advantages, N, temperature=T,
+                                       clip_low=low, clip_high=high, beta=beta,
+                                       share_stem=share_stem)
+    loss.backward()
+    got = {k: p.grad.clone() for k, p in policy.named_parameters()}
+    policy.zero_grad()
+    expected = 0.0
+    for row, turns, sampled, adv in zip(ids, turn_ids, old, advantages):
+        x = torch.tensor([row])
+        logp = torch.log_softmax(policy(x).logits[0].float() / T, -1)
+        with torch.no_grad():
+            ref = torch.log_softmax(reference(x).logits[0].float() / T, -1)
+        for k in range(1, len(row)):
+            if not turns[k]:
+                continue
+            lp, rp, a = logp[k - 1, row[k]], ref[k - 1, row[k]], adv[turns[k] - 1]
+            ratio = torch.exp(lp - sampled[k])
+            surrogate = torch.maximum(-ratio * a, -ratio.clamp(1 - low, 1 + high) * a)
+            d = rp - lp
+            expected = expected + surrogate + beta * (torch.exp(d) - d - 1)
+    expected = expected / N
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    assert stats["loss"] == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    assert stats["nonfinite"] == dict(logprobs=0, advantages=0, loss=0)
+    for name, p in policy.named_parameters():
+        assert (got[name] - p.grad).abs().max() <= 1e-5 * max(p.grad.abs().max(), 1e-8), name
+    assert stats["kl"] > 0
+
+
+def test_micro_batch_loss_counts_a_non_finite_log_prob():
+    import models
+    policy = models.random_model("tiny-llama")[0]
+    recs = [dict(ids=[5, 6, 7, 8], turn_ids=[0, 1, 1, 0], logprobs=[0.0, math.nan, -1.0, 0.0])]
+    loss, stats = rpo.micro_batch_loss(policy, None, recs, [[1.0]], 2, beta=0.0)
+    assert stats["nonfinite"]["logprobs"] == 1
+
+
+@pytest.mark.parametrize("first_kept", [9, 5])
+def test_a_shared_prompt_runs_once_with_the_plain_forwards_logits_and_gradients(first_kept):
+    """rpo.kept_logits with share_stem: three right-padded rows whose first 12 tokens agree
+    (a group's prompt). The prefix runs once, its keys and values repeated for the rows; the
+    logits at the kept positions and every weight's gradient equal the plain forward's. The
+    prefix stops at the first kept position (5: inside the shared part)."""
+    import copy
+
+    import torch
+
+    import models
+    model = models.random_model("tiny-llama")[0].requires_grad_(True)
+    torch.manual_seed(1)
+    stem = torch.randint(3, 600, (12,)).tolist()
+    rows = [stem + torch.randint(3, 600, (n,)).tolist() for n in (6, 9, 3)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    keep = torch.arange(first_kept, width - 1)
+    weights = torch.randn(3, len(keep), model.config.vocab_size)
+    out = {}
+    for share in (False, True):
+        m = copy.deepcopy(model).train()
+        logits = rpo.kept_logits(m, ids, keep, share)
+        (logits * weights).sum().backward()
+        out[share] = logits.detach(), {k: p.grad for k, p in m.named_parameters()}
+    assert out[True][0].shape == out[False][0].shape == (3, len(keep), model.config.vocab_size)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    for name, grad in out[False][1].items():  # float32 sums in another order: 1e-6 of the scale
+        assert (out[True][1][name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
+    assert any(g.abs().sum() > 0 for g in out[True][1].values())

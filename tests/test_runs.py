@@ -21,8 +21,12 @@ import probes
 from lab import records
 import rollout
 import rpo
-from lab import runs
+from lab import cli, presets, runs, steps
 import train
+
+
+def parse_train(argv):
+    return cli.train_args(argv, train)
 
 # one worker builds conftest.trained_run and runs every test here that copies it
 pytestmark = pytest.mark.xdist_group("trained-run")
@@ -164,7 +168,7 @@ def test_an_out_that_cannot_hold_a_run_is_refused_before_loading(tmp_path, short
 
 def test_a_long_name_is_refused_in_one_line(tmp_path, no_model_loads):
     with pytest.raises(SystemExit, match=f"more than {runs.NAME_MAX}"):
-        train.parse_args(["--preset", "tiny", "--out", str(tmp_path), "--name", "x" * 300])
+        parse_train(["--preset", "tiny", "--out", str(tmp_path), "--name", "x" * 300])
     with pytest.raises(SystemExit):
         eval.main(["--limit", "1", "--name", "bad\x07name"])
 
@@ -215,6 +219,10 @@ def test_a_resumed_config_with_an_invalid_value_is_refused_before_loading(run_co
     (rpo, "STRATEGY_WEIGHT", 0.25),
     (rpo, "GOAL", {**rpo.GOAL, "ACCEPT": 5.0}),
     (probes, "PROBES", {**probes.PROBES, "CA": "Do you feel heard?"}),
+    # no hand-kept list: every CAPS constant of the method's modules and of train.py is pinned
+    (rollout, "ADMISSION", "waves"),
+    (rpo, "CLIP_HIGH", 0.3),
+    (train, "GRAD_CLIP", 0.5),
 ])
 def test_resume_after_editing_an_ablation_constant_is_refused_naming_it(run_copy, monkeypatch, module,
                                                                        name, value, no_model_loads):
@@ -232,8 +240,25 @@ def test_editing_a_constant_reaches_a_preset_that_does_not_override_it(monkeypat
     import engine
     monkeypatch.setattr(arena, "T_MAX_TRAIN", 3)
     monkeypatch.setattr(engine, "MAX_NEW_TOKENS", 77)
-    args = train.parse_args(["--preset", "paper", "--plan", "--out", str(tmp_path)])
+    args = parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])
     assert (args.t_max, args.max_new_tokens) == (3, 77)
+
+
+def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch, tmp_path):
+    """The tiny preset pins turns and tokens: the run says so, naming the constant and its value
+    (an edit of arena.T_MAX_TRAIN then shows why it changed nothing); a value the command line
+    gives, or one the preset leaves to its constant, is not listed."""
+    import arena
+    monkeypatch.setattr(arena, "T_MAX_TRAIN", 5)
+    tiny = presets.PRESETS["tiny"]
+    notes = presets.preset_notes(parse_train(["--preset", "tiny", "--out", str(tmp_path)]))
+    assert notes == [f"t_max {tiny['t_max']} (tiny preset; arena.T_MAX_TRAIN 5)",
+                     f"eval_t_max {tiny['eval_t_max']} (tiny preset; arena.T_MAX_EVAL {arena.T_MAX_EVAL})",
+                     f"max_new_tokens {tiny['max_new_tokens']} (tiny preset; engine.MAX_NEW_TOKENS "
+                     f"{__import__('engine').MAX_NEW_TOKENS})"]
+    given = parse_train(["--preset", "tiny", "--t-max", "3", "--out", str(tmp_path)])
+    assert [n.split()[0] for n in presets.preset_notes(given)] == ["eval_t_max", "max_new_tokens"]
+    assert presets.preset_notes(parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])) == []
 
 # -----------------------------------------------------------------------------
 # one JSONL rule
@@ -246,7 +271,7 @@ def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_p
     metrics, episodes = tmp_path / "metrics.jsonl", tmp_path / "episodes.jsonl"
     metrics.write_text('{"step": 1}\n{"step": 2, "lo\n')
     episodes.write_text('{"id": "a"}\n{"id": "b", "tr\n')
-    train.resume_metrics(metrics, 5)
+    steps.resume_metrics(metrics, 5)
     assert list(eval.read_played(episodes)) == ["a"]
     warnings = [line.replace(str(tmp_path), "") for line in capsys.readouterr().err.splitlines()]
     assert warnings == ["warning: dropping the partial last line 2 of /metrics.jsonl",
@@ -255,7 +280,7 @@ def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_p
     metrics.write_text('not json\n{"step": 1}\n')
     episodes.write_text('not json\n{"id": "a"}\n')
     with pytest.raises(SystemExit, match="metrics.jsonl, line 1 is not valid JSON"):
-        train.resume_metrics(metrics, 5)
+        steps.resume_metrics(metrics, 5)
     with pytest.raises(ValueError, match="episodes.jsonl, line 1 is not valid JSON"):
         eval.read_played(episodes)
 
@@ -332,12 +357,12 @@ def test_every_rank_all_reduces_the_same_timing_keys_in_one_order(monkeypatch):
 
 
 def test_the_sampling_flags_name_rollouts_presets():
-    """runs.py (no torch) lists the presets rollout.SAMPLING holds, and the flags resolve as the
-    presets overridden flag by flag."""
+    """--sampling offers the presets rollout.SAMPLING holds (read there, never copied), and the
+    flags resolve as the presets overridden flag by flag."""
     import argparse
-    assert runs.SAMPLING_PRESETS == tuple(rollout.SAMPLING)
     parser = argparse.ArgumentParser()
-    runs.add_sampling_flags(parser)
+    cli.add_sampling_flags(parser)
+    assert next(a for a in parser._actions if a.dest == "sampling").choices == tuple(rollout.SAMPLING)
     args = parser.parse_args(["--sampling", "cpu", "--persuadee-top-k", "5"])
     persuader, persuadee = rollout.role_sampling(args)
     assert persuader == rollout.SAMPLING["cpu"][0]
@@ -376,3 +401,17 @@ def test_eval_resume_keeps_the_evaluations_own_settings(tmp_path, monkeypatch, c
     assert (tmp_path / "r" / "episodes.jsonl").read_text() == lines
     with pytest.raises(SystemExit, match="seed 1 there, 2 now"):
         eval.main(["--name", "r", "--resume", "--seed", "2"])
+
+
+def test_pinned_constants_hold_every_caps_constant_json_can():
+    """cli.pinned_constants: the CAPS constants of the method's modules and the entry point's
+    own, as JSON holds them; where files are (_PATH, _DIR) and what JSON cannot hold are not."""
+    import arena
+    pinned = cli.pinned_constants(train)
+    assert pinned["train.MAX_SKIPPED_STEPS"] == train.MAX_SKIPPED_STEPS
+    assert pinned["arena.T_MAX_TRAIN"] == arena.T_MAX_TRAIN
+    assert pinned["rollout.DECISION"] == rollout.DECISION
+    assert pinned["arena.NEGATIONS"] == sorted(arena.NEGATIONS, key=repr)
+    assert "arena.SCENARIOS_PATH" not in pinned and "models.CACHE_DIR" not in pinned
+    assert "arena.TAG_RE" not in pinned
+    assert json.loads(json.dumps(pinned)) == pinned

@@ -24,6 +24,7 @@ import eval
 import models
 import probes
 import rollout
+from lab import presets
 from lab import served
 from conftest import short_scenario, tiny_model
 
@@ -587,7 +588,7 @@ def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_s
                           str(tmp_path), "--name", "judged", "--steps", "1", "--judge", server,
                           "--save-every", "1000"])
     [(ids, transcripts, scores, requests)] = calls
-    tiny = train.PRESETS["tiny"]
+    tiny = presets.PRESETS["tiny"]
     assert len(ids) == len(transcripts) == tiny["instances"] * tiny["group_size"]
     assert all(len(set(ids[g:g + tiny["group_size"]])) == 1
                for g in range(0, len(ids), tiny["group_size"]))  # instance-major groups
@@ -606,7 +607,7 @@ def test_train_steps_against_a_served_persuadee(server, tmp_path, short_scenario
     run = ["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
            "--steps", "2", "--persuadee", server, "--save-every", "1000", "--max-new-tokens", "4"]
     history = train.main(run + ["--name", "served"])
-    tiny = train.PRESETS["tiny"]
+    tiny = presets.PRESETS["tiny"]
     assert [m["step"] for m in history] == [1, 2]
     for m in history:
         assert m["episodes"] == tiny["instances"] * tiny["group_size"]
@@ -636,7 +637,7 @@ def test_training_against_a_served_persuadee_starts_at_ratio_one(tmp_path, short
         server.close()
     assert m["persuader_tokens"] > 0 and m["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
     assert m["nonfinite_belief_share"] == 0.0 and m["left_out"] == 0
-    assert train.PRESETS["tiny"]["sampling"] == "paper"
+    assert presets.PRESETS["tiny"]["sampling"] == "paper"
     assert rollout.SAMPLING["paper"][1].top_p < 1  # the persuadee truncates: the case tested
 
 

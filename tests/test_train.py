@@ -16,12 +16,16 @@ import torch
 import arena
 import models
 import rpo
-from lab import runs
+from lab import cli, presets, runs, steps
 import train
 
 
 TINY = ["--preset", "tiny", "--judge", "none", "--save-every", "1000"]
 COMPARED = ("loss", "grad_norm", "reward_mean", "belief_change", "kl", "persuader_tokens")
+
+
+def parse_train(argv):
+    return cli.train_args(argv, train)
 
 
 def tiny_run(tmp_path, scenarios, name, *extra):
@@ -136,38 +140,6 @@ def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
     assert grads(moved, adv)[0] != pytest.approx(base, rel=1e-3)
 
 
-@pytest.mark.parametrize("first_kept", [9, 5])
-def test_a_shared_prompt_runs_once_with_the_plain_forwards_logits_and_gradients(first_kept):
-    """train.kept_logits with share_stem: three right-padded rows whose first 12 tokens agree
-    (a group's prompt). The prefix runs once, its keys and values repeated for the rows; the
-    logits at the kept positions and every weight's gradient equal the plain forward's. The
-    prefix stops at the first kept position (5: inside the shared part)."""
-    import copy
-
-    import torch
-
-    import models
-    model = models.random_model("tiny-llama")[0].requires_grad_(True)
-    torch.manual_seed(1)
-    stem = torch.randint(3, 600, (12,)).tolist()
-    rows = [stem + torch.randint(3, 600, (n,)).tolist() for n in (6, 9, 3)]
-    width = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    keep = torch.arange(first_kept, width - 1)
-    weights = torch.randn(3, len(keep), model.config.vocab_size)
-    out = {}
-    for share in (False, True):
-        m = copy.deepcopy(model).train()
-        logits = train.kept_logits(m, ids, keep, share)
-        (logits * weights).sum().backward()
-        out[share] = logits.detach(), {k: p.grad for k, p in m.named_parameters()}
-    assert out[True][0].shape == out[False][0].shape == (3, len(keep), model.config.vocab_size)
-    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
-    for name, grad in out[False][1].items():  # float32 sums in another order: 1e-6 of the scale
-        assert (out[True][1][name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
-    assert any(g.abs().sum() > 0 for g in out[True][1].values())
-
-
 def test_tensorboard_events_hold_the_metrics_the_heldout_summary_and_samples(tmp_path, short_scenarios):
     """--log tensorboard: tensorboard's own event reader finds every number of metrics.jsonl
     under train/ at its step, the held-out summary under heldout/, and the sample table."""
@@ -205,7 +177,7 @@ def test_wandb_runs_offline(tmp_path, short_scenarios, monkeypatch):
 def test_a_missing_logger_package_is_a_one_line_exit(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
     with pytest.raises(SystemExit) as e:
-        train.parse_args(["--log", "wandb"])
+        parse_train(["--log", "wandb"])
     assert str(e.value) == "train.py: --log wandb needs the wandb package: pip install wandb"
 
 
@@ -220,7 +192,7 @@ def test_rpo_owns_the_defaults(monkeypatch):
     edited = dict(LAMBDA=0.25, ANCHOR=not rpo.ANCHOR, KL_BETA=0.5, CLIP_LOW=0.1, CLIP_HIGH=0.4)
     for name, value in edited.items():
         monkeypatch.setattr(rpo, name, value)
-    args = train.parse_args(["--preset", "tiny", "--out", "/nonexistent-runs"])
+    args = parse_train(["--preset", "tiny", "--out", "/nonexistent-runs"])
     assert (args.lam, args.anchor, args.kl_beta, args.clip_low, args.clip_high) == tuple(edited.values())
 
 
@@ -235,7 +207,7 @@ def test_defaults():
                                  "REJECT": -1.0, "WALK_AWAY": -1.0}
     assert (arena.T_MAX_TRAIN, arena.T_MAX_EVAL, arena.JUDGE_RETRIES) == (6, 10, 3)
     assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
-    paper = train.preset_values("paper")
+    paper = presets.preset_values("paper")
     assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
 
 
@@ -272,11 +244,11 @@ def test_bad_arguments_fail_before_any_model_loads(tmp_path, short_scenarios, no
 def test_a_folder_that_is_no_model_is_refused(tmp_path, no_model_loads):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="not a model folder"):
-        train.parse_args(["--preset", "tiny", "--persuadee", str(tmp_path / "empty"), "--out", str(tmp_path)])
+        parse_train(["--preset", "tiny", "--persuadee", str(tmp_path / "empty"), "--out", str(tmp_path)])
 
 
 def test_group_size_one_warns(tmp_path, capsys):
-    train.parse_args(["--preset", "tiny", "--group-size", "1", "--out", str(tmp_path)])
+    parse_train(["--preset", "tiny", "--group-size", "1", "--out", str(tmp_path)])
     assert "--group-size 1" in capsys.readouterr().err
 
 
@@ -306,14 +278,14 @@ def test_metrics_rewrite_is_atomic_and_drops_a_partial_last_line(tmp_path, monke
     with monkeypatch.context() as m:  # a write that dies before the rename leaves the old file
         m.setattr(os, "replace", killed)
         with pytest.raises(SystemExit, match="metrics.jsonl.*No space left"):
-            train.resume_metrics(path, 2)
+            steps.resume_metrics(path, 2)
     assert path.read_text() == full + '{"step": 4, "lo' and not (tmp_path / "metrics.jsonl.tmp").exists()
-    train.resume_metrics(path, 2)
+    steps.resume_metrics(path, 2)
     assert path.read_text() == full[:full.index('{"step": 3')]
     assert "partial last line 4" in capsys.readouterr().err
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(SystemExit, match="line 2 is not valid JSON"):
-        train.resume_metrics(path, 2)
+        steps.resume_metrics(path, 2)
 
 
 def test_metrics_lines_are_valid_json_with_non_finite_values():
@@ -774,21 +746,21 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
                                        persuader_sampling=engine.Sampling(1.0))
     assert [(r["end_reason"] == "cache", r["beliefs"] == []) for r in records] == \
         [(False, False)] * 2 + [(True, True)] * 2
-    kept, left_out = train.playable(records, 2, print)
+    kept, left_out, why = rpo.playable(records, 2)
     assert kept == records[:2]
     assert left_out == dict(never_started=2, api_errors=0, left_out=2)
-    assert f"{long['id']} member 1 never started" in capsys.readouterr().out
+    assert f"{long['id']} member 1 never started" in why
     args = ap.Namespace(lam=rpo.LAMBDA, anchor=rpo.ANCHOR, judge="none", group_size=2)
-    turn_adv, groups = train.advantages(kept, 2, args)
-    m = train.step_metrics(1, kept, groups, dict(persuader_tokens=1), dict(rollout_s=1.0), args,
+    turn_adv, groups = rpo.advantages(kept, 2, args.lam, args.anchor)
+    m = steps.step_metrics(1, kept, groups, dict(persuader_tokens=1), dict(rollout_s=1.0), args,
                            torch.device("cpu"))
     assert m["episodes"] == 2
-    empty = train.step_metrics(1, [], [], dict(persuader_tokens=0), dict(rollout_s=1.0), args,
+    empty = steps.step_metrics(1, [], [], dict(persuader_tokens=0), dict(rollout_s=1.0), args,
                                torch.device("cpu"))
     assert empty["episodes"] == 0 and empty["reward_mean"] == 0.0
     # the update still sees four episodes in their places (every rank the same micro-batches),
     # the left-out ones without a persuader token: a micro-batch of only those adds nothing
-    update_records, update_adv = train.silenced(records, kept, turn_adv)
+    update_records, update_adv = rpo.silenced(records, kept, turn_adv)
     assert update_records[:2] == kept and update_adv[2:] == [[], []]
     assert all(not any(r["turn_ids"]) and r["ids"] for r in update_records[2:])
     model = er.model
@@ -850,7 +822,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
 def test_lora_refuses_a_negative_rank_and_resume(tmp_path, short_scenarios, no_model_loads):
     for extra in (["--lora", "-1"], ["--lora", "4", "--resume"]):
         with pytest.raises(SystemExit, match="--lora"):
-            train.parse_args(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
+            parse_train(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
                                      "--name", "x", *extra])
 
 
@@ -890,7 +862,7 @@ def test_a_zero_advantage_step_skips_its_passes_and_matches_the_full_update(kl_b
                  logprobs=[-2.0] * 10) for _ in range(2)]
     def run(skip):
         if not skip:
-            monkeypatch.setattr(train, "zero_advantage_step", lambda *a: None)
+            monkeypatch.setattr(steps, "zero_advantage_step", lambda *a: None)
         policy = copy.deepcopy(model).requires_grad_(True)
         opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         device = torch.device("cpu")
@@ -936,3 +908,26 @@ def test_prompts_are_shared_in_one_process_without_checkpointing():
         warnings.simplefilter("error")  # no deprecated name
         train.checkpoint_activations(model)
     assert not train.shares_prompts(model, 1)
+
+
+def test_flags_are_passed_down_and_the_preset_is_named_before_step_one(tmp_path, short_scenarios,
+                                                                       monkeypatch, capsys):
+    """--decision reaches every rollout as an argument (rollout.DECISION, its default, is never
+    assigned), and the tiny preset names the values it sets over their constants (turns,
+    tokens) before step 1."""
+    import rollout
+    seen, original = [], rollout.rollout_episodes
+
+    def spy(*a, **k):
+        seen.append(k.get("decision"))
+        return original(*a, **k)
+    monkeypatch.setattr(rollout, "rollout_episodes", spy)
+    before = rollout.DECISION
+    tiny_run(tmp_path, short_scenarios, "flags", "--steps", 1, "--max-new-tokens", 3,
+             "--decision", "logit")
+    assert seen == ["logit"] and rollout.DECISION == before
+    out = capsys.readouterr().out
+    t_max = presets.PRESETS["tiny"]["t_max"]
+    note = f"t_max {t_max} (tiny preset; arena.T_MAX_TRAIN {arena.T_MAX_TRAIN})"
+    assert note in out and out.index(note) < out.index("step 1:")
+    assert not any(line.startswith("max_new_tokens ") for line in out.splitlines())  # given: 3

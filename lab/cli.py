@@ -1,0 +1,417 @@
+"""
+cli.py: the command-line mechanism every entry point shares (train.py, eval.py, python -m
+lab.sweep, lab.env, lab.bench): flags whose defaults are the constants that own them, one-line
+refusals (what, where, how to fix) before any model loads, and resume pinning.
+
+  - train_args(argv, own): train.py's settings: the command line over its preset
+    (lab/presets.py) over the owning constants; with --resume the run's config.json, pinned;
+  - pinned_constants(own): every JSON-serialisable CAPS constant of the method's modules (and
+    of the entry point's own), recorded in config.json / settings.json; --resume refuses a
+    run whose constants changed (changed_constants) or a setting changed (pin_settings), with
+    no hand-kept list of knobs;
+  - the shared flags: the sampling preset and its four overrides (rollout.SAMPLING), --decision
+    (default rollout.DECISION), --dtype's choices (DTYPES), and one check of a model argument
+    (model_problem) for train.py, eval.py and lab.env; probes.add_flags and
+    served.add_key_flag (default served.ALLOW_INSECURE_KEY) beside them. A flag's default is
+    the constant that owns it, read when the parser is built, and its value travels down as an
+    argument (rollout_episodes(decision=...), ServedModel(allow_insecure_key=...)): no entry
+    point assigns another module's constant.
+
+    python train.py --help
+"""
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import arena
+import engine
+import models
+import probes
+import rollout
+import rpo
+from lab import plan, presets, runs, served
+
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
+MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "eval_fidelity", "save_every", "log")  # recorded in config.json
+NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed", "plan",
+                "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
+POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
+            "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
+PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "engine", "layers", "models")  # the method's
+# constants, pinned on resume (with the entry point's own); names ending in _PATH or _DIR say
+# where files are on this machine, not how the method runs, and are not pinned
+
+# -----------------------------------------------------------------------------
+# resume pinning
+
+
+def _as_json(value):
+    """A constant as JSON holds it (sets sorted into lists), or None when JSON cannot hold it."""
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value, key=repr)
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        return None
+
+
+def pinned_constants(own=None):
+    """{"module.NAME": value} of every CAPS constant of PINNED_MODULES and of the module own
+    (the entry point's: train.py, eval.py), as JSON holds it."""
+    modules = {name: importlib.import_module(name) for name in PINNED_MODULES}
+    if own is not None:
+        modules[Path(own.__file__).stem] = own
+    pinned = {}
+    for module_name, module in modules.items():
+        for name, value in vars(module).items():
+            if name.isupper() and not name.startswith("_") and not name.endswith(("_PATH", "_DIR")) \
+                    and (held := _as_json(value)) is not None:
+                pinned[f"{module_name}.{name}"] = held
+    return pinned
+
+
+def read_config(run_dir, who):
+    """A run's config.json as a dict, or a one-line exit."""
+    path = Path(run_dir) / "config.json"
+    try:
+        recorded = json.loads(path.read_text())
+        problem = None if isinstance(recorded, dict) else "not a JSON object"
+    except (OSError, ValueError) as e:
+        problem = type(e).__name__
+    if problem:
+        raise runs.say_error(who, f"--resume: {path} cannot be read ({problem}); restore it from a "
+                             "copy, or start a new run (another --name)")
+    return recorded
+
+
+def changed_constants(recorded, own=None):
+    """The pinned constants that differ from those a run recorded (config.json "constants"),
+    each as 'module.NAME VALUE here, VALUE in the run'."""
+    now = pinned_constants(own)
+    then = recorded.get("constants", {})
+    return [f"{k} is {json.dumps(now.get(k))} here and {json.dumps(then.get(k))} in the run"
+            for k in sorted(set(then) | set(now)) if k in then and then.get(k) != now.get(k)]
+
+
+def _same_kind(value, like):
+    """Whether a value read back from config.json has the type of the argument it stands for."""
+    if like is None:  # an argument with no default: checked by validation
+        return True
+    if isinstance(like, bool):
+        return isinstance(value, bool)
+    if isinstance(like, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(like, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, type(like))
+
+
+def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), record="config.json",
+                 own=None):
+    """--resume: the settings of the run as recorded (config.json or settings.json). A setting
+    the command line leaves out takes the recorded value (which must have its argument's type);
+    one it names with another value is refused in one line naming each, except may_change; an
+    edited pinned constant is refused in one line naming it. The caller then validates args as
+    it does a fresh command line, before any model loads."""
+    if constants := changed_constants(recorded, own):
+        raise runs.say_error(who, f"--resume: {'; '.join(constants)}; a resumed run keeps the "
+                             "objective it was trained with: restore the constant, or start a new "
+                             "run (another --name)")
+    changed = []
+    for key, value in recorded.items():
+        if key in not_settings or key == "constants" or not hasattr(args, key):
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        if key not in explicit:
+            if not _same_kind(value, getattr(args, key)):
+                raise runs.say_error(who, f"--resume: {record} holds {flag} {json.dumps(value)}, "
+                                     f"not a {type(getattr(args, key)).__name__}; fix it there, "
+                                     "or start a new run (another --name)")
+            setattr(args, key, value)
+        elif json.dumps(getattr(args, key)) != json.dumps(value) and key not in may_change:
+            changed.append(f"{flag} {getattr(args, key)} (the run has {value})")
+    if changed:
+        may = ", ".join(f"--{k.replace('_', '-')}" for k in may_change)
+        raise runs.say_error(who, f"--resume keeps the run's settings, and {', '.join(changed)} would "
+                             f"change them; drop them (only {may} may change), or start a new run "
+                             "(another --name)")
+
+
+def explicit_settings(parser, argv):
+    """The settings a command line names (not left to their defaults): a namespace that
+    already holds an attribute keeps argparse from writing the default into it."""
+    unset = object()
+    parsed = parser.parse_args(argv)
+    names = {k for k, v in vars(parsed).items() if not isinstance(v, list)}
+    probe = parser.parse_args(argv, namespace=argparse.Namespace(
+        **dict.fromkeys(names, unset)))
+    return {k for k, v in vars(probe).items() if v is not unset and
+            (k in names or v != parser.get_default(k))}
+
+
+# -----------------------------------------------------------------------------
+# the flags every entry point shares
+
+
+def add_sampling_flags(parser):
+    """--sampling (a preset of rollout.SAMPLING) and the four flags that override it, recorded in
+    every run's config.json or settings.json and summary.json."""
+    parser.add_argument("--sampling", choices=tuple(rollout.SAMPLING), default=None,
+                        help="rollout.SAMPLING preset of both roles (default: the run's own)")
+    parser.add_argument("--persuader-temperature", type=float,
+                        help="default: the preset's (no top-k/top-p: exact pi_old)")
+    parser.add_argument("--persuadee-temperature", type=float, help="default: the preset's")
+    parser.add_argument("--persuadee-top-p", type=float, help="default: the preset's")
+    parser.add_argument("--persuadee-top-k", type=int, help="default: the preset's")
+
+
+def sampling_problem(args):
+    """What is wrong with the sampling flags, as (flag, problem, fix), or None."""
+    for flag, value, example in (("--persuader-temperature", args.persuader_temperature, 1.0),
+                                 ("--persuadee-temperature", args.persuadee_temperature, 0.7)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            return f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {example}"
+    if args.persuadee_top_p is not None and not 0 < args.persuadee_top_p <= 1:
+        return (f"--persuadee-top-p {args.persuadee_top_p}", "must lie in (0, 1]",
+                "pass e.g. --persuadee-top-p 0.8")
+    if args.persuadee_top_k is not None and args.persuadee_top_k < 1:
+        return (f"--persuadee-top-k {args.persuadee_top_k}", "must be at least 1",
+                "pass e.g. --persuadee-top-k 20")
+    return None
+
+
+def add_decision_flag(parser):
+    """--decision (default rollout.DECISION), passed to rollout_episodes as decision=."""
+    parser.add_argument("--decision", choices=arena.DECISION_SOURCES, default=rollout.DECISION,
+                        help="the persuadee's decision: its reply's tag (the paper's), or read "
+                             "from its next-token probabilities in a fork after each reply "
+                             "(logit: for persuadees too small to write tags)")
+
+
+def fill_sampling(args):
+    """The four sampling flags a command line leaves out, from its preset (rollout.SAMPLING):
+    what config.json records and every rollout of the run, its evaluations included, uses."""
+    persuader, persuadee = rollout.SAMPLING[args.sampling]
+    defaults = dict(persuader_temperature=persuader.temperature,
+                    persuadee_temperature=persuadee.temperature, persuadee_top_p=persuadee.top_p,
+                    persuadee_top_k=persuadee.top_k)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def model_problem(name):
+    """What is wrong with a model argument, or None (a hub name cannot be checked offline)."""
+    if not isinstance(name, str):
+        return "is not a model name"
+    if name == "smollm2":
+        return None
+    if name.startswith("random:"):
+        known = models.RANDOM_CONFIGS
+        return None if name[7:] in known else f"names no random shape (one of {', '.join(known)})"
+    path = Path(name).expanduser()
+    if path.exists():
+        return None if (path / "config.json").is_file() or models.is_adapter(path) else \
+            "is a path but not a model folder (no config.json)"
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        return "is no such folder"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# train.py's command line
+
+
+def fail(flag, problem, fix):
+    raise SystemExit(f"train.py: {flag} {problem}; {fix}")
+
+
+def train_parser(seed):
+    p = argparse.ArgumentParser(description="train.py: Probe-RPO, online RL for the persuader against a frozen persuadee",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=presets.PRESETS, default=None,
+                   help="paper on CUDA, cpu otherwise; every value below overrides it")
+    for key in ("persuader", "persuadee", "dtype"):
+        p.add_argument(f"--{key}")
+    p.add_argument("--judge", help="judge model (default: the persuadee's); 'none' gives s = 0")
+    for key in ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
+                "micro_batch", "eval_every", "eval_limit", "save_every"):
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--eval-fidelity", type=int, help="read-outs of each held-out evaluation checked "
+                   "against a full forward (default eval.FIDELITY_SAMPLES; 0 skips the check, "
+                   "which changes no result: the persuadee is frozen, one check covers the run)")
+    p.add_argument("--lora", type=int, help="train rank-RANK LoRA adapters on a frozen base "
+                   "(models.py, LoRA) instead of every weight; 0: full fine-tuning")
+    # rpo.py owns these; read at parse time, so an edited constant changes the run
+    p.add_argument("--lam", type=float, default=rpo.LAMBDA)
+    p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR)
+    probes.add_flags(p)
+    p.add_argument("--kl-beta", type=float, default=rpo.KL_BETA)
+    p.add_argument("--clip-low", type=float, default=rpo.CLIP_LOW)
+    p.add_argument("--clip-high", type=float, default=rpo.CLIP_HIGH)
+    add_sampling_flags(p)
+    p.add_argument("--seed", type=int, default=seed)
+    add_decision_flag(p)
+    p.add_argument("--name", default=None, help="run folder runs/NAME (default: preset and time)")
+    p.add_argument("--out", default="runs")
+    p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing runs/NAME")
+    p.add_argument("--scenarios", default=arena.SCENARIOS_PATH)
+    p.add_argument("--log", action="append", choices=runs.LOGGERS, default=[],
+                   help="also log to TensorBoard (runs/NAME) or Weights & Biases; repeatable")
+    p.add_argument("--plan", action="store_true", help="print the per-rank memory plan for "
+                   "--plan-ranks GPUs of --plan-gib and exit; no model loads")
+    p.add_argument("--plan-ranks", type=int, default=None,
+                   help=f"default: WORLD_SIZE under torchrun, else {plan.PLAN_NODE[0]}")
+    p.add_argument("--plan-gib", type=float, default=None,
+                   help=f"default: this GPU's memory, else {plan.PLAN_NODE[1]} (an H200)")
+    served.add_key_flag(p)
+    return p
+
+
+def train_args(argv, own):
+    """train.py's settings (own: the train module, whose SEED is --seed's default and whose
+    constants are pinned with the method's): the command line over its preset (over the owning
+    constants); with --resume the run's config.json over the preset, pinned. Every value is
+    validated before any model loads, the values read back from config.json as a fresh command
+    line's are."""
+    p = train_parser(own.SEED)
+    args = p.parse_args(argv)
+    args.preset = args.preset or ("paper" if torch.cuda.is_available() else "cpu")
+    for key, value in presets.preset_values(args.preset).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    fill_sampling(args)
+    run_dir = Path(args.out) / args.name
+    if args.lora and args.resume:  # before the folder is read
+        fail(f"--lora {args.lora} with --resume", "cannot resume yet", "start a new run")
+    runs.check_folder(args.out, args.name, "train.py", args.resume, args.overwrite,
+                      first=os.environ.get("RANK", "0") == "0")
+    if args.resume:
+        runs.checkpoint_folder(run_dir)
+        pin_settings(args, read_config(run_dir, "train.py"), explicit_settings(p, argv),
+                     "train.py", RESUME_MAY_CHANGE, NOT_SETTINGS, own=own)
+    try:
+        validate(args)
+    except SystemExit as e:
+        raise SystemExit(f"{e.code} (the value read from {run_dir / 'config.json'})"
+                         if args.resume else e.code) from None
+    for kind in args.log:  # before any model loads: a missing package is a one-line exit
+        runs.require(kind)
+    return args
+
+
+def validate(args):
+    """Every argument checked before any model loads; one line naming the flag and the fix."""
+    for key in POSITIVE:
+        if getattr(args, key) < 1:
+            fail(f"--{key.replace('_', '-')} {getattr(args, key)}", "must be at least 1",
+                 f"pass a positive number, e.g. --{key.replace('_', '-')} {presets.preset_values('tiny')[key]}")
+    if args.instances > arena.N_TRAIN_INSTANCES:
+        fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training "
+             "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
+    if args.eval_every < 0:
+        fail(f"--eval-every {args.eval_every}", "is negative", "pass 0 (no evaluation) or a number of steps")
+    if args.eval_fidelity is not None and args.eval_fidelity < 0:
+        fail(f"--eval-fidelity {args.eval_fidelity}", "is negative", "pass 0 (no check) or a number of read-outs")
+    if args.dtype not in DTYPES:
+        fail(f"--dtype {args.dtype}", "is not a dtype this loop runs", f"pass one of {', '.join(DTYPES)}")
+    for flag, value, example in (("--lr", args.lr, 1e-6), ("--lam", args.lam, rpo.LAMBDA),
+                                 ("--kl-beta", args.kl_beta, rpo.KL_BETA),
+                                 ("--clip-high", args.clip_high, rpo.CLIP_HIGH)):
+        if not math.isfinite(value) or value < 0:
+            fail(f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {example}")
+    if not (math.isfinite(args.clip_low) and 0 <= args.clip_low < 1):
+        fail(f"--clip-low {args.clip_low}", "must lie in [0, 1) (the ratio is clipped at 1 - clip-low)",
+             f"pass e.g. --clip-low {rpo.CLIP_LOW}")
+    if problem := sampling_problem(args):
+        fail(*problem)
+    for role in ("persuader", "persuadee", "judge"):
+        name = getattr(args, role)
+        if name in (None, "none") and role == "judge" or served.is_served(name) and role != "persuader":
+            continue  # a served persuadee or judge is checked at start-up (ServedModel.check)
+        if problem := model_problem(name):
+            fail(f"--{role} {name}", problem, MODEL_FIX)
+    if (args.lora or 0) < 0:
+        fail(f"--lora {args.lora}", "must be >= 0", "pass a rank such as --lora 8, or 0 for full fine-tuning")
+    if problem := input_problem(args, validate_scenarios(args)):
+        fail(*problem)
+    if args.group_size == 1:
+        print("train.py: warning: --group-size 1 leaves every group without a baseline: no outcome "
+              "advantage, only the dense term trains (pass --group-size 2 or more)", file=sys.stderr)
+
+
+def validate_scenarios(args):
+    """The scenarios file reads, and holds the splits this run plays."""
+    try:
+        scenarios = arena.load_scenarios(args.scenarios)
+    except OSError as e:
+        fail(f"--scenarios {args.scenarios}", f"cannot be read ({e.strerror or e})",
+             "pass a readable scenarios.jsonl")
+    except (ValueError, TypeError) as e:
+        fail("--scenarios", f"is not a valid scenarios file ({e})", "fix that line")
+    for split, needed in (("train", True), ("heldout", args.eval_every > 0)):
+        if needed and not any(s["split"] == split for s in scenarios):
+            fail(f"--scenarios {args.scenarios}", f"holds no {split} scenarios",
+                 "add some, or pass a file that has them" + (" (or --eval-every 0)"
+                                                                  if split == "heldout" else ""))
+    return scenarios
+
+
+def input_problem(args, scenarios):
+    """(flag, problem, fix) for a plan size that is no size or a training file that cannot give
+    the run its N_TRAIN_INSTANCES distinct instances, else None."""
+    if args.plan_gib is not None and not (math.isfinite(args.plan_gib) and args.plan_gib > 0):
+        return f"--plan-gib {args.plan_gib}", "must be a finite number of GiB > 0", "pass e.g. --plan-gib 80"
+    if args.plan_ranks is not None and args.plan_ranks < 1:
+        return f"--plan-ranks {args.plan_ranks}", "must be at least 1", "pass e.g. --plan-ranks 8"
+    if problem := arena.variants_problem(scenarios):
+        return f"--scenarios {args.scenarios}", problem, "add training scenarios, or vary the personas"
+    return None
+
+
+def record_config(run_dir, args, start, own=None):
+    """config.json: the settings of a new run and the constants it pins
+    (pinned_constants); on a resume the recorded file, with the RESUME_MAY_CHANGE settings
+    that changed listed under "resumed" (and said), else untouched."""
+    path = run_dir / "config.json"
+    if not args.resume:
+        config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite")}
+        return runs.write_atomic(path, json.dumps({**config, "constants": pinned_constants(own)},
+                                                  indent=2), who="train.py",
+                                 kept="nothing was trained yet")
+    config = json.loads(path.read_text())
+    changes = {k: [config.get(k), getattr(args, k)] for k in RESUME_MAY_CHANGE
+               if json.dumps(config.get(k)) != json.dumps(getattr(args, k))}
+    if changes:
+        print(f"train.py: resuming at step {start} with " + ", ".join(
+            f"--{k.replace('_', '-')} {new} (was {old})" for k, (old, new) in changes.items()))
+        config.update({k: new for k, (_, new) in changes.items()})
+        config.setdefault("resumed", []).append(dict(step=start, changed=changes))
+        runs.write_atomic(path, json.dumps(config, indent=2), who="train.py", kept=f"{path} is as it was")
+
+
+def against_paper(args):
+    """What a LoRA run or the one-gpu preset trades against the paper preset, for --plan."""
+    if not args.lora and args.preset != "one-gpu":
+        return []
+    paper, world = presets.PRESETS["paper"], args.plan_ranks or 1
+    episodes = args.instances * args.group_size
+    full = paper["instances"] * paper["group_size"]
+    return [f"against the paper preset (8 GPUs, full fine-tuning): LoRA rank {args.lora} on a "
+            f"frozen {args.dtype} base (the reference: adapter off), lr {args.lr:g} (paper "
+            f"{paper['lr']:g}); {episodes} episodes a step (paper {full}: "
+            f"{episodes / full:.3g}x the batch), {args.steps} steps, {episodes * args.steps:,} "
+            f"episodes in all (paper {full * paper['steps']:,}); held-out check on "
+            f"{args.eval_limit} scenarios (paper {paper['eval_limit']}); {world} rank(s), "
+            "data parallel"]

@@ -1,0 +1,257 @@
+"""
+steps.py: what train.py does around the method's step, kept out of the reader's way: start-up
+(the memory plan and banner, CPU threads, served roles, the playable training set), the run
+folder's records (config.json, metrics.jsonl, rollouts.jsonl, samples-STEP.json, evals.jsonl),
+the step's metrics and diagnostics (pooled over ranks: counts and sums are all-reduced before
+each division), the zero-advantage skip and the stop after MAX_SKIPPED_STEPS non-finite steps.
+
+    python train.py --preset tiny      # every line it prints but the loop's comes from here
+"""
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import arena
+import rollout
+import rpo
+from lab import cli, plan, presets, runs, served
+
+SAMPLE_DIALOGUES = 2                # episodes a step kept in samples-STEP.json and the loggers' table
+
+# -----------------------------------------------------------------------------
+# start-up
+
+
+def set_cpu_threads(device):
+    """On a CPU with OMP_NUM_THREADS unset, torch's threads: one per core the machine's load leaves
+    free (at least one). torch's default takes every core, and on a busy machine its threads then
+    wait on each other (a step can take several times as long). OMP_NUM_THREADS, when set, wins."""
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - round(os.getloadavg()[0]))))
+
+
+def served_roles(args):
+    """(persuadee, judge) served over the OpenAI API, each checked to answer, else None."""
+    key = dict(allow_insecure_key=args.allow_insecure_key)  # --allow-insecure-key
+    persuadee = served.ServedModel(args.persuadee, **key) if served.is_served(args.persuadee) else None
+    judge = (served.ServedModel(args.judge, **key) if served.is_served(args.judge) else
+             persuadee if args.judge is None else None)  # default: the persuadee
+    for model in {id(m): m for m in (persuadee, judge) if m}.values():
+        model.check()  # a wrong URL or key is a one-line exit before any model loads
+    return persuadee, judge
+
+
+def plan_run(args, world, device, say):
+    """The memory plan (printed; what cannot fit is refused before any model loads) and the
+    run's banner; returns the engines' pool sizes (a CPU keeps the engine's defaults)."""
+    rank_plan = plan.device_plan(args, world, device)
+    for line in plan.plan_lines(rank_plan):
+        say(line)
+    if refusal := plan.plan_refusal(rank_plan):
+        sys.exit(refusal)
+    for line in presets.preset_notes(args):  # what the preset sets over the owning constants
+        say(line)
+    if args.preset == "cpu" and not torch.cuda.is_available():
+        say(f"no CUDA device: cpu preset ({args.persuader} as persuader and persuadee, judge "
+            f"{args.judge or args.persuadee})")
+    say(f"run {Path(args.out) / args.name}  preset {args.preset}  ranks {world}  lambda {args.lam}  "
+        f"anchor {args.anchor}  G {args.group_size}  instances/step {args.instances}")
+    if args.instances % world:
+        sys.exit(f"train.py: --instances {args.instances} must be a multiple of the number of "
+                 f"ranks ({world}) so that every rank rolls out whole groups")
+    return rank_plan["sizes"] if device.type == "cuda" else {}
+
+
+def training_set(args, m, say):
+    """The training instances, less those whose prompts fit no context (named once, up front)."""
+    instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
+    problems = rollout.prompt_problems(m.actor, m.persuadee, instances)
+    if problems:
+        say(f"skipping {len(problems)} training instances that do not fit a context, e.g. "
+            f"{next(iter(problems.values()))}")
+    args.skipped_instances = len(problems)
+    return [inst for inst in instances if inst["id"] not in problems]
+
+
+def open_run(run_dir, args, start, own=None):
+    """Rank 0, the models loaded: an --overwrite'n folder emptied, config.json recorded, the
+    JSONL records cut back to the checkpoint's step."""
+    if args.overwrite:
+        runs.clear(run_dir)
+    cli.record_config(run_dir, args, start, own)
+    resume_metrics(run_dir / "metrics.jsonl", start)
+    resume_metrics(run_dir / "rollouts.jsonl", start)
+
+# -----------------------------------------------------------------------------
+# the zero-advantage skip and the divergence stop
+
+
+def at_reference(optimizer, args, device, weight_decay):
+    """True while the policy cannot have left its initial weights (the KL reference): lr 0, or no
+    weight decay and every AdamW first moment still exactly 0 (no nonzero gradient ever, this
+    run or before its checkpoint)."""
+    if args.lr == 0:
+        return True
+    moments = sum(int(getattr(st["exp_avg"], "_local_tensor", st["exp_avg"]).count_nonzero())
+                  for st in optimizer.state.values() if "exp_avg" in st)
+    return weight_decay == 0 and runs.all_sum(moments, device) == 0
+
+
+def zero_advantage_step(policy, optimizer, turn_advantages, args, device, weight_decay):
+    """A step whose every advantage is exactly 0 (a lambda = 0 step whose groups are all dead) has
+    a zero gradient when its KL term has none (no KL term, or the policy still at the reference):
+    its forward and backward passes are skipped, and the optimizer still steps on zero gradients
+    (AdamW's moments decay as they would). Returns the update's stats (ratio_mean and clip_frac
+    unmeasured: None), or None when some advantage (on any rank) or the KL gradient is not 0."""
+    nonzero = runs.all_sum(sum(a != 0 for ep in turn_advantages for a in ep), device)
+    if nonzero or (args.kl_beta != 0 and not at_reference(optimizer, args, device, weight_decay)):
+        return None
+    for p in policy.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return dict(loss=0.0, kl=0.0, clip_frac=None, ratio_mean=None, grad_norm=0.0,
+                persuader_tokens=None, step_skipped=0, nonfinite=[], zero_gradient=1)
+
+
+def stop_if_diverged(skipped, step, m, limit):
+    """Consecutive skipped (non-finite) steps; limit of them (train.MAX_SKIPPED_STEPS) end the run."""
+    skipped = skipped + 1 if m["step_skipped"] else 0
+    if skipped >= limit:
+        sys.exit(f"train.py: {skipped} steps in a row (steps {step - skipped + 1}-{step}) were "
+                 f"skipped as non-finite ({', '.join(m['nonfinite'])}): the run has gone wrong "
+                 f"and stops; the weights updated at step {step - skipped} are suspect: resume "
+                 f"from a checkpoint saved before it, or start again with a lower --lr")
+    return skipped
+
+# -----------------------------------------------------------------------------
+# the step's records: metrics.jsonl, rollouts.jsonl, samples, evals.jsonl
+
+
+def step_metrics(step, records, groups, update, times, args, device):
+    """One metrics line: rewards, outcome shares, belief change, rpo diagnostics, timings."""
+    episodes = runs.all_sum(len(records), device)
+    n = max(episodes, 1)  # every group of a step may have been left out (playable)
+    total = lambda values: runs.all_sum(sum(values), device)
+    m = dict(step=step, episodes=episodes)
+    m["reward_mean"] = total(sum(g[0]) for g in groups) / n
+    for o in arena.OUTCOMES:
+        m[f"outcome_{o}"] = total(r["outcome"] == o for r in records) / n
+    read = [r for r in records if None not in r["beliefs"]]  # rpo counts the rest
+    m["belief_change"] = total(r["beliefs"][-1] - r["beliefs"][0] for r in read) / max(
+        runs.all_sum(len(read), device), 1)
+    m["turns_mean"] = total(r["turns"] for r in records) / n
+    m["judge_mean"] = total(r["judge"] for r in records) / n
+    # the share of transcripts whose strategy score fell back to s = 0 (DECISIONS.md: Judge retries)
+    m["judge_failed_share"] = None if args.judge == "none" else total(
+        bool(r.get("judge_failed")) for r in records) / n
+    # pooled: every rank's counts and sums are added before the division (rpo.diagnostics)
+    sums = rpo.diagnostic_sums(groups, args.lam)
+    m.update(rpo.diagnostics({k: runs.all_sum(v, device) for k, v in sums.items()}))
+    negative, turns = (runs.all_sum(v, device) for v in rpo.negative_process_counts(rpo.numeric(r["beliefs"]) for r in records))
+    m["negative_process_share"] = negative / turns if turns else 0.0
+    collapsed, counted = (runs.all_sum(v, device) for v in rpo.collapsed_groups(records, args.group_size))
+    m["collapsed_group_share"] = collapsed / counted if counted else 0.0  # identical messages
+    m.update(update)
+    m.update(runs.mean_timings(times, device))  # the same keys, in one order, on every rank
+    m["tokens_per_s"] = update["persuader_tokens"] / max(times["rollout_s"], 1e-9)
+    if device.type == "cuda":
+        m["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        import resource
+        m["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return m
+
+
+def step_records(step, records, group_size, args, rank, world):
+    """One small record per episode of the step, for analyses of training rollouts with no rerun
+    (rollouts.jsonl): instance, group (its index in the step's draw) and member, outcome, goal,
+    judge score, b_0, b_T and every belief between (null where unreadable), the lambda-free dense
+    return under the run's anchor setting, turns. Every rank's, in draw order, on rank 0; []
+    elsewhere."""
+    rows = []
+    for i, r in enumerate(records):
+        local, member = divmod(i, group_size)
+        beliefs = r["beliefs"]
+        dense = rpo.dense_return(rpo.numeric(beliefs), r["outcome"], args.anchor)
+        rows.append(dict(step=step, instance=r["id"], group=local * world + rank, member=member,
+                         outcome=r["outcome"], goal=rpo.GOAL[r["outcome"]], judge=r["judge"],
+                         judge_failed=bool(r.get("judge_failed")), b_0=beliefs[0] if beliefs else None,
+                         b_T=beliefs[-1] if beliefs else None, beliefs=beliefs,
+                         dense_return=dense if math.isfinite(dense) else None, turns=r["turns"]))
+    if world > 1:
+        shards = [None] * world
+        dist.all_gather_object(shards, rows)
+        rows = [row for shard in shards for row in shard]
+    return sorted(rows, key=lambda row: (row["group"], row["member"])) if rank == 0 else []
+
+
+def sample_rows(records):
+    """[id, outcome, turns, beliefs, transcript] of the first SAMPLE_DIALOGUES episodes."""
+    rows = []
+    for r in records[:SAMPLE_DIALOGUES]:
+        beliefs = " ".join("-" if b is None else f"{b:+.2f}" for b in r["beliefs"])
+        transcript = "\n".join(f"{m['role']}: {m['text']}" for m in r["transcript"])
+        rows.append([r["id"], r["outcome"], r["turns"], beliefs, transcript])
+    return rows
+
+
+def resume_metrics(path, start):
+    """Keep the lines of a run's JSONL record (metrics.jsonl, rollouts.jsonl) of steps <= start
+    (later steps are redone), rewritten atomically; a bad last line is dropped with a warning
+    (runs.read_jsonl), an earlier one refused."""
+    try:
+        rows = runs.read_jsonl(path) if path.exists() else []
+    except ValueError as e:
+        raise SystemExit(f"train.py: {e} (or the file) and rerun with --resume") from None
+    runs.write_atomic(path, "".join(runs.json_line(row) for _, row in rows if row["step"] <= start),
+                      who="train.py", kept=f"{path} is as it was")
+
+
+def write_step(run_dir, step, metrics, rows, records, args, log):
+    """Rank 0: the step's line of metrics.jsonl and rows of rollouts.jsonl, its samples (every
+    --save-every steps and the first), what stdout and the loggers show of it."""
+    try:
+        runs.append_line(run_dir / "metrics.jsonl", runs.json_line(metrics))
+        runs.append_line(run_dir / "rollouts.jsonl", "".join(map(runs.json_line, rows)))
+    except OSError as e:
+        raise SystemExit(runs.write_failure("train.py", "metrics.jsonl", run_dir, e,
+                                            "the last checkpoint is intact",
+                                            resumable=(run_dir / "latest").is_file())) from None
+    m = metrics
+    if m["step_skipped"]:
+        log.say(f"step {step}: skipped, non-finite {m['nonfinite']} (weights and optimizer unchanged)")
+    log.say(f"step {step}: reward {m['reward_mean']:+.3f}  accept "
+            f"{m['outcome_ACCEPT']:.0%}  belief change {m['belief_change']:+.3f}  loss "
+            f"{m['loss']:+.4f}  kl {m['kl']:.4f}  dead {m['dead_group_share']:.0%}  "
+            f"{m['step_s']:.1f}s (rollout {m['rollout_s']:.1f}, probes {m['probe_s']:.1f}, "
+            f"judge {m['judge_s']:.1f}, update {m['update_s']:.1f})")
+    log.scalars(step, m, "train/")
+    if step % args.save_every == 0 or step == 1:
+        runs.write_atomic(run_dir / f"samples-{step}.json", json.dumps(runs.finite(
+            [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"], beliefs=r["beliefs"])
+             for r in records[:SAMPLE_DIALOGUES]]), indent=1, allow_nan=False),
+            who="train.py", kept="the last checkpoint is intact")
+        log.samples(step, sample_rows(records))
+
+
+def record_evaluation(path, step, summary):
+    """evals.jsonl with the summaries of the steps before this one (a resumed run redoes later
+    ones; a line that is no evaluation summary is dropped with a warning) and this step's."""
+    kept = []
+    for lineno, row in runs.read_jsonl(path, skip_bad=True) if path.exists() else []:
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+            print(f"warning: dropping line {lineno} of {path}, not an evaluation summary",
+                  file=sys.stderr)
+        elif row["step"] < step:
+            kept.append(row)
+    runs.write_atomic(path, "".join(map(runs.json_line, kept + [{"step": step, **summary}])),
+                      who="train.py", kept=f"{path} is as it was")
