@@ -47,7 +47,7 @@ import arena
 import engine
 import models
 import probes
-from lab import served
+from lab import hardening, served
 
 JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
 FROZEN_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the frozen roles' sampling: the
@@ -578,7 +578,7 @@ class EngineSide:
 
 def typed_line(prompt):
     """input(), with bytes that are not UTF-8 kept as lone surrogates (surrogateescape), so that
-    a bad line is found by arena.invalid_text and the line after it is read intact."""
+    a bad line is found by hardening.invalid_text and the line after it is read intact."""
     if hasattr(sys.stdin, "reconfigure") and getattr(sys.stdin, "errors", None) == "strict":
         sys.stdin.reconfigure(errors="surrogateescape")
     return input(prompt)
@@ -594,7 +594,7 @@ def person_line(read, write, prompt):
             return ""
         except UnicodeDecodeError:
             text = "\ud800"
-        if arena.invalid_text(text) is None:
+        if hardening.invalid_text(text) is None:
             return text
         write("that line is not valid UTF-8 text (check the terminal's encoding); type it again")
     return ""

@@ -53,6 +53,7 @@ from urllib.parse import urlparse
 import arena
 import engine
 import probes
+from lab import hardening
 from lab.runs import is_number as finite_number
 
 SERVED_PREFIX = "openai:"     # a model spec with this prefix is served: openai:MODEL@URL
@@ -229,7 +230,7 @@ def logprob_of(entry, where):
     log-prob <= 0 (up to LOGPROB_SLACK of rounding, clamped to 0)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
         raise InvalidAnswer(f"{where} has no token")
-    if bad := arena.invalid_text(entry["token"]):
+    if bad := hardening.invalid_text(entry["token"]):
         raise InvalidAnswer(f"{where}'s token holds {bad}")
     lp = entry.get("logprob")
     if not finite_number(lp) or lp > LOGPROB_SLACK:
@@ -284,7 +285,7 @@ def read_answer(body, max_tokens, top_logprobs=None, model=None):
     text = message.get("content") if isinstance(message, dict) else None
     if not isinstance(text, str):
         raise InvalidAnswer(f"the answer's message content is {text!r}, not text")
-    if bad := arena.invalid_text(text):
+    if bad := hardening.invalid_text(text):
         raise InvalidAnswer(f"the answer's text holds {bad}")
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):

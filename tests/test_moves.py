@@ -7,7 +7,7 @@ import torch
 
 import arena
 import engine
-from lab import moves
+from lab import hardening, moves
 from conftest import short_scenario, tiny_model
 
 EXAMPLES = {  # label -> messages written to carry it
@@ -133,7 +133,7 @@ def test_a_quoted_message_cannot_forge_a_ruler_a_line_or_the_profile():
     assert [json.loads(line) for line in lines if line.startswith('"')] == [FORGED]
     assert len(lines) == len(moves.tagger_messages(short_scenario(2), "x")[1]["content"].splitlines())
     assert not any(c in user for c in "\u0085\u2028\u2029") and "-----" not in user.replace(
-        arena.quoted(FORGED), "")
+        hardening.quoted(FORGED), "")
 
 
 def test_role_markers_in_a_message_are_no_control_ids_of_the_tagger(chat_tokenizer):

@@ -319,7 +319,7 @@ def test_the_terminal_reads_invalid_utf8_as_text_to_refuse():
     exception, no lost buffer), and the next line intact."""
     code = ("import rollout, arena\n"
             "a = rollout.typed_line(''); b = rollout.typed_line('')\n"
-            "print(arena.invalid_text(a) is not None, b)")
+            "print(hardening.invalid_text(a) is not None, b)")
     p = subprocess.run([sys.executable, "-c", code], input=b"caf\xe9\nnext line\n", capture_output=True,
                        timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"}, cwd=os.path.dirname(
                            os.path.abspath(rollout.__file__)))

@@ -24,7 +24,7 @@ import eval
 import models
 import probes
 import rollout
-from lab import served
+from lab import hardening, served
 from conftest import short_scenario, tiny_model
 
 try:
@@ -1226,7 +1226,7 @@ def test_a_served_eval_against_lone_surrogates_finishes_and_counts_them(surrogat
     episodes, summary = served_eval(surrogates, tmp_path, monkeypatch, limit=3, t_max=2)
     assert len(episodes) == 3 and summary["requests"][surrogates]["failed_attempts"] > 0
     for e in episodes:
-        assert all(arena.invalid_text(m["text"]) is None for m in e["transcript"])
+        assert all(hardening.invalid_text(m["text"]) is None for m in e["transcript"])
 
 
 def test_a_training_step_against_lone_surrogates_finishes(surrogates, tmp_path, short_scenarios):

@@ -16,7 +16,7 @@ import torch
 import arena
 import models
 import rpo
-from lab import runs
+from lab import hardening, runs
 import train
 
 
@@ -234,7 +234,7 @@ def test_defaults():
     assert rpo.ANCHOR_BELIEF == {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0,
                                  "REJECT": -1.0, "WALK_AWAY": -1.0}
     assert (arena.T_MAX_TRAIN, arena.T_MAX_EVAL, arena.JUDGE_RETRIES) == (6, 10, 3)
-    assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
+    assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, hardening.NEGATION_WINDOW) == (2, 2, 3)
     paper = train.preset_values("paper")
     assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
 
