@@ -439,7 +439,7 @@ def pool_shape(name, dtype):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return engine.PoolShape(
         tokenizer=models.load_tokenizer(name), device=device,
-        max_len=models.model_config(name).max_position_embeddings,
+        max_len=shapes.model_config(name).max_position_embeddings,
         block_size=engine.block_size_for(device, getattr(torch, dtype)))
 
 
@@ -460,7 +460,7 @@ def block_bytes(name, dtype, block_size):
     import torch
 
     import models
-    c = models.model_config(name)
+    c = shapes.model_config(name)
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads

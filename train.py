@@ -56,7 +56,7 @@ import arena
 import engine
 import layers
 import models
-from lab import plan
+from lab import lora, plan
 import probes
 import rollout
 import rpo
@@ -694,11 +694,11 @@ def build_models(args, world, device, sizes):
     else:
         persuadee_model, persuadee_tokenizer = load(args.persuadee, args.dtype, device)
     if args.lora:  # fp32 adapters on the frozen base, data parallel; the base is the reference
-        policy = models.average_lora_gradients(models.attach_lora(policy, args.lora,
+        policy = lora.average_lora_gradients(lora.attach_lora(policy, args.lora,
                                                                   args.persuader), world)
     reference = None
     if args.kl_beta > 0:
-        reference = persuadee_model if same else models.AdapterOff(policy) if args.lora else \
+        reference = persuadee_model if same else lora.AdapterOff(policy) if args.lora else \
             shard(load(args.persuader, args.dtype, device)[0], world)
     if not args.lora:
         policy.requires_grad_(True)
@@ -734,7 +734,7 @@ def refresh_rollout_copy(m):
     """The policy's weights written into the rollout copy (the actor engine's own tensors): the
     fp32 master weights gathered, or under LoRA the base with its adapters merged."""
     if m.rollout_model is not None:
-        (models.refresh_from_lora if m.lora else copy_weights)(m.policy, m.rollout_model)
+        (lora.refresh_from_lora if m.lora else copy_weights)(m.policy, m.rollout_model)
 
 
 def refresh(m):
