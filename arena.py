@@ -211,10 +211,14 @@ def training_instances(scenarios=None, n=N_TRAIN_INSTANCES, seed=0):
     rng.shuffle(instances)
     return instances
 
+def written_instances(split, scenarios=None):
+    """The scenarios of a split as written (variant 0), shaped like training instances."""
+    scenarios = load_scenarios(split=split) if scenarios is None else scenarios
+    return [{**copy.deepcopy(s), "scenario_id": s["id"], "variant": 0} for s in scenarios if s["split"] == split]
+
 def heldout_instances(scenarios=None):
     """The held-out scenarios as written, shaped like training instances."""
-    scenarios = load_scenarios(split="heldout") if scenarios is None else scenarios
-    return [{**copy.deepcopy(s), "scenario_id": s["id"], "variant": 0} for s in scenarios if s["split"] == "heldout"]
+    return written_instances("heldout", scenarios)
 
 # -----------------------------------------------------------------------------
 # decision tags (DECISIONS.md: Several tags, Text normalisation)
