@@ -57,6 +57,7 @@ SAMPLING = {  # per preset: (persuader, persuadee). The persuader samples its wh
 }
 JUDGE_RETRY_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the judge's sampled retries
 SPOKEN = ("stop", "length")  # how a message that keeps its episode going ends
+STOPPED = "stopped"  # end reason: the person at the terminal (lab/play.py) ended the conversation
 CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
 PROMPT_ROOM_SHARE = 4  # a prompt must leave max_new_tokens // PROMPT_ROOM_SHARE of the context
 # free: room for a short exchange

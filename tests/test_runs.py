@@ -18,7 +18,7 @@ import torch
 import eval
 import models
 import probes
-from lab import records
+from lab import episode_log, records
 import rollout
 import rpo
 from lab import runs
@@ -247,7 +247,7 @@ def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_p
     metrics.write_text('{"step": 1}\n{"step": 2, "lo\n')
     episodes.write_text('{"id": "a"}\n{"id": "b", "tr\n')
     train.resume_metrics(metrics, 5)
-    assert list(eval.read_played(episodes)) == ["a"]
+    assert list(episode_log.read_played(episodes)) == ["a"]
     warnings = [line.replace(str(tmp_path), "") for line in capsys.readouterr().err.splitlines()]
     assert warnings == ["warning: dropping the partial last line 2 of /metrics.jsonl",
                         "warning: dropping the partial last line 2 of /episodes.jsonl"]
@@ -257,7 +257,7 @@ def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_p
     with pytest.raises(SystemExit, match="metrics.jsonl, line 1 is not valid JSON"):
         train.resume_metrics(metrics, 5)
     with pytest.raises(ValueError, match="episodes.jsonl, line 1 is not valid JSON"):
-        eval.read_played(episodes)
+        episode_log.read_played(episodes)
 
 # -----------------------------------------------------------------------------
 # a run's evaluations: its own sampling, lambda and anchor
@@ -356,7 +356,7 @@ def test_the_episode_record_has_one_schema(tmp_path):
     [record] = rollout.rollout_episodes(*engines, arena.heldout_instances()[:1], 1, max_new_tokens=2)
     schema = set(records.EPISODE_RECORD)
     assert set(record) == schema - set(records.STAMP_FIELDS) - set(records.LABEL_FIELDS)
-    assert set(records.EPISODE_FIELDS) <= schema and eval.TRAINING_KEYS == records.TRAINING_FIELDS
+    assert set(records.EPISODE_FIELDS) <= schema
     eval.evaluate(*engines, arena.heldout_instances()[:1], tmp_path / "e", t_max=1, fidelity=0,
                   max_new_tokens=2)
     [saved] = [json.loads(line) for line in (tmp_path / "e" / "episodes.jsonl").read_text().splitlines()]

@@ -24,7 +24,8 @@ import eval
 import models
 import probes
 import rollout
-from lab import hardening, served
+from lab import episode_log, hardening, served
+from lab import records as record_fields
 from conftest import short_scenario, tiny_model
 
 try:
@@ -291,12 +292,12 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     dying = Faulty(broken_day=2, kill_when=lambda: out.exists() and len(lines(out)) >= 4)
     model = dying.model(retries=2)
     with pytest.raises(Killed):
-        eval.play_resumable(model, model, insts, out, t_max=3)
+        episode_log.play_resumable(model, model, insts, out, t_max=3)
     before = lines(out)
     assert 4 <= len(before) < len(insts)
     resumed = Faulty(broken_day=2)
     model = resumed.model(retries=2)
-    records = eval.play_resumable(model, model, insts, out, t_max=3)
+    records = episode_log.play_resumable(model, model, insts, out, t_max=3)
     after = lines(out)
     assert after[:len(before)] == before
     assert sorted(json.loads(l)["id"] for l in after) == sorted(i["id"] for i in insts)
@@ -306,7 +307,7 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     failed = [r for r in records if "on day 2" in arena.persuadee_system_prompt(
         next(i for i in insts if i["id"] == r["id"]))]
     assert {r["end_reason"] for r in failed} == {arena.API_ERROR}
-    kept = lambda r: {k: v for k, v in r.items() if k not in eval.TRAINING_KEYS}
+    kept = lambda r: {k: v for k, v in r.items() if k not in record_fields.TRAINING_FIELDS}
     assert [r for r in records if r not in failed] == [kept(w) for w, r in zip(whole, records)
                                                       if r not in failed]
     summary = analyses.summarize(records)
