@@ -43,7 +43,7 @@ from scipy import stats
 
 from lab import moves
 import rpo
-from lab.records import PROBE_NAMES, RUN_FIELDS, load_episodes, read_records
+from lab.records import RUN_FIELDS, load_episodes, probe_names, read_records
 from lab.significance import (finite_or_none, mcnemar, mean_band, pearson, proportion_difference,
                           spearman, t_interval, welch_difference, wilcoxon, wilson_interval)
 from lab.runs import is_number
@@ -138,7 +138,7 @@ def _groups(episodes, key):
 def pearson_matrix(rows):
     """Pearson correlations between the columns of rows [N, K], None where a column is constant."""
     a = np.asarray(rows, dtype=float)
-    k = a.shape[1] if a.ndim == 2 else len(PROBE_NAMES)
+    k = a.shape[1] if a.ndim == 2 else len(probe_names())
     if a.ndim != 2 or a.shape[0] < 2:
         return [[None] * k for _ in range(k)]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -335,8 +335,8 @@ def format_analyses(summary):
              + (f"   mean Yes+No mass {b['yes_no_mass_mean']:.3f}" if "yes_no_mass_mean" in b else "")]
     for key, title in (("probe_level_corr", "levels"), ("probe_increment_corr", "increments")):
         lines.append(f"  probe correlations over {title}: " + "  ".join(
-            f"{PROBE_NAMES[i]}-{PROBE_NAMES[j]} {_num(b[key][i][j], '+.2f')}"
-            for i in range(len(PROBE_NAMES)) for j in range(i + 1, len(PROBE_NAMES))))
+            f"{probe_names()[i]}-{probe_names()[j]} {_num(b[key][i][j], '+.2f')}"
+            for i in range(len(probe_names())) for j in range(i + 1, len(probe_names()))))
     if "probe_fidelity" in summary:
         for title, f in (("fork vs full forward", summary["probe_fidelity"]),
                          ("four spellings vs every answer token", summary["probe_fidelity"].get("vocabulary"))):
@@ -671,7 +671,7 @@ def case_rows(ep):
     messages = moves.persuader_messages(ep)
     rows = []
     for t, (values, b) in enumerate(zip(ep["probes"], ep["beliefs"])):
-        rows.append({"t": t, **dict(zip(PROBE_NAMES, values)), "b": b,
+        rows.append({"t": t, **dict(zip(probe_names(), values)), "b": b,
                      "r": r[t - 1] if t else None,
                      "share": abs(r[t - 1]) / total if t and total else None,
                      "signed_share": r[t - 1] / net if t and net else None,
@@ -691,10 +691,10 @@ def format_case(ep, width=60):
     rows = case_rows(ep)
     lines = [f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns "
              f"(anchor {_anchor(ep)}, persuader {ep.get('persuader', '?')})",
-             f"{'t':>3}" + "".join(f"{k:>8}" for k in PROBE_NAMES) + f"{'b_t':>8}{'r_t':>8}{'|share|':>8}{'signed':>8}  moves | message"]
+             f"{'t':>3}" + "".join(f"{k:>8}" for k in probe_names()) + f"{'b_t':>8}{'r_t':>8}{'|share|':>8}{'signed':>8}  moves | message"]
     for row in rows:
         text = row["message"].replace("\n", " ")
-        lines.append(f"{row['t']:>3}" + "".join(f"{row[k]:>+8.3f}" for k in PROBE_NAMES) + f"{row['b']:>+8.3f}"
+        lines.append(f"{row['t']:>3}" + "".join(f"{row[k]:>+8.3f}" for k in probe_names()) + f"{row['b']:>+8.3f}"
                      f"{_num(row['r'], '+.3f'):>8}{pct(row['share']):>8}{pct(row['signed_share']):>8}  {','.join(row['moves']) or '-'} | "
                      f"{text[:width]}{'...' if len(text) > width else ''}")
     lines.append(f"the two largest turns carry {pct(top_two_share(rows))} of sum |r_t|, "
@@ -875,7 +875,7 @@ def probe_overlay(runs):
     out = {}
     for name, episodes in runs.items():
         out[name] = {}
-        for i, probe in enumerate(PROBE_NAMES):
+        for i, probe in enumerate(probe_names()):
             first = [ep["probes"][0][i] for ep in episodes]
             last = [ep["probes"][-1][i] for ep in episodes]
             out[name][probe] = {"initial": _mean(first), "final": _mean(last),
@@ -884,10 +884,10 @@ def probe_overlay(runs):
 
 
 def format_probe_overlay(result):
-    lines = [f"{'system':<40}" + "".join(f"{p + ' ' + k:>12}" for p in PROBE_NAMES for k in ("b_0", "b_T"))]
+    lines = [f"{'system':<40}" + "".join(f"{p + ' ' + k:>12}" for p in probe_names() for k in ("b_0", "b_T"))]
     for name, probes in result.items():
         lines.append(f"{name:<40}" + "".join(f"{_num(probes[p][k], '+.3f'):>12}"
-                                              for p in PROBE_NAMES for k in ("initial", "final")))
+                                              for p in probe_names() for k in ("initial", "final")))
     return "\n".join(lines)
 
 

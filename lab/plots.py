@@ -29,11 +29,9 @@ from lab import analyses  # noqa: E402
 from lab import moves  # noqa: E402
 from lab import records  # noqa: E402
 from lab import significance  # noqa: E402
-from lab.records import PROBE_NAMES  # noqa: E402
+from lab.records import probe_names, probe_title  # noqa: E402
 from lab.runs import is_number, write_atomic  # noqa: E402
 
-PROBE_TITLES = {"CA": "concern addressed (CA)", "PE": "persuasion effective (PE)",
-                "AC": "acceptance shift (AC)"}
 RUN_DYNAMICS = {"dead_group_share": "share of dead groups (all R equal)",
                 "dead_goal_share": "share of dead groups (identical outcomes)",
                 "dead_rescued_share": "dead groups rescued by the dense term",
@@ -86,10 +84,10 @@ def plot_beliefs(episodes, path):
 
 def plot_probes(episodes, path):
     """One panel per probe (CA, PE, AC): mean probe value by turn for each outcome, 95% bands."""
-    fig, axes = plt.subplots(1, len(PROBE_NAMES), figsize=PROBE_FIGSIZE, sharey=True)
-    for i, (ax, probe) in enumerate(zip(axes, PROBE_NAMES)):
+    fig, axes = plt.subplots(1, len(probe_names()), figsize=PROBE_FIGSIZE, sharey=True)
+    for i, (ax, probe) in enumerate(zip(axes, probe_names())):
         _draw_by_outcome(ax, episodes, lambda ep, i=i: [row[i] for row in ep["probes"]],
-                         f"{PROBE_TITLES[probe]} by turn", "probe value 2p(yes) - 1")
+                         f"{probe_title(probe)} by turn", "probe value 2p(yes) - 1")
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle("Per-probe trajectories by outcome (mean, 95% CI)")
     fig.tight_layout()
@@ -128,7 +126,7 @@ def plot_case(ep, path):
     rows = analyses.case_rows(ep)
     t = [row["t"] for row in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=CASE_FIGSIZE, sharex=True)
-    for k in PROBE_NAMES:
+    for k in probe_names():
         top.plot(t, [row[k] for row in rows], marker="o", ms=3, label=k)
     top.plot(t, [row["b"] for row in rows], marker="s", color="black", lw=2, label="b_t")
     top.set(title=f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns", ylabel="probe value",
@@ -186,14 +184,14 @@ def plot_overlay(runs, path):
 def plot_probe_overlay(runs, path):
     """Fig. 6: runs (name -> episodes) overlaid per probe, one panel each for CA, PE and AC: the
     mean probe value by turn of every system, 95% bands."""
-    fig, axes = plt.subplots(1, len(PROBE_NAMES), figsize=PROBE_FIGSIZE, sharey=True)
-    for i, (ax, probe) in enumerate(zip(axes, PROBE_NAMES)):
+    fig, axes = plt.subplots(1, len(probe_names()), figsize=PROBE_FIGSIZE, sharey=True)
+    for i, (ax, probe) in enumerate(zip(axes, probe_names())):
         for name, episodes in zip(system_labels(runs), runs.values()):
             mean, half = significance.mean_band([[row[i] for row in ep["probes"]] for ep in episodes])
             x = np.arange(mean.size)
             ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(episodes)})")
             ax.fill_between(x, mean - half, mean + half, alpha=0.2)
-        ax.set(title=f"{PROBE_TITLES[probe]} by turn", xlabel="turn t (0 = before the first message)",
+        ax.set(title=f"{probe_title(probe)} by turn", xlabel="turn t (0 = before the first message)",
                ylabel="probe value 2p(yes) - 1", ylim=(-1.05, 1.05))
         ax.axhline(0, color="black", lw=0.5)
         ax.grid(alpha=0.3)

@@ -56,8 +56,8 @@ LOGGERS = ("tensorboard", "wandb")  # --log choices, each an optional package
 # the module constants an ablation edits (README: Run it), pinned in config.json
 PINNED_CONSTANTS = {"rpo": ("GOAL", "STRATEGY_WEIGHT", "ANCHOR_BELIEF", "STD_EPS"),
                     "probes": ("PROBES", "INSTRUCTION", "YES_WORDS", "NO_WORDS", "LOGODDS_CLIP"),
-                    "arena": ("UPGRADE_WINDOW", "MAX_REJECTIONS", "JUDGE_RETRIES",
-                              "NEGATION_WINDOW")}
+                    "arena": ("UPGRADE_WINDOW", "MAX_REJECTIONS", "JUDGE_RETRIES"),
+                    "lab.hardening": ("NEGATION_WINDOW",)}
 
 
 def say_error(who, text):

@@ -536,7 +536,7 @@ class ServedSide:
     def __init__(self, model, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
         self.model, self.role, self.sampling = model, role, sampling
         self.max_new_tokens, self.space = max_new_tokens, probe_space
-        self.signs = probe_signs or probes.PROBE_SIGNS
+        self.signs = probe_signs or probes.probe_signs()
         self.chats, self.next_sid = {}, 0
 
     def _new(self, messages):
@@ -629,7 +629,7 @@ class ServedSide:
         asks = [dict(messages=self.chats[s] + [{"role": "user",
                                                  "content": f"{probes.INSTRUCTION} {q}"}],
                      max_tokens=1, top_logprobs=TOP_LOGPROBS)
-                for s in sids for q in probes.PROBES.values()]
+                for s in sids for q in probes.questions()]
         answers = self.model.map(asks)
         self.model.note_missing(sum(not isinstance(a, ServedError) and a["top"] is None
                                     for a in answers))

@@ -57,7 +57,7 @@ def test_logodds_space_signs_and_mass_by_hand(tokenizer, monkeypatch):
     torch.testing.assert_close(probes.yes_no_mass(logits, tokenizer), yes + no)
     with pytest.raises(ValueError, match="PROBE_SPACE must be one of"):
         probes.values_from_logits(logits, tokenizer, "bits")
-    monkeypatch.setattr(probes, "PROBE_SIGNS", {"CA": 1, "PE": -1, "AC": 1})
+    monkeypatch.setitem(probes.PROBES, "PE", {**probes.PROBES["PE"], "sign": -1})
     values, mass = probes._readout(torch.cat([logits] * 2), tokenizer, 2)   # 2 reads of 3 questions
     plain = probes.values_from_logits(logits, tokenizer)
     torch.testing.assert_close(values[0], plain * torch.tensor([1.0, -1.0, 1.0]))
@@ -125,7 +125,7 @@ def test_the_vocabulary_reference_counts_every_answer_token(tokenizer):
 
 def test_probe_signs_parse_from_a_flag():
     import argparse
-    assert probes.parse_signs("PE=-1") == {**probes.PROBE_SIGNS, "PE": -1}
+    assert probes.parse_signs("PE=-1") == {**probes.probe_signs(), "PE": -1} == {"CA": 1, "PE": -1, "AC": 1}
     with pytest.raises(argparse.ArgumentTypeError, match="NAME one of CA, PE, AC"):
         probes.parse_signs("XX=2")
 

@@ -214,7 +214,7 @@ def test_a_resumed_config_with_an_invalid_value_is_refused_before_loading(run_co
 @pytest.mark.parametrize("module, name, value", [
     (rpo, "STRATEGY_WEIGHT", 0.25),
     (rpo, "GOAL", {**rpo.GOAL, "ACCEPT": 5.0}),
-    (probes, "PROBES", {**probes.PROBES, "CA": "Do you feel heard?"}),
+    (probes, "PROBES", {**probes.PROBES, "CA": {**probes.PROBES["CA"], "question": "Do you feel heard?"}}),
 ])
 def test_resume_after_editing_an_ablation_constant_is_refused_naming_it(run_copy, monkeypatch, module,
                                                                        name, value, no_model_loads):

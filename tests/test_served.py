@@ -906,12 +906,12 @@ def test_the_probe_read_out_quotes_nothing_the_persuader_wrote():
     class Planting(ScriptedServer):
         def answer(self, body):
             if "How to persuade" in body["messages"][0]["content"]:
-                return completion(f"{probes.INSTRUCTION} {probes.PROBES['AC']} Yes")
+                return completion(f"{probes.INSTRUCTION} {probes.PROBES['AC']['question']} Yes")
             return super().answer(body)
     server = Planting()
     play(server.model(), server.model(), instances((2,)), 2)
     asks = [b["messages"] for b in server.bodies if b.get("logprobs")]
-    questions = [{"role": "user", "content": f"{probes.INSTRUCTION} {q}"} for q in probes.PROBES.values()]
+    questions = [{"role": "user", "content": f"{probes.INSTRUCTION} {q}"} for q in probes.questions()]
     assert asks and all(m[-1] in questions for m in asks)
     replies = [m for m in asks if any(x["content"].startswith(probes.INSTRUCTION) for x in m[:-1])]
     assert replies and all(m[-2]["role"] == "assistant" for m in replies)
