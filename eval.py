@@ -105,19 +105,15 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
     """One seeded episode per instance through rollout.py's loop (each role an engine.Engine, a
     served.ServedModel or a side); saves the run, returns its summary.
 
-    The strategy judge is an Engine or ServedModel, by default the persuadee's (the paper's
-    frozen judge), or None (s = 0); the logit tagger reads it (a local one). Defaults: t_max
-    arena.T_MAX_EVAL, fidelity FIDELITY_SAMPLES read-outs, `sampling` (persuader, persuadee)
-    rollout.SAMPLING["paper"] (a training run passes its own flags', rollout.role_sampling),
-    `anchor` rpo.ANCHOR (the reward setting the dense returns are computed under),
-    `shaping_lambda` rpo.LAMBDA (the lambda of the summary's shaping returns), `decision`
-    rollout.DECISION. Every episode is appended to out_dir/episodes.jsonl as it ends (under
-    torchrun to this rank's part); with `resume`, those already there are not played again, else
-    the folder's episodes are discarded first. `settings` (what changes the results) go to
-    settings.json and into the summary. Under torchrun (world > 1) each rank plays
-    instances[rank::world] and rank 0 gathers, tags, summarises and saves (other ranks return
-    None); an episode's record does not depend on its rank (rollout's keyed random streams), so
-    the summary equals one process's."""
+    The judge is an Engine or ServedModel, by default the persuadee's (the paper's frozen judge),
+    or None (s = 0); the logit tagger reads it. None means the constant: t_max arena.T_MAX_EVAL,
+    fidelity FIDELITY_SAMPLES, sampling rollout.SAMPLING["paper"], anchor rpo.ANCHOR (the dense
+    returns'), shaping_lambda rpo.LAMBDA (the summary's shaping returns'), decision
+    rollout.DECISION. Each episode is appended to out_dir/episodes.jsonl as it ends; with
+    `resume` those already there are not played again. `settings` go to settings.json and the
+    summary. Under torchrun each rank plays instances[rank::world] and rank 0 gathers, tags,
+    summarises and saves (others return None); records do not depend on the rank (rollout's
+    keyed random streams), so the summary equals one process's."""
     import engine
     import rollout
     from lab import fidelity as probe_fidelity

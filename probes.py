@@ -1,31 +1,25 @@
 """
 probes.py: the persuadee's implicit beliefs, read from its own next-token logits.
 
-After each persuadee reply, the yes/no questions of PROBES are put to the persuadee in a fork of its
-context that is thrown away afterwards: the question as a user turn, the assistant generation
+After each persuadee reply, the yes/no questions of PROBES are put to the persuadee in a fork of
+its context that is thrown away afterwards: the question as a user turn, the assistant generation
 prompt, one forward step. Nothing of it enters a transcript. For each probe
 
     p = sum P(yes ids) / (sum P(yes ids) + sum P(no ids)),   v = 2p - 1 in [-1, 1],
 
 with the ids the first tokens of "Yes", " Yes", "yes", " yes" (and likewise "No"); the belief is
-b = mean(v_CA, v_PE, v_AC), the mean over PROBES. In logit space p = sigmoid(d), d = lse(yes) - lse(no), so v = tanh(d / 2).
-Validity options (constants below): PROBE_SPACE "logodds" reads v = clip(d, +-LOGODDS_CLIP) /
-LOGODDS_CLIP instead, linear in the log-odds, so that a saturated p still moves; a probe's sign flips a
-negatively valenced question; and each read-out can return its Yes+No mass
-m = sum P(yes ids) + sum P(no ids) over the full vocabulary, how much of the model's own
-first-token distribution the two answers hold (p is renormalised over that mass only).
+b = mean(v_CA, v_PE, v_AC), the mean over PROBES. In logit space p = sigmoid(d), d = lse(yes) -
+lse(no), so v = tanh(d / 2). Validity options: PROBE_SPACE "logodds" reads v = clip(d,
++-LOGODDS_CLIP) / LOGODDS_CLIP instead, so that a saturated p still moves; a probe's sign flips a
+negatively valenced question; a read-out can return its Yes+No mass m = sum P(yes ids) +
+sum P(no ids), how much of the model's first-token distribution the two answers hold.
 
 The fork shares the conversation's KV blocks (engine.PagedCache), so a read costs the probe's own
-tokens only. The questions share their opening (the turn header and the instruction): on a
-CPU, where the cost is compute, it is prefilled once in one fork and forked again per question;
-on a GPU, where a forward costs its kernel launches, each question's fork takes all of its
-tokens, and a read is a single forward. `read_beliefs_reference` computes the same values by one
-plain full forward of each context plus question, with no cache; the tests hold the two within
-1e-4 on every path.
-
-The logit decision (rollout.DECISION "logit") reuses the fork: read_decisions puts
-arena.DECISION_QUESTION to the persuadee and returns its probabilities over the first tokens of
-arena.DECISION_WORDS, renormalised over those; read_decisions_reference is its full-forward twin.
+tokens only. On a CPU the questions' shared opening is prefilled once and forked per question; on
+a GPU each question's fork takes all of its tokens, one forward. `read_beliefs_reference` computes
+the same values by a plain full forward of each context plus question; the tests hold the two
+within 1e-4 on every path. The logit decision (rollout.DECISION "logit") reuses the fork:
+read_decisions returns the probabilities of arena.DECISION_WORDS after arena.DECISION_QUESTION.
 
     python -m pytest -q tests/test_probes.py
 """
@@ -207,11 +201,6 @@ def read_engine(eng, sids, with_mass=False, space=None, signs=None):
         mass.append(m)
     values = torch.cat(out).cpu()
     return (values, torch.cat(mass).cpu()) if with_mass else values
-
-
-def longest_question(tokenizer):
-    """Tokens the longest probe turn adds to a context."""
-    return max(map(len, probe_ids(tokenizer)[0]))
 
 
 def read_blocks(eng):

@@ -151,7 +151,7 @@ def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timi
         text = tok.decode(ids, skip_special_tokens=True).strip()
         closing = models.closing_ids(tok, ids)
         if (reason not in arena.CUT_OFF and persuadee.length(sid) + len(closing)
-                + probes.longest_question(tok) > persuadee.max_len):
+                + max(map(len, probes.probe_ids(tok)[0])) > persuadee.max_len):
             reason = "context"  # no room left to close the reply and ask the probes
         replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
                             probes=None, probe_mass=None))
