@@ -63,14 +63,14 @@ OUTCOMES = ("ACCEPT", "CONDITIONAL_ACCEPT", "PENDING", "REJECT", "WALK_AWAY")
 # -----------------------------------------------------------------------------
 # scenarios
 
-def load_scenarios(path=SCENARIOS_PATH, split=None):
+def load_scenarios(path=None, split=None):
     """Every scenario of a JSONL file (or of one split), each line checked against the schema
     (README, The scenario set; lab/scenario_check.py)."""
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be None or one of {SPLITS}, got {split!r}")
     vocabulary = {"split": SPLITS, "domain": DOMAINS, "pronouns": PRONOUNS,
                   "resistance": RESISTANCE_TYPES, "trust": TRUST_LEVELS, "age": (MIN_AGE, MAX_AGE)}
-    scenarios = scenario_check.read_scenarios(path, vocabulary)
+    scenarios = scenario_check.read_scenarios(path or SCENARIOS_PATH, vocabulary)
     return [s for s in scenarios if split is None or s["split"] == split]
 
 # -----------------------------------------------------------------------------
@@ -160,10 +160,11 @@ def variant_capacity(scenario):
     trusts = sum(abs(i - level) <= 1 for i in range(len(TRUST_LEVELS)))
     return 1 + names * ages * trusts * len(hidden["concerns"])
 
-def variants_problem(scenarios, n=N_TRAIN_INSTANCES):
+def variants_problem(scenarios, n=None):
     """None when the training scenarios can give n distinct instances as training_instances
     spreads them, else which scenario cannot (checked from the counts alone, before any model
-    loads)."""
+    loads); n defaults to N_TRAIN_INSTANCES."""
+    n = N_TRAIN_INSTANCES if n is None else n
     train = [s for s in scenarios if s["split"] == "train"]
     if not train:
         return "holds no training scenario"
@@ -177,9 +178,11 @@ def variants_problem(scenarios, n=N_TRAIN_INSTANCES):
 def _instance(scenario, variant, body):
     return {**body, "id": f"{scenario['id']}/v{variant}", "scenario_id": scenario["id"], "variant": variant}
 
-def training_instances(scenarios=None, n=N_TRAIN_INSTANCES, seed=0):
+def training_instances(scenarios=None, n=None, seed=0):
     """n distinct (scenario, variant) instances, spread evenly over the training scenarios, in a
-    seeded order. Variant 0 is the scenario as written; the same seed gives the same list."""
+    seeded order (n default N_TRAIN_INSTANCES). Variant 0 is the scenario as written; the same
+    seed gives the same list."""
+    n = N_TRAIN_INSTANCES if n is None else n
     if n < 1:
         raise ValueError(f"n must be a positive number of instances, got {n}")
     scenarios = load_scenarios(split="train") if scenarios is None else scenarios
@@ -418,7 +421,7 @@ DECISION_SOURCES = ("tag", "logit")  # --decision: the reply's tag (the paper's)
 
 
 def add_decision_flag(parser):
-    """--decision, which train.py and eval.py share (it sets rollout.DECISION)."""
+    """--decision, which train.py and eval.py share (its value reaches rollout as decision=)."""
     parser.add_argument("--decision", choices=DECISION_SOURCES, default="tag",
                         help="the persuadee's decision: its reply's tag (the paper's), or read "
                              "from its next-token probabilities in a fork after each reply "

@@ -65,7 +65,7 @@ TINY_CORPUS = (  # enough English for a byte-level BPE to merge the words the pr
     "only Yes or No. [ACCEPT] [REJECT] [CONDITIONAL ACCEPT] [PENDING] [WALK AWAY]")
 
 
-def tiny_tokenizer(template=TINY_CHAT_TEMPLATE, special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+def tiny_tokenizer(template=None, special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                    plain=(), eos="<|im_end|>", pad="<|endoftext|>", bos=None):
     """A byte-level BPE trained in milliseconds from text here: ChatML tokens and template by
     default; other templates (Qwen3's think block, Llama-3's headers) pass their own special
@@ -80,7 +80,7 @@ def tiny_tokenizer(template=TINY_CHAT_TEMPLATE, special=("<|endoftext|>", "<|im_
     tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
-                                   bos_token=bos, chat_template=template)
+                                   bos_token=bos, chat_template=template or TINY_CHAT_TEMPLATE)
 
 
 def random_config(name, tokenizer=None, **overrides):

@@ -174,9 +174,11 @@ def dense_by_outcome(episodes):
             for o in OUTCOMES if any(ep["outcome"] == o for ep in episodes)}
 
 
-def shaping_by_outcome(episodes, lam=rpo.LAMBDA):
-    """Mean shaping return lam * sum_t r_t per outcome reached: the paper's scale (section F's
-    0.479 ACCEPT and 0.461 CONDITIONAL_ACCEPT at lambda 0.5, bounded by [-lam, lam])."""
+def shaping_by_outcome(episodes, lam=None):
+    """Mean shaping return lam * sum_t r_t per outcome reached (lam default rpo.LAMBDA): the
+    paper's scale (section F's 0.479 ACCEPT and 0.461 CONDITIONAL_ACCEPT at lambda 0.5, bounded
+    by [-lam, lam])."""
+    lam = rpo.LAMBDA if lam is None else lam
     return {o: lam * v for o, v in dense_by_outcome(episodes).items()}
 
 
@@ -223,7 +225,7 @@ def manipulation_stats(episodes):
                            for o in OUTCOMES if any(ep["outcome"] == o for ep in episodes)}}
 
 
-def summarize(episodes, shaping_lambda=rpo.LAMBDA):
+def summarize(episodes, shaping_lambda=None):
     """Headline metrics of a run (fractions, not percent), the same per resistance and domain,
     and the analyses (belief_stats, shaping_by_outcome at shaping_lambda with the lambda-free
     dense_by_outcome beside it; moves and manipulation when labelled)."""
@@ -236,8 +238,8 @@ def summarize(episodes, shaping_lambda=rpo.LAMBDA):
     summary["by_domain"] = _groups(episodes, "domain")
     believed = with_beliefs(episodes)
     summary["belief_stats"] = belief_stats(believed)
-    summary["shaping_lambda"] = shaping_lambda
-    summary["shaping_by_outcome"] = shaping_by_outcome(believed, shaping_lambda)
+    summary["shaping_lambda"] = rpo.LAMBDA if shaping_lambda is None else shaping_lambda
+    summary["shaping_by_outcome"] = shaping_by_outcome(believed, summary["shaping_lambda"])
     summary["dense_by_outcome"] = dense_by_outcome(believed)
     if warning := judge_warning(summary):
         summary["judge_warning"] = warning
@@ -746,9 +748,10 @@ def read_run(run_dir):
             "evals": sorted((migrate_summary(r, config.get("lam")) for r in evals), key=lambda r: r["step"])}
 
 
-def rollout_groups(rows, anchor=rpo.ANCHOR):
+def rollout_groups(rows, anchor=None):
     """rollouts.jsonl rows -> the (outcome rewards, process rewards, goals) of every group of every
-    step, as train.py formed them (an unreadable belief is NaN again)."""
+    step, as train.py formed them (an unreadable belief is NaN again); anchor default rpo.ANCHOR."""
+    anchor = rpo.ANCHOR if anchor is None else anchor
     groups = defaultdict(list)
     for row in rows:
         groups[row["step"], row["group"]].append(row)
@@ -904,7 +907,7 @@ def trajectory_stats(episodes, series):
             out[outcome] = (*mean_band(rows), count)
     return out
 
-def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):
+def summarize_run(episodes, fidelity=None, shaping_lambda=None):
     """summarize() plus probe_fidelity from the stored fork and reference read-outs."""
     summary = summarize(episodes, shaping_lambda)
     if fidelity is not None:

@@ -338,7 +338,7 @@ def seed_of(*parts):
 
 def judge_scores(judge, instances, transcripts, seed, group_indices, *, max_tokens,
                  retry_sampling):
-    """(strategy score s, fell back) per transcript, as rollout.judge_scores returns them: greedy
+    """(strategy score s, fell back) per transcript, as lab/judge.judge_scores returns them: greedy
     first, then arena.JUDGE_RETRIES retries sampled with retry_sampling, then 0."""
     scores = [None] * len(instances)
     for attempt in range(1 + arena.JUDGE_RETRIES):
