@@ -18,11 +18,12 @@ the same small interface, so one loop drives every mix of them:
 On a local side a dialogue is a growing context that only appends: the persuader's new message
 goes into the persuadee's context, the reply into the persuader's, so every token of a
 conversation is prefilled exactly once (engine.py). After each reply the persuadee's beliefs are
-read in forks of its context (probes.py); at the end a frozen judge scores each transcript.
-With DECISION "logit" (--decision logit) the persuadee's decision is read in such a fork too
-(probes.read_decisions) and sampled with its episode's keyed stream, instead of parsed from its tag.
+read in forks of its context (probes.py); at the end a frozen judge scores each transcript
+(lab/judge.py; lab/served.py for a served judge). With decision "logit" (--decision logit) the
+persuadee's decision is read in such a fork too (probes.read_decisions) and sampled with its
+episode's keyed stream, instead of parsed from its tag.
 
-Scheduling (the Scheduler below), so that any number of episodes completes on any pools that
+Scheduling (lab/scheduling.py), so that any number of episodes completes on any pools that
 hold one of them:
     admit    groups in order, while every side has room for the group's prompts plus one
              message per episode; each instance's prompts are prefilled once and forked G times
