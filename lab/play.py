@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import arena
-import engine
 import probes
 import rollout
 from lab import analyses, hardening, pools, records, report
@@ -42,6 +41,31 @@ def person_line(read, write, prompt):
             return text
         write("that line is not valid UTF-8 text (check the terminal's encoding); type it again")
     return ""
+
+
+def play(scenario_id, persuadee, *, seed, t_max, out_root, read=input, write=print,
+         max_new_tokens=None, dtype="float32", probe_space=None, probe_signs=None, sampling=None,
+         decision=None):
+    """You are the persuader (PersonSide): type each message; the persuadee (a local model or
+    openai:MODEL@URL) answers and you see its probe values and the belief change of the turn.
+    The episode is saved under out_root/play-SCENARIO_ID-TIME like any other."""
+    found = [inst for split in arena.SPLITS for inst in arena.written_instances(split)
+             if inst["id"] == scenario_id]
+    if not found:
+        sys.exit(f"eval.py: unknown scenario id {scenario_id!r}; use an id from scenarios.jsonl, e.g. heldout-017")
+    you = PersonSide(t_max, read, write)
+    [ep] = rollout.rollout_episodes(
+        you, pools.player(persuadee, {}, dtype, None), found[:1], t_max, seed=seed,
+        persuadee_sampling=(sampling or rollout.SAMPLING["paper"])[1],
+        max_new_tokens=max_new_tokens, probe_space=probe_space,
+        probe_signs=probe_signs, decision=decision)
+    for key in records.TRAINING_FIELDS:
+        ep.pop(key)
+    ep.update(judge=None, persuader="human", persuadee=persuadee, seed=seed)
+    out_dir = Path(out_root) / f"play-{scenario_id}-{time.strftime('%Y%m%d-%H%M%S')}"
+    report.save_run(out_dir, [ep], analyses.summarize([ep]))
+    write(f"outcome {ep['outcome']} after {ep['turns']} turns; saved to {out_dir}")
+    return ep
 
 
 class PersonSide:
@@ -100,28 +124,3 @@ class PersonSide:
 
     def free(self, sid):
         self.turns.pop(sid, None)
-
-
-def play(scenario_id, persuadee, *, seed, t_max, out_root, read=input, write=print,
-         max_new_tokens=None, dtype="float32", probe_space=None, probe_signs=None, sampling=None,
-         decision=None):
-    """You are the persuader (PersonSide): type each message; the persuadee (a local model or
-    openai:MODEL@URL) answers and you see its probe values and the belief change of the turn.
-    The episode is saved under out_root/play-SCENARIO_ID-TIME like any other."""
-    found = [inst for split in arena.SPLITS for inst in arena.written_instances(split)
-             if inst["id"] == scenario_id]
-    if not found:
-        sys.exit(f"eval.py: unknown scenario id {scenario_id!r}; use an id from scenarios.jsonl, e.g. heldout-017")
-    you = PersonSide(t_max, read, write)
-    [ep] = rollout.rollout_episodes(
-        you, pools.player(persuadee, {}, dtype, None), found[:1], t_max, seed=seed,
-        persuadee_sampling=(sampling or rollout.SAMPLING["paper"])[1],
-        max_new_tokens=max_new_tokens or engine.MAX_NEW_TOKENS, probe_space=probe_space,
-        probe_signs=probe_signs, decision=decision)
-    for key in records.TRAINING_FIELDS:
-        ep.pop(key)
-    ep.update(judge=None, persuader="human", persuadee=persuadee, seed=seed)
-    out_dir = Path(out_root) / f"play-{scenario_id}-{time.strftime('%Y%m%d-%H%M%S')}"
-    report.save_run(out_dir, [ep], analyses.summarize([ep]))
-    write(f"outcome {ep['outcome']} after {ep['turns']} turns; saved to {out_dir}")
-    return ep
