@@ -874,3 +874,16 @@ def test_real_training_instances():
     inst = arena.training_instances()
     assert len(inst) == 1800 and len({i["id"] for i in inst}) == 1800
     assert len(arena.heldout_instances()) == len(real_scenarios("heldout"))
+
+
+def test_the_lab_modules_arena_reads_do_not_import_it_back():
+    """arena.py calls lab/hardening.py and lab/scenario_check.py; neither imports arena, at module
+    level or in a function, so the import graph between them has no circle."""
+    import ast
+    from pathlib import Path
+    root = Path(arena.__file__).parent
+    for name in ("hardening", "scenario_check"):
+        tree = ast.parse((root / "lab" / f"{name}.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "arena" not in imported, name

@@ -364,3 +364,16 @@ def test_a_saved_adapter_loads_with_peft_and_as_a_model(tmp_path):
         torch.testing.assert_close(plain(ids).logits, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(merged(ids).logits, want, atol=1e-5, rtol=1e-5)
     assert shapes.model_config(str(tmp_path / "adapter")).hidden_size == adapted.config.hidden_size
+
+
+def test_the_lab_modules_models_reads_do_not_import_it_back():
+    """models.py calls lab/lora.py and lab/gguf.py; neither imports models (lab/shapes.py, which
+    does, is not imported by models), so the import graph between them has no circle."""
+    import ast
+    from pathlib import Path
+    root = Path(models.__file__).parent
+    for name in ("lora", "gguf", "runs"):
+        tree = ast.parse((root / "lab" / f"{name}.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "models" not in imported, name
