@@ -9,7 +9,8 @@ Closing efficiency), mean dense return (sum_t r_t under the run's own reward set
 turns with a negative process reward (rpo.negative_process_share: measured beliefs), mean
 strategy-judge score; the same per resistance type and per domain; and
   belief_stats        b_0 and b_T means, Spearman of dense return against GOAL[outcome] per episode,
-                      3x3 Pearson of the probes over every read-out and over every turn's change,
+                      Pearson of the probes (one row and column per probe of probes.PROBES) over
+                      every read-out and over every turn's change,
                       the share of saturated read-outs (|v| > SATURATION), the mean Yes+No mass;
   shaping_by_outcome  mean lambda * sum_t r_t per outcome at shaping_lambda (section F's 0.479 vs
                       0.461 at lambda 0.5), beside dense_by_outcome, the lambda-free sum;
@@ -27,9 +28,9 @@ acceptance (compare_many, section E.4); the main table with 95% intervals and pa
 case_rows); checkpoint selection over training runs (Table 9: runs_selection) with the run-level
 Fig. 7 diagnostics pooled from rollouts.jsonl.
 
-The intervals, paired tests and correlations are significance.py's; eval.py is the command line
-over these functions; plots.py draws them.
-Tests: python -m pytest -q test_analyses.py
+The intervals, paired tests and correlations are significance.py's; eval.py and report.py are the
+command line over these functions; plots.py draws them.
+Tests: python -m pytest -q tests/test_analyses.py
 """
 
 import json
@@ -665,7 +666,7 @@ def probe_fidelity(fork_values, reference_values):
 
 
 def case_rows(ep):
-    """Per read-out t = 0..T: the three probes, b_t, r_t (t >= 1, the run's reward setting), the
+    """Per read-out t = 0..T: every probe's value, b_t, r_t (t >= 1, the run's reward setting), the
     turn's share of sum_t |r_t| (share) and of the net sum_t r_t (signed_share: negative for a turn
     that lost ground, and summing to 1), its move labels and the persuader's message."""
     r = rpo.process_rewards(ep["beliefs"], ep["outcome"], _anchor(ep))

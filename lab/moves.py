@@ -22,7 +22,7 @@ Two taggers give them:
 Labels are stored per persuader turn in episodes.jsonl as `moves` and `manipulation` (lists of
 label lists, turn 1 first) and `tagger`.
 
-    python -m pytest -q test_moves.py
+    python -m pytest -q tests/test_moves.py
 """
 import re
 

@@ -2,17 +2,17 @@
 The paper's figures from episode records and training runs, drawn with matplotlib (PNG files).
 
   plot_beliefs   mean belief b_t by turn for each outcome, 95% bands (beliefs.png)
-  plot_probes    the same per probe, CA, PE, AC (probes.png)
+  plot_probes    the same per probe of probes.PROBES (probes.png)
   plot_moves     Fig. 5, the share of messages with each move by turn, and the two move rankings
                  of section F (moves.png)
   plot_case      Table 8 as a figure: one episode's probes, b_t and r_t (case-ID.png)
   plot_overlay   Fig. 6: runs overlaid, belief and process reward by turn (overlay.png)
-  plot_probe_overlay  Fig. 6 per probe: CA, PE, AC of two or more systems (overlay_probes.png)
+  plot_probe_overlay  Fig. 6 per probe of probes.PROBES, two or more systems (overlay_probes.png)
   plot_runs      checkpoint selection (Table 9) and Fig. 3, best held-out acceptance over lambda
   plot_dynamics  Fig. 7: dead groups, rescued share and the two advantage terms by step
   plot_run       a training run's curves from metrics.jsonl (curves.png)
 The statistics behind them come from analyses.py; eval.py's command line calls them.
-Tests: python -m pytest -q test_plots.py
+Tests: python -m pytest -q tests/test_plots.py
 """
 
 import math
@@ -83,7 +83,7 @@ def plot_beliefs(episodes, path):
 
 
 def plot_probes(episodes, path):
-    """One panel per probe (CA, PE, AC): mean probe value by turn for each outcome, 95% bands."""
+    """One panel per probe (probes.PROBES): mean probe value by turn for each outcome, 95% bands."""
     fig, axes = plt.subplots(1, len(probe_names()), figsize=PROBE_FIGSIZE, sharey=True)
     for i, (ax, probe) in enumerate(zip(axes, probe_names())):
         _draw_by_outcome(ax, episodes, lambda ep, i=i: [row[i] for row in ep["probes"]],

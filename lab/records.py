@@ -65,7 +65,7 @@ EPISODE_RECORD = {
     "end_reason": "why the episode ended (arena.Episode)",
     "transcript": "[{role, text, decision}] in order",
     "beliefs": "b_0..b_T, the mean of the probe values (None: unread)",
-    "probes": "[CA, PE, AC] values after each reply (None: unread)",
+    "probes": "one value per probe of probes.PROBES after each reply (None: unread)",
     "probe_mass": "P(Yes) + P(No) of each read-out", "judge": "strategy score s (None: not judged)",
     "judge_failed": "the judge's answer could not be parsed: s fell back to 0",
     "ids": "persuader-side token stream (training)", "turn_ids": "message index of each token, 0 "
