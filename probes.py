@@ -1,33 +1,27 @@
 """
 probes.py: the persuadee's implicit beliefs, read from its own next-token logits.
 
-After each persuadee reply, three yes/no questions are put to the persuadee in a fork of its
-context that is thrown away afterwards: the question as a user turn, the assistant generation
+After each persuadee reply, the yes/no questions of PROBES are put to the persuadee in a fork of
+its context that is thrown away afterwards: the question as a user turn, the assistant generation
 prompt, one forward step. Nothing of it enters a transcript. For each probe
 
     p = sum P(yes ids) / (sum P(yes ids) + sum P(no ids)),   v = 2p - 1 in [-1, 1],
 
 with the ids the first tokens of "Yes", " Yes", "yes", " yes" (and likewise "No"); the belief is
-b = mean(v_CA, v_PE, v_AC). In logit space p = sigmoid(d), d = lse(yes) - lse(no), so v = tanh(d / 2).
-Validity options (constants below): PROBE_SPACE "logodds" reads v = clip(d, +-LOGODDS_CLIP) /
-LOGODDS_CLIP instead, linear in the log-odds, so that a saturated p still moves; PROBE_SIGNS flips a
-negatively valenced question; and each read-out can return its Yes+No mass
-m = sum P(yes ids) + sum P(no ids) over the full vocabulary, how much of the model's own
-first-token distribution the two answers hold (p is renormalised over that mass only).
+b = mean(v_CA, v_PE, v_AC), the mean over PROBES. In logit space p = sigmoid(d), d = lse(yes) -
+lse(no), so v = tanh(d / 2). Validity options: PROBE_SPACE "logodds" reads v = clip(d,
++-LOGODDS_CLIP) / LOGODDS_CLIP instead, so that a saturated p still moves; a probe's sign flips a
+negatively valenced question; a read-out can return its Yes+No mass m = sum P(yes ids) +
+sum P(no ids), how much of the model's first-token distribution the two answers hold.
 
 The fork shares the conversation's KV blocks (engine.PagedCache), so a read costs the probe's own
-tokens only. The three questions share their opening (the turn header and the instruction): on a
-CPU, where the cost is compute, it is prefilled once in one fork and forked again per question;
-on a GPU, where a forward costs its kernel launches, each question's fork takes all of its
-tokens, and a read is a single forward. `read_beliefs_reference` computes the same values by one
-plain full forward of each context plus question, with no cache; the tests hold the two within
-1e-4 on every path.
+tokens only. On a CPU the questions' shared opening is prefilled once and forked per question; on
+a GPU each question's fork takes all of its tokens, one forward. `read_beliefs_reference` computes
+the same values by a plain full forward of each context plus question; the tests hold the two
+within 1e-4 on every path. The logit decision (rollout.DECISION "logit") reuses the fork:
+read_decisions returns the probabilities of arena.DECISION_WORDS after arena.DECISION_QUESTION.
 
-The logit decision (rollout.DECISION "logit") reuses the fork: read_decisions puts
-arena.DECISION_QUESTION to the persuadee and returns its probabilities over the first tokens of
-arena.DECISION_WORDS, renormalised over those; read_decisions_reference is its full-forward twin.
-
-    python -m pytest -q test_probes.py
+    python -m pytest -q tests/test_probes.py
 """
 import argparse
 import functools
@@ -38,13 +32,17 @@ import torch
 import engine
 import models
 
-INSTRUCTION = "Answer only Yes or No."  # goes first so the three questions share a longer prefix
-PROBES = {  # all positively valenced: Yes favours the persuader
-    "CA": "Has the other person addressed your main concern?",        # cognitive
-    "PE": "Is the other person's approach working on you?",           # strategic
-    "AC": "Are you more willing to agree to the request than before their last message?",  # conative
+INSTRUCTION = "Answer only Yes or No."  # goes first so the questions share a longer prefix
+PROBES = {  # name: the question, its valence sign (+1 where Yes favours the persuader, -1 flips
+    # v) and its figure title. Adding or removing a probe is this one edit: the read-outs, the
+    # records' columns, the figures and the analyses all follow from this dict.
+    "CA": dict(question="Has the other person addressed your main concern?",  # cognitive
+               sign=1, title="concern addressed (CA)"),
+    "PE": dict(question="Is the other person's approach working on you?",  # strategic
+               sign=1, title="persuasion effective (PE)"),
+    "AC": dict(question="Are you more willing to agree to the request than before their last message?",
+               sign=1, title="acceptance shift (AC)"),  # conative
 }
-PROBE_SIGNS = {"CA": 1, "PE": 1, "AC": 1}  # valence: +1 where Yes favours the persuader, -1 flips v
 PROBE_SPACE = "prob"  # "prob": v = 2p - 1; "logodds": v = clip(log-odds, +-LOGODDS_CLIP) / LOGODDS_CLIP
 LOGODDS_CLIP = 4.0  # log-odds read as saturated (v = +-1) beyond this, i.e. p beyond 0.982
 PROBE_SPACES = ("prob", "logodds")
@@ -57,10 +55,15 @@ def answer_ids(tokenizer, words):
     return sorted({models.encode(tokenizer, w)[0] for w in words})
 
 
-@functools.cache  # rendered once per tokenizer, not once per read
 def probe_ids(tokenizer):
-    """The three probe turns as ids appended to a closed context, and their shared prefix length."""
-    turns = [models.turn_ids(tokenizer, f"{INSTRUCTION} {q}") for q in PROBES.values()]
+    """The probe turns (one per PROBES question) as ids appended to a closed context, and their
+    shared prefix length."""
+    return _probe_turns(tokenizer, INSTRUCTION, tuple(questions()))
+
+
+@functools.cache  # rendered once per tokenizer and question set, not once per read
+def _probe_turns(tokenizer, instruction, asked):
+    turns = [models.turn_ids(tokenizer, f"{instruction} {q}") for q in asked]
     return turns, engine.shared_stem(turns)
 
 
@@ -81,10 +84,20 @@ def _answer_logprobs(logits, tokenizer, answers=None):
     return logp[..., list(yes_ids)].logsumexp(-1), logp[..., list(no_ids)].logsumexp(-1)
 
 
+def questions():
+    """The probes' questions, in PROBES order."""
+    return [probe["question"] for probe in PROBES.values()]
+
+
+def probe_signs():
+    """{name: valence sign} of every probe, from PROBES."""
+    return {name: probe["sign"] for name, probe in PROBES.items()}
+
+
 def parse_signs(text):
-    """PROBE_SIGNS from "CA=1,PE=-1,AC=1" (the --probe-signs flag's type: its error is the line
-    argparse prints)."""
-    signs = dict(PROBE_SIGNS)
+    """Probe signs from "CA=1,PE=-1,AC=1", each probe not named keeping its PROBES sign (the
+    --probe-signs flag's type: its error is the line argparse prints)."""
+    signs = probe_signs()
     for part in filter(None, text.split(",")):
         name, _, sign = part.partition("=")
         if name.strip() not in PROBES or sign.strip() not in ("1", "+1", "-1"):
@@ -96,8 +109,8 @@ def parse_signs(text):
 
 def add_flags(parser):
     """--probe-signs and --probe-space, the probe options train.py and eval.py share."""
-    parser.add_argument("--probe-signs", type=parse_signs, default=PROBE_SIGNS,
-                        help='per-probe valence, e.g. "PE=-1" flips PE (default: PROBE_SIGNS)')
+    parser.add_argument("--probe-signs", type=parse_signs, default=probe_signs(),
+                        help='per-probe valence, e.g. "PE=-1" flips PE (default: the signs in PROBES)')
     parser.add_argument("--probe-space", choices=PROBE_SPACES, default=PROBE_SPACE,
                         help="probe values as 2p - 1 (prob) or clipped, rescaled log-odds "
                              "(logodds)")
@@ -148,17 +161,17 @@ def from_prob_value(v, space=None, sign=1):
 
 
 def _readout(logits, tokenizer, n, answers=None, space=None, signs=None):
-    """[n * 3, V] question logits -> signed probe values [n, 3] and Yes+No mass [n, 3]; space and
-    signs default to PROBE_SPACE and PROBE_SIGNS."""
-    signs = signs or PROBE_SIGNS
+    """[n * k, V] question logits -> signed probe values [n, k] and Yes+No mass [n, k] (k probes); space and
+    signs default to PROBE_SPACE and the signs in PROBES."""
+    signs = signs or probe_signs()
     signs = torch.tensor([float(signs[k]) for k in PROBES], device=logits.device)
     values = values_from_logits(logits, tokenizer, space, answers).view(n, len(PROBES)) * signs
     return values, yes_no_mass(logits, tokenizer).view(n, len(PROBES))
 
 
 def read_engine(eng, sids, with_mass=False, space=None, signs=None):
-    """Probe values [n, 3] for sequences whose context is closed and fully cached; with_mass:
-    (values, Yes+No mass), both [n, 3].
+    """Probe values [n, k] (k = len(PROBES)) for sequences whose context is closed and fully
+    cached; with_mass: (values, Yes+No mass), both [n, k].
 
     Per sequence, one fork per question, all in one forward; on engine.COMPUTE_BOUND_DEVICES
     the questions' common opening is first prefilled once, in a fork of its own that the question
@@ -190,11 +203,6 @@ def read_engine(eng, sids, with_mass=False, space=None, signs=None):
     return (values, torch.cat(mass).cpu()) if with_mass else values
 
 
-def longest_question(tokenizer):
-    """Tokens the longest probe turn adds to a context."""
-    return max(map(len, probe_ids(tokenizer)[0]))
-
-
 def read_blocks(eng):
     """KV blocks one sequence's probe read can take at most: a fork writing n tokens may copy the
     block it starts in and takes ceil(n / block_size) more."""
@@ -206,7 +214,7 @@ def read_blocks(eng):
 
 
 def read_beliefs(eng, contexts, with_mass=False, space=None, signs=None):
-    """Probe values [n, 3] (order CA, PE, AC) for closed contexts given as token ids, read via
+    """Probe values [n, k] (in PROBES order) for closed contexts given as token ids, read via
     forks on `eng` (the persuadee's own engine; no pool is built here): the contexts are
     prefilled in chunks that the engine's free pool takes together with their probe forks
     (Engine.admit), read, and freed, so any number of contexts reads on any pool that holds

@@ -2,7 +2,7 @@
 rollout.py: the one episode loop. Episodes of a persuader and a persuadee, whatever plays each role.
 
 A role is a *side*: a local engine.Engine (EngineSide, below), a model behind an OpenAI-compatible
-API (served.ServedSide) or, as persuader, the person at the terminal (PersonSide). Every side has
+API (served.ServedSide) or, as persuader, the person at the terminal (lab/play.py). Every side has
 the same small interface, so one loop drives every mix of them:
 
     prompt(inst)          the prompt's ids (none where text crosses, served or typed)
@@ -18,11 +18,12 @@ the same small interface, so one loop drives every mix of them:
 On a local side a dialogue is a growing context that only appends: the persuader's new message
 goes into the persuadee's context, the reply into the persuader's, so every token of a
 conversation is prefilled exactly once (engine.py). After each reply the persuadee's beliefs are
-read in forks of its context (probes.py); at the end a frozen judge scores each transcript.
-With DECISION "logit" (--decision logit) the persuadee's decision is read in such a fork too
-(probes.read_decisions) and sampled with its episode's keyed stream, instead of parsed from its tag.
+read in forks of its context (probes.py); at the end a frozen judge scores each transcript
+(lab/judge.py; lab/served.py for a served judge). With decision "logit" (--decision logit) the
+persuadee's decision is read in such a fork too (probes.read_decisions) and sampled with its
+episode's keyed stream, instead of parsed from its tag.
 
-Scheduling (the Scheduler below), so that any number of episodes completes on any pools that
+Scheduling (lab/scheduling.py), so that any number of episodes completes on any pools that
 hold one of them:
     admit    groups in order, while every side has room for the group's prompts plus one
              message per episode; each instance's prompts are prefilled once and forked G times
@@ -36,35 +37,31 @@ A persuader message whose reply never came (the episode ended "cache", "context"
 in between) is kept in the transcript but masked out of the loss: its tokens get turn id 0,
 since no belief change and no decision answers it.
 
-    python -m pytest -q test_rollout.py
+    python -m pytest -q tests/test_rollout.py
 """
-import sys
 import time
-from collections import deque
 from contextlib import contextmanager
 
 import arena
 import engine
 import models
 import probes
-from lab import served
+from lab import judge as local_judge, scheduling, served
 
 JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)
-FROZEN_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the frozen roles' sampling: the
-# persuadee's replies and the judge's retries (Qwen3 non-thinking, as its makers advise)
+FROZEN_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the persuadee's replies in every
+# preset (Qwen3 non-thinking, as its makers advise)
 SAMPLING = {  # per preset: (persuader, persuadee). The persuader samples its whole tempered
     # distribution (pi_old exact); cpu: SmolLM2-135M at T 0.7, chosen by reading its samples (DECISIONS.md: CPU sampling preset)
     "paper": (engine.Sampling(1.0), FROZEN_SAMPLING),
     "cpu": (engine.Sampling(0.7), FROZEN_SAMPLING),
 }
-PERSUADER_SAMPLING, PERSUADEE_SAMPLING = SAMPLING["paper"]
-JUDGE_RETRY_SAMPLING = FROZEN_SAMPLING  # the judge's sampled retries
+JUDGE_RETRY_SAMPLING = engine.Sampling(0.7, top_p=0.8, top_k=20)  # the judge's sampled retries
 SPOKEN = ("stop", "length")  # how a message that keeps its episode going ends
-STOPPED = "stopped"  # end reason: the person at the terminal ended the conversation
-TYPING_TRIES = 5  # lines a person may type that are not valid text before the message is ""
+STOPPED = "stopped"  # end reason: the person at the terminal (lab/play.py) ended the conversation
 CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
-PROMPT_ROOM = engine.MAX_NEW_TOKENS // 4  # context a prompt must leave free: a short exchange
-ADMISSION = "continuous"  # or "waves": admit only into empty pools (BENCHMARKS.md compares the two)
+PROMPT_ROOM_SHARE = 4  # a prompt must leave max_new_tokens // PROMPT_ROOM_SHARE of the context
+# free: room for a short exchange
 DECISION = "tag"  # "logit": the persuadee's decision read in a fork after each reply (DECISIONS.md:
 # Logit decision), for persuadees too small to write tags; --decision's default
 
@@ -95,11 +92,12 @@ def prompt_ids(persuader_tok, persuadee_tok, instance):
             models.chat_ids(persuadee_tok, arena.persuadee_messages(instance), False))
 
 
-def prompt_problems(persuader, persuadee, instances):
-    """{instance id: why it cannot be played}, for prompts that leave less than PROMPT_ROOM
-    tokens of a local model's context (a server checks its own). Each side is a side or an
-    engine.Engine. An engine's prompt is encoded only when models.chat_length_bound does not
-    already show that it fits."""
+def prompt_problems(persuader, persuadee, instances, max_new_tokens=None):
+    """{instance id: why it cannot be played}, for prompts that leave less than max_new_tokens
+    (default engine.MAX_NEW_TOKENS) // PROMPT_ROOM_SHARE tokens of a local model's context (a
+    server checks its own). Each side is a side or an engine.Engine. An engine's prompt is
+    encoded only when models.chat_length_bound does not already show that it fits."""
+    room = (engine.MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens) // PROMPT_ROOM_SHARE
     problems = {}
     for inst in instances:
         for role, eng in (("persuader", persuader), ("persuadee", persuadee)):
@@ -112,10 +110,10 @@ def prompt_problems(persuader, persuadee, instances):
                             arena.persuader_messages(inst))
                 generation = role == "persuader"  # as prompt_ids encodes each side
                 bound = models.chat_length_bound(eng.tokenizer, messages, generation)
-                if bound + PROMPT_ROOM <= eng.max_len:
+                if bound + room <= eng.max_len:
                     continue
                 ids = models.chat_ids(eng.tokenizer, messages, generation)
-            if len(ids) + PROMPT_ROOM > eng.max_len:
+            if len(ids) + room > eng.max_len:
                 problems[inst["id"]] = (f"the {role} prompt of {inst['id']} is {len(ids)} tokens, "
                                         f"the model's context {eng.max_len}")
     return problems
@@ -154,7 +152,7 @@ def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timi
         text = tok.decode(ids, skip_special_tokens=True).strip()
         closing = models.closing_ids(tok, ids)
         if (reason not in arena.CUT_OFF and persuadee.length(sid) + len(closing)
-                + probes.longest_question(tok) > persuadee.max_len):
+                + max(map(len, probes.probe_ids(tok)[0])) > persuadee.max_len):
             reason = "context"  # no room left to close the reply and ask the probes
         replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
                             probes=None, probe_mass=None))
@@ -225,7 +223,9 @@ def judge_all(model, instances, transcripts, seed, group_indices):
         return served.judge_scores(model, instances, transcripts, seed, group_indices,
                                    max_tokens=JUDGE_MAX_NEW_TOKENS,
                                    retry_sampling=JUDGE_RETRY_SAMPLING)
-    return judge_scores(model, instances, transcripts, seed, group_indices)
+    return local_judge.judge_scores(model, instances, transcripts, seed, group_indices,
+                                    max_tokens=JUDGE_MAX_NEW_TOKENS,
+                                    retry_sampling=JUDGE_RETRY_SAMPLING)
 
 
 def new_episode(inst, index, g, t_max, seed):
@@ -253,28 +253,31 @@ def record(e, score, failed):
 
 
 def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
-                     persuader_sampling=PERSUADER_SAMPLING, persuadee_sampling=PERSUADEE_SAMPLING,
-                     max_new_tokens=engine.MAX_NEW_TOKENS, judge=None, max_active=None,
-                     probe_space=None, probe_signs=None, decision=None, on_record=None,
-                     progress=None, timings=None):
+                     persuader_sampling=None, persuadee_sampling=None, max_new_tokens=None,
+                     judge=None, max_active=None, probe_space=None, probe_signs=None,
+                     decision=None, on_record=None, progress=None, timings=None):
     """Play G = group_size episodes of every instance to the end, scheduled onto the sides.
 
     persuader and persuadee are each an engine.Engine, a served.ServedModel or a side (module
-    docstring), sampled with their role's engine.Sampling; judge is an Engine, a ServedModel or
-    None (s = 0). probe_space and probe_signs are the probe options (probes.py's defaults).
+    docstring), sampled with their role's engine.Sampling (default SAMPLING["paper"]), each message
+    at most max_new_tokens (default engine.MAX_NEW_TOKENS); judge is an Engine, a ServedModel or
+    None (s = 0). probe_space and probe_signs are the probe options (probes.py's defaults);
+    decision is how the persuadee decides, "tag" or "logit" (default DECISION).
     `max_active` caps the episodes in play at once (default: as many as the sides take).
     `on_record`, when given, receives each episode's record as soon as it ends, its judge field
     still None: the judge scores every transcript once, at the end, when the pools are empty.
     `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
     and judge_s. Returns one record per episode (instance-major, rollout.record), judged."""
-    persuader_side = side(persuader, "persuader", persuader_sampling, max_new_tokens)
+    paper = SAMPLING["paper"]
+    max_new_tokens = engine.MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     decision = DECISION if decision is None else decision
-    persuadee_side = side(persuadee, "persuadee", persuadee_sampling, max_new_tokens, probe_space,
-                          probe_signs, decision)
+    persuader_side = side(persuader, "persuader", persuader_sampling or paper[0], max_new_tokens)
+    persuadee_side = side(persuadee, "persuadee", persuadee_sampling or paper[1], max_new_tokens,
+                          probe_space, probe_signs, decision)
     if decision == "logit" and not isinstance(persuadee_side, EngineSide):
         raise ValueError("rollout.py: --decision logit reads the persuadee's logits in a fork of "
                          "its cache, which only a local persuadee has; use --decision tag")
-    problems = prompt_problems(persuader_side, persuadee_side, instances)
+    problems = prompt_problems(persuader_side, persuadee_side, instances, max_new_tokens)
     if problems:
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
                          "out (rollout.prompt_problems finds them) or use a longer-context model.")
@@ -301,7 +304,8 @@ class EpisodeLoop:
         self.persuader, self.persuadee = persuader, persuadee  # the two sides
         self.instances, self.t_max, self.seed = instances, t_max, seed
         self.on_record, self.timings = on_record, timings
-        self.scheduler = Scheduler((persuader, persuadee), len(instances), group_size, max_active)
+        self.scheduler = scheduling.Scheduler((persuader, persuadee), len(instances), group_size,
+                                              max_active)
 
     def run(self, progress=None):
         scheduler = self.scheduler
@@ -425,78 +429,6 @@ class EpisodeLoop:
         return True
 
 
-class Scheduler:
-    """Which episodes wait and which run, over the sides' capacity (module docstring): waiting
-    holds (instance index, group members) in order, running the episodes in play, done the
-    finished ones by (index, member)."""
-
-    def __init__(self, sides, n_instances, group_size, max_active=None):
-        self.sides, self.max_active = sides, max_active
-        self.waiting = deque((i, list(range(group_size))) for i in range(n_instances))
-        self.running, self.done = [], {}
-        self.held = -1  # len(done) at the last preemption: no admission until an episode ends
-
-    def refill(self, fits, open_group, never_started, start):
-        """Admit groups from the head of the queue while fits(index, n) holds, each prefilled by
-        open_group as it is admitted (so the next check sees the room it took), then start them
-        all at once. A group too big for empty pools goes one episode at a time; an episode
-        that cannot fit them alone goes to never_started."""
-        if len(self.done) <= self.held and self.running:
-            return
-        if ADMISSION == "waves" and self.running:
-            return
-        started = []  # (index, members, roots)
-        while self.waiting:
-            admitted = len(self.running) + sum(len(members) for _, members, _ in started)
-            allowed = (len(self.waiting[0][1]) if self.max_active is None
-                       else self.max_active - admitted)
-            if allowed <= 0:
-                break
-            if allowed < len(self.waiting[0][1]):
-                self.split_head(allowed)
-            index, members = self.waiting[0]
-            if not fits(index, len(members)):
-                if self.running or started:
-                    break
-                if len(members) > 1:
-                    self.split_head(1)
-                    continue
-                self.waiting.popleft()
-                never_started(index, members[0])
-                continue
-            self.waiting.popleft()
-            started.append((index, members, open_group(index)))
-        if started:
-            start(started)
-
-    def split_head(self, n):
-        """The queue's first group, as its first n members and the rest."""
-        index, members = self.waiting.popleft()
-        self.waiting.extendleft([(index, members[n:]), (index, members[:n])])
-
-    def release(self, e):
-        for s, key in zip(self.sides, ("persuader_sid", "persuadee_sid")):
-            s.free(e[key])
-
-    def finish(self, e, reason=None):
-        if reason:
-            e["state"].end(reason)
-        self.release(e)
-        self.done[e["index"], e["g"]] = e
-        self.running.remove(e)
-
-    def stall(self):
-        """No episode could move: one alone cannot fit and ends "cache"; else the youngest is
-        freed and queued to be replayed from the start, once another episode has ended (else it
-        would be admitted straight back into the same stall)."""
-        if len(self.running) == 1:
-            return self.finish(self.running[0], "cache")
-        e = self.running.pop()
-        self.release(e)
-        self.waiting.appendleft((e["index"], [e["g"]]))
-        self.held = len(self.done)
-
-
 class EngineSide:
     """A role played by a local engine.Engine: ids in, ids out. Its capacity is its pool: a
     message is admitted with room for its worst case (max_new_tokens; for the persuadee the
@@ -577,158 +509,3 @@ class EngineSide:
     def free(self, sid):
         self.eng.free(sid)
         self.last.pop(sid, None)
-
-
-def typed_line(prompt):
-    """input(), with bytes that are not UTF-8 kept as lone surrogates (surrogateescape), so that
-    a bad line is found by arena.invalid_text and the line after it is read intact."""
-    if hasattr(sys.stdin, "reconfigure") and getattr(sys.stdin, "errors", None) == "strict":
-        sys.stdin.reconfigure(errors="surrogateescape")
-    return input(prompt)
-
-
-def person_line(read, write, prompt):
-    """The person's next line, stripped: "" at the end of input; a line that is not valid text
-    (invalid UTF-8) is said in one line and typed again, at most TYPING_TRIES times."""
-    for _ in range(TYPING_TRIES):
-        try:
-            text = read(prompt).strip()
-        except EOFError:
-            return ""
-        except UnicodeDecodeError:
-            text = "\ud800"
-        if arena.invalid_text(text) is None:
-            return text
-        write("that line is not valid UTF-8 text (check the terminal's encoding); type it again")
-    return ""
-
-
-class PersonSide:
-    """The persuader typed by a person at the terminal (eval.py --play): each message is read
-    from `read`, each reply written with its probe values and the belief change of the turn. An
-    empty line (or end of input) ends the episode "stopped"; a line that is not valid text is
-    typed again (person_line)."""
-    tokenizer = max_len = None
-
-    def __init__(self, t_max, read=typed_line, write=print):
-        self.t_max, self.read, self.write = t_max, read, write
-        self.turns, self.next_sid = {}, 0
-
-    def prompt(self, instance):
-        return []
-
-    def room(self, instance, n):
-        return True
-
-    def prefill(self, instance):
-        self.write(f"== {instance['title']} ({instance['id']})\nYou are "
-                   f"{instance['persuader']['role']}. Goal: {instance['persuader']['goal']}\n"
-                   f"Request: {instance['persuader']['request']}\nThey: "
-                   f"{instance['persuadee']['name']}, {instance['persuadee']['age']}, "
-                   f"{instance['persuadee']['occupation']}. {instance['context']}\n"
-                   "(empty line or Ctrl-D: stop)")
-        return None
-
-    def start(self, roots, counts):
-        sids = []
-        for n in counts:
-            sids.append(list(range(self.next_sid, self.next_sid + n)))
-            self.next_sid += n
-            self.turns.update(dict.fromkeys(sids[-1], 0))
-        return sids, [None] * len(roots)
-
-    def ready(self, sids):
-        return list(sids)
-
-    def speak(self, sids, keys):
-        said = []
-        for s in sids:
-            self.turns[s] += 1
-            text = person_line(self.read, self.write, f"turn {self.turns[s]}/{self.t_max} you> ")
-            said.append(dict(text=text, ids=[], logprobs=[], reason="stop" if text else STOPPED))
-        return said
-
-    def hear(self, sid, text, final_turn=False, shown=None):
-        """The reply, its probe values, the belief and its change this turn."""
-        self.write(f"them: {text}")
-        values, beliefs = shown
-        if None not in values and None not in beliefs[-2:]:
-            self.write("   " + "  ".join(f"{k} {v:+.2f}" for k, v in zip(probes.PROBES, values))
-                       + f"   belief {beliefs[-1]:+.2f} ({beliefs[-1] - beliefs[-2]:+.2f})")
-        return [], None
-
-    def free(self, sid):
-        self.turns.pop(sid, None)
-
-
-def judge_scores(judge, instances, transcripts, seed=0, group_indices=None):
-    """(strategy score s, fell back) per transcript: one greedy answer, then up to
-    arena.JUDGE_RETRIES sampled retries, then s = 0 with fell back True (also for a prompt too
-    long to judge, or one that the judge's free pool cannot take even alone). Run in chunks of
-    transcripts that the pool takes at once (their prompts plus their answers), in order, a group
-    split across chunks where it does not fit whole; attempt k of transcript i samples from the
-    stream keyed by (seed, instance, group index, "judge", k), whatever its chunk."""
-    group_indices = group_indices or list(range(len(instances)))
-    tok = judge.tokenizer
-    prompts = [models.chat_ids(tok, arena.judge_messages(inst, transcript), True)
-               for inst, transcript in zip(instances, transcripts)]
-    answer = message_blocks(judge, JUDGE_MAX_NEW_TOKENS)
-    need = [judge.blocks_for(len(p)) + answer for p in prompts]
-    groups = {}
-    for i, inst in enumerate(instances):
-        groups.setdefault(inst["id"], []).append(i)
-    fits = [i for members in groups.values() for i in members if need[i] <= judge.free_blocks]
-    scores, chunk, room = [None] * len(prompts), [], judge.free_blocks
-    for i in fits + [None]:
-        if chunk and (i is None or need[i] > room):
-            keys = [engine.stream_key(seed, instances[j]["id"], group_indices[j], "judge")
-                    for j in chunk]
-            verdicts = judge_chunk(judge, [prompts[j] for j in chunk],
-                                   [instances[j]["id"] for j in chunk], keys)
-            for j, s in zip(chunk, verdicts):
-                scores[j] = s
-            chunk, room = [], judge.free_blocks
-        if i is not None:
-            chunk.append(i)
-            room -= need[i]
-    return [0.0 if s is None else s for s in scores], [s is None for s in scores]
-
-
-def judge_chunk(judge, prompts, group_ids, keys):
-    """Verdicts (None where no answer parsed) of prompts that fit the judge's pool together.
-
-    Prompts are prefilled once: the part a group shares (the instruction and the hidden profile
-    of its instance) in one root, each transcript in a fork of it, each attempt in a fork of that."""
-    tok = judge.tokenizer
-    groups = {}
-    for i, gid in enumerate(group_ids):
-        groups.setdefault(gid, []).append(i)
-    roots, bases = [], [None] * len(prompts)
-    for members in groups.values():
-        ours = [prompts[i] for i in members]
-        shared = engine.shared_stem(ours)
-        roots.append(judge.new(prompts[members[0]][:shared]))
-        if judge.overflow(roots[-1]):
-            continue  # too long to judge: those transcripts fall back to 0
-        judge.forward(roots[-1:])
-        for i in members:
-            bases[i] = judge.fork(roots[-1], prompts[i][shared:-1])  # the last token starts each attempt
-    judged = [i for i, b in enumerate(bases) if b is not None and not judge.overflow(b)]
-    scores = [None] * len(prompts)
-    waiting = [bases[i] for i in judged if judge.length(bases[i]) > judge.cached(bases[i])]
-    if waiting:
-        judge.forward(waiting)  # the chunk was sized to fit (judge_scores)
-    for attempt in range(1 + arena.JUDGE_RETRIES):
-        todo = [i for i in judged if scores[i] is None]
-        if not todo:
-            break
-        sids = [judge.fork(bases[i], prompts[i][-1:]) for i in todo]
-        sampling = engine.GREEDY if attempt == 0 else JUDGE_RETRY_SAMPLING
-        outs = judge.generate(sids, JUDGE_MAX_NEW_TOKENS, sampling,
-                              [engine.stream_key(keys[i], attempt) for i in todo])
-        for i, sid, (ids, _, _) in zip(todo, sids, outs):
-            scores[i] = arena.parse_judge(tok.decode(ids, skip_special_tokens=True))
-            judge.free(sid)
-    for sid in roots + [b for b in bases if b is not None]:
-        judge.free(sid)
-    return scores

@@ -54,7 +54,7 @@ import layers
 import models
 import rollout
 import rpo
-from lab import cli, plan, runs, steps
+from lab import cli, lora, plan, runs, steps
 
 # the knobs train.py owns (presets: lab/presets.py; the objective's: rpo.py)
 GRAD_CLIP = 1.0                     # max global grad norm
@@ -108,11 +108,11 @@ def build_models(args, world, device, sizes):
     else:
         persuadee_model, persuadee_tokenizer = load(args.persuadee, args.dtype, device)
     if args.lora:  # fp32 adapters on the frozen base, data parallel; the base is the reference
-        policy = models.average_lora_gradients(models.attach_lora(policy, args.lora,
+        policy = lora.average_lora_gradients(lora.attach_lora(policy, args.lora,
                                                                   args.persuader), world)
     reference = None
     if args.kl_beta > 0:
-        reference = persuadee_model if same else models.AdapterOff(policy) if args.lora else \
+        reference = persuadee_model if same else lora.AdapterOff(policy) if args.lora else \
             shard(load(args.persuader, args.dtype, device)[0], world)
     if not args.lora:
         policy.requires_grad_(True)
@@ -142,7 +142,7 @@ def refresh_rollout_copy(m):
     """The policy's weights written into the rollout copy (the actor engine's own tensors): the
     fp32 master weights gathered, or under LoRA the base with its adapters merged."""
     if m.rollout_model is not None:
-        (models.refresh_from_lora if m.lora else copy_weights)(m.policy, m.rollout_model)
+        (lora.refresh_from_lora if m.lora else copy_weights)(m.policy, m.rollout_model)
 
 
 def build_engines(m, args, device, sizes):

@@ -9,7 +9,8 @@ Closing efficiency), mean dense return (sum_t r_t under the run's own reward set
 turns with a negative process reward (rpo.negative_process_share: measured beliefs), mean
 strategy-judge score; the same per resistance type and per domain; and
   belief_stats        b_0 and b_T means, Spearman of dense return against GOAL[outcome] per episode,
-                      3x3 Pearson of the probes over every read-out and over every turn's change,
+                      Pearson of the probes (one row and column per probe of probes.PROBES) over
+                      every read-out and over every turn's change,
                       the share of saturated read-outs (|v| > SATURATION), the mean Yes+No mass;
   shaping_by_outcome  mean lambda * sum_t r_t per outcome at shaping_lambda (section F's 0.479 vs
                       0.461 at lambda 0.5), beside dense_by_outcome, the lambda-free sum;
@@ -27,9 +28,9 @@ acceptance (compare_many, section E.4); the main table with 95% intervals and pa
 case_rows); checkpoint selection over training runs (Table 9: runs_selection) with the run-level
 Fig. 7 diagnostics pooled from rollouts.jsonl.
 
-The intervals, paired tests and correlations are significance.py's; eval.py is the command line
-over these functions; plots.py draws them.
-Tests: python -m pytest -q test_analyses.py
+The intervals, paired tests and correlations are significance.py's; eval.py and report.py are the
+command line over these functions; plots.py draws them.
+Tests: python -m pytest -q tests/test_analyses.py
 """
 
 import json
@@ -43,7 +44,7 @@ from scipy import stats
 
 from lab import moves
 import rpo
-from lab.records import PROBE_NAMES, RUN_FIELDS, load_episodes, read_records
+from lab.records import RUN_FIELDS, load_episodes, probe_names, read_records
 from lab.significance import (finite_or_none, mcnemar, mean_band, pearson, proportion_difference,
                           spearman, t_interval, welch_difference, wilcoxon, wilson_interval)
 from lab.runs import is_number
@@ -138,7 +139,7 @@ def _groups(episodes, key):
 def pearson_matrix(rows):
     """Pearson correlations between the columns of rows [N, K], None where a column is constant."""
     a = np.asarray(rows, dtype=float)
-    k = a.shape[1] if a.ndim == 2 else len(PROBE_NAMES)
+    k = a.shape[1] if a.ndim == 2 else len(probe_names())
     if a.ndim != 2 or a.shape[0] < 2:
         return [[None] * k for _ in range(k)]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -174,9 +175,11 @@ def dense_by_outcome(episodes):
             for o in OUTCOMES if any(ep["outcome"] == o for ep in episodes)}
 
 
-def shaping_by_outcome(episodes, lam=rpo.LAMBDA):
-    """Mean shaping return lam * sum_t r_t per outcome reached: the paper's scale (section F's
-    0.479 ACCEPT and 0.461 CONDITIONAL_ACCEPT at lambda 0.5, bounded by [-lam, lam])."""
+def shaping_by_outcome(episodes, lam=None):
+    """Mean shaping return lam * sum_t r_t per outcome reached (lam default rpo.LAMBDA): the
+    paper's scale (section F's 0.479 ACCEPT and 0.461 CONDITIONAL_ACCEPT at lambda 0.5, bounded
+    by [-lam, lam])."""
+    lam = rpo.LAMBDA if lam is None else lam
     return {o: lam * v for o, v in dense_by_outcome(episodes).items()}
 
 
@@ -223,7 +226,7 @@ def manipulation_stats(episodes):
                            for o in OUTCOMES if any(ep["outcome"] == o for ep in episodes)}}
 
 
-def summarize(episodes, shaping_lambda=rpo.LAMBDA):
+def summarize(episodes, shaping_lambda=None):
     """Headline metrics of a run (fractions, not percent), the same per resistance and domain,
     and the analyses (belief_stats, shaping_by_outcome at shaping_lambda with the lambda-free
     dense_by_outcome beside it; moves and manipulation when labelled)."""
@@ -236,8 +239,8 @@ def summarize(episodes, shaping_lambda=rpo.LAMBDA):
     summary["by_domain"] = _groups(episodes, "domain")
     believed = with_beliefs(episodes)
     summary["belief_stats"] = belief_stats(believed)
-    summary["shaping_lambda"] = shaping_lambda
-    summary["shaping_by_outcome"] = shaping_by_outcome(believed, shaping_lambda)
+    summary["shaping_lambda"] = rpo.LAMBDA if shaping_lambda is None else shaping_lambda
+    summary["shaping_by_outcome"] = shaping_by_outcome(believed, summary["shaping_lambda"])
     summary["dense_by_outcome"] = dense_by_outcome(believed)
     if warning := judge_warning(summary):
         summary["judge_warning"] = warning
@@ -335,8 +338,8 @@ def format_analyses(summary):
              + (f"   mean Yes+No mass {b['yes_no_mass_mean']:.3f}" if "yes_no_mass_mean" in b else "")]
     for key, title in (("probe_level_corr", "levels"), ("probe_increment_corr", "increments")):
         lines.append(f"  probe correlations over {title}: " + "  ".join(
-            f"{PROBE_NAMES[i]}-{PROBE_NAMES[j]} {_num(b[key][i][j], '+.2f')}"
-            for i in range(len(PROBE_NAMES)) for j in range(i + 1, len(PROBE_NAMES))))
+            f"{probe_names()[i]}-{probe_names()[j]} {_num(b[key][i][j], '+.2f')}"
+            for i in range(len(probe_names())) for j in range(i + 1, len(probe_names()))))
     if "probe_fidelity" in summary:
         for title, f in (("fork vs full forward", summary["probe_fidelity"]),
                          ("four spellings vs every answer token", summary["probe_fidelity"].get("vocabulary"))):
@@ -663,7 +666,7 @@ def probe_fidelity(fork_values, reference_values):
 
 
 def case_rows(ep):
-    """Per read-out t = 0..T: the three probes, b_t, r_t (t >= 1, the run's reward setting), the
+    """Per read-out t = 0..T: every probe's value, b_t, r_t (t >= 1, the run's reward setting), the
     turn's share of sum_t |r_t| (share) and of the net sum_t r_t (signed_share: negative for a turn
     that lost ground, and summing to 1), its move labels and the persuader's message."""
     r = rpo.process_rewards(ep["beliefs"], ep["outcome"], _anchor(ep))
@@ -671,7 +674,7 @@ def case_rows(ep):
     messages = moves.persuader_messages(ep)
     rows = []
     for t, (values, b) in enumerate(zip(ep["probes"], ep["beliefs"])):
-        rows.append({"t": t, **dict(zip(PROBE_NAMES, values)), "b": b,
+        rows.append({"t": t, **dict(zip(probe_names(), values)), "b": b,
                      "r": r[t - 1] if t else None,
                      "share": abs(r[t - 1]) / total if t and total else None,
                      "signed_share": r[t - 1] / net if t and net else None,
@@ -691,10 +694,10 @@ def format_case(ep, width=60):
     rows = case_rows(ep)
     lines = [f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns "
              f"(anchor {_anchor(ep)}, persuader {ep.get('persuader', '?')})",
-             f"{'t':>3}" + "".join(f"{k:>8}" for k in PROBE_NAMES) + f"{'b_t':>8}{'r_t':>8}{'|share|':>8}{'signed':>8}  moves | message"]
+             f"{'t':>3}" + "".join(f"{k:>8}" for k in probe_names()) + f"{'b_t':>8}{'r_t':>8}{'|share|':>8}{'signed':>8}  moves | message"]
     for row in rows:
         text = row["message"].replace("\n", " ")
-        lines.append(f"{row['t']:>3}" + "".join(f"{row[k]:>+8.3f}" for k in PROBE_NAMES) + f"{row['b']:>+8.3f}"
+        lines.append(f"{row['t']:>3}" + "".join(f"{row[k]:>+8.3f}" for k in probe_names()) + f"{row['b']:>+8.3f}"
                      f"{_num(row['r'], '+.3f'):>8}{pct(row['share']):>8}{pct(row['signed_share']):>8}  {','.join(row['moves']) or '-'} | "
                      f"{text[:width]}{'...' if len(text) > width else ''}")
     lines.append(f"the two largest turns carry {pct(top_two_share(rows))} of sum |r_t|, "
@@ -746,9 +749,10 @@ def read_run(run_dir):
             "evals": sorted((migrate_summary(r, config.get("lam")) for r in evals), key=lambda r: r["step"])}
 
 
-def rollout_groups(rows, anchor=rpo.ANCHOR):
+def rollout_groups(rows, anchor=None):
     """rollouts.jsonl rows -> the (outcome rewards, process rewards, goals) of every group of every
-    step, as train.py formed them (an unreadable belief is NaN again)."""
+    step, as train.py formed them (an unreadable belief is NaN again); anchor default rpo.ANCHOR."""
+    anchor = rpo.ANCHOR if anchor is None else anchor
     groups = defaultdict(list)
     for row in rows:
         groups[row["step"], row["group"]].append(row)
@@ -875,7 +879,7 @@ def probe_overlay(runs):
     out = {}
     for name, episodes in runs.items():
         out[name] = {}
-        for i, probe in enumerate(PROBE_NAMES):
+        for i, probe in enumerate(probe_names()):
             first = [ep["probes"][0][i] for ep in episodes]
             last = [ep["probes"][-1][i] for ep in episodes]
             out[name][probe] = {"initial": _mean(first), "final": _mean(last),
@@ -884,10 +888,10 @@ def probe_overlay(runs):
 
 
 def format_probe_overlay(result):
-    lines = [f"{'system':<40}" + "".join(f"{p + ' ' + k:>12}" for p in PROBE_NAMES for k in ("b_0", "b_T"))]
+    lines = [f"{'system':<40}" + "".join(f"{p + ' ' + k:>12}" for p in probe_names() for k in ("b_0", "b_T"))]
     for name, probes in result.items():
         lines.append(f"{name:<40}" + "".join(f"{_num(probes[p][k], '+.3f'):>12}"
-                                              for p in PROBE_NAMES for k in ("initial", "final")))
+                                              for p in probe_names() for k in ("initial", "final")))
     return "\n".join(lines)
 
 
@@ -904,7 +908,7 @@ def trajectory_stats(episodes, series):
             out[outcome] = (*mean_band(rows), count)
     return out
 
-def summarize_run(episodes, fidelity=None, shaping_lambda=rpo.LAMBDA):
+def summarize_run(episodes, fidelity=None, shaping_lambda=None):
     """summarize() plus probe_fidelity from the stored fork and reference read-outs."""
     summary = summarize(episodes, shaping_lambda)
     if fidelity is not None:

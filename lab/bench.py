@@ -92,7 +92,7 @@ import layers
 import models
 import probes
 import rollout
-from lab import cli, fastpath, presets, significance
+from lab import cli, fastpath, gguf, presets, significance
 
 MODEL = "smollm2"
 DIALOGUES = 8
@@ -109,7 +109,7 @@ def load(args, dtype):
     if not args.random_init:
         return models.load_model(args.model, dtype, args.device)
     from transformers import AutoTokenizer  # a random model of a paper size, SmolLM2's tokenizer
-    tok = AutoTokenizer.from_pretrained(models.smollm2_path())
+    tok = AutoTokenizer.from_pretrained(gguf.smollm2_path())
     return models.random_model(args.random_init, dtype, args.device, tokenizer=tok)
 
 
@@ -483,7 +483,7 @@ def max_logp_difference(a, b):
 
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(models.smollm2_path())
+    return AutoTokenizer.from_pretrained(gguf.smollm2_path())
 
 
 def warm_up(engine_samplings, rows, gpu):

@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 import arena
-import engine
 import models
 import probes
 import rollout
@@ -45,9 +44,11 @@ NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resu
                 "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
             "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
-PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "engine", "layers", "models")  # the method's
-# constants, pinned on resume (with the entry point's own); names ending in _PATH or _DIR say
-# where files are on this machine, not how the method runs, and are not pinned
+PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening", "lab.lora")
+# the constants that say what is trained and played, pinned on resume with the entry point's own;
+# the engine's (engine, layers, lab.fastpath: pool sizes, block size, the fast path) set speed and
+# memory, not results, so a resumed run may change them (DECISIONS.md: Resume pins every knob);
+# names ending in _PATH or _DIR say where files are on this machine and are not pinned
 
 # -----------------------------------------------------------------------------
 # resume pinning

@@ -44,6 +44,7 @@ import probes
 import rollout
 import rpo
 from lab import cli, served
+from lab.play import PersonSide
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
 JUDGE_DEFAULT = "persuadee"  # the paper's frozen judge: the persuadee's model in a fresh context
@@ -103,7 +104,7 @@ def named(values):
     return None if values is None else dict(zip(probes.PROBES, values))
 
 
-class TrainerSide(rollout.PersonSide):
+class TrainerSide(PersonSide):
     """The persuader driven from outside (rollout.py's side interface, a person's side whose
     messages come through a queue): speak() announces that the loop waits for a message and
     takes the next one from `actions`; None stops the episode ("stopped"). hear() keeps the reply
@@ -160,7 +161,7 @@ class PersuasionEnv(gym.Env):
 
     def __init__(self, persuadee="smollm2", scenarios="train", t_max=arena.T_MAX_TRAIN, *,
                  judge=JUDGE_DEFAULT, dtype="float32", kv_blocks=None,
-                 max_new_tokens=engine.MAX_NEW_TOKENS, sampling=rollout.PERSUADEE_SAMPLING,
+                 max_new_tokens=engine.MAX_NEW_TOKENS, sampling=None,
                  probe_space=None, probe_signs=None):
         for name, value in (("t_max", t_max), ("max_new_tokens", max_new_tokens)):
             if type(value) is not int or value < 1:
@@ -169,7 +170,8 @@ class PersuasionEnv(gym.Env):
         if not self.instances:
             raise ValueError(f"env.py: no instance in {scenarios!r}")
         self.by_id = {inst["id"]: inst for inst in self.instances}
-        self.t_max, self.max_new_tokens, self.sampling = t_max, max_new_tokens, sampling
+        self.t_max, self.max_new_tokens = t_max, max_new_tokens
+        self.sampling = sampling or rollout.SAMPLING["paper"][1]
         self.probe_space, self.probe_signs = probe_space, probe_signs
         loaded = {}
         self.persuadee = self._player(persuadee, loaded, dtype, kv_blocks)
@@ -184,8 +186,8 @@ class PersuasionEnv(gym.Env):
     def _player(who, loaded, dtype, kv_blocks):
         if who is None or not isinstance(who, str):
             return who
-        import eval
-        return eval.player(who, loaded, dtype, kv_blocks)
+        from lab import pools
+        return pools.player(who, loaded, dtype, kv_blocks)
 
     # -- the worker thread: rollout.py's loop over one episode ------------------------------
 

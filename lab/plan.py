@@ -22,8 +22,7 @@ import sys
 import torch
 
 import engine
-import models
-from lab import fastpath, served
+from lab import fastpath, lora, served, shapes
 
 GRAD_CHECKPOINTING = True  # on GPUs: recompute activations in the backward pass (train.py follows)
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
@@ -119,7 +118,7 @@ def memory_plan(args, world, gib, gpu):
     decode memory; one micro-batch's activations; what CUDA keeps outside tensors. Returns the
     items, the total, the device's bytes and each engine's sizes (Engine keyword arguments)."""
     GiB, itemsize = 2**30, getattr(torch, args.dtype).itemsize
-    policy_cfg = models.model_config(args.persuader)
+    policy_cfg = shapes.model_config(args.persuader)
     P = parameter_count(policy_cfg)
     served_persuadee = served.is_served(args.persuadee)
     same = not served_persuadee and args.persuadee == args.persuader
@@ -147,14 +146,14 @@ def memory_plan(args, world, gib, gpu):
 
     engine_items("actor", policy_cfg)
     if not served_persuadee:
-        persuadee_cfg = policy_cfg if same else models.model_config(args.persuadee)
+        persuadee_cfg = policy_cfg if same else shapes.model_config(args.persuadee)
         add(f"persuadee {args.dtype}" + (" (also the reference)" if same else ""),
             itemsize * parameter_count(persuadee_cfg))
         engine_items("persuadee", persuadee_cfg)
     if args.kl_beta > 0 and not same and not getattr(args, "lora", None):  # LoRA's is the base
         add(f"reference {args.dtype}{shard}", itemsize * P / world)
     if judge_own:
-        judge_cfg = models.model_config(args.judge)
+        judge_cfg = shapes.model_config(args.judge)
         add(f"judge {args.dtype} (its own model)", itemsize * parameter_count(judge_cfg))
         engine_items("judge", judge_cfg)
     add("activations, one micro-batch (estimate)", activation_bytes(policy_cfg, args, itemsize, gpu))
@@ -166,13 +165,13 @@ def memory_plan(args, world, gib, gpu):
 
 
 def lora_parameter_count(cfg, rank):
-    """Adapter parameters: r (fan-in + fan-out) for each models.LORA_TARGETS projection of
+    """Adapter parameters: r (fan-in + fan-out) for each lora.LORA_TARGETS projection of
     every layer."""
     h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     D, inner = getattr(cfg, "head_dim", None) or h // H, cfg.intermediate_size
     fans = dict(q_proj=(h, H * D), k_proj=(h, Hkv * D), v_proj=(h, Hkv * D), o_proj=(H * D, h),
                 gate_proj=(h, inner), up_proj=(h, inner), down_proj=(inner, h))
-    return cfg.num_hidden_layers * rank * sum(sum(fans[t]) for t in models.LORA_TARGETS)
+    return cfg.num_hidden_layers * rank * sum(sum(fans[t]) for t in lora.LORA_TARGETS)
 
 
 def lora_items(cfg, args, itemsize):

@@ -2,17 +2,17 @@
 The paper's figures from episode records and training runs, drawn with matplotlib (PNG files).
 
   plot_beliefs   mean belief b_t by turn for each outcome, 95% bands (beliefs.png)
-  plot_probes    the same per probe, CA, PE, AC (probes.png)
+  plot_probes    the same per probe of probes.PROBES (probes.png)
   plot_moves     Fig. 5, the share of messages with each move by turn, and the two move rankings
                  of section F (moves.png)
   plot_case      Table 8 as a figure: one episode's probes, b_t and r_t (case-ID.png)
   plot_overlay   Fig. 6: runs overlaid, belief and process reward by turn (overlay.png)
-  plot_probe_overlay  Fig. 6 per probe: CA, PE, AC of two or more systems (overlay_probes.png)
+  plot_probe_overlay  Fig. 6 per probe of probes.PROBES, two or more systems (overlay_probes.png)
   plot_runs      checkpoint selection (Table 9) and Fig. 3, best held-out acceptance over lambda
   plot_dynamics  Fig. 7: dead groups, rescued share and the two advantage terms by step
   plot_run       a training run's curves from metrics.jsonl (curves.png)
 The statistics behind them come from analyses.py; eval.py's command line calls them.
-Tests: python -m pytest -q test_plots.py
+Tests: python -m pytest -q tests/test_plots.py
 """
 
 import math
@@ -27,13 +27,10 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from lab import analyses  # noqa: E402
 from lab import moves  # noqa: E402
-from lab import records  # noqa: E402
 from lab import significance  # noqa: E402
-from lab.records import PROBE_NAMES  # noqa: E402
+from lab.records import probe_names, probe_title  # noqa: E402
 from lab.runs import is_number, read_jsonl, write_atomic  # noqa: E402
 
-PROBE_TITLES = {"CA": "concern addressed (CA)", "PE": "persuasion effective (PE)",
-                "AC": "acceptance shift (AC)"}
 RUN_DYNAMICS = {"dead_group_share": "share of dead groups (all R equal)",
                 "dead_goal_share": "share of dead groups (identical outcomes)",
                 "dead_rescued_share": "dead groups rescued by the dense term",
@@ -85,11 +82,11 @@ def plot_beliefs(episodes, path):
 
 
 def plot_probes(episodes, path):
-    """One panel per probe (CA, PE, AC): mean probe value by turn for each outcome, 95% bands."""
-    fig, axes = plt.subplots(1, len(PROBE_NAMES), figsize=PROBE_FIGSIZE, sharey=True)
-    for i, (ax, probe) in enumerate(zip(axes, PROBE_NAMES)):
+    """One panel per probe (probes.PROBES): mean probe value by turn for each outcome, 95% bands."""
+    fig, axes = plt.subplots(1, len(probe_names()), figsize=PROBE_FIGSIZE, sharey=True)
+    for i, (ax, probe) in enumerate(zip(axes, probe_names())):
         _draw_by_outcome(ax, episodes, lambda ep, i=i: [row[i] for row in ep["probes"]],
-                         f"{PROBE_TITLES[probe]} by turn", "probe value 2p(yes) - 1")
+                         f"{probe_title(probe)} by turn", "probe value 2p(yes) - 1")
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle("Per-probe trajectories by outcome (mean, 95% CI)")
     fig.tight_layout()
@@ -128,7 +125,7 @@ def plot_case(ep, path):
     rows = analyses.case_rows(ep)
     t = [row["t"] for row in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=CASE_FIGSIZE, sharex=True)
-    for k in PROBE_NAMES:
+    for k in probe_names():
         top.plot(t, [row[k] for row in rows], marker="o", ms=3, label=k)
     top.plot(t, [row["b"] for row in rows], marker="s", color="black", lw=2, label="b_t")
     top.set(title=f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns", ylabel="probe value",
@@ -186,14 +183,14 @@ def plot_overlay(runs, path):
 def plot_probe_overlay(runs, path):
     """Fig. 6: runs (name -> episodes) overlaid per probe, one panel each for CA, PE and AC: the
     mean probe value by turn of every system, 95% bands."""
-    fig, axes = plt.subplots(1, len(PROBE_NAMES), figsize=PROBE_FIGSIZE, sharey=True)
-    for i, (ax, probe) in enumerate(zip(axes, PROBE_NAMES)):
+    fig, axes = plt.subplots(1, len(probe_names()), figsize=PROBE_FIGSIZE, sharey=True)
+    for i, (ax, probe) in enumerate(zip(axes, probe_names())):
         for name, episodes in zip(system_labels(runs), runs.values()):
             mean, half = significance.mean_band([[row[i] for row in ep["probes"]] for ep in episodes])
             x = np.arange(mean.size)
             ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(episodes)})")
             ax.fill_between(x, mean - half, mean + half, alpha=0.2)
-        ax.set(title=f"{PROBE_TITLES[probe]} by turn", xlabel="turn t (0 = before the first message)",
+        ax.set(title=f"{probe_title(probe)} by turn", xlabel="turn t (0 = before the first message)",
                ylabel="probe value 2p(yes) - 1", ylim=(-1.05, 1.05))
         ax.axhline(0, color="black", lw=0.5)
         ax.grid(alpha=0.3)

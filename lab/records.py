@@ -1,5 +1,6 @@
 """
-records.py: the episode record, in one place, and reading records back from disk (no torch).
+records.py: the episode record, in one place, and reading records back from disk (no torch at
+import; the probe names are read from probes.PROBES when asked).
 
 EPISODE_RECORD names every field rollout.record writes, what an evaluation stamps on it
 (eval.evaluate) and what moves.py labels. "No value" is None in every field (a belief or probe a
@@ -10,7 +11,7 @@ RUN_FIELDS is the same for a training run's metrics.jsonl, evals.jsonl and rollo
 JSONL file is read by runs.read_jsonl: a bad last line (a killed writer) is dropped with a
 warning, an earlier one refused.
 
-Tests: python -m pytest -q test_records.py
+Tests: python -m pytest -q tests/test_records.py
 """
 import json
 from pathlib import Path
@@ -18,7 +19,18 @@ from pathlib import Path
 from arena import OUTCOMES
 from lab.runs import read_jsonl
 
-PROBE_NAMES = ("CA", "PE", "AC")  # column order of an episode's "probes" rows (probes.PROBES, checked by a test)
+
+def probe_names():
+    """The column order of an episode's "probes" rows: the names in probes.PROBES, read when
+    called (probes, and torch with it, loads then, not when this module is imported)."""
+    import probes
+    return tuple(probes.PROBES)
+
+
+def probe_title(name):
+    """A probe's figure title (probes.PROBES)."""
+    import probes
+    return probes.PROBES[name]["title"]
 
 
 def _number_or_none(v):
@@ -40,7 +52,7 @@ EPISODE_RECORD = {
     "end_reason": "why the episode ended (arena.Episode)",
     "transcript": "[{role, text, decision}] in order",
     "beliefs": "b_0..b_T, the mean of the probe values (None: unread)",
-    "probes": "[CA, PE, AC] values after each reply (None: unread)",
+    "probes": "one value per probe of probes.PROBES after each reply (None: unread)",
     "probe_mass": "P(Yes) + P(No) of each read-out", "judge": "strategy score s (None: not judged)",
     "judge_failed": "the judge's answer could not be parsed: s fell back to 0",
     "ids": "persuader-side token stream (training)", "turn_ids": "message index of each token, 0 "
@@ -60,16 +72,16 @@ EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it m
     "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: v in OUTCOMES),
     "turns": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "beliefs": ("a list of numbers (null where unread)", lambda v: isinstance(v, list) and all(map(_number_or_none, v))),
-    "probes": ("a list of [CA, PE, AC] rows (null where unread)",
-               lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(PROBE_NAMES)
+    "probes": ("a list of rows, one value per probe of probes.PROBES (null where unread)",
+               lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(probe_names())
                                                                     and all(map(_number_or_none, r))) for r in v)),
     "transcript": ("a list of {role, text} messages",
                    lambda v: isinstance(v, list) and all(isinstance(m, dict) and isinstance(m.get("text"), str)
                                                          and m.get("role") in ("persuader", "persuadee") for m in v)),
     "judge": ("a number or null", _number_or_none),
     "judge_failed": ("true or false", lambda v: isinstance(v, bool)),
-    "probe_mass": ("a list of [CA, PE, AC] rows of numbers in [0, 1] (null where unread)",
-                   lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(PROBE_NAMES)
+    "probe_mass": ("a list of rows, one number in [0, 1] per probe (null where unread)",
+                   lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(probe_names())
                                                                         and all(map(_unit_or_none, r))) for r in v)),
     "moves": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
     "manipulation": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),

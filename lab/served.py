@@ -53,6 +53,7 @@ from urllib.parse import urlparse
 import arena
 import engine
 import probes
+from lab import hardening
 from lab.runs import is_number as finite_number
 
 SERVED_PREFIX = "openai:"     # a model spec with this prefix is served: openai:MODEL@URL
@@ -230,7 +231,7 @@ def logprob_of(entry, where):
     log-prob <= 0 (up to LOGPROB_SLACK of rounding, clamped to 0)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
         raise InvalidAnswer(f"{where} has no token")
-    if bad := arena.invalid_text(entry["token"]):
+    if bad := hardening.invalid_text(entry["token"]):
         raise InvalidAnswer(f"{where}'s token holds {bad}")
     lp = entry.get("logprob")
     if not finite_number(lp) or lp > LOGPROB_SLACK:
@@ -285,7 +286,7 @@ def read_answer(body, max_tokens, top_logprobs=None, model=None):
     text = message.get("content") if isinstance(message, dict) else None
     if not isinstance(text, str):
         raise InvalidAnswer(f"the answer's message content is {text!r}, not text")
-    if bad := arena.invalid_text(text):
+    if bad := hardening.invalid_text(text):
         raise InvalidAnswer(f"the answer's text holds {bad}")
     finish = choice.get("finish_reason")
     if finish is not None and not isinstance(finish, str):
@@ -338,7 +339,7 @@ def seed_of(*parts):
 
 def judge_scores(judge, instances, transcripts, seed, group_indices, *, max_tokens,
                  retry_sampling):
-    """(strategy score s, fell back) per transcript, as rollout.judge_scores returns them: greedy
+    """(strategy score s, fell back) per transcript, as lab/judge.judge_scores returns them: greedy
     first, then arena.JUDGE_RETRIES retries sampled with retry_sampling, then 0."""
     scores = [None] * len(instances)
     for attempt in range(1 + arena.JUDGE_RETRIES):
@@ -536,7 +537,7 @@ class ServedSide:
     def __init__(self, model, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
         self.model, self.role, self.sampling = model, role, sampling
         self.max_new_tokens, self.space = max_new_tokens, probe_space
-        self.signs = probe_signs or probes.PROBE_SIGNS
+        self.signs = probe_signs or probes.probe_signs()
         self.chats, self.next_sid = {}, 0
 
     def _new(self, messages):
@@ -629,7 +630,7 @@ class ServedSide:
         asks = [dict(messages=self.chats[s] + [{"role": "user",
                                                  "content": f"{probes.INSTRUCTION} {q}"}],
                      max_tokens=1, top_logprobs=TOP_LOGPROBS)
-                for s in sids for q in probes.PROBES.values()]
+                for s in sids for q in probes.questions()]
         answers = self.model.map(asks)
         self.model.note_missing(sum(not isinstance(a, ServedError) and a["top"] is None
                                     for a in answers))

@@ -72,7 +72,7 @@ def plan_run(args, world, device, say):
 def training_set(args, m, say):
     """The training instances, less those whose prompts fit no context (named once, up front)."""
     instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
-    problems = rollout.prompt_problems(m.actor, m.persuadee, instances)
+    problems = rollout.prompt_problems(m.actor, m.persuadee, instances, args.max_new_tokens)
     if problems:
         say(f"skipping {len(problems)} training instances that do not fit a context, e.g. "
             f"{next(iter(problems.values()))}")

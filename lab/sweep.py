@@ -38,7 +38,6 @@ from tqdm import tqdm
 
 from lab import analyses
 from lab import cli
-import arena
 from lab import records
 from lab import significance
 from lab.runs import read_jsonl

@@ -25,6 +25,7 @@ import arena
 import engine
 import models
 import rollout
+from lab import pools
 from conftest import short_scenario, template_tokenizer
 
 ACCEPT_ORDER = "You have decided to accept."
@@ -228,7 +229,8 @@ def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, mo
     said = one_line_exit(lambda: eval.main(args + ["--kv-blocks", "210"]))
     assert "judge's prompt" in said
     size = int(re.search(r"pass --kv-blocks (\d+) or more", said).group(1))
-    monkeypatch.setattr(rollout, "judge_chunk", lambda judge, prompts, *a: [1.0] * len(prompts))
+    from lab import judge as local_judge
+    monkeypatch.setattr(local_judge, "judge_chunk", lambda judge, prompts, *a: [1.0] * len(prompts))
     summary = eval.main(args + ["--kv-blocks", str(size)]) or json.loads(
         (tmp_path / "j" / "summary.json").read_text())
     episodes = [json.loads(line) for line in (tmp_path / "j" / "episodes.jsonl").read_text().splitlines()]
@@ -283,4 +285,4 @@ def test_an_evaluation_with_no_belief_still_writes_its_summary(tmp_path, capsys)
                           max_new_tokens=3)
     assert (tmp_path / "run" / "summary.json").is_file() and "probe_fidelity" not in summary
     assert "fidelity skipped" in capsys.readouterr().err
-    assert "non-finite weights" in one_line_exit(lambda: eval.refuse_nonfinite("x", broken))
+    assert "non-finite weights" in one_line_exit(lambda: pools.refuse_nonfinite("x", broken))

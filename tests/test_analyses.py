@@ -476,7 +476,7 @@ def test_probe_overlay_means_by_numpy():
     for name, eps in (("lab", LAB), ("six", SIX)):
         first = np.array([ep["probes"][0] for ep in eps])
         last = np.array([ep["probes"][-1] for ep in eps])
-        for i, probe in enumerate(an.PROBE_NAMES):
+        for i, probe in enumerate(an.probe_names()):
             got = r[name][probe]
             assert (got["initial"], got["final"], got["change"]) == pytest.approx(
                 (first[:, i].mean(), last[:, i].mean(), (last - first)[:, i].mean()))

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import arena
+from lab import hardening
 from arena import Episode, parse_decision, parse_judge, strip_decision_tags
 
 def fuzz(n):
@@ -141,7 +142,7 @@ def test_negated_and_quoted_tags_are_no_decision(text, expected):
 
 def test_negation_window_is_the_constant():
     """A negation NEGATION_WINDOW governing words before the tag voids it; one word further does not."""
-    filler = " ".join(["really"] * arena.NEGATION_WINDOW)
+    filler = " ".join(["really"] * hardening.NEGATION_WINDOW)
     assert parse_decision(f"I do not {filler} [ACCEPT]") is None
     assert parse_decision(f"I do not {filler} really [ACCEPT]") == "ACCEPT"
 
@@ -238,7 +239,7 @@ def test_stripping_is_linear_in_blank_runs():
         stripped = strip_decision_tags(text)
         parse_decision(text)
         assert time.perf_counter() - start < 0.5, repr(text[:20])
-        assert arena.TAG_RE.search(arena.normalise(stripped)) is None
+        assert arena.TAG_RE.search(hardening.normalise(stripped)) is None
     assert strip_decision_tags("a" + " " * 1000 + "[ACCEPT] b") == "a b"
 
 
@@ -323,17 +324,17 @@ def test_parse_and_strip_on_hostile_text(text):
     assert decision is None or decision in arena.OUTCOMES
     stripped = strip_decision_tags(text)
     assert parse_decision(stripped) is None
-    assert arena.TAG_RE.search(arena.normalise(stripped)) is None
+    assert arena.TAG_RE.search(hardening.normalise(stripped)) is None
     assert strip_decision_tags(stripped) == stripped
-    if arena.TAG_RE.search(arena.normalise(text)) is None:
+    if arena.TAG_RE.search(hardening.normalise(text)) is None:
         assert stripped == text
 
 @fuzz(2000)
 @given(st.text(alphabet=st.characters(codec="utf-8")))
 def test_normalise_is_idempotent_and_keeps_tags_readable(text):
     """normalise is a fixed point after one pass, so parsing normalised text changes nothing."""
-    once = arena.normalise(text)
-    assert arena.normalise(once) == once
+    once = hardening.normalise(text)
+    assert hardening.normalise(once) == once
     assert parse_decision(once) == parse_decision(text)
 
 @fuzz(500)
@@ -873,3 +874,16 @@ def test_real_training_instances():
     inst = arena.training_instances()
     assert len(inst) == 1800 and len({i["id"] for i in inst}) == 1800
     assert len(arena.heldout_instances()) == len(real_scenarios("heldout"))
+
+
+def test_the_lab_modules_arena_reads_do_not_import_it_back():
+    """arena.py calls lab/hardening.py and lab/scenario_check.py; neither imports arena, at module
+    level or in a function, so the import graph between them has no circle."""
+    import ast
+    from pathlib import Path
+    root = Path(arena.__file__).parent
+    for name in ("hardening", "scenario_check"):
+        tree = ast.parse((root / "lab" / f"{name}.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "arena" not in imported, name

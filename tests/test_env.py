@@ -7,6 +7,7 @@ import engine
 from lab import env as persuasion_env
 import rollout
 from lab import served
+from lab.play import PersonSide
 from conftest import tiny_model
 from test_served import Loopback, ScriptedServer, answer_tokenizer, instances  # noqa: F401
 
@@ -20,7 +21,7 @@ def scripted(messages):
 
     def read(prompt):
         return next(lines)
-    return rollout.PersonSide(len(messages), read=read, write=lambda *a: None)
+    return PersonSide(len(messages), read=read, write=lambda *a: None)
 
 
 def play_loop(persuadee, inst, t_max, seed, judge=None, **kw):

@@ -17,6 +17,7 @@ from lab import analyses as an
 import eval
 from lab import plots
 from lab import records
+from lab import report
 import rpo
 from test_analyses import LAB, RUN_B, RUN_A, check_compare, episode, many_runs
 from test_plots import png_size
@@ -25,8 +26,8 @@ HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 
 def test_save_load_and_compare_cli(tmp_path, capsys):
-    eval.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
-    eval.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
+    report.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
+    report.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
     assert sorted(p.name for p in (tmp_path / "A").iterdir()) == \
         ["beliefs.png", "episodes.jsonl", "probes.png", "summary.json"]   # no temp files left behind
     assert records.load_episodes(tmp_path / "A") == RUN_A
@@ -94,8 +95,8 @@ def test_cli_subprocess_no_traceback():
 
 
 def test_table_cli_markdown_and_latex(tmp_path, capsys):
-    eval.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
-    eval.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
+    report.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
+    report.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
     eval.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--reference", str(tmp_path / "B")])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split(" | ")[1:4] == ["n", "FA", "FA+CA"]
@@ -140,7 +141,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     assert sample[1][1] > 0 and summary["probe_fidelity"]["n"] == 2 * 3
     saved = records.load_episodes(tmp_path / "run")
     assert [e["id"] for e in saved] == [i["id"] for i in instances]
-    assert not any(k in saved[0] for k in eval.TRAINING_KEYS)
+    assert not any(k in saved[0] for k in records.TRAINING_FIELDS)
     for ep in saved:
         n_messages = sum(m["role"] == "persuader" for m in ep["transcript"])
         assert len(ep["moves"]) == len(ep["manipulation"]) == n_messages and ep["tagger"] == "keyword"
@@ -151,7 +152,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     assert written["belief_stats"]["yes_no_mass_mean"] > 0 and "manipulation" in written
     assert written["roles"]["persuadee"]["dtype"] == "float32"
     assert written["roles"]["persuadee"]["sampling"] == list(__import__("rollout").SAMPLING["cpu"][1])
-    written = {k: v for k, v in written.items() if k not in eval.RUN_KEYS}
+    written = {k: v for k, v in written.items() if k not in report.RUN_KEYS}
     (tmp_path / "run" / "summary.json").unlink()
     eval.main(["--analyze", str(tmp_path / "run")])
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == written
@@ -159,7 +160,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     # episodes stored without labels (an older run) are tagged by keyword in memory, not on disk
     bare = [{k: v for k, v in ep.items() if k not in ("moves", "manipulation", "tagger")} for ep in saved]
     (tmp_path / "run" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in bare))
-    assert eval.analyze(tmp_path / "run") == written
+    assert report.analyze(tmp_path / "run") == written
     assert "moves" not in records.load_episodes(tmp_path / "run")[0]
 
 
@@ -170,8 +171,9 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     import rollout
     monkeypatch.chdir(tmp_path)
     judged_by = []
-    monkeypatch.setattr(rollout, "judge_scores",
-                        lambda judge, instances, transcripts, seed=0, groups=None: judged_by.append(judge.model)
+    from lab import judge as local_judge
+    monkeypatch.setattr(local_judge, "judge_scores",
+                        lambda judge, instances, transcripts, seed=0, groups=None, **kw: judged_by.append(judge.model)
                         or ([0.0] * len(instances), [False] * len(instances)))
     eval.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
              "--judge", "random:tiny-llama", "--subset", "balanced60", "--limit", "1", "--t-max", "1",
@@ -190,8 +192,9 @@ def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     typed = iter(["Hello, could we talk about the appointment?", "Could we book it for Tuesday?", ""])
     shown = []
-    ep = eval.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, read=lambda _: next(typed),
-                 write=shown.append)
+    from lab import play
+    ep = play.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, out_root="evals",
+                   read=lambda _: next(typed), write=shown.append)
     assert [m["role"] for m in ep["transcript"]] == ["persuader", "persuadee"] * 2
     assert ep["transcript"][0]["text"] == "Hello, could we talk about the appointment?"
     assert ep["end_reason"] == "stopped" and len(ep["probes"]) == 3 == len(ep["beliefs"])
@@ -439,16 +442,16 @@ def test_every_new_table_and_figure_from_tiny_model_evaluations(tmp_path, monkey
 def test_run_anchor_follows_the_training_run(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-20"
     checkpoint.mkdir(parents=True)
-    assert eval.run_anchor(str(checkpoint)) == rpo.ANCHOR                  # no config: the default
+    assert report.run_anchor(str(checkpoint)) == rpo.ANCHOR                  # no config: the default
     (tmp_path / "run" / "config.json").write_text(json.dumps({"anchor": not rpo.ANCHOR}))
-    assert eval.run_anchor(str(checkpoint)) == (not rpo.ANCHOR)
-    assert eval.run_anchor("smollm2") == rpo.ANCHOR
+    assert report.run_anchor(str(checkpoint)) == (not rpo.ANCHOR)
+    assert report.run_anchor("smollm2") == rpo.ANCHOR
 
 
 def test_compare_many_cli(tmp_path, capsys):
     policy, base1, base2 = many_runs().values()
     for name, eps in (("b1", base1), ("b2", base2), ("p", policy)):
-        eval.save_run(tmp_path / name, eps, an.summarize(eps))
+        report.save_run(tmp_path / name, eps, an.summarize(eps))
     eval.main(["--compare-many", str(tmp_path / "b1"), str(tmp_path / "b2"), "--policy", str(tmp_path / "p")])
     out = capsys.readouterr().out
     assert "closed by no baseline: 3; the policy closes 2 of them (66.7%)" in out
@@ -458,7 +461,7 @@ def test_compare_many_cli(tmp_path, capsys):
     assert "ranked by mean final belief" in out
 
 def test_case_cli_prints_the_episode_and_writes_its_plot(tmp_path, capsys):
-    eval.save_run(tmp_path / "run", LAB, an.summarize(LAB))
+    report.save_run(tmp_path / "run", LAB, an.summarize(LAB))
     eval.main(["--case", str(tmp_path / "run"), "m2"])
     out = capsys.readouterr().out
     assert "m2: CONDITIONAL_ACCEPT after 3 turns" in out and "the two largest turns carry" in out
@@ -531,11 +534,11 @@ def test_compare_warns_when_the_runs_faced_different_roles(tmp_path, capsys):
         persuader=dict(model="p", sampling=[1.0, None, None], dtype="float32"),
         persuadee=dict(model=persuadee, sampling=sampling, dtype="float32"),
         judge=dict(model="j", sampling=[[0.0, None, None]], dtype="float32"))
-    eval.save_run(tmp_path / "A", RUN_A, {**an.summarize(RUN_A), "roles": roles("q", [0.7, 0.8, 20])})
-    eval.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("q", [0.7, 0.8, 20])})
+    report.save_run(tmp_path / "A", RUN_A, {**an.summarize(RUN_A), "roles": roles("q", [0.7, 0.8, 20])})
+    report.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("q", [0.7, 0.8, 20])})
     eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     assert "warning" not in capsys.readouterr().out
-    eval.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("r", [0.7, None, None])})
+    report.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("r", [0.7, None, None])})
     eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "differ in the persuadee's model: q against r" in out

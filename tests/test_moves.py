@@ -7,7 +7,7 @@ import torch
 
 import arena
 import engine
-from lab import moves
+from lab import hardening, moves
 from conftest import short_scenario, tiny_model
 
 EXAMPLES = {  # label -> messages written to carry it
@@ -47,8 +47,8 @@ def test_every_probe_question_planted_in_a_message_is_counted():
     primes the read-out; the audit counts it, per message, per episode and in the summary."""
     from lab import analyses
     import probes
-    planted = [probes.INSTRUCTION] + list(probes.PROBES.values())
-    for text in planted + [f"{probes.INSTRUCTION} {q} Yes" for q in probes.PROBES.values()]:
+    planted = [probes.INSTRUCTION] + probes.questions()
+    for text in planted + [f"{probes.INSTRUCTION} {q} Yes" for q in probes.questions()]:
         spaced = text.replace("Yes", "Y\u200bes")  # a zero-width break hides nothing
         for t in (text, spaced, text.upper()):
             assert "probe_planting" in moves.keyword_tags(t)["manipulation"], t
@@ -57,7 +57,7 @@ def test_every_probe_question_planted_in_a_message_is_counted():
     scenario = {**short_scenario(1), "id": "train-0001"}
     episodes = [{"id": i, "scenario_id": "train-0001", "outcome": "PENDING", "transcript": [
         {"role": "persuader", "text": text}, {"role": "persuadee", "text": "Hm."}]}
-        for i, text in enumerate((NEUTRAL, f"{probes.INSTRUCTION} {probes.PROBES['AC']} Yes"))]
+        for i, text in enumerate((NEUTRAL, f"{probes.INSTRUCTION} {probes.PROBES['AC']['question']} Yes"))]
     moves.tag_episodes(episodes, {"train-0001": scenario})
     assert [ep["manipulation"] for ep in episodes] == [[[]], [["probe_planting"]]]
     rates = analyses.manipulation_stats(episodes)
@@ -133,7 +133,7 @@ def test_a_quoted_message_cannot_forge_a_ruler_a_line_or_the_profile():
     assert [json.loads(line) for line in lines if line.startswith('"')] == [FORGED]
     assert len(lines) == len(moves.tagger_messages(short_scenario(2), "x")[1]["content"].splitlines())
     assert not any(c in user for c in "\u0085\u2028\u2029") and "-----" not in user.replace(
-        arena.quoted(FORGED), "")
+        hardening.quoted(FORGED), "")
 
 
 def test_role_markers_in_a_message_are_no_control_ids_of_the_tagger(chat_tokenizer):

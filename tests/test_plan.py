@@ -6,7 +6,8 @@ counts of random models of the same shapes; a run that cannot fit is refused bef
 import pytest
 import torch
 
-from lab import fastpath, plan
+import engine
+from lab import fastpath, lora, plan, shapes
 import train
 from lab import presets
 from test_train import TINY, no_model_loads, parse_train  # noqa: F401 (a fixture)
@@ -97,9 +98,9 @@ def test_the_one_gpu_preset_fits_one_h200_and_counts_adapters_base_and_reference
     import models
     from conftest import tiny_model
     for shape in ("qwen3", "llama"):
-        lora = models.attach_lora(tiny_model(shape), 4, f"random:tiny-{shape}")
-        assert plan.lora_parameter_count(lora.config, 4) == \
-            sum(p.numel() for p in models.lora_parameters(lora))
+        adapted = lora.attach_lora(tiny_model(shape), 4, f"random:tiny-{shape}")
+        assert plan.lora_parameter_count(adapted.config, 4) == \
+            sum(p.numel() for p in lora.lora_parameters(adapted))
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the plan read a model"))
     train.main(["--preset", "one-gpu", "--plan", "--plan-gib", "139", "--out", "/nonexistent"])
     shown = capsys.readouterr().out
@@ -108,8 +109,8 @@ def test_the_one_gpu_preset_fits_one_h200_and_counts_adapters_base_and_reference
     rank_plan = plan.memory_plan(args, 1, 139, True)
     assert rank_plan["capacity"] - rank_plan["total"] > 0.15 * rank_plan["capacity"]
     items = dict(rank_plan["items"])
-    P = plan.parameter_count(models.model_config(args.persuader))
-    L = plan.lora_parameter_count(models.model_config(args.persuader), presets.LORA_RANK)
+    P = plan.parameter_count(shapes.model_config(args.persuader))
+    L = plan.lora_parameter_count(shapes.model_config(args.persuader), presets.LORA_RANK)
     assert items[f"LoRA adapters r=64 fp32 ({L / 1e6:.0f}M, replicated)"] + \
         items["adapter gradients fp32"] + items["AdamW moments fp32 (adapters)"] == 16 * L
     assert items["frozen base bfloat16 (the reference, adapter off)"] == 2 * P

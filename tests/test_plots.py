@@ -8,6 +8,7 @@ from pathlib import Path
 from lab import analyses
 import eval
 from lab import plots
+from lab import report
 from test_analyses import LAB, SIX
 
 
@@ -39,8 +40,8 @@ def test_plot_run(tmp_path):
 
 def test_overlay_and_moves_plots(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    eval.save_run(tmp_path / "A", LAB, analyses.summarize(LAB))
-    eval.save_run(tmp_path / "B", SIX, analyses.summarize(SIX))
+    report.save_run(tmp_path / "A", LAB, analyses.summarize(LAB))
+    report.save_run(tmp_path / "B", SIX, analyses.summarize(SIX))
     assert png_size(tmp_path / "A" / "moves.png") == tuple(round(v * plots.DPI) for v in plots.MOVES_FIGSIZE)
     assert not (tmp_path / "B" / "moves.png").exists()   # no labels stored
     eval.main(["--overlay", str(tmp_path / "A"), str(tmp_path / "B"), "--name", "ov"])

@@ -57,7 +57,7 @@ def test_logodds_space_signs_and_mass_by_hand(tokenizer, monkeypatch):
     torch.testing.assert_close(probes.yes_no_mass(logits, tokenizer), yes + no)
     with pytest.raises(ValueError, match="PROBE_SPACE must be one of"):
         probes.values_from_logits(logits, tokenizer, "bits")
-    monkeypatch.setattr(probes, "PROBE_SIGNS", {"CA": 1, "PE": -1, "AC": 1})
+    monkeypatch.setitem(probes.PROBES, "PE", {**probes.PROBES["PE"], "sign": -1})
     values, mass = probes._readout(torch.cat([logits] * 2), tokenizer, 2)   # 2 reads of 3 questions
     plain = probes.values_from_logits(logits, tokenizer)
     torch.testing.assert_close(values[0], plain * torch.tensor([1.0, -1.0, 1.0]))
@@ -125,7 +125,7 @@ def test_the_vocabulary_reference_counts_every_answer_token(tokenizer):
 
 def test_probe_signs_parse_from_a_flag():
     import argparse
-    assert probes.parse_signs("PE=-1") == {**probes.PROBE_SIGNS, "PE": -1}
+    assert probes.parse_signs("PE=-1") == {**probes.probe_signs(), "PE": -1} == {"CA": 1, "PE": -1, "AC": 1}
     with pytest.raises(argparse.ArgumentTypeError, match="NAME one of CA, PE, AC"):
         probes.parse_signs("XX=2")
 
@@ -206,3 +206,45 @@ def test_decision_fork_read_matches_reference(arch, tokenizer, paths):
     by_hand = torch.stack([p[list(ids)].sum() for ids in own])
     torch.testing.assert_close(ref[1], by_hand / by_hand.sum(), atol=1e-5, rtol=0)
     assert all(not set(a) & set(b) for a in own for b in own if a is not b)
+
+
+def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios, monkeypatch):
+    """A probe added to probes.PROBES alone: a tiny training run (with its held-out evaluation)
+    and a tiny evaluation complete, and every read-out of every episode holds four values, the
+    fourth signed by the new probe's own sign; the records, summaries and figures follow."""
+    import json
+
+    import eval
+    import rollout
+    import train
+    from lab import records
+    monkeypatch.setitem(probes.PROBES, "XT", dict(
+        question="Would you rather end this conversation now?", sign=-1, title="wants out (XT)"))
+    played = []
+    original = rollout.rollout_episodes
+
+    def spy(*args, **kwargs):
+        played.extend(out := original(*args, **kwargs))
+        return out
+    monkeypatch.setattr(rollout, "rollout_episodes", spy)
+    monkeypatch.chdir(tmp_path)
+    train.main(["--preset", "tiny", "--judge", "none", "--save-every", "1000", "--scenarios",
+                short_scenarios, "--out", str(tmp_path / "runs"), "--name", "four", "--steps", "1",
+                "--eval-every", "1", "--eval-limit", "1"])
+    trained = len(played)
+    eval.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--limit", "1",
+               "--t-max", "2", "--max-new-tokens", "3", "--name", "four", "--judge", "none"])
+    assert trained and len(played) > trained  # training rollouts and both evaluations ran
+    rows = [row for ep in played for row in ep["probes"]]
+    assert rows and all(row is not None and len(row) == 4 for row in rows)
+    for folder in (tmp_path / "runs" / "four" / "eval-1", tmp_path / "evals" / "four"):
+        saved = records.load_episodes(folder)  # the record's columns: four, checked on reading
+        assert all(len(row) == 4 for ep in saved for row in ep["probes"])
+        summary = json.loads((folder / "summary.json").read_text())
+        assert (folder / "probes.png").is_file() and summary
+    # the fourth value is the new question's read-out under its sign, as the reference reads it
+    model, tok = models.random_model("tiny-qwen3")
+    context = models.chat_ids(tok, [{"role": "system", "content": "You are Ana."}], False)
+    signed = probes.read_beliefs_reference(model, tok, [context])
+    monkeypatch.setitem(probes.PROBES, "XT", {**probes.PROBES["XT"], "sign": 1})
+    assert signed[0, 3] == -probes.read_beliefs_reference(model, tok, [context])[0, 3]

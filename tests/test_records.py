@@ -15,8 +15,13 @@ def test_importing_records_loads_no_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_probe_names_are_the_probes_own():
-    assert records.PROBE_NAMES == tuple(probes.PROBES)
+def test_probe_names_are_the_probes_own(monkeypatch):
+    """The record's columns are read from probes.PROBES when asked: a probe added there is a
+    column here, with no second edit."""
+    assert records.probe_names() == tuple(probes.PROBES)
+    monkeypatch.setitem(probes.PROBES, "XT", dict(question="Q?", sign=1, title="extra (XT)"))
+    assert records.probe_names() == ("CA", "PE", "AC", "XT")
+    assert records.probe_title("XT") == "extra (XT)"
 
 
 @pytest.mark.parametrize("field, value", [
@@ -34,7 +39,7 @@ def test_analyze_refuses_a_malformed_optional_field_in_one_line(tmp_path, field,
 
 @pytest.mark.parametrize("field, value, must", [
     ("outcome", "MAYBE", "must be one of ACCEPT"), ("turns", -1, "whole number"),
-    ("beliefs", [0.1, "x"], "list of numbers"), ("probes", [[0.1, 0.2]], "[CA, PE, AC] rows"),
+    ("beliefs", [0.1, "x"], "list of numbers"), ("probes", [[0.1, 0.2]], "one value per probe"),
     ("transcript", [{"role": "judge", "text": "hi"}], "{role, text}"), ("scenario_id", None, "a string"),
 ])
 def test_a_malformed_record_names_file_line_and_field(tmp_path, field, value, must):

@@ -13,6 +13,7 @@ import models
 import probes
 import rollout
 import rpo
+from lab import judge as local_judge
 from conftest import tiny_model
 
 
@@ -113,6 +114,13 @@ def test_smollm2_plays_two_dialogues_end_to_end():
                                atol=1e-4, rtol=0)
 
 
+def judge_scores(judge, instances, transcripts, seed=0):
+    """The local judge as rollout.judge_all calls it (its answer length read now)."""
+    return local_judge.judge_scores(judge, instances, transcripts, seed,
+                                    max_tokens=rollout.JUDGE_MAX_NEW_TOKENS,
+                                    retry_sampling=rollout.JUDGE_RETRY_SAMPLING)
+
+
 def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
     """A parseable verdict gives s = mean - 3; an unparseable one is retried JUDGE_RETRIES times
     after its greedy answer, each retry a fork of the once-prefilled prompt, then falls back to 0
@@ -135,14 +143,14 @@ def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
     lengths = [len(models.chat_ids(tokenizer, arena.judge_messages(s, t), True))
                for s, t in zip(scenarios, transcripts)]
     assert lengths[0] != lengths[1]
-    assert rollout.judge_scores(judge, scenarios, transcripts) == ([1.0, 0.0], [False, True])
+    assert judge_scores(judge, scenarios, transcripts) == ([1.0, 0.0], [False, True])
     assert sorted(attempts) == [0] + [1] * (1 + arena.JUDGE_RETRIES)  # greedy, then the retries
     assert judge.tokens_prefilled == sum(lengths) - 2  # prompts once; last tokens stay pending
     assert len(judge.cache.free_blocks) == 2000
     # two transcripts of one instance: their shared opening (profile) is prefilled only once
     judge.tokens_prefilled = 0
     attempts.clear()
-    assert rollout.judge_scores(judge, [scenarios[0]] * 2, transcripts) == ([1.0, 0.0], [False, True])
+    assert judge_scores(judge, [scenarios[0]] * 2, transcripts) == ([1.0, 0.0], [False, True])
     group = [models.chat_ids(tokenizer, arena.judge_messages(scenarios[0], t), True)
              for t in transcripts]
     shared = next(i for i, (a, b) in enumerate(zip(*group)) if a != b)
@@ -223,10 +231,15 @@ def test_a_prompt_longer_than_the_context_is_named_before_anything_runs(tokenize
     # the bound skips encoding only prompts that fit: at every context length around the
     # prompts' own, the problems equal those of the exact lengths
     lengths = [len(ids) for ids in rollout.prompt_ids(tokenizer, tokenizer, inst)]
-    for max_len in range(min(lengths) + rollout.PROMPT_ROOM - 2, max(lengths) + rollout.PROMPT_ROOM + 3):
+    room = engine.MAX_NEW_TOKENS // rollout.PROMPT_ROOM_SHARE
+    for max_len in range(min(lengths) + room - 2, max(lengths) + room + 3):
         side = SimpleNamespace(tokenizer=tokenizer, max_len=max_len)  # what prompt_problems reads
-        exact = {inst["id"]} if max(lengths) + rollout.PROMPT_ROOM > max_len else set()
+        exact = {inst["id"]} if max(lengths) + room > max_len else set()
         assert set(rollout.prompt_problems(side, side, [inst])) == exact, max_len
+    # the room follows the max_new_tokens in use (--max-new-tokens), not the engine's default
+    side = SimpleNamespace(tokenizer=tokenizer, max_len=max(lengths) + 10)
+    assert set(rollout.prompt_problems(side, side, [inst], max_new_tokens=40 * rollout.PROMPT_ROOM_SHARE))
+    assert not rollout.prompt_problems(side, side, [inst], max_new_tokens=10 * rollout.PROMPT_ROOM_SHARE)
     with pytest.raises(ValueError, match=f"prompt of {inst['id']} is \\d+ tokens"):
         rollout.rollout_episodes(er, ee, [inst], 2)
     assert er.free_blocks == er.cache.num_blocks
@@ -252,7 +265,7 @@ def test_the_judge_fits_any_pool_that_holds_one_transcript(tokenizer, monkeypatc
 
     def judged(num_blocks, instances, chats):
         judge = engine.Engine(model, tokenizer, block_size=16, num_blocks=num_blocks)
-        scores, failed = rollout.judge_scores(judge, instances, chats, seed=3)
+        scores, failed = judge_scores(judge, instances, chats, seed=3)
         assert len(judge.cache.free_blocks) == num_blocks
         return scores, failed
     low, high = 1, 400  # judged(high) holds, judged(low) does not
@@ -284,7 +297,9 @@ def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():
     from lab import served
     from lab import presets
     assert all(ee is rollout.FROZEN_SAMPLING for _, ee in rollout.SAMPLING.values())
-    assert rollout.JUDGE_RETRY_SAMPLING is rollout.FROZEN_SAMPLING
+    # the judge's retries have their own value: editing the persuadee's sampling leaves them
+    assert rollout.JUDGE_RETRY_SAMPLING == rollout.FROZEN_SAMPLING
+    assert rollout.JUDGE_RETRY_SAMPLING is not rollout.FROZEN_SAMPLING
     assert all(er.top_p is None and er.top_k is None for er, _ in rollout.SAMPLING.values())
     assert not hasattr(served, "API_ERROR") and not hasattr(moves, "INSTRUCTION")
     assert arena.API_ERROR in arena.CUT_OFF and {"context", "cache"} <= set(arena.CUT_OFF)
@@ -294,7 +309,7 @@ def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():
 def test_a_typed_line_that_is_not_utf8_is_typed_again_and_the_game_survives(tmp_path, monkeypatch):
     """eval.py --play: invalid UTF-8 (raised by a strict stdin, or kept as lone surrogates by a
     surrogateescape one) is said in one line and typed again; the game in progress goes on."""
-    import eval
+    from lab import play
     monkeypatch.chdir(tmp_path)
     typed = iter([UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
                   "caf\udce9 au lait?", "Hello, could we talk about the appointment?", ""])
@@ -305,21 +320,22 @@ def test_a_typed_line_that_is_not_utf8_is_typed_again_and_the_game_survives(tmp_
             raise line
         return line
     shown = []
-    ep = eval.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, read=read, write=shown.append)
+    ep = play.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, out_root="evals", read=read,
+                   write=shown.append)
     assert [m["text"] for m in ep["transcript"] if m["role"] == "persuader"] == [
         "Hello, could we talk about the appointment?"]
     assert ep["end_reason"] == "stopped"
     said = [line for line in shown if "not valid UTF-8" in line]
     assert len(said) == 2 and all("\n" not in line for line in said)
-    assert rollout.person_line(lambda _: "\ud800", shown.append, "") == ""  # bounded: then stopped
+    assert play.person_line(lambda _: "\ud800", shown.append, "") == ""  # bounded: then stopped
 
 
 def test_the_terminal_reads_invalid_utf8_as_text_to_refuse():
     """typed_line on a real strict-UTF-8 stdin: the bad bytes come back as lone surrogates (no
     exception, no lost buffer), and the next line intact."""
-    code = ("import rollout, arena\n"
-            "a = rollout.typed_line(''); b = rollout.typed_line('')\n"
-            "print(arena.invalid_text(a) is not None, b)")
+    code = ("from lab import hardening, play\n"
+            "a = play.typed_line(''); b = play.typed_line('')\n"
+            "print(hardening.invalid_text(a) is not None, b)")
     p = subprocess.run([sys.executable, "-c", code], input=b"caf\xe9\nnext line\n", capture_output=True,
                        timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"}, cwd=os.path.dirname(
                            os.path.abspath(rollout.__file__)))

@@ -18,7 +18,7 @@ import torch
 import eval
 import models
 import probes
-from lab import records
+from lab import episode_log, records
 import rollout
 import rpo
 from lab import cli, presets, runs, steps
@@ -218,9 +218,9 @@ def test_a_resumed_config_with_an_invalid_value_is_refused_before_loading(run_co
 @pytest.mark.parametrize("module, name, value", [
     (rpo, "STRATEGY_WEIGHT", 0.25),
     (rpo, "GOAL", {**rpo.GOAL, "ACCEPT": 5.0}),
-    (probes, "PROBES", {**probes.PROBES, "CA": "Do you feel heard?"}),
+    (probes, "PROBES", {**probes.PROBES, "CA": {**probes.PROBES["CA"], "question": "Do you feel heard?"}}),
     # no hand-kept list: every CAPS constant of the method's modules and of train.py is pinned
-    (rollout, "ADMISSION", "waves"),
+    (rollout, "CLOSING_ROOM", 9),
     (rpo, "CLIP_HIGH", 0.3),
     (train, "GRAD_CLIP", 0.5),
 ])
@@ -272,7 +272,7 @@ def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_p
     metrics.write_text('{"step": 1}\n{"step": 2, "lo\n')
     episodes.write_text('{"id": "a"}\n{"id": "b", "tr\n')
     steps.resume_metrics(metrics, 5)
-    assert list(eval.read_played(episodes)) == ["a"]
+    assert list(episode_log.read_played(episodes)) == ["a"]
     warnings = [line.replace(str(tmp_path), "") for line in capsys.readouterr().err.splitlines()]
     assert warnings == ["warning: dropping the partial last line 2 of /metrics.jsonl",
                         "warning: dropping the partial last line 2 of /episodes.jsonl"]
@@ -282,7 +282,7 @@ def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_p
     with pytest.raises(SystemExit, match="metrics.jsonl, line 1 is not valid JSON"):
         steps.resume_metrics(metrics, 5)
     with pytest.raises(ValueError, match="episodes.jsonl, line 1 is not valid JSON"):
-        eval.read_played(episodes)
+        episode_log.read_played(episodes)
 
 # -----------------------------------------------------------------------------
 # a run's evaluations: its own sampling, lambda and anchor
@@ -381,7 +381,7 @@ def test_the_episode_record_has_one_schema(tmp_path):
     [record] = rollout.rollout_episodes(*engines, arena.heldout_instances()[:1], 1, max_new_tokens=2)
     schema = set(records.EPISODE_RECORD)
     assert set(record) == schema - set(records.STAMP_FIELDS) - set(records.LABEL_FIELDS)
-    assert set(records.EPISODE_FIELDS) <= schema and eval.TRAINING_KEYS == records.TRAINING_FIELDS
+    assert set(records.EPISODE_FIELDS) <= schema
     eval.evaluate(*engines, arena.heldout_instances()[:1], tmp_path / "e", t_max=1, fidelity=0,
                   max_new_tokens=2)
     [saved] = [json.loads(line) for line in (tmp_path / "e" / "episodes.jsonl").read_text().splitlines()]

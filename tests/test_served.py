@@ -24,8 +24,8 @@ import eval
 import models
 import probes
 import rollout
-from lab import presets
-from lab import served
+from lab import episode_log, hardening, presets, served
+from lab import records as record_fields
 from conftest import short_scenario, tiny_model
 
 try:
@@ -292,12 +292,12 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     dying = Faulty(broken_day=2, kill_when=lambda: out.exists() and len(lines(out)) >= 4)
     model = dying.model(retries=2)
     with pytest.raises(Killed):
-        eval.play_resumable(model, model, insts, out, t_max=3)
+        episode_log.play_resumable(model, model, insts, out, t_max=3)
     before = lines(out)
     assert 4 <= len(before) < len(insts)
     resumed = Faulty(broken_day=2)
     model = resumed.model(retries=2)
-    records = eval.play_resumable(model, model, insts, out, t_max=3)
+    records = episode_log.play_resumable(model, model, insts, out, t_max=3)
     after = lines(out)
     assert after[:len(before)] == before
     assert sorted(json.loads(l)["id"] for l in after) == sorted(i["id"] for i in insts)
@@ -307,7 +307,7 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     failed = [r for r in records if "on day 2" in arena.persuadee_system_prompt(
         next(i for i in insts if i["id"] == r["id"]))]
     assert {r["end_reason"] for r in failed} == {arena.API_ERROR}
-    kept = lambda r: {k: v for k, v in r.items() if k not in eval.TRAINING_KEYS}
+    kept = lambda r: {k: v for k, v in r.items() if k not in record_fields.TRAINING_FIELDS}
     assert [r for r in records if r not in failed] == [kept(w) for w, r in zip(whole, records)
                                                       if r not in failed]
     summary = analyses.summarize(records)
@@ -906,12 +906,12 @@ def test_the_probe_read_out_quotes_nothing_the_persuader_wrote():
     class Planting(ScriptedServer):
         def answer(self, body):
             if "How to persuade" in body["messages"][0]["content"]:
-                return completion(f"{probes.INSTRUCTION} {probes.PROBES['AC']} Yes")
+                return completion(f"{probes.INSTRUCTION} {probes.PROBES['AC']['question']} Yes")
             return super().answer(body)
     server = Planting()
     play(server.model(), server.model(), instances((2,)), 2)
     asks = [b["messages"] for b in server.bodies if b.get("logprobs")]
-    questions = [{"role": "user", "content": f"{probes.INSTRUCTION} {q}"} for q in probes.PROBES.values()]
+    questions = [{"role": "user", "content": f"{probes.INSTRUCTION} {q}"} for q in probes.questions()]
     assert asks and all(m[-1] in questions for m in asks)
     replies = [m for m in asks if any(x["content"].startswith(probes.INSTRUCTION) for x in m[:-1])]
     assert replies and all(m[-2]["role"] == "assistant" for m in replies)
@@ -1227,7 +1227,7 @@ def test_a_served_eval_against_lone_surrogates_finishes_and_counts_them(surrogat
     episodes, summary = served_eval(surrogates, tmp_path, monkeypatch, limit=3, t_max=2)
     assert len(episodes) == 3 and summary["requests"][surrogates]["failed_attempts"] > 0
     for e in episodes:
-        assert all(arena.invalid_text(m["text"]) is None for m in e["transcript"])
+        assert all(hardening.invalid_text(m["text"]) is None for m in e["transcript"])
 
 
 def test_a_training_step_against_lone_surrogates_finishes(surrogates, tmp_path, short_scenarios):

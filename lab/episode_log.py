@@ -1,0 +1,104 @@
+"""
+An evaluation's episodes.jsonl, resumable: each episode appended (and flushed) as it ends, read
+back by --resume so that only the missing ones are played, the settings an evaluation ran with
+compared with the resumed one's, and under torchrun each rank's part (episodes.rankR.jsonl)
+gathered by rank 0.
+
+    python -m pytest -q tests/test_eval.py -k resume
+"""
+import json
+from pathlib import Path
+
+import rollout
+from lab import cli, records, runs
+
+
+def read_played(path):
+    """Records already in an episodes.jsonl, by id. A bad last line (cut off by a kill) is
+    dropped with a warning and from the file (runs.read_jsonl); an id written twice is an error."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    played = {}
+    for lineno, record in runs.read_jsonl(path, repair=True):
+        if not isinstance(record, dict) or "id" not in record:
+            raise ValueError(f"{path}, line {lineno} is no episode record; delete that line to "
+                             "play its episode again")
+        if record["id"] in played:
+            raise ValueError(f"{path}, line {lineno} repeats episode {record['id']}; delete one of them")
+        played[record["id"]] = record
+    return played
+
+
+def append_record(path, record):
+    """One finished episode, flushed to disk before the next ends."""
+    runs.append_line(path, runs.json_line(record), sync=True)
+
+
+def part_paths(out_dir):
+    """episodes.jsonl, and under torchrun each rank's part of it (merged by rank 0 at the end)."""
+    out_dir = Path(out_dir)
+    return [out_dir / "episodes.jsonl"] + sorted(out_dir.glob("episodes.rank*.jsonl"))
+
+
+def play_resumable(persuader, persuadee, instances, path, *, t_max, judge=None, seed=0,
+                   stamp=None, played=None, **rollout_kw):
+    """rollout.rollout_episodes over the instances not yet in `played` (read from path unless
+    given), each record appended to path (an episodes.jsonl) as its episode ends, without the
+    training stream and with `stamp` (the run's settings) added; the judge scores them at the end
+    with those resumed unscored (judge None). Returns the records of all instances, in order."""
+    played = read_played(path) if played is None else played
+    stamp = stamp or {}
+
+    def clean(r):
+        return {**{k: v for k, v in r.items() if k not in records.TRAINING_FIELDS}, **stamp}
+    todo = [inst for inst in instances if inst["id"] not in played]
+    for r in rollout.rollout_episodes(persuader, persuadee, todo, t_max, judge=judge, seed=seed,
+                                      on_record=lambda r: append_record(path, clean(r)),
+                                      **rollout_kw):
+        played[r["id"]] = clean(r)
+    pending = [inst for inst in instances if played[inst["id"]]["judge"] is None]
+    if pending:  # killed before the judge scored them
+        scores, failed = rollout.judge_all(judge, pending,
+                                           [played[i["id"]]["transcript"] for i in pending],
+                                           seed, [0] * len(pending))
+        for inst, score, fail in zip(pending, scores, failed):
+            played[inst["id"]].update(judge=score, judge_failed=fail)
+    return [played[inst["id"]] for inst in instances]
+
+
+def settings_mismatch(out_dir, settings, own=None):
+    """The settings (and pinned constants, cli.changed_constants, with the entry point's own
+    module `own`) that differ from those out_dir's evaluation was run with, named."""
+    path = Path(out_dir) / "settings.json"
+    if not path.exists():
+        return []
+    before = json.loads(path.read_text())
+    return cli.changed_constants(before, own) + [
+        f"{k} {before.get(k)!r} there, {settings.get(k)!r} now"
+        for k in sorted(set(before) | set(settings)) if k != "constants" and before.get(k) != settings.get(k)]
+
+
+def played_so_far(out_dir, resume, rank, world):
+    """The episodes out_dir already holds (every rank's part) when resuming; else none, the
+    folder's parts removed by rank 0 before any rank reads them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not resume and rank == 0:
+        for path in part_paths(out_dir):
+            path.unlink(missing_ok=True)
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()  # rank 0 has cleared the folder before any rank reads it
+    return {} if not resume else {k: v for path in part_paths(out_dir)
+                                  for k, v in read_played(path).items()}
+
+
+def gathered(episodes, instances, world):
+    """Every rank's episodes, in the instances' order (under torchrun), else these."""
+    if world == 1:
+        return episodes
+    import torch.distributed as dist
+    shards = [None] * world
+    dist.all_gather_object(shards, episodes)
+    order = {inst["id"]: i for i, inst in enumerate(instances)}
+    return sorted((ep for shard in shards for ep in shard), key=lambda ep: order[ep["id"]])

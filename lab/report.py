@@ -1,0 +1,214 @@
+"""
+Eval folders (evals/NAME): writing one (save_run: episodes.jsonl, summary.json, fidelity.json and
+the figures), recomputing its summary and figures from its episodes alone (analyze), reading what
+a folder or its training run recorded (the lambda, the anchor, the roles), and eval.py's
+model-free modes over folders: --compare, --compare-many, --table, --analyze, --case, --overlay,
+--runs and --plot-run (analysis_mode). The analyses themselves are lab/analyses.py's, the figures
+lab/plots.py's.
+
+    python eval.py --analyze evals/NAME                         # summary.json and plots from episodes.jsonl
+    python eval.py --case evals/NAME heldout-017                # Table 8: one episode turn by turn
+    python eval.py --compare evals/A evals/B                    # paired comparison, B against A
+    python eval.py --compare-many evals/B1 evals/B2 --policy evals/P   # discordant pairs, closed by none
+    python eval.py --overlay evals/A evals/B                    # Fig. 6: belief and per-probe trajectories
+    python eval.py --runs runs/A runs/B                         # Table 9, Fig. 3, Fig. 7: checkpoint selection
+    python eval.py --plot-run runs/NAME                         # training curves -> curves.png
+    python -m pytest -q tests/test_eval.py
+"""
+import json
+import re
+import sys
+from pathlib import Path
+
+import arena
+import rpo
+from lab import analyses, moves, plots, records, runs, served
+
+RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played
+
+
+def save_run(out_dir, episodes, summary, fidelity=None):
+    """Write episodes.jsonl, summary.json, fidelity.json (the fork and reference read-outs, when
+    given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs.write_atomic(out_dir / "episodes.jsonl", "".join(map(runs.json_line, episodes)))
+    if fidelity is not None:
+        runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
+    runs.write_atomic(out_dir / "summary.json", json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
+    save_plots(out_dir, episodes, summary)
+
+
+def save_plots(out_dir, episodes, summary):
+    """beliefs.png and probes.png (when some episode has beliefs), moves.png (when labelled)."""
+    believed = analyses.with_beliefs(episodes)
+    if believed:  # a persuadee served without log-probs has no belief to plot
+        plots.plot_beliefs(believed, out_dir / "beliefs.png")
+        plots.plot_probes(believed, out_dir / "probes.png")
+    if "moves" in summary:
+        plots.plot_moves(summary, out_dir / "moves.png")
+
+
+def scenarios_by_id(path=None):
+    """Every scenario of a scenarios file (default arena.SCENARIOS_PATH) by id (the hidden
+    profiles the keyword tagger audits)."""
+    return {s["id"]: s for s in arena.load_scenarios(path or arena.SCENARIOS_PATH)}
+
+
+def analyze(run_dir, shaping_lambda=None):
+    """Recompute summary.json and the plots of any eval folder the project wrote (an evaluation,
+    a training run's eval-STEP, a --play session, a served run) from its episodes.jsonl (and
+    fidelity.json) alone, with no model. Episodes stored without labels are tagged in memory by
+    the keyword tagger, against the scenarios of their training run when the folder is an
+    eval-STEP of one; episodes without beliefs or of unknown scenarios lose only those columns.
+    The shaping returns are at shaping_lambda, by default the folder's own (folder_lambda).
+    Returns the summary."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "episodes.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(f"{run_dir} is a training run (metrics.jsonl, no episodes.jsonl); pass one of its "
+                         "eval-STEP folders, or read it with --runs or --plot-run")
+    episodes = records.load_episodes(run_dir)
+    untagged = [ep for ep in episodes if "moves" not in ep]
+    if untagged:
+        config = run_dir.parent / "config.json"
+        path = (json.loads(config.read_text()).get("scenarios") if config.is_file() else None) or arena.SCENARIOS_PATH
+        scenarios = scenarios_by_id(path)
+        unknown = sorted({ep["scenario_id"] for ep in untagged} - set(scenarios))
+        if unknown:
+            print(f"eval.py: warning: {run_dir}: scenarios {', '.join(unknown[:3])}"
+                  f"{', ...' if len(unknown) > 3 else ''} are not in {path}; no move labels", file=sys.stderr)
+        else:
+            moves.tag_episodes(untagged, scenarios)
+    path = run_dir / "fidelity.json"
+    fidelity = json.loads(path.read_text()) if path.is_file() else None
+    lam = folder_lambda(run_dir) if shaping_lambda is None else shaping_lambda
+    summary = analyses.summarize_run(episodes, fidelity, lam)
+    path = run_dir / "summary.json"
+    if path.is_file():  # what the run recorded of itself, which its episodes do not hold
+        before = json.loads(path.read_text())
+        summary.update({k: before[k] for k in RUN_KEYS if k in before})
+    runs.write_atomic(path, json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
+    save_plots(run_dir, episodes, summary)
+    return summary
+
+
+def run_config(persuader):
+    """The config.json of the training run a checkpoint folder belongs to, else {}."""
+    config = Path(persuader).parent / "config.json"
+    if Path(persuader).is_dir() and config.is_file():
+        recorded = json.loads(config.read_text())
+        return recorded if isinstance(recorded, dict) else {}
+    return {}
+
+
+def run_anchor(persuader):
+    """The anchor setting of the training run a checkpoint belongs to, else rpo.ANCHOR."""
+    return bool(run_config(persuader).get("anchor", rpo.ANCHOR))
+
+
+def run_lambda(persuader):
+    """The lambda of the training run a checkpoint belongs to (its shaping returns are reported
+    at it), else rpo.LAMBDA."""
+    return float(run_config(persuader).get("lam", rpo.LAMBDA))
+
+
+def folder_lambda(run_dir):
+    """The lambda an eval folder's shaping returns are reported at: its settings.json's, a
+    training run's (an eval-STEP folder's config.json), else rpo.LAMBDA."""
+    run_dir = Path(run_dir)
+    for path, key in ((run_dir / "settings.json", "shaping_lambda"),
+                      (run_dir.parent / "config.json", "lam")):
+        if path.is_file():
+            recorded = json.loads(path.read_text())
+            if isinstance(recorded, dict) and runs.is_number(recorded.get(key)):
+                return float(recorded[key])
+    return rpo.LAMBDA
+
+
+def roles_record(names, players, sampling):
+    """summary.json's record of each role: its model, sampling, dtype (a local one) and what a
+    server would not take."""
+    import engine
+    import rollout
+    roles = dict(persuader=dict(model=names[0], sampling=list(sampling[0])),
+                 persuadee=dict(model=names[1], sampling=list(sampling[1])),
+                 judge=dict(model=names[2] if len(names) > 2 else None,
+                            sampling=[list(engine.GREEDY), list(rollout.JUDGE_RETRY_SAMPLING)]))
+    for role, who in zip(("persuader", "persuadee", "judge"), players):
+        roles[role]["dtype"] = (str(who.dtype).removeprefix("torch.")
+                                if isinstance(who, engine.Engine) else None)
+        if isinstance(who, served.ServedModel):  # what the server would not take
+            roles[role]["not_applied"] = sorted(who.dropped)
+    return roles
+
+
+def role_differences(a, b):
+    """Warnings for two eval folders whose persuadee, judge or sampling differ (their
+    summary.json "roles"): their rates then measure more than the persuader."""
+    def roles(folder):
+        path = Path(folder) / "summary.json"
+        return json.loads(path.read_text()).get("roles", {}) if path.is_file() else {}
+    ra, rb = roles(a), roles(b)
+    out = []
+    for role in ("persuader", "persuadee", "judge"):
+        for key in ("model", "sampling", "dtype") if role != "persuader" else ("sampling",):
+            x, y = ra.get(role, {}).get(key), rb.get(role, {}).get(key)
+            if ra and rb and x != y:
+                out.append(f"warning: A and B differ in the {role}'s {key}: {x} against {y}")
+    return out
+
+
+def slug(name):
+    """name as a folder name: the whole path (checkpoints share leaf names), odd characters as _."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip("/"))
+
+
+def output_dir(args, evals_dir, default):
+    return Path(evals_dir) / (args.name or default)
+
+
+def analysis_mode(args, evals_dir):
+    """The model-free modes; returns what they print. New folders go under evals_dir (eval.EVALS_DIR)."""
+    if args.compare:
+        a, b = args.compare
+        result = analyses.compare(records.load_episodes(a), records.load_episodes(b))
+        path = (Path(b) if Path(b).is_dir() else Path(b).parent) / "compare.json"
+        runs.write_atomic(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
+        return "\n".join(role_differences(a, b) + [analyses.format_compare(result, a, b), f"wrote {path}"])
+    if args.compare_many:
+        result = analyses.compare_many({d: records.load_episodes(d) for d in args.compare_many},
+                                       records.load_episodes(args.policy))
+        return analyses.format_compare_many(result, args.policy)
+    if args.table:
+        table = analyses.main_table({d: records.load_episodes(d) for d in args.table},
+                                    args.reference or args.table[0])
+        return analyses.format_main_table(table, args.format)
+    if args.analyze:
+        summary = analyze(args.analyze, args.shaping_lambda)
+        return f"{analyses.format_table(summary)}\nwrote {Path(args.analyze) / 'summary.json'} and the plots"
+    if args.case:
+        folder, sid = args.case
+        ep = analyses.find_episode(records.load_episodes(folder), sid, folder)
+        path = Path(folder) / f"case-{slug(sid)}.png"
+        plots.plot_case(ep, path)
+        return f"{analyses.format_case(ep)}\nwrote {path}"
+    if args.overlay:
+        out = output_dir(args, evals_dir, "overlay_" + "_vs_".join(slug(Path(d).name) for d in args.overlay))
+        believed = {d: analyses.with_beliefs(records.load_episodes(d)) for d in args.overlay}
+        if not all(believed.values()):
+            raise ValueError(f"{', '.join(d for d, eps in believed.items() if not eps)}: no episode has beliefs "
+                             "to overlay (a persuadee served without log-probs)")
+        plots.plot_overlay(believed, out / "overlay.png")
+        plots.plot_probe_overlay(believed, out / "overlay_probes.png")
+        return (f"{analyses.format_probe_overlay(analyses.probe_overlay(believed))}\n"
+                f"wrote {out / 'overlay.png'} and {out / 'overlay_probes.png'}")
+    if args.runs:
+        trained = [analyses.read_run(d) for d in args.runs]
+        selection = analyses.runs_selection(trained)
+        out = output_dir(args, evals_dir, "runs_" + "_".join(slug(r["name"]) for r in trained))
+        plots.plot_runs(selection["runs"], out / "runs.png")
+        plots.plot_dynamics(trained, out / "dynamics.png")
+        out.mkdir(parents=True, exist_ok=True)
+        runs.write_atomic(out / "runs.json", json.dumps(selection, indent=2) + "\n")
+        return f"{analyses.format_runs(selection)}\nwrote {out / 'runs.png'}, {out / 'dynamics.png'} and {out / 'runs.json'}"
+    return f"wrote {plots.plot_run(args.plot_run)}"
