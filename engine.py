@@ -305,12 +305,13 @@ class Engine:
     own sequences through new / append / fork / free and never touch the cache's tables."""
 
     def __init__(self, model, tokenizer=None, block_size=None, num_blocks=None, decode_bytes=None,
-                 decode_capacity=None, cache_bytes=None, fast_path=None):
+                 decode_capacity=None, cache_bytes=None, fast_path=None, sdpa_backends=None):
         """num_blocks or cache_bytes: the KV pool (default CACHE_GB_CPU, or CACHE_FRACTION_GPU of
         free memory; at most MAX_BLOCKS blocks); fast_path: decode and attention on
         lab/fastpath.py (default FAST_PATH), whose decode memory decode_bytes and decode_capacity
-        size (lab.fastpath.FastPath). train.py passes its memory plan's figures for the three."""
-        self.model, self.tokenizer = model, tokenizer
+        size (lab.fastpath.FastPath). train.py passes its memory plan's figures for the three.
+        sdpa_backends: the SDPA kernels attention may use (default layers.SDPA_BACKENDS)."""
+        self.model, self.tokenizer, self.sdpa_backends = model, tokenizer, sdpa_backends
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         fast = FAST_PATH if fast_path is None else fast_path
@@ -442,7 +443,7 @@ class Engine:
         else:
             attend = self.fast.attention(sids, q_lens, kv_lens, positions, slots,
                                          self.device.type in COMPUTE_BOUND_DEVICES)
-        x = layers.decoder(w, ids, positions.to(self.device), attend)
+        x = layers.decoder(w, ids, positions.to(self.device), attend, self.sdpa_backends)
         last = torch.cumsum(q_lens, 0).to(self.device) - 1
         logits = layers.lm_logits(w, x[last])
         for s, n in zip(sids, counts):

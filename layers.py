@@ -98,13 +98,14 @@ def rope(w, positions, dtype):
     return cos, sin
 
 
-def decoder(w, ids, positions, attend):
+def decoder(w, ids, positions, attend, backends=None):
     """Final hidden states [N, hidden] of a packed batch of tokens; attend(layer, q, k, v) is the
-    attention path, which also stores k and v wherever the path keeps them."""
+    attention path, which also stores k and v wherever the path keeps them; its SDPA calls may
+    use `backends` (default SDPA_BACKENDS)."""
     x = w["embed"][ids]
     cos, sin = rope(w, positions, x.dtype)
     H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
-    with sdpa_kernel(SDPA_BACKENDS):
+    with sdpa_kernel(SDPA_BACKENDS if backends is None else backends):
         for i, lw in enumerate(w["layers"]):
             h = rms_norm(x, lw["ln1"], w["eps"])
             qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))

@@ -44,11 +44,12 @@ from scipy import stats
 
 from lab import moves
 import rpo
-from lab.records import RUN_FIELDS, load_episodes, probe_names, read_records
+from lab import records
+from lab.records import load_episodes, probe_names, read_records
 from lab.significance import (finite_or_none, mcnemar, mean_band, pearson, proportion_difference,
                           spearman, t_interval, welch_difference, wilcoxon, wilson_interval)
 from lab.runs import is_number
-from arena import API_ERROR, CUT_OFF, OUTCOMES
+import arena
 
 SHORT = {"ACCEPT": "ACCEPT", "CONDITIONAL_ACCEPT": "COND", "PENDING": "PENDING", "REJECT": "REJECT",
          "WALK_AWAY": "WALK"}
@@ -92,7 +93,7 @@ def with_beliefs(episodes):
 
 def _summary(episodes):
     n = len(episodes)
-    count = {o: sum(ep["outcome"] == o for ep in episodes) for o in OUTCOMES}
+    count = {o: sum(ep["outcome"] == o for ep in episodes) for o in arena.OUTCOMES}
     believed = with_beliefs(episodes)
     judged = [ep["judge"] for ep in episodes if ep.get("judge") is not None]
     turns = sum(len(ep["beliefs"]) - 1 for ep in believed)
@@ -111,10 +112,10 @@ def _summary(episodes):
                                    if turns else None),
         "mean_judge": _mean(judged),
         "beliefs_missing": (n - len(believed)) / n,
-        "api_errors": sum(ep.get("end_reason") == API_ERROR for ep in episodes),
+        "api_errors": sum(ep.get("end_reason") == arena.API_ERROR for ep in episodes),
         # episodes by how they ended; a cut-off one (arena.CUT_OFF) never reached its outcome
         "end_reasons": dict(sorted(Counter(str(ep.get("end_reason")) for ep in episodes).items())),
-        "cut_off": sum(ep.get("end_reason") in CUT_OFF for ep in episodes),
+        "cut_off": sum(ep.get("end_reason") in arena.CUT_OFF for ep in episodes),
         # the share of judged transcripts whose score fell back to s = 0 (the paper: "zero if it fails
         # after three retries")
         "judge_failed_share": _mean(bool(ep.get("judge_failed")) for ep in episodes if ep.get("judge") is not None),
@@ -172,7 +173,7 @@ def belief_stats(episodes):
 def dense_by_outcome(episodes):
     """Mean lambda-free dense return sum_t r_t per outcome reached."""
     return {o: _mean(dense_return(ep) for ep in episodes if ep["outcome"] == o)
-            for o in OUTCOMES if any(ep["outcome"] == o for ep in episodes)}
+            for o in arena.OUTCOMES if any(ep["outcome"] == o for ep in episodes)}
 
 
 def shaping_by_outcome(episodes, lam=None):
@@ -223,7 +224,7 @@ def manipulation_stats(episodes):
             "episode_rate": {m: _mean(any(m in labels for labels in ep["manipulation"]) for ep in episodes)
                              for m in moves.MANIPULATION},
             "by_outcome": {o: rates([ep for ep in episodes if ep["outcome"] == o])
-                           for o in OUTCOMES if any(ep["outcome"] == o for ep in episodes)}}
+                           for o in arena.OUTCOMES if any(ep["outcome"] == o for ep in episodes)}}
 
 
 def summarize(episodes, shaping_lambda=None):
@@ -311,7 +312,7 @@ def format_table(summary):
                                                       summary["end_reasons"].items()))
     if summary.get("cut_off"):
         lines.append(f"{'CUT OFF':<26}{summary['cut_off']:>8}  episodes ended before their outcome "
-                     f"({', '.join(CUT_OFF)}): the rates above count them as their recorded "
+                     f"({', '.join(arena.CUT_OFF)}): the rates above count them as their recorded "
                      "decision or PENDING")
     return "\n".join(lines + ["", _breakdown("by resistance", summary["by_resistance"]),
                               "", _breakdown("by domain", summary["by_domain"]),
@@ -396,7 +397,7 @@ def compare(episodes_a, episodes_b):
               file=sys.stderr)
     goal_a = [rpo.GOAL[a[s]["outcome"]] for s in common]
     goal_b = [rpo.GOAL[b[s]["outcome"]] for s in common]
-    transitions = {oa: {ob: 0 for ob in OUTCOMES} for oa in OUTCOMES}
+    transitions = {oa: {ob: 0 for ob in arena.OUTCOMES} for oa in arena.OUTCOMES}
     for s in common:
         transitions[a[s]["outcome"]][b[s]["outcome"]] += 1
     closed_a = [a[s]["outcome"] == CLOSED for s in common]
@@ -446,13 +447,13 @@ def format_compare(result, name_a="A", name_b="B"):
         f"(exact McNemar p = {result['mcnemar_p']:.4g})",
         "",
         "outcome transitions (rows: A, columns: B)",
-        f"{'':<12}" + "".join(f"{SHORT[o]:>9}" for o in OUTCOMES) + f"{'total':>9}",
+        f"{'':<12}" + "".join(f"{SHORT[o]:>9}" for o in arena.OUTCOMES) + f"{'total':>9}",
     ]
-    for oa in OUTCOMES:
+    for oa in arena.OUTCOMES:
         row = result["transitions"][oa]
-        lines.append(f"{SHORT[oa]:<12}" + "".join(f"{row[ob]:>9}" for ob in OUTCOMES) + f"{sum(row.values()):>9}")
-    lines.append(f"{'total':<12}" + "".join(f"{sum(result['transitions'][oa][ob] for oa in OUTCOMES):>9}"
-                                            for ob in OUTCOMES) + f"{result['n']:>9}")
+        lines.append(f"{SHORT[oa]:<12}" + "".join(f"{row[ob]:>9}" for ob in arena.OUTCOMES) + f"{sum(row.values()):>9}")
+    lines.append(f"{'total':<12}" + "".join(f"{sum(result['transitions'][oa][ob] for oa in arena.OUTCOMES):>9}"
+                                            for ob in arena.OUTCOMES) + f"{result['n']:>9}")
     lines += ["", f"{'':<26}{'A':>9}{'B':>9}{'B - A':>9}"]
     for key, label in [("full_accept", "full acceptance"), ("full_or_conditional", "full or conditional"),
                        ("pending", "pending"), ("reject", "reject"), ("walk_away", "walk away"),
@@ -733,17 +734,17 @@ def read_run(run_dir):
         raise FileNotFoundError(f"{run_dir} is not a directory; pass a training run such as runs/NAME")
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     evals = read_records(run_dir / "evals.jsonl", "a run trained with --eval-every N (train.py writes evals.jsonl)",
-                         RUN_FIELDS["evals.jsonl"])
+                         records.RUN_FIELDS["evals.jsonl"])
     if not evals:
         raise ValueError(f"{run_dir / 'evals.jsonl'} is empty; train with --eval-every N")
     metrics = read_records(run_dir / "metrics.jsonl", "a training run directory written by train.py",
-                           RUN_FIELDS["metrics.jsonl"])
+                           records.RUN_FIELDS["metrics.jsonl"])
     episodes = {}
     for row in evals:
         path = run_dir / f"eval-{row['step']}" / "episodes.jsonl"
         episodes[row["step"]] = load_episodes(path) if path.is_file() else []
     path = run_dir / "rollouts.jsonl"
-    rollouts = read_records(path, "", RUN_FIELDS["rollouts.jsonl"]) if path.is_file() else []
+    rollouts = read_records(path, "", records.RUN_FIELDS["rollouts.jsonl"]) if path.is_file() else []
     return {"dir": run_dir, "name": run_dir.name, "lam": config.get("lam"), "anchor": config.get("anchor"),
             "metrics": metrics, "rollouts": rollouts, "episodes": episodes,
             "evals": sorted((migrate_summary(r, config.get("lam")) for r in evals), key=lambda r: r["step"])}
@@ -900,7 +901,7 @@ def trajectory_stats(episodes, series):
     (significance.mean_band) and the episode count. series(ep) -> values b_0..b_T; turn t
     averages the episodes that reached it."""
     out = {}
-    for outcome in OUTCOMES:
+    for outcome in arena.OUTCOMES:
         rows = [series(ep) for ep in episodes if ep["outcome"] == outcome]
         if rows:
             length = max(len(row) for row in rows)

@@ -180,10 +180,12 @@ def time_engine(eng, st, is_persuadee, sync):
     eng.generate, eng.forward, eng.free = timed_generate, timed_forward, counted_free
 
 
-def run_engine(model, tok, instances, turns, max_new, sync):
+def run_engine(model, tok, instances, turns, max_new, sync, sdpa_backends=None):
     """rollout.rollout_episodes with timers around the persuadee's generate, every forward and
-    probes.read_engine (patched on the engine instances and the module, restored afterwards)."""
-    persuader, persuadee = engine.Engine(model, tok), engine.Engine(model, tok)
+    probes.read_engine (patched on the engine instances and the module, restored afterwards);
+    the engines' attention on sdpa_backends (default layers.SDPA_BACKENDS)."""
+    persuader, persuadee = (engine.Engine(model, tok, sdpa_backends=sdpa_backends),
+                            engine.Engine(model, tok, sdpa_backends=sdpa_backends))
     st = dict(reply=0.0, probe=0.0, probe_tokens=0, gen=0, unique=0, dec_t=0.0, dec_n=0, dec_b=0,
               dec_kv=0, pre_t=0.0, pre_tok=0, in_probe=False, started=False)
     read = probes.read_engine
@@ -697,7 +699,9 @@ def run_implementations(args, model, tok, instances, sync, gpu):
     """The engine's dialogues and (unless --skip-baselines) transformers' generate and
     generate_batch on the same ones, each after a one-turn warm-up: their dicts by name, with
     tok_s and the probe share added; a failing baseline is reported and left out."""
-    impls = {"engine": run_engine}
+    backends = ([torch.nn.attention.SDPBackend.CUDNN_ATTENTION, *layers.SDPA_BACKENDS]
+                if args.cudnn_attention else None)
+    impls = {"engine": lambda *a: run_engine(*a, sdpa_backends=backends)}
     if not args.skip_baselines:
         impls["hf generate"] = run_hf
         impls["hf generate_batch"] = lambda *a: run_hf(*a, batch_api=True)
@@ -785,9 +789,6 @@ def main():
         if args.json:
             print(json.dumps(out))
         return
-    if args.cudnn_attention:
-        layers.SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-                                 *layers.SDPA_BACKENDS]
     gpu = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     sync = torch.cuda.synchronize if gpu else (lambda: None)

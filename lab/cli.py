@@ -35,7 +35,7 @@ import models
 import probes
 import rollout
 import rpo
-from lab import plan, presets, runs, served
+from lab import lora, plan, presets, runs, served
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
@@ -220,7 +220,7 @@ def model_problem(name):
         return None if name[7:] in known else f"names no random shape (one of {', '.join(known)})"
     path = Path(name).expanduser()
     if path.exists():
-        return None if (path / "config.json").is_file() or models.is_adapter(path) else \
+        return None if (path / "config.json").is_file() or lora.is_adapter(path) else \
             "is a path but not a model folder (no config.json)"
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         return "is no such folder"

@@ -621,7 +621,8 @@ class DecodeBatch:
             return decode_attention(q, self.keys_t[layer][..., :extent],
                                     self.values[layer][:, :, :extent], bias)
 
-        logits = layers.lm_logits(w, layers.decoder(w, self.tokens, pos, attend))
+        logits = layers.lm_logits(w, layers.decoder(w, self.tokens, pos, attend,
+                                                    self.engine.sdpa_backends))
         tokens, logps = self.fast.sample(logits, sampling, self.keys, pos + 1)
         self.tokens.copy_(torch.where(self.live, tokens, self.tokens))
         self.positions.add_(self.live.long())

@@ -16,7 +16,7 @@ Tests: python -m pytest -q tests/test_records.py
 import json
 from pathlib import Path
 
-from arena import OUTCOMES
+import arena
 from lab.runs import read_jsonl
 
 
@@ -69,7 +69,7 @@ LABEL_FIELDS = ("moves", "manipulation", "tagger")
 
 EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
     "scenario_id": ("a string", lambda v: isinstance(v, str)),
-    "outcome": (f"one of {', '.join(OUTCOMES)}", lambda v: v in OUTCOMES),
+    "outcome": ("one of arena.OUTCOMES", lambda v: v in arena.OUTCOMES),
     "turns": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "beliefs": ("a list of numbers (null where unread)", lambda v: isinstance(v, list) and all(map(_number_or_none, v))),
     "probes": ("a list of rows, one value per probe of probes.PROBES (null where unread)",
@@ -121,6 +121,7 @@ def read_records(path, what, fields, optional=()):
     for lineno, row in rows:
         if problem := check_record(row, fields, optional):
             field, must, got = problem
+            must = must.replace("arena.OUTCOMES", ", ".join(arena.OUTCOMES))  # named as they are now
             raise ValueError(f"{path}, line {lineno}: field '{field}' must be {must}, got {got}")
     return [row for _, row in rows]
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import arena
 from lab import analyses as an
 from lab import moves
 import rpo
@@ -185,8 +186,8 @@ def check_compare(r):
     assert r["missing_in_b"] == ["s6"] and r["missing_in_a"] == []
     expected = {("PENDING", "ACCEPT"), ("ACCEPT", "ACCEPT"), ("REJECT", "CONDITIONAL_ACCEPT"),
                 ("ACCEPT", "PENDING"), ("WALK_AWAY", "WALK_AWAY")}
-    for oa in an.OUTCOMES:
-        for ob in an.OUTCOMES:
+    for oa in arena.OUTCOMES:
+        for ob in arena.OUTCOMES:
             assert r["transitions"][oa][ob] == ((oa, ob) in expected), (oa, ob)
     assert r["mcnemar_p"] == 1.0  # one discordant pair each way (s4, s1)
     # d = 3 0 2 -3 0 -> 3 2 -3; ranks 2 -> 1, 3,3 -> 2.5; W- = 2.5, mean 3, var 3*4*7/24 - 6/48

@@ -1,0 +1,150 @@
+"""The two levels, checked from the source: the method at the top (few, short modules that import
+only torch, transformers, numpy and tqdm from outside), everything around it in lab/; imports
+between modules form no circle; and every knob has one home (no module assigns another's
+constant, none is derived from or aliases another's)."""
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "lab"
+CORE_LIMITS = dict(modules=10, lines=4000, module_lines=700, train_lines=400)
+CORE_THIRD_PARTY = {"torch", "transformers", "numpy", "tqdm"}
+
+
+def core_files():
+    return sorted(p for p in ROOT.glob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py")
+
+
+def package_files():
+    return sorted((ROOT / PACKAGE).glob("*.py"))
+
+
+def module_name(path):
+    if path.parent.name == PACKAGE:
+        return PACKAGE if path.stem == "__init__" else f"{PACKAGE}.{path.stem}"
+    return path.stem
+
+
+def project_files():
+    return core_files() + package_files()
+
+
+def imported_modules(tree, own):
+    """Every project-or-outside module name a file imports anywhere (function bodies included)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            if node.module == PACKAGE:  # from lab import runs
+                names.update(f"{PACKAGE}.{a.name}" for a in node.names)
+    names.discard(own)
+    return names
+
+
+def import_graph():
+    modules = {module_name(p): p for p in project_files()}
+    graph = {}
+    for name, path in modules.items():
+        found = imported_modules(ast.parse(path.read_text()), name)
+        graph[name] = {m for m in found if m in modules and m != PACKAGE}
+    return graph
+
+
+def test_the_top_level_is_the_method_within_its_budget():
+    files = core_files()
+    lines = {p.name: len(p.read_text().splitlines()) for p in files}
+    assert len(files) <= CORE_LIMITS["modules"], sorted(lines)
+    assert sum(lines.values()) <= CORE_LIMITS["lines"], lines
+    assert max(lines.values()) <= CORE_LIMITS["module_lines"], lines
+    assert lines["train.py"] <= CORE_LIMITS["train_lines"], lines["train.py"]
+
+
+def test_the_core_imports_only_torch_transformers_numpy_and_tqdm_at_module_level():
+    project = {module_name(p).split(".")[0] for p in project_files()}
+    for path in core_files():
+        for node in ast.parse(path.read_text()).body:  # module level only
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert (top in sys.stdlib_module_names or top in project or top in CORE_THIRD_PARTY), \
+                    f"{path.name} imports {name} at module level"
+
+
+def test_imports_form_no_circle():
+    graph = import_graph()
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                pytest.fail("import circle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def project_aliases(tree):
+    """{local name: project module} for every import of a project module in a file."""
+    modules = {module_name(p) for p in project_files()}
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({(a.asname or a.name): a.name for a in node.names if a.name in modules})
+        elif isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
+            aliases.update({(a.asname or a.name): f"{PACKAGE}.{a.name}" for a in node.names})
+    return aliases
+
+
+def evaluated_at_import(node):
+    """The nodes of an expression that run when it is evaluated (a lambda's body runs later)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, ast.Lambda):
+            yield from evaluated_at_import(child)
+
+
+def is_constant(name):
+    return name.isupper() and not name.startswith("_")
+
+
+def test_no_module_assigns_or_derives_another_modules_constant():
+    problems = []
+    modules = {module_name(p) for p in project_files()}
+    for path in project_files():
+        tree = ast.parse(path.read_text())
+        aliases = project_aliases(tree)
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                        and target.value.id in aliases and is_constant(target.attr)):
+                    problems.append(f"{path.name}:{node.lineno} assigns {target.value.id}.{target.attr}")
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                problems += [f"{path.name}:{node.lineno} imports the constant {node.module}.{a.name}"
+                             for a in node.names if is_constant(a.name)]
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args \
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in aliases:
+                problems.append(f"{path.name}:{node.lineno} setattr on {node.args[0].id}")
+        for node in tree.body:  # module-level constants
+            if not (isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and is_constant(t.id)
+                                                         for t in node.targets)):
+                continue
+            if isinstance(node.value, ast.Name) and is_constant(node.value.id):
+                problems.append(f"{path.name}:{node.lineno} aliases {node.value.id}")
+            for sub in evaluated_at_import(node.value):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                        and sub.value.id in aliases and is_constant(sub.attr)):
+                    problems.append(f"{path.name}:{node.lineno} derives from {sub.value.id}.{sub.attr}")
+    assert not problems, problems
