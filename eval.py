@@ -199,7 +199,7 @@ def add_mode_flags(ap):
 
 def build_parser():
     """eval.py's flags (parse_args checks the combinations once parsed)."""
-    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap = cli.new_parser("eval.py", __doc__)
     ap.add_argument("--persuader", action="append", help="model name or path; repeat for a grid (default smollm2)")
     ap.add_argument("--persuadee", action="append", help="model name or path; repeat for a grid (default smollm2)")
     ap.add_argument("--judge", help="strategy judge and logit tagger model, fixed across a grid "

@@ -175,7 +175,7 @@ def check_supported(config, name="the model"):
             f"cannot run on the engine: {'; '.join(problems)}. It runs {', '.join(ENGINE_MODEL_TYPES)} "
             f"decoders with hidden_act silu, rope types {', '.join(ENGINE_ROPE_TYPES)} and full attention, "
             f"reading {', '.join(ENGINE_CONFIG_FIELDS)}; serve other models over the OpenAI API "
-            "(openai:MODEL@URL, served.py).")
+            "(openai:MODEL@URL, lab/served.py).")
     window = getattr(config, "sliding_window", None)
     if config.model_type == "mistral" and window and window < config.max_position_embeddings:
         config.max_position_embeddings = window  # within the window sliding attention is full attention

@@ -77,7 +77,6 @@ plan, graphs bit-equal to eager at the same extent, <= 12 kernels a decode layer
     PYTHONPATH=. python -m lab.bench --gpu-check --device cpu --check-models tiny-llama,tiny-qwen3 \
         --check-turns 2 --check-new-tokens 16                           # the script's logic, here
 """
-import argparse
 import json
 import sys
 import time
@@ -669,7 +668,7 @@ def gpu_check(args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p = cli.new_parser("python -m lab.bench", __doc__)
     p.add_argument("--model", default=MODEL)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 (default on cpu) or bfloat16 (on gpu)")
@@ -865,7 +864,7 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
 def snr_main(argv):
     """--snr PRESET [--instances N --messages M --resamples R --seed S]: the share of r_1's
     variance that the persuader's message decides, and r_1's spread."""
-    p = argparse.ArgumentParser(description="signal to noise of the dense reward")
+    p = cli.new_parser("python -m lab.bench", "the signal to noise of the dense reward (--snr)")
     p.add_argument("--snr", required=True, metavar="PRESET")
     p.add_argument("--instances", type=int, default=4)
     p.add_argument("--messages", type=int, default=4)

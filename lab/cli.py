@@ -235,9 +235,17 @@ def fail(flag, problem, fix):
     raise SystemExit(f"train.py: {flag} {problem}; {fix}")
 
 
-def train_parser(seed):
-    p = argparse.ArgumentParser(description="train.py: Probe-RPO, online RL for the persuader against a frozen persuadee",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def new_parser(prog, doc):
+    """The parser of an entry point, named as it is run (python -m lab.NAME for the package's),
+    described by the first paragraph of its docstring."""
+    return argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def train_parser(own):
+    """train.py's flags; own: the train module (its docstring, its SEED)."""
+    seed = own.SEED
+    p = new_parser("train.py", own.__doc__)
     p.add_argument("--preset", choices=presets.PRESETS, default=None,
                    help="paper on CUDA, cpu otherwise; every value below overrides it")
     for key in ("persuader", "persuadee", "dtype"):
@@ -285,7 +293,7 @@ def train_args(argv, own):
     constants); with --resume the run's config.json over the preset, pinned. Every value is
     validated before any model loads, the values read back from config.json as a fresh command
     line's are."""
-    p = train_parser(own.SEED)
+    p = train_parser(own)
     args = p.parse_args(argv)
     args.preset = args.preset or ("paper" if torch.cuda.is_available() else "cpu")
     for key, value in presets.preset_values(args.preset).items():

@@ -30,7 +30,6 @@ the message over and waits for the loop to ask for the next one or to end.
 
     python -m pytest -q test_env.py
 """
-import argparse
 import queue
 import sys
 import threading
@@ -403,7 +402,7 @@ def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="PersuArena as an environment (module docstring).")
+    ap = cli.new_parser("python -m lab.env", __doc__)
     ap.add_argument("--serve", action="store_true", help="run the OpenEnv server on 127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--persuadee", default="smollm2", help="random:NAME, smollm2, a model "

@@ -27,7 +27,6 @@ Arguments sweep.py does not know go to every arm's train.py (e.g. --judge none -
     python -m lab.sweep --preset cpu --lams 0 0.5 1 --seeds 0 1 --steps 60 --eval-every 20 \\
         --eval-limit 16 --decision logit --frozen-control --name cpu-logit -- --judge none
 """
-import argparse
 import json
 import math
 import statistics
@@ -49,8 +48,7 @@ FROZEN = "frozen"  # the control arm's label: the same seed trained at lr 0
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.new_parser("python -m lab.sweep", __doc__)
     p.add_argument("--preset", default="tiny", help="train.py preset of every arm")
     p.add_argument("--lams", type=float, nargs="+", default=list(LAMS))
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
