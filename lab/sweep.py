@@ -21,7 +21,11 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
     effect.png     each lambda's last checkpoint minus the initial policy, 95% intervals
 
 Arms already trained are reused; a killed arm resumes from its checkpoint (train.py --resume).
-Arguments sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4).
+A re-run keeps the settings sweep.json recorded (cli.pin_settings, as train.py --resume keeps
+config.json): a changed one is refused in one line, --overwrite starts the sweep again. Arguments
+sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4), except the
+flags the sweep sets itself (SWEEP_SETS), which are refused; every arm's values are checked as
+train.py checks them before the first arm trains.
 
     python -m lab.sweep --preset tiny --lams 0 1 --seeds 0 --steps 4 --eval-every 2 --eval-limit 2 --name smoke
     python -m lab.sweep --preset cpu --lams 0 0.5 1 --seeds 0 1 --steps 60 --eval-every 20 \\
@@ -29,6 +33,8 @@ Arguments sweep.py does not know go to every arm's train.py (e.g. --judge none -
 """
 import json
 import math
+import re
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +44,7 @@ from tqdm import tqdm
 from lab import analyses
 from lab import cli
 from lab import records
+from lab import runs
 from lab import significance
 from lab.runs import read_jsonl
 
@@ -45,9 +52,17 @@ LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
 SWEEPS_DIR = "sweeps"
 FROZEN = "frozen"  # the control arm's label: the same seed trained at lr 0
+SWEEP_FILES = re.compile(r"sweep\.json|summary\.json|table\.md|\w+\.png|runs|initial_s-?\d+")  # what a sweep writes
+SWEEP_SETS = ("preset", "lam", "seed", "steps", "eval_every", "eval_limit", "decision", "save_every",
+              "out", "name", "eval_fidelity", "resume", "overwrite")  # train.py flags the sweep sets per arm
 
 
 def parse_args(argv=None):
+    """(args, train.py's extra arguments), every value checked, and on a re-run (sweep.json
+    there, no --overwrite) the sweep's recorded settings pinned as train.py --resume pins
+    config.json (cli.pin_settings): what the command line leaves out is the sweep's own, what it
+    names with another value is refused in one line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = cli.new_parser("python -m lab.sweep", __doc__)
     p.add_argument("--preset", default="tiny", help="train.py preset of every arm")
     p.add_argument("--lams", type=float, nargs="+", default=list(LAMS))
@@ -55,14 +70,30 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--eval-every", type=int, required=True, help="held-out evaluation (and a "
                    "kept checkpoint) every K steps; --steps must be a multiple of it")
-    p.add_argument("--eval-limit", type=int, required=True, help="held-out scenarios per evaluation")
+    p.add_argument("--eval-limit", type=int, required=True, help="held-out scenarios per "
+                   "evaluation, stratified over domain x resistance (arena.stratified)")
     p.add_argument("--name", required=True, help=f"the sweep's folder, {SWEEPS_DIR}/NAME")
     p.add_argument("--out", default=SWEEPS_DIR)
+    p.add_argument("--overwrite", action="store_true", help="delete the sweep's folder and start "
+                   "again (a re-run otherwise keeps its recorded settings and trained arms)")
     p.add_argument("--frozen-control", action="store_true",
                    help="also train each seed at lr 0: the same instances and random streams, "
                         "only the weights differ")
     cli.add_decision_flag(p)
     args, extra = p.parse_known_args(argv)
+    args.train_args = [a for a in extra if a != "--"]
+    problems = argument_problems(args)
+    if not problems and not args.overwrite:
+        pin_recorded(args, p, argv)
+        problems = argument_problems(args)
+    if problems:
+        p.error("; ".join(problems))
+    return args, args.train_args
+
+
+def argument_problems(args):
+    """What is wrong with the sweep's own values and with the flags it passes on (train.py's
+    own checks of every arm come later, in check_arms, still before any arm trains)."""
     problems = [f"--{k.replace('_', '-')} {getattr(args, k)} must be at least 1"
                 for k in ("steps", "eval_every", "eval_limit") if getattr(args, k) < 1]
     if not problems and args.steps % args.eval_every:
@@ -71,9 +102,45 @@ def parse_args(argv=None):
         problems.append(f"--name {args.name!r} must be one folder name")
     if 0.0 not in args.lams:
         problems.append("--lams must include 0 (the arm every other is tested against)")
-    if problems:
-        p.error("; ".join(problems))
-    return args, [a for a in extra if a != "--"]
+    for flag, values in (("--lams", args.lams), ("--seeds", args.seeds)):
+        if dupes := sorted({v for v in values if values.count(v) > 1}):
+            problems.append(f"{flag} names {', '.join(f'{v:g}' for v in dupes)} more than once")
+    if bad := [lam for lam in args.lams if not math.isfinite(lam) or lam < 0]:
+        problems.append(f"--lams {', '.join(map(str, bad))}: each must be a finite number >= 0")
+    if taken := sweep_owned(args):
+        problems.append(f"{', '.join(taken)} after -- would override what the sweep sets for every "
+                        "arm (and label); pass them as the sweep's own flags or drop them")
+    return problems
+
+
+def sweep_owned(args):
+    """The flags among train.py's extra arguments that the sweep sets itself (read as train.py's
+    parser reads them: abbreviations and --flag=value count)."""
+    import train
+    owned = set(SWEEP_SETS) | ({"lr"} if args.frozen_control else set())
+    try:
+        named = cli.explicit_settings(cli.train_parser(train), args.train_args, known=True)
+    except SystemExit:
+        return []  # a malformed value: train.py's parser names it in check_arms
+    return [f"--{k.replace('_', '-')}" for k in sorted(named & owned)]
+
+
+def pin_recorded(args, parser, argv):
+    """A re-run of a sweep: its sweep.json's settings over what the command line leaves out,
+    a changed one refused in one line (cli.pin_settings)."""
+    path = Path(args.out) / args.name / "sweep.json"
+    if not path.is_file():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+        assert isinstance(recorded, dict)
+    except (OSError, ValueError, AssertionError):
+        raise runs.say_error("lab.sweep", f"{path} cannot be read; restore it, or pass --overwrite "
+                             "to start the sweep again")
+    explicit = cli.explicit_settings(parser, argv, known=True) | ({"train_args"} if args.train_args else set())
+    cli.pin_settings(args, recorded, explicit, "lab.sweep", not_settings=("name", "out", "overwrite"),
+                     record=str(path), again="a re-run of a sweep",
+                     restart="pass --overwrite to start the sweep again (or another --name)")
 
 
 def arm_name(lam, seed):
@@ -108,14 +175,32 @@ def arm_finished(run_dir, args, frozen=False):
             and wanted <= _steps_in(run_dir / "evals.jsonl"))
 
 
+def arm_command(argv, run_dir):
+    """train.py's arguments for an arm as it will run: fresh, or resumed from its last checkpoint."""
+    if (run_dir / "latest").is_file():
+        return argv + ["--resume"]
+    return argv + ["--overwrite"] if run_dir.exists() else argv  # started, killed before a checkpoint
+
+
 def train_arm(argv, run_dir):
     """train.py on one arm: fresh, or resumed from its last checkpoint."""
     import train
-    if (run_dir / "latest").is_file():
-        argv = argv + ["--resume"]
-    elif run_dir.exists():
-        argv = argv + ["--overwrite"]  # started, but killed before its first checkpoint
-    train.main(argv)
+    train.main(arm_command(argv, run_dir))
+
+
+def check_arms(args, extra, arms, runs_dir):
+    """Every arm's train.py arguments checked as train.py checks them (cli.train_args: values,
+    models' names, scenarios, a resumed arm's config.json), before the first arm trains; the
+    first problem is one line naming the arm."""
+    import train
+    for lam, seed in arms:
+        run_dir = runs_dir / arm_name(lam, seed)
+        if run_dir.exists() and arm_finished(run_dir, args, lam == FROZEN):
+            continue
+        try:
+            cli.train_args(arm_command(arm_argv(args, extra, lam, seed, runs_dir), run_dir), train)
+        except SystemExit as e:
+            raise runs.say_error("lab.sweep", f"arm {arm_name(lam, seed)}: {e.code}") from None
 
 
 def evaluate_initial(argv, folder):
@@ -298,14 +383,37 @@ def format_table(rows, frozen=None, header="", power=None):
     return "\n".join(lines) + "\n"
 
 
+def start_folder(root, args):
+    """The sweep's folder: emptied by --overwrite (only a folder a sweep wrote), and its settings
+    recorded in sweep.json (what a re-run pins)."""
+    if args.overwrite and root.is_dir():
+        foreign = [e.name for e in root.iterdir() if not SWEEP_FILES.fullmatch(e.name)]
+        if foreign:
+            raise runs.say_error("lab.sweep", f"--overwrite would delete {root}, which holds "
+                                 f"{', '.join(sorted(foreign)[:4])}, not a sweep's files; nothing "
+                                 "was deleted: pass another --name or --out")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("overwrite",)}
+    runs.write_atomic(root / "sweep.json", json.dumps(settings, indent=2) + "\n")
+
+
 def main(argv=None):
     args, extra = parse_args(argv)
     root = Path(args.out) / args.name
     runs_dir = root / "runs"
     arms = [(lam, seed) for seed in args.seeds for lam in args.lams]
     arms += [(FROZEN, seed) for seed in args.seeds] if args.frozen_control else []
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "sweep.json").write_text(json.dumps(dict(vars(args), train_args=extra), indent=2))
+    if root.exists() and not root.is_dir():
+        raise runs.say_error("lab.sweep", f"{root} is a file, not a sweep folder; pass another --name")
+    if args.overwrite and root.is_dir():
+        start_folder(root, args)  # emptied before the arms are checked: none of them resumes
+    try:
+        check_arms(args, extra, arms, runs_dir)  # every arm's values, before the first trains
+    except ValueError as e:  # an arm's metrics or evals file unreadable
+        raise runs.say_error("lab.sweep", f"{e}; delete that arm's folder (it trains again) or "
+                             "pass --overwrite") from None
+    start_folder(root, args)
     bar = tqdm(total=len(arms) + len(args.seeds), desc="sweep arms")
     for seed in args.seeds:  # the initial policy first: it is what every arm is tested against
         folder = root / f"initial_s{seed}"
@@ -322,12 +430,21 @@ def main(argv=None):
     return summarize_sweep(root, args)
 
 
+def read_arm(reader, path):
+    """reader(path), or a one-line refusal naming the arm's file or folder that cannot be read."""
+    try:
+        return reader(path)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise runs.say_error("lab.sweep", f"{path} cannot be read ({type(e).__name__}: {e}); "
+                             "delete that arm's folder (it trains again) or pass --overwrite") from None
+
+
 def summarize_sweep(root, args):
     """summary.json, table.md and the figures from the sweep folder's runs."""
     from lab import plots
-    initial = {s: records.load_episodes(root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
+    initial = {s: read_arm(records.load_episodes, root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
                for s in args.seeds}
-    runs = {lam: {s: analyses.read_run(root / "runs" / arm_name(lam, s)) for s in args.seeds}
+    runs = {lam: {s: read_arm(analyses.read_run, root / "runs" / arm_name(lam, s)) for s in args.seeds}
             for lam in args.lams}
     held_out = {lam: {s: {0: initial[s], **runs[lam][s]["episodes"]} for s in args.seeds}
                 for lam in args.lams}
@@ -337,8 +454,8 @@ def summarize_sweep(root, args):
     rows = table_rows(held_out, args.lams, args.seeds, steps[1:])
     frozen = None
     if args.frozen_control:
-        control = {s: {"rollouts": [row for _, row in read_jsonl(
-                    root / "runs" / arm_name(FROZEN, s) / "rollouts.jsonl", what="a frozen control run")]}
+        control = {s: {"rollouts": [row for _, row in read_arm(
+                    read_jsonl, root / "runs" / arm_name(FROZEN, s) / "rollouts.jsonl")]}
                    for s in args.seeds}
         frozen = frozen_rows(runs, control, args.lams, args.seeds, args.steps)
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])

@@ -93,3 +93,82 @@ def test_sweep_power_by_hand():
     assert power["initial_full_accept"] == 0.25
     assert power["detectable_belief_diff"] == pytest.approx(math.sqrt(1 / 4) * 2.801585 * sd, rel=1e-5)
     assert power["detectable_full_accept"] is None  # 4 pairs cannot detect even 25% -> 100%
+
+
+BASE = ["--steps", "2", "--eval-every", "1", "--eval-limit", "1", "--name", "x"]
+
+
+@pytest.mark.parametrize("after, names", [
+    (["--lam", "1"], "--lam"), (["--lam=1"], "--lam"), (["--seed", "3", "--steps", "9"], "--seed, --steps"),
+    (["--out", "elsewhere"], "--out"), (["--eval-lim", "5"], "--eval-limit"), (["--preset", "cpu"], "--preset"),
+    (["--decision", "tag"], "--decision")])
+def test_flags_the_sweep_sets_are_refused_after_the_separator(after, names, capsys, tmp_path):
+    """issue 35: `-- --lam 1` trained every arm at lambda 1 under labels 0 and 1; now one line."""
+    with pytest.raises(SystemExit):
+        sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--judge", "none", *after])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{names} after -- would override" in err
+
+
+def test_lr_after_the_separator_is_refused_only_with_a_frozen_control(tmp_path, capsys):
+    args, extra = sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--lr", "1e-4"])
+    assert extra == ["--lr", "1e-4"]
+    with pytest.raises(SystemExit):
+        sweep.parse_args(BASE + ["--out", str(tmp_path), "--frozen-control", "--", "--lr", "1e-4"])
+    assert "--lr after --" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--lams", "0", "1", "1"], "--lams names 1 more than once"),
+    (["--seeds", "0", "2", "0"], "--seeds names 0 more than once"),
+    (["--lams", "0", "-1"], "each must be a finite number >= 0"),
+    (["--lams", "0", "nan"], "each must be a finite number >= 0")])
+def test_bad_values_are_refused_before_anything(extra, says, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(BASE + ["--out", str(tmp_path)] + extra)
+    assert says in capsys.readouterr().err
+
+
+def test_a_rerun_keeps_the_recorded_settings(tmp_path):
+    """sweep.json pinned as train.py pins config.json: left-out values are the sweep's own, a
+    changed one is refused in one line naming it; --overwrite starts again."""
+    args, _ = sweep.parse_args(BASE + ["--out", str(tmp_path), "--lams", "0", "1", "--seeds", "4",
+                                       "--", "--judge", "none"])
+    sweep.start_folder(tmp_path / "x", args)
+    again, extra = sweep.parse_args(BASE + ["--out", str(tmp_path)])
+    assert again.lams == [0.0, 1.0] and again.seeds == [4] and extra == ["--judge", "none"]
+    with pytest.raises(SystemExit) as e:
+        sweep.parse_args(["--steps", "2", "--eval-every", "1", "--eval-limit", "3", "--name", "x",
+                          "--out", str(tmp_path)])
+    assert "--eval-limit 3 (the run has 1)" in str(e.value) and "\n" not in str(e.value)
+    assert "--overwrite" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--judge", "random:tiny-llama"])
+    assert "--train-args" in str(e.value)
+    fresh, _ = sweep.parse_args(["--steps", "2", "--eval-every", "1", "--eval-limit", "3", "--name", "x",
+                                 "--out", str(tmp_path), "--overwrite"])
+    (tmp_path / "x" / "runs").mkdir()
+    sweep.start_folder(tmp_path / "x", fresh)
+    assert not (tmp_path / "x" / "runs").exists()
+    assert json.loads((tmp_path / "x" / "sweep.json").read_text())["eval_limit"] == 3
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="nothing was deleted"):
+        sweep.start_folder(tmp_path / "x", fresh)
+
+
+def test_every_arm_is_checked_before_the_first_trains(tmp_path, monkeypatch):
+    """A value train.py refuses is named with its arm before any model loads or arm trains."""
+    calls = []
+    monkeypatch.setattr(train, "main", lambda a: calls.append(a))
+    monkeypatch.setattr(sweep, "evaluate_initial", lambda *a: calls.append(a))
+    with pytest.raises(SystemExit) as e:
+        sweep.main(BASE + ["--out", str(tmp_path), "--", "--judge", "none", "--group-size", "0"])
+    assert calls == [] and str(e.value).startswith("lab.sweep: arm lam0_s0: train.py: --group-size 0")
+
+
+def test_a_bad_arm_file_is_named_in_one_line(tmp_path):
+    bad = tmp_path / "episodes.jsonl"
+    bad.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
+    with pytest.raises(SystemExit) as e:
+        sweep.read_arm(sweep.records.load_episodes, bad)
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
