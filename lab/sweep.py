@@ -10,13 +10,18 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
     summary.json   arms: one entry per (lambda, seed, checkpoint step, step 0 included) with
                    held-out full_accept, full_or_conditional, mean_belief_change (mean b_T - b_0),
                    mean dense return, and the training steps' dead- and collapsed-group shares
-    table.md       per lambda its best and its last checkpoint, seeds pooled: Wilson intervals
-                   of the acceptance shares, a t interval of b_T - b_0, and paired tests (pairs:
+    table.md       per lambda its last checkpoint (the primary row) and its best (selected on
+                   the same held-out episodes, labelled so), seeds pooled: Wilson intervals of
+                   the acceptance shares, a t interval of b_T - b_0, and paired tests (pairs:
                    same seed, same scenario) against lambda = 0 at the same step and against the
                    initial policy: exact McNemar on full acceptance, Wilcoxon on b_T - b_0;
-                   the differences these pairs detect at 80% power (summary.json "power");
-                   with --frozen-control, each arm against a same-seed run at lr 0 on the
-                   training episodes themselves (paired by step, group and member)
+                   with SEED_LEVEL_MIN seeds or more each comparison also carries seed_level, a
+                   paired t test over the seeds' means (the seed is the unit of replication of
+                   a training effect), and each row between_seed_sd; the differences the
+                   episode pairs detect at 80% power (t; summary.json "power"); with
+                   --frozen-control, each arm against a same-seed run at lr 0 on the training
+                   episodes themselves (paired by step, group and member, a group one
+                   cluster); and how many tests the table holds, none corrected
     curves.png     held-out b_T - b_0 and full acceptance by step, per lambda, seed bands
     effect.png     each lambda's last checkpoint minus the initial policy, 95% intervals
 
@@ -52,6 +57,7 @@ LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
 SWEEPS_DIR = "sweeps"
 FROZEN = "frozen"  # the control arm's label: the same seed trained at lr 0
+SEED_LEVEL_MIN = 3  # seeds from which the comparisons carry a paired t test over seeds (seed_level)
 SWEEP_FILES = re.compile(r"sweep\.json|summary\.json|table\.md|\w+\.png|runs|initial_s-?\d+")  # what a sweep writes
 SWEEP_SETS = ("preset", "lam", "seed", "steps", "eval_every", "eval_limit", "decision", "save_every",
               "out", "name", "eval_fidelity", "resume", "overwrite")  # train.py flags the sweep sets per arm
@@ -273,9 +279,47 @@ def pooled(runs, seeds, step):
     return {(s, ep["scenario_id"]): ep for s in seeds for ep in runs[s].get(step, [])}
 
 
+def per_seed(runs, seeds, step):
+    """{seed: (full acceptance share, mean b_T - b_0)} of one lambda's held-out episodes at a
+    step (runs: seed -> {step: episodes}); None where a seed has no episodes or no beliefs."""
+    out = {}
+    for s in seeds:
+        episodes = runs[s].get(step, [])
+        changes = list(belief_changes(episodes).values())
+        out[s] = (sum(ep["outcome"] == "ACCEPT" for ep in episodes) / len(episodes) if episodes else None,
+                  sum(changes) / len(changes) if changes else None)
+    return out
+
+
+def seed_level(a, b):
+    """The comparison whose unit is the seed (the unit of replication of a training effect): a
+    paired t test over the seeds' means, a minus b (per_seed's), on full acceptance and on
+    b_T - b_0; None below SEED_LEVEL_MIN seeds."""
+    seeds = [s for s in a if s in b]
+    if len(seeds) < SEED_LEVEL_MIN:
+        return None
+    out = dict(seeds=len(seeds))
+    for i, key in enumerate(("full_accept", "belief_change")):
+        both = [s for s in seeds if a[s][i] is not None and b[s][i] is not None]
+        out[key] = significance.paired_t([a[s][i] for s in both], [b[s][i] for s in both])
+    return out
+
+
+def between_seed_sd(means):
+    """The sd over seeds of their means (per_seed's), per measure; None below two seeds."""
+    out = {}
+    for i, key in enumerate(("full_accept", "belief_change")):
+        values = [m[i] for m in means.values() if m[i] is not None]
+        out[key] = statistics.stdev(values) if len(values) > 1 else None
+    return out
+
+
 def table_rows(held_out, lams, seeds, steps):
-    """Per lambda its best checkpoint (highest mean full acceptance over seeds, then b_T - b_0)
-    and its last, seeds pooled, against lambda = 0 (same step) and the initial policy."""
+    """Per lambda its last checkpoint (the primary row) and its best (highest mean full
+    acceptance over seeds, then b_T - b_0, chosen on these same held-out episodes, so labelled
+    selected_on "test episodes": optimistic), seeds pooled, against lambda = 0 (same step) and
+    the initial policy: episode-level tests, and with SEED_LEVEL_MIN seeds or more seed_level;
+    between_seed_sd beside them."""
     rows = []
     for lam in lams:
         def score(step):
@@ -284,26 +328,39 @@ def table_rows(held_out, lams, seeds, steps):
             return (sum(ep["outcome"] == "ACCEPT" for ep in eps) / max(len(eps), 1),
                     sum(changes) / len(changes) if changes else -math.inf)
         best = max(steps, key=score)
-        for which, step in (("best", best), ("last", steps[-1])):
-            eps = pooled(held_out[lam], seeds, step)
-            episodes = list(eps.values())
-            accept = sum(ep["outcome"] == "ACCEPT" for ep in episodes)
-            either = sum(ep["outcome"] in ("ACCEPT", "CONDITIONAL_ACCEPT") for ep in episodes)
-            changes = [ep["beliefs"][-1] - ep["beliefs"][0] for ep in analyses.with_beliefs(episodes)]
-            rows.append(dict(lam=lam, which=which, step=step, n=len(episodes),
-                             full_accept=accept / max(len(episodes), 1),
-                             full_accept_interval=significance.wilson_interval(accept, len(episodes)),
-                             full_or_conditional=either / max(len(episodes), 1),
-                             full_or_conditional_interval=significance.wilson_interval(either, len(episodes)),
-                             belief_change=significance.t_interval(changes),
-                             vs_initial=paired(eps, pooled(held_out[lam], seeds, 0)),
-                             vs_lambda0=None if lam == 0.0 else paired(eps, pooled(held_out[0.0], seeds, step))))
+        for which, step in (("last", steps[-1]), ("best", best)):
+            rows.append(table_row(held_out, lam, seeds, step, which))
     return rows
+
+
+def table_row(held_out, lam, seeds, step, which):
+    """One row of table_rows."""
+    eps = pooled(held_out[lam], seeds, step)
+    episodes = list(eps.values())
+    accept = sum(ep["outcome"] == "ACCEPT" for ep in episodes)
+    either = sum(ep["outcome"] in ("ACCEPT", "CONDITIONAL_ACCEPT") for ep in episodes)
+    changes = [ep["beliefs"][-1] - ep["beliefs"][0] for ep in analyses.with_beliefs(episodes)]
+    mine = per_seed(held_out[lam], seeds, step)
+    vs_initial = dict(paired(eps, pooled(held_out[lam], seeds, 0)),
+                      seed_level=seed_level(mine, per_seed(held_out[lam], seeds, 0)))
+    vs_lambda0 = None if lam == 0.0 else dict(
+        paired(eps, pooled(held_out[0.0], seeds, step)),
+        seed_level=seed_level(mine, per_seed(held_out[0.0], seeds, step)))
+    return dict(lam=lam, which=which, step=step, n=len(episodes), seeds=len(seeds),
+                selected_on="test episodes" if which == "best" else None,
+                full_accept=accept / max(len(episodes), 1),
+                full_accept_interval=significance.wilson_interval(accept, len(episodes)),
+                full_or_conditional=either / max(len(episodes), 1),
+                full_or_conditional_interval=significance.wilson_interval(either, len(episodes)),
+                belief_change=significance.t_interval(changes), between_seed_sd=between_seed_sd(mine),
+                vs_initial=vs_initial, vs_lambda0=vs_lambda0)
 
 
 def frozen_rows(runs, frozen, lams, seeds, steps):
     """Each arm against its seed's lr-0 control on the training episodes of the second half of
-    training (paired by step, group and member): mean (b_T - b_0) difference and Wilcoxon."""
+    training, paired by step, group and member; a group (one instance, one policy: its members
+    are not independent) is one cluster: the mean of its paired differences. Over the clusters:
+    mean (b_T - b_0) difference, t interval, Wilcoxon, the difference detectable at 80% power."""
     rows = []
     for lam in lams:
         a, b = {}, {}
@@ -313,14 +370,16 @@ def frozen_rows(runs, frozen, lams, seeds, steps):
                     if r["step"] > steps // 2 and r["b_0"] is not None and r["b_T"] is not None:
                         side[s, r["step"], r["group"], r["member"]] = r["b_T"] - r["b_0"]
         keys = sorted(set(a) & set(b))
-        diffs = [a[k] - b[k] for k in keys]
+        clusters = {}
+        for k in keys:
+            clusters.setdefault(k[:3], []).append(a[k] - b[k])
+        diffs = [sum(d) / len(d) for d in clusters.values()]
         mean, low, high = significance.t_interval(diffs)
         detectable = (significance.detectable_mean(statistics.stdev(diffs), len(diffs), paired=True)
                       if len(diffs) > 1 else None)  # at 80% power, alpha 0.05
-        rows.append(dict(lam=lam, n=len(keys), belief_diff=mean, low=low, high=high,
+        rows.append(dict(lam=lam, n=len(diffs), pairs=len(keys), belief_diff=mean, low=low, high=high,
                          detectable=detectable,
-                         wilcoxon_p=significance.wilcoxon([a[k] for k in keys], [b[k] for k in keys])
-                         if keys else None))
+                         wilcoxon_p=significance.wilcoxon(diffs, [0.0] * len(diffs)) if diffs else None))
     return rows
 
 
@@ -347,6 +406,42 @@ def _p(x):
     return "-" if x is None else f"{x:.3g}"
 
 
+def count_tests(rows, frozen=None):
+    """The p-values table.md holds (none corrected for multiplicity)."""
+    ps = [vs[k] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"]) if vs
+          for k in ("mcnemar_p", "wilcoxon_p")]
+    ps += [vs["seed_level"][k]["p"] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])
+           if vs and vs["seed_level"] for k in ("full_accept", "belief_change")]
+    ps += [r["wilcoxon_p"] for r in frozen or ()]
+    return sum(p is not None for p in ps)
+
+
+def _diff(t, scale=1.0, fmt="+.4f"):
+    """A paired_t result as 'diff [low, high] p'."""
+    if t is None or t["diff"] is None:
+        return "-"
+    at = lambda x: None if x is None else scale * x
+    return f"{_f(at(t['diff']), fmt)} [{_f(at(t['low']), fmt)}, {_f(at(t['high']), fmt)}] p {_p(t['p'])}"
+
+
+def seed_table(rows):
+    """table.md's seed-level section: per row the paired t tests over seeds and the sd between seeds."""
+    lines = ["", f"Seed level ({rows[0]['seeds']} seeds; paired t over the seeds' means, 95% "
+             "intervals; the unit of replication of a training effect is the seed):", "",
+             "| lambda | checkpoint | vs initial: full accept pts | b_T - b_0 | vs lambda 0: full "
+             "accept pts | b_T - b_0 | between-seed sd: full accept pts | b_T - b_0 |", "|" + "---|" * 8]
+    for r in rows:
+        cells = [f"{r['lam']:g}", f"{r['which']}{'*' if r['selected_on'] else ''} (step {r['step']})"]
+        for vs in (r["vs_initial"], r["vs_lambda0"]):
+            level = vs and vs["seed_level"]
+            cells += ([_diff(level["full_accept"], 100, "+.1f"), _diff(level["belief_change"])]
+                      if level else ["-", "-"])
+        sd = r["between_seed_sd"]
+        cells += [_f(sd["full_accept"] and 100 * sd["full_accept"], ".1f"), _f(sd["belief_change"], ".4f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def format_table(rows, frozen=None, header="", power=None):
     """table.md: the rows of table_rows (and frozen_rows, and sweep_power) as markdown."""
     pct = lambda v, iv: f"{100 * v:.1f} [{_f(iv[0] and 100 * iv[0], '.1f')}, {_f(iv[1] and 100 * iv[1], '.1f')}]"
@@ -355,8 +450,8 @@ def format_table(rows, frozen=None, header="", power=None):
              "vs lambda 0: McNemar p | Wilcoxon p | paired diff |", "|" + "---|" * 12]
     for r in rows:
         mean, low, high = r["belief_change"]
-        cells = [f"{r['lam']:g}", f"{r['which']} (step {r['step']})", str(r["n"]),
-                 pct(r["full_accept"], r["full_accept_interval"]),
+        cells = [f"{r['lam']:g}", f"{r['which']}{'*' if r['selected_on'] else ''} (step {r['step']})",
+                 str(r["n"]), pct(r["full_accept"], r["full_accept_interval"]),
                  pct(r["full_or_conditional"], r["full_or_conditional_interval"]),
                  f"{_f(mean)} [{_f(low)}, {_f(high)}]"]
         for vs in (r["vs_initial"], r["vs_lambda0"]):
@@ -364,9 +459,15 @@ def format_table(rows, frozen=None, header="", power=None):
                       [_p(vs["mcnemar_p"]), _p(vs["wilcoxon_p"]),
                        f"{_f(vs['belief_diff'])} [{_f(vs['belief_diff_low'])}, {_f(vs['belief_diff_high'])}]"])
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Episode level: the pairs are (seed, scenario), seeds pooled; they describe the "
+              "trained policies, not lambda. last: the primary row. best*: the checkpoint with the "
+              "highest full acceptance on these same held-out episodes, selected on the test "
+              "episodes, so optimistic."]
+    if any(vs and vs["seed_level"] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])):
+        lines += seed_table(rows)
     if power:
         rise = power["detectable_full_accept"]
-        lines += ["", f"Power (80%, two-sided alpha 0.05, {power['pairs']} held-out pairs a "
+        lines += ["", f"Power (80%, two-sided alpha 0.05, t for means, {power['pairs']} held-out pairs a "
                   f"comparison): a paired b_T - b_0 difference of {_f(power['detectable_belief_diff'], '.4f')} "
                   f"(sd of the paired differences {_f(power['belief_diff_sd'], '.4f')}); a rise in full "
                   f"acceptance from the initial {100 * power['initial_full_accept']:.1f}% of "
@@ -374,12 +475,15 @@ def format_table(rows, frozen=None, header="", power=None):
                   + " (independent proportions)."]
     if frozen:
         lines += ["", "Against the same-seed frozen control (lr 0), training episodes of the second "
-                  "half, paired by step, group and member:", "",
-                  "| lambda | pairs | mean diff of b_T - b_0 [95%] | Wilcoxon p | detectable (80% power) |",
+                  "half, paired by step, group and member, a group one cluster (the mean of its "
+                  "members' differences):", "",
+                  "| lambda | groups (pairs) | mean diff of b_T - b_0 [95%] | Wilcoxon p | detectable (80% power) |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {r['lam']:g} | {r['n']} | {_f(r['belief_diff'])} [{_f(r['low'])}, "
+        lines += [f"| {r['lam']:g} | {r['n']} ({r['pairs']}) | {_f(r['belief_diff'])} [{_f(r['low'])}, "
                   f"{_f(r['high'])}] | {_p(r['wilcoxon_p'])} | {_f(r['detectable'], '.4f')} |"
                   for r in frozen]
+    lines += ["", f"This table holds {count_tests(rows, frozen)} tests (p-values), none corrected "
+              "for multiplicity: at alpha 0.05, one in twenty falls below it by chance when nothing differs."]
     return "\n".join(lines) + "\n"
 
 
@@ -459,11 +563,14 @@ def summarize_sweep(root, args):
                    for s in args.seeds}
         frozen = frozen_rows(runs, control, args.lams, args.seeds, args.steps)
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
-    summary = dict(settings=json.loads((root / "sweep.json").read_text()), arms=entries,
-                   table=rows, frozen_control=frozen, power=power)
+    first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
+    subset = read_arm(lambda p: json.loads(p.read_text()).get("subset"), first) if first.is_file() else None
+    summary = dict(settings=json.loads((root / "sweep.json").read_text()),
+                   subset=(subset or f"{args.eval_limit} scenarios").removeprefix("heldout "), arms=entries,
+                   table=rows, frozen_control=frozen, power=power, tests=count_tests(rows, frozen))
     (root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     header = (f"# sweep {args.name}: preset {args.preset}, lambdas {args.lams}, seeds {args.seeds}, "
-              f"{args.steps} steps, {args.eval_limit} held-out scenarios, decision {args.decision}")
+              f"{args.steps} steps, held-out {summary['subset']} (arena.stratified), decision {args.decision}")
     (root / "table.md").write_text(format_table(rows, frozen, header, power))
     plots.plot_sweep(entries, rows, root)
     print((root / "table.md").read_text())
