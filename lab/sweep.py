@@ -9,7 +9,9 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
 
     summary.json   arms: one entry per (lambda, seed, checkpoint step, step 0 included) with
                    held-out full_accept, full_or_conditional, mean_belief_change (mean b_T - b_0),
-                   mean dense return, and the training steps' dead- and collapsed-group shares
+                   mean dense return, and the training steps' dead-group, rescued (dead groups
+                   the dense term gives an advantage) and collapsed-group shares;
+                   clipped_steps: per arm, the steps whose gradient norm exceeded train.GRAD_CLIP
     table.md       per lambda its last checkpoint (the primary row) and its best (selected on
                    the same held-out episodes, labelled so), seeds pooled: Wilson intervals of
                    the acceptance shares, a t interval of b_T - b_0, and paired tests (pairs:
@@ -253,9 +255,20 @@ def arm_entries(lam, seed, run, initial, every):
             mean_belief_change=sum(changes) / len(changes) if changes else None,
             mean_dense_return=summary["mean_dense_return"],
             dead_group_share=step_window(run["metrics"], step, every, "dead_group_share"),
+            rescued_share=step_window(run["metrics"], step, every, "dead_rescued_share"),
             collapsed_group_share=step_window(run["metrics"], step, every,
                                               "collapsed_group_share")))
     return entries
+
+
+def clipped_steps(runs, clip):
+    """{arm: steps whose gradient norm (before clipping, as train.py logs it) exceeded clip}.
+    Where every group is dead for the outcome term, lambda only scales the whole advantage, which
+    AdamW's update does not see up to its eps: two such arms train the same weights only if no
+    step of either was clipped (BENCHMARKS.md's tag sweep)."""
+    return {arm_name(lam, s): sum(m.get("grad_norm") is not None and m["grad_norm"] > clip
+                                  for m in run["metrics"])
+            for lam, by_seed in runs.items() for s, run in by_seed.items()}
 
 
 def paired(a, b):
@@ -565,7 +578,9 @@ def summarize_sweep(root, args):
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
     first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
     subset = read_arm(lambda p: json.loads(p.read_text()).get("subset"), first) if first.is_file() else None
+    import train
     summary = dict(settings=json.loads((root / "sweep.json").read_text()),
+                   clipped_steps=clipped_steps(runs, train.GRAD_CLIP),
                    subset=(subset or f"{args.eval_limit} scenarios").removeprefix("heldout "), arms=entries,
                    table=rows, frozen_control=frozen, power=power, tests=count_tests(rows, frozen))
     (root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
