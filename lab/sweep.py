@@ -95,7 +95,7 @@ def parse_args(argv=None):
         pin_recorded(args, p, argv)
         problems = argument_problems(args)
     if problems:
-        p.error("; ".join(problems))
+        p.exit(2, f"lab.sweep: {'; '.join(problems)}\n")  # one line, as eval.py's refusals
     return args, args.train_args
 
 

@@ -107,8 +107,8 @@ def test_flags_the_sweep_sets_are_refused_after_the_separator(after, names, caps
     """issue 35: `-- --lam 1` trained every arm at lambda 1 under labels 0 and 1; now one line."""
     with pytest.raises(SystemExit):
         sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--judge", "none", *after])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"{names} after -- would override" in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{names} after -- would override" in err[0]
 
 
 def test_lr_after_the_separator_is_refused_only_with_a_frozen_control(tmp_path, capsys):
