@@ -207,8 +207,9 @@ def check_arms(args, extra, arms, runs_dir):
             continue
         try:
             cli.train_args(arm_command(arm_argv(args, extra, lam, seed, runs_dir), run_dir), train)
-        except SystemExit as e:
-            raise runs.say_error("lab.sweep", f"arm {arm_name(lam, seed)}: {e.code}") from None
+        except SystemExit as e:  # argparse has printed its own line when the code is a number
+            why = e.code if isinstance(e.code, str) else "train.py refused the arguments after -- (above)"
+            raise runs.say_error("lab.sweep", f"arm {arm_name(lam, seed)}: {why}") from None
 
 
 def evaluate_initial(argv, folder):
