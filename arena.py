@@ -223,6 +223,27 @@ def heldout_instances(scenarios=None):
     """The held-out scenarios as written, shaped like training instances."""
     return written_instances("heldout", scenarios)
 
+def stratified(instances, n=None):
+    """A deterministic subset of n instances (all when n is None) covering the domain x resistance
+    cells as evenly as n allows (DECISIONS.md: Stratified subsets): round r takes each cell's r-th
+    instance in file order, the cells visited in the order k -> (DOMAINS[k % 5],
+    RESISTANCE_TYPES[k % 4]), which meets every cell once in 20 steps and so covers all domains
+    by 5 and all types as well by 8. n = 20: one a cell; n = 60: three a cell (eval.py's
+    balanced60). A cell outside the vocabulary (a custom file) comes after these, in file order."""
+    cells = {}
+    for inst in instances:
+        cells.setdefault((inst["domain"], inst["hidden"].get("resistance")), []).append(inst)
+    grid = [(DOMAINS[k % len(DOMAINS)], RESISTANCE_TYPES[k % len(RESISTANCE_TYPES)])
+            for k in range(len(DOMAINS) * len(RESISTANCE_TYPES))]
+    order = [c for c in grid if c in cells] + [c for c in cells if c not in grid]
+    rounds = max(map(len, cells.values()), default=0)
+    kept = [cells[c][r] for r in range(rounds) for c in order if r < len(cells[c])]
+    return kept if n is None else kept[:n]
+
+def subset_name(n, total):
+    """How a summary names the held-out subset stratified() gives: 'stratified-N of TOTAL', or 'all TOTAL'."""
+    return f"all {total}" if n is None or n >= total else f"stratified-{n} of {total}"
+
 # -----------------------------------------------------------------------------
 # decision tags (DECISIONS.md: Several tags, Text normalisation)
 #

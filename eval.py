@@ -41,7 +41,7 @@ FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checke
 CPU_SAMPLING_MODELS = (DEFAULT_MODEL,)  # persuaders whose default --sampling is "cpu" (DECISIONS.md: CPU sampling preset)
 SAMPLING_FLAGS = ("sampling", "persuader_temperature", "persuadee_temperature", "persuadee_top_p",
                   "persuadee_top_k")  # cli.add_sampling_flags: a training run's, by default
-SUBSETS = {"balanced60": 3}  # named subsets: scenarios kept per domain x resistance cell, file order
+SUBSETS = {"balanced60": 60}  # named subsets: their size, stratified (60: three a domain x resistance cell)
 
 # -----------------------------------------------------------------------------
 # the scenarios an evaluation plays
@@ -55,30 +55,15 @@ def _instances(split):
         sys.exit(f"eval.py: cannot load the {split} scenarios: {e}")
 
 
-def balanced_subset(instances, per_cell):
-    """The first per_cell instances of every domain x resistance cell, in file order."""
-    kept, seen = [], defaultdict(int)
-    for inst in instances:
-        cell = (inst["domain"], inst["hidden"]["resistance"])
-        if seen[cell] < per_cell:
-            seen[cell] += 1
-            kept.append(inst)
-    short = [f"{d}/{r}" for d in arena.DOMAINS for r in arena.RESISTANCE_TYPES if seen[(d, r)] < per_cell]
-    if short:
-        raise ValueError(f"the subset needs {per_cell} scenarios in every domain x resistance cell; "
-                         f"too few in {', '.join(short)}")
-    return kept
-
-
 def chosen_instances(args):
-    """The scenarios an evaluation plays: --scenarios, then --subset, then --limit."""
+    """The scenarios an evaluation plays: --scenarios, then the stratified subset of --subset's
+    or --limit's size, whichever is smaller (arena.stratified: every domain x resistance cell as
+    evenly as the size allows); args.subset_name names it for the summary."""
     instances = _instances(args.scenarios)
-    if args.subset:
-        try:
-            instances = balanced_subset(instances, SUBSETS[args.subset])
-        except ValueError as e:
-            sys.exit(f"eval.py: --subset {args.subset}: {e}")
-    return instances[:args.limit]
+    sizes = [n for n in (SUBSETS.get(args.subset), args.limit) if n is not None]
+    n = min(sizes) if sizes else None
+    args.subset_name = f"{args.scenarios} {arena.subset_name(n, len(instances))}"
+    return arena.stratified(instances, n)
 
 # -----------------------------------------------------------------------------
 # one evaluation: one persuader against one persuadee (rollout imports the model side, so the
@@ -100,7 +85,7 @@ def distributed():
 def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, names=("", ""),
              fidelity=None, max_new_tokens=None, judge=SAME_AS_PERSUADEE, anchor=None,
              tagger="keyword", sampling=None, probe_space=None, probe_signs=None, settings=None,
-             resume=False, rank=0, world=1, shaping_lambda=None, decision=None):
+             resume=False, rank=0, world=1, shaping_lambda=None, decision=None, subset=None):
     """One seeded episode per instance through rollout.py's loop (each role an engine.Engine, a
     served.ServedModel or a side); saves the run, returns its summary.
 
@@ -112,7 +97,8 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
     `resume` those already there are not played again. `settings` go to settings.json and the
     summary. Under torchrun each rank plays instances[rank::world] and rank 0 gathers, tags,
     summarises and saves (others return None); records do not depend on the rank (rollout's
-    keyed random streams), so the summary equals one process's."""
+    keyed random streams), so the summary equals one process's. `subset` names the scenarios
+    played in the summary (arena.subset_name), by default their count."""
     import engine
     import rollout
     from lab import fidelity as probe_fidelity
@@ -149,7 +135,7 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
                                      rpo.LAMBDA if shaping_lambda is None else shaping_lambda)
     roles = report.roles_record(names, (persuader, persuadee, judge),
                                 (persuader_sampling, persuadee_sampling))
-    summary.update(roles=roles, settings=settings or {})
+    summary.update(roles=roles, settings=settings or {}, subset=subset or f"{len(instances)} given")
     report.save_run(out_dir, episodes, summary, reads)
     for path in episode_log.part_paths(out_dir)[1:]:
         path.unlink()  # merged into episodes.jsonl by save_run
@@ -214,8 +200,9 @@ def build_parser():
     probes.add_flags(ap)
     cli.add_sampling_flags(ap)
     ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
-    ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell")
-    ap.add_argument("--limit", type=int, help="evaluate only the first N scenarios")
+    ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell (arena.stratified)")
+    ap.add_argument("--limit", type=int, help="evaluate N scenarios, stratified over domain x resistance "
+                    "(arena.stratified: 5 = one a domain, 8 = every domain and type, 20 = one a cell)")
     ap.add_argument("--seed", type=int, default=0)
     cli.add_decision_flag(ap)
     ap.add_argument("--name", help=f"run name, one folder name; output goes to {EVALS_DIR}/NAME")
@@ -445,7 +432,7 @@ def run_cells(args, instances, cells):
                 probe_space=args.probe_space, probe_signs=args.probe_signs, settings=settings,
                 resume=args.resume, sampling=cell_sampling(args, p),
                 shaping_lambda=settings["shaping_lambda"], decision=args.decision,
-                allow_insecure_key=args.allow_insecure_key)
+                allow_insecure_key=args.allow_insecure_key, subset=args.subset_name)
         except ValueError as e:  # a malformed episodes.jsonl, a prompt too long for a model
             sys.exit(f"eval.py: {e}")
         if rank == 0:

@@ -265,7 +265,8 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
     own sampling, lambda and anchor; rank 0 writes runs/NAME/eval-STEP and appends its summary to
     runs/NAME/evals.jsonl under its step (what eval.py --runs reads)."""
     import eval
-    instances = arena.heldout_instances(arena.load_scenarios(args.scenarios))[:args.eval_limit]
+    heldout = arena.heldout_instances(arena.load_scenarios(args.scenarios))
+    instances = arena.stratified(heldout, args.eval_limit)  # every domain x resistance cell as evenly as N allows
     world = dist.get_world_size() if dist.is_initialized() else 1
     summary = eval.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
                             t_max=args.eval_t_max, seed=args.seed,
@@ -274,7 +275,8 @@ def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
                             probe_signs=args.probe_signs, rank=rank, world=world,
                             shaping_lambda=args.lam, decision=args.decision,
                             fidelity=(eval.FIDELITY_SAMPLES if args.eval_fidelity is None
-                                      else args.eval_fidelity))
+                                      else args.eval_fidelity),
+                            subset="heldout " + arena.subset_name(args.eval_limit, len(heldout)))
     if rank == 0:
         steps.record_evaluation(run_dir / "evals.jsonl", step, summary)
         print(f"eval step {step}: full accept {summary['full_accept']:.1%}  "

@@ -286,7 +286,7 @@ def _breakdown(title, groups):
 def format_table(summary):
     """The main report: headline metrics, then the breakdowns by resistance and by domain."""
     lines = [
-        f"{'episodes':<26}{summary['n']:>8}",
+        f"{'episodes':<26}{summary['n']:>8}" + (f"  {summary['subset']}" if summary.get("subset") else ""),
         f"{'full acceptance':<26}{pct(summary['full_accept']):>8}",
         f"{'full or conditional':<26}{pct(summary['full_or_conditional']):>8}",
         f"{'pending':<26}{pct(summary['pending']):>8}",

@@ -116,16 +116,16 @@ def _same_kind(value, like):
 
 
 def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), record="config.json",
-                 own=None):
-    """--resume: the settings of the run as recorded (config.json or settings.json). A setting
-    the command line leaves out takes the recorded value (which must have its argument's type);
-    one it names with another value is refused in one line naming each, except may_change; an
-    edited pinned constant is refused in one line naming it. The caller then validates args as
-    it does a fresh command line, before any model loads."""
+                 own=None, again="--resume", restart="start a new run (another --name)"):
+    """--resume: the settings of the run as recorded (config.json or settings.json; sweep.json
+    for a sweep run again, `again` naming how in the messages, `restart` how to start over). A
+    setting the command line leaves out takes the recorded value (which must have its argument's
+    type); one it names with another value is refused in one line naming each, except
+    may_change; an edited pinned constant is refused in one line naming it. The caller then
+    validates args as it does a fresh command line, before any model loads."""
     if constants := changed_constants(recorded, own):
-        raise runs.say_error(who, f"--resume: {'; '.join(constants)}; a resumed run keeps the "
-                             "objective it was trained with: restore the constant, or start a new "
-                             "run (another --name)")
+        raise runs.say_error(who, f"{again}: {'; '.join(constants)}; a resumed run keeps the "
+                             f"objective it was trained with: restore the constant, or {restart}")
     changed = []
     for key, value in recorded.items():
         if key in not_settings or key == "constants" or not hasattr(args, key):
@@ -133,27 +133,29 @@ def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), 
         flag = f"--{key.replace('_', '-')}"
         if key not in explicit:
             if not _same_kind(value, getattr(args, key)):
-                raise runs.say_error(who, f"--resume: {record} holds {flag} {json.dumps(value)}, "
+                raise runs.say_error(who, f"{again}: {record} holds {flag} {json.dumps(value)}, "
                                      f"not a {type(getattr(args, key)).__name__}; fix it there, "
-                                     "or start a new run (another --name)")
+                                     f"or {restart}")
             setattr(args, key, value)
         elif json.dumps(getattr(args, key)) != json.dumps(value) and key not in may_change:
             changed.append(f"{flag} {getattr(args, key)} (the run has {value})")
     if changed:
         may = ", ".join(f"--{k.replace('_', '-')}" for k in may_change)
-        raise runs.say_error(who, f"--resume keeps the run's settings, and {', '.join(changed)} would "
-                             f"change them; drop them (only {may} may change), or start a new run "
-                             "(another --name)")
+        raise runs.say_error(who, f"{again} keeps the run's settings, and {', '.join(changed)} would "
+                             f"change them; drop them{f' (only {may} may change)' if may else ''}, "
+                             f"or {restart}")
 
 
-def explicit_settings(parser, argv):
+def explicit_settings(parser, argv, known=False):
     """The settings a command line names (not left to their defaults): a namespace that
-    already holds an attribute keeps argparse from writing the default into it."""
+    already holds an attribute keeps argparse from writing the default into it. known: the
+    arguments the parser does not know are left aside (parse_known_args), as lab.sweep passes
+    them on."""
     unset = object()
-    parsed = parser.parse_args(argv)
+    parse = (lambda *a, **kw: parser.parse_known_args(*a, **kw)[0]) if known else parser.parse_args
+    parsed = parse(argv)
     names = {k for k, v in vars(parsed).items() if not isinstance(v, list)}
-    probe = parser.parse_args(argv, namespace=argparse.Namespace(
-        **dict.fromkeys(names, unset)))
+    probe = parse(argv, namespace=argparse.Namespace(**dict.fromkeys(names, unset)))
     return {k for k, v in vars(probe).items() if v is not unset and
             (k in names or v != parser.get_default(k))}
 

@@ -285,25 +285,35 @@ def plot_run(run_dir):
     return path
 
 
-SWEEP_FIGSIZE = (11.0, 4.0)
+SWEEP_FIGSIZE = (16.0, 4.0)
 
 
 def plot_sweep(entries, rows, folder):
     """sweep.py's figures: curves.png, held-out b_T - b_0 and full acceptance by checkpoint step,
-    one line per lambda (mean over seeds, 95% band over seeds: significance.mean_band); effect.png,
+    one line per lambda (mean over seeds, 95% band over seeds: significance.mean_band), and the
+    training steps' dead-group share with the share of them the dense term rescued (Fig. 7,
+    means over the steps up to each checkpoint; step 0 has none); effect.png,
     each lambda's last checkpoint minus the initial policy in b_T - b_0 (paired, 95% t interval)."""
-    fig, axes = plt.subplots(1, 2, figsize=SWEEP_FIGSIZE)
+    fig, axes = plt.subplots(1, 3, figsize=SWEEP_FIGSIZE)
     for lam in sorted({e["lam"] for e in entries}):
         mine = [e for e in entries if e["lam"] == lam]
         steps = sorted({e["step"] for e in mine})
-        for ax, key in zip(axes, ("mean_belief_change", "full_accept")):
+        for ax, key in zip(axes, ("mean_belief_change", "full_accept", "dead_group_share")):
             series = [[e[key] for e in sorted(mine, key=lambda e: e["step"]) if e["seed"] == s]
                       for s in sorted({e["seed"] for e in mine})]
             series = [[math.nan if v is None else v for v in row] for row in series]
             mean, half = significance.mean_band(series)
-            ax.plot(steps[:mean.size], mean, marker="o", ms=3, label=f"lambda {lam:g}")
+            line, = ax.plot(steps[:mean.size], mean, marker="o", ms=3, label=f"lambda {lam:g}")
             ax.fill_between(steps[:mean.size], mean - half, mean + half, alpha=0.2)
-    for ax, title in zip(axes, ("held-out mean b_T - b_0", "held-out full acceptance")):
+        rescued = [[math.nan if e["rescued_share"] is None else e["rescued_share"]
+                    for e in sorted(mine, key=lambda e: e["step"]) if e["seed"] == s]
+                   for s in sorted({e["seed"] for e in mine}) if "rescued_share" in mine[0]]
+        if rescued:  # Fig. 7's rescued share beside the dead groups, dashed, in the arm's colour
+            mean, _ = significance.mean_band(rescued)
+            axes[2].plot(steps[:mean.size], mean, ls="--", color=line.get_color(),
+                         label=f"lambda {lam:g} rescued")
+    for ax, title in zip(axes, ("held-out mean b_T - b_0", "held-out full acceptance",
+                                "training: dead groups (solid), rescued share of them (dashed)")):
         ax.set(title=title, xlabel="training step (0 = initial policy)")
         ax.grid(alpha=0.3)
         ax.legend()

@@ -34,6 +34,8 @@ PRESETS = {
                  eval_every=0, eval_limit=2, save_every=2, sampling="paper",
                  t_max=2, eval_t_max=2, max_new_tokens=4),  # overrides: tiny random models
 }
+# one-gpu's evaluation: 16 of the 20 domain x resistance cells (arena.stratified); 20 would
+# leave under 15% of an H200 spare (lab/plan.py)
 PRESETS["one-gpu"] = dict(  # the paper's models and sampling on one H200, LoRA (README: Train with LoRA on one GPU)
     PRESETS["paper"], lora=LORA_RANK, lr=1e-5, instances=2, micro_batch=2, eval_limit=16,
     plan_ranks=1)

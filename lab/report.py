@@ -24,7 +24,7 @@ import arena
 import rpo
 from lab import analyses, moves, plots, records, runs, served
 
-RUN_KEYS = ("roles", "settings", "requests")  # summary.json's record of how the run was played
+RUN_KEYS = ("roles", "settings", "requests", "subset")  # summary.json's record of how the run was played
 
 
 def save_run(out_dir, episodes, summary, fidelity=None):

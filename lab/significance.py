@@ -11,7 +11,8 @@ paper's comparisons rest on (scipy and numpy; no torch, no episode records).
   wilcoxon                 Wilcoxon signed-rank on paired numbers (goal reward, b_T - b_0)
   spearman, pearson        correlations, None where undefined
   message_variance_share   the share of r_t's variance the persuader's message decides
-  episodes_for_proportions, episodes_for_mean   episodes a comparison needs (power)
+  episodes_for_proportions, episodes_for_mean   episodes a comparison needs (power; t for means)
+  paired_t                 a paired t test over few units (the sweep's seed-level comparisons)
 
 analyses.py applies these to episode records; sweep.py and bench.py call them directly.
 Tests: python -m pytest -q test_significance.py
@@ -109,6 +110,17 @@ def wilcoxon(x, y):
                                 method=method).pvalue)
 
 
+def paired_t(x, y, level=CONFIDENCE):
+    """A paired t test of x - y over few units (seeds): {n, diff, low, high, p, sd}, the interval
+    and p None below two pairs or with no spread."""
+    d = np.asarray(x, dtype=float) - np.asarray(y, dtype=float)
+    mean, low, high = t_interval(d, level)
+    sd = float(d.std(ddof=1)) if d.size > 1 else None
+    p = (finite_or_none(stats.ttest_1samp(d, 0.0).pvalue) if d.size > 1 and sd else
+         (1.0 if d.size > 1 and mean == 0 else None))
+    return dict(n=int(d.size), diff=mean, low=low, high=high, p=p, sd=sd)
+
+
 def spearman(x, y):
     """{rho, p} of scipy's Spearman rank correlation; None where undefined (n < 3 or a constant)."""
     if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
@@ -164,18 +176,30 @@ def episodes_for_proportions(p0, p1, alpha=0.05, power=0.8):
     return math.ceil(n / (p1 - p0) ** 2)
 
 
+def _t_sum(n, alpha, power, paired):
+    """t_{1-alpha/2, df} + t_{power, df} with df = n - 1 (pairs) or 2 (n - 1) (two arms of n)."""
+    df = (n - 1) * (1 if paired else 2)
+    return stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(power, df)
+
+
 def episodes_for_mean(sd, delta, alpha=0.05, power=0.8, paired=False):
     """Episodes per arm (pairs when paired, sd then the sd of the paired differences) for a
-    two-sided test of a mean difference delta: k (z_a + z_b)^2 sd^2 / delta^2, k = 2 unpaired."""
+    two-sided t test of a mean difference delta: the least n with
+    k (t_{1-alpha/2, df} + t_{power, df})^2 sd^2 / delta^2 <= n, k = 2 unpaired (the
+    t approximation; d = 0.5 needs 34 pairs or 64 a group, as the exact noncentral t)."""
     za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
-    return math.ceil((1 if paired else 2) * (za + zb) ** 2 * sd ** 2 / delta ** 2)
+    n = max(2, math.ceil((1 if paired else 2) * (za + zb) ** 2 * sd ** 2 / delta ** 2))
+    while (1 if paired else 2) * _t_sum(n, alpha, power, paired) ** 2 * sd ** 2 / delta ** 2 > n:
+        n += 1
+    return n
 
 
 def detectable_mean(sd, n, alpha=0.05, power=0.8, paired=False):
-    """The smallest mean difference n episodes per arm (pairs when paired) detect: the inverse of
-    episodes_for_mean, sqrt(k / n) (z_a + z_b) sd."""
-    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
-    return math.sqrt((1 if paired else 2) / n) * (za + zb) * sd
+    """The smallest mean difference n episodes per arm (pairs when paired) detect with a t test:
+    sqrt(k / n) (t_{1-alpha/2, df} + t_{power, df}) sd; None below two."""
+    if n < 2:
+        return None
+    return math.sqrt((1 if paired else 2) / n) * _t_sum(n, alpha, power, paired) * sd
 
 
 def detectable_proportion(p0, n, alpha=0.05, power=0.8):

@@ -9,19 +9,30 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
 
     summary.json   arms: one entry per (lambda, seed, checkpoint step, step 0 included) with
                    held-out full_accept, full_or_conditional, mean_belief_change (mean b_T - b_0),
-                   mean dense return, and the training steps' dead- and collapsed-group shares
-    table.md       per lambda its best and its last checkpoint, seeds pooled: Wilson intervals
-                   of the acceptance shares, a t interval of b_T - b_0, and paired tests (pairs:
+                   mean dense return, and the training steps' dead-group, rescued (dead groups
+                   the dense term gives an advantage) and collapsed-group shares;
+                   clipped_steps: per arm, the steps whose gradient norm exceeded train.GRAD_CLIP
+    table.md       per lambda its last checkpoint (the primary row) and its best (selected on
+                   the same held-out episodes, labelled so), seeds pooled: Wilson intervals of
+                   the acceptance shares, a t interval of b_T - b_0, and paired tests (pairs:
                    same seed, same scenario) against lambda = 0 at the same step and against the
                    initial policy: exact McNemar on full acceptance, Wilcoxon on b_T - b_0;
-                   the differences these pairs detect at 80% power (summary.json "power");
-                   with --frozen-control, each arm against a same-seed run at lr 0 on the
-                   training episodes themselves (paired by step, group and member)
+                   with SEED_LEVEL_MIN seeds or more each comparison also carries seed_level, a
+                   paired t test over the seeds' means (the seed is the unit of replication of
+                   a training effect), and each row between_seed_sd; the differences the
+                   episode pairs detect at 80% power (t; summary.json "power"); with
+                   --frozen-control, each arm against a same-seed run at lr 0 on the training
+                   episodes themselves (paired by step, group and member, a group one
+                   cluster); and how many tests the table holds, none corrected
     curves.png     held-out b_T - b_0 and full acceptance by step, per lambda, seed bands
     effect.png     each lambda's last checkpoint minus the initial policy, 95% intervals
 
 Arms already trained are reused; a killed arm resumes from its checkpoint (train.py --resume).
-Arguments sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4).
+A re-run keeps the settings sweep.json recorded (cli.pin_settings, as train.py --resume keeps
+config.json): a changed one is refused in one line, --overwrite starts the sweep again. Arguments
+sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4), except the
+flags the sweep sets itself (SWEEP_SETS), which are refused; every arm's values are checked as
+train.py checks them before the first arm trains.
 
     python -m lab.sweep --preset tiny --lams 0 1 --seeds 0 --steps 4 --eval-every 2 --eval-limit 2 --name smoke
     python -m lab.sweep --preset cpu --lams 0 0.5 1 --seeds 0 1 --steps 60 --eval-every 20 \\
@@ -29,6 +40,8 @@ Arguments sweep.py does not know go to every arm's train.py (e.g. --judge none -
 """
 import json
 import math
+import re
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +51,7 @@ from tqdm import tqdm
 from lab import analyses
 from lab import cli
 from lab import records
+from lab import runs
 from lab import significance
 from lab.runs import read_jsonl
 
@@ -45,9 +59,18 @@ LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
 SWEEPS_DIR = "sweeps"
 FROZEN = "frozen"  # the control arm's label: the same seed trained at lr 0
+SEED_LEVEL_MIN = 3  # seeds from which the comparisons carry a paired t test over seeds (seed_level)
+SWEEP_FILES = re.compile(r"sweep\.json|summary\.json|table\.md|\w+\.png|runs|initial_s-?\d+")  # what a sweep writes
+SWEEP_SETS = ("preset", "lam", "seed", "steps", "eval_every", "eval_limit", "decision", "save_every",
+              "out", "name", "eval_fidelity", "resume", "overwrite")  # train.py flags the sweep sets per arm
 
 
 def parse_args(argv=None):
+    """(args, train.py's extra arguments), every value checked, and on a re-run (sweep.json
+    there, no --overwrite) the sweep's recorded settings pinned as train.py --resume pins
+    config.json (cli.pin_settings): what the command line leaves out is the sweep's own, what it
+    names with another value is refused in one line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = cli.new_parser("python -m lab.sweep", __doc__)
     p.add_argument("--preset", default="tiny", help="train.py preset of every arm")
     p.add_argument("--lams", type=float, nargs="+", default=list(LAMS))
@@ -55,14 +78,30 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--eval-every", type=int, required=True, help="held-out evaluation (and a "
                    "kept checkpoint) every K steps; --steps must be a multiple of it")
-    p.add_argument("--eval-limit", type=int, required=True, help="held-out scenarios per evaluation")
+    p.add_argument("--eval-limit", type=int, required=True, help="held-out scenarios per "
+                   "evaluation, stratified over domain x resistance (arena.stratified)")
     p.add_argument("--name", required=True, help=f"the sweep's folder, {SWEEPS_DIR}/NAME")
     p.add_argument("--out", default=SWEEPS_DIR)
+    p.add_argument("--overwrite", action="store_true", help="delete the sweep's folder and start "
+                   "again (a re-run otherwise keeps its recorded settings and trained arms)")
     p.add_argument("--frozen-control", action="store_true",
                    help="also train each seed at lr 0: the same instances and random streams, "
                         "only the weights differ")
     cli.add_decision_flag(p)
     args, extra = p.parse_known_args(argv)
+    args.train_args = [a for a in extra if a != "--"]
+    problems = argument_problems(args)
+    if not problems and not args.overwrite:
+        pin_recorded(args, p, argv)
+        problems = argument_problems(args)
+    if problems:
+        p.exit(2, f"lab.sweep: {'; '.join(problems)}\n")  # one line, as eval.py's refusals
+    return args, args.train_args
+
+
+def argument_problems(args):
+    """What is wrong with the sweep's own values and with the flags it passes on (train.py's
+    own checks of every arm come later, in check_arms, still before any arm trains)."""
     problems = [f"--{k.replace('_', '-')} {getattr(args, k)} must be at least 1"
                 for k in ("steps", "eval_every", "eval_limit") if getattr(args, k) < 1]
     if not problems and args.steps % args.eval_every:
@@ -71,9 +110,45 @@ def parse_args(argv=None):
         problems.append(f"--name {args.name!r} must be one folder name")
     if 0.0 not in args.lams:
         problems.append("--lams must include 0 (the arm every other is tested against)")
-    if problems:
-        p.error("; ".join(problems))
-    return args, [a for a in extra if a != "--"]
+    for flag, values in (("--lams", args.lams), ("--seeds", args.seeds)):
+        if dupes := sorted({v for v in values if values.count(v) > 1}):
+            problems.append(f"{flag} names {', '.join(f'{v:g}' for v in dupes)} more than once")
+    if bad := [lam for lam in args.lams if not math.isfinite(lam) or lam < 0]:
+        problems.append(f"--lams {', '.join(map(str, bad))}: each must be a finite number >= 0")
+    if taken := sweep_owned(args):
+        problems.append(f"{', '.join(taken)} after -- would override what the sweep sets for every "
+                        "arm (and label); pass them as the sweep's own flags or drop them")
+    return problems
+
+
+def sweep_owned(args):
+    """The flags among train.py's extra arguments that the sweep sets itself (read as train.py's
+    parser reads them: abbreviations and --flag=value count)."""
+    import train
+    owned = set(SWEEP_SETS) | ({"lr"} if args.frozen_control else set())
+    try:
+        named = cli.explicit_settings(cli.train_parser(train), args.train_args, known=True)
+    except SystemExit:
+        return []  # a malformed value: train.py's parser names it in check_arms
+    return [f"--{k.replace('_', '-')}" for k in sorted(named & owned)]
+
+
+def pin_recorded(args, parser, argv):
+    """A re-run of a sweep: its sweep.json's settings over what the command line leaves out,
+    a changed one refused in one line (cli.pin_settings)."""
+    path = Path(args.out) / args.name / "sweep.json"
+    if not path.is_file():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+        assert isinstance(recorded, dict)
+    except (OSError, ValueError, AssertionError):
+        raise runs.say_error("lab.sweep", f"{path} cannot be read; restore it, or pass --overwrite "
+                             "to start the sweep again")
+    explicit = cli.explicit_settings(parser, argv, known=True) | ({"train_args"} if args.train_args else set())
+    cli.pin_settings(args, recorded, explicit, "lab.sweep", not_settings=("name", "out", "overwrite"),
+                     record=str(path), again="a re-run of a sweep",
+                     restart="pass --overwrite to start the sweep again (or another --name)")
 
 
 def arm_name(lam, seed):
@@ -108,14 +183,33 @@ def arm_finished(run_dir, args, frozen=False):
             and wanted <= _steps_in(run_dir / "evals.jsonl"))
 
 
+def arm_command(argv, run_dir):
+    """train.py's arguments for an arm as it will run: fresh, or resumed from its last checkpoint."""
+    if (run_dir / "latest").is_file():
+        return argv + ["--resume"]
+    return argv + ["--overwrite"] if run_dir.exists() else argv  # started, killed before a checkpoint
+
+
 def train_arm(argv, run_dir):
     """train.py on one arm: fresh, or resumed from its last checkpoint."""
     import train
-    if (run_dir / "latest").is_file():
-        argv = argv + ["--resume"]
-    elif run_dir.exists():
-        argv = argv + ["--overwrite"]  # started, but killed before its first checkpoint
-    train.main(argv)
+    train.main(arm_command(argv, run_dir))
+
+
+def check_arms(args, extra, arms, runs_dir):
+    """Every arm's train.py arguments checked as train.py checks them (cli.train_args: values,
+    models' names, scenarios, a resumed arm's config.json), before the first arm trains; the
+    first problem is one line naming the arm."""
+    import train
+    for lam, seed in arms:
+        run_dir = runs_dir / arm_name(lam, seed)
+        if run_dir.exists() and arm_finished(run_dir, args, lam == FROZEN):
+            continue
+        try:
+            cli.train_args(arm_command(arm_argv(args, extra, lam, seed, runs_dir), run_dir), train)
+        except SystemExit as e:  # argparse has printed its own line when the code is a number
+            why = e.code if isinstance(e.code, str) else "train.py refused the arguments after -- (above)"
+            raise runs.say_error("lab.sweep", f"arm {arm_name(lam, seed)}: {why}") from None
 
 
 def evaluate_initial(argv, folder):
@@ -162,9 +256,20 @@ def arm_entries(lam, seed, run, initial, every):
             mean_belief_change=sum(changes) / len(changes) if changes else None,
             mean_dense_return=summary["mean_dense_return"],
             dead_group_share=step_window(run["metrics"], step, every, "dead_group_share"),
+            rescued_share=step_window(run["metrics"], step, every, "dead_rescued_share"),
             collapsed_group_share=step_window(run["metrics"], step, every,
                                               "collapsed_group_share")))
     return entries
+
+
+def clipped_steps(runs, clip):
+    """{arm: steps whose gradient norm (before clipping, as train.py logs it) exceeded clip}.
+    Where every group is dead for the outcome term, lambda only scales the whole advantage, which
+    AdamW's update does not see up to its eps: two such arms train the same weights only if no
+    step of either was clipped (BENCHMARKS.md's tag sweep)."""
+    return {arm_name(lam, s): sum(m.get("grad_norm") is not None and m["grad_norm"] > clip
+                                  for m in run["metrics"])
+            for lam, by_seed in runs.items() for s, run in by_seed.items()}
 
 
 def paired(a, b):
@@ -188,9 +293,47 @@ def pooled(runs, seeds, step):
     return {(s, ep["scenario_id"]): ep for s in seeds for ep in runs[s].get(step, [])}
 
 
+def per_seed(runs, seeds, step):
+    """{seed: (full acceptance share, mean b_T - b_0)} of one lambda's held-out episodes at a
+    step (runs: seed -> {step: episodes}); None where a seed has no episodes or no beliefs."""
+    out = {}
+    for s in seeds:
+        episodes = runs[s].get(step, [])
+        changes = list(belief_changes(episodes).values())
+        out[s] = (sum(ep["outcome"] == "ACCEPT" for ep in episodes) / len(episodes) if episodes else None,
+                  sum(changes) / len(changes) if changes else None)
+    return out
+
+
+def seed_level(a, b):
+    """The comparison whose unit is the seed (the unit of replication of a training effect): a
+    paired t test over the seeds' means, a minus b (per_seed's), on full acceptance and on
+    b_T - b_0; None below SEED_LEVEL_MIN seeds."""
+    seeds = [s for s in a if s in b]
+    if len(seeds) < SEED_LEVEL_MIN:
+        return None
+    out = dict(seeds=len(seeds))
+    for i, key in enumerate(("full_accept", "belief_change")):
+        both = [s for s in seeds if a[s][i] is not None and b[s][i] is not None]
+        out[key] = significance.paired_t([a[s][i] for s in both], [b[s][i] for s in both])
+    return out
+
+
+def between_seed_sd(means):
+    """The sd over seeds of their means (per_seed's), per measure; None below two seeds."""
+    out = {}
+    for i, key in enumerate(("full_accept", "belief_change")):
+        values = [m[i] for m in means.values() if m[i] is not None]
+        out[key] = statistics.stdev(values) if len(values) > 1 else None
+    return out
+
+
 def table_rows(held_out, lams, seeds, steps):
-    """Per lambda its best checkpoint (highest mean full acceptance over seeds, then b_T - b_0)
-    and its last, seeds pooled, against lambda = 0 (same step) and the initial policy."""
+    """Per lambda its last checkpoint (the primary row) and its best (highest mean full
+    acceptance over seeds, then b_T - b_0, chosen on these same held-out episodes, so labelled
+    selected_on "test episodes": optimistic), seeds pooled, against lambda = 0 (same step) and
+    the initial policy: episode-level tests, and with SEED_LEVEL_MIN seeds or more seed_level;
+    between_seed_sd beside them."""
     rows = []
     for lam in lams:
         def score(step):
@@ -199,26 +342,39 @@ def table_rows(held_out, lams, seeds, steps):
             return (sum(ep["outcome"] == "ACCEPT" for ep in eps) / max(len(eps), 1),
                     sum(changes) / len(changes) if changes else -math.inf)
         best = max(steps, key=score)
-        for which, step in (("best", best), ("last", steps[-1])):
-            eps = pooled(held_out[lam], seeds, step)
-            episodes = list(eps.values())
-            accept = sum(ep["outcome"] == "ACCEPT" for ep in episodes)
-            either = sum(ep["outcome"] in ("ACCEPT", "CONDITIONAL_ACCEPT") for ep in episodes)
-            changes = [ep["beliefs"][-1] - ep["beliefs"][0] for ep in analyses.with_beliefs(episodes)]
-            rows.append(dict(lam=lam, which=which, step=step, n=len(episodes),
-                             full_accept=accept / max(len(episodes), 1),
-                             full_accept_interval=significance.wilson_interval(accept, len(episodes)),
-                             full_or_conditional=either / max(len(episodes), 1),
-                             full_or_conditional_interval=significance.wilson_interval(either, len(episodes)),
-                             belief_change=significance.t_interval(changes),
-                             vs_initial=paired(eps, pooled(held_out[lam], seeds, 0)),
-                             vs_lambda0=None if lam == 0.0 else paired(eps, pooled(held_out[0.0], seeds, step))))
+        for which, step in (("last", steps[-1]), ("best", best)):
+            rows.append(table_row(held_out, lam, seeds, step, which))
     return rows
+
+
+def table_row(held_out, lam, seeds, step, which):
+    """One row of table_rows."""
+    eps = pooled(held_out[lam], seeds, step)
+    episodes = list(eps.values())
+    accept = sum(ep["outcome"] == "ACCEPT" for ep in episodes)
+    either = sum(ep["outcome"] in ("ACCEPT", "CONDITIONAL_ACCEPT") for ep in episodes)
+    changes = [ep["beliefs"][-1] - ep["beliefs"][0] for ep in analyses.with_beliefs(episodes)]
+    mine = per_seed(held_out[lam], seeds, step)
+    vs_initial = dict(paired(eps, pooled(held_out[lam], seeds, 0)),
+                      seed_level=seed_level(mine, per_seed(held_out[lam], seeds, 0)))
+    vs_lambda0 = None if lam == 0.0 else dict(
+        paired(eps, pooled(held_out[0.0], seeds, step)),
+        seed_level=seed_level(mine, per_seed(held_out[0.0], seeds, step)))
+    return dict(lam=lam, which=which, step=step, n=len(episodes), seeds=len(seeds),
+                selected_on="test episodes" if which == "best" else None,
+                full_accept=accept / max(len(episodes), 1),
+                full_accept_interval=significance.wilson_interval(accept, len(episodes)),
+                full_or_conditional=either / max(len(episodes), 1),
+                full_or_conditional_interval=significance.wilson_interval(either, len(episodes)),
+                belief_change=significance.t_interval(changes), between_seed_sd=between_seed_sd(mine),
+                vs_initial=vs_initial, vs_lambda0=vs_lambda0)
 
 
 def frozen_rows(runs, frozen, lams, seeds, steps):
     """Each arm against its seed's lr-0 control on the training episodes of the second half of
-    training (paired by step, group and member): mean (b_T - b_0) difference and Wilcoxon."""
+    training, paired by step, group and member; a group (one instance, one policy: its members
+    are not independent) is one cluster: the mean of its paired differences. Over the clusters:
+    mean (b_T - b_0) difference, t interval, Wilcoxon, the difference detectable at 80% power."""
     rows = []
     for lam in lams:
         a, b = {}, {}
@@ -228,14 +384,16 @@ def frozen_rows(runs, frozen, lams, seeds, steps):
                     if r["step"] > steps // 2 and r["b_0"] is not None and r["b_T"] is not None:
                         side[s, r["step"], r["group"], r["member"]] = r["b_T"] - r["b_0"]
         keys = sorted(set(a) & set(b))
-        diffs = [a[k] - b[k] for k in keys]
+        clusters = {}
+        for k in keys:
+            clusters.setdefault(k[:3], []).append(a[k] - b[k])
+        diffs = [sum(d) / len(d) for d in clusters.values()]
         mean, low, high = significance.t_interval(diffs)
         detectable = (significance.detectable_mean(statistics.stdev(diffs), len(diffs), paired=True)
                       if len(diffs) > 1 else None)  # at 80% power, alpha 0.05
-        rows.append(dict(lam=lam, n=len(keys), belief_diff=mean, low=low, high=high,
+        rows.append(dict(lam=lam, n=len(diffs), pairs=len(keys), belief_diff=mean, low=low, high=high,
                          detectable=detectable,
-                         wilcoxon_p=significance.wilcoxon([a[k] for k in keys], [b[k] for k in keys])
-                         if keys else None))
+                         wilcoxon_p=significance.wilcoxon(diffs, [0.0] * len(diffs)) if diffs else None))
     return rows
 
 
@@ -262,6 +420,42 @@ def _p(x):
     return "-" if x is None else f"{x:.3g}"
 
 
+def count_tests(rows, frozen=None):
+    """The p-values table.md holds (none corrected for multiplicity)."""
+    ps = [vs[k] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"]) if vs
+          for k in ("mcnemar_p", "wilcoxon_p")]
+    ps += [vs["seed_level"][k]["p"] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])
+           if vs and vs["seed_level"] for k in ("full_accept", "belief_change")]
+    ps += [r["wilcoxon_p"] for r in frozen or ()]
+    return sum(p is not None for p in ps)
+
+
+def _diff(t, scale=1.0, fmt="+.4f"):
+    """A paired_t result as 'diff [low, high] p'."""
+    if t is None or t["diff"] is None:
+        return "-"
+    at = lambda x: None if x is None else scale * x
+    return f"{_f(at(t['diff']), fmt)} [{_f(at(t['low']), fmt)}, {_f(at(t['high']), fmt)}] p {_p(t['p'])}"
+
+
+def seed_table(rows):
+    """table.md's seed-level section: per row the paired t tests over seeds and the sd between seeds."""
+    lines = ["", f"Seed level ({rows[0]['seeds']} seeds; paired t over the seeds' means, 95% "
+             "intervals; the unit of replication of a training effect is the seed):", "",
+             "| lambda | checkpoint | vs initial: full accept pts | b_T - b_0 | vs lambda 0: full "
+             "accept pts | b_T - b_0 | between-seed sd: full accept pts | b_T - b_0 |", "|" + "---|" * 8]
+    for r in rows:
+        cells = [f"{r['lam']:g}", f"{r['which']}{'*' if r['selected_on'] else ''} (step {r['step']})"]
+        for vs in (r["vs_initial"], r["vs_lambda0"]):
+            level = vs and vs["seed_level"]
+            cells += ([_diff(level["full_accept"], 100, "+.1f"), _diff(level["belief_change"])]
+                      if level else ["-", "-"])
+        sd = r["between_seed_sd"]
+        cells += [_f(sd["full_accept"] and 100 * sd["full_accept"], ".1f"), _f(sd["belief_change"], ".4f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def format_table(rows, frozen=None, header="", power=None):
     """table.md: the rows of table_rows (and frozen_rows, and sweep_power) as markdown."""
     pct = lambda v, iv: f"{100 * v:.1f} [{_f(iv[0] and 100 * iv[0], '.1f')}, {_f(iv[1] and 100 * iv[1], '.1f')}]"
@@ -270,8 +464,8 @@ def format_table(rows, frozen=None, header="", power=None):
              "vs lambda 0: McNemar p | Wilcoxon p | paired diff |", "|" + "---|" * 12]
     for r in rows:
         mean, low, high = r["belief_change"]
-        cells = [f"{r['lam']:g}", f"{r['which']} (step {r['step']})", str(r["n"]),
-                 pct(r["full_accept"], r["full_accept_interval"]),
+        cells = [f"{r['lam']:g}", f"{r['which']}{'*' if r['selected_on'] else ''} (step {r['step']})",
+                 str(r["n"]), pct(r["full_accept"], r["full_accept_interval"]),
                  pct(r["full_or_conditional"], r["full_or_conditional_interval"]),
                  f"{_f(mean)} [{_f(low)}, {_f(high)}]"]
         for vs in (r["vs_initial"], r["vs_lambda0"]):
@@ -279,9 +473,15 @@ def format_table(rows, frozen=None, header="", power=None):
                       [_p(vs["mcnemar_p"]), _p(vs["wilcoxon_p"]),
                        f"{_f(vs['belief_diff'])} [{_f(vs['belief_diff_low'])}, {_f(vs['belief_diff_high'])}]"])
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Episode level: the pairs are (seed, scenario), seeds pooled; they describe the "
+              "trained policies, not lambda. last: the primary row. best*: the checkpoint with the "
+              "highest full acceptance on these same held-out episodes, selected on the test "
+              "episodes, so optimistic."]
+    if any(vs and vs["seed_level"] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])):
+        lines += seed_table(rows)
     if power:
         rise = power["detectable_full_accept"]
-        lines += ["", f"Power (80%, two-sided alpha 0.05, {power['pairs']} held-out pairs a "
+        lines += ["", f"Power (80%, two-sided alpha 0.05, t for means, {power['pairs']} held-out pairs a "
                   f"comparison): a paired b_T - b_0 difference of {_f(power['detectable_belief_diff'], '.4f')} "
                   f"(sd of the paired differences {_f(power['belief_diff_sd'], '.4f')}); a rise in full "
                   f"acceptance from the initial {100 * power['initial_full_accept']:.1f}% of "
@@ -289,13 +489,31 @@ def format_table(rows, frozen=None, header="", power=None):
                   + " (independent proportions)."]
     if frozen:
         lines += ["", "Against the same-seed frozen control (lr 0), training episodes of the second "
-                  "half, paired by step, group and member:", "",
-                  "| lambda | pairs | mean diff of b_T - b_0 [95%] | Wilcoxon p | detectable (80% power) |",
+                  "half, paired by step, group and member, a group one cluster (the mean of its "
+                  "members' differences):", "",
+                  "| lambda | groups (pairs) | mean diff of b_T - b_0 [95%] | Wilcoxon p | detectable (80% power) |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {r['lam']:g} | {r['n']} | {_f(r['belief_diff'])} [{_f(r['low'])}, "
+        lines += [f"| {r['lam']:g} | {r['n']} ({r['pairs']}) | {_f(r['belief_diff'])} [{_f(r['low'])}, "
                   f"{_f(r['high'])}] | {_p(r['wilcoxon_p'])} | {_f(r['detectable'], '.4f')} |"
                   for r in frozen]
+    lines += ["", f"This table holds {count_tests(rows, frozen)} tests (p-values), none corrected "
+              "for multiplicity: at alpha 0.05, one in twenty falls below it by chance when nothing differs."]
     return "\n".join(lines) + "\n"
+
+
+def start_folder(root, args):
+    """The sweep's folder: emptied by --overwrite (only a folder a sweep wrote), and its settings
+    recorded in sweep.json (what a re-run pins)."""
+    if args.overwrite and root.is_dir():
+        foreign = [e.name for e in root.iterdir() if not SWEEP_FILES.fullmatch(e.name)]
+        if foreign:
+            raise runs.say_error("lab.sweep", f"--overwrite would delete {root}, which holds "
+                                 f"{', '.join(sorted(foreign)[:4])}, not a sweep's files; nothing "
+                                 "was deleted: pass another --name or --out")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("overwrite",)}
+    runs.write_atomic(root / "sweep.json", json.dumps(settings, indent=2) + "\n")
 
 
 def main(argv=None):
@@ -304,8 +522,16 @@ def main(argv=None):
     runs_dir = root / "runs"
     arms = [(lam, seed) for seed in args.seeds for lam in args.lams]
     arms += [(FROZEN, seed) for seed in args.seeds] if args.frozen_control else []
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "sweep.json").write_text(json.dumps(dict(vars(args), train_args=extra), indent=2))
+    if root.exists() and not root.is_dir():
+        raise runs.say_error("lab.sweep", f"{root} is a file, not a sweep folder; pass another --name")
+    if args.overwrite and root.is_dir():
+        start_folder(root, args)  # emptied before the arms are checked: none of them resumes
+    try:
+        check_arms(args, extra, arms, runs_dir)  # every arm's values, before the first trains
+    except ValueError as e:  # an arm's metrics or evals file unreadable
+        raise runs.say_error("lab.sweep", f"{e}; delete that arm's folder (it trains again) or "
+                             "pass --overwrite") from None
+    start_folder(root, args)
     bar = tqdm(total=len(arms) + len(args.seeds), desc="sweep arms")
     for seed in args.seeds:  # the initial policy first: it is what every arm is tested against
         folder = root / f"initial_s{seed}"
@@ -322,12 +548,21 @@ def main(argv=None):
     return summarize_sweep(root, args)
 
 
+def read_arm(reader, path):
+    """reader(path), or a one-line refusal naming the arm's file or folder that cannot be read."""
+    try:
+        return reader(path)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise runs.say_error("lab.sweep", f"{path} cannot be read ({type(e).__name__}: {e}); "
+                             "delete that arm's folder (it trains again) or pass --overwrite") from None
+
+
 def summarize_sweep(root, args):
     """summary.json, table.md and the figures from the sweep folder's runs."""
     from lab import plots
-    initial = {s: records.load_episodes(root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
+    initial = {s: read_arm(records.load_episodes, root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
                for s in args.seeds}
-    runs = {lam: {s: analyses.read_run(root / "runs" / arm_name(lam, s)) for s in args.seeds}
+    runs = {lam: {s: read_arm(analyses.read_run, root / "runs" / arm_name(lam, s)) for s in args.seeds}
             for lam in args.lams}
     held_out = {lam: {s: {0: initial[s], **runs[lam][s]["episodes"]} for s in args.seeds}
                 for lam in args.lams}
@@ -337,16 +572,21 @@ def summarize_sweep(root, args):
     rows = table_rows(held_out, args.lams, args.seeds, steps[1:])
     frozen = None
     if args.frozen_control:
-        control = {s: {"rollouts": [row for _, row in read_jsonl(
-                    root / "runs" / arm_name(FROZEN, s) / "rollouts.jsonl", what="a frozen control run")]}
+        control = {s: {"rollouts": [row for _, row in read_arm(
+                    read_jsonl, root / "runs" / arm_name(FROZEN, s) / "rollouts.jsonl")]}
                    for s in args.seeds}
         frozen = frozen_rows(runs, control, args.lams, args.seeds, args.steps)
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
-    summary = dict(settings=json.loads((root / "sweep.json").read_text()), arms=entries,
-                   table=rows, frozen_control=frozen, power=power)
+    first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
+    subset = read_arm(lambda p: json.loads(p.read_text()).get("subset"), first) if first.is_file() else None
+    import train
+    summary = dict(settings=json.loads((root / "sweep.json").read_text()),
+                   clipped_steps=clipped_steps(runs, train.GRAD_CLIP),
+                   subset=(subset or f"{args.eval_limit} scenarios").removeprefix("heldout "), arms=entries,
+                   table=rows, frozen_control=frozen, power=power, tests=count_tests(rows, frozen))
     (root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     header = (f"# sweep {args.name}: preset {args.preset}, lambdas {args.lams}, seeds {args.seeds}, "
-              f"{args.steps} steps, {args.eval_limit} held-out scenarios, decision {args.decision}")
+              f"{args.steps} steps, held-out {summary['subset']} (arena.stratified), decision {args.decision}")
     (root / "table.md").write_text(format_table(rows, frozen, header, power))
     plots.plot_sweep(entries, rows, root)
     print((root / "table.md").read_text())

@@ -800,6 +800,29 @@ def test_heldout_instances_are_the_scenarios_as_written():
     inst = arena.heldout_instances([scenario(), *train_scenarios()])
     assert inst == [{**scenario(), "scenario_id": "heldout-001", "variant": 0}]
 
+def test_stratified_subsets_cover_the_cells_as_evenly_as_n_allows():
+    """issue 35: a deterministic subset over domain x resistance; checked by counting cells."""
+    fake = [{"id": f"s{d}{r}{k}", "domain": d, "hidden": {"resistance": r}}
+            for d in reversed(arena.DOMAINS) for r in arena.RESISTANCE_TYPES for k in range(6)]
+    def counts(kept):
+        return {c: sum((i["domain"], i["hidden"]["resistance"]) == c for i in kept)
+                for c in [(d, r) for d in arena.DOMAINS for r in arena.RESISTANCE_TYPES]}
+    for n in (1, 4, 5, 8, 13, 20, 37, 60, 120):
+        kept = arena.stratified(fake, n)
+        assert len(kept) == n and len({i["id"] for i in kept}) == n
+        assert max(counts(kept).values()) - min(counts(kept).values()) <= 1, n
+        domains = [sum(i["domain"] == d for i in kept) for d in arena.DOMAINS]
+        types = [sum(i["hidden"]["resistance"] == r for i in kept) for r in arena.RESISTANCE_TYPES]
+        assert max(domains) - min(domains) <= 1 and max(types) - min(types) <= 1, n
+        assert kept == arena.stratified(list(fake), n)  # deterministic
+    assert set(counts(arena.stratified(fake, 60)).values()) == {3}
+    firsts = {(i["domain"], i["hidden"]["resistance"]): i["id"] for i in reversed(fake)}
+    assert {i["id"] for i in arena.stratified(fake, 20)} == set(firsts.values())
+    assert arena.stratified(fake) == arena.stratified(fake, 500) and len(arena.stratified(fake)) == 120
+    odd = fake[::6][:3] + [{"id": "x", "domain": "sports", "hidden": {}}]  # a cell outside the grid comes last
+    assert [i["id"] for i in arena.stratified(odd)][-1] == "x"
+    assert arena.subset_name(8, 120) == "stratified-8 of 120" and arena.subset_name(None, 120) == "all 120"
+
 # -----------------------------------------------------------------------------
 # prompts
 

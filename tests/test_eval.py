@@ -184,7 +184,10 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     runs = sorted(p for p in (tmp_path / "evals" / "g").iterdir() if not p.name.startswith("."))  # the lock and marker aside
     assert len(runs) == 2 and all((r / "summary.json").exists() for r in runs)
     [ep] = records.load_episodes(runs[0])
-    assert ep["scenario_id"] == eval.balanced_subset(__import__("arena").heldout_instances(), 3)[0]["id"]
+    first = next(s for s in __import__("arena").heldout_instances()  # the first cell's first scenario
+                 if (s["domain"], s["hidden"]["resistance"]) == ("healthcare", "entrenched_belief"))
+    assert ep["scenario_id"] == first["id"]
+    assert json.loads((runs[0] / "summary.json").read_text())["subset"] == "heldout stratified-1 of 120"
     assert ep["probe_space"] == "logodds"
 
 
@@ -262,16 +265,25 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
                             if isinstance(two[key], float) else two[key]), key
 
 
-def test_balanced_subset_keeps_three_per_cell():
+def test_limit_and_subset_are_stratified():
+    """issue 35: --limit 8 plays all 5 domains and all 4 resistance types; balanced60 is three a
+    cell; --subset then --limit keeps the smaller; the name the summary carries says which."""
     import arena
-    per_cell = eval.SUBSETS["balanced60"]
-    kept = eval.balanced_subset(arena.heldout_instances(), per_cell)
-    cells = {(d, r): 0 for d in arena.DOMAINS for r in arena.RESISTANCE_TYPES}
-    for inst in kept:
-        cells[(inst["domain"], inst["hidden"]["resistance"])] += 1
-    assert set(cells.values()) == {per_cell} and len(kept) == per_cell * len(cells) == 60
-    with pytest.raises(ValueError, match="too few in"):
-        eval.balanced_subset(arena.heldout_instances()[:30], per_cell)
+    def cells(kept):
+        return {(inst["domain"], inst["hidden"]["resistance"]) for inst in kept}
+    eight = eval.chosen_instances(eval.parse_args(["--limit", "8"]))
+    assert len(eight) == 8 and len(cells(eight)) == 8
+    assert {d for d, _ in cells(eight)} == set(arena.DOMAINS)
+    assert {r for _, r in cells(eight)} == set(arena.RESISTANCE_TYPES)
+    args = eval.parse_args(["--subset", "balanced60"])
+    sixty = eval.chosen_instances(args)
+    per_cell = [sum((i["domain"], i["hidden"]["resistance"]) == c for i in sixty) for c in cells(sixty)]
+    assert len(sixty) == 60 and len(per_cell) == 20 and set(per_cell) == {3}
+    assert args.subset_name == "heldout stratified-60 of 120"
+    args = eval.parse_args(["--subset", "balanced60", "--limit", "20"])
+    assert len(cells(eval.chosen_instances(args))) == 20 and args.subset_name.endswith("stratified-20 of 120")
+    args = eval.parse_args([])
+    assert len(eval.chosen_instances(args)) == 120 and args.subset_name == "heldout all 120"
 
 
 ROLLOUTS = [  # (step, group, member, outcome, judge, beliefs) of rollouts.jsonl

@@ -13,8 +13,10 @@ from conftest import short_scenario, tiny_model
 EXAMPLES = {  # label -> messages written to carry it
     "diagnostic_question": ["What worries you most about the second dose?",
                             "Do you remember how the last appointment went for your mother?"],
-    "plan_detail": ["First we fill in the form together, then I'll book the Tuesday slot at 9:30 am.",
-                    "I will arrange the transport and put it in the calendar for next week."],
+    "plan_detail": ["First we talk it through with your manager, then you try it and we review it together.",
+                    "The plan would be a trial period for two weeks before anything is final."],
+    "implementation_detail": ["I will arrange the transport and put it in the calendar for next week.",
+                              "The slot is Tuesday at 9:30 am, and the fee is $40."],
     "commitment_ask": ["Would you be willing to try the first session on Friday?",
                        "So, shall we put your name down for it?"],
     "autonomy_cue": ["It is entirely your call, and it is fine to say no.",
@@ -63,6 +65,14 @@ def test_every_probe_question_planted_in_a_message_is_counted():
     rates = analyses.manipulation_stats(episodes)
     assert rates["episode_rate"]["probe_planting"] == 0.5
     assert rates["message_rate"]["probe_planting"] == 0.5
+
+
+def test_plan_and_implementation_detail_are_apart():
+    """issue 35: the paper's section F contrasts plan details with implementation detail."""
+    assert "plan_detail" in moves.MOVES and "implementation_detail" in moves.MOVES
+    plan, logistics = EXAMPLES["plan_detail"][1], EXAMPLES["implementation_detail"][1]
+    assert "implementation_detail" not in moves.keyword_tags(plan)["moves"]
+    assert "plan_detail" not in moves.keyword_tags(logistics)["moves"]
 
 
 def test_keyword_tagger_neutral_and_families():

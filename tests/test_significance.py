@@ -102,12 +102,28 @@ def test_power_episodes_by_hand():
     """p 0.5 -> 0.6: (1.95996 sqrt(2 .55 .45) + 0.84162 sqrt(.25 + .24))^2 / 0.01 = 387.3 -> 388;
     a mean difference of 0.05 with sd 0.1: 2 (2.80158)^2 0.01 / 0.0025 = 62.8 -> 63 (paired 32)."""
     assert significance.episodes_for_proportions(0.5, 0.6) == 388
-    assert significance.episodes_for_mean(0.1, 0.05) == 63
-    assert significance.episodes_for_mean(0.1, 0.05, paired=True) == 32
+    # t, not z (issue 35): d = 0.5 at 80% power, two-sided 0.05 needs 64 a group, 34 pairs
+    # (the exact noncentral-t answers, as G*Power gives them; z gave 63 and 32)
+    assert significance.episodes_for_mean(0.1, 0.05) == 64
+    assert significance.episodes_for_mean(0.1, 0.05, paired=True) == 34
+    assert significance.detectable_mean(1.0, 8, paired=True) == pytest.approx(  # t_.975,7 + t_.8,7
+        math.sqrt(1 / 8) * (2.364624 + 0.896030), rel=1e-5)
+    assert significance.detectable_mean(1.0, 1, paired=True) is None
     # the inverses: what those sample sizes detect (to the rounding up of the sizes)
-    assert significance.detectable_mean(0.1, 63) == pytest.approx(0.05, rel=0.01)
-    assert significance.detectable_mean(0.1, 32, paired=True) == pytest.approx(0.05, rel=0.02)
-    assert significance.detectable_mean(0.1, 63) > significance.detectable_mean(0.1, 63, paired=True)
+    assert significance.detectable_mean(0.1, 64) == pytest.approx(0.05, rel=0.01)
+    assert significance.detectable_mean(0.1, 34, paired=True) == pytest.approx(0.05, rel=0.02)
+    assert significance.detectable_mean(0.1, 64) > significance.detectable_mean(0.1, 64, paired=True)
     assert significance.detectable_proportion(0.5, 388) == pytest.approx(0.1, abs=2e-4)
     assert significance.episodes_for_proportions(0.5, 0.5 + significance.detectable_proportion(0.5, 100)) <= 100
     assert significance.detectable_proportion(0.5, 3) is None
+
+
+def test_paired_t_by_hand():
+    """d = (0.1, 0.3, 0.2): mean 0.2, sd 0.1, t = 0.2 / (0.1 / sqrt 3) = 3.4641 on 2 df,
+    two-sided p = 0.07418; interval 0.2 -+ 4.302653 * 0.1 / sqrt 3."""
+    r = significance.paired_t([1.1, 2.3, 3.2], [1.0, 2.0, 3.0])
+    assert r["n"] == 3 and r["diff"] == pytest.approx(0.2) and r["sd"] == pytest.approx(0.1)
+    assert r["p"] == pytest.approx(0.07418, abs=1e-4)
+    assert r["low"] == pytest.approx(0.2 - 4.302653 * 0.1 / math.sqrt(3), rel=1e-5)
+    assert significance.paired_t([1.0], [0.5])["p"] is None
+    assert significance.paired_t([1.0, 2.0], [1.0, 2.0])["p"] == 1.0

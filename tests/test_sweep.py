@@ -74,11 +74,12 @@ def test_frozen_rows_pair_training_episodes_of_the_second_half():
     arm = rollouts(lambda step, g, m: 10.0 if step <= 2 else gains[step, g, m])
     control = rollouts(lambda *_: 0.0)
     [row] = sweep.frozen_rows({0.0: {0: {"rollouts": arm}}}, {0: {"rollouts": control}}, [0.0], [0], 4)
-    diffs = list(gains.values())
-    assert row["n"] == 8 and row["belief_diff"] == pytest.approx(sum(diffs) / 8)
+    # a group is one cluster (issue 35): (step, group) 3/0 0.02, 3/1 0.015, 4/0 0.02, 4/1 0.015
+    clusters = [0.02, 0.015, 0.02, 0.015]
+    assert row["n"] == 4 and row["pairs"] == 8 and row["belief_diff"] == pytest.approx(0.0175)
     assert row["low"] < row["belief_diff"] < row["high"]
-    # sqrt(1 / 8) (1.95996 + 0.84162) sd
-    assert row["detectable"] == pytest.approx(0.99052 * statistics.stdev(diffs), rel=1e-4)
+    # paired t power over 4 clusters: sqrt(1 / 4) (t_.975,3 3.182446 + t_.8,3 0.978472) sd
+    assert row["detectable"] == pytest.approx(0.5 * 4.160918 * statistics.stdev(clusters), rel=1e-4)
 
 
 def test_sweep_power_by_hand():
@@ -91,5 +92,127 @@ def test_sweep_power_by_hand():
     sd = math.sqrt((0.09 + 0.16) / 2)
     assert power["pairs"] == 4 and power["belief_diff_sd"] == pytest.approx(sd)
     assert power["initial_full_accept"] == 0.25
-    assert power["detectable_belief_diff"] == pytest.approx(math.sqrt(1 / 4) * 2.801585 * sd, rel=1e-5)
+    assert power["detectable_belief_diff"] == pytest.approx(math.sqrt(1 / 4) * 4.160918 * sd, rel=1e-5)  # t, 3 df
     assert power["detectable_full_accept"] is None  # 4 pairs cannot detect even 25% -> 100%
+
+
+BASE = ["--steps", "2", "--eval-every", "1", "--eval-limit", "1", "--name", "x"]
+
+
+@pytest.mark.parametrize("after, names", [
+    (["--lam", "1"], "--lam"), (["--lam=1"], "--lam"), (["--seed", "3", "--steps", "9"], "--seed, --steps"),
+    (["--out", "elsewhere"], "--out"), (["--eval-lim", "5"], "--eval-limit"), (["--preset", "cpu"], "--preset"),
+    (["--decision", "tag"], "--decision")])
+def test_flags_the_sweep_sets_are_refused_after_the_separator(after, names, capsys, tmp_path):
+    """issue 35: `-- --lam 1` trained every arm at lambda 1 under labels 0 and 1; now one line."""
+    with pytest.raises(SystemExit):
+        sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--judge", "none", *after])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{names} after -- would override" in err[0]
+
+
+def test_lr_after_the_separator_is_refused_only_with_a_frozen_control(tmp_path, capsys):
+    args, extra = sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--lr", "1e-4"])
+    assert extra == ["--lr", "1e-4"]
+    with pytest.raises(SystemExit):
+        sweep.parse_args(BASE + ["--out", str(tmp_path), "--frozen-control", "--", "--lr", "1e-4"])
+    assert "--lr after --" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--lams", "0", "1", "1"], "--lams names 1 more than once"),
+    (["--seeds", "0", "2", "0"], "--seeds names 0 more than once"),
+    (["--lams", "0", "-1"], "each must be a finite number >= 0"),
+    (["--lams", "0", "nan"], "each must be a finite number >= 0")])
+def test_bad_values_are_refused_before_anything(extra, says, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(BASE + ["--out", str(tmp_path)] + extra)
+    assert says in capsys.readouterr().err
+
+
+def test_a_rerun_keeps_the_recorded_settings(tmp_path):
+    """sweep.json pinned as train.py pins config.json: left-out values are the sweep's own, a
+    changed one is refused in one line naming it; --overwrite starts again."""
+    args, _ = sweep.parse_args(BASE + ["--out", str(tmp_path), "--lams", "0", "1", "--seeds", "4",
+                                       "--", "--judge", "none"])
+    sweep.start_folder(tmp_path / "x", args)
+    again, extra = sweep.parse_args(BASE + ["--out", str(tmp_path)])
+    assert again.lams == [0.0, 1.0] and again.seeds == [4] and extra == ["--judge", "none"]
+    with pytest.raises(SystemExit) as e:
+        sweep.parse_args(["--steps", "2", "--eval-every", "1", "--eval-limit", "3", "--name", "x",
+                          "--out", str(tmp_path)])
+    assert "--eval-limit 3 (the run has 1)" in str(e.value) and "\n" not in str(e.value)
+    assert "--overwrite" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--judge", "random:tiny-llama"])
+    assert "--train-args" in str(e.value)
+    fresh, _ = sweep.parse_args(["--steps", "2", "--eval-every", "1", "--eval-limit", "3", "--name", "x",
+                                 "--out", str(tmp_path), "--overwrite"])
+    (tmp_path / "x" / "runs").mkdir()
+    sweep.start_folder(tmp_path / "x", fresh)
+    assert not (tmp_path / "x" / "runs").exists()
+    assert json.loads((tmp_path / "x" / "sweep.json").read_text())["eval_limit"] == 3
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="nothing was deleted"):
+        sweep.start_folder(tmp_path / "x", fresh)
+
+
+def test_every_arm_is_checked_before_the_first_trains(tmp_path, monkeypatch):
+    """A value train.py refuses is named with its arm before any model loads or arm trains."""
+    calls = []
+    monkeypatch.setattr(train, "main", lambda a: calls.append(a))
+    monkeypatch.setattr(sweep, "evaluate_initial", lambda *a: calls.append(a))
+    with pytest.raises(SystemExit) as e:
+        sweep.main(BASE + ["--out", str(tmp_path), "--", "--judge", "none", "--group-size", "0"])
+    assert calls == [] and str(e.value).startswith("lab.sweep: arm lam0_s0: train.py: --group-size 0")
+
+
+def test_a_bad_arm_file_is_named_in_one_line(tmp_path):
+    bad = tmp_path / "episodes.jsonl"
+    bad.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
+    with pytest.raises(SystemExit) as e:
+        sweep.read_arm(sweep.records.load_episodes, bad)
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_seed_level_comparisons_by_hand():
+    """Three seeds, two scenarios each: the seed-level test is a paired t over the seeds' means
+    (not over the six episodes), between_seed_sd the sd of those means; below three seeds none."""
+    def eps(accepts, changes):
+        return [dict(scenario_id=f"h{i}", outcome="ACCEPT" if a else "REJECT", beliefs=[0.0, c])
+                for i, (a, c) in enumerate(zip(accepts, changes))]
+    initial = {s: eps([0, 0], [0.0, 0.0]) for s in (0, 1, 2)}
+    trained = {0: eps([1, 0], [0.1, 0.3]), 1: eps([1, 1], [0.2, 0.2]), 2: eps([0, 0], [0.4, 0.2])}
+    held_out = {0.0: {s: {0: initial[s], 1: trained[s]} for s in (0, 1, 2)}}
+    [last, best] = sweep.table_rows(held_out, [0.0], [0, 1, 2], [1])
+    assert last["which"] == "last" and best["selected_on"] == "test episodes" and last["selected_on"] is None
+    level = last["vs_initial"]["seed_level"]
+    # per-seed mean changes 0.2, 0.2, 0.3: diff 0.23333, sd 0.057735, t 7.0 on 2 df, p 0.019804
+    assert level["seeds"] == 3 and level["belief_change"]["diff"] == pytest.approx(0.7 / 3)
+    assert level["belief_change"]["p"] == pytest.approx(0.019804, abs=1e-5)
+    # per-seed acceptance 0.5, 1, 0: mean 0.5, sd 0.5
+    assert level["full_accept"]["diff"] == pytest.approx(0.5) and level["full_accept"]["sd"] == pytest.approx(0.5)
+    assert last["between_seed_sd"]["full_accept"] == pytest.approx(0.5)
+    assert last["between_seed_sd"]["belief_change"] == pytest.approx(statistics.stdev([0.2, 0.2, 0.3]))
+    assert last["vs_initial"]["n"] == 6  # the episode-level test beside it
+    table = sweep.format_table([last, best])
+    assert "Seed level (3 seeds" in table and "best* (step 1)" in table
+    assert f"This table holds {sweep.count_tests([last, best])} tests" in table
+    assert sweep.count_tests([last, best]) == 8
+    [two] = sweep.table_rows({0.0: {s: held_out[0.0][s] for s in (0, 1)}}, [0.0], [0, 1], [1])[:1]
+    assert two["vs_initial"]["seed_level"] is None and "Seed level" not in sweep.format_table([two])
+
+
+@pytest.mark.slow
+def test_three_seeds_write_seed_level_into_the_summary(tmp_path, short_scenarios):
+    """issue 35 acceptance: a tiny sweep with --seeds 0 1 2 writes seed_level and between_seed_sd."""
+    summary = sweep.main(["--preset", "tiny", "--lams", "0", "1", "--seeds", "0", "1", "2", "--steps", "1",
+                          "--eval-every", "1", "--eval-limit", "1", "--name", "three", "--out", str(tmp_path),
+                          "--", "--judge", "none", "--scenarios", short_scenarios, "--group-size", "2"])
+    on_disk = json.loads((tmp_path / "three" / "summary.json").read_text())
+    for row in on_disk["table"]:
+        assert row["vs_initial"]["seed_level"]["seeds"] == 3 and "between_seed_sd" in row
+        if row["lam"] == 1.0:
+            assert row["vs_lambda0"]["seed_level"]["belief_change"]["n"] == 3
+    assert on_disk["tests"] == summary["tests"] > 0
+    assert "stratified-1 of" in (tmp_path / "three" / "table.md").read_text()

@@ -931,3 +931,18 @@ def test_flags_are_passed_down_and_the_preset_is_named_before_step_one(tmp_path,
     note = f"t_max {t_max} (tiny preset; arena.T_MAX_TRAIN {arena.T_MAX_TRAIN})"
     assert note in out and out.index(note) < out.index("step 1:")
     assert not any(line.startswith("max_new_tokens ") for line in out.splitlines())  # given: 3
+
+
+def test_periodic_evaluation_plays_a_stratified_subset(monkeypatch, tmp_path):
+    """issue 35: --eval-limit 5 evaluates one scenario of each domain, and the summary names it."""
+    import arena
+    import eval
+    from lab import cli
+    played = {}
+    monkeypatch.setattr(eval, "evaluate", lambda a, p, instances, out, **kw: played.update(
+        instances=instances, subset=kw["subset"]) or {"full_accept": 0.0, "full_or_conditional": 0.0})
+    monkeypatch.setattr(train.steps, "record_evaluation", lambda *a: None)
+    args = cli.train_args(["--preset", "tiny", "--eval-limit", "5"], train)
+    train.evaluate(None, None, None, args, 1, 0, tmp_path)
+    assert sorted(i["domain"] for i in played["instances"]) == sorted(arena.DOMAINS)
+    assert played["subset"] == "heldout stratified-5 of 120"
