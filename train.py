@@ -116,7 +116,7 @@ def build_models(args, world, device, sizes):
             shard(load(args.persuader, args.dtype, device)[0], world)
     if not args.lora:
         policy.requires_grad_(True)
-    if plan.GRAD_CHECKPOINTING and device.type == "cuda":
+    if plan.checkpointing(args.activation_checkpointing, device.type):
         checkpoint_activations(policy)
     separate = world > 1 or args.dtype != "float32" or bool(args.lora)
     rollout_model = load(args.persuader, args.dtype, device)[0] if separate else policy

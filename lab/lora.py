@@ -106,7 +106,8 @@ def merge_adapter(base, folder):
 
 
 class AdapterOff:
-    """The frozen base of a LoRA model, its adapter disabled: the KL reference, no second copy.
+    """The frozen base of a LoRA model, its adapter disabled and in eval mode: the KL reference,
+    no second copy.
     Called as the model is; parameters() as the model's (where its forwards run)."""
 
     def __init__(self, lora):
@@ -116,5 +117,12 @@ class AdapterOff:
         return self.lora.parameters()
 
     def __call__(self, *args, **kwargs):
-        with self.lora.disable_adapter():
-            return self.lora(*args, **kwargs)
+        """The base's forward in eval mode (no checkpointing, its cache returned: a frozen
+        reference has nothing to recompute), the model's mode restored after."""
+        training = self.lora.training
+        self.lora.eval()
+        try:
+            with self.lora.disable_adapter():
+                return self.lora(*args, **kwargs)
+        finally:
+            self.lora.train(training)

@@ -24,13 +24,19 @@ import torch
 import engine
 from lab import fastpath, lora, served, shapes
 
-GRAD_CHECKPOINTING = True  # on GPUs: recompute activations in the backward pass (train.py follows)
+ACTIVATION_CHECKPOINTING = "auto"  # --activation-checkpointing: auto (on for CUDA), on, off
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
 PLAN_RESERVED_GIB = 3.0    # a GPU's share outside tensors: CUDA context, NCCL, cuBLAS, allocator slack
 PLAN_PROMPT_TOKENS = 1024  # a context's opening (the longest persuadee prompt: 3,426 characters)
 PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn instruction
 PLAN_POOL_MARGIN = 1.25    # KV pool over the contexts in play: probe forks, judge, block rounding
 
+
+
+def checkpointing(mode, device_type):
+    """Whether the update recomputes activations in the backward pass (--activation-checkpointing
+    MODE): on, off, or auto (on for CUDA, where memory binds; off on a CPU, where time does)."""
+    return mode == "on" or (mode == "auto" and device_type == "cuda")
 
 
 def parameter_count(cfg):
@@ -189,7 +195,7 @@ def lora_items(cfg, args, itemsize):
 
 def activation_bytes(cfg, args, itemsize, gpu):
     """One micro-batch of the update at the training context: the layers' saved tensors (with
-    gradient checkpointing on a GPU, each layer's input plus one layer recomputed), and the
+    activation checkpointing, each layer's input plus one layer recomputed), and the
     logits of the kept positions (the compute-dtype logits, the float32 rows autograd keeps,
     their gradient, the reference's)."""
     mb, T = args.micro_batch, context_tokens(args.t_max, args.max_new_tokens)
@@ -198,7 +204,8 @@ def activation_bytes(cfg, args, itemsize, gpu):
     D = getattr(cfg, "head_dim", None) or h // H
     compute = itemsize if args.dtype != "float32" else 4
     layer = mb * T * (6 * h + 2 * (H + 2 * Hkv) * D + 4 * cfg.intermediate_size) * compute
-    if gpu and GRAD_CHECKPOINTING:
+    mode = getattr(args, "activation_checkpointing", ACTIVATION_CHECKPOINTING)
+    if checkpointing(mode, "cuda" if gpu else "cpu"):
         layers = cfg.num_hidden_layers * mb * T * h * compute + 2 * layer
     else:
         layers = cfg.num_hidden_layers * layer

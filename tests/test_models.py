@@ -326,7 +326,8 @@ def test_a_lora_step_moves_only_adapters_and_matches_the_merged_model():
 
 
 def test_the_adapter_off_is_the_base_and_the_rollout_engine_takes_the_merged_weights(tokenizer):
-    """AdapterOff gives the base's logits (the KL reference, no second copy); after
+    """AdapterOff gives the base's logits (the KL reference, no second copy), in eval mode
+    whatever the model's (no checkpointing drops its cache), the mode restored; after
     refresh_from_lora and a refresh, the engine's sampled log-probs are the merged model's."""
     adapted, merged = lora_pair()
     ids = torch.randint(3, 600, (1, 12))
@@ -334,6 +335,11 @@ def test_the_adapter_off_is_the_base_and_the_rollout_engine_takes_the_merged_wei
         torch.testing.assert_close(lora.AdapterOff(adapted)(ids).logits,
                                    tiny_model("qwen3")(ids).logits, atol=0, rtol=0)
         assert not torch.allclose(adapted(ids).logits, tiny_model("qwen3")(ids).logits)
+    adapted.train()
+    modes = []
+    adapted.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    lora.AdapterOff(adapted)(ids)
+    assert modes and not any(modes) and adapted.training  # run in eval mode, the mode restored
     rollout_copy = tiny_model("qwen3")
     eng = engine.Engine(rollout_copy, tokenizer, block_size=8, num_blocks=200)
     eng.generate([eng.new(ids[0].tolist())], 4)  # before: the base

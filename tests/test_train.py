@@ -819,6 +819,28 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     assert (tmp_path / "evals" / "lora-eval" / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_activation_checkpointing_on_a_cpu_trains_as_without_it(tmp_path, short_scenarios,
+                                                                 monkeypatch, lora_rank):
+    """--activation-checkpointing on runs the GPU's update path on a CPU (the LoRA reference
+    through the shared prompt, the policy's recomputed layers): checkpointing is turned on, and
+    loss, gradient norm and KL equal a run without it (recomputation changes no number)."""
+    calls = []
+    original = train.checkpoint_activations
+    monkeypatch.setattr(train, "checkpoint_activations",
+                        lambda policy: calls.append(original(policy)))
+    runs_ = {}
+    for mode in ("on", "off"):
+        runs_[mode] = tiny_run(tmp_path, short_scenarios, f"ckpt-{mode}", "--lora", lora_rank,
+                               "--steps", 2, "--lr", 3e-2, "--kl-beta", 0.01,
+                               "--activation-checkpointing", mode)
+    assert len(calls) == 1
+    assert runs_["on"][1]["kl"] > 0 and runs_["on"][0]["grad_norm"] > 0
+    for a, b in zip(runs_["on"], runs_["off"], strict=True):
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+
+
 def test_lora_refuses_a_negative_rank_and_resume(tmp_path, short_scenarios, no_model_loads):
     for extra in (["--lora", "-1"], ["--lora", "4", "--resume"]):
         with pytest.raises(SystemExit, match="--lora"):
