@@ -49,13 +49,19 @@ def served_roles(args):
 
 
 def plan_run(args, world, device, say):
-    """The memory plan (printed; what cannot fit is refused before any model loads) and the
-    run's banner; returns the engines' pool sizes (a CPU keeps the engine's defaults)."""
+    """The memory and disk plans (printed; what cannot fit is refused before any model loads)
+    and the run's banner; returns the engines' pool sizes (a CPU keeps the engine's defaults)."""
     rank_plan = plan.device_plan(args, world, device)
     for line in plan.plan_lines(rank_plan):
         say(line)
     if refusal := plan.plan_refusal(rank_plan):
         sys.exit(refusal)
+    disk, run_dir = plan.disk_plan(args), Path(args.out) / args.name
+    for line in plan.disk_lines(disk, run_dir):
+        say(line)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if refusal := runs.agree(plan.disk_refusal(disk, run_dir) if rank == 0 else None):
+        sys.exit(refusal)  # only rank 0 writes checkpoints
     for line in presets.preset_notes(args):  # what the preset sets over the owning constants
         say(line)
     if args.preset == "cpu" and not torch.cuda.is_available():

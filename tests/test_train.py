@@ -841,6 +841,31 @@ def test_activation_checkpointing_on_a_cpu_trains_as_without_it(tmp_path, short_
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
 
 
+def test_a_run_keeps_two_optimizer_states_at_most_and_resumes_from_its_last(tmp_path,
+                                                                             short_scenarios,
+                                                                             monkeypatch):
+    """6 steps, a checkpoint every step, an evaluation every 2: while a checkpoint is written at
+    most one other holds an optimizer state (trainer.pt); after the run the evaluated steps keep
+    their weights without it, the others are gone, and --resume continues from the last one."""
+    run = tmp_path / "disk"
+    states, original = [], torch.save
+
+    def counting_save(obj, path, *a, **k):
+        states.append(len(list(run.glob("checkpoint-*/trainer.pt"))) + 1)
+        return original(obj, path, *a, **k)
+    monkeypatch.setattr(torch, "save", counting_save)
+    common = ["--save-every", 1, "--eval-every", 2, "--eval-limit", 1, "--eval-fidelity", 0]
+    tiny_run(tmp_path, short_scenarios, "disk", "--steps", 6, *common)
+    assert len(states) == 6 and max(states) <= 2
+    assert sorted(p.parent.name for p in run.glob("checkpoint-*/trainer.pt")) == ["checkpoint-6"]
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (2, 4, 6)]
+    assert all(any((run / f"checkpoint-{s}").glob("*.safetensors")) for s in (2, 4))
+    train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "disk",
+                       "--resume", "--steps", "7"])
+    assert [m["step"] for m in metrics(run)] == list(range(1, 8))
+    assert sorted(p.parent.name for p in run.glob("checkpoint-*/trainer.pt")) == ["checkpoint-7"]
+
+
 def test_lora_refuses_a_negative_rank_and_resume(tmp_path, short_scenarios, no_model_loads):
     for extra in (["--lora", "-1"], ["--lora", "4", "--resume"]):
         with pytest.raises(SystemExit, match="--lora"):
