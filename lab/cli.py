@@ -306,8 +306,6 @@ def train_args(argv, own):
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     fill_sampling(args)
     run_dir = Path(args.out) / args.name
-    if args.lora and args.resume:  # before the folder is read
-        fail(f"--lora {args.lora} with --resume", "cannot resume yet", "start a new run")
     runs.check_folder(args.out, args.name, "train.py", args.resume, args.overwrite,
                       first=os.environ.get("RANK", "0") == "0")
     if args.resume:

@@ -4,7 +4,8 @@ with the peft package (the format peft, TRL and vLLM load). The update is W + (a
 alpha = LORA_ALPHA_PER_RANK r, B = 0 at the start. The base in --dtype doubles as the KL reference
 with the adapter off (AdapterOff); the rollout engine's copy takes the merged weights in place
 after each step (refresh_from_lora). A folder holding ADAPTER_CONFIG is a checkpoint:
-models.load_model loads it as its base with the adapter merged in (merge_adapter).
+models.load_model loads it as its base with the adapter merged in (merge_adapter); train.py
+--resume restores its adapters under their names in the model (saved_names) with the optimizer.
 
 Tests: python -m pytest -q tests/test_models.py -k lora
 """
@@ -67,6 +68,14 @@ def refresh_from_lora(lora, rollout_model):
     target = dict(rollout_model.named_parameters())
     for name, weight in merged_lora_weights(lora).items():
         target[name].copy_(weight)
+
+
+def saved_names(lora):
+    """{an adapter weight's name in peft's file (no adapter name): its name in the model} for
+    every trained parameter: what runs.load_checkpoint restores a LoRA run's adapters under."""
+    adapter = lora.active_adapter
+    return {name.replace(f".{adapter}.", ".", 1): name
+            for name, p in lora.named_parameters() if p.requires_grad}
 
 
 def average_lora_gradients(lora, world):

@@ -419,7 +419,7 @@ def nonfinite_weight(state_dict):
 
 def checkpoint_folder(run_dir, who="train.py"):
     """The folder runs/NAME/latest names, checked: a checkpoint-STEP folder of this run, holding
-    trainer.pt and the weights. A bad pointer is one line naming it and the fix."""
+    trainer.pt and the weights (a model's, or a LoRA run's adapter). A bad pointer is one line naming it and the fix."""
     latest = run_dir / "latest"
     fix = f"restore {run_dir} from a copy, or start a new run (another --name, or --overwrite)"
     if not latest.is_file():
@@ -430,7 +430,8 @@ def checkpoint_folder(run_dir, who="train.py"):
     if not CHECKPOINT_RE.fullmatch(name) or folder.is_symlink() or not folder.is_dir():
         raise say_error(who, f"{latest} names {name[:80]!r}, not a checkpoint-STEP folder inside "
                              f"the run; {fix}")
-    for needed in ("trainer.pt", "config.json"):
+    from lab import lora
+    for needed in ("trainer.pt", lora.ADAPTER_CONFIG if lora.is_adapter(folder) else "config.json"):
         if not (folder / needed).is_file():
             raise say_error(who, f"{folder / needed} is missing; {fix}")
     if not any(folder.glob("*.safetensors")):
@@ -538,7 +539,13 @@ def _read_checkpoint(run_dir, policy, who):
     tied = getattr(policy.config, "tie_word_embeddings", False)
     if tied and "lm_head.weight" not in model_sd and "model.embed_tokens.weight" in model_sd:
         model_sd["lm_head.weight"] = model_sd["model.embed_tokens.weight"]
-    want = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+    if hasattr(policy, "peft_config"):  # peft's adapter file: the adapters alone, under its names
+        from lab import lora
+        names = lora.saved_names(policy)
+        model_sd = {names.get(k, k): v for k, v in model_sd.items()}
+        want = {k: tuple(p.shape) for k, p in policy.named_parameters() if p.requires_grad}
+    else:
+        want = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
     have = {k: tuple(v.shape) for k, v in model_sd.items()}
     problems = [f"{len(m)} {what}, e.g. {m[0]}" for what, m in (
         ("missing", sorted(want.keys() - have.keys())), ("unexpected", sorted(have.keys() - want.keys())),
@@ -552,7 +559,8 @@ def _read_checkpoint(run_dir, policy, who):
 
 
 def load_checkpoint(run_dir, policy, optimizer, device=None, who="train.py"):
-    """Restore the policy and optimizer from runs/NAME/latest; returns the step it was saved at.
+    """Restore the policy (under --lora its adapters) and optimizer from runs/NAME/latest;
+    returns the step it was saved at.
 
     Rank 0 alone reads the checkpoint (trainer.pt with weights_only=True: no pickled code runs)
     and checks it (exactly the policy's names and shapes, finite weights: a foreign, renamed or

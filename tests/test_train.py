@@ -866,11 +866,41 @@ def test_a_run_keeps_two_optimizer_states_at_most_and_resumes_from_its_last(tmp_
     assert sorted(p.parent.name for p in run.glob("checkpoint-*/trainer.pt")) == ["checkpoint-7"]
 
 
-def test_lora_refuses_a_negative_rank_and_resume(tmp_path, short_scenarios, no_model_loads):
-    for extra in (["--lora", "-1"], ["--lora", "4", "--resume"]):
-        with pytest.raises(SystemExit, match="--lora"):
-            parse_train(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
-                                     "--name", "x", *extra])
+def test_lora_refuses_a_negative_rank(tmp_path, short_scenarios, no_model_loads):
+    with pytest.raises(SystemExit, match="--lora -1"):
+        parse_train(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
+                            "--name", "x", "--lora", "-1"])
+
+
+def test_a_stopped_lora_run_resumes_as_an_unbroken_one(tmp_path, short_scenarios):
+    """--lora with --resume: a run stopped after its step-2 checkpoint and resumed to step 4
+    (adapters, AdamW moments, step and random streams restored) gives the unbroken run's
+    metrics at steps 3 and 4 and its final adapters; the refusal of a foreign checkpoint
+    still holds (another rank's adapters do not load)."""
+    from safetensors.torch import load_file
+    common = ["--lora", 4, "--lr", 3e-2, "--kl-beta", 0.01, "--persuader-temperature", 1,
+              "--instances", 2, "--group-size", 2, "--max-new-tokens", 6]
+    tiny_run(tmp_path, short_scenarios, "broken", "--steps", 2, *common)
+    resumed = train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
+                                 "--name", "broken", "--resume", "--steps", "4"])
+    whole = tiny_run(tmp_path, short_scenarios, "whole", "--steps", 4, *common)
+    assert [m["step"] for m in resumed] == [3, 4] and whole[2]["grad_norm"] > 0
+    for a, b in zip(whole[2:], resumed, strict=True):
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    adapters = [load_file(tmp_path / name / "checkpoint-4" / "adapter_model.safetensors")
+                for name in ("whole", "broken")]
+    assert adapters[0].keys() == adapters[1].keys()
+    for k, v in adapters[0].items():
+        torch.testing.assert_close(adapters[1][k], v, atol=1e-6, rtol=0)
+    import shutil
+    (tmp_path / "broken" / "latest").write_text("checkpoint-4")
+    config = tmp_path / "broken" / "config.json"
+    config.write_text(config.read_text().replace('"lora": 4', '"lora": 8'))
+    with pytest.raises(SystemExit, match="do not match the policy"):
+        train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
+                           "--name", "broken", "--resume", "--steps", "5"])
+    shutil.rmtree(tmp_path / "whole")
 
 
 @pytest.mark.slow
