@@ -337,7 +337,7 @@ def main(argv=None):
         plan.print_plan(args)
         return []
     rank, world, device = runs.setup_distributed()
-    steps.set_cpu_threads(device)
+    models.set_cpu_threads(device)
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name
     say = print if rank == 0 else (lambda *a, **k: None)

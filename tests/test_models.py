@@ -383,3 +383,42 @@ def test_the_lab_modules_models_reads_do_not_import_it_back():
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert "models" not in imported, name
+
+
+def test_every_entry_point_takes_one_thread_per_free_core(monkeypatch):
+    """models.set_cpu_threads: on a CPU with OMP_NUM_THREADS unset, the cores the load average
+    leaves free (at least one); OMP_NUM_THREADS or a CUDA device leaves torch's count alone.
+    train.py, eval.py, lab.bench and lab.env each call it before any model loads."""
+    import os
+    import sys
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for load, want in ((3.2, 5), (0.0, 8), (12.0, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+        models.set_cpu_threads("cpu")
+        assert set_to.pop() == want
+    models.set_cpu_threads("cuda")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    models.set_cpu_threads("cpu")
+    assert set_to == []
+
+    class Called(Exception):
+        pass
+
+    def called(device=None):
+        raise Called
+    monkeypatch.setattr(models, "set_cpu_threads", called)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    import eval
+    import train
+    from lab import bench, env
+    for main in (lambda: train.main(["--preset", "tiny", "--out", "/nonexistent-out"]),
+                 lambda: eval.main(["--persuader", "random:tiny-llama", "--persuadee",
+                                    "random:tiny-qwen3", "--judge", "none", "--limit", "1"]),
+                 lambda: bench.main(), lambda: env.main(["--serve", "--persuadee", "random:tiny-qwen3"])):
+        monkeypatch.setattr(sys, "argv", ["bench.py", "--random-init", "tiny-llama"])
+        with pytest.raises(Called):
+            main()
