@@ -47,26 +47,25 @@ def lora_parameters(lora):
 
 @torch.no_grad()
 def merged_lora_weights(lora):
-    """{name in the plain model: W + (alpha / r) B A, in W's dtype} for every adapted projection,
-    summed in fp32 as peft's merge does: the weights the rollout copy takes after a step (the
-    others never change)."""
+    """(name in the plain model, W + (alpha / r) B A in W's dtype) for every adapted projection,
+    one at a time, summed in fp32 as peft's merge does: the weights the rollout copy takes after
+    a step (the others never change). One module's merge is alive at a time (lab/plan.py counts
+    the largest), never the whole merged model."""
     from peft.tuners.lora import LoraLayer
-    merged = {}
     for name, module in lora.base_model.model.named_modules():
         if isinstance(module, LoraLayer):
             weight = module.get_base_layer().weight
             delta = sum(module.get_delta_weight(a).float() for a in module.active_adapters)
-            merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
-    return merged
+            yield f"{name}.weight", (weight.float() + delta).to(weight.dtype)
 
 
 @torch.no_grad()
 def refresh_from_lora(lora, rollout_model):
-    """Write the merged weights into the rollout copy in place (its parameters are the actor
-    engine's own tensors, as train.copy_weights writes them); the caller then refreshes the
-    engine."""
+    """Write the merged weights into the rollout copy in place, module by module (its parameters
+    are the actor engine's own tensors, as train.copy_weights writes them); the caller then
+    refreshes the engine."""
     target = dict(rollout_model.named_parameters())
-    for name, weight in merged_lora_weights(lora).items():
+    for name, weight in merged_lora_weights(lora):
         target[name].copy_(weight)
 
 

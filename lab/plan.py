@@ -155,6 +155,8 @@ def memory_plan(args, world, gib, gpu):
             add(f"{role} attention transient",
                 fastpath.attention_transient_bytes(
                     cfg.num_attention_heads, decode_memory // kv_token_bytes(cfg, itemsize), itemsize))
+            add(f"{role} forward transient ({engine.FORWARD_TOKENS} tokens at most)",
+                forward_transient_bytes(cfg, itemsize, engine.FORWARD_TOKENS))
         sizes[role] = dict(cache_bytes=pool, decode_bytes=decode_memory, decode_capacity=capacity)
 
     engine_items("actor", policy_cfg)
@@ -197,7 +199,27 @@ def lora_items(cfg, args, itemsize):
     return [(f"LoRA adapters r={args.lora} fp32 ({n / 1e6:.0f}M, replicated)", 4 * n),
             ("adapter gradients fp32", 4 * n), ("AdamW moments fp32 (adapters)", 8 * n),
             (f"frozen base {args.dtype} (the reference, adapter off)", itemsize * P),
-            (f"rollout copy {args.dtype} (merged, actor engine's)", itemsize * P)]
+            (f"rollout copy {args.dtype} (merged, actor engine's)", itemsize * P),
+            ("LoRA merge, one module at a time", lora_merge_bytes(cfg, itemsize))]
+
+
+def forward_transient_bytes(cfg, itemsize, tokens):
+    """What one engine forward of `tokens` new tokens (the judge's prompts, the fidelity check's
+    forks: engine.FORWARD_TOKENS at most a forward) holds beside the weights and the pool, its
+    tensors of one layer counted as alive together: the residual and its norm, q, k, v and the
+    attention's output, the MLP's gate, up and their product."""
+    h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or h // H
+    return tokens * (2 * h + (2 * H + 2 * Hkv) * D + 3 * cfg.intermediate_size) * itemsize
+
+
+def lora_merge_bytes(cfg, itemsize):
+    """The LoRA merge into the rollout copy, one module at a time (lora.merged_lora_weights): the
+    largest projection's fp32 weight, delta B A and sum, and the sum cast to the rollout dtype."""
+    h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or h // H
+    largest = max(h * H * D, h * cfg.intermediate_size)
+    return largest * (12 + itemsize)
 
 
 def activation_bytes(cfg, args, itemsize, gpu):

@@ -146,3 +146,25 @@ def test_a_disk_that_cannot_hold_the_run_is_refused_in_one_line(tmp_path, short_
     message = str(e.value.code)
     assert message.startswith("train.py: the disk does not hold this run: ") and "\n" not in message
     assert "0.0 GiB free there" in message and "--out" in message
+
+
+def test_the_plan_lists_the_forward_transients_and_the_lora_merge():
+    """Beside attention: each engine's forward transient at engine.FORWARD_TOKENS new tokens (the
+    most a forward runs: the judge's prompts and the fidelity forks are chunked), and under LoRA
+    the merge of the largest projection (fp32 weight, delta, sum, and the bf16 cast), measured
+    against the parameters of a random model of the paper's shape."""
+    import engine
+    import models
+    paper = dict(plan.memory_plan(parse_train(["--preset", "paper", "--plan", "--out",
+                                                "/nonexistent"]), 8, 139, True)["items"])
+    label = f"forward transient ({engine.FORWARD_TOKENS} tokens at most)"
+    persuadee = shapes.model_config(presets.preset_values("paper")["persuadee"])
+    assert paper[f"persuadee {label}"] == plan.forward_transient_bytes(persuadee, 2, engine.FORWARD_TOKENS)
+    assert paper[f"persuadee {label}"] > engine.FORWARD_TOKENS * 3 * persuadee.intermediate_size * 2
+    assert f"actor {label}" in paper and not any("LoRA merge" in k for k in paper)
+    one = dict(plan.memory_plan(parse_train(["--preset", "one-gpu", "--plan", "--out",
+                                              "/nonexistent"]), 1, 139, True)["items"])
+    model = models.random_model("qwen3-4b", torch.bfloat16, "meta")[0]
+    largest = max(m.weight.numel() for name, m in model.named_modules()
+                  if name.rsplit(".", 1)[-1] in lora.LORA_TARGETS)
+    assert one["LoRA merge, one module at a time"] == largest * (4 + 4 + 4 + 2)
