@@ -54,6 +54,8 @@ MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get mill
 COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
 # attention a sequence at a time, the probes' common opening prefilled once
 MAX_NEW_TOKENS = 256      # per message
+FORWARD_TOKENS = 8192     # new tokens a forward runs at once: a larger batch (the judge's prompts, the
+# fidelity check's forks) runs in consecutive chunks, so its MLP transient stays bounded (lab/plan.py)
 
 
 def stop_ids(model, tokenizer):
@@ -65,6 +67,18 @@ def stop_ids(model, tokenizer):
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
         ids.add(im_end)
     return sorted(i for i in ids if i is not None)
+
+
+def token_chunks(counts, limit):
+    """[start, stop) ranges of consecutive sequences whose token counts sum to at most limit
+    (a longer sequence alone): the forwards a batch of new tokens runs in."""
+    chunks, start, total = [], 0, 0
+    for i, n in enumerate(counts):
+        if i > start and total + n > limit:
+            chunks.append((start, i))
+            start, total = i, 0
+        total += n
+    return chunks + [(start, len(counts))] if counts else chunks
 
 
 def block_size_for(device, dtype, fast_path=None):
@@ -305,13 +319,16 @@ class Engine:
     own sequences through new / append / fork / free and never touch the cache's tables."""
 
     def __init__(self, model, tokenizer=None, block_size=None, num_blocks=None, decode_bytes=None,
-                 decode_capacity=None, cache_bytes=None, fast_path=None, sdpa_backends=None):
+                 decode_capacity=None, cache_bytes=None, fast_path=None, sdpa_backends=None,
+                 forward_tokens=FORWARD_TOKENS):
         """num_blocks or cache_bytes: the KV pool (default CACHE_GB_CPU, or CACHE_FRACTION_GPU of
         free memory; at most MAX_BLOCKS blocks); fast_path: decode and attention on
         lab/fastpath.py (default FAST_PATH), whose decode memory decode_bytes and decode_capacity
         size (lab.fastpath.FastPath). train.py passes its memory plan's figures for the three.
-        sdpa_backends: the SDPA kernels attention may use (default layers.SDPA_BACKENDS)."""
+        sdpa_backends: the SDPA kernels attention may use (default layers.SDPA_BACKENDS);
+        forward_tokens: the most new tokens one forward runs (token_chunks)."""
         self.model, self.tokenizer, self.sdpa_backends = model, tokenizer, sdpa_backends
+        self.forward_tokens = forward_tokens
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         fast = FAST_PATH if fast_path is None else fast_path
@@ -418,8 +435,9 @@ class Engine:
         """Run every sequence's pending tokens; return each sequence's last-token logits [B, V].
 
         The blocks of the whole batch, copy-on-write included, are checked before anything is
-        written: a batch the pool cannot take raises and leaves every sequence as it was."""
-        w, cache = self.w, self.cache
+        written: a batch the pool cannot take raises and leaves every sequence as it was. The
+        batch runs in chunks of at most forward_tokens new tokens (token_chunks)."""
+        cache, sids = self.cache, list(sids)
         news = [self.pending[s] for s in sids]
         assert all(news), "every sequence in a forward needs at least one pending token"
         counts = [len(t) for t in news]
@@ -433,6 +451,18 @@ class Engine:
                                "sequences Engine.admit returns, or fewer at once")
         starts = [cache.lengths[s] for s in sids]
         cache.reserve(sids, counts)
+        logits = torch.cat([self._forward_chunk(sids[a:b], news[a:b], starts[a:b])
+                            for a, b in token_chunks(counts, self.forward_tokens)])
+        for s, n in zip(sids, counts):
+            cache.lengths[s] += n
+            self.pending[s] = []
+        return logits.float()
+
+    def _forward_chunk(self, sids, news, starts):
+        """One forward of these sequences' new tokens (their blocks reserved), written into the
+        cache; their last-token logits."""
+        w, cache = self.w, self.cache
+        counts = [len(t) for t in news]
         q_lens = torch.tensor(counts)
         kv_lens = torch.tensor(starts) + q_lens
         ids = torch.tensor([t for toks in news for t in toks], device=self.device)
@@ -445,12 +475,8 @@ class Engine:
                                          self.device.type in COMPUTE_BOUND_DEVICES)
         x = layers.decoder(w, ids, positions.to(self.device), attend, self.sdpa_backends)
         last = torch.cumsum(q_lens, 0).to(self.device) - 1
-        logits = layers.lm_logits(w, x[last])
-        for s, n in zip(sids, counts):
-            cache.lengths[s] += n
-            self.pending[s] = []
         self.tokens_prefilled += len(ids)
-        return logits.float()
+        return layers.lm_logits(w, x[last])
 
     def generate(self, sids, max_new_tokens=None, sampling=GREEDY, keys=None, stop_ids=None):
         """Sample a message of at most max_new_tokens (default MAX_NEW_TOKENS) tokens for each

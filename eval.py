@@ -370,6 +370,8 @@ def main(argv=None):
         return
     cpu_defaults(args)  # the model-driven modes only
     args.dtype = args.dtype or default_dtype()
+    import models
+    models.set_cpu_threads()  # one thread per core the machine's load leaves free
     if args.play:
         if len(args.persuadee) > 1:
             sys.exit("eval.py: --play takes one --persuadee (you are the persuader)")

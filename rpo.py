@@ -299,7 +299,8 @@ def kept_logits(model, ids, keep, share_stem):
     """model(ids).logits at the positions keep. With share_stem, the prefix every row shares (a
     group's persuader prompt, up to the first kept position) runs once, and its keys and values,
     autograd graph included, are repeated for the rows, which run only what follows: the same
-    logits and gradients for fewer FLOPs (DECISIONS.md: Shared prompt in the update)."""
+    logits and gradients for fewer FLOPs (DECISIONS.md: Shared prompt in the update). A model
+    that returns no cache for the stem gets the plain forward instead."""
     import engine
     share_stem = share_stem and len(ids) > 1 and len(keep) > 0  # (no kept position: no stem)
     stem = min(engine.shared_stem(ids.tolist()), int(keep[0])) if share_stem else 0
@@ -307,6 +308,8 @@ def kept_logits(model, ids, keep, share_stem):
         return model(ids, use_cache=False, logits_to_keep=keep).logits
     out = model(ids[:1, :stem], use_cache=True, logits_to_keep=1)
     name = "cache" if "cache" in out else "past_key_values"  # transformers' newer name, its older
+    if out.get(name) is None:  # no cache back (transformers 5.17: train mode with checkpointing)
+        return model(ids, use_cache=False, logits_to_keep=keep).logits
     out[name].batch_repeat_interleave(len(ids))
     return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem, **{name: out[name]}).logits
 

@@ -116,7 +116,7 @@ def build_models(args, world, device, sizes):
             shard(load(args.persuader, args.dtype, device)[0], world)
     if not args.lora:
         policy.requires_grad_(True)
-    if plan.GRAD_CHECKPOINTING and device.type == "cuda":
+    if plan.checkpointing(args.activation_checkpointing, device.type):
         checkpoint_activations(policy)
     separate = world > 1 or args.dtype != "float32" or bool(args.lora)
     rollout_model = load(args.persuader, args.dtype, device)[0] if separate else policy
@@ -339,7 +339,7 @@ def main(argv=None):
         plan.print_plan(args)
         return []
     rank, world, device = runs.setup_distributed()
-    steps.set_cpu_threads(device)
+    models.set_cpu_threads(device)
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name
     say = print if rank == 0 else (lambda *a, **k: None)

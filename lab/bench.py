@@ -789,6 +789,7 @@ def main():
             print(json.dumps(out))
         return
     gpu = args.device.startswith("cuda")
+    models.set_cpu_threads(args.device)  # one thread per core the machine's load leaves free
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     model, tok = load(args, dtype)

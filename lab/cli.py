@@ -39,7 +39,8 @@ from lab import lora, plan, presets, runs, served
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
-RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "eval_fidelity", "save_every", "log")  # recorded in config.json
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "eval_fidelity", "save_every", "log",
+                     "activation_checkpointing")  # recorded in config.json
 NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed", "plan",
                 "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
@@ -260,6 +261,9 @@ def train_parser(own):
     p.add_argument("--eval-fidelity", type=int, help="read-outs of each held-out evaluation checked "
                    "against a full forward (default eval.FIDELITY_SAMPLES; 0 skips the check, "
                    "which changes no result: the persuadee is frozen, one check covers the run)")
+    p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"),
+                   default=plan.ACTIVATION_CHECKPOINTING, help="recompute the update's "
+                   "activations in the backward pass (auto: on for CUDA, off on a CPU)")
     p.add_argument("--lora", type=int, help="train rank-RANK LoRA adapters on a frozen base "
                    "(models.py, LoRA) instead of every weight; 0: full fine-tuning")
     # rpo.py owns these; read at parse time, so an edited constant changes the run
@@ -304,8 +308,6 @@ def train_args(argv, own):
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     fill_sampling(args)
     run_dir = Path(args.out) / args.name
-    if args.lora and args.resume:  # before the folder is read
-        fail(f"--lora {args.lora} with --resume", "cannot resume yet", "start a new run")
     runs.check_folder(args.out, args.name, "train.py", args.resume, args.overwrite,
                       first=os.environ.get("RANK", "0") == "0")
     if args.resume:

@@ -437,6 +437,8 @@ def main(argv=None):
     import uvicorn
     args = parse_args(argv)
     instances = load_instances(args.scenarios)  # a bad path is named before any model loads
+    import models
+    models.set_cpu_threads()  # one thread per core the machine's load leaves free
     loaded = {}
     persuadee = PersuasionEnv._player(args.persuadee, loaded, args.dtype, args.kv_blocks)
     judge = ({"persuadee": persuadee, "none": None}[args.judge]

@@ -4,7 +4,8 @@ with the peft package (the format peft, TRL and vLLM load). The update is W + (a
 alpha = LORA_ALPHA_PER_RANK r, B = 0 at the start. The base in --dtype doubles as the KL reference
 with the adapter off (AdapterOff); the rollout engine's copy takes the merged weights in place
 after each step (refresh_from_lora). A folder holding ADAPTER_CONFIG is a checkpoint:
-models.load_model loads it as its base with the adapter merged in (merge_adapter).
+models.load_model loads it as its base with the adapter merged in (merge_adapter); train.py
+--resume restores its adapters under their names in the model (saved_names) with the optimizer.
 
 Tests: python -m pytest -q tests/test_models.py -k lora
 """
@@ -46,27 +47,34 @@ def lora_parameters(lora):
 
 @torch.no_grad()
 def merged_lora_weights(lora):
-    """{name in the plain model: W + (alpha / r) B A, in W's dtype} for every adapted projection,
-    summed in fp32 as peft's merge does: the weights the rollout copy takes after a step (the
-    others never change)."""
+    """(name in the plain model, W + (alpha / r) B A in W's dtype) for every adapted projection,
+    one at a time, summed in fp32 as peft's merge does: the weights the rollout copy takes after
+    a step (the others never change). One module's merge is alive at a time (lab/plan.py counts
+    the largest), never the whole merged model."""
     from peft.tuners.lora import LoraLayer
-    merged = {}
     for name, module in lora.base_model.model.named_modules():
         if isinstance(module, LoraLayer):
             weight = module.get_base_layer().weight
             delta = sum(module.get_delta_weight(a).float() for a in module.active_adapters)
-            merged[f"{name}.weight"] = (weight.float() + delta).to(weight.dtype)
-    return merged
+            yield f"{name}.weight", (weight.float() + delta).to(weight.dtype)
 
 
 @torch.no_grad()
 def refresh_from_lora(lora, rollout_model):
-    """Write the merged weights into the rollout copy in place (its parameters are the actor
-    engine's own tensors, as train.copy_weights writes them); the caller then refreshes the
-    engine."""
+    """Write the merged weights into the rollout copy in place, module by module (its parameters
+    are the actor engine's own tensors, as train.copy_weights writes them); the caller then
+    refreshes the engine."""
     target = dict(rollout_model.named_parameters())
-    for name, weight in merged_lora_weights(lora).items():
+    for name, weight in merged_lora_weights(lora):
         target[name].copy_(weight)
+
+
+def saved_names(lora):
+    """{an adapter weight's name in peft's file (no adapter name): its name in the model} for
+    every trained parameter: what runs.load_checkpoint restores a LoRA run's adapters under."""
+    adapter = lora.active_adapter
+    return {name.replace(f".{adapter}.", ".", 1): name
+            for name, p in lora.named_parameters() if p.requires_grad}
 
 
 def average_lora_gradients(lora, world):
@@ -106,7 +114,8 @@ def merge_adapter(base, folder):
 
 
 class AdapterOff:
-    """The frozen base of a LoRA model, its adapter disabled: the KL reference, no second copy.
+    """The frozen base of a LoRA model, its adapter disabled and in eval mode: the KL reference,
+    no second copy.
     Called as the model is; parameters() as the model's (where its forwards run)."""
 
     def __init__(self, lora):
@@ -116,5 +125,12 @@ class AdapterOff:
         return self.lora.parameters()
 
     def __call__(self, *args, **kwargs):
-        with self.lora.disable_adapter():
-            return self.lora(*args, **kwargs)
+        """The base's forward in eval mode (no checkpointing, its cache returned: a frozen
+        reference has nothing to recompute), the model's mode restored after."""
+        training = self.lora.training
+        self.lora.eval()
+        try:
+            with self.lora.disable_adapter():
+                return self.lora(*args, **kwargs)
+        finally:
+            self.lora.train(training)

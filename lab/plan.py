@@ -14,23 +14,36 @@ contexts in play (prompt + T_max turns of two messages) with PLAN_POOL_MARGIN to
 
     python train.py --plan                                   # this machine, or 8 x H200 off-GPU
     python train.py --preset paper --plan --plan-gib 40      # refused, with the numbers
+
+The disk a run folder takes at its fullest (disk_plan): the fp32 weights of every evaluated step
+and of the latest two checkpoints, and AdamW's state of only those two (runs.save_checkpoint keeps
+no other); a run whose disk cannot hold it is refused before any model loads (disk_refusal).
     python -m pytest -q test_plan.py
 """
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 
 import engine
 from lab import fastpath, lora, served, shapes
 
-GRAD_CHECKPOINTING = True  # on GPUs: recompute activations in the backward pass (train.py follows)
+ACTIVATION_CHECKPOINTING = "auto"  # --activation-checkpointing: auto (on for CUDA), on, off
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
 PLAN_RESERVED_GIB = 3.0    # a GPU's share outside tensors: CUDA context, NCCL, cuBLAS, allocator slack
 PLAN_PROMPT_TOKENS = 1024  # a context's opening (the longest persuadee prompt: 3,426 characters)
 PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn instruction
 PLAN_POOL_MARGIN = 1.25    # KV pool over the contexts in play: probe forks, judge, block rounding
+PLAN_DISK_SLACK_GIB = 0.5  # a run folder beside its checkpoints: tokenizers, logs, evaluations' records
 
+
+
+def checkpointing(mode, device_type):
+    """Whether the update recomputes activations in the backward pass (--activation-checkpointing
+    MODE): on, off, or auto (on for CUDA, where memory binds; off on a CPU, where time does)."""
+    return mode == "on" or (mode == "auto" and device_type == "cuda")
 
 
 def parameter_count(cfg):
@@ -142,6 +155,8 @@ def memory_plan(args, world, gib, gpu):
             add(f"{role} attention transient",
                 fastpath.attention_transient_bytes(
                     cfg.num_attention_heads, decode_memory // kv_token_bytes(cfg, itemsize), itemsize))
+            add(f"{role} forward transient ({engine.FORWARD_TOKENS} tokens at most)",
+                forward_transient_bytes(cfg, itemsize, engine.FORWARD_TOKENS))
         sizes[role] = dict(cache_bytes=pool, decode_bytes=decode_memory, decode_capacity=capacity)
 
     engine_items("actor", policy_cfg)
@@ -184,12 +199,32 @@ def lora_items(cfg, args, itemsize):
     return [(f"LoRA adapters r={args.lora} fp32 ({n / 1e6:.0f}M, replicated)", 4 * n),
             ("adapter gradients fp32", 4 * n), ("AdamW moments fp32 (adapters)", 8 * n),
             (f"frozen base {args.dtype} (the reference, adapter off)", itemsize * P),
-            (f"rollout copy {args.dtype} (merged, actor engine's)", itemsize * P)]
+            (f"rollout copy {args.dtype} (merged, actor engine's)", itemsize * P),
+            ("LoRA merge, one module at a time", lora_merge_bytes(cfg, itemsize))]
+
+
+def forward_transient_bytes(cfg, itemsize, tokens):
+    """What one engine forward of `tokens` new tokens (the judge's prompts, the fidelity check's
+    forks: engine.FORWARD_TOKENS at most a forward) holds beside the weights and the pool, its
+    tensors of one layer counted as alive together: the residual and its norm, q, k, v and the
+    attention's output, the MLP's gate, up and their product."""
+    h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or h // H
+    return tokens * (2 * h + (2 * H + 2 * Hkv) * D + 3 * cfg.intermediate_size) * itemsize
+
+
+def lora_merge_bytes(cfg, itemsize):
+    """The LoRA merge into the rollout copy, one module at a time (lora.merged_lora_weights): the
+    largest projection's fp32 weight, delta B A and sum, and the sum cast to the rollout dtype."""
+    h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or h // H
+    largest = max(h * H * D, h * cfg.intermediate_size)
+    return largest * (12 + itemsize)
 
 
 def activation_bytes(cfg, args, itemsize, gpu):
     """One micro-batch of the update at the training context: the layers' saved tensors (with
-    gradient checkpointing on a GPU, each layer's input plus one layer recomputed), and the
+    activation checkpointing, each layer's input plus one layer recomputed), and the
     logits of the kept positions (the compute-dtype logits, the float32 rows autograd keeps,
     their gradient, the reference's)."""
     mb, T = args.micro_batch, context_tokens(args.t_max, args.max_new_tokens)
@@ -198,11 +233,64 @@ def activation_bytes(cfg, args, itemsize, gpu):
     D = getattr(cfg, "head_dim", None) or h // H
     compute = itemsize if args.dtype != "float32" else 4
     layer = mb * T * (6 * h + 2 * (H + 2 * Hkv) * D + 4 * cfg.intermediate_size) * compute
-    if gpu and GRAD_CHECKPOINTING:
+    mode = getattr(args, "activation_checkpointing", ACTIVATION_CHECKPOINTING)
+    if checkpointing(mode, "cuda" if gpu else "cpu"):
         layers = cfg.num_hidden_layers * mb * T * h * compute + 2 * layer
     else:
         layers = cfg.num_hidden_layers * layer
     return layers + mb * kept * cfg.vocab_size * (2 * compute + 8)
+
+
+def saved_steps(args):
+    """(the steps a run saves, in order; the steps it evaluates), as train.py's loop does: every
+    --save-every steps, the last step and every evaluated one."""
+    steps = range(1, args.steps + 1)
+    evaluated = {s for s in steps if args.eval_every and s % args.eval_every == 0}
+    saved = sorted({s for s in steps if s % args.save_every == 0 or s == args.steps} | evaluated)
+    return saved, evaluated
+
+
+def disk_plan(args):
+    """The disk a run folder takes at its fullest, from the policy's config (runs.save_checkpoint's
+    rule): the fp32 weights of every evaluated step and of the latest two checkpoints, AdamW's
+    state of the latest checkpoint and of the one before it while the newest is written (full
+    fine-tuning: the whole policy, 4 P and 8 P bytes; LoRA: the adapters), and the rest."""
+    cfg = shapes.model_config(args.persuader)
+    adapters = getattr(args, "lora", None)
+    n = lora_parameter_count(cfg, adapters) if adapters else parameter_count(cfg)
+    saved, evaluated = saved_steps(args)
+    latest = set(saved[-2:])
+    what = "adapters" if adapters else "policy"
+    copies = len(evaluated | latest)
+    items = [(f"{what} weights fp32 x{copies} (evaluated, latest two)", 4 * n * copies),
+             (f"{what} AdamW state fp32 x{len(latest)} (latest, one before)", 8 * n * len(latest)),
+             ("tokenizers, logs, evaluations' records", int(PLAN_DISK_SLACK_GIB * 2**30))]
+    return dict(items=items, total=sum(b for _, b in items))
+
+
+def disk_lines(disk, run_dir):
+    GiB = 2**30
+    lines = [f"disk plan for {run_dir} at its fullest:"]
+    lines += [f"  {name:<52}{n / GiB:>8.2f} GiB" for name, n in disk["items"]]
+    lines.append(f"  {'total':<52}{disk['total'] / GiB:>8.2f} GiB")
+    return lines
+
+
+def disk_refusal(disk, run_dir):
+    """The one line that refuses a run whose disk cannot hold what disk_plan says it keeps (less
+    what its folder already holds, on a resume), or None."""
+    run_dir = Path(run_dir).absolute()
+    held = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file() and not f.is_symlink()) \
+        if run_dir.is_dir() else 0
+    free = shutil.disk_usage(next(p for p in (run_dir, *run_dir.parents) if p.exists())).free
+    needed = disk["total"] - held
+    if needed <= free:
+        return None
+    GiB = 2**30
+    return (f"train.py: the disk does not hold this run: {needed / GiB:.1f} GiB more needed in "
+            f"{run_dir}, {free / GiB:.1f} GiB free there ({disk['items'][0][0]}); free some space, "
+            "pass --out on a larger disk, or a larger --eval-every or fewer --steps (python "
+            "train.py --plan shows every figure)")
 
 
 def plan_lines(plan):
@@ -247,7 +335,7 @@ def print_plan(args):
     gib = args.plan_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda
                             else PLAN_NODE[1])
     plan = memory_plan(args, world, gib, True)
-    print("\n".join(plan_lines(plan)))
+    print("\n".join(plan_lines(plan) + disk_lines(disk_plan(args), Path(args.out) / args.name)))
     if refusal := plan_refusal(plan):
         sys.exit(refusal)
     return plan

@@ -419,7 +419,7 @@ def nonfinite_weight(state_dict):
 
 def checkpoint_folder(run_dir, who="train.py"):
     """The folder runs/NAME/latest names, checked: a checkpoint-STEP folder of this run, holding
-    trainer.pt and the weights. A bad pointer is one line naming it and the fix."""
+    trainer.pt and the weights (a model's, or a LoRA run's adapter). A bad pointer is one line naming it and the fix."""
     latest = run_dir / "latest"
     fix = f"restore {run_dir} from a copy, or start a new run (another --name, or --overwrite)"
     if not latest.is_file():
@@ -430,7 +430,8 @@ def checkpoint_folder(run_dir, who="train.py"):
     if not CHECKPOINT_RE.fullmatch(name) or folder.is_symlink() or not folder.is_dir():
         raise say_error(who, f"{latest} names {name[:80]!r}, not a checkpoint-STEP folder inside "
                              f"the run; {fix}")
-    for needed in ("trainer.pt", "config.json"):
+    from lab import lora
+    for needed in ("trainer.pt", lora.ADAPTER_CONFIG if lora.is_adapter(folder) else "config.json"):
         if not (folder / needed).is_file():
             raise say_error(who, f"{folder / needed} is missing; {fix}")
     if not any(folder.glob("*.safetensors")):
@@ -465,10 +466,23 @@ def _write_checkpoint(run_dir, step, model_sd, optim_sd, policy, tokenizer, prev
     return final
 
 
+def prune_checkpoints(run_dir, final):
+    """Once `latest` names checkpoint `final`: an older checkpoint of a held-out evaluation (an
+    eval-STEP folder: checkpoint selection, eval.py --runs, needs its weights) keeps its weights
+    and loses trainer.pt, its optimizer state; any other is deleted. A run so holds the optimizer
+    state of its latest checkpoint only, and of the one before while the newest is written."""
+    for old in run_dir.glob("checkpoint-*"):
+        if old == final or not CHECKPOINT_RE.fullmatch(old.name) or old.is_symlink():
+            continue
+        if (run_dir / f"eval-{old.name.removeprefix('checkpoint-')}").is_dir():
+            (old / "trainer.pt").unlink(missing_ok=True)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank, who="train.py"):
-    """Write checkpoint-STEP atomically, point `latest` at it and drop older checkpoints,
-    except those of a held-out evaluation (an eval-STEP folder), which checkpoint selection
-    (eval.py --runs) needs. The weights and optimizer are gathered to rank 0 (a full state
+    """Write checkpoint-STEP atomically, point `latest` at it and prune the older ones
+    (prune_checkpoints: an evaluated step's weights stay, its optimizer state goes). The weights and optimizer are gathered to rank 0 (a full state
     dict, on the CPU), which alone writes. Non-finite weights are never written; a failed write
     removes its temporary files and leaves the previous checkpoint."""
     import torch
@@ -484,9 +498,7 @@ def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank, who="trai
             raise say_error(who, f"the policy's {bad} is not finite at step {step}; not saving it "
                                  f"over {previous or 'nothing'} in {run_dir}: lower --lr and --resume")
         final = _write_checkpoint(run_dir, step, model_sd, optim_sd, policy, tokenizer, previous, who)
-        for old in run_dir.glob("checkpoint-*"):
-            if old != final and not (run_dir / f"eval-{old.name.removeprefix('checkpoint-')}").is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(run_dir, final)
     if dist.is_initialized():
         dist.barrier()
 
@@ -516,16 +528,24 @@ def _read_checkpoint(run_dir, policy, who):
             raise say_error(who, f"{f} cannot be read ({type(e).__name__}: {str(e)[:80]}); restore "
                                  "it from a copy or start a new run") from None
     if bad := nonfinite_weight(model_sd):
-        others = sorted((p.name for p in run_dir.glob("checkpoint-*") if p != folder),
+        others = sorted((p.name for p in run_dir.glob("checkpoint-*")
+                         if p != folder and (p / "trainer.pt").is_file()),
                         key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1)
         earlier = (f"resume from an earlier checkpoint (write e.g. {others[-1]} into "
-                   f"{run_dir / 'latest'}), or " if others else "no earlier checkpoint is kept: ")
+                   f"{run_dir / 'latest'}), or " if others else
+                   "no earlier checkpoint keeps its optimizer state: ")
         raise say_error(who, f"{folder} holds non-finite weights ({bad}); {earlier}start a new run "
                              "with a lower --lr (another --name, or --overwrite)")
     tied = getattr(policy.config, "tie_word_embeddings", False)
     if tied and "lm_head.weight" not in model_sd and "model.embed_tokens.weight" in model_sd:
         model_sd["lm_head.weight"] = model_sd["model.embed_tokens.weight"]
-    want = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+    if hasattr(policy, "peft_config"):  # peft's adapter file: the adapters alone, under its names
+        from lab import lora
+        names = lora.saved_names(policy)
+        model_sd = {names.get(k, k): v for k, v in model_sd.items()}
+        want = {k: tuple(p.shape) for k, p in policy.named_parameters() if p.requires_grad}
+    else:
+        want = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
     have = {k: tuple(v.shape) for k, v in model_sd.items()}
     problems = [f"{len(m)} {what}, e.g. {m[0]}" for what, m in (
         ("missing", sorted(want.keys() - have.keys())), ("unexpected", sorted(have.keys() - want.keys())),
@@ -539,7 +559,8 @@ def _read_checkpoint(run_dir, policy, who):
 
 
 def load_checkpoint(run_dir, policy, optimizer, device=None, who="train.py"):
-    """Restore the policy and optimizer from runs/NAME/latest; returns the step it was saved at.
+    """Restore the policy (under --lora its adapters) and optimizer from runs/NAME/latest;
+    returns the step it was saved at.
 
     Rank 0 alone reads the checkpoint (trainer.pt with weights_only=True: no pickled code runs)
     and checks it (exactly the policy's names and shapes, finite weights: a foreign, renamed or

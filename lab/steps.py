@@ -1,6 +1,6 @@
 """
 steps.py: what train.py does around the method's step, kept out of the reader's way: start-up
-(the memory plan and banner, CPU threads, served roles, the playable training set), the run
+(the memory and disk plans and banner, served roles, the playable training set), the run
 folder's records (config.json, metrics.jsonl, rollouts.jsonl, samples-STEP.json, evals.jsonl),
 the step's metrics and diagnostics (pooled over ranks: counts and sums are all-reduced before
 each division), the zero-advantage skip and the stop after MAX_SKIPPED_STEPS non-finite steps.
@@ -9,7 +9,6 @@ each division), the zero-advantage skip and the stop after MAX_SKIPPED_STEPS non
 """
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -27,16 +26,6 @@ SAMPLE_DIALOGUES = 2                # episodes a step kept in samples-STEP.json 
 # start-up
 
 
-def set_cpu_threads(device):
-    """On a CPU with OMP_NUM_THREADS unset, torch's threads: one per core the machine's load leaves
-    free (at least one). torch's default takes every core, and on a busy machine its threads then
-    wait on each other (a step can take several times as long). OMP_NUM_THREADS, when set, wins."""
-    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - round(os.getloadavg()[0]))))
-
-
 def served_roles(args):
     """(persuadee, judge) served over the OpenAI API, each checked to answer, else None."""
     key = dict(allow_insecure_key=args.allow_insecure_key)  # --allow-insecure-key
@@ -49,13 +38,19 @@ def served_roles(args):
 
 
 def plan_run(args, world, device, say):
-    """The memory plan (printed; what cannot fit is refused before any model loads) and the
-    run's banner; returns the engines' pool sizes (a CPU keeps the engine's defaults)."""
+    """The memory and disk plans (printed; what cannot fit is refused before any model loads)
+    and the run's banner; returns the engines' pool sizes (a CPU keeps the engine's defaults)."""
     rank_plan = plan.device_plan(args, world, device)
     for line in plan.plan_lines(rank_plan):
         say(line)
     if refusal := plan.plan_refusal(rank_plan):
         sys.exit(refusal)
+    disk, run_dir = plan.disk_plan(args), Path(args.out) / args.name
+    for line in plan.disk_lines(disk, run_dir):
+        say(line)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if refusal := runs.agree(plan.disk_refusal(disk, run_dir) if rank == 0 else None):
+        sys.exit(refusal)  # only rank 0 writes checkpoints
     for line in presets.preset_notes(args):  # what the preset sets over the owning constants
         say(line)
     if args.preset == "cpu" and not torch.cuda.is_available():

@@ -352,3 +352,48 @@ def test_a_cpu_pool_is_zero_writable_and_independent(dtype):
     assert torch.equal(a, torch.zeros_like(a))
     a[1, 5, 2, 3] = 1.5
     assert a.float().sum() == 1.5 and a[1, 5, 2, 3] == 1.5 and b.abs().sum() == 0
+
+
+def test_token_chunks_bound_each_forward():
+    assert engine.token_chunks([3, 4, 5, 20, 1], 8) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert engine.token_chunks([2, 2, 2], 100) == [(0, 3)] and engine.token_chunks([], 8) == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_batch_past_forward_tokens_runs_in_chunks_with_the_same_logits(arch, paths, monkeypatch):
+    """A ragged batch (forks of a shared opening included) larger than forward_tokens runs in
+    forwards of at most that many new tokens (one longer sequence alone), each sequence's
+    last-token logits those of a plain full forward, and so are the next forward's (which reads
+    the keys and values the chunks wrote)."""
+    model = tiny_model(arch)
+    sizes = []
+    original = engine.Engine._forward_chunk
+
+    def counted(self, sids, news, starts):
+        sizes.append(sum(map(len, news)))
+        return original(self, sids, news, starts)
+    monkeypatch.setattr(engine.Engine, "_forward_chunk", counted)
+    out = {}
+    for limit in (10_000, 24):
+        eng = engine.Engine(model, block_size=4, num_blocks=256, forward_tokens=limit)
+        root = eng.new(PROMPTS[0][:8])
+        eng.forward([root])
+        forks = [eng.fork(root) for _ in range(2)]
+        for sid, extra in zip(forks, (PROMPTS[0][8:], [7, 8, 9])):
+            eng.append(sid, extra)
+        sids = forks + [eng.new(p) for p in PROMPTS[1:]]
+        sizes.clear()
+        logits = eng.forward(sids)
+        chunks = list(sizes)
+        for sid in sids:
+            eng.append(sid, [11])
+        out[limit] = logits, chunks, eng.forward(sids)  # the next forward reads the chunks' cache
+    assert out[10_000][1] == [14 + 3 + 3 + 60] and len(out[24][1]) > 1
+    assert all(n <= 24 or n == 60 for n in out[24][1])
+    torch.testing.assert_close(out[24][0], out[10_000][0], atol=1e-5, rtol=0)
+    contexts = [PROMPTS[0], PROMPTS[0][:8] + [7, 8, 9], *PROMPTS[1:]]
+    for row, ids in zip(out[24][0], contexts):
+        torch.testing.assert_close(row, model(torch.tensor([ids])).logits[0, -1], atol=1e-4, rtol=0)
+    for row, ids in zip(out[24][2], contexts):
+        torch.testing.assert_close(row, model(torch.tensor([ids + [11]])).logits[0, -1], atol=1e-4,
+                                   rtol=0)

@@ -326,7 +326,8 @@ def test_a_lora_step_moves_only_adapters_and_matches_the_merged_model():
 
 
 def test_the_adapter_off_is_the_base_and_the_rollout_engine_takes_the_merged_weights(tokenizer):
-    """AdapterOff gives the base's logits (the KL reference, no second copy); after
+    """AdapterOff gives the base's logits (the KL reference, no second copy), in eval mode
+    whatever the model's (no checkpointing drops its cache), the mode restored; after
     refresh_from_lora and a refresh, the engine's sampled log-probs are the merged model's."""
     adapted, merged = lora_pair()
     ids = torch.randint(3, 600, (1, 12))
@@ -334,6 +335,11 @@ def test_the_adapter_off_is_the_base_and_the_rollout_engine_takes_the_merged_wei
         torch.testing.assert_close(lora.AdapterOff(adapted)(ids).logits,
                                    tiny_model("qwen3")(ids).logits, atol=0, rtol=0)
         assert not torch.allclose(adapted(ids).logits, tiny_model("qwen3")(ids).logits)
+    adapted.train()
+    modes = []
+    adapted.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    lora.AdapterOff(adapted)(ids)
+    assert modes and not any(modes) and adapted.training  # run in eval mode, the mode restored
     rollout_copy = tiny_model("qwen3")
     eng = engine.Engine(rollout_copy, tokenizer, block_size=8, num_blocks=200)
     eng.generate([eng.new(ids[0].tolist())], 4)  # before: the base
@@ -377,3 +383,42 @@ def test_the_lab_modules_models_reads_do_not_import_it_back():
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert "models" not in imported, name
+
+
+def test_every_entry_point_takes_one_thread_per_free_core(monkeypatch):
+    """models.set_cpu_threads: on a CPU with OMP_NUM_THREADS unset, the cores the load average
+    leaves free (at least one); OMP_NUM_THREADS or a CUDA device leaves torch's count alone.
+    train.py, eval.py, lab.bench and lab.env each call it before any model loads."""
+    import os
+    import sys
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for load, want in ((3.2, 5), (0.0, 8), (12.0, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+        models.set_cpu_threads("cpu")
+        assert set_to.pop() == want
+    models.set_cpu_threads("cuda")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    models.set_cpu_threads("cpu")
+    assert set_to == []
+
+    class Called(Exception):
+        pass
+
+    def called(device=None):
+        raise Called
+    monkeypatch.setattr(models, "set_cpu_threads", called)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    import eval
+    import train
+    from lab import bench, env
+    for main in (lambda: train.main(["--preset", "tiny", "--out", "/nonexistent-out"]),
+                 lambda: eval.main(["--persuader", "random:tiny-llama", "--persuadee",
+                                    "random:tiny-qwen3", "--judge", "none", "--limit", "1"]),
+                 lambda: bench.main(), lambda: env.main(["--serve", "--persuadee", "random:tiny-qwen3"])):
+        monkeypatch.setattr(sys, "argv", ["bench.py", "--random-init", "tiny-llama"])
+        with pytest.raises(Called):
+            main()

@@ -116,3 +116,55 @@ def test_the_one_gpu_preset_fits_one_h200_and_counts_adapters_base_and_reference
     assert items["frozen base bfloat16 (the reference, adapter off)"] == 2 * P
     assert items["rollout copy bfloat16 (merged, actor engine's)"] == 2 * P
     assert not any("reference bfloat16" in k or "master" in k or "autocast" in k for k in items)
+
+
+def test_the_paper_plan_says_the_disk_it_keeps(capsys):
+    """--plan prints the disk at the run's fullest: the fp32 weights of the evaluated steps and
+    of the latest two checkpoints, AdamW's state (8 bytes a parameter) of those two only."""
+    import models
+    args = parse_train(["--preset", "paper", "--plan", "--plan-ranks", "8", "--plan-gib", "139",
+                        "--out", "/nonexistent"])
+    plan.print_plan(args)
+    assert "disk plan for /nonexistent/" in capsys.readouterr().out
+    P = sum(p.numel() for p in models.random_model("qwen3-4b", torch.bfloat16, "meta")[0].parameters())
+    saved, evaluated = plan.saved_steps(args)
+    assert len(evaluated) == args.steps // args.eval_every and saved[-1] == args.steps
+    disk = plan.disk_plan(args)
+    weights, optimizer = (n for _, n in disk["items"][:2])
+    assert weights == 4 * P * len(evaluated | set(saved[-2:])) and optimizer == 2 * 8 * P
+    assert disk["total"] < 0.6 * (4 + 8) * P * len(evaluated)  # against every checkpoint whole
+
+
+def test_a_disk_that_cannot_hold_the_run_is_refused_in_one_line(tmp_path, short_scenarios,
+                                                                 no_model_loads, monkeypatch):
+    import shutil
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "d"])
+    message = str(e.value.code)
+    assert message.startswith("train.py: the disk does not hold this run: ") and "\n" not in message
+    assert "0.0 GiB free there" in message and "--out" in message
+
+
+def test_the_plan_lists_the_forward_transients_and_the_lora_merge():
+    """Beside attention: each engine's forward transient at engine.FORWARD_TOKENS new tokens (the
+    most a forward runs: the judge's prompts and the fidelity forks are chunked), and under LoRA
+    the merge of the largest projection (fp32 weight, delta, sum, and the bf16 cast), measured
+    against the parameters of a random model of the paper's shape."""
+    import engine
+    import models
+    paper = dict(plan.memory_plan(parse_train(["--preset", "paper", "--plan", "--out",
+                                                "/nonexistent"]), 8, 139, True)["items"])
+    label = f"forward transient ({engine.FORWARD_TOKENS} tokens at most)"
+    persuadee = shapes.model_config(presets.preset_values("paper")["persuadee"])
+    assert paper[f"persuadee {label}"] == plan.forward_transient_bytes(persuadee, 2, engine.FORWARD_TOKENS)
+    assert paper[f"persuadee {label}"] > engine.FORWARD_TOKENS * 3 * persuadee.intermediate_size * 2
+    assert f"actor {label}" in paper and not any("LoRA merge" in k for k in paper)
+    one = dict(plan.memory_plan(parse_train(["--preset", "one-gpu", "--plan", "--out",
+                                              "/nonexistent"]), 1, 139, True)["items"])
+    model = models.random_model("qwen3-4b", torch.bfloat16, "meta")[0]
+    largest = max(m.weight.numel() for name, m in model.named_modules()
+                  if name.rsplit(".", 1)[-1] in lora.LORA_TARGETS)
+    assert one["LoRA merge, one module at a time"] == largest * (4 + 4 + 4 + 2)

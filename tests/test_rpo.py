@@ -466,3 +466,24 @@ def test_a_shared_prompt_runs_once_with_the_plain_forwards_logits_and_gradients(
     for name, grad in out[False][1].items():  # float32 sums in another order: 1e-6 of the scale
         assert (out[True][1][name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
     assert any(g.abs().sum() > 0 for g in out[True][1].values())
+
+
+def test_a_model_that_returns_no_cache_gets_the_plain_forward():
+    """rpo.kept_logits with share_stem on a model that drops the stem's cache (transformers 5.17
+    in train mode with activation checkpointing): the plain forward's logits, no KeyError."""
+    import torch
+
+    import models
+    model = models.random_model("tiny-llama")[0].eval()
+
+    def no_cache(*args, **kwargs):
+        out = model(*args, **kwargs)
+        out["past_key_values"] = None
+        return out
+    torch.manual_seed(1)
+    stem = torch.randint(3, 600, (12,)).tolist()
+    ids = torch.tensor([stem + torch.randint(3, 600, (5,)).tolist() for _ in range(3)])
+    keep = torch.arange(9, ids.shape[1] - 1)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits[:, keep]
+        torch.testing.assert_close(rpo.kept_logits(no_cache, ids, keep, True), want)

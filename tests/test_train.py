@@ -819,11 +819,88 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     assert (tmp_path / "evals" / "lora-eval" / "summary.json").is_file()
 
 
-def test_lora_refuses_a_negative_rank_and_resume(tmp_path, short_scenarios, no_model_loads):
-    for extra in (["--lora", "-1"], ["--lora", "4", "--resume"]):
-        with pytest.raises(SystemExit, match="--lora"):
-            parse_train(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
-                                     "--name", "x", *extra])
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_activation_checkpointing_on_a_cpu_trains_as_without_it(tmp_path, short_scenarios,
+                                                                 monkeypatch, lora_rank):
+    """--activation-checkpointing on runs the GPU's update path on a CPU (the LoRA reference
+    through the shared prompt, the policy's recomputed layers): checkpointing is turned on, and
+    loss, gradient norm and KL equal a run without it (recomputation changes no number)."""
+    calls = []
+    original = train.checkpoint_activations
+    monkeypatch.setattr(train, "checkpoint_activations",
+                        lambda policy: calls.append(original(policy)))
+    runs_ = {}
+    for mode in ("on", "off"):
+        runs_[mode] = tiny_run(tmp_path, short_scenarios, f"ckpt-{mode}", "--lora", lora_rank,
+                               "--steps", 2, "--lr", 3e-2, "--kl-beta", 0.01,
+                               "--activation-checkpointing", mode)
+    assert len(calls) == 1
+    assert runs_["on"][1]["kl"] > 0 and runs_["on"][0]["grad_norm"] > 0
+    for a, b in zip(runs_["on"], runs_["off"], strict=True):
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+
+
+def test_a_run_keeps_two_optimizer_states_at_most_and_resumes_from_its_last(tmp_path,
+                                                                             short_scenarios,
+                                                                             monkeypatch):
+    """6 steps, a checkpoint every step, an evaluation every 2: while a checkpoint is written at
+    most one other holds an optimizer state (trainer.pt); after the run the evaluated steps keep
+    their weights without it, the others are gone, and --resume continues from the last one."""
+    run = tmp_path / "disk"
+    states, original = [], torch.save
+
+    def counting_save(obj, path, *a, **k):
+        states.append(len(list(run.glob("checkpoint-*/trainer.pt"))) + 1)
+        return original(obj, path, *a, **k)
+    monkeypatch.setattr(torch, "save", counting_save)
+    common = ["--save-every", 1, "--eval-every", 2, "--eval-limit", 1, "--eval-fidelity", 0]
+    tiny_run(tmp_path, short_scenarios, "disk", "--steps", 6, *common)
+    assert len(states) == 6 and max(states) <= 2
+    assert sorted(p.parent.name for p in run.glob("checkpoint-*/trainer.pt")) == ["checkpoint-6"]
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (2, 4, 6)]
+    assert all(any((run / f"checkpoint-{s}").glob("*.safetensors")) for s in (2, 4))
+    train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "disk",
+                       "--resume", "--steps", "7"])
+    assert [m["step"] for m in metrics(run)] == list(range(1, 8))
+    assert sorted(p.parent.name for p in run.glob("checkpoint-*/trainer.pt")) == ["checkpoint-7"]
+
+
+def test_lora_refuses_a_negative_rank(tmp_path, short_scenarios, no_model_loads):
+    with pytest.raises(SystemExit, match="--lora -1"):
+        parse_train(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
+                            "--name", "x", "--lora", "-1"])
+
+
+def test_a_stopped_lora_run_resumes_as_an_unbroken_one(tmp_path, short_scenarios):
+    """--lora with --resume: a run stopped after its step-2 checkpoint and resumed to step 4
+    (adapters, AdamW moments, step and random streams restored) gives the unbroken run's
+    metrics at steps 3 and 4 and its final adapters; the refusal of a foreign checkpoint
+    still holds (another rank's adapters do not load)."""
+    from safetensors.torch import load_file
+    common = ["--lora", 4, "--lr", 3e-2, "--kl-beta", 0.01, "--persuader-temperature", 1,
+              "--instances", 2, "--group-size", 2, "--max-new-tokens", 6]
+    tiny_run(tmp_path, short_scenarios, "broken", "--steps", 2, *common)
+    resumed = train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
+                                 "--name", "broken", "--resume", "--steps", "4"])
+    whole = tiny_run(tmp_path, short_scenarios, "whole", "--steps", 4, *common)
+    assert [m["step"] for m in resumed] == [3, 4] and whole[2]["grad_norm"] > 0
+    for a, b in zip(whole[2:], resumed, strict=True):
+        for key in COMPARED:
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    adapters = [load_file(tmp_path / name / "checkpoint-4" / "adapter_model.safetensors")
+                for name in ("whole", "broken")]
+    assert adapters[0].keys() == adapters[1].keys()
+    for k, v in adapters[0].items():
+        torch.testing.assert_close(adapters[1][k], v, atol=1e-6, rtol=0)
+    import shutil
+    (tmp_path / "broken" / "latest").write_text("checkpoint-4")
+    config = tmp_path / "broken" / "config.json"
+    config.write_text(config.read_text().replace('"lora": 4', '"lora": 8'))
+    with pytest.raises(SystemExit, match="do not match the policy"):
+        train.main(TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path),
+                           "--name", "broken", "--resume", "--steps", "5"])
+    shutil.rmtree(tmp_path / "whole")
 
 
 @pytest.mark.slow
