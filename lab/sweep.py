@@ -125,7 +125,7 @@ def sweep_owned(args):
     """The flags among train.py's extra arguments that the sweep sets itself (read as train.py's
     parser reads them: abbreviations and --flag=value count)."""
     import train
-    owned = set(SWEEP_SETS) | ({"lr"} if args.frozen_control else set())
+    owned = set(SWEEP_SETS)
     try:
         named = cli.explicit_settings(cli.train_parser(train), args.train_args, known=True)
     except SystemExit:
@@ -156,8 +156,9 @@ def arm_name(lam, seed):
 
 
 def arm_argv(args, extra, lam, seed, runs_dir, check_fidelity=False):
-    """train.py's arguments for one arm (the frozen control: lr 0, no held-out evaluation, which
-    would repeat the initial policy's). The probes' fork-against-full-forward check runs in the
+    """train.py's arguments for one arm (the frozen control: lr 0, after the extra arguments so that
+    it wins over an --lr given there for the learning arms; no held-out evaluation, which would
+    repeat the initial policy's). The probes' fork-against-full-forward check runs in the
     initial policy's evaluation only (check_fidelity): the persuadee is frozen, so the arms'
     evaluations would repeat it, and on a CPU it is most of an evaluation's time."""
     frozen = lam == FROZEN
@@ -167,7 +168,7 @@ def arm_argv(args, extra, lam, seed, runs_dir, check_fidelity=False):
             "--save-every", str(args.steps if frozen else args.eval_every),
             "--out", str(runs_dir), "--name", arm_name(lam, seed),
             *([] if check_fidelity else ["--eval-fidelity", "0"]),
-            *(["--lr", "0"] if frozen else []), *extra]
+            *extra, *(["--lr", "0"] if frozen else [])]
 
 
 def _steps_in(path, key="step"):

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from lab import sweep
+from lab import cli, sweep
 import train
 
 
@@ -111,12 +111,16 @@ def test_flags_the_sweep_sets_are_refused_after_the_separator(after, names, caps
     assert len(err) == 1 and f"{names} after -- would override" in err[0]
 
 
-def test_lr_after_the_separator_is_refused_only_with_a_frozen_control(tmp_path, capsys):
-    args, extra = sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--lr", "1e-4"])
+def test_lr_after_the_separator_trains_the_learning_arms_and_the_control_stays_at_lr_0(tmp_path):
+    """--lr after -- sets the learning arms' rate; the frozen control's lr 0 comes after it, so
+    the control stays frozen (argparse: the last value wins)."""
+    import train
+    args, extra = sweep.parse_args(BASE + ["--out", str(tmp_path), "--frozen-control", "--",
+                                           "--lr", "1e-4"])
     assert extra == ["--lr", "1e-4"]
-    with pytest.raises(SystemExit):
-        sweep.parse_args(BASE + ["--out", str(tmp_path), "--frozen-control", "--", "--lr", "1e-4"])
-    assert "--lr after --" in capsys.readouterr().err
+    rates = {lam: cli.train_args(sweep.arm_argv(args, extra, lam, 0, tmp_path), train).lr
+             for lam in (0.5, sweep.FROZEN)}
+    assert rates == {0.5: 1e-4, sweep.FROZEN: 0.0}
 
 
 @pytest.mark.parametrize("extra, says", [
