@@ -16,7 +16,8 @@ A --compare A B page pairs the two runs scenario by scenario, each pair's outcom
 
 The page loads nothing from elsewhere (inline CSS, one small inline script) and every text a model
 wrote goes through html.escape: a message is shown, never interpreted. Filters can be set in the
-URL fragment too: report.html#outcome=ACCEPT&domain=health.
+URL fragment too: report.html#outcome=ACCEPT&domain=health (keys outcome, resistance,
+domain, endreason; transition on the compare page).
 
     python eval.py --analyze evals/NAME          # rewrites summary.json, the plots and report.html
     python eval.py --compare evals/A evals/B     # compare.json and report-compare.html in evals/B
