@@ -1,10 +1,11 @@
 """
-Eval folders (evals/NAME): writing one (save_run: episodes.jsonl, summary.json, fidelity.json and
-the figures, and report.html, lab/html_report.py's page of every episode), recomputing its summary, figures and page from its episodes alone (analyze), reading what
-a folder or its training run recorded (the lambda, the anchor, the roles), and eval.py's
-model-free modes over folders: --compare, --compare-many, --table, --analyze, --case, --overlay,
---runs and --plot-run (analysis_mode). The analyses themselves are lab/analyses.py's, the figures
-lab/plots.py's.
+Eval folders (evals/NAME): writing one (save_run: episodes.jsonl, summary.json, fidelity.json,
+the figures and report.html, lab/html_report.py's page of every episode), recomputing its summary,
+figures and page from its episodes alone (analyze), reading what a folder or its training run
+recorded (the lambda, the anchor, the roles), and eval.py's model-free modes over folders:
+--compare (compare.json and report-compare.html), --compare-many, --table, --analyze, --case,
+--overlay, --runs and --plot-run (analysis_mode). The analyses themselves are lab/analyses.py's,
+the figures lab/plots.py's.
 
     python eval.py --analyze evals/NAME                         # summary.json and plots from episodes.jsonl
     python eval.py --case evals/NAME heldout-017                # Table 8: one episode turn by turn
