@@ -136,7 +136,8 @@ def readouts(ep):
 
 def readout_line(row):
     probes = " ".join(f"{esc(name)} {number(row.get(name))}" for name in records.probe_names())
-    return f"b_{row['t']} {number(row['b'])}, r_{row['t']} {number(row.get('r'))}; {probes}"
+    r = f", r_{row['t']} {number(row.get('r'))}" if row["t"] else ""  # r_t from the first reply on
+    return f"b_{row['t']} {number(row['b'])}{r}; {probes}"
 
 
 def transcript_html(ep):

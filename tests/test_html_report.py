@@ -97,7 +97,7 @@ def test_save_run_writes_a_page_naming_every_episode(tmp_path):
     assert "by resistance" in text and "entrenched_belief" in text and "health" in text
     # the transcript of s1: moves of message 1, the parsed decision and b_2 = +0.900 with its probes
     assert "moves: evidence" in text and "decision read: ACCEPT" in text
-    assert "b_2 +0.900" in text and "CA +1.000" in text and "strategy score s = +1.50" in text
+    assert "b_2 +0.900, r_2 " in text and "b_0 +0.000; CA" in text and "CA +1.000" in text and "strategy score s = +1.50" in text
 
 
 def test_analyze_rewrites_the_page(tmp_path):
