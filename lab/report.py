@@ -1,10 +1,11 @@
 """
-Eval folders (evals/NAME): writing one (save_run: episodes.jsonl, summary.json, fidelity.json and
-the figures), recomputing its summary and figures from its episodes alone (analyze), reading what
-a folder or its training run recorded (the lambda, the anchor, the roles), and eval.py's
-model-free modes over folders: --compare, --compare-many, --table, --analyze, --case, --overlay,
---runs and --plot-run (analysis_mode). The analyses themselves are lab/analyses.py's, the figures
-lab/plots.py's.
+Eval folders (evals/NAME): writing one (save_run: episodes.jsonl, summary.json, fidelity.json,
+the figures and report.html, lab/html_report.py's page of every episode), recomputing its summary,
+figures and page from its episodes alone (analyze), reading what a folder or its training run
+recorded (the lambda, the anchor, the roles), and eval.py's model-free modes over folders:
+--compare (compare.json and report-compare.html), --compare-many, --table, --analyze, --case,
+--overlay, --runs and --plot-run (analysis_mode). The analyses themselves are lab/analyses.py's,
+the figures lab/plots.py's.
 
     python eval.py --analyze evals/NAME                         # summary.json and plots from episodes.jsonl
     python eval.py --case evals/NAME heldout-017                # Table 8: one episode turn by turn
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import arena
 import rpo
-from lab import analyses, moves, plots, records, runs, served
+from lab import analyses, html_report, moves, plots, records, runs, served
 
 RUN_KEYS = ("roles", "settings", "requests", "subset")  # summary.json's record of how the run was played
 
@@ -40,13 +41,15 @@ def save_run(out_dir, episodes, summary, fidelity=None):
 
 
 def save_plots(out_dir, episodes, summary):
-    """beliefs.png and probes.png (when some episode has beliefs), moves.png (when labelled)."""
+    """beliefs.png and probes.png (when some episode has beliefs), moves.png (when labelled), and
+    report.html (lab/html_report.py: every episode and its transcript, readable in a browser)."""
     believed = analyses.with_beliefs(episodes)
     if believed:  # a persuadee served without log-probs has no belief to plot
         plots.plot_beliefs(believed, out_dir / "beliefs.png")
         plots.plot_probes(believed, out_dir / "probes.png")
     if "moves" in summary:
         plots.plot_moves(summary, out_dir / "moves.png")
+    html_report.write_report(out_dir, episodes, summary)
 
 
 def scenarios_by_id(path=None):
@@ -171,10 +174,12 @@ def analysis_mode(args, evals_dir):
     """The model-free modes; returns what they print. New folders go under evals_dir (eval.EVALS_DIR)."""
     if args.compare:
         a, b = args.compare
-        result = analyses.compare(records.load_episodes(a), records.load_episodes(b))
+        episodes_a, episodes_b = records.load_episodes(a), records.load_episodes(b)
+        result = analyses.compare(episodes_a, episodes_b)
         path = (Path(b) if Path(b).is_dir() else Path(b).parent) / "compare.json"
         runs.write_atomic(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
-        return "\n".join(role_differences(a, b) + [analyses.format_compare(result, a, b), f"wrote {path}"])
+        page = html_report.write_compare(path.parent / html_report.COMPARE_NAME, a, b, result, episodes_a, episodes_b)
+        return "\n".join(role_differences(a, b) + [analyses.format_compare(result, a, b), f"wrote {path} and {page}"])
     if args.compare_many:
         result = analyses.compare_many({d: records.load_episodes(d) for d in args.compare_many},
                                        records.load_episodes(args.policy))

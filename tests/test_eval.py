@@ -29,7 +29,7 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     report.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
     report.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
     assert sorted(p.name for p in (tmp_path / "A").iterdir()) == \
-        ["beliefs.png", "episodes.jsonl", "probes.png", "summary.json"]   # no temp files left behind
+        ["beliefs.png", "episodes.jsonl", "probes.png", "report.html", "summary.json"]   # no temp files left behind
     assert records.load_episodes(tmp_path / "A") == RUN_A
     assert records.load_episodes(tmp_path / "B" / "episodes.jsonl") == RUN_B
     assert json.loads((tmp_path / "A" / "summary.json").read_text())["full_accept"] == pytest.approx(0.5)

@@ -1,0 +1,270 @@
+"""
+report.html: one self-contained page of an evaluation folder, to read rather than parse. At the
+top the main table of the run (full acceptance, full or conditional, final belief b_T, turns; all
+episodes, by resistance type and by domain) with 95% intervals (Wilson for the shares, Student t
+for the means, lab/significance.py's, as in the paper's main table). Below, one row an episode:
+id, outcome, resistance, domain, end reason, turns, its belief trace b_0..b_T as inline SVG and
+its final probe values (probes.PROBES), sortable by any column and filterable by outcome,
+resistance, domain and end reason. Each row opens to its transcript: every persuader message with
+its move labels, every persuadee reply with the decision the parser read from it, b_t, r_t (the
+run's reward setting, rpo.process_rewards) and the probe values, and the judge's verdict.
+
+    r_t = (b_t - b_{t-1}) / 2          (analyses.case_rows)
+
+A --compare A B page pairs the two runs scenario by scenario, each pair's outcome transition
+(A -> B) marked up (B's goal reward higher), down or same, both transcripts side by side.
+
+The page loads nothing from elsewhere (inline CSS, one small inline script) and every text a model
+wrote goes through html.escape: a message is shown, never interpreted. Filters can be set in the
+URL fragment too: report.html#outcome=ACCEPT&domain=health (keys outcome, resistance,
+domain, endreason; transition on the compare page).
+
+    python eval.py --analyze evals/NAME          # rewrites summary.json, the plots and report.html
+    python eval.py --compare evals/A evals/B     # compare.json and report-compare.html in evals/B
+    python -m pytest -q tests/test_html_report.py
+"""
+import html
+from collections import defaultdict
+from pathlib import Path
+
+import arena
+import rpo
+from lab import analyses, records, runs, significance
+
+TRACE_SIZE = (140, 34)  # the belief trace's width and height in pixels (b in [-1, 1])
+FILTERS = ("outcome", "resistance", "domain", "end_reason")  # the columns the page filters by
+COMPARE_NAME = "report-compare.html"  # a --compare page, beside compare.json in B's folder
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px;vertical-align:top}
+th{background:#f2f2f2}th.sort{cursor:pointer}.num{text-align:right;font-variant-numeric:tabular-nums}
+.ci{color:#777;font-size:85%}details>summary{cursor:pointer}.msg{white-space:pre-wrap;margin:4px 0;padding:4px 8px;border-radius:4px}
+.persuader{background:#eef4ff}.persuadee{background:#f4f4f4}.meta{color:#555;font-size:85%}
+.up{background:#dff5df}.down{background:#fbe0e0}.same{}.filters select{margin-right:1em}
+.ACCEPT{color:#0a6b0a;font-weight:bold}.REJECT,.WALK_AWAY{color:#a30000}.side{display:inline-block;width:49%;vertical-align:top}
+"""
+
+SCRIPT = """
+function applyFilters(){var f={};document.querySelectorAll('.filters select').forEach(function(s){if(s.value)f[s.name]=s.value});
+document.querySelectorAll('tr.episode').forEach(function(r){var show=true;for(var k in f){if(r.dataset[k]!==f[k])show=false}
+r.hidden=!show;var d=r.nextElementSibling;if(d&&d.classList.contains('detail'))d.hidden=!show})}
+function fromHash(){var h=decodeURIComponent(location.hash.slice(1));h.split('&').forEach(function(p){var kv=p.split('=');
+var s=document.querySelector('.filters select[name="'+kv[0]+'"]');if(s&&kv.length==2)s.value=kv[1]});applyFilters()}
+function sortBy(th){var table=th.closest('table'),i=th.cellIndex,asc=th.dataset.asc!=='1';th.dataset.asc=asc?'1':'0';
+var pairs=[];table.querySelectorAll('tr.episode').forEach(function(r){pairs.push([r,r.nextElementSibling])});
+pairs.sort(function(a,b){var x=a[0].cells[i].dataset.v||a[0].cells[i].textContent,y=b[0].cells[i].dataset.v||b[0].cells[i].textContent;
+var nx=parseFloat(x),ny=parseFloat(y),c=(!isNaN(nx)&&!isNaN(ny))?nx-ny:x.localeCompare(y);return asc?c:-c});
+var body=table.tBodies[0];pairs.forEach(function(p){body.appendChild(p[0]);if(p[1])body.appendChild(p[1])})}
+document.addEventListener('DOMContentLoaded',function(){document.querySelectorAll('.filters select').forEach(function(s){
+s.addEventListener('change',applyFilters)});document.querySelectorAll('th.sort').forEach(function(th){
+th.addEventListener('click',function(){sortBy(th)})});fromHash()});
+"""
+
+
+def esc(value):
+    """Any value as escaped HTML text (None as -)."""
+    return "-" if value is None else html.escape(str(value), quote=True)
+
+
+def number(x, fmt="+.3f"):
+    return "-" if x is None else format(x, fmt)
+
+
+def trace_svg(beliefs):
+    """b_0..b_T as an inline SVG polyline on [-1, 1] (unread beliefs skipped), zero line dashed."""
+    w, h = TRACE_SIZE
+    read = [(t, b) for t, b in enumerate(beliefs) if b is not None]
+    span = max(len(beliefs) - 1, 1)
+    points = " ".join(f"{2 + t * (w - 4) / span:.1f},{(1 - b) * (h - 4) / 2 + 2:.1f}" for t, b in read)
+    line = f'<polyline fill="none" stroke="#2a5db0" stroke-width="1.5" points="{points}"/>' if read else ""
+    return (f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img">'
+            f'<title>{esc(" ".join(number(b, "+.2f") for b in beliefs))}</title>'
+            f'<line x1="0" x2="{w}" y1="{h / 2}" y2="{h / 2}" stroke="#bbb" stroke-dasharray="3,3"/>{line}</svg>')
+
+
+def share_cell(fraction, n):
+    """A share in percent with its Wilson 95% interval."""
+    if fraction is None or not n:
+        return "<td>-</td>"
+    low, high = significance.wilson_interval(round(fraction * n), n)
+    return f'<td class="num">{100 * fraction:.1f}% <span class="ci">[{100 * low:.1f}, {100 * high:.1f}]</span></td>'
+
+
+def mean_cell(values, fmt):
+    """A mean with its Student-t 95% interval (no interval below two values)."""
+    if not values:
+        return "<td>-</td>"
+    mean, low, high = significance.t_interval(values)
+    ci = f' <span class="ci">[{format(low, fmt)}, {format(high, fmt)}]</span>' if low is not None else ""
+    return f'<td class="num">{format(mean, fmt)}{ci}</td>'
+
+
+def table_row(label, stats, episodes):
+    """One row of the main table: the summary's shares, the means of the same episodes."""
+    believed = analyses.with_beliefs(episodes)
+    return (f"<tr><th>{esc(label)}</th><td class='num'>{stats['n']}</td>"
+            + share_cell(stats["full_accept"], stats["n"]) + share_cell(stats["full_or_conditional"], stats["n"])
+            + mean_cell([ep["beliefs"][-1] for ep in believed], "+.3f")
+            + mean_cell([ep["turns"] for ep in episodes], ".2f") + "</tr>")
+
+
+def main_table(summary, episodes):
+    """The run's main table from summary.json's keys: all episodes, then by resistance and domain."""
+    head = ("<tr><th></th><th>n</th><th>full acceptance</th><th>full or conditional</th>"
+            "<th>final belief b_T</th><th>turns</th></tr>")
+    rows = [table_row("all episodes", summary, episodes)]
+    for key, title in (("resistance", "by_resistance"), ("domain", "by_domain")):
+        groups = defaultdict(list)
+        for ep in episodes:
+            groups[ep.get(key) or analyses.UNSTATED].append(ep)
+        rows.append(f"<tr><th colspan='6'>{title.replace('_', ' ')}</th></tr>")
+        rows += [table_row(name, stats, groups.get(name, [])) for name, stats in summary.get(title, {}).items()]
+    note = ("<p class='meta'>shares with Wilson 95% intervals, means with Student-t 95% intervals; "
+            f"end reasons: {esc(', '.join(f'{k} {v}' for k, v in summary.get('end_reasons', {}).items()))}</p>")
+    return f"<table>{head}{''.join(rows)}</table>{note}"
+
+
+def readouts(ep):
+    """Per read-out t: {b, r, probe values}; r from the run's reward setting when beliefs are read."""
+    if analyses.with_beliefs([ep]):
+        return analyses.case_rows(ep)
+    names = records.probe_names()
+    return [{"t": t, "b": b, "r": None, **dict(zip(names, values or [None] * len(names)))}
+            for t, (values, b) in enumerate(zip(ep.get("probes") or [], ep.get("beliefs") or []))]
+
+
+def readout_line(row):
+    probes = " ".join(f"{esc(name)} {number(row.get(name))}" for name in records.probe_names())
+    r = f", r_{row['t']} {number(row.get('r'))}" if row["t"] else ""  # r_t from the first reply on
+    return f"b_{row['t']} {number(row['b'])}{r}; {probes}"
+
+
+def transcript_html(ep):
+    """The transcript in order: persuader messages with their move labels, persuadee replies with
+    the parsed decision, b_t, r_t and the probe values read after them, then the judge's verdict."""
+    rows, moves, manipulation = readouts(ep), ep.get("moves") or [], ep.get("manipulation") or []
+    parts = [f"<div class='meta'>before the first message: {readout_line(rows[0])}</div>" if rows else ""]
+    said = heard = 0
+    for message in ep.get("transcript") or []:
+        if message["role"] == "persuader":
+            labels = moves[said] if said < len(moves) else []
+            flags = manipulation[said] if said < len(manipulation) else []
+            said += 1
+            meta = f"moves: {esc(', '.join(labels) or '-')}" + (f"; manipulation: {esc(', '.join(flags))}" if flags else "")
+        else:
+            heard += 1
+            row = rows[heard] if heard < len(rows) else None
+            meta = f"decision read: {esc(message.get('decision'))}" + (f"; {readout_line(row)}" if row else "")
+        parts.append(f"<div class='msg {esc(message['role'])}'><b>{esc(message['role'])} {said}</b>"
+                     f"<div>{esc(message.get('text', ''))}</div><div class='meta'>{meta}</div></div>")
+    verdict = ("not judged" if ep.get("judge") is None else
+               f"strategy score s = {number(ep['judge'], '+.2f')}" + (" (judge failed: fell back to 0)" if ep.get("judge_failed") else ""))
+    parts.append(f"<div class='meta'>outcome {esc(ep['outcome'])}, end reason {esc(ep.get('end_reason'))}; judge: {verdict}</div>")
+    return "".join(parts)
+
+
+def episode_cells(ep):
+    """An episode's row cells: id, outcome, resistance, domain, end reason, turns, trace, probes."""
+    last = (ep.get("probes") or [[]])[-1] or []
+    probes = "".join(f'<td class="num" data-v="{number(v)}">{number(v)}</td>'
+                     for v in list(last) + [None] * (len(records.probe_names()) - len(last)))
+    final = (ep.get("beliefs") or [None])[-1]
+    return (f"<td>{esc(ep['id'])}</td><td class='{esc(ep['outcome'])}'>{esc(ep['outcome'])}</td>"
+            f"<td>{esc(ep.get('resistance'))}</td><td>{esc(ep.get('domain'))}</td><td>{esc(ep.get('end_reason'))}</td>"
+            f"<td class='num'>{ep['turns']}</td><td data-v='{number(final)}'>{trace_svg(ep.get('beliefs') or [])}</td>{probes}")
+
+
+def row_data(ep):
+    """The data-* attributes the filters read."""
+    return " ".join(f'data-{key.replace("_", "")}="{esc(ep.get(key))}"' for key in FILTERS)
+
+
+def filters_html(episodes):
+    """One <select> per filtered column, its options the values present."""
+    out = []
+    for key in FILTERS:
+        values = sorted({str(ep.get(key)) if ep.get(key) is not None else "-" for ep in episodes})
+        options = "".join(f"<option>{esc(v)}</option>" for v in values)
+        out.append(f"<label>{key.replace('_', ' ')} <select name='{key.replace('_', '')}'>"
+                   f"<option value=''>all</option>{options}</select></label>")
+    return f"<p class='filters'>{''.join(out)}</p>"
+
+
+def episodes_table(episodes):
+    columns = ["id", "outcome", "resistance", "domain", "end reason", "turns", "belief b_0..b_T (sort: b_T)",
+               *records.probe_names()]
+    head = "".join(f"<th class='sort'>{esc(c)}</th>" for c in columns)
+    rows = [f"<tr class='episode' {row_data(ep)}>{episode_cells(ep)}</tr>"
+            f"<tr class='detail' {row_data(ep)}><td colspan='{len(columns)}'><details><summary>transcript of "
+            f"{esc(ep['id'])}</summary>{transcript_html(ep)}</details></td></tr>" for ep in episodes]
+    return f"{filters_html(episodes)}<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def page(title, body):
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{esc(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{esc(title)}</h1>{body}<script>{SCRIPT}</script></body></html>\n")
+
+
+def write_report(out_dir, episodes, summary):
+    """report.html beside summary.json: the main table, then one row and transcript an episode."""
+    out_dir = Path(out_dir)
+    body = (f"<h2>Main table</h2>{main_table(summary, episodes)}"
+            f"<h2>Episodes ({len(episodes)})</h2><p class='meta'>click a column to sort; open a row for its transcript; "
+            f"probe columns are the last read-out's values</p>{episodes_table(episodes)}")
+    path = out_dir / "report.html"
+    runs.write_atomic(path, page(f"evaluation {out_dir.name}", body))
+    return path
+
+
+def transition_class(outcome_a, outcome_b):
+    """up where B's goal reward beats A's on the scenario, down where it falls short, else same."""
+    ga, gb = rpo.GOAL[outcome_a], rpo.GOAL[outcome_b]
+    return "up" if gb > ga else "down" if gb < ga else "same"
+
+
+def transitions_table(result):
+    """compare()'s A -> B outcome counts, the changed cells coloured by direction."""
+    head = "<tr><th>A \\ B</th>" + "".join(f"<th>{o}</th>" for o in arena.OUTCOMES) + "</tr>"
+    rows = []
+    for oa in arena.OUTCOMES:
+        cells = "".join(f"<td class='num {transition_class(oa, ob) if n else ''}'>{n}</td>"
+                        for ob, n in ((ob, result["transitions"][oa][ob]) for ob in arena.OUTCOMES))
+        rows.append(f"<tr><th>{oa}</th>{cells}</tr>")
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def pair_rows(episodes_a, episodes_b):
+    """One row a scenario both runs played: A's and B's outcome and trace, the transition marked."""
+    a = {ep["scenario_id"]: ep for ep in episodes_a}
+    b = {ep["scenario_id"]: ep for ep in episodes_b}
+    rows = []
+    for sid in sorted(set(a) & set(b)):
+        ea, eb = a[sid], b[sid]
+        kind = transition_class(ea["outcome"], eb["outcome"])
+        data = (f'data-outcome="{esc(ea["outcome"])}&gt;{esc(eb["outcome"])}" data-transition="{kind}" '
+                f'data-resistance="{esc(eb.get("resistance"))}" data-domain="{esc(eb.get("domain"))}"')
+        rows.append(f"<tr class='episode {kind}' {data}><td>{esc(sid)}</td><td>{esc(ea['outcome'])} &rarr; "
+                    f"{esc(eb['outcome'])}</td><td>{kind}</td><td>{esc(eb.get('resistance'))}</td><td>{esc(eb.get('domain'))}</td>"
+                    f"<td>{trace_svg(ea.get('beliefs') or [])}</td><td>{trace_svg(eb.get('beliefs') or [])}</td></tr>"
+                    f"<tr class='detail'><td colspan='7'><details><summary>transcripts of {esc(sid)}</summary>"
+                    f"<div class='side'><b>A</b>{transcript_html(ea)}</div><div class='side'><b>B</b>{transcript_html(eb)}</div>"
+                    "</details></td></tr>")
+    return rows
+
+
+def write_compare(path, name_a, name_b, result, episodes_a, episodes_b):
+    """The --compare page: the tests, the transition table and the scenarios paired, B against A."""
+    rows = pair_rows(episodes_a, episodes_b)
+    kinds = sorted({"up", "down", "same"})
+    select = ("<p class='filters'><label>transition <select name='transition'><option value=''>all</option>"
+              + "".join(f"<option>{k}</option>" for k in kinds) + "</select></label></p>")
+    head = "".join(f"<th class='sort'>{c}</th>" for c in ("scenario", "A &rarr; B", "transition", "resistance",
+                                                           "domain", "belief A", "belief B"))
+    body = (f"<p>A = {esc(name_a)}<br>B = {esc(name_b)}</p><p>{result['n']} scenarios paired; acceptance won "
+            f"{result['accept_won']}, lost {result['accept_lost']} (McNemar p = {number(result['mcnemar_p'], '.3g')}); "
+            f"goal wins {result['wins']}, losses {result['losses']}, ties {result['ties']} "
+            f"(Wilcoxon p = {number(result['wilcoxon_p'], '.3g')})</p><h2>Outcome transitions</h2>{transitions_table(result)}"
+            f"<h2>Scenarios</h2>{select}<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+    runs.write_atomic(Path(path), page(f"compare {Path(name_b).name} against {Path(name_a).name}", body))
+    return Path(path)
