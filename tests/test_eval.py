@@ -245,6 +245,10 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     runs = {name: tmp_path / eval.EVALS_DIR / name for name in ("one", "two")}
     one, two = (records.load_episodes(runs[k]) for k in ("one", "two"))
     assert len(one) == 6 == len(two)
+    from test_html_report import assert_self_contained, parse  # a real evaluation's report.html
+    page = parse(runs["one"] / "report.html")
+    assert_self_contained((runs["one"] / "report.html").read_text())
+    assert len(page.rows) == 6 and all(ep["id"] in "".join(page.text) for ep in one)
     for a, b in zip(one, two):  # texts exactly; beliefs to float noise (other batch neighbours)
         floats = ("beliefs", "probes", "probe_mass")
         assert {k: v for k, v in a.items() if k not in floats} == \
