@@ -69,7 +69,7 @@ LABEL_FIELDS = ("moves", "manipulation", "tagger")
 
 EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
     "scenario_id": ("a string", lambda v: isinstance(v, str)),
-    "outcome": ("one of arena.OUTCOMES", lambda v: v in arena.OUTCOMES),
+    "outcome": (lambda: "one of " + ", ".join(arena.OUTCOMES), lambda v: v in arena.OUTCOMES),
     "turns": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "beliefs": ("a list of numbers (null where unread)", lambda v: isinstance(v, list) and all(map(_number_or_none, v))),
     "probes": ("a list of rows, one value per probe of probes.PROBES (null where unread)",
@@ -101,16 +101,17 @@ RUN_FIELDS = {  # what --runs reads of a training run's files
 
 def check_record(row, fields, optional=()):
     """None for a record that has every field of `fields` as it must be (those named in optional
-    may be absent), else (field, what it must be, what it is)."""
+    may be absent), else (field, what it must be, what it is). A description may be a function,
+    read when a record breaks it (the outcomes as arena holds them then)."""
     if not isinstance(row, dict):
         return "(whole line)", "a JSON object", type(row).__name__
     for field, (must, ok) in fields.items():
         if field not in row:
             if field in optional:
                 continue
-            return field, must, "missing"
+            return field, must() if callable(must) else must, "missing"
         if not ok(row[field]):
-            return field, must, json.dumps(row[field])[:60]
+            return field, must() if callable(must) else must, json.dumps(row[field])[:60]
     return None
 
 
@@ -121,7 +122,6 @@ def read_records(path, what, fields, optional=()):
     for lineno, row in rows:
         if problem := check_record(row, fields, optional):
             field, must, got = problem
-            must = must.replace("arena.OUTCOMES", ", ".join(arena.OUTCOMES))  # named as they are now
             raise ValueError(f"{path}, line {lineno}: field '{field}' must be {must}, got {got}")
     return [row for _, row in rows]
 

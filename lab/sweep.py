@@ -245,6 +245,17 @@ def step_window(metrics, step, every, key):
     return sum(values) / len(values) if values else None
 
 
+def rescued_window(metrics, step, every):
+    """The share of the dead groups of (step - every, step] that the dense term rescued, pooled
+    over those steps (a step's dead_rescued_share weighted by its dead groups; a step has the same
+    number of groups throughout a run), None when no group was dead: a mean of per-step shares
+    would count every step without a dead group as 0."""
+    window = [m for m in metrics if step - every < m["step"] <= step
+              and m.get("dead_group_share") is not None and m.get("dead_rescued_share") is not None]
+    dead = sum(m["dead_group_share"] for m in window)
+    return sum(m["dead_group_share"] * m["dead_rescued_share"] for m in window) / dead if dead else None
+
+
 def arm_entries(lam, seed, run, initial, every):
     """summary.json's entries of one arm: the initial policy (step 0) and each checkpoint."""
     entries = []
@@ -257,7 +268,7 @@ def arm_entries(lam, seed, run, initial, every):
             mean_belief_change=sum(changes) / len(changes) if changes else None,
             mean_dense_return=summary["mean_dense_return"],
             dead_group_share=step_window(run["metrics"], step, every, "dead_group_share"),
-            rescued_share=step_window(run["metrics"], step, every, "dead_rescued_share"),
+            rescued_share=rescued_window(run["metrics"], step, every),
             collapsed_group_share=step_window(run["metrics"], step, every,
                                               "collapsed_group_share")))
     return entries

@@ -220,3 +220,14 @@ def test_three_seeds_write_seed_level_into_the_summary(tmp_path, short_scenarios
             assert row["vs_lambda0"]["seed_level"]["belief_change"]["n"] == 3
     assert on_disk["tests"] == summary["tests"] > 0
     assert "stratified-1 of" in (tmp_path / "three" / "table.md").read_text()
+
+
+def test_the_rescued_share_pools_the_dead_groups_of_its_window():
+    """(0.5 * 1 + 0.25 * 0) / (0 + 0.5 + 0.25) = 2/3 of the window's dead groups rescued; a mean of
+    the per-step shares would say 1/3, counting the step without a dead group as 0."""
+    metrics = [dict(step=1, dead_group_share=0.0, dead_rescued_share=0.0),
+               dict(step=2, dead_group_share=0.5, dead_rescued_share=1.0),
+               dict(step=3, dead_group_share=0.25, dead_rescued_share=0.0),
+               dict(step=4, dead_group_share=1.0, dead_rescued_share=1.0)]  # outside the window
+    assert sweep.rescued_window(metrics, 3, 3) == pytest.approx(2 / 3)
+    assert sweep.rescued_window(metrics[:1], 1, 1) is None
