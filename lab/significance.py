@@ -4,7 +4,7 @@ paper's comparisons rest on (scipy and numpy; no torch, no episode records).
 
   wilson_interval          a proportion's Wilson score interval (the main table's acceptance)
   t_interval               a mean's Student-t interval (belief changes, the sweep's differences)
-  mean_band                means by index over ragged rows with 95% normal half-widths (figures)
+  mean_band                means by index over ragged rows with 95% Student-t half-widths (figures)
   welch_difference         a difference of means with its Welch interval (move effects)
   proportion_difference    a difference of proportions with its Wald interval
   mcnemar                  exact McNemar on paired booleans (acceptance, same scenarios)
@@ -54,13 +54,16 @@ def t_interval(values, level=CONFIDENCE):
 
 
 def mean_band(rows):
-    """Mean by index over ragged rows and its 95% normal half-width (0 where one row)."""
+    """Mean by index over ragged rows and its 95% Student-t half-width (0 where one row): the
+    figures' bands are over few units (a sweep's seeds), where the normal quantile would draw
+    them too narrow (t with 2 degrees of freedom is 4.30, not 1.96)."""
     length = max((len(r) for r in rows), default=0)
     mean, half = np.zeros(length), np.zeros(length)
     for t in range(length):
         v = np.array([r[t] for r in rows if len(r) > t], dtype=float)
         mean[t] = v.mean()
-        half[t] = Z95 * v.std(ddof=1) / math.sqrt(v.size) if v.size > 1 else 0.0
+        quantile = stats.t.ppf((1 + CONFIDENCE) / 2, v.size - 1) if v.size > 1 else 0.0
+        half[t] = quantile * v.std(ddof=1) / math.sqrt(v.size) if v.size > 1 else 0.0
     return mean, half
 
 

@@ -152,8 +152,8 @@ def test_trajectory_stats():
     mean, half, count = st["ACCEPT"]
     assert list(count) == [2, 2, 2, 1]
     assert mean[0] == pytest.approx(-0.1)                        # (0 - .2)/2
-    # sd(0, -.2) = .1414, half-width 1.96 * .1414 / sqrt(2) = 1.96 * .1
-    assert half[0] == pytest.approx(significance.Z95 * 0.1)
+    # sd(0, -.2) = .1414, half-width t(0.975, 1) * .1414 / sqrt(2) = 12.7062 * .1
+    assert half[0] == pytest.approx(12.706205 * 0.1)
     assert mean[3] == pytest.approx(0.6) and half[3] == 0.0      # only e6 reaches turn 3
 
 

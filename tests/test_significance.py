@@ -127,3 +127,13 @@ def test_paired_t_by_hand():
     assert r["low"] == pytest.approx(0.2 - 4.302653 * 0.1 / math.sqrt(3), rel=1e-5)
     assert significance.paired_t([1.0], [0.5])["p"] is None
     assert significance.paired_t([1.0, 2.0], [1.0, 2.0])["p"] == 1.0
+
+
+def test_mean_band_by_hand_uses_student_t():
+    """Three seeds at index 0 (1, 2, 6: mean 3, sd sqrt(7)), one at index 1: t with 2 degrees of
+    freedom is 4.3027, so the half-width is 4.3027 * sqrt(7) / sqrt(3) (a normal band would be
+    2.2 times narrower); a lone row has no band."""
+    mean, half = significance.mean_band([[1.0, 5.0], [2.0], [6.0]])
+    assert mean.tolist() == [3.0, 5.0]
+    assert half[0] == pytest.approx(4.302653 * math.sqrt(7) / math.sqrt(3), rel=1e-5)
+    assert half[1] == 0.0
