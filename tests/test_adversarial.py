@@ -456,6 +456,13 @@ def test_a_loop_of_adapters_is_refused_and_a_chain_accepted(adapter, tmp_path, m
                     "base_model_name_or_path in its adapter_config.json to the model it was trained on")
     chained = tampered(adapter, tmp_path, {"base_model_name_or_path": str(adapter)}, name="chained")
     assert cli.model_problem(str(chained)) is None and cli.model_problem(str(adapter)) is None
+    # a hub base not in this machine's cache: nothing is downloaded, its shapes go unchecked, the
+    # rest is checked all the same
+    hub = {"base_model_name_or_path": "no-such-org/no-such-model"}
+    assert cli.local_config(hub["base_model_name_or_path"]) is None
+    assert cli.model_problem(str(tampered(adapter, tmp_path, hub, name="hub"))) is None
+    broken = tampered(adapter, tmp_path, hub, lambda w: {k: v * math.nan for k, v in w.items()}, "nan")
+    assert "holds non-finite values" in cli.model_problem(str(broken))
 
 
 def test_an_adapter_that_changes_nothing_is_warned_about(adapter, tmp_path, capsys):
