@@ -35,7 +35,7 @@ import models
 import probes
 import rollout
 import rpo
-from lab import lora, plan, presets, runs, served
+from lab import gguf, lora, plan, presets, runs, served, shapes
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
@@ -45,6 +45,9 @@ NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resu
                 "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
             "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
+TEMPERATURE_RANGE = (1e-2, 1e2)  # a sampling temperature other than 0 (greedy) lies here: below,
+# sampling is greedy in all but name; above, it is uniform over the vocabulary
+PLAN_GIB_MAX = 2.0**20  # --plan-gib at most (a PiB): more is no device, and overflows the byte count
 PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening", "lab.lora")
 # the constants that say what is trained and played, pinned on resume with the entry point's own;
 # the engine's (engine, layers, lab.fastpath: pool sizes, block size, the fast path) set speed and
@@ -116,14 +119,32 @@ def _same_kind(value, like):
     return isinstance(value, type(like))
 
 
+def choice_problem(parser, key, value, record):
+    """What is wrong with a value read back from a record (config.json, settings.json, sweep.json)
+    for the argument key, when the parser gives that argument choices: each value (each element
+    of an appended list) must be one of them, as on a command line. None when it is."""
+    action = next((a for a in parser._actions if a.dest == key and a.choices is not None), None)
+    if action is None:
+        return None
+    values = value if isinstance(value, list) and isinstance(action.default, list) else [value]
+    bad = [v for v in values if not any(v == c and type(v) is type(c) for c in action.choices)]
+    if not bad or action.default is None and bad == [None]:
+        return None
+    flag = action.option_strings[-1] if action.option_strings else key
+    return (f"{record} holds {json.dumps(key)}: {json.dumps(bad[0])}, not one of {flag}'s "
+            f"choices ({', '.join(map(str, action.choices))})")
+
+
 def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), record="config.json",
-                 own=None, again="--resume", restart="start a new run (another --name)"):
+                 own=None, again="--resume", restart="start a new run (another --name)",
+                 parser=None):
     """--resume: the settings of the run as recorded (config.json or settings.json; sweep.json
     for a sweep run again, `again` naming how in the messages, `restart` how to start over). A
     setting the command line leaves out takes the recorded value (which must have its argument's
-    type); one it names with another value is refused in one line naming each, except
-    may_change; an edited pinned constant is refused in one line naming it. The caller then
-    validates args as it does a fresh command line, before any model loads."""
+    type, and, given the parser, be one of its argument's choices: choice_problem); one it names
+    with another value is refused in one line naming each, except may_change; an edited pinned
+    constant is refused in one line naming it. The caller then validates args as it does a fresh
+    command line, before any model loads."""
     if constants := changed_constants(recorded, own):
         raise runs.say_error(who, f"{again}: {'; '.join(constants)}; a resumed run keeps the "
                              f"objective it was trained with: restore the constant, or {restart}")
@@ -137,6 +158,8 @@ def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), 
                 raise runs.say_error(who, f"{again}: {record} holds {flag} {json.dumps(value)}, "
                                      f"not a {type(getattr(args, key)).__name__}; fix it there, "
                                      f"or {restart}")
+            if parser is not None and (problem := choice_problem(parser, key, value, record)):
+                raise runs.say_error(who, f"{again}: {problem}; fix it there, or {restart}")
             setattr(args, key, value)
         elif json.dumps(getattr(args, key)) != json.dumps(value) and key not in may_change:
             changed.append(f"{flag} {getattr(args, key)} (the run has {value})")
@@ -181,8 +204,11 @@ def sampling_problem(args):
     """What is wrong with the sampling flags, as (flag, problem, fix), or None."""
     for flag, value, example in (("--persuader-temperature", args.persuader_temperature, 1.0),
                                  ("--persuadee-temperature", args.persuadee_temperature, 0.7)):
-        if value is not None and (not math.isfinite(value) or value < 0):
-            return f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {example}"
+        low, high = TEMPERATURE_RANGE
+        if value is not None and value != 0 and not low <= value <= high:
+            return (f"{flag} {value}", f"must be 0 (greedy) or lie in [{low:g}, {high:g}] (nearer 0 "
+                    "or infinity it samples greedily or uniformly in all but name, and a "
+                    "persuader trains nothing: KL 0 every step)", f"pass e.g. {flag} {example}")
     if args.persuadee_top_p is not None and not 0 < args.persuadee_top_p <= 1:
         return (f"--persuadee-top-p {args.persuadee_top_p}", "must lie in (0, 1]",
                 "pass e.g. --persuadee-top-p 0.8")
@@ -212,8 +238,10 @@ def fill_sampling(args):
             setattr(args, key, value)
 
 
-def model_problem(name):
-    """What is wrong with a model argument, or None (a hub name cannot be checked offline)."""
+def model_problem(name, _seen=()):
+    """What is wrong with a model argument, or None (a hub name cannot be checked offline). A
+    LoRA adapter folder is checked whole (adapter_chain_problem); _seen: the adapter folders
+    whose bases led here."""
     if not isinstance(name, str):
         return "is not a model name"
     if name == "smollm2":
@@ -222,12 +250,60 @@ def model_problem(name):
         known = models.RANDOM_CONFIGS
         return None if name[7:] in known else f"names no random shape (one of {', '.join(known)})"
     path = Path(name).expanduser()
+    if lora.is_adapter(path):
+        return adapter_chain_problem(path, _seen)
     if path.exists():
-        return None if (path / "config.json").is_file() or lora.is_adapter(path) else \
+        return None if (path / "config.json").is_file() else \
             "is a path but not a model folder (no config.json)"
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         return "is no such folder"
     return None
+
+
+def local_config(name):
+    """A model's config with no weight read and nothing downloaded (lab/shapes.py's, where it
+    needs no hub), or None for a hub model not in this machine's cache."""
+    from transformers import AutoConfig
+    path = Path(name).expanduser()
+    if (name.startswith("random:") or name in shapes.KNOWN_SHAPES or lora.is_adapter(path)
+            or (path / "config.json").is_file()
+            or name == "smollm2" and (gguf.smollm2_folder() / "config.json").is_file()):
+        return shapes.model_config(name)
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def adapter_chain_problem(folder, seen=()):
+    """What is wrong with a LoRA adapter folder, in one line, before any weight loads, or None:
+    its adapter_config.json (lora.read_adapter_config), its base (named, not itself nor an
+    adapter whose bases lead back to it, and a model model_problem accepts), and its weights
+    against the base's config (lora.adapter_problem). An adapter that changes nothing is
+    warned about on stderr."""
+    record, problem = lora.read_adapter_config(folder)
+    if problem:
+        return f"is an adapter folder whose {problem}; restore the file from its run"
+    base = record.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base.strip():
+        return (f"is an adapter folder whose {lora.ADAPTER_CONFIG} names no base model "
+                f"(base_model_name_or_path {json.dumps(base)}); set it to the model it was trained on")
+    chain = (*seen, Path(folder).expanduser().resolve())
+    if lora.is_adapter(base) and Path(base).expanduser().resolve() in chain:
+        loop = "is itself" if Path(base).expanduser().resolve() == chain[-1] else \
+            "leads back to it (a loop of adapters)"
+        return (f"is an adapter folder whose base {base} {loop}; set base_model_name_or_path in "
+                f"its {lora.ADAPTER_CONFIG} to the model it was trained on")
+    if problem := model_problem(base, chain):
+        return f"is an adapter folder whose base {base} {problem}"
+    try:
+        config = local_config(base)
+    except (OSError, ValueError) as e:
+        return f"is an adapter folder whose base {base} has no readable config ({type(e).__name__})"
+    problem, warning = lora.adapter_problem(folder, record, config)
+    if warning:
+        print(f"warning: the adapter folder {folder}: {warning}", file=sys.stderr)
+    return problem and f"is an adapter folder whose {problem}; pass another checkpoint"
 
 
 # -----------------------------------------------------------------------------
@@ -313,7 +389,8 @@ def train_args(argv, own):
     if args.resume:
         runs.checkpoint_folder(run_dir)
         pin_settings(args, read_config(run_dir, "train.py"), explicit_settings(p, argv),
-                     "train.py", RESUME_MAY_CHANGE, NOT_SETTINGS, own=own)
+                     "train.py", RESUME_MAY_CHANGE, NOT_SETTINGS, record=str(run_dir / "config.json"),
+                     own=own, parser=p)
     try:
         validate(args)
     except SystemExit as e:
@@ -384,8 +461,9 @@ def validate_scenarios(args):
 def input_problem(args, scenarios):
     """(flag, problem, fix) for a plan size that is no size or a training file that cannot give
     the run its N_TRAIN_INSTANCES distinct instances, else None."""
-    if args.plan_gib is not None and not (math.isfinite(args.plan_gib) and args.plan_gib > 0):
-        return f"--plan-gib {args.plan_gib}", "must be a finite number of GiB > 0", "pass e.g. --plan-gib 80"
+    if args.plan_gib is not None and not (math.isfinite(args.plan_gib) and 0 < args.plan_gib <= PLAN_GIB_MAX):
+        return (f"--plan-gib {args.plan_gib}", f"must be a finite number of GiB > 0 and at most "
+                f"{PLAN_GIB_MAX:.0f} (a PiB)", "pass e.g. --plan-gib 80")
     if args.plan_ranks is not None and args.plan_ranks < 1:
         return f"--plan-ranks {args.plan_ranks}", "must be at least 1", "pass e.g. --plan-ranks 8"
     if problem := arena.variants_problem(scenarios):

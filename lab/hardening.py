@@ -18,8 +18,10 @@ be happier [ACCEPT]", "not without the leaflet [CONDITIONAL ACCEPT]"), and so do
 itself negated or affirming ("why not", "no reason not to", "can't refuse"). A clause ends at
 . ! ? ; : , a line break or another tag. tests/test_arena.py's NEGATION_TABLE is the rule's record.
 
-Also here: invalid_text (a lone surrogate no tokenizer can encode) and quoted (text as one JSON
-string on one line, for prompts that quote a speaker). Standard library only.
+Also here: invalid_text (a lone surrogate no tokenizer can encode), hidden_character (a control,
+format (zero-width, bidi), line-separator or surrogate character: what a name shown to a person
+must not hold, as it hides or reorders what is shown; lab/runs.py's name rule) and quoted (text
+as one JSON string on one line, for prompts that quote a speaker). Standard library only.
 
 Tests: python -m pytest -q tests/test_arena.py tests/test_adversarial.py
 """
@@ -81,6 +83,19 @@ def invalid_text(text):
     UTF-16 surrogate (half an emoji, from a JSON escape such as "\\ud83d") encodes in no UTF."""
     bad = _SURROGATE.search(text)
     return None if bad is None else f"the lone surrogate U+{ord(bad.group()):04X}"
+
+HIDDEN_CATEGORIES = {  # what a name may not hold: characters that print as nothing, move the
+    # text around them (bidi), break a line, or are no character at all
+    "Cc": "a control character", "Cf": "a zero-width or bidi format character",
+    "Cs": "a lone surrogate (a byte that is not UTF-8, or half an emoji)",
+    "Co": "a private-use character", "Zl": "a line separator", "Zp": "a paragraph separator"}
+
+def hidden_character(text):
+    """None when text holds no HIDDEN_CATEGORIES character, else the first one, described."""
+    for c in text:
+        if (kind := HIDDEN_CATEGORIES.get(unicodedata.category(c))) is not None:
+            return f"U+{ord(c):04X}, {kind}"
+    return None
 
 LINE_SEPARATORS = ("\u0085", "\u2028", "\u2029")  # line breaks to Unicode that JSON leaves raw
 

@@ -7,8 +7,17 @@ after each step (refresh_from_lora). A folder holding ADAPTER_CONFIG is a checkp
 models.load_model loads it as its base with the adapter merged in (merge_adapter); train.py
 --resume restores its adapters under their names in the model (saved_names) with the optimizer.
 
-Tests: python -m pytest -q tests/test_models.py -k lora
+An adapter folder is checked before any weight loads (adapter_problem, with the base's config,
+which lab/cli.py's model_problem finds along the chain of bases): adapter_config.json parses and
+names a LoRA adapter of rank r >= 1 and a scale alpha / r (alpha / sqrt r under rsLoRA) within
+ADAPTER_SCALE_RANGE; adapter_model.safetensors holds at least one A, B pair, every weight an A
+[r, d_in] or B [d_out, r] of a LORA_TARGETS projection of one of the base's layers, all finite.
+
+Tests: python -m pytest -q tests/test_models.py -k lora; tests/test_adversarial.py -k adapter
 """
+import json
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -17,6 +26,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_ALPHA_PER_RANK = 2  # alpha = 2 r: the adapter's update B A is scaled by alpha / r = 2
 LORA_SEED = 0  # A's initialisation (B starts at 0), the same on every rank
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder a LoRA checkpoint (peft's file)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # its weights (peft's file)
+ADAPTER_SCALE_RANGE = (1e-3, 1e2)  # alpha / r an adapter folder may carry (attach_lora's: 2);
+# below, the adapter is its base in all but name; above, it swamps the base's weights
+_SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers")
+_ADAPTER_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight")
 
 
 def attach_lora(model, rank, base_name, seed=None):
@@ -96,6 +110,96 @@ def average_lora_gradients(lora, world):
 
 def is_adapter(name_or_path):
     return (Path(name_or_path).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def _one_line(error):
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:80]}"
+
+
+def read_adapter_config(folder):
+    """(adapter_config.json as a dict, None), or (None, what is wrong with it): it parses, is a
+    LoRA adapter's, with an integer rank r >= 1 and a finite lora_alpha whose scale (alpha / r,
+    alpha / sqrt r under rsLoRA) lies in ADAPTER_SCALE_RANGE."""
+    path = Path(folder).expanduser() / ADAPTER_CONFIG
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"{ADAPTER_CONFIG} cannot be read ({_one_line(e)})"
+    if not isinstance(record, dict):
+        return None, f"{ADAPTER_CONFIG} is not a JSON object"
+    if record.get("peft_type", "LORA") != "LORA":
+        return None, f"{ADAPTER_CONFIG} is a {json.dumps(record.get('peft_type'))} adapter, not LoRA"
+    r, alpha = record.get("r"), record.get("lora_alpha")
+    if type(r) is not int or r < 1:
+        return None, f"{ADAPTER_CONFIG} holds \"r\": {json.dumps(r)}, not a rank >= 1"
+    if type(alpha) not in (int, float) or not math.isfinite(alpha):
+        return None, f"{ADAPTER_CONFIG} holds \"lora_alpha\": {json.dumps(alpha)}, not a finite number"
+    scale = alpha / (math.sqrt(r) if record.get("use_rslora") else r)
+    low, high = ADAPTER_SCALE_RANGE
+    if not low <= scale <= high:
+        return None, (f"{ADAPTER_CONFIG} scales the adapter by {scale:g} (lora_alpha {alpha:g}, r "
+                      f"{r}), outside [{low:g}, {high:g}]")
+    return record, None
+
+
+def projection_shapes(config):
+    """{projection: (d_in, d_out)} of each LORA_TARGETS projection of a decoder layer, from its
+    config (no weight read)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    inner = config.intermediate_size
+    return dict(q_proj=(hidden, heads * head_dim), k_proj=(hidden, kv_heads * head_dim),
+                v_proj=(hidden, kv_heads * head_dim), o_proj=(heads * head_dim, hidden),
+                gate_proj=(hidden, inner), up_proj=(hidden, inner), down_proj=(inner, hidden))
+
+
+def adapter_weight_problem(name, shape, config, rank):
+    """What is wrong with an adapter weight's name and shape for the base's config, or None: an
+    A [rank, d_in] or B [d_out, rank] of a LORA_TARGETS projection of one of its layers (rank
+    None: any, as under peft's per-module rank_pattern)."""
+    match = _ADAPTER_KEY.fullmatch(name)
+    shapes = projection_shapes(config)
+    if not match or match[2] not in shapes:
+        return f"holds {name}, which is no LoRA A or B of a {'/'.join(LORA_TARGETS)} projection"
+    if int(match[1]) >= config.num_hidden_layers:
+        return f"holds {name}, but the base has {config.num_hidden_layers} layers"
+    d_in, d_out = shapes[match[2]]
+    r = "r" if rank is None else rank
+    want = [r, d_in] if match[3] == "A" else [d_out, r]
+    if len(shape) == 2 and all(w == "r" or w == n for w, n in zip(want, shape)):
+        return None
+    return f"holds {name} of shape {shape}, where the base's config gives [{want[0]}, {want[1]}]"
+
+
+def adapter_problem(folder, record, config):
+    """(what is wrong with an adapter folder's weights, or None; a warning, or None): see the
+    module's docstring. record: its config (read_adapter_config); config: its base's config
+    (None, for a hub base not in this machine's cache: the shapes go unchecked). Reads the
+    adapter's weights (small), never the base's. An adapter whose every B is 0 changes nothing:
+    warned, as a run with it still means something (it is its base)."""
+    from safetensors import SafetensorError, safe_open
+    path = Path(folder).expanduser() / ADAPTER_WEIGHTS
+    try:
+        with safe_open(str(path), "pt") as weights:
+            tensors = {name: weights.get_tensor(name) for name in weights.keys()}
+    except (OSError, SafetensorError, ValueError) as e:
+        return f"{ADAPTER_WEIGHTS} cannot be read ({_one_line(e)})", None
+    kinds = {_ADAPTER_KEY.fullmatch(name)[3] for name in tensors if _ADAPTER_KEY.fullmatch(name)}
+    if kinds != {"A", "B"}:
+        return f"{ADAPTER_WEIGHTS} holds no LoRA A and B weights: the adapter is empty", None
+    rank = None if record.get("rank_pattern") else record["r"]
+    if not all(hasattr(config, k) for k in _SHAPE_FIELDS):
+        config = None  # no decoder this project runs (models.check_supported refuses it at load)
+    for name, tensor in sorted(tensors.items()):
+        if config is not None and (problem := adapter_weight_problem(name, list(tensor.shape),
+                                                                     config, rank)):
+            return f"{ADAPTER_WEIGHTS} {problem}", None
+        if not torch.isfinite(tensor).all():
+            return f"{ADAPTER_WEIGHTS} holds non-finite values in {name}", None
+    if not any(t.any() for name, t in tensors.items() if name.endswith("lora_B.weight")):
+        return None, f"{ADAPTER_WEIGHTS} changes nothing (every B is 0): it runs as its base"
+    return None, None
 
 
 def adapter_base(folder):

@@ -317,6 +317,16 @@ def plan_refusal(plan):
             "--micro-batch (python train.py --plan shows every figure)")
 
 
+def ranks_refusal(args, world):
+    """The one line that refuses --instances the ranks cannot share out in whole groups, or None:
+    the run's check (steps.plan_run), which --plan makes for its --plan-ranks too."""
+    if args.instances % world == 0:
+        return None
+    return (f"train.py: --instances {args.instances} must be a multiple of the number of ranks "
+            f"({world}) so that every rank rolls out whole groups; pass e.g. --instances "
+            f"{world * max(args.instances // world, 1)}")
+
+
 def device_plan(args, world, device):
     """The plan for this run's own devices (a GPU's memory; a CPU rank's share of the RAM)."""
     if device.type == "cuda":
@@ -328,14 +338,20 @@ def device_plan(args, world, device):
 
 def print_plan(args):
     """--plan: the plan for --plan-ranks GPUs of --plan-gib (by default this node's GPUs, else
-    PLAN_NODE), printed; a plan that does not fit exits with its one line."""
+    PLAN_NODE), printed; a plan the run would refuse (it does not fit, or its --instances do not
+    share out over the ranks) exits with the run's one line. The arguments were validated as the
+    run's are (cli.train_args); a disk here that cannot hold the run is a warning (the plan may
+    be for another machine)."""
     cuda = torch.cuda.is_available()
     world = args.plan_ranks or int(os.environ.get("WORLD_SIZE", 0)) or (
         torch.cuda.device_count() if cuda else PLAN_NODE[0])
     gib = args.plan_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda
                             else PLAN_NODE[1])
     plan = memory_plan(args, world, gib, True)
-    print("\n".join(plan_lines(plan) + disk_lines(disk_plan(args), Path(args.out) / args.name)))
-    if refusal := plan_refusal(plan):
+    disk, run_dir = disk_plan(args), Path(args.out) / args.name
+    print("\n".join(plan_lines(plan) + disk_lines(disk, run_dir)))
+    if refusal := plan_refusal(plan) or ranks_refusal(args, world):
         sys.exit(refusal)
+    if refusal := disk_refusal(disk, run_dir):
+        print(f"warning: on this machine, {refusal}", file=sys.stderr)
     return plan

@@ -4,7 +4,8 @@ runs.py: a run folder on disk, shared by train.py (runs/NAME) and eval.py (evals
 
 A run folder is written only by the process that holds its lock, only by this module's writers,
 and never through a link:
-  - one name rule (name_problem): one folder name, no path separators, no control characters;
+  - one name rule (name_problem): one folder name of visible characters (no path separators,
+    no control, zero-width, bidi or line-separator character), at most NAME_MAX bytes;
   - prepare(): before any model loads, the folder is checked (not a link, no link among its own
     files, an existing run refused without --resume or --overwrite, --overwrite only of a folder
     that holds a run this project wrote), its parent checked writable, and an exclusive lock
@@ -22,7 +23,7 @@ and never through a link:
     checkpoint saved or resumed, a --persuader loaded by train.py or eval.py);
   - checkpoints (save_checkpoint / load_checkpoint), the loggers (stdout, TensorBoard and W&B as
     one Loggers object) and rank setup (setup_distributed, all_sum).
-The standard library only at import: torch is imported inside the checkpoint and rank functions.
+The standard library (and lab.hardening, which is) only at import: torch is imported inside the checkpoint and rank functions.
 """
 import errno
 import fcntl
@@ -34,12 +35,13 @@ import re
 import shutil
 import sys
 import tempfile
-import unicodedata
 from pathlib import Path
+
+from lab import hardening
 
 MARKER = ".persuarena-run"  # written into every run folder this project makes: --overwrite may delete it
 LOCK = ".lock"  # flock'ed by the process that writes the folder, for as long as it runs
-NAME_MAX = 200  # characters of a run name (a file system allows 255; temporary names add a suffix)
+NAME_MAX = 200  # UTF-8 bytes of a run name (a file system allows 255; temporary names add a suffix)
 # files a run writes (train.py's and eval.py's); a folder holding only these and no marker is a
 # run of an earlier version of the project, which --overwrite may replace as well
 RUN_FILES = re.compile(r"(config\.json|metrics\.jsonl|rollouts\.jsonl|evals\.jsonl|latest|"
@@ -206,12 +208,18 @@ def write_failure(who, what, run_dir, error, kept, needed=0, resumable=True):
 
 
 def name_problem(name):
-    """What makes name no single folder name, or None."""
-    if name in ("", ".", "..") or any(c in name for c in "/\\\0" + os.sep) or \
-            any(unicodedata.category(c) == "Cc" for c in name):
-        return "must be one folder name (no '.', '..', path separators or control characters)"
-    if len(name) > NAME_MAX:
-        return f"is {len(name)} characters long, more than {NAME_MAX}"
+    """What makes name no single folder name a person can read, or None: checked as characters
+    (hardening.hidden_character: no control, zero-width, bidi or line-separator character, no
+    lone surrogate, which is how a byte that is not UTF-8 arrives) and as the bytes the file
+    system stores (at most NAME_MAX in UTF-8)."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0" + os.sep):
+        return "must be one folder name (no '.', '..' or path separators)"
+    if hidden := hardening.hidden_character(name):
+        return f"holds {hidden}; use visible characters"
+    if name.isspace():
+        return "is blank"
+    if len(name.encode()) > NAME_MAX:
+        return f"is {len(name.encode())} bytes long in UTF-8, more than {NAME_MAX}"
     return None
 
 

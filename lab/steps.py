@@ -58,9 +58,8 @@ def plan_run(args, world, device, say):
             f"{args.judge or args.persuadee})")
     say(f"run {Path(args.out) / args.name}  preset {args.preset}  ranks {world}  lambda {args.lam}  "
         f"anchor {args.anchor}  G {args.group_size}  instances/step {args.instances}")
-    if args.instances % world:
-        sys.exit(f"train.py: --instances {args.instances} must be a multiple of the number of "
-                 f"ranks ({world}) so that every rank rolls out whole groups")
+    if refusal := plan.ranks_refusal(args, world):
+        sys.exit(refusal)
     return rank_plan["sizes"] if device.type == "cuda" else {}
 
 

@@ -194,10 +194,11 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(models, "random_model", refuse)
 
 
-def one_line_exit(call):
+def one_line_exit(call, capsys=None):
+    """The one line a call exits with (eval.py's argparse exits print it to stderr: capsys)."""
     with pytest.raises(SystemExit) as e:
         call()
-    text = str(e.value.code)
+    text = capsys.readouterr().err.rstrip("\n") if capsys and e.value.code == 2 else str(e.value.code)
     assert "\n" not in text and "Traceback" not in text
     return text
 
@@ -288,3 +289,253 @@ def test_an_evaluation_with_no_belief_still_writes_its_summary(tmp_path, capsys)
     assert (tmp_path / "run" / "summary.json").is_file() and "probe_fidelity" not in summary
     assert "fidelity skipped" in capsys.readouterr().err
     assert "non-finite weights" in one_line_exit(lambda: pools.refuse_nonfinite("x", broken))
+
+
+# -----------------------------------------------------------------------------
+# issue 37: one-line errors at every entry point, before any model loads
+
+TINY_TRAIN = ["--preset", "tiny", "--steps", "1"]
+
+
+@pytest.mark.parametrize("flag", ["--persuader-temperature", "--persuadee-temperature"])
+@pytest.mark.parametrize("value", ["1e-30", "1e30", "0.005", "101", "nan", "-1"])
+def test_a_temperature_that_trains_nothing_is_refused_in_one_line(flag, value, tmp_path, monkeypatch,
+                                                                  capsys):
+    """0 is greedy; otherwise [1e-2, 1e2]: 1e-30 samples greedily and 1e30 uniformly, KL 0 every
+    step. train.py and eval.py share the check (cli.sampling_problem)."""
+    import eval
+    import train
+    no_loading(monkeypatch)
+    said = one_line_exit(lambda: train.main(TINY_TRAIN + ["--out", str(tmp_path), flag, value]))
+    assert said == (f"train.py: {flag} {float(value)} must be 0 (greedy) or lie in [0.01, 100] "
+                    "(nearer 0 or infinity it samples greedily or uniformly in all but name, and a "
+                    f"persuader trains nothing: KL 0 every step); pass e.g. {flag} "
+                    f"{1.0 if 'persuader' in flag else 0.7}")
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    assert f"{flag} {float(value)} must be 0 (greedy) or lie in [0.01, 100]" in one_line_exit(
+        lambda: eval.main(TINY_EVAL + [flag, value]), capsys)
+
+
+@pytest.mark.parametrize("value", ["0", "0.01", "100", "1.3"])
+def test_a_temperature_that_trains_is_accepted(value, tmp_path):
+    import train
+    from lab import cli
+    args = cli.train_args(TINY_TRAIN + ["--out", str(tmp_path), "--persuader-temperature", value,
+                                        "--persuadee-temperature", value], train)
+    assert args.persuader_temperature == args.persuadee_temperature == float(value)
+
+
+@pytest.mark.parametrize("name, says", [
+    ("bad\udcffname", "holds U+DCFF, a lone surrogate (a byte that is not UTF-8, or half an emoji)"),
+    ("\U0001f600" * 100, "is 400 bytes long in UTF-8, more than 200"),
+    ("   ", "is blank"),
+    ("\u3000", "is blank"),
+    ("run\u200b", "holds U+200B, a zero-width or bidi format character"),
+    ("run\u202e1-tset", "holds U+202E, a zero-width or bidi format character"),
+    ("a\u2028b", "holds U+2028, a line separator"),
+    ("tab\tname", "holds U+0009, a control character"),
+])
+def test_a_name_is_checked_as_bytes_and_characters(name, says, tmp_path, monkeypatch, capsys):
+    """What the file system stores (UTF-8 bytes, at most runs.NAME_MAX) and what a person reads
+    (no invisible, reordering or line-breaking character): refused in one line naming the code
+    point, by train.py and eval.py, before the first checkpoint (the non-UTF-8 name used to train,
+    then fail at its first save with disk-full advice; 100 emoji gave ENAMETOOLONG)."""
+    import eval
+    import train
+    no_loading(monkeypatch)
+    said = one_line_exit(lambda: train.main(TINY_TRAIN + ["--out", str(tmp_path), "--name", name]))
+    assert said == (f"train.py: --name {name!r} {says}" + ("; use visible characters" if "holds" in
+                    says else "") + "; pass e.g. --name my-run (--out says where runs go)")
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    assert says in one_line_exit(lambda: eval.main(TINY_EVAL + ["--name", name]), capsys)
+
+
+def test_a_name_of_visible_characters_is_accepted(tmp_path):
+    import train
+    from lab import cli, runs
+    for name in ("caf\u00e9-\u65e5\u672c", "\U0001f600" * 50, "a b", "x" * runs.NAME_MAX):
+        assert cli.train_args(TINY_TRAIN + ["--out", str(tmp_path), "--name", name], train).name == name
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A rank-4 LoRA checkpoint of random:tiny-llama (attach_lora, B drawn so that it changes the
+    base), as train.py --lora saves one."""
+    import torch
+
+    from lab import lora
+    folder = tmp_path_factory.mktemp("adapter") / "checkpoint-1"
+    peft_model = lora.attach_lora(models.random_model("tiny-llama")[0], 4, "random:tiny-llama")
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def tampered(adapter, where, config=None, weights=None, name="tampered"):
+    """A copy of the adapter folder at where/name, its adapter_config.json updated (a dict) or
+    replaced (a string), its weights mapped by weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lab import lora
+    folder = where / name
+    shutil.copytree(adapter, folder)
+    record = json.loads((folder / lora.ADAPTER_CONFIG).read_text())
+    text = config if isinstance(config, str) else json.dumps({**record, **(config or {})})
+    (folder / lora.ADAPTER_CONFIG).write_text(text)
+    if weights is not None:
+        path = folder / lora.ADAPTER_WEIGHTS
+        save_file(weights(load_file(path)), path)
+    return folder
+
+
+def _first_b_zero_rows(w):
+    return {k: v[:2] if k.endswith("layers.0.self_attn.k_proj.lora_B.weight") else v for k, v in w.items()}
+
+
+@pytest.mark.parametrize("config, weights, says", [
+    ({"base_model_name_or_path": None}, None,
+     "adapter_config.json names no base model (base_model_name_or_path null); set it"),
+    ({"base_model_name_or_path": ""}, None, 'names no base model (base_model_name_or_path "")'),
+    ("SELF", None, "is itself; set base_model_name_or_path in its adapter_config.json"),
+    ('{"r": 4,', None, "adapter_config.json cannot be read (JSONDecodeError: Expecting property name"),
+    ("[4]", None, "adapter_config.json is not a JSON object"),
+    ({"r": 0}, None, 'adapter_config.json holds "r": 0, not a rank >= 1'),
+    ({"lora_alpha": "8"}, None, 'adapter_config.json holds "lora_alpha": "8", not a finite number'),
+    ({"lora_alpha": 1e30}, None, "scales the adapter by 2.5e+29 (lora_alpha 1e+30, r 4), outside "
+                                 "[0.001, 100]"),
+    ({"lora_alpha": 1e-30}, None, "scales the adapter by 2.5e-31"),
+    ({"peft_type": "IA3"}, None, 'is a "IA3" adapter, not LoRA'),
+    ({"base_model_name_or_path": "random:tiny-mistral"}, None,
+     "layers.0.self_attn.k_proj.lora_B.weight of shape [32, 4], where the base's config gives [64, 4]"),
+    ({"base_model_name_or_path": "/nonexistent/base"}, None, "whose base /nonexistent/base is no such folder"),
+    ({"r": 8, "lora_alpha": 16}, None, "down_proj.lora_A.weight of shape [4, 128], where the base's "
+                                       "config gives [8, 128]"),
+    (None, _first_b_zero_rows, "k_proj.lora_B.weight of shape [2, 4], where the base's config gives [32, 4]"),
+    (None, lambda w: {}, "adapter_model.safetensors holds no LoRA A and B weights: the adapter is empty"),
+    (None, lambda w: {k: v.fill_(math.inf) if "q_proj.lora_B" in k else v for k, v in w.items()},
+     "adapter_model.safetensors holds non-finite values in base_model.model.model.layers.0.self_attn"
+     ".q_proj.lora_B.weight"),
+    (None, lambda w: {**w, "base_model.model.lm_head.lora_A.weight": w[next(iter(w))].clone()},
+     "holds base_model.model.lm_head.lora_A.weight, which is no LoRA A or B of a q_proj/"),
+])
+def test_a_tampered_adapter_folder_is_refused_in_one_line(adapter, config, weights, says, tmp_path,
+                                                          monkeypatch, capsys):
+    """Every way an adapter folder can be broken, refused by the model check train.py, eval.py
+    and lab.env share (cli.model_problem) before any weight loads: before, a null or
+    self-pointing base, bad JSON and wrong shapes gave tracebacks, and an empty adapter or one
+    scaled by lora_alpha 1e30 evaluated silently."""
+    import eval
+    import train
+    if config == "SELF":
+        config = {"base_model_name_or_path": str(tmp_path / "tampered")}
+    folder = tampered(adapter, tmp_path, config, weights)
+    no_loading(monkeypatch)
+    said = one_line_exit(lambda: train.main(TINY_TRAIN + ["--out", str(tmp_path / "runs"),
+                                                         "--persuader", str(folder)]))
+    assert said.startswith(f"train.py: --persuader {folder} is an adapter folder whose ") and says in said
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path / "evals"))
+    said = one_line_exit(lambda: eval.main(TINY_EVAL[2:] + ["--persuader", str(folder)]), capsys)
+    assert said.startswith(f"eval.py: --persuader {folder} is an adapter folder whose ") and says in said
+
+
+def test_a_loop_of_adapters_is_refused_and_a_chain_accepted(adapter, tmp_path, monkeypatch):
+    """An adapter trained on another adapter (train.py --persuader CHECKPOINT --lora) is a chain
+    the loader follows; a chain that loops back would recurse for ever."""
+    from lab import cli
+    first = tampered(adapter, tmp_path, {"base_model_name_or_path": str(tmp_path / "second")}, name="first")
+    tampered(adapter, tmp_path, {"base_model_name_or_path": str(first)}, name="second")
+    said = cli.model_problem(str(first))
+    assert said == (f"is an adapter folder whose base {tmp_path / 'second'} is an adapter folder "
+                    f"whose base {first} leads back to it (a loop of adapters); set "
+                    "base_model_name_or_path in its adapter_config.json to the model it was trained on")
+    chained = tampered(adapter, tmp_path, {"base_model_name_or_path": str(adapter)}, name="chained")
+    assert cli.model_problem(str(chained)) is None and cli.model_problem(str(adapter)) is None
+    # a hub base not in this machine's cache: nothing is downloaded, its shapes go unchecked, the
+    # rest is checked all the same
+    hub = {"base_model_name_or_path": "no-such-org/no-such-model"}
+    assert cli.local_config(hub["base_model_name_or_path"]) is None
+    assert cli.model_problem(str(tampered(adapter, tmp_path, hub, name="hub"))) is None
+    broken = tampered(adapter, tmp_path, hub, lambda w: {k: v * math.nan for k, v in w.items()}, "nan")
+    assert "holds non-finite values" in cli.model_problem(str(broken))
+
+
+def test_an_adapter_that_changes_nothing_is_warned_about(adapter, tmp_path, capsys):
+    """Every B 0 (an adapter saved before its first step): it runs as its base, which is still a
+    meaningful evaluation, so a warning, not a refusal."""
+    from lab import cli
+    folder = tampered(adapter, tmp_path, weights=lambda w: {k: v * 0 if "lora_B" in k else v
+                                                            for k, v in w.items()})
+    assert cli.model_problem(str(folder)) is None
+    assert capsys.readouterr().err == (f"warning: the adapter folder {folder}: "
+                                       "adapter_model.safetensors changes nothing (every B is 0): "
+                                       "it runs as its base\n")
+
+
+def resumable_run(tmp_path, **recorded):
+    """A run folder train.py --resume accepts up to its config.json (the tiny preset's, recorded
+    as train.py records it, with `recorded` written over), with a checkpoint's files in place."""
+    import train
+    from lab import cli
+    args = cli.train_args(TINY_TRAIN + ["--out", str(tmp_path), "--name", "r"], train)
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoint-1").mkdir(parents=True)
+    for name in ("trainer.pt", "config.json", "model.safetensors"):
+        (run_dir / "checkpoint-1" / name).write_text("{}")
+    (run_dir / "latest").write_text("checkpoint-1")
+    cli.record_config(run_dir, args, 0, own=train)
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, **recorded}))
+    return run_dir / "config.json"
+
+
+@pytest.mark.parametrize("key, value, choices", [
+    ("decision", "bogus", "--decision's choices (tag, logit)"),
+    ("preset", "bogus", "--preset's choices (paper, cpu, tiny, one-gpu)"),
+    ("probe_space", "bogus", "--probe-space's choices (prob, logodds)"),
+    ("sampling", "bogus", "--sampling's choices (paper, cpu)"),
+    ("activation_checkpointing", "sometimes", "--activation-checkpointing's choices (auto, on, off)"),
+    ("log", ["tensorboard", "bogus"], "--log's choices (tensorboard, wandb)"),
+])
+def test_a_resumed_choice_is_validated_as_a_fresh_flag(key, value, choices, tmp_path, monkeypatch):
+    """A choice read back from config.json is held to its flag's choices (argparse's, for a
+    fresh command line): before, "decision" or "preset" "bogus" resumed silently, and
+    "probe_space" or "sampling" gave tracebacks."""
+    import train
+    path = resumable_run(tmp_path, **{key: value})
+    no_loading(monkeypatch)
+    bad = value[-1] if isinstance(value, list) else value
+    said = one_line_exit(lambda: train.main(["--out", str(tmp_path), "--name", "r", "--resume"]))
+    assert said == (f"train.py: --resume: {path} holds {json.dumps(key)}: {json.dumps(bad)}, not one "
+                    f"of {choices}; fix it there, or start a new run (another --name)")
+
+
+def test_a_resumed_run_whose_choices_hold_passes_validation(tmp_path):
+    import train
+    from lab import cli
+    resumable_run(tmp_path, decision="logit", probe_space="logodds")
+    args = cli.train_args(["--out", str(tmp_path), "--name", "r", "--resume"], train)
+    assert (args.decision, args.probe_space, args.preset) == ("logit", "logodds", "tiny")
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--plan-gib", "1e308"], "train.py: --plan-gib 1e+308 must be a finite number of GiB > 0 and "
+                              "at most 1048576 (a PiB); pass e.g. --plan-gib 80"),
+    (["--plan-ranks", "3"], "train.py: --instances 2 must be a multiple of the number of ranks (3) "
+                            "so that every rank rolls out whole groups; pass e.g. --instances 3"),
+    (["--persuader-temperature", "1e30"], "--persuader-temperature 1e+30 must be 0 (greedy)"),
+    (["--name", "run\u202e"], "holds U+202E"),
+])
+def test_the_plan_refuses_what_the_run_refuses(extra, says, tmp_path, monkeypatch):
+    """--plan validates as the run does (cli.train_args), and its --plan-ranks are held to the
+    run's own check that the instances share out (plan.ranks_refusal): it used to say the plan
+    fits for settings the run then refused, and --plan-gib 1e308 overflowed into a traceback."""
+    import train
+    no_loading(monkeypatch)
+    said = one_line_exit(lambda: train.main(["--preset", "tiny", "--plan", "--out", str(tmp_path)] + extra))
+    assert said.startswith(says) if says.startswith("train.py") else says in said
