@@ -96,9 +96,10 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
     rollout.DECISION. Each episode is appended to out_dir/episodes.jsonl as it ends; with
     `resume` those already there are not played again. `settings` go to settings.json and the
     summary. Under torchrun each rank plays instances[rank::world] and rank 0 gathers, tags,
-    summarises and saves (others return None); records do not depend on the rank (rollout's
-    keyed random streams), so the summary equals one process's. `subset` names the scenarios
-    played in the summary (arena.subset_name), by default their count."""
+    summarises and saves (others return None), the probe fidelity check shared by the ranks;
+    records do not depend on the rank (rollout's keyed random streams), so the summary equals
+    one process's. `subset` names the scenarios played in the summary (arena.subset_name), by
+    default their count."""
     import engine
     import rollout
     from lab import fidelity as probe_fidelity
@@ -122,15 +123,15 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
         persuader_sampling=persuader_sampling, persuadee_sampling=persuadee_sampling,
         probe_space=probe_space, probe_signs=probe_signs, decision=decision)
     episodes = episode_log.gathered(episodes, instances, world)
+    local_persuadee = persuadee if isinstance(persuadee, engine.Engine) else None
+    reads = probe_fidelity.fidelity_reads(  # every rank reads its share of the sample
+        local_persuadee, instances, episodes, FIDELITY_SAMPLES if fidelity is None else fidelity,
+        probe_space, probe_signs, rank, world)
     if rank:
         return None
     local_judge = judge if isinstance(judge, engine.Engine) else None
-    local_persuadee = persuadee if isinstance(persuadee, engine.Engine) else None
     moves.tag_episodes(episodes, {inst.get("scenario_id", inst["id"]): inst for inst in instances},
                        tagger, local_judge or local_persuadee)
-    reads = probe_fidelity.fidelity_reads(
-        local_persuadee, instances, episodes, FIDELITY_SAMPLES if fidelity is None else fidelity,
-        probe_space, probe_signs)
     summary = analyses.summarize_run(episodes, reads,
                                      rpo.LAMBDA if shaping_lambda is None else shaping_lambda)
     roles = report.roles_record(names, (persuader, persuadee, judge),

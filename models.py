@@ -158,12 +158,27 @@ def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
         config = AutoConfig.from_pretrained(path)
         check_supported(config, name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        # straight to the device: no copy of the weights passes through host RAM
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                     device_map=torch.device(device))
     except OSError as e:
         raise SystemExit(f"models.py: cannot load model '{name_or_path}': {e}\n"
                          "Pass a local Hugging Face model folder, a hub name reachable from this "
                          "machine, or 'smollm2' for the CPU default.") from None
-    return model.to(device).eval(), tokenizer
+    return model.eval(), tokenizer
+
+
+def copied(model, dtype):
+    """A frozen copy of a loaded model, its weights cast to dtype on their device: a second role
+    of the same weights (train.py: the persuader's reference and rollout copy, and the persuadee
+    when it is the persuader) without reading them again. Each parameter is cast once (tied ones
+    stay tied), buffers (rotary inv_freq) stay as loaded, as from_pretrained(dtype=) leaves them."""
+    import copy
+    cast = {id(p): torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
+            for p in model.parameters()}
+    clone = copy.deepcopy(model, cast)  # the memo hands each parameter its cast copy
+    clone.config.dtype = dtype
+    return clone.eval()
 
 
 def check_supported(config, name="the model"):

@@ -17,8 +17,9 @@ sum P(no ids), how much of the model's first-token distribution the two answers 
 The fork shares the conversation's KV blocks (engine.PagedCache), so a read costs the probe's own
 tokens only. On a CPU the questions' shared opening is prefilled once and forked per question; on
 a GPU each question's fork takes all of its tokens, one forward. `read_beliefs_reference` computes
-the same values by a plain full forward of each context plus question; the tests hold the two
-within 1e-4 on every path. The logit decision (rollout.DECISION "logit") reuses the fork:
+the same values by a plain full forward of each context plus question (read_beliefs_references:
+the answer words' and the whole vocabulary's from the same forwards); the tests hold fork and
+reference within 1e-4 on every path. The logit decision (rollout.DECISION "logit") reuses the fork:
 read_decisions returns the probabilities of arena.DECISION_WORDS after arena.DECISION_QUESTION.
 
     python -m pytest -q tests/test_probes.py
@@ -248,13 +249,28 @@ def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabula
     """The same read-out by one plain full forward of each context plus question, no cache;
     with vocabulary=True over every answer token of the vocabulary (vocabulary_answer_ids), the
     reference for where the four spellings depart from the model's own first-token answer."""
+    answers = vocabulary_answer_ids(tokenizer) if vocabulary else None
+    logits = _reference_logits(model, tokenizer, contexts)
+    values, mass = _readout(logits, tokenizer, len(contexts), answers, space, signs)
+    return (values.cpu(), mass.cpu()) if with_mass else values.cpu()
+
+
+@torch.no_grad()
+def read_beliefs_references(model, tokenizer, contexts, space=None, signs=None):
+    """(the answer words' values, the whole vocabulary's) [n, k] each, as read_beliefs_reference
+    with vocabulary False and True, from the same forwards (the evaluation's fidelity check)."""
+    logits, n = _reference_logits(model, tokenizer, contexts), len(contexts)
+    return tuple(_readout(logits, tokenizer, n, answers, space, signs)[0].cpu()
+                 for answers in (None, vocabulary_answer_ids(tokenizer)))
+
+
+def _reference_logits(model, tokenizer, contexts):
+    """[n * k, V] next-token logits of each context plus each question, plain forwards."""
     turns, _ = probe_ids(tokenizer)
     device = next(model.parameters()).device
-    logits = [model(torch.tensor([context + t], device=device), logits_to_keep=1).logits[0, -1]
-              for context in contexts for t in turns]
-    answers = vocabulary_answer_ids(tokenizer) if vocabulary else None
-    values, mass = _readout(torch.stack(logits), tokenizer, len(contexts), answers, space, signs)
-    return (values.cpu(), mass.cpu()) if with_mass else values.cpu()
+    return torch.stack([model(torch.tensor([context + t], device=device),
+                              logits_to_keep=1).logits[0, -1]
+                        for context in contexts for t in turns])
 
 
 # -----------------------------------------------------------------------------

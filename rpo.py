@@ -29,8 +29,8 @@ was played; advantages gives each episode's A_{i,t} (rewards as above, a belief 
 read counted and left out of its group's dense term); silenced puts the left-out episodes back in
 their places without a persuader token (every rank runs the same micro-batches); and
 micro_batch_loss takes a micro-batch of records to L: the policy's log-probs at the persuader's
-tokens (kept_logits: logits only where a persuader token is predicted, a group's shared prompt
-run once), the frozen reference's, and policy_loss over them with the global token count.
+tokens (kept_logits: logits only where the row predicts a persuader token, a group's shared
+prompt run once), the frozen reference's, and policy_loss over them with the global token count.
 train.py keeps the backward, its scale over ranks, clipping and the optimizer.
 
 Alignment: token_logprobs returns [B, L-1] for ids[:, 1:], so a per-token quantity built over the
@@ -295,8 +295,9 @@ def persuader_tokens(records):
     return sum(sum(1 for t in r["turn_ids"][1:] if t) for r in records)
 
 
-def kept_logits(model, ids, keep, share_stem):
-    """model(ids).logits at the positions keep. With share_stem, the prefix every row shares (a
+def kept_logits(model, ids, keep, share_stem, rows=None):
+    """model(ids).logits at the positions keep; with rows ([B, K] indices into keep), each row's
+    own K of them (row_logits): [B, K, V]. With share_stem, the prefix every row shares (a
     group's persuader prompt, up to the first kept position) runs once, and its keys and values,
     autograd graph included, are repeated for the rows, which run only what follows: the same
     logits and gradients for fewer FLOPs (DECISIONS.md: Shared prompt in the update). A model
@@ -304,14 +305,27 @@ def kept_logits(model, ids, keep, share_stem):
     import engine
     share_stem = share_stem and len(ids) > 1 and len(keep) > 0  # (no kept position: no stem)
     stem = min(engine.shared_stem(ids.tolist()), int(keep[0])) if share_stem else 0
-    if stem == 0:
-        return model(ids, use_cache=False, logits_to_keep=keep).logits
-    out = model(ids[:1, :stem], use_cache=True, logits_to_keep=1)
+    out = model(ids[:1, :stem], use_cache=True, logits_to_keep=1) if stem else {}
     name = "cache" if "cache" in out else "past_key_values"  # transformers' newer name, its older
-    if out.get(name) is None:  # no cache back (transformers 5.17: train mode with checkpointing)
-        return model(ids, use_cache=False, logits_to_keep=keep).logits
-    out[name].batch_repeat_interleave(len(ids))
-    return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem, **{name: out[name]}).logits
+    with row_logits(model, rows):
+        if out.get(name) is None:  # no stem, or no cache back (transformers 5.17: train mode
+            return model(ids, use_cache=False, logits_to_keep=keep).logits  # with checkpointing)
+        out[name].batch_repeat_interleave(len(ids))
+        return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem,
+                     **{name: out[name]}).logits
+
+
+def row_logits(model, rows):
+    """Within it, the model's output layer takes of the hidden states at the kept positions
+    [B, U, h] only each row's own, rows [B, K] (indices into U): the logits are [B, K, V], not
+    the union's [B, U, V] (rows of different reply lengths keep different positions; lab/plan.py
+    counts K). rows None: the union as it is."""
+    import contextlib
+    if rows is None:
+        return contextlib.nullcontext()
+    take = lambda module, args: (args[0].gather(1, rows[..., None].expand(-1, -1, args[0].shape[-1])),
+                                 *args[1:])
+    return model.get_output_embeddings().register_forward_pre_hook(take)  # removed on exit
 
 
 def micro_batch_loss(policy, reference, records, turn_advantages, num_tokens, *, temperature=1.0,
@@ -339,16 +353,21 @@ def micro_batch_loss(policy, reference, records, turn_advantages, num_tokens, *,
     # logits only where some row predicts a persuader token: the lm_head and softmax over the
     # vocabulary are skipped for the prompts and the persuadee's text
     keep = (turn_ids[:, 1:] > 0).any(0).nonzero()[:, 0]
-    targets, mask = ids[:, keep + 1], turn_ids[:, keep + 1] > 0
-    old = pad("logprobs", 0.0, torch.float32)[:, keep + 1]
-    adv = adv[:, 1:].to(device)[:, keep]
+    # the output layer then runs on each row's own kept positions (row_logits), left-aligned:
+    # rows [B, K], K the most a row keeps, indices into keep (kept ones first, in order)
+    kept = turn_ids[:, keep + 1] > 0
+    rows = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)[:, :int(kept.sum(1).max())]
+    targets, mask = ids[:, keep + 1].gather(1, rows), kept.gather(1, rows)
+    old = pad("logprobs", 0.0, torch.float32)[:, keep + 1].gather(1, rows)
+    adv = adv[:, 1:].to(device)[:, keep].gather(1, rows)
     with context(policy):
-        logp = target_logprobs(kept_logits(policy, ids, keep, share_stem), targets, temperature)
+        logp = target_logprobs(kept_logits(policy, ids, keep, share_stem, rows), targets, temperature)
     ref = None
     if beta > 0:
         with torch.no_grad(), context(reference):
             share = share_stem if share_reference_stem is None else share_reference_stem
-            ref = target_logprobs(kept_logits(reference, ids, keep, share), targets, temperature)
+            ref = target_logprobs(kept_logits(reference, ids, keep, share, rows), targets,
+                                  temperature)
     loss, s = policy_loss(logp, old, ref, adv, mask, num_tokens, clip_low, clip_high, beta)
     with torch.no_grad():
         weight = s["tokens"] / max(num_tokens, 1)

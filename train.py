@@ -101,25 +101,27 @@ def build_models(args, world, device, sizes):
         sys.exit(f"train.py: --persuader {args.persuader} holds non-finite weights ({bad}); pass "
                  "a model with finite weights (an earlier checkpoint of the run that wrote it)")
     same = not served_persuadee and args.persuadee == args.persuader
+    # the persuader is read once: its other roles are copies in --dtype (models.copied)
+    copy = lambda: models.copied(policy, getattr(torch, args.dtype))
     if served_persuadee:
         persuadee_model = persuadee_tokenizer = None  # the server plays it
     elif same:  # the persuader's frozen initial weights: the persuadee and the reference at once
-        persuadee_model, persuadee_tokenizer = load(args.persuader, args.dtype, device)[0], tokenizer
+        persuadee_model, persuadee_tokenizer = copy(), tokenizer
     else:
         persuadee_model, persuadee_tokenizer = load(args.persuadee, args.dtype, device)
+    separate = world > 1 or args.dtype != "float32" or bool(args.lora)
+    rollout_model = copy() if separate else policy  # copied before adapters or checkpointing
     if args.lora:  # fp32 adapters on the frozen base, data parallel; the base is the reference
         policy = lora.average_lora_gradients(lora.attach_lora(policy, args.lora,
                                                                   args.persuader), world)
     reference = None
     if args.kl_beta > 0:
         reference = persuadee_model if same else lora.AdapterOff(policy) if args.lora else \
-            shard(load(args.persuader, args.dtype, device)[0], world)
+            shard(copy(), world)
     if not args.lora:
         policy.requires_grad_(True)
     if plan.checkpointing(args.activation_checkpointing, device.type):
         checkpoint_activations(policy)
-    separate = world > 1 or args.dtype != "float32" or bool(args.lora)
-    rollout_model = load(args.persuader, args.dtype, device)[0] if separate else policy
     policy = policy if args.lora else shard(policy, world, getattr(torch, args.dtype))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
     return SimpleNamespace(policy=policy, optimizer=optimizer, reference=reference, lora=args.lora,

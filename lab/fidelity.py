@@ -2,8 +2,8 @@
 The probe fidelity check of an evaluation (DECISIONS.md: Probe fidelity sample): at FIDELITY
 read-outs spread over every turn of every episode, the probe values read in a fork of the
 persuadee's paged cache (probes.read_beliefs, what rollout records) against a plain full forward
-(probes.read_beliefs_reference) on the same ids, with the answer words and with the whole
-vocabulary. analyses.summarize_run reports their agreement; fidelity.json keeps them.
+(probes.read_beliefs_references) on the same ids, with the answer words and with the whole
+vocabulary, both from the same forwards. Under torchrun the ranks share the sample. analyses.summarize_run reports their agreement; fidelity.json keeps them.
 
     python -m pytest -q tests/test_eval.py -k fidelity
 """
@@ -15,21 +15,33 @@ import probes
 from lab import analyses
 
 
-def fidelity_reads(persuadee, instances, episodes, n, probe_space=None, probe_signs=None):
+def fidelity_reads(persuadee, instances, episodes, n, probe_space=None, probe_signs=None,
+                   rank=0, world=1):
     """fidelity.json's reads for n sampled read-outs of a local persuadee (an engine.Engine):
-    the sample, the fork's values, the reference's and the whole vocabulary's; None when there
-    is nothing to check (n 0, no local persuadee, no episode with a belief)."""
-    if not n or getattr(persuadee, "tokenizer", None) is None or no_fidelity(episodes):
+    the sample, the fork's values, the reference's and the whole vocabulary's (both from the same
+    forwards); None when there is nothing to check (n 0, no local persuadee, no episode with a
+    belief). Under torchrun every rank calls it: each reads sample[rank::world] on its own
+    persuadee, and every rank gets all the reads back, in the sample's order."""
+    if not n or getattr(persuadee, "tokenizer", None) is None or no_fidelity(episodes, rank):
         return None
     sample = fidelity_sample(episodes, n)
-    contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, sample)
-    model, tok, opts = persuadee.model, persuadee.tokenizer, (probe_space, probe_signs)
+    contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, sample[rank::world])
+    opts = (probe_space, probe_signs)
+    mine = []
+    if contexts:
+        fork = probes.read_beliefs(persuadee, contexts, False, *opts).tolist()
+        reference, vocabulary = probes.read_beliefs_references(persuadee.model,
+                                                               persuadee.tokenizer, contexts, *opts)
+        mine = list(zip(fork, reference.tolist(), vocabulary.tolist()))
+    shards = [mine]
+    if world > 1:
+        import torch.distributed as dist
+        shards = [None] * world
+        dist.all_gather_object(shards, mine)
+    reads = [shards[j % world][j // world] for j in range(len(sample))]  # back in sample order
     return {"sample": [[episodes[i]["id"], t] for i, t in sample],
-            "fork": probes.read_beliefs(persuadee, contexts, False, *opts).tolist(),
-            "reference": probes.read_beliefs_reference(model, tok, contexts, False, False,
-                                                       *opts).tolist(),
-            "vocabulary": probes.read_beliefs_reference(model, tok, contexts, False, True,
-                                                        *opts).tolist()}
+            **{key: [r[k] for r in reads] for k, key in enumerate(("fork", "reference",
+                                                                   "vocabulary"))}}
 
 
 def fidelity_sample(episodes, n):
@@ -59,10 +71,11 @@ def fidelity_contexts(tokenizer, instances, episodes, sample):
     return contexts
 
 
-def no_fidelity(episodes):
-    """True, said in one line, when no episode has a belief to check the probes on (every
-    read-out None: a persuadee with non-finite outputs, every episode cut off)."""
+def no_fidelity(episodes, rank=0):
+    """True, said in one line (by rank 0), when no episode has a belief to check the probes on
+    (every read-out None: a persuadee with non-finite outputs, every episode cut off)."""
     if fidelity_sample(episodes, 1):
         return False
-    print("eval.py: probe fidelity skipped: no episode has a belief", file=sys.stderr)
+    if rank == 0:
+        print("eval.py: probe fidelity skipped: no episode has a belief", file=sys.stderr)
     return True

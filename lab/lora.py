@@ -228,6 +228,9 @@ class AdapterOff:
     def parameters(self):
         return self.lora.parameters()
 
+    def get_output_embeddings(self):  # rpo.row_logits hooks it
+        return self.lora.get_output_embeddings()
+
     def __call__(self, *args, **kwargs):
         """The base's forward in eval mode (no checkpointing, its cache returned: a frozen
         reference has nothing to recompute), the model's mode restored after."""

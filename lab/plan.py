@@ -172,6 +172,7 @@ def memory_plan(args, world, gib, gpu):
         add(f"judge {args.dtype} (its own model)", itemsize * parameter_count(judge_cfg))
         engine_items("judge", judge_cfg)
     add("activations, one micro-batch (estimate)", activation_bytes(policy_cfg, args, itemsize, gpu))
+    add("update logits, each row's kept positions", kept_logit_bytes(policy_cfg, args, itemsize))
     if gpu:
         add("CUDA context, NCCL, allocator slack", PLAN_RESERVED_GIB * GiB)
     total = sum(n for _, n in items)
@@ -223,22 +224,26 @@ def lora_merge_bytes(cfg, itemsize):
 
 
 def activation_bytes(cfg, args, itemsize, gpu):
-    """One micro-batch of the update at the training context: the layers' saved tensors (with
-    activation checkpointing, each layer's input plus one layer recomputed), and the
-    logits of the kept positions (the compute-dtype logits, the float32 rows autograd keeps,
-    their gradient, the reference's)."""
+    """One micro-batch of the update's layers at the training context: their saved tensors (with
+    activation checkpointing, each layer's input plus one layer recomputed)."""
     mb, T = args.micro_batch, context_tokens(args.t_max, args.max_new_tokens)
-    kept = min(T, args.t_max * args.max_new_tokens)
     h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or h // H
     compute = itemsize if args.dtype != "float32" else 4
     layer = mb * T * (6 * h + 2 * (H + 2 * Hkv) * D + 4 * cfg.intermediate_size) * compute
     mode = getattr(args, "activation_checkpointing", ACTIVATION_CHECKPOINTING)
     if checkpointing(mode, "cuda" if gpu else "cpu"):
-        layers = cfg.num_hidden_layers * mb * T * h * compute + 2 * layer
-    else:
-        layers = cfg.num_hidden_layers * layer
-    return layers + mb * kept * cfg.vocab_size * (2 * compute + 8)
+        return cfg.num_hidden_layers * mb * T * h * compute + 2 * layer
+    return cfg.num_hidden_layers * layer
+
+
+def kept_logit_bytes(cfg, args, itemsize):
+    """One micro-batch's logits in the update: each row's own kept positions (rpo.row_logits:
+    the rows' union never reaches the output layer), at most t_max x max_new_tokens a row; the
+    compute-dtype logits, the float32 rows autograd keeps, their gradient, the reference's."""
+    kept = min(context_tokens(args.t_max, args.max_new_tokens), args.t_max * args.max_new_tokens)
+    compute = itemsize if args.dtype != "float32" else 4
+    return args.micro_batch * kept * cfg.vocab_size * (2 * compute + 8)
 
 
 def saved_steps(args):

@@ -264,9 +264,60 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
         return {path: value}
     one, two = flat(summary("one")), flat(summary("two"))
     assert one.keys() == two.keys()
+    # the ranks shared the fidelity check: one process's reads (the fork to float noise)
+    reads = {k: json.loads((runs[k] / "fidelity.json").read_text()) for k in ("one", "two")}
+    assert reads["one"]["sample"] == reads["two"]["sample"] and len(reads["one"]["sample"]) > 1
+    for key in ("fork", "reference", "vocabulary"):
+        assert sum(reads["one"][key], []) == pytest.approx(sum(reads["two"][key], []), abs=1e-5)
+    fidelity = lambda k: flat(json.loads((runs[k] / "summary.json").read_text())["probe_fidelity"])
+    assert fidelity("one") == pytest.approx(fidelity("two"), abs=1e-5)
     for key in one:
         assert one[key] == (pytest.approx(two[key], abs=1e-5)
                             if isinstance(two[key], float) else two[key]), key
+
+
+def test_two_ranks_share_the_fidelity_check_and_read_what_one_process_reads(monkeypatch):
+    """lab/fidelity.fidelity_reads at world 2 (the all-gather played in this process, rank 1
+    first): each rank reads its share of the sampled contexts, one forward set for the reference
+    and vocabulary read-outs (counted), and both ranks get one process's reads back in the
+    sample's order (reference and vocabulary exactly, the fork to float noise)."""
+    import arena
+    import engine
+    import models
+    import probes
+    import torch.distributed as dist
+    from lab import fidelity
+    model, tok = models.load_model("random:tiny-qwen3")
+    eng = engine.Engine(model, tok, num_blocks=600)
+    instances = arena.heldout_instances()[:2]
+    said = ["Could we book it for Tuesday?", "I am not sure this is right for me.",
+            "Let us try it for two weeks.", "I need to see the numbers in writing first."]
+    episodes = [dict(id=inst["id"], beliefs=[0.0, 0.1, 0.2], probes=[[0.0] * 3] * 3,
+                     transcript=[dict(role=("persuader", "persuadee")[k % 2], text=said[k - j])
+                                 for k in range(4)]) for j, inst in enumerate(instances)]
+    read, plain = [], probes.read_beliefs_references
+    monkeypatch.setattr(probes, "read_beliefs_references",
+                        lambda m, t, contexts, *a: read.append(len(contexts)) or plain(m, t, contexts, *a))
+    one = fidelity.fidelity_reads(eng, instances, episodes, 5)
+    shares = []
+
+    class Gathered(Exception):
+        pass
+
+    def gather(shards, mine):  # rank 1's share kept (its call stops there), given to rank 0
+        if not shares:
+            shares.append(mine)
+            raise Gathered
+        shards[:] = [mine, shares[0]]
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    with pytest.raises(Gathered):
+        fidelity.fidelity_reads(eng, instances, episodes, 5, rank=1, world=2)
+    two = fidelity.fidelity_reads(eng, instances, episodes, 5, rank=0, world=2)
+    assert read == [5, 2, 3] and len(one["sample"]) == 5
+    assert two["sample"] == one["sample"]
+    assert two["reference"] == one["reference"] and two["vocabulary"] == one["vocabulary"]
+    assert sum(two["fork"], []) == pytest.approx(sum(one["fork"], []), abs=1e-5)
+    assert eng.free_blocks == 600
 
 
 def test_limit_and_subset_are_stratified():

@@ -422,3 +422,36 @@ def test_every_entry_point_takes_one_thread_per_free_core(monkeypatch):
         monkeypatch.setattr(sys, "argv", ["bench.py", "--random-init", "tiny-llama"])
         with pytest.raises(Called):
             main()
+
+
+def test_a_model_loads_straight_to_its_device_and_a_copy_casts_its_weights(tmp_path, monkeypatch):
+    """models.load_model hands its device to from_pretrained (device_map: the weights are read
+    onto it, no .to() of the model after); models.copied casts each weight once to the dtype:
+    equal to the same folder loaded in that dtype (weights, buffers, logits), tied weights still
+    tied, storage of its own, frozen, the original untouched."""
+    from transformers import AutoModelForCausalLM
+    model, tok = models.random_model("tiny-llama", tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    seen, original = [], AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: seen.append(k.get("device_map")) or original(*a, **k))
+    moved = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
+    fp32, _ = models.load_model(str(tmp_path / "m"), torch.float32, "cpu")
+    bf16, _ = models.load_model(str(tmp_path / "m"), torch.bfloat16, "cpu")
+    monkeypatch.undo()
+    assert seen == [torch.device("cpu")] * 2 and moved == []
+    before = {k: v.clone() for k, v in fp32.state_dict().items()}
+    copy = models.copied(fp32, torch.bfloat16)
+    assert copy.config.dtype == torch.bfloat16 and not copy.training
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight
+    assert copy.state_dict().keys() == bf16.state_dict().keys()
+    for name, value in copy.state_dict().items():
+        assert value.dtype == bf16.state_dict()[name].dtype and torch.equal(value, bf16.state_dict()[name]), name
+    for p in copy.parameters():
+        assert not p.requires_grad and all(p.data_ptr() != q.data_ptr() for q in fp32.parameters())
+    ids = torch.tensor([[5, 9, 14, 3, 77]])
+    assert torch.equal(copy(ids).logits, bf16(ids).logits)
+    assert all(torch.equal(v, before[k]) and v.dtype == torch.float32
+               for k, v in fp32.state_dict().items() if "inv_freq" not in k)

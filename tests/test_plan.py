@@ -168,3 +168,9 @@ def test_the_plan_lists_the_forward_transients_and_the_lora_merge():
     largest = max(m.weight.numel() for name, m in model.named_modules()
                   if name.rsplit(".", 1)[-1] in lora.LORA_TARGETS)
     assert one["LoRA merge, one module at a time"] == largest * (4 + 4 + 4 + 2)
+    # the update's logits: each row's own kept positions (rpo.row_logits), t_max x
+    # max_new_tokens a row, in bf16 (logits and their gradient) and fp32 (autograd's and the
+    # reference's rows)
+    args = parse_train(["--preset", "paper", "--plan", "--out", "/nonexistent"])
+    assert paper["update logits, each row's kept positions"] == (
+        args.micro_batch * args.t_max * args.max_new_tokens * 151936 * (2 + 2 + 4 + 4))

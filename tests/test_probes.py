@@ -248,3 +248,22 @@ def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios
     signed = probes.read_beliefs_reference(model, tok, [context])
     monkeypatch.setitem(probes.PROBES, "XT", {**probes.PROBES["XT"], "sign": 1})
     assert signed[0, 3] == -probes.read_beliefs_reference(model, tok, [context])[0, 3]
+
+
+def test_reference_and_vocabulary_read_outs_come_from_one_forward_each(tokenizer):
+    """probes.read_beliefs_references: one plain forward per context and question (counted) gives
+    both the answer words' values and the whole vocabulary's, each equal to its own
+    read_beliefs_reference."""
+    model = tiny_model("llama")
+    contexts = [models.encode(tokenizer, models.render(tokenizer, msgs, False)) for msgs in [
+        [{"role": "system", "content": "You are Ana, a nurse."}],
+        [{"role": "system", "content": "You are Bo."}, {"role": "user", "content": "Could we book it?"}]]]
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    words, vocabulary = probes.read_beliefs_references(model, tokenizer, contexts)
+    assert len(calls) == len(contexts) * len(probes.PROBES)
+    torch.testing.assert_close(words, probes.read_beliefs_reference(model, tokenizer, contexts),
+                               atol=0, rtol=0)
+    torch.testing.assert_close(vocabulary, probes.read_beliefs_reference(
+        model, tokenizer, contexts, vocabulary=True), atol=0, rtol=0)
+    assert not torch.equal(words, vocabulary)  # the two read-outs differ: both were computed

@@ -487,3 +487,52 @@ def test_a_model_that_returns_no_cache_gets_the_plain_forward():
     with torch.no_grad():
         want = model(ids, use_cache=False).logits[:, keep]
         torch.testing.assert_close(rpo.kept_logits(no_cache, ids, keep, True), want)
+
+
+@pytest.mark.parametrize("share_stem", [False, True])
+def test_the_update_takes_logits_of_each_rows_own_kept_positions(share_stem, monkeypatch):
+    """Two rows whose replies sit at different positions (their union keeps 8 positions, a row 4
+    at most): the output layer runs on [2, 4, V] (what lab/plan.py counts), and the loss and every
+    gradient equal those of the union's logits [2, 8, V] (rows=None), by hand."""
+    import copy
+
+    import models
+    torch.manual_seed(3)
+    policy = models.random_model("tiny-llama")[0].requires_grad_(True)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    stem = torch.randint(3, 600, (5,)).tolist()
+    ids = [stem + torch.randint(3, 600, (10,)).tolist(), stem + torch.randint(3, 600, (6,)).tolist()]
+    turn_ids = [[0] * 5 + [1, 1, 1, 1] + [0] * 6, [0] * 9 + [1, 1, 0, 2, 2]]
+    recs = [dict(ids=i, turn_ids=t, logprobs=[-6.0] * len(t)) for i, t in zip(ids, turn_ids)]
+    advantages = [[0.8], [-0.5, 1.1]]
+    widths, plain = [], rpo.target_logprobs
+    monkeypatch.setattr(rpo, "target_logprobs",
+                        lambda logits, *a: widths.append(logits.shape) or plain(logits, *a))
+    loss, _ = rpo.micro_batch_loss(policy, reference, recs, advantages, 9, beta=0.05,
+                                   share_stem=share_stem)
+    loss.backward()
+    got = {k: p.grad.clone() for k, p in policy.named_parameters()}
+    policy.zero_grad()
+    assert widths == [(2, 4, policy.config.vocab_size)] * 2
+    # the union's logits, each row's own picked out after the output layer
+    width = max(map(len, ids))
+    x = torch.tensor([i + [0] * (width - len(i)) for i in ids])
+    t = torch.tensor([i + [0] * (width - len(i)) for i in turn_ids])
+    keep = (t[:, 1:] > 0).any(0).nonzero()[:, 0]
+    assert len(keep) == 8
+    kept = t[:, keep + 1] > 0
+    rows = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)[:, :4]
+    pick = lambda logits: logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
+    logp = plain(pick(rpo.kept_logits(policy, x, keep, False)), x[:, keep + 1].gather(1, rows))
+    with torch.no_grad():
+        ref = plain(pick(rpo.kept_logits(reference, x, keep, False)), x[:, keep + 1].gather(1, rows))
+    adv = rpo.batch_token_advantages(t, advantages)[:, 1:][:, keep].gather(1, rows)
+    want, _ = rpo.policy_loss(logp, torch.full_like(logp, -6.0), ref, adv, kept.gather(1, rows), 9,
+                              beta=0.05)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    for name, p in policy.named_parameters():
+        assert (got[name] - p.grad).abs().max() <= 1e-5 * max(p.grad.abs().max(), 1e-8), name

@@ -1023,3 +1023,37 @@ def test_periodic_evaluation_plays_a_stratified_subset(monkeypatch, tmp_path):
     train.evaluate(None, None, None, args, 1, 0, tmp_path)
     assert sorted(i["domain"] for i in played["instances"]) == sorted(arena.DOMAINS)
     assert played["subset"] == "heldout stratified-5 of 120"
+
+
+@pytest.mark.parametrize("persuadee, extra", [("random:tiny-qwen3", []), ("random:tiny-llama", []),
+                                              ("random:tiny-qwen3", ["--lora", "4"])])
+def test_the_persuader_is_read_once_and_copied_for_its_other_roles(persuadee, extra, monkeypatch,
+                                                                   short_scenarios):
+    """build_models loads the persuader once (loads counted): its rollout copy, its KL reference
+    and, when it is also the persuadee, the persuadee are copies cast to --dtype, weight for
+    weight equal to the policy's initial weights so cast, each in storage of its own (under
+    --lora the rollout copy is the base, the reference the base with the adapter off)."""
+    loads, original = [], models.load_model
+    monkeypatch.setattr(models, "load_model",
+                        lambda name, *a, **k: loads.append(name) or original(name, *a, **k))
+    args = parse_train(TINY + ["--scenarios", short_scenarios, "--dtype", "bfloat16", "--persuadee",
+                               persuadee, "--kl-beta", "0.05", *extra])
+    m = train.build_models(args, 1, torch.device("cpu"), {})
+    same = persuadee == args.persuader
+    assert loads == [args.persuader] + ([] if same else [persuadee])
+    initial = {k.replace("base_model.model.", "").replace(".base_layer", ""): p.detach()
+               for k, p in m.policy.named_parameters() if "lora_" not in k}
+    copies = [m.rollout_model] + ([m.persuadee_model] if same else [])
+    if not extra:
+        copies.append(m.reference)
+        assert (m.reference is m.persuadee_model) == same
+    else:
+        assert isinstance(m.reference, train.lora.AdapterOff)
+    pointers = {p.data_ptr() for p in initial.values()}
+    for copy in copies:
+        params = dict(copy.named_parameters())
+        assert params.keys() == initial.keys()
+        for name, p in params.items():
+            assert p.dtype == torch.bfloat16 and not p.requires_grad and p.data_ptr() not in pointers
+            assert torch.equal(p, initial[name].to(torch.bfloat16)), name
+    assert m.rollout_model is not m.persuadee_model
