@@ -432,7 +432,8 @@ def arena_environment(make_env, lock):
         def _call(self, method, *args, **kwargs):
             if self.closed:
                 raise RuntimeError("env.py: this session was closed by the server (idle past "
-                                   "its --session-timeout); open a new session")
+                                   "its --session-timeout, or never used while another client "
+                                   "waited); open a new session")
             self.used = self.busy = True
             try:
                 with lock:

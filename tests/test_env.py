@@ -347,12 +347,20 @@ def test_sigterm_stops_the_server_with_a_client_mid_episode(short_scenarios):
 
 
 def test_the_server_cli_serves_on_loopback_only(monkeypatch, short_scenarios):
+    """The server binds to loopback and serves with the smallest --kv-blocks it does not
+    refuse, its SIGTERM grace and its session timeout as given."""
     import uvicorn
     served_at = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served_at.update(app=app, **kw))
-    persuasion_env.main(["--serve", "--port", "8123", "--persuadee", "random:tiny-qwen3",
-                         "--scenarios", short_scenarios, "--judge", "none"])
+    argv = ["--serve", "--port", "8123", "--persuadee", "random:tiny-qwen3", "--scenarios",
+            short_scenarios, "--judge", "none", "--t-max", "2", "--max-new-tokens", "4"]
+    with pytest.raises(SystemExit) as excinfo:
+        persuasion_env.main(argv + ["--kv-blocks", "2"])
+    need = str(excinfo.value).split("pass --kv-blocks ")[1].split()[0]
+    assert "and its judging" not in str(excinfo.value)  # --judge none: no judging in the pool
+    persuasion_env.main(argv + ["--kv-blocks", need, "--session-timeout", "5"])
     assert (served_at["host"], served_at["port"]) == ("127.0.0.1", 8123)
+    assert served_at["timeout_graceful_shutdown"] == persuasion_env.SHUTDOWN_S
     routes = {r.path for r in served_at["app"].app.routes}
     assert "/ws" in routes and not {"/reset", "/step", "/state"} & routes  # stateless HTTP: not served
 
@@ -588,7 +596,7 @@ def test_an_idle_session_is_closed_and_says_so(tokenizer, capfd):
         play_through(polite := session(url), 2)
         polite.close()
         idle.close()
-    assert "released (idle 0." in capfd.readouterr().err
+    assert "released (idle " in capfd.readouterr().err
 
 
 SOAK_ALL = "PERSUARENA_SOAK"  # set to run the 500-episode soak too
