@@ -466,6 +466,7 @@ def arena_environment(make_env, lock):
 
         @property
         def state(self):
+            self.used = True  # a client that asks is using its session
             episode = self.env.episode or {}
             inst = episode.get("instance")
             return ArenaState(episode_id=self.episode_id, step_count=self.steps,
@@ -482,7 +483,8 @@ def arena_environment(make_env, lock):
 def arena_server_class():
     """openenv-core's HTTPEnvServer whose one slot no idle client keeps: a session idle for
     idle_s is released (its episode abandoned, its blocks freed), checked every idle_s / 4, and
-    a session that never reset yields the slot to a new client once unused_s old. Both hook
+    a session never used (no reset, no state asked) yields the slot to a new client once
+    unused_s old. Both hook
     openenv-core 0.3's session table (_sessions, _session_info, _destroy_session)."""
     from openenv.core.env_server.http_server import HTTPEnvServer
 

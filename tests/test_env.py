@@ -612,5 +612,5 @@ def test_the_server_survives_a_soak_of_misbehaving_clients(tokenizer, capfd, epi
     def make_env():
         return persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=2, max_new_tokens=4,
                                             judge=None)
-    with serving(make_env, session_idle_s=2.0, unused_session_s=0.05) as url:
+    with serving(make_env, session_idle_s=2.0, unused_session_s=0.2) as url:
         soak(url, ee, episodes, idle_every=75, unused_every=10, capfd=capfd)
