@@ -26,13 +26,20 @@ from its top log-probs).
     python -m lab.env --serve --port 8000 --persuadee smollm2    # OpenEnv server on 127.0.0.1
 
 The loop runs in a worker thread that waits in TrainerSide.speak for each message: step() hands
-the message over and waits for the loop to ask for the next one or to end.
+the message over and waits for the loop to ask for the next one or to end (never for a worker
+that is gone); whichever way the loop ends, the sequences it made are freed. A bad reset option
+or a message that is not valid text is refused in one line before the running episode is
+touched. The server plays one WebSocket session at a time, closes one idle for --session-timeout
+(SESSION_IDLE_S), lets a new client take the slot of one never used, serves no stateless HTTP
+/reset or /step, and stops on SIGTERM (DECISIONS.md: Server hardening).
 
-    python -m pytest -q test_env.py
+    python -m pytest -q tests/test_env.py
 """
+import math
 import queue
 import sys
 import threading
+import time
 
 import gymnasium as gym
 from gymnasium import spaces
@@ -42,7 +49,7 @@ import engine
 import probes
 import rollout
 import rpo
-from lab import cli, served
+from lab import cli, hardening, served
 from lab.play import PersonSide
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
@@ -51,7 +58,11 @@ DECISION_ENDS = ("decision", "rejections", "window")  # end reasons that termina
 ROLES = ("system", "user", "assistant")
 HOST = "127.0.0.1"  # the OpenEnv server listens on loopback only
 SERVER_SESSIONS = 1  # one episode at a time: the persuadee's pool belongs to one session
-SESSION_TIMEOUT_S = 600.0  # an OpenEnv session idle this long is closed (its episode abandoned)
+SESSION_IDLE_S = 60.0  # an OpenEnv session idle this long is closed, its episode abandoned
+UNUSED_SESSION_S = 2.0  # a session never reset yields the only slot to a new client after this long
+SHUTDOWN_S = 3.0  # on SIGTERM, open connections get this long before the server stops
+WAIT_POLL_S = 0.5  # how often a caller waiting on the episode's worker checks that it still lives
+SHOWN_CHARS = 60  # the longest repr of a client's bad value an error line quotes
 
 
 class Utterance(spaces.Text):
@@ -96,6 +107,38 @@ def turn_reward(beliefs):
     if len(beliefs) < 2 or None in beliefs[-2:]:
         return 0.0
     return rpo.process_rewards(beliefs[-2:], None, anchor=False)[0]
+
+
+def shown(value):
+    """A client's value as an error line quotes it: its repr, cut to SHOWN_CHARS."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+
+
+def requested_instance(options, by_id):
+    """The instance reset's options ask for (None: one drawn by the seed), checked before the
+    running episode is touched: options a dict whose one key is "instance", an id of by_id."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise ValueError(f"env.py: reset options must be a dict such as {{'instance': "
+                         f"'{next(iter(by_id))}'}}, got {shown(options)}; the episode goes on")
+    unknown = [key for key in options if key != "instance"]
+    if unknown:
+        raise ValueError(f"env.py: unknown reset option(s) {shown(unknown)}; the one option is "
+                         "'instance' (an instance id); the episode goes on")
+    wanted = options.get("instance")
+    if wanted is not None and (not isinstance(wanted, str) or wanted not in by_id):
+        raise ValueError(f"env.py: no instance {shown(wanted)} here; ids look like "
+                         f"{', '.join(list(by_id)[:3])}; the episode goes on")
+    return wanted
+
+
+def release_new_sequences(eng, first):
+    """Free every sequence of `eng` numbered from `first` on (those one episode created): its KV
+    blocks back in the pool whichever way the episode's loop ended. No-op without an engine."""
+    for sid in [s for s in getattr(eng, "pending", ()) if s >= first]:
+        eng.free(sid)
 
 
 def named(values):
@@ -196,34 +239,62 @@ class PersuasionEnv(gym.Env):
         self.watched = Watched(rollout.side(self.persuadee, "persuadee", self.sampling,
                                             self.max_new_tokens, self.probe_space,
                                             self.probe_signs))
+        eng = getattr(self.watched.inner, "eng", None)
+        first = eng.cache.next_id if eng is not None else 0
 
         def play():
+            outcome = ("error", RuntimeError("the loop stopped"))
             try:
                 records = rollout.rollout_episodes(
                     self.side, self.watched, [inst], self.t_max, seed=seed,
                     persuadee_sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                     probe_space=self.probe_space, probe_signs=self.probe_signs)
-                self.events.put(("end", records[0]))
+                outcome = ("end", records[0])
             except BaseException as e:  # handed to the caller of reset or step
-                self.events.put(("error", e))
+                outcome = ("error", e)
+            finally:  # the episode's blocks go back on any end, then the caller hears of it
+                try:
+                    release_new_sequences(eng, first)
+                finally:
+                    self.events.put(outcome)
         self.worker = threading.Thread(target=play, daemon=True, name="persuarena-episode")
         self.worker.start()
 
+    def _wait(self):
+        """The worker's next event, or None once the worker is gone and said nothing more: a
+        caller never waits on a dead worker."""
+        while True:
+            try:
+                return self.events.get(timeout=WAIT_POLL_S)
+            except queue.Empty:
+                if not self.worker.is_alive() and self.events.empty():
+                    return None
+
     def _next_event(self):
-        kind, payload = self.events.get()
-        if kind == "error":
+        event = self._wait()
+        if event is None or event[0] in ("end", "error"):
             self.worker.join()
             self.episode["done"] = True
+        if event is None:
+            raise RuntimeError(f"env.py: the episode of {self.episode['instance']['id']} ended "
+                               "(its loop stopped); call reset() for a new one")
+        kind, payload = event
+        if kind == "error" and isinstance(payload, ValueError):
             raise payload
-        if kind == "end":
-            self.worker.join()
+        if kind == "error":
+            first = (str(payload).splitlines() or [""])[0][:200]
+            raise RuntimeError(f"env.py: the episode of {self.episode['instance']['id']} ended "
+                               f"on {type(payload).__name__}: {first}; call reset() for a new "
+                               "one") from payload
         return kind, payload
 
     def _abandon(self):
         """Stop an episode still in play (its sequences freed by the loop, as a person's stop)."""
+        if self.episode is not None:
+            self.episode["done"] = True
         if self.worker is not None and self.worker.is_alive():
             self.actions.put(None)
-            while self.events.get()[0] == "speak":
+            while (event := self._wait()) is not None and event[0] == "speak":
                 self.actions.put(None)
             self.worker.join()
         self.worker = None
@@ -235,18 +306,11 @@ class PersuasionEnv(gym.Env):
         The loop's random streams are keyed by `seed` (drawn when None), so the same seed and
         messages give the same episode. Returns (the persuader's opening messages, info with
         instance, seed, turn 0 and b_0's read-out)."""
+        wanted = requested_instance(options, self.by_id)  # before the running episode ends
         super().reset(seed=seed)
-        options = options or {}
-        unknown = set(options) - {"instance"}
-        if unknown:
-            raise ValueError(f"env.py: unknown reset option(s) {sorted(unknown)}; the one option "
-                             "is 'instance' (an instance id)")
         self._abandon()
-        if options.get("instance") is not None:
-            if options["instance"] not in self.by_id:
-                raise ValueError(f"env.py: no instance {options['instance']!r} here; ids look like "
-                                 f"{', '.join(list(self.by_id)[:3])}")
-            inst = self.by_id[options["instance"]]
+        if wanted is not None:
+            inst = self.by_id[wanted]
         else:
             inst = self.instances[int(self.np_random.integers(len(self.instances)))]
         episode_seed = seed if seed is not None else int(self.np_random.integers(2**31))
@@ -271,8 +335,15 @@ class PersuasionEnv(gym.Env):
         if len(action) > MAX_MESSAGE_CHARS:
             raise ValueError(f"env.py: a persuader message of {len(action)} characters; at most "
                              f"{MAX_MESSAGE_CHARS} (env.MAX_MESSAGE_CHARS)")
+        if bad := hardening.invalid_text(action):
+            raise ValueError(f"env.py: the persuader's message holds {bad}, which no tokenizer "
+                             "encodes (half an emoji?); send valid text; the episode goes on")
         if self.episode is None or self.episode["done"]:
             raise RuntimeError("env.py: no episode in play; call reset() first")
+        if self.worker is None or not self.worker.is_alive():
+            self.episode["done"] = True
+            raise RuntimeError(f"env.py: the episode of {self.episode['instance']['id']} ended "
+                               "(its loop stopped); call reset() for a new one")
         self.episode["turn"] += 1
         self.actions.put(action.strip())
         kind, record = self._next_event()
@@ -345,29 +416,38 @@ def openenv_models():
     return PersuaderAction, ArenaObservation, ArenaState
 
 
-def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
-    """A FastAPI app that serves make_env()'s episodes by openenv-core's contract: each WebSocket
-    session (/ws, what EnvClient and TRL's and SkyRL's integrations use) gets its own
-    PersuasionEnv from make_env; reset takes seed and instance, step takes {"message": str}.
-    One session at a time (the persuadee's pool is one), idle sessions closed after
-    session_timeout_s; reset, step and close of every env run one at a time (one engine)."""
-    from openenv.core.env_server import Environment, create_app
-    from openenv.core.env_server.types import ConcurrencyConfig
+def arena_environment(make_env, lock):
+    """openenv-core's Environment over make_env()'s PersuasionEnv, one per session: reset takes
+    seed and instance, step takes {"message": str}; reset, step and close of every session run
+    one at a time (one engine). A session closed by the server (idle) refuses later calls."""
+    from openenv.core.env_server import Environment
     PersuaderAction, ArenaObservation, ArenaState = openenv_models()
-    lock = threading.Lock()
 
     class ArenaEnvironment(Environment):
         def __init__(self):
             super().__init__()
             self.env, self.steps, self.episode_id = make_env(), 0, None
+            self.used = self.busy = self.closed = False  # read by the server's idle release
+
+        def _call(self, method, *args, **kwargs):
+            if self.closed:
+                raise RuntimeError("env.py: this session was closed by the server (idle past "
+                                   "its --session-timeout, or never used while another client "
+                                   "waited); open a new session")
+            self.used = self.busy = True
+            try:
+                with lock:
+                    return method(*args, **kwargs)
+            finally:
+                self.busy = False
 
         def reset(self, seed=None, episode_id=None, instance=None, **kwargs):
             if kwargs:
-                raise ValueError(f"env.py: unknown reset field(s) {sorted(kwargs)}; reset takes "
-                                 "seed, episode_id and instance")
-            with lock:
-                messages, info = self.env.reset(
-                    seed=seed, options=None if instance is None else {"instance": instance})
+                raise ValueError(f"env.py: unknown reset field(s) {shown(sorted(kwargs))}; reset "
+                                 "takes seed, episode_id and instance")
+            messages, info = self._call(
+                self.env.reset, seed=seed,
+                options=None if instance is None else {"instance": instance})
             self.steps, self.episode_id = 0, episode_id
             return ArenaObservation(messages=list(messages), info=info)
 
@@ -375,10 +455,10 @@ def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
             extra = sorted(action.model_extra or {})
             if extra or not isinstance(action.message, str):
                 raise ValueError(f"env.py: a step is {{\"message\": <the persuader's text>}}, got "
-                                 f"fields {extra or ['message']} with message of type "
+                                 f"fields {shown(extra or ['message'])} with message of type "
                                  f"{type(action.message).__name__}; the episode goes on")
-            with lock:
-                messages, reward, terminated, truncated, info = self.env.step(action.message)
+            messages, reward, terminated, truncated, info = self._call(self.env.step,
+                                                                       action.message)
             self.steps += 1
             return ArenaObservation(messages=list(messages), terminated=terminated,
                                     truncated=truncated, info=info, reward=reward,
@@ -386,6 +466,7 @@ def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
 
         @property
         def state(self):
+            self.used = True  # a client that asks is using its session
             episode = self.env.episode or {}
             inst = episode.get("instance")
             return ArenaState(episode_id=self.episode_id, step_count=self.steps,
@@ -393,12 +474,100 @@ def openenv_app(make_env, session_timeout_s=SESSION_TIMEOUT_S):
                               done=episode.get("done", True))
 
         def close(self):
+            self.closed = True
             with lock:
                 self.env.close()
+    return ArenaEnvironment, PersuaderAction, ArenaObservation
 
-    return create_app(ArenaEnvironment, PersuaderAction, ArenaObservation, env_name="persuarena",
-                      concurrency_config=ConcurrencyConfig(max_concurrent_envs=SERVER_SESSIONS,
-                                                           session_timeout=session_timeout_s))
+
+def arena_server_class():
+    """openenv-core's HTTPEnvServer whose one slot no idle client keeps: a session idle for
+    idle_s is released (its episode abandoned, its blocks freed), checked every idle_s / 4, and
+    a session never used (no reset, no state asked) yields the slot to a new client once
+    unused_s old. Both hook
+    openenv-core 0.3's session table (_sessions, _session_info, _destroy_session)."""
+    from openenv.core.env_server.http_server import HTTPEnvServer
+
+    class ArenaServer(HTTPEnvServer):
+        def __init__(self, *args, idle_s, unused_s, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.idle_s, self.unused_s = idle_s, unused_s
+
+        def _stale(self, sid, now, unused_too):
+            env, info = self._sessions.get(sid), self._session_info.get(sid)
+            if env is None or info is None or env.busy:
+                return None
+            if now - info.last_activity_at > self.idle_s:
+                return f"idle {now - info.last_activity_at:.1f} s"
+            if unused_too and not env.used and now - info.created_at > self.unused_s:
+                return "never used"
+            return None
+
+        async def release(self, unused_too):
+            now = time.time()
+            async with self._session_lock:
+                stale = {sid: why for sid in list(self._sessions)
+                         if (why := self._stale(sid, now, unused_too))}
+            for sid, why in stale.items():
+                print(f"env.py: session {sid[:8]} released ({why})", file=sys.stderr)
+                await self._destroy_session(sid)
+
+        async def _reap_idle_sessions(self):
+            import asyncio
+            while True:
+                await asyncio.sleep(self.idle_s / 4)
+                await self.release(unused_too=False)
+
+        async def _create_session(self):
+            if len(self._sessions) >= self._max_concurrent_envs:
+                await self.release(unused_too=True)
+            return await super()._create_session()
+    return ArenaServer
+
+
+def openenv_app(make_env, session_idle_s=SESSION_IDLE_S, unused_session_s=UNUSED_SESSION_S):
+    """A FastAPI app serving make_env()'s episodes by openenv-core's contract over WebSocket
+    sessions (/ws, what EnvClient and TRL's and SkyRL's integrations use), one session at a time
+    (the persuadee's pool is one), released when idle (arena_server_class). HTTP serves /health,
+    /schema, /metadata and /mcp; not the stateless /reset, /step and /state, which would play
+    each call on a fresh env (DECISIONS.md: Server hardening). A dropped connection logs one
+    line (quiet_drops)."""
+    from fastapi import FastAPI
+    from openenv.core.env_server.types import ConcurrencyConfig, ServerMode
+    ArenaEnvironment, PersuaderAction, ArenaObservation = arena_environment(
+        make_env, threading.Lock())
+    server = arena_server_class()(
+        ArenaEnvironment, PersuaderAction, ArenaObservation, idle_s=session_idle_s,
+        unused_s=unused_session_s,
+        concurrency_config=ConcurrencyConfig(max_concurrent_envs=SERVER_SESSIONS,
+                                             session_timeout=session_idle_s))
+    app = FastAPI(title="PersuArena (OpenEnv)", description=__doc__.strip().split("\n\n")[0])
+    server.register_routes(app, mode=ServerMode.PRODUCTION)
+    return quiet_drops(app)
+
+
+def quiet_drops(app):
+    """The ASGI app, save that on a WebSocket whose client went away, closing it again is a
+    no-op and a handler that fails because its answer could not be sent logs one line instead
+    of uvicorn's traceback (openenv-core's handler has released the session by then). HTTP
+    passes through unchanged. `.app` is app."""
+    async def asgi(scope, receive, send):
+        if scope["type"] != "websocket":
+            return await app(scope, receive, send)
+
+        async def sent(message):
+            try:
+                await send(message)
+            except Exception:
+                if message["type"] != "websocket.close":  # a close to a gone client: done
+                    raise
+        try:
+            await app(scope, receive, sent)
+        except Exception as e:
+            print(f"env.py: a client dropped its connection ({type(e).__name__}); its session "
+                  "is closed", file=sys.stderr)
+    asgi.app = app
+    return asgi
 
 
 def parse_args(argv=None):
@@ -414,23 +583,80 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS)
     ap.add_argument("--dtype", default="float32", choices=cli.DTYPES)
     ap.add_argument("--kv-blocks", type=int, help="the persuadee's KV pool, in blocks")
+    ap.add_argument("--session-timeout", type=float, default=SESSION_IDLE_S, help="seconds "
+                    "after which an idle session is closed and its slot freed")
     args = ap.parse_args(argv)
-    problem = (None if args.serve else "nothing to do: pass --serve (the Python API is "
-               "env.PersuasionEnv)")
-    problem = problem or (None if 0 < args.port < 65536 else
-                          f"--port must be in 1..65535, got {args.port}")
-    problem = problem or next((f"--{name.replace('_', '-')} must be at least 1, got {value}"
-                               for name, value in (("t_max", args.t_max),
-                                                   ("max_new_tokens", args.max_new_tokens),
-                                                   ("kv_blocks", args.kv_blocks or 1))
-                               if value < 1), None)
-    for flag, name in (("--persuadee", args.persuadee), ("--judge", args.judge)):
-        if not problem and name not in ("persuadee", "none") and not served.is_served(name) and (
-                found := cli.model_problem(name)):  # before any model loads, as train.py does
-            problem = f"{flag} {name} {found}; {cli.MODEL_FIX}"
-    if problem:
+    if problem := flag_problem(args):
         ap.error(problem)
     return args
+
+
+def flag_problem(args):
+    """What is wrong with the server's flags, in one line, or None: checked before any model
+    loads (a model's files, its pool and a served model's answer are checked in checked_models)."""
+    if not args.serve:
+        return "nothing to do: pass --serve (the Python API is env.PersuasionEnv)"
+    if not 0 < args.port < 65536:
+        return f"--port must be in 1..65535, got {args.port}"
+    for name, value in (("t_max", args.t_max), ("max_new_tokens", args.max_new_tokens),
+                        ("kv_blocks", 1 if args.kv_blocks is None else args.kv_blocks)):
+        if value < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {value}"
+    if not (math.isfinite(args.session_timeout) and args.session_timeout > 0):
+        return f"--session-timeout must be a number of seconds > 0, got {args.session_timeout}"
+    for flag, name in (("--persuadee", args.persuadee), ("--judge", args.judge)):
+        if name in ("persuadee", "none") and flag == "--judge":
+            continue
+        if served.is_served(name):
+            try:
+                served.parse_spec(name)
+            except SystemExit as e:
+                return f"{flag}: {e}"
+        elif found := cli.model_problem(name):  # as train.py checks it
+            return f"{flag} {name} {found}; {cli.MODEL_FIX}"
+    return None
+
+
+def pool_problem(flag, name, args, instances, judging):
+    """One line when local model `name` cannot be read or its --kv-blocks pool cannot hold one
+    episode (nor, when it judges too, one judging), from its tokenizer and config alone."""
+    from lab import pools
+    try:
+        shape = pools.pool_shape(name, args.dtype)
+    except (OSError, ValueError) as e:
+        return f"env.py: {flag} {name} cannot be read ({str(e).splitlines()[0]}); {cli.MODEL_FIX}"
+    if args.kv_blocks is None:
+        return None
+    need = pools.episode_blocks(shape, instances, args.t_max, args.max_new_tokens)
+    if judging:
+        need = max(need, pools.judge_blocks(shape, instances, args.t_max, args.max_new_tokens))
+    if args.kv_blocks >= need:
+        return None
+    return (f"env.py: --kv-blocks {args.kv_blocks} cannot hold one episode of {name} ({need} "
+            f"blocks of {shape.block_size} tokens at --t-max {args.t_max}, --max-new-tokens "
+            f"{args.max_new_tokens}{' and its judging' if judging else ''}); pass --kv-blocks "
+            f"{need} or more")
+
+
+def checked_models(args, instances):
+    """(persuadee, judge), every model checked before any weight loads: a served one answers
+    (ServedModel.check), a local one's files read and its pool sized; then the local ones load."""
+    from lab import pools
+    roles = {"--persuadee": args.persuadee}
+    if args.judge not in ("persuadee", "none"):
+        roles["--judge"] = args.judge
+    loaded = {}
+    for flag, name in roles.items():
+        if served.is_served(name):
+            pools.player(name, loaded, args.dtype, None)
+    for flag, name in roles.items():
+        if not served.is_served(name) and (problem := pool_problem(
+                flag, name, args, instances, flag == "--persuadee" and args.judge == "persuadee")):
+            sys.exit(problem)
+    persuadee = PersuasionEnv._player(args.persuadee, loaded, args.dtype, args.kv_blocks)
+    if args.judge in ("persuadee", "none"):
+        return persuadee, {"persuadee": persuadee, "none": None}[args.judge]
+    return persuadee, PersuasionEnv._player(args.judge, loaded, args.dtype, args.kv_blocks)
 
 
 def main(argv=None):
@@ -439,18 +665,15 @@ def main(argv=None):
     instances = load_instances(args.scenarios)  # a bad path is named before any model loads
     import models
     models.set_cpu_threads()  # one thread per core the machine's load leaves free
-    loaded = {}
-    persuadee = PersuasionEnv._player(args.persuadee, loaded, args.dtype, args.kv_blocks)
-    judge = ({"persuadee": persuadee, "none": None}[args.judge]
-             if args.judge in ("persuadee", "none")
-             else PersuasionEnv._player(args.judge, loaded, args.dtype, args.kv_blocks))
+    persuadee, judge = checked_models(args, instances)
 
     def make_env():
         return PersuasionEnv(persuadee, scenarios=instances, t_max=args.t_max, judge=judge,
                              max_new_tokens=args.max_new_tokens)
-    print(f"env.py: serving {args.persuadee} on http://{HOST}:{args.port} (OpenEnv: /ws, "
-          "/reset, /step, /state)", file=sys.stderr)
-    uvicorn.run(openenv_app(make_env), host=HOST, port=args.port, log_level="warning")
+    print(f"env.py: serving {args.persuadee} on ws://{HOST}:{args.port}/ws (OpenEnv; sessions "
+          f"idle {args.session_timeout:g} s are closed)", file=sys.stderr)
+    uvicorn.run(openenv_app(make_env, args.session_timeout), host=HOST, port=args.port,
+                log_level="warning", timeout_graceful_shutdown=SHUTDOWN_S)
 
 
 if __name__ == "__main__":
