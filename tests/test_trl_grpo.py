@@ -1,0 +1,130 @@
+"""trl_grpo.py: TRL's GRPOTrainer trains a tiny persuader against PersuasionEnv on a CPU; the
+rewards it logs are the arena's, its completions are the episodes the env played."""
+import pytest
+import torch
+
+import engine
+import models
+from conftest import tiny_model
+from lab import env as persuasion_env
+from lab import trl_grpo
+from test_env import openenv_server  # noqa: F401
+from test_served import instances
+
+TURN_TOKENS = 6
+GROUP = 2  # episodes per instance (GRPO's group)
+
+
+def recording(env):
+    """env with each step()'s (reward, terminated, truncated, info) kept, per episode."""
+    played, real_reset, real_step = [], env.reset, env.step
+
+    def reset(**kw):
+        played.append(dict(instance=kw["options"]["instance"], steps=[]))
+        return real_reset(**kw)
+
+    def step(text):
+        out = real_step(text)
+        played[-1]["steps"].append(dict(text=text, reply=out[0], reward=out[1], info=out[4]))
+        return out
+    env.reset, env.step = reset, step
+    return played
+
+
+def test_grpo_trainer_trains_on_the_arenas_rewards(tmp_path):
+    """Two GRPO steps of a tiny random persuader against a tiny persuadee, judge off: each step's
+    logged rewards are the means over its episodes of what the env reported, checked against
+    the beliefs in the env's last info ((b_T - b_0) / 2) and the outcome (G(outcome) + 0.5 * 0);
+    the mixed reward is outcome + LAMBDA * dense; a step's group is one instance; the policy's
+    weights move; the completion the trainer saw is the persuader's messages as the env took
+    them, with the replies between them masked out."""
+    tokenizer = models.tiny_tokenizer()
+    persuadee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+    env = persuasion_env.PersuasionEnv(persuadee, scenarios=instances(), t_max=2,
+                                       max_new_tokens=4, judge=None)
+    played = recording(env)
+    episodes = []
+    policy, policy_tokenizer = models.random_model("tiny-qwen3", seed=1)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    config = trl_grpo.grpo_config(str(tmp_path), 2, num_generations=GROUP, learning_rate=1e-2)
+    trainer = trl_grpo.trainer_for(env, policy, policy_tokenizer, config, turn_tokens=TURN_TOKENS,
+                                   on_episode=lambda i, e: episodes.append(e))
+    trainer.train()
+
+    logged = [row for row in trainer.state.log_history if "reward" in row]
+    assert [row["step"] for row in logged] == [1, 2] and len(played) == 2 * GROUP
+    for row, start in zip(logged, range(0, len(played), GROUP)):
+        group = played[start:start + GROUP]
+        assert len({e["instance"] for e in group}) == 1
+        last = [e["steps"][-1]["info"] for e in group]
+        dense = [(info["beliefs"][-1] - info["beliefs"][0]) / 2 for info in last]
+        outcome = [{"ACCEPT": 3.0, "CONDITIONAL_ACCEPT": 1.0, "PENDING": 0.0, "REJECT": -1.0,
+                    "WALK_AWAY": -2.0}[info["outcome"]] for info in last]
+        for e, d in zip(group, dense):
+            assert sum(s["reward"] for s in e["steps"]) == pytest.approx(d, abs=1e-9)
+        assert row["rewards/arena_dense/mean"] == pytest.approx(sum(dense) / GROUP, abs=1e-6)
+        assert row["rewards/arena_outcome/mean"] == pytest.approx(sum(outcome) / GROUP, abs=1e-6)
+        assert row["reward"] == pytest.approx(
+            (sum(outcome) + trl_grpo.LAMBDA * sum(dense)) / GROUP, abs=1e-6)
+    assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+    for e, got in zip(played, episodes):  # the trainer's completion: messages sent, replies heard
+        segments, ids, mask = [], got["completion_ids"], got["env_mask"]
+        for i, m in enumerate(mask):
+            if i == 0 or m != mask[i - 1]:
+                segments.append((m, []))
+            segments[-1][1].append(ids[i])
+        said = [policy_tokenizer.decode(s, skip_special_tokens=True) for m, s in segments if m]
+        heard = [policy_tokenizer.decode(s) for m, s in segments if not m]
+        assert said == [s["text"] for s in e["steps"]] and len(got["logprobs"]) == len(ids)
+        assert len(heard) == len(e["steps"]) - 1
+        for h, s in zip(heard, e["steps"]):
+            assert s["reply"][0]["content"] in h
+        assert all(lp == 0.0 for lp, m in zip(got["logprobs"], mask) if not m)
+        assert all(lp <= 0.0 for lp in got["logprobs"])
+
+
+def test_grpo_trainer_trains_against_the_openenv_server(openenv_server, tmp_path):  # noqa: F811
+    """The same rollout over openenv-core's client against env.py's OpenEnv server (one step):
+    the logged rewards are those the server reported, and the server's pool is whole after."""
+    url, _, persuadee = openenv_server
+    env = trl_grpo.ServerEnv(url, instances())
+    played = recording(env)
+    policy, policy_tokenizer = models.random_model("tiny-qwen3", seed=3)
+    config = trl_grpo.grpo_config(str(tmp_path), 1, num_generations=GROUP)
+    trainer = trl_grpo.trainer_for(env, policy, policy_tokenizer, config, turn_tokens=TURN_TOKENS)
+    trainer.train()
+    env.close()
+    (row,) = [row for row in trainer.state.log_history if "reward" in row]
+    last = [e["steps"][-1]["info"] for e in played]
+    assert len(played) == GROUP and len({e["instance"] for e in played}) == 1
+    assert all(1 <= len(e["steps"]) <= 3 for e in played)
+    dense = sum((info["beliefs"][-1] - info["beliefs"][0]) / 2 for info in last) / GROUP
+    outcome = sum(info["outcome_reward"] for info in last) / GROUP
+    assert row["rewards/arena_dense/mean"] == pytest.approx(dense, abs=1e-6)
+    assert row["rewards/arena_outcome/mean"] == pytest.approx(outcome, abs=1e-6)
+    assert len(persuadee.cache.free_blocks) == 2000
+
+
+def test_a_prompt_that_is_no_instance_is_refused_in_one_line(tokenizer):
+    env = persuasion_env.PersuasionEnv(engine.Engine(tiny_model("qwen3"), tokenizer, 8, 2000),
+                                       scenarios=instances(), t_max=1, judge=None)
+    with pytest.raises(ValueError, match="no instance .*train-9999.* ids look like"):
+        trl_grpo.prompt_dataset(env, ["train-9999"])
+    dataset, by_prompt = trl_grpo.prompt_dataset(env)
+    assert dataset["instance"] == ["train-0001", "train-0002", "train-0003"]
+    rollout = trl_grpo.make_rollout(env, by_prompt)
+    with pytest.raises(ValueError, match="no instance's opening"):
+        rollout([[{"role": "user", "content": "hi"}]], trainer=None)
+
+
+def test_bad_flags_are_one_line_errors(capsys):
+    for flags, says in ((["--num-generations", "1"], "at least 2"),
+                        (["--steps", "0"], "--steps must be at least 1"),
+                        (["--lam", "nan"], "--lam must be >= 0"),
+                        (["--policy", "random:nope"], "--policy random:nope"),
+                        (["--server", "127.0.0.1:8000"], "--server takes a URL")):
+        with pytest.raises(SystemExit):
+            trl_grpo.parse_args(flags)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert says in err, err
