@@ -284,7 +284,7 @@ def pin_settings(args, parser, argv):
                       persuadee_temperature=sampling[1][0], persuadee_top_p=sampling[1][1],
                       persuadee_top_k=sampling[1][2])
     cli.pin_settings(args, pinned, explicit, "eval.py", may_change=tuple(pinned),
-                     record=str(path), own=sys.modules[__name__])
+                     record=str(path), own=sys.modules[__name__], parser=parser)
 
 
 def argument_problem(args):
@@ -297,7 +297,8 @@ def argument_problem(args):
     if args.name is not None and (problem := runs.name_problem(args.name)):
         return f"--name {args.name!r} {problem} under {EVALS_DIR}/"
     if problem := cli.sampling_problem(args):
-        return " ".join(problem)
+        flag, what, fix = problem
+        return f"{flag} {what}; {fix}"
     if args.resume and args.overwrite:
         return "--resume continues an evaluation and --overwrite deletes it: pass one of them"
     if args.max_new_tokens is not None and args.max_new_tokens < 1:

@@ -147,7 +147,7 @@ def pin_recorded(args, parser, argv):
                              "to start the sweep again")
     explicit = cli.explicit_settings(parser, argv, known=True) | ({"train_args"} if args.train_args else set())
     cli.pin_settings(args, recorded, explicit, "lab.sweep", not_settings=("name", "out", "overwrite"),
-                     record=str(path), again="a re-run of a sweep",
+                     record=str(path), again="a re-run of a sweep", parser=parser,
                      restart="pass --overwrite to start the sweep again (or another --name)")
 
 

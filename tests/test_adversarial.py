@@ -312,8 +312,24 @@ def test_a_temperature_that_trains_nothing_is_refused_in_one_line(flag, value, t
                     f"persuader trains nothing: KL 0 every step); pass e.g. {flag} "
                     f"{1.0 if 'persuader' in flag else 0.7}")
     monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    assert f"{flag} {float(value)} must be 0 (greedy) or lie in [0.01, 100]" in one_line_exit(
-        lambda: eval.main(TINY_EVAL + [flag, value]), capsys)
+    said = one_line_exit(lambda: eval.main(TINY_EVAL + [flag, value]), capsys)
+    assert f"{flag} {float(value)} must be 0 (greedy) or lie in [0.01, 100]" in said
+    assert said.endswith(f"KL 0 every step); pass e.g. {flag} {1.0 if 'persuader' in flag else 0.7}")
+
+
+@pytest.mark.parametrize("key, value, choices", [
+    ("probe_space", "bogus", "--probe-space's choices (prob, logodds)"),
+    ("tagger", "bogus", "--tagger's choices (keyword, logit)")])
+def test_an_evaluations_resumed_choice_is_validated_as_a_fresh_flag(key, value, choices, tmp_path,
+                                                                    monkeypatch, capsys):
+    """eval.py --resume reads settings.json back through the same check as train.py's config.json."""
+    import eval
+    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "settings.json").write_text(json.dumps({key: value}))
+    no_loading(monkeypatch)
+    said = one_line_exit(lambda: eval.main(TINY_EVAL + ["--name", "e", "--resume"]), capsys)
+    assert f"holds {json.dumps(key)}: {json.dumps(value)}, not one of {choices}; fix it there" in said
 
 
 @pytest.mark.parametrize("value", ["0", "0.01", "100", "1.3"])
