@@ -224,9 +224,13 @@ def evaluate_initial(argv, folder):
     args = cli.train_args(argv, train)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = plan.device_plan(args, 1, device)["sizes"] if device.type == "cuda" else {}
-    actor = engine.Engine(*train.load(args.persuader, args.dtype, device), **sizes.get("actor", {}))
-    persuadee = engine.Engine(*train.load(args.persuadee, args.dtype, device),
-                              **sizes.get("persuadee", {}))
+    import models
+    persuader_model, tokenizer = train.load(args.persuader, args.dtype, device)
+    persuadee_loaded = ((models.copied(persuader_model, getattr(torch, args.dtype)), tokenizer)
+                        if args.persuadee == args.persuader else  # read once, as train.py does
+                        train.load(args.persuadee, args.dtype, device))
+    actor = engine.Engine(persuader_model, tokenizer, **sizes.get("actor", {}))
+    persuadee = engine.Engine(*persuadee_loaded, **sizes.get("persuadee", {}))
     judge = (None if args.judge == "none" else persuadee if args.judge in (None, args.persuadee)
              else engine.Engine(*train.load(args.judge, args.dtype, device), **sizes.get("judge", {})))
     folder.mkdir(parents=True, exist_ok=True)
