@@ -6,8 +6,9 @@ append tokens, fork and free them through the Engine's methods; the next forward
 appended ("pending") token, so every token is prefilled exactly once. One path, from block
 tables to a sampled token:
 
-    cache   a pool of KV blocks [layers, blocks * BLOCK_SIZE, kv_heads, head_dim]; a sequence is a
-            block table (list of block ids) plus a length; blocks carry reference counts.
+    cache   a pool of KV blocks [2 (keys, values), layers, blocks * BLOCK_SIZE, kv_heads, head_dim];
+            a sequence is a block table (list of block ids) plus a length; blocks carry reference
+            counts.
             Token t of a sequence sits at slot table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE.
     fork    a child shares every block of its parent (refcount + 1); the shared partial last block
             is copied the first time either side writes into it (copy-on-write).
@@ -184,8 +185,8 @@ def zero_pool(shape, dtype, device):
 
 
 def paged_attention(cache, sids, slots, q_lens, kv_lens):
-    """attend(layer, q, k, v) for a forward of these sequences, reading the pool through the
-    block tables: this step's k, v [N, kv_heads, D] go to their slots, then each sequence's
+    """attend(layer, q, kv) for a forward of these sequences, reading the pool through the
+    block tables: this step's keys and values kv [N, 2, kv_heads, D] go to their slots, then each sequence's
     queries attend over its keys and values gathered slot by slot,
         softmax(q k^T / sqrt(d) + mask) v,  mask: query at position p sees keys 0..p,
     one SDPA call a sequence (grouped-query heads: kv head h serves query heads h*G..h*G+G-1)."""
@@ -195,9 +196,8 @@ def paged_attention(cache, sids, slots, q_lens, kv_lens):
     masks = [(torch.arange(kv) <= torch.arange(kv - hi + lo, kv)[:, None]).to(cache.k.device)
              for (lo, hi), kv in zip(spans, kv_lens.tolist())]
 
-    def attend(layer, q, k, v):
-        cache.k[layer][slots] = k
-        cache.v[layer][slots] = v
+    def attend(layer, q, kv):
+        cache.kv[:, layer, slots] = kv.transpose(0, 1)
         outs = []
         for (lo, hi), where, mask in zip(spans, key_slots, masks):
             keys, values = cache.k[layer][where], cache.v[layer][where]  # [kv, kv_heads, D]
@@ -228,8 +228,9 @@ class PagedCache:
     more block, `scratch`, is never handed out: the fast path's padded decode rows write there."""
 
     def __init__(self, n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype, device):
-        shape = (n_layers, (num_blocks + 1) * block_size, n_kv_heads, head_dim)
-        self.k, self.v = zero_pool(shape, dtype, device), zero_pool(shape, dtype, device)
+        shape = (2, n_layers, (num_blocks + 1) * block_size, n_kv_heads, head_dim)
+        self.kv = zero_pool(shape, dtype, device)  # keys and values: one write stores both
+        self.k, self.v = self.kv[0], self.kv[1]
         self.block_size, self.num_blocks, self.scratch = block_size, num_blocks, num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.refs = [0] * num_blocks
@@ -293,16 +294,15 @@ class PagedCache:
             return
         n = len(copies)  # one host-to-device copy of all the block indices
         index = torch.tensor([a for a, _ in copies] + [b for _, b in copies] + fresh)
-        index = index.to(self.k.device)
+        index = index.to(self.kv.device)
         sources, targets, zero = index[:n], index[n:2 * n], index[2 * n:]
-        for pool in (self.k, self.v):
-            blocks = pool.view(pool.shape[0], self.num_blocks + 1, bs, *pool.shape[2:])
-            if n:
-                blocks[:, targets] = blocks[:, sources]
-            # attention reads whole blocks and masks the unwritten tail, but a masked NaN or inf
-            # left in reused memory would still poison the softmax (0 * inf), so zero it
-            if len(zero):
-                blocks[:, zero] = 0
+        blocks = self.kv.view(*self.kv.shape[:2], self.num_blocks + 1, bs, *self.kv.shape[3:])
+        if n:
+            blocks[:, :, targets] = blocks[:, :, sources]
+        # attention reads whole blocks and masks the unwritten tail, but a masked NaN or inf
+        # left in reused memory would still poison the softmax (0 * inf), so zero it
+        if len(zero):
+            blocks[:, :, zero] = 0
 
     def slots(self, sid, start, n):
         """Flat pool positions of tokens start..start+n-1 of a sequence."""
