@@ -97,9 +97,9 @@ def rope(w, positions, dtype):
     """The RoPE matrices [N, D, D] of each token's position (rotate-half convention): row vector
     x of a head turns as x R, out[j] = x[j] cos_j + x[j'] s_j with j' = (j + D/2) mod D and
     s_j = -sin_j on the first half, +sin_j on the second. One batched product then turns every
-    head of a token; its two non-zero terms per output sum the same way whatever the batch (an
-    elementwise multiply-add rounds differently in a vector body and its scalar tail, which made
-    an episode's numbers depend on its batch neighbours: DECISIONS.md, Keyed random streams)."""
+    head of a token (not an elementwise multiply-add, whose vector body and scalar tail round
+    differently, which made an episode's numbers depend on its batch neighbours: DECISIONS.md,
+    Keyed random streams)."""
     freqs = positions[:, None].float() * w["inv_freq"][None]
     emb = torch.cat([freqs, freqs], -1)
     cos = (emb.cos() * w["rope_scale"]).to(dtype)

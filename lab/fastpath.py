@@ -10,14 +10,16 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
                        the left, grouped query heads folded into the query rows, in calls of at
                        most ATTENTION_CALL_MB (padded_calls, call_mask, call_bytes)
                split   on a compute-bound device (a CPU): one SDPA call a sequence, no padding
-               decode  ... and one query a sequence: one SDPA call, query heads folded (decode_attention)
+               decode  ... and one query a sequence: one SDPA call (decode_attention)
     decode   DecodeBatch: a fixed shape per batch bucket (BATCH_BUCKETS, then multiples of
              BATCH_STEP), a dense copy of the batch's cache in the engine's one decode memory
              (DECODE_COPY_GB, or DECODE_COPY_FRACTION_GPU of free memory), host checks every
              SYNC_EVERY steps, and on CUDA one CUDA graph per bucket, sampling and capacity tier
              (CAPACITY_TIERS), captured once for the engine's life:
                  scores = q K^T / sqrt(d) + bias (float32),  out = softmax(scores) V
-             over the dense keys, each step writing its token into both the copy and the pool.
+             over the dense keys (one SDPA call a layer), each layer writing its token's keys and
+             values into the copy with one write, each step every layer's into the pool with one.
+             On a CPU a window runs on the cores other processes leave free (DECODE_THREADS).
     weights  on a CPU the products' weights in oneDNN's prepacked layout (PACK_CPU_WEIGHTS).
 
 It never imports engine.py: an Engine hands itself over (duck-typed: its cache, weights,
@@ -84,8 +86,9 @@ def attention_transient_bytes(heads, decode_columns, itemsize):
     """The most memory attention takes beside the pool and the decode memory, in bytes: one padded-path
     SDPA call (ATTENTION_CALL_MB, call_bytes: its mask, folded queries and output, and the
     gathered keys and values the engine keeps for the next call) and the masks a forward keeps
-    (at most as much again, Batch), plus a decode step's float32 scores, their softmax and its
-    cast (one layer at a time, heads x every decode memory column)."""
+    (at most as much again, Batch), plus room for a decode step's float32 scores, their softmax
+    and its cast (heads x every decode memory column): an upper bound kept from the two-product
+    decode attention, since the one SDPA call a layer (decode_attention) holds none of them."""
     return int(2 * ATTENTION_CALL_MB * 2**20) + decode_columns * heads * (8 + itemsize)
 
 
