@@ -707,9 +707,10 @@ def parse_args(argv=None):
 @contextmanager
 def busy_load(n):
     """n processes spinning on a core each while the block runs (a loaded machine); ended,
-    each by its own id, when it ends."""
+    each by its own id, when it ends, and each ends itself should this process die first."""
     import subprocess
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
     try:
         yield
     finally:
