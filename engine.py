@@ -36,6 +36,7 @@ for token against Hugging Face `generate` on both paths.
     python -m pytest -q tests/test_engine.py    # engine tests on tiny random models, both paths
     python -m lab.bench                         # the rollout workload against two baselines
 """
+import contextlib
 import math
 import os
 import zlib
@@ -55,6 +56,8 @@ MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get mill
 COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
 # attention a sequence at a time, the probes' common opening prefilled once
 MAX_NEW_TOKENS = 256      # per message
+ENGINE_THREADS = "free"   # torch threads of a CPU forward or decode window: "free", the cores
+# other processes leave free at its start, at most the process's (cpu_threads); "all", the process's
 FORWARD_TOKENS = 8192     # new tokens a forward runs at once: a larger batch (the judge's prompts, the
 # fidelity check's forks) runs in consecutive chunks, so its MLP transient stays bounded (lab/plan.py)
 
@@ -80,6 +83,54 @@ def token_chunks(counts, limit):
             start, total = i, 0
         total += n
     return chunks + [(start, len(counts))] if counts else chunks
+
+
+def running_elsewhere():
+    """Tasks running or runnable on the machine at this instant that are not this process's
+    threads: /proc/loadavg's count of runnable tasks less this process's own running threads
+    (/proc/self/task/*/stat), 0 where those files do not exist."""
+    try:
+        with open("/proc/loadavg") as f:
+            runnable = int(f.read().split()[3].split("/")[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # a thread that just ended
+                continue
+            own += stat[stat.rindex(")") + 2] == "R"
+        return max(0, runnable - own)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_cores(samples=3):
+    """The cores other processes leave free now: the process's cores less the fewest tasks
+    running elsewhere over a few instant samples (a task that keeps a core busy is in every
+    sample, a passing one in few)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores - min(running_elsewhere() for _ in range(samples))
+
+
+@contextlib.contextmanager
+def cpu_threads(device, policy=None):
+    """Torch threads for one engine forward or decode window on a CPU: with ENGINE_THREADS (or
+    `policy`) "free", as many as the cores other processes leave free at its start
+    (free_cores), at least one and at most the process's threads, restored afterwards. Its
+    operations are small parallel regions whose threads wait on one another: on a busy machine
+    a thread without a core stalls every region (two threads beside two busy processes made a
+    SmolLM2 decode step 4-9x slower than one thread did, its prefill several times slower), and
+    the load average that sets the process's threads (models.set_cpu_threads) lags a minute."""
+    if torch.device(device).type != "cpu" or (policy or ENGINE_THREADS) == "all":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(threads, free_cores())))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def block_size_for(device, dtype, fast_path=None):
@@ -349,6 +400,10 @@ class Engine:
         self.stop_ids = stop_ids(model, tokenizer) if tokenizer is not None else []
         self.tokens_prefilled = 0
 
+    def threads(self):
+        """The torch threads this engine's next forward or decode window runs on (cpu_threads)."""
+        return cpu_threads(self.device)
+
     def refresh(self, model=None):
         """Read the model's current weights. The fused tensors are the model's own storage
         (layers.fuse), so weights written into the model in place (train.copy_weights, an
@@ -451,8 +506,9 @@ class Engine:
                                "sequences Engine.admit returns, or fewer at once")
         starts = [cache.lengths[s] for s in sids]
         cache.reserve(sids, counts)
-        logits = torch.cat([self._forward_chunk(sids[a:b], news[a:b], starts[a:b])
-                            for a, b in token_chunks(counts, self.forward_tokens)])
+        with self.threads():
+            logits = torch.cat([self._forward_chunk(sids[a:b], news[a:b], starts[a:b])
+                                for a, b in token_chunks(counts, self.forward_tokens)])
         for s, n in zip(sids, counts):
             cache.lengths[s] += n
             self.pending[s] = []

@@ -19,7 +19,7 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
                  scores = q K^T / sqrt(d) + bias (float32),  out = softmax(scores) V
              over the dense keys (one SDPA call a layer), each layer writing its token's keys and
              values into the copy with one write, each step every layer's into the pool with one.
-             On a CPU a window runs on the cores other processes leave free (DECODE_THREADS).
+             On a CPU a window runs on the cores other processes leave free (engine.cpu_threads).
     weights  on a CPU the products' weights in oneDNN's prepacked layout (PACK_CPU_WEIGHTS).
 
 It never imports engine.py: an Engine hands itself over (duck-typed: its cache, weights,
@@ -28,11 +28,9 @@ pending tokens, admit_step, take, decode_loop) with its sampling function.
     python -m pytest -q tests/test_engine.py      # every equivalence test on both paths
     python -m lab.bench                           # the rollout workload (the fast path)
 """
-import contextlib
 import functools
 import itertools
 import math
-import os
 import time
 import weakref
 from typing import NamedTuple
@@ -58,8 +56,6 @@ DECODE_PAD = 16           # columns after a row's capacity: its scratch column, 
 ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
 # a forward past it runs in several calls (whole sequences, or windows of one's queries)
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
-DECODE_THREADS = "free"   # a CPU decode window's torch threads: "free", the cores other processes
-# leave free at its start (at most the process's threads; free_cores); "all", the process's threads
 
 try:
     from flash_attn import flash_attn_with_kvcache
@@ -97,54 +93,6 @@ def capacity_tiers(capacity):
     multiple of CAPACITY_BUCKET, the last the capacity): a CUDA graph is captured per tier."""
     return sorted({min(capacity, round_up(capacity * i // CAPACITY_TIERS, CAPACITY_BUCKET))
                    for i in range(1, CAPACITY_TIERS + 1)})
-
-
-def running_elsewhere():
-    """Tasks running or runnable on the machine at this instant that are not this process's
-    threads: /proc/loadavg's count of runnable tasks less this process's own running threads
-    (/proc/self/task/*/stat), 0 where those files do not exist."""
-    try:
-        with open("/proc/loadavg") as f:
-            runnable = int(f.read().split()[3].split("/")[0])
-        own = 0
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    stat = f.read()
-            except OSError:  # a thread that just ended
-                continue
-            own += stat[stat.rindex(")") + 2] == "R"
-        return max(0, runnable - own)
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def free_cores(samples=3):
-    """The cores other processes leave free now: the process's cores less the fewest tasks
-    running elsewhere over a few instant samples (a task that keeps a core busy is in every
-    sample, a passing one in few)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores - min(running_elsewhere() for _ in range(samples))
-
-
-@contextlib.contextmanager
-def decode_threads(device, policy=None):
-    """Torch threads for one CPU decode window: with DECODE_THREADS (or `policy`) "free", as
-    many as the cores other processes leave free at its start (free_cores), at least one and
-    at most the process's threads, restored afterwards. A decode step is hundreds of small
-    operations, each a parallel region whose threads wait on one another: on a busy machine a
-    thread without a core stalls every region (two threads beside two busy processes made a
-    SmolLM2 step 4-9x slower than one thread did), and the load average that sets the
-    process's threads (models.set_cpu_threads) lags by a minute."""
-    if torch.device(device).type != "cpu" or (policy or DECODE_THREADS) == "all":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(threads, free_cores())))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def decode_memory_bytes(rows, capacity, token_bytes):
@@ -674,7 +622,7 @@ class DecodeBatch:
         tokens = torch.empty(len(self.tokens), steps, dtype=torch.long, device=self.tokens.device)
         logps = torch.empty(tokens.shape, dtype=torch.float32, device=self.tokens.device)
         tier = self.tier(start + steps)  # the columns the window's last step reaches
-        with decode_threads(self.engine.device):
+        with self.engine.threads():  # the cores free now (engine.cpu_threads)
             for j in range(steps):
                 live = min(start + j + 1, self.capacity)
                 t, lp = (self.replay(sampling, tier) if graph else

@@ -3,8 +3,6 @@ batches, CUDA graphs and capacity tiers, the GPU's padded SDPA calls (testable o
 emptying engine.COMPUTE_BOUND_DEVICES), flash-attn, and the one-query decode attention, each
 against an independent reference (Hugging Face generate, SDPA, float32 scores, the eager step).
 The equivalence tests that run on both paths are in test_engine.py."""
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -335,24 +333,3 @@ def test_the_bench_refuses_bad_arguments_in_one_line(capsys):
             bench.snr_problem(argparse.Namespace(**{**good, **change}))
         assert str(e.value).startswith("lab.bench: --") and "\n" not in str(e.value)
 
-
-def test_a_cpu_decode_window_takes_the_cores_other_processes_leave(monkeypatch):
-    """decode_threads: beside as many running tasks as cores, one thread; on an idle machine
-    the process's threads; never more than those; restored after the window; "all" and a GPU
-    leave the threads alone."""
-    before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0))
-    try:
-        torch.set_num_threads(2)
-        seen = {}
-        for name, elsewhere, policy, device in (("busy", cores, "free", "cpu"),
-                                                ("idle", 0, "free", "cpu"),
-                                                ("all", cores, "all", "cpu"),
-                                                ("gpu", cores, "free", "cuda")):
-            monkeypatch.setattr(fastpath, "running_elsewhere", lambda: elsewhere)
-            with fastpath.decode_threads(device, policy):
-                seen[name] = torch.get_num_threads()
-            assert torch.get_num_threads() == 2
-        assert seen == dict(busy=1, idle=min(2, cores), all=2, gpu=2)
-    finally:
-        torch.set_num_threads(before)
