@@ -76,7 +76,7 @@ def tiny_tokenizer(template=None, special=("<|endoftext|>", "<|im_start|>", "<|i
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=list(special))
+                                  special_tokens=list(special), show_progress=False)
     tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,

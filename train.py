@@ -337,7 +337,8 @@ def train(args, run_dir, rank, world, device, sizes, say):
 def main(argv=None):
     args = cli.train_args(argv, sys.modules[__name__])
     if args.plan:
-        print("\n".join(cli.against_paper(args)))
+        for line in cli.against_paper(args):
+            print(line)
         plan.print_plan(args)
         return []
     rank, world, device = runs.setup_distributed()

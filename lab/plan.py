@@ -93,6 +93,24 @@ def engine_sizes(cfg, itemsize, rows, contexts, gpu):
     return pool, decode_memory, fastpath.round_up(longest, fastpath.CAPACITY_BUCKET)
 
 
+def heldout_decode_note(cfg, itemsize, contexts, decode_memory, gpu):
+    """What the decode memory gives up, said on its line: it is sized for the training batch at
+    the training context (engine_sizes), and the held-out evaluation's later turns, past that
+    context at the evaluation's batch, decode in smaller batches (more steps, the same tokens);
+    covering them would take the bytes named."""
+    if not gpu or len(contexts) < 2:
+        return ""
+    rows, tokens = contexts[1]
+    token = kv_token_bytes(cfg, itemsize)
+    extent = fastpath.round_up(min(tokens, cfg.max_position_embeddings) + fastpath.SYNC_EVERY,
+                               fastpath.CAPACITY_BUCKET)
+    cover = fastpath.decode_memory_bytes(fastpath.batch_bucket(rows), extent, token)
+    if cover <= decode_memory:
+        return ""
+    return (f" (training context; held-out turns past it decode in smaller batches; "
+            f"{fastpath.batch_bucket(rows)} rows at {extent} tokens: +{(cover - decode_memory) / 2**30:.1f} GiB)")
+
+
 def engine_contexts(args, world, rows):
     """(rows, context tokens) of each batch a rank's engines hold: the training rollout's, and
     with --eval-every the held-out evaluation's."""
@@ -150,7 +168,8 @@ def memory_plan(args, world, gib, gpu):
     def engine_items(role, cfg):
         pool, decode_memory, capacity = engine_sizes(cfg, itemsize, rows, contexts, gpu)
         add(f"{role} KV pool", pool)
-        add(f"{role} decode memory", decode_memory)
+        add(f"{role} decode memory" + heldout_decode_note(cfg, itemsize, contexts, decode_memory, gpu),
+            decode_memory)
         if gpu:  # the padded path's largest SDPA call (its gathered keys stay: fastpath.Batch.gather)
             add(f"{role} attention transient",
                 fastpath.attention_transient_bytes(
@@ -208,10 +227,11 @@ def forward_transient_bytes(cfg, itemsize, tokens):
     """What one engine forward of `tokens` new tokens (the judge's prompts, the fidelity check's
     forks: engine.FORWARD_TOKENS at most a forward) holds beside the weights and the pool, its
     tensors of one layer counted as alive together: the residual and its norm, q, k, v and the
-    attention's output, the MLP's gate, up and their product."""
+    attention's output, the MLP's gate, up and their product, and the tokens' rotary matrices
+    (layers.rope: D x D a token)."""
     h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or h // H
-    return tokens * (2 * h + (2 * H + 2 * Hkv) * D + 3 * cfg.intermediate_size) * itemsize
+    return tokens * (2 * h + (2 * H + 2 * Hkv) * D + 3 * cfg.intermediate_size + D * D) * itemsize
 
 
 def lora_merge_bytes(cfg, itemsize):

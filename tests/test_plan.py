@@ -174,3 +174,23 @@ def test_the_plan_lists_the_forward_transients_and_the_lora_merge():
     args = parse_train(["--preset", "paper", "--plan", "--out", "/nonexistent"])
     assert paper["update logits, each row's kept positions"] == (
         args.micro_batch * args.t_max * args.max_new_tokens * 151936 * (2 + 2 + 4 + 4))
+
+
+def test_the_decode_memory_says_what_the_heldout_evaluation_gives_up():
+    """Decode memory is sized for the training batch at the training context; the paper's
+    held-out evaluation (15 scenarios a rank, bucket 16, T_max 10) runs past it, and its line
+    says by how much covering it would grow: the same arithmetic as fastpath's sizing."""
+    from lab import fastpath
+    args = parse_train(["--preset", "paper", "--plan", "--out", "/nonexistent"])
+    items = dict(plan.memory_plan(args, 8, 139, True)["items"])
+    cfg = shapes.model_config(args.persuader)
+    rows, tokens = plan.engine_contexts(args, 8, 16)[1]
+    extent = fastpath.round_up(tokens + fastpath.SYNC_EVERY, fastpath.CAPACITY_BUCKET)
+    actor = next(k for k in items if k.startswith("actor decode memory"))
+    more = (fastpath.decode_memory_bytes(16, extent, plan.kv_token_bytes(cfg, 2)) - items[actor]) / 2**30
+    assert rows == 15 and more > 0
+    assert actor.endswith(f"held-out turns past it decode in smaller batches; 16 rows at {extent} "
+                          f"tokens: +{more:.1f} GiB)")
+    small = plan.memory_plan(parse_train(["--preset", "paper", "--plan", "--out", "/nonexistent",
+                                          "--eval-every", "0"]), 8, 139, True)["items"]
+    assert "actor decode memory" in dict(small)  # no evaluation: nothing given up
