@@ -227,11 +227,10 @@ def forward_transient_bytes(cfg, itemsize, tokens):
     """What one engine forward of `tokens` new tokens (the judge's prompts, the fidelity check's
     forks: engine.FORWARD_TOKENS at most a forward) holds beside the weights and the pool, its
     tensors of one layer counted as alive together: the residual and its norm, q, k, v and the
-    attention's output, the MLP's gate, up and their product, and the tokens' rotary matrices
-    (layers.rope: D x D a token)."""
+    attention's output, the MLP's gate, up and their product."""
     h, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or h // H
-    return tokens * (2 * h + (2 * H + 2 * Hkv) * D + 3 * cfg.intermediate_size + D * D) * itemsize
+    return tokens * (2 * h + (2 * H + 2 * Hkv) * D + 3 * cfg.intermediate_size) * itemsize
 
 
 def lora_merge_bytes(cfg, itemsize):
