@@ -6,8 +6,9 @@ append tokens, fork and free them through the Engine's methods; the next forward
 appended ("pending") token, so every token is prefilled exactly once. One path, from block
 tables to a sampled token:
 
-    cache   a pool of KV blocks [layers, blocks * BLOCK_SIZE, kv_heads, head_dim]; a sequence is a
-            block table (list of block ids) plus a length; blocks carry reference counts.
+    cache   a pool of KV blocks [2 (keys, values), layers, blocks * BLOCK_SIZE, kv_heads, head_dim];
+            a sequence is a block table (list of block ids) plus a length; blocks carry reference
+            counts.
             Token t of a sequence sits at slot table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE.
     fork    a child shares every block of its parent (refcount + 1); the shared partial last block
             is copied the first time either side writes into it (copy-on-write).
@@ -35,6 +36,7 @@ for token against Hugging Face `generate` on both paths.
     python -m pytest -q tests/test_engine.py    # engine tests on tiny random models, both paths
     python -m lab.bench                         # the rollout workload against two baselines
 """
+import contextlib
 import math
 import os
 import zlib
@@ -54,6 +56,8 @@ MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get mill
 COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
 # attention a sequence at a time, the probes' common opening prefilled once
 MAX_NEW_TOKENS = 256      # per message
+ENGINE_THREADS = "free"   # torch threads of a CPU forward or decode window: "free", the cores
+# other processes leave free at its start, at most the process's (cpu_threads); "all", the process's
 FORWARD_TOKENS = 8192     # new tokens a forward runs at once: a larger batch (the judge's prompts, the
 # fidelity check's forks) runs in consecutive chunks, so its MLP transient stays bounded (lab/plan.py)
 
@@ -79,6 +83,54 @@ def token_chunks(counts, limit):
             start, total = i, 0
         total += n
     return chunks + [(start, len(counts))] if counts else chunks
+
+
+def running_elsewhere():
+    """Tasks running or runnable on the machine at this instant that are not this process's
+    threads: /proc/loadavg's count of runnable tasks less this process's own running threads
+    (/proc/self/task/*/stat), 0 where those files do not exist."""
+    try:
+        with open("/proc/loadavg") as f:
+            runnable = int(f.read().split()[3].split("/")[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:  # a thread that just ended
+                continue
+            own += stat[stat.rindex(")") + 2] == "R"
+        return max(0, runnable - own)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_cores(samples=3):
+    """The cores other processes leave free now: the process's cores less the fewest tasks
+    running elsewhere over a few instant samples (a task that keeps a core busy is in every
+    sample, a passing one in few)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores - min(running_elsewhere() for _ in range(samples))
+
+
+@contextlib.contextmanager
+def cpu_threads(device, policy=None):
+    """Torch threads for one engine forward or decode window on a CPU: with ENGINE_THREADS (or
+    `policy`) "free", as many as the cores other processes leave free at its start
+    (free_cores), at least one and at most the process's threads, restored afterwards. Its
+    operations are small parallel regions whose threads wait on one another: on a busy machine
+    a thread without a core stalls every region (two threads beside two busy processes made a
+    SmolLM2 decode step 4-9x slower than one thread did, its prefill several times slower), and
+    the load average that sets the process's threads (models.set_cpu_threads) lags a minute."""
+    if torch.device(device).type != "cpu" or (policy or ENGINE_THREADS) == "all":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(threads, free_cores())))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def block_size_for(device, dtype, fast_path=None):
@@ -184,8 +236,8 @@ def zero_pool(shape, dtype, device):
 
 
 def paged_attention(cache, sids, slots, q_lens, kv_lens):
-    """attend(layer, q, k, v) for a forward of these sequences, reading the pool through the
-    block tables: this step's k, v [N, kv_heads, D] go to their slots, then each sequence's
+    """attend(layer, q, kv) for a forward of these sequences, reading the pool through the
+    block tables: this step's keys and values kv [N, 2, kv_heads, D] go to their slots, then each sequence's
     queries attend over its keys and values gathered slot by slot,
         softmax(q k^T / sqrt(d) + mask) v,  mask: query at position p sees keys 0..p,
     one SDPA call a sequence (grouped-query heads: kv head h serves query heads h*G..h*G+G-1)."""
@@ -195,9 +247,8 @@ def paged_attention(cache, sids, slots, q_lens, kv_lens):
     masks = [(torch.arange(kv) <= torch.arange(kv - hi + lo, kv)[:, None]).to(cache.k.device)
              for (lo, hi), kv in zip(spans, kv_lens.tolist())]
 
-    def attend(layer, q, k, v):
-        cache.k[layer][slots] = k
-        cache.v[layer][slots] = v
+    def attend(layer, q, kv):
+        cache.kv[:, layer, slots] = kv.transpose(0, 1)
         outs = []
         for (lo, hi), where, mask in zip(spans, key_slots, masks):
             keys, values = cache.k[layer][where], cache.v[layer][where]  # [kv, kv_heads, D]
@@ -228,8 +279,9 @@ class PagedCache:
     more block, `scratch`, is never handed out: the fast path's padded decode rows write there."""
 
     def __init__(self, n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype, device):
-        shape = (n_layers, (num_blocks + 1) * block_size, n_kv_heads, head_dim)
-        self.k, self.v = zero_pool(shape, dtype, device), zero_pool(shape, dtype, device)
+        shape = (2, n_layers, (num_blocks + 1) * block_size, n_kv_heads, head_dim)
+        self.kv = zero_pool(shape, dtype, device)  # keys and values: one write stores both
+        self.k, self.v = self.kv[0], self.kv[1]
         self.block_size, self.num_blocks, self.scratch = block_size, num_blocks, num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.refs = [0] * num_blocks
@@ -293,16 +345,15 @@ class PagedCache:
             return
         n = len(copies)  # one host-to-device copy of all the block indices
         index = torch.tensor([a for a, _ in copies] + [b for _, b in copies] + fresh)
-        index = index.to(self.k.device)
+        index = index.to(self.kv.device)
         sources, targets, zero = index[:n], index[n:2 * n], index[2 * n:]
-        for pool in (self.k, self.v):
-            blocks = pool.view(pool.shape[0], self.num_blocks + 1, bs, *pool.shape[2:])
-            if n:
-                blocks[:, targets] = blocks[:, sources]
-            # attention reads whole blocks and masks the unwritten tail, but a masked NaN or inf
-            # left in reused memory would still poison the softmax (0 * inf), so zero it
-            if len(zero):
-                blocks[:, zero] = 0
+        blocks = self.kv.view(*self.kv.shape[:2], self.num_blocks + 1, bs, *self.kv.shape[3:])
+        if n:
+            blocks[:, :, targets] = blocks[:, :, sources]
+        # attention reads whole blocks and masks the unwritten tail, but a masked NaN or inf
+        # left in reused memory would still poison the softmax (0 * inf), so zero it
+        if len(zero):
+            blocks[:, :, zero] = 0
 
     def slots(self, sid, start, n):
         """Flat pool positions of tokens start..start+n-1 of a sequence."""
@@ -348,6 +399,10 @@ class Engine:
         self.pending = {}
         self.stop_ids = stop_ids(model, tokenizer) if tokenizer is not None else []
         self.tokens_prefilled = 0
+
+    def threads(self):
+        """The torch threads this engine's next forward or decode window runs on (cpu_threads)."""
+        return cpu_threads(self.device)
 
     def refresh(self, model=None):
         """Read the model's current weights. The fused tensors are the model's own storage
@@ -451,8 +506,9 @@ class Engine:
                                "sequences Engine.admit returns, or fewer at once")
         starts = [cache.lengths[s] for s in sids]
         cache.reserve(sids, counts)
-        logits = torch.cat([self._forward_chunk(sids[a:b], news[a:b], starts[a:b])
-                            for a, b in token_chunks(counts, self.forward_tokens)])
+        with self.threads():
+            logits = torch.cat([self._forward_chunk(sids[a:b], news[a:b], starts[a:b])
+                                for a, b in token_chunks(counts, self.forward_tokens)])
         for s, n in zip(sids, counts):
             cache.lengths[s] += n
             self.pending[s] = []

@@ -5,6 +5,12 @@ batching policy: engine.py owns those and passes the attention in).
     x_{l+1} = x_l + W_o Attn(RoPE(W_qkv RMSNorm(x_l)))
     x_{l+2} = x_{l+1} + W_down (silu(W_gate h) * W_up h),  h = RMSNorm(x_{l+1})
     logits  = W_lm RMSNorm(x_L)
+    RoPE(x) = x R_p: one matrix a position (rotate-half: R_p[j, j] = cos, R_p[j + D/2, j] = -sin,
+              R_p[j, j + D/2] = sin), so q and k turn in one batched product each
+
+A decode layer is few kernels (BENCHMARKS.md, kernels): the residual adds ride in the products
+(addmm into x), RoPE is a product, the rotated keys land beside the values in the q/k/v output so
+that attention stores both with one write.
 
 Written against the Hugging Face weights of Llama, Qwen2 and Qwen3 (Qwen2's q/k/v biases, Qwen3's
 per-head q/k norms). q/k/v and gate/up are fused into tensors that become the parameters' own
@@ -21,10 +27,17 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 # forward here has a new one (the batch, its queries and its block-rounded keys all vary)
 
 
-def linear(x, weight, bias=None):
-    """x W^T + b. A weight may instead be a callable taking (x, bias): lab.fastpath's
+def linear(x, weight, bias=None, residual=None):
+    """x W^T + b, added in place into `residual` when given (the residual stream: one addmm,
+    no separate add). A weight may instead be a callable taking (x, bias): lab.fastpath's
     prepacked CPU weights."""
-    return weight(x, bias) if callable(weight) else F.linear(x, weight, bias)
+    if callable(weight):
+        out = weight(x, bias)
+        return out if residual is None else residual.add_(out)
+    if residual is None:
+        return F.linear(x, weight, bias)
+    assert bias is None, "layers.linear: a residual product takes no bias"
+    return residual.addmm_(x, weight.t())
 
 
 def fuse(params):
@@ -80,45 +93,49 @@ def rms_norm(x, weight, eps):
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def rotate(x, cos, signed_sin):
-    """RoPE on [N, heads, head_dim], rotate-half convention: x cos + (-x2, x1) sin, written as
-    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim]. Not one addcmul: a
-    fused multiply-add rounds differently in a vector body and its scalar tail, so an episode's
-    numbers would depend on its batch neighbours (DECISIONS.md: Keyed random streams)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
 def rope(w, positions, dtype):
-    """cos and signed sin [N, 1, head_dim] of each token's position (rotate-half RoPE)."""
+    """The RoPE matrices [N, D, D] of each token's position (rotate-half convention): row vector
+    x of a head turns as x R, out[j] = x[j] cos_j + x[j'] s_j with j' = (j + D/2) mod D and
+    s_j = -sin_j on the first half, +sin_j on the second. One batched product then turns every
+    head of a token (not an elementwise multiply-add, whose vector body and scalar tail round
+    differently, which made an episode's numbers depend on its batch neighbours: DECISIONS.md,
+    Keyed random streams)."""
     freqs = positions[:, None].float() * w["inv_freq"][None]
     emb = torch.cat([freqs, freqs], -1)
-    cos = (emb.cos() * w["rope_scale"]).to(dtype)[:, None]
-    sin = (emb.sin() * w["rope_scale"]).to(dtype)[:, None]
-    sin[..., :sin.shape[-1] // 2] *= -1
-    return cos, sin
+    cos = (emb.cos() * w["rope_scale"]).to(dtype)
+    sin = (emb.sin() * w["rope_scale"]).to(dtype)
+    sin[:, :sin.shape[-1] // 2] *= -1
+    D = cos.shape[-1]
+    j = torch.arange(D, device=cos.device)
+    R = cos.new_zeros(len(positions), D, D)
+    R[:, j, j] = cos
+    R[:, (j + D // 2) % D, j] = sin
+    return R
 
 
 def decoder(w, ids, positions, attend, backends=None):
-    """Final hidden states [N, hidden] of a packed batch of tokens; attend(layer, q, k, v) is the
-    attention path, which also stores k and v wherever the path keeps them; its SDPA calls may
-    use `backends` (default SDPA_BACKENDS)."""
+    """Final hidden states [N, hidden] of a packed batch of tokens; attend(layer, q, kv) is the
+    attention path (q [N, H, D] contiguous, kv [N, 2, kv_heads, D] the rotated keys and the
+    values side by side), which also stores k and v wherever the path keeps them; its SDPA calls
+    may use `backends` (default SDPA_BACKENDS)."""
     x = w["embed"][ids]
-    cos, sin = rope(w, positions, x.dtype)
-    H, Hkv, D = w["n_heads"], w["n_kv_heads"], w["head_dim"]
+    R = rope(w, positions, x.dtype)
+    N, H, Hkv, D = len(ids), w["n_heads"], w["n_kv_heads"], w["head_dim"]
     with sdpa_kernel(SDPA_BACKENDS if backends is None else backends):
         for i, lw in enumerate(w["layers"]):
-            h = rms_norm(x, lw["ln1"], w["eps"])
-            qkv = linear(h, lw["qkv"], lw.get("qkv_bias"))
-            qk, v = qkv[:, :(H + Hkv) * D].view(-1, H + Hkv, D), qkv[:, (H + Hkv) * D:]
-            if "q_norm" in lw:  # each head's q and k normalised, then scaled by its weight
-                qk = F.rms_norm(qk, (D,), eps=w["eps"])
-                qk[:, :H] *= lw["q_norm"]
-                qk[:, H:] *= lw["k_norm"]
-            qk = rotate(qk, cos, sin)  # queries and keys in one go: fewer, larger operations
-            q, k, v = qk[:, :H], qk[:, H:], v.view(-1, Hkv, D)
-            x = x + linear(attend(i, q, k, v).reshape(len(ids), H * D), lw["o"])
+            qkv = linear(rms_norm(x, lw["ln1"], w["eps"]), lw["qkv"], lw.get("qkv_bias"))
+            q, k = qkv[:, :H * D].view(N, H, D), qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
+            if "q_norm" in lw:  # Qwen3: each head's q and k normalised and scaled by its weight
+                q = F.rms_norm(q, (D,), lw["q_norm"], w["eps"])
+                k_in = F.rms_norm(k, (D,), lw["k_norm"], w["eps"])
+            else:
+                k_in = k.clone()  # the product below writes k over itself
+            q = torch.bmm(q, R)
+            torch.bmm(k_in, R, out=k)  # rotated keys in place, beside the values
+            kv = qkv[:, H * D:].view(N, 2, Hkv, D)
+            x = linear(attend(i, q, kv).reshape(N, H * D), lw["o"], residual=x)
             gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
-            x = x + linear(F.silu(gate).mul_(up), lw["down"])
+            x = linear(F.silu(gate).mul_(up), lw["down"], residual=x)
     return x
 
 

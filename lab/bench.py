@@ -48,6 +48,7 @@ Metrics:
 
     PYTHONPATH=. python -m lab.bench                                           # full workload (minutes)
     PYTHONPATH=. python -m lab.bench --dialogues 2 --turns 1 --max-new-tokens 8  # quick check
+    PYTHONPATH=. python -m lab.bench --load 2       # again beside 2 busy processes (one a core)
     PYTHONPATH=. python -m lab.bench --device cuda --random-init qwen3-4b --json  # GPU, 4B random model
     PYTHONPATH=. python -m lab.bench --skip-baselines --profile trace.json   # where the engine's time goes
     PYTHONPATH=. python -m lab.bench --probe-vs-judge --dialogues 4 --turns 2   # Table 4: probe vs judge call
@@ -419,9 +420,8 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
     weight packing takes), counted on this machine with a TorchDispatchMode over one step of
     models of `shape` with 2 and 3 layers: (ops that run a kernel, of which the names, all ops
     with views, the step's ops outside the layers). F.rms_norm
-    counts as one (CUDA's fused kernel; a CPU runs its ~8-op decomposition); the float32 score
-    product counts as a CPU runs it (casts, baddbmm), which CUDA's bmm with out_dtype replaces
-    by bmm, mul_, add_ (as many)."""
+    counts as one (CUDA's fused kernel; a CPU runs its ~8-op decomposition); the attention is
+    one SDPA op on both (the CPU's flash kernel here, the memory-efficient kernel on CUDA)."""
     import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -675,6 +675,8 @@ def parse_args(argv=None):
     p.add_argument("--dialogues", type=int, default=DIALOGUES)
     p.add_argument("--turns", type=int, default=TURNS)
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    p.add_argument("--load", type=int, default=0, metavar="N", help="time the comparison again "
+                   "with N busy-loop processes running beside it (one a core: a loaded machine)")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--random-init", choices=sorted(models.RANDOM_CONFIGS), default=None)
     p.add_argument("--json", action="store_true")
@@ -691,7 +693,30 @@ def parse_args(argv=None):
                    help="--gpu-check's turns (default: the paper preset's T_max)")
     p.add_argument("--check-new-tokens", type=int, default=None,
                    help="--gpu-check's new tokens a message (default: the paper preset's)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("dialogues", "turns", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            p.exit(2, f"lab.bench: --{flag.replace('_', '-')} {getattr(args, flag)} must be at "
+                      f"least 1; pass a positive number, e.g. --{flag.replace('_', '-')} 2\n")
+    if args.load < 0:
+        p.exit(2, f"lab.bench: --load {args.load} is negative; pass 0 (a quiet run only) or the "
+                  "busy processes to run beside it, e.g. --load 2\n")
+    return args
+
+
+@contextmanager
+def busy_load(n):
+    """n processes spinning on a core each while the block runs (a loaded machine); ended,
+    each by its own id, when it ends, and each ends itself should this process die first."""
+    import subprocess
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def run_implementations(args, model, tok, instances, sync, gpu):
@@ -756,7 +781,7 @@ def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
     print(f"workload: {out['dialogues']} dialogues x {args.turns} turns, {args.max_new_tokens} new "
           f"tokens, greedy, {out['dtype']} on {args.device}, {out['model']}; mean prompt tokens: "
           f"persuader system+opening {sum(persuader_len) / len(persuader_len):.0f}, persuadee system "
-          f"{sum(persuadee_len) / len(persuadee_len):.0f}")
+          f"{sum(persuadee_len) / len(persuadee_len):.0f}; {torch.get_num_threads()} torch threads")
     print(f"machine: memory {out['bandwidth_gb_s']:.1f} GB/s, matmul {out['matmul_gflop_s']:.0f} "
           f"GFLOP/s [{MATMUL_ROWS}, {cfg.hidden_size}] x [{cfg.hidden_size}, "
           f"{2 * cfg.intermediate_size}]")
@@ -783,13 +808,13 @@ def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
 
 def main():
     args = parse_args()
+    models.set_cpu_threads(args.device)  # one thread per core the machine's load leaves free
     if args.gpu_check:
         out = gpu_check(args)
         if args.json:
             print(json.dumps(out))
         return
     gpu = args.device.startswith("cuda")
-    models.set_cpu_threads(args.device)  # one thread per core the machine's load leaves free
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     model, tok = load(args, dtype)
@@ -808,8 +833,34 @@ def main():
     out = comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances)
     out["decode_layer_kernels"], names, _, _ = decode_layer_ops()
     print_comparison(args, out, res, names, (persuader_len, persuadee_len), model.config, gpu)
+    if args.load:  # the same comparison beside --load busy processes
+        with busy_load(args.load):
+            loaded = run_implementations(args, model, tok, instances, sync, gpu)
+        figures = comparison_figures(args, model, tok, dtype, loaded, bandwidth, flops, instances)
+        out["loaded"] = dict(busy_processes=args.load, **{k: figures[k] for k in LOADED_FIGURES})
+        print_loaded(args, out["loaded"], loaded)
     if args.json:
         print(json.dumps(out))
+
+
+LOADED_FIGURES = ("engine_tok_s", "hf_generate_tok_s", "hf_generate_batch_tok_s",
+                  "speedup_vs_generate", "speedup_vs_generate_batch", "greedy_match",
+                  "decode_step_ms", "prefill_tok_s")
+
+
+def print_loaded(args, figures, res):
+    """The comparison run beside --load busy processes (its figures, res by implementation)."""
+    print(f"loaded: the same workload beside {args.load} busy-loop processes "
+          f"({torch.get_num_threads()} torch threads)")
+    for k, r in res.items():
+        print(f"{k:<18}{r['wall']:>8.1f}{r['gen']:>9}{r['tok_s']:>8.1f}")
+    hf, cb = figures["speedup_vs_generate"], figures["speedup_vs_generate_batch"]
+    if hf:
+        print(f"speedup loaded: {hf:.2f}x vs hf generate" + (f", {cb:.2f}x vs hf generate_batch"
+                                                            if cb else "")
+              + f"; greedy_match {figures['greedy_match']}")
+    print(f"engine decode step loaded {figures['decode_step_ms']:.1f} ms; prefill "
+          f"{figures['prefill_tok_s']:.0f} tok/s")
 
 
 # -----------------------------------------------------------------------------
@@ -862,6 +913,24 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
     return out
 
 
+def snr_problem(args):
+    """--snr's arguments checked before any model loads: one line naming the flag and the fix."""
+    if args.snr not in presets.PRESETS:
+        raise SystemExit(f"lab.bench: --snr {args.snr} is not a preset; pass one of "
+                         f"{', '.join(presets.PRESETS)}, e.g. --snr tiny")
+    held_out = len(pick_instances(None))
+    least = dict(instances=1, messages=2, resamples=2)  # the variance split needs two of each
+    for flag, low in least.items():
+        value = getattr(args, flag)
+        if value < low:
+            raise SystemExit(f"lab.bench: --{flag} {value} is below {low}; pass at least "
+                             f"--{flag} {low}" + (" (two of each give the variance split)"
+                                                  if low == 2 else ""))
+    if args.instances > held_out:
+        raise SystemExit(f"lab.bench: --instances {args.instances} exceeds the {held_out} "
+                         f"held-out scenarios; pass at most --instances {held_out}")
+
+
 def snr_main(argv):
     """--snr PRESET [--instances N --messages M --resamples R --seed S]: the share of r_1's
     variance that the persuader's message decides, and r_1's spread."""
@@ -872,6 +941,8 @@ def snr_main(argv):
     p.add_argument("--resamples", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    snr_problem(args)
+    models.set_cpu_threads()  # one thread per core the machine's load leaves free
     start = time.perf_counter()
     rewards = first_turn_rewards(args.snr, args.instances, args.messages, args.resamples, args.seed)
     out = significance.message_variance_share(rewards)

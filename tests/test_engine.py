@@ -1,6 +1,8 @@
 """Engine tests: the paged cache, its forward and keyed sampling against plain Hugging Face
 computations, on the reference path and on each attention path of the fast path (the `paths`
 fixture), and the two paths against each other. The fast path's own machinery: test_fastpath.py."""
+import os
+
 import pytest
 import torch
 
@@ -397,3 +399,36 @@ def test_a_batch_past_forward_tokens_runs_in_chunks_with_the_same_logits(arch, p
     for row, ids in zip(out[24][2], contexts):
         torch.testing.assert_close(row, model(torch.tensor([ids + [11]])).logits[0, -1], atol=1e-4,
                                    rtol=0)
+
+
+def test_a_cpu_forward_takes_the_cores_other_processes_leave(monkeypatch):
+    """cpu_threads (an engine's forwards and decode windows): beside as many running tasks as
+    cores, one thread; on an idle machine the process's threads; never more than those; restored
+    afterwards; "all" and a GPU leave the threads alone. A forward runs inside it."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        torch.set_num_threads(2)
+        seen = {}
+        for name, elsewhere, policy, device in (("busy", cores, "free", "cpu"),
+                                                ("idle", 0, "free", "cpu"),
+                                                ("all", cores, "all", "cpu"),
+                                                ("gpu", cores, "free", "cuda")):
+            monkeypatch.setattr(engine, "running_elsewhere", lambda: elsewhere)
+            with engine.cpu_threads(device, policy):
+                seen[name] = torch.get_num_threads()
+            assert torch.get_num_threads() == 2
+        assert seen == dict(busy=1, idle=min(2, cores), all=2, gpu=2)
+    finally:
+        torch.set_num_threads(before)
+    inside = []
+    monkeypatch.setattr(engine, "running_elsewhere", lambda: cores)
+    eng = engine.Engine(tiny_model("llama"), block_size=16, num_blocks=64)
+    monkeypatch.setattr(eng, "_forward_chunk", lambda *a: inside.append(torch.get_num_threads())
+                        or torch.zeros(len(a[0]), 4))
+    torch.set_num_threads(2)
+    try:
+        eng.forward([eng.new([1, 2, 3])])
+    finally:
+        torch.set_num_threads(before)
+    assert inside == [1]

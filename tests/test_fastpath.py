@@ -115,7 +115,7 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
         fast = eng.fast
         memory = fast.decode_memory.untyped_storage().data_ptr()
         views = {t.untyped_storage().data_ptr() for b in fast.decode_batches.values()
-                 for t in (b.keys_t, b.values)}
+                 for t in (b.kv,)}
         assert views == {memory}
         held = [t for holder in (eng, fast, *fast.decode_batches.values())  # every buffer held
                 for t in vars(holder).values() if torch.is_tensor(t)]
@@ -147,7 +147,7 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
         assert set(fast.decode_batches) <= set(fastpath.BATCH_BUCKETS)  # buckets, no capacity
         assert len(fast.decode_batches) > 1  # the batches did shrink
         for bucket, batch in fast.decode_batches.items():
-            assert batch.capacity == fast.decode_capacity_for(bucket) and batch.keys_t.shape[1] == bucket
+            assert batch.capacity == fast.decode_capacity_for(bucket) and batch.kv.shape[2] == bucket
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -257,44 +257,79 @@ def test_a_window_attends_over_its_capacity_tier_not_the_whole_capacity(monkeypa
 
 
 def test_decode_memory_key_rows_start_aligned():
-    """Every transposed key row of a DecodeBatch starts on a 32-byte boundary (cuBLAS reads
-    aligned rows), whatever the bucket."""
+    """Every key and value row of a DecodeBatch starts on a 32-byte boundary (the attention
+    kernels read aligned rows), whatever the bucket."""
     model = tiny_model("llama").to(torch.bfloat16)
     eng = engine.Engine(model, block_size=16, num_blocks=64)
     eng.generate([eng.new(p) for p in PROMPTS], 4)
     for batch in eng.fast.decode_batches.values():
-        assert batch.keys_t.stride(-2) * batch.keys_t.element_size() % 32 == 0
-        assert batch.keys_t.data_ptr() % 32 == 0
+        assert batch.kv.stride(-2) * batch.kv.element_size() % 32 == 0
+        assert batch.kv.stride(0) * batch.kv.element_size() % 32 == 0
+        assert batch.kv.data_ptr() % 32 == 0
 
 
 def test_decode_attention_matches_sdpa():
-    """The two-product grouped-query decode attention equals SDPA with a boolean key mask."""
+    """The folded grouped-query decode attention equals SDPA with a boolean key mask and GQA."""
     torch.manual_seed(0)
     B, H, Hkv, K, D = 3, 6, 2, 11, 8
     q, keys, values = torch.randn(B, H, D), torch.randn(B, Hkv, K, D), torch.randn(B, Hkv, K, D)
     visible = torch.arange(K) < torch.tensor([11, 4, 1])[:, None, None]  # [B, 1, K]
-    bias = torch.zeros(B, 1, K).masked_fill(~visible, float("-inf")).repeat_interleave(Hkv, 0)
+    bias = torch.zeros(B, 1, 1, K).masked_fill(~visible[:, None], float("-inf"))
+    bias = bias.repeat_interleave(Hkv, 0)
     ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible[:, None],
                                          enable_gqa=True)[:, :, 0]
-    torch.testing.assert_close(fastpath.decode_attention(q, keys.transpose(2, 3), values, bias), ref)
+    torch.testing.assert_close(fastpath.decode_attention(q, keys, values, bias), ref)
 
 
 def test_decode_scores_are_float32_in_bfloat16():
     """bf16 queries and keys whose scores differ by less than bf16's spacing at their size:
-    the attention equals the reference with float32 scores and softmax (then bf16
-    probabilities, as flash-attn's), far closer than scores rounded to bf16 would give."""
+    the attention equals the reference with float32 scores and softmax up to the rounding of
+    its bf16 output, far closer than scores rounded to bf16 would give."""
     torch.manual_seed(0)
     B, H, Hkv, K, D = 2, 4, 2, 64, 16
     q = (torch.randn(B, H, D) * 4).bfloat16()
     keys, values = (torch.randn(B, Hkv, K, D) * 4).bfloat16(), torch.randn(B, Hkv, K, D).bfloat16()
-    bias = torch.zeros(B * Hkv, 1, K)
-    out = fastpath.decode_attention(q, keys.transpose(2, 3), values, bias).float()
+    bias = torch.zeros(B * Hkv, 1, 1, K, dtype=torch.bfloat16)
+    out = fastpath.decode_attention(q, keys, values, bias).float()
     G = H // Hkv
     kq = keys.float().repeat_interleave(G, 1)
     scores = torch.einsum("bhd,bhkd->bhk", q.float(), kq) / D ** 0.5
-    ref = torch.einsum("bhk,bhkd->bhd", scores.softmax(-1).bfloat16().float(),
-                       values.float().repeat_interleave(G, 1))
+    ref = torch.einsum("bhk,bhkd->bhd", scores.softmax(-1), values.float().repeat_interleave(G, 1))
     rounded = torch.einsum("bhk,bhkd->bhd", scores.bfloat16().float().softmax(-1),
                            values.float().repeat_interleave(G, 1))
     error, rounding = (out - ref).abs().max(), (rounded - ref).abs().max()
-    assert error < 0.02 and error < rounding / 4, (error, rounding)
+    output_rounding = (ref.bfloat16().float() - ref).abs().max()  # bf16's half spacing at |out|
+    assert error <= 1.3 * output_rounding and error < rounding / 3, (error, rounding)
+
+
+def test_a_decode_layer_issues_few_kernels_and_one_cache_write():
+    """bench.decode_layer_ops over the GPU's code path (tiny-qwen3, bf16): at most 14 kernels a
+    layer, the keys and values stored with one write, no separate residual add, no roll or
+    cast (RoPE is one product for q and one for k; the attention one SDPA call)."""
+    from lab import bench
+    n, names, _, _ = bench.decode_layer_ops()
+    assert n <= 14, names
+    assert names["index_put_"] == 1 and names["bmm"] == 2 and names["addmm_"] == 2
+    assert not {"add", "roll", "_to_copy", "copy_", "clone", "baddbmm", "_softmax"} & set(names)
+
+
+def test_the_bench_refuses_bad_arguments_in_one_line(capsys):
+    """lab.bench's counts (--dialogues, --turns, --max-new-tokens, --load) and --snr's (preset,
+    --instances, --messages, --resamples) are refused before any model loads, in one line."""
+    import argparse
+
+    from lab import bench
+    for argv in (["--dialogues", "0"], ["--turns", "-1"], ["--max-new-tokens", "0"],
+                 ["--load", "-2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"lab.bench: {argv[0]} {argv[1]}") and "\n" not in err
+    good = dict(snr="tiny", instances=2, messages=2, resamples=2, seed=0)
+    bench.snr_problem(argparse.Namespace(**good))
+    for change in (dict(snr="nope"), dict(instances=-1), dict(instances=0), dict(messages=1),
+                   dict(resamples=1), dict(instances=10**6)):
+        with pytest.raises(SystemExit) as e:
+            bench.snr_problem(argparse.Namespace(**{**good, **change}))
+        assert str(e.value).startswith("lab.bench: --") and "\n" not in str(e.value)
+

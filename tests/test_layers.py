@@ -16,8 +16,8 @@ def test_the_decoder_on_a_plain_causal_attention_is_hugging_faces_forward():
         ids = torch.tensor([5, 17, 42, 9, 33, 8, 101, 7])
         reference = model(ids[None]).logits[0]
         w = layers.fused_weights(model)
-        attend = lambda i, q, k, v: F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attend = lambda i, q, kv: F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None],
             is_causal=True, enable_gqa=True)[0].transpose(0, 1)
         logits = layers.lm_logits(w, layers.decoder(w, ids, torch.arange(len(ids)), attend))
         torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
@@ -34,3 +34,29 @@ def test_fused_weights_are_the_parameters_storage():
     assert fused[a.q_proj.weight.shape[0], 0] == 123.0
     again = layers.fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
     assert again.data_ptr() == fused.data_ptr() and torch.equal(again, fused)
+
+
+def test_rope_matrices_turn_each_pair_as_rotate_half_does():
+    """x R_p equals the rotate-half formula written out pair by pair: (x1 cos - x2 sin,
+    x2 cos + x1 sin) for the halves x1, x2 of each head, with attention scaling."""
+    torch.manual_seed(0)
+    D, positions = 8, torch.tensor([0, 3, 17, 1000])
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    w = dict(inv_freq=inv_freq, rope_scale=0.5)
+    x = torch.randn(len(positions), 3, D, dtype=torch.float64)
+    angle = (positions[:, None].float() * inv_freq[None]).double()  # float32 angles, as layers.rope
+    cos, sin = (angle.cos() * 0.5)[:, None], (angle.sin() * 0.5)[:, None]
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    expected = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    torch.testing.assert_close(torch.bmm(x, layers.rope(w, positions, torch.float64)), expected,
+                               atol=1e-5, rtol=0)
+
+
+def test_a_residual_product_adds_into_the_residual_stream():
+    """linear(x, W, residual=r) is r + x W^T, written into r itself."""
+    torch.manual_seed(0)
+    x, weight, residual = torch.randn(3, 4), torch.randn(5, 4), torch.randn(3, 5)
+    expected = residual + x @ weight.T
+    out = layers.linear(x, weight, residual=residual)
+    assert out.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(out, expected)
