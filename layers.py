@@ -126,9 +126,8 @@ def decoder(w, ids, positions, attend, backends=None):
             qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
             turned = qk
             if "q_norm" in lw:  # Qwen3: each head's q and k normalised and scaled by its weight
-                turned = F.rms_norm(qk, (D,), eps=w["eps"])
-                turned[:, :H] *= lw["q_norm"]
-                turned[:, H:] *= lw["k_norm"]
+                turned = torch.cat([F.rms_norm(qk[:, :H], (D,), lw["q_norm"], w["eps"]),
+                                    F.rms_norm(qk[:, H:], (D,), lw["k_norm"], w["eps"])], 1)
             rotate(turned, cos, sin, out=qk)  # queries and keys in one go, in place
             kv = qkv[:, H * D:].view(N, 2, Hkv, D)
             x = linear(attend(i, qk[:, :H], kv).reshape(N, H * D), lw["o"], residual=x)
