@@ -5,11 +5,9 @@ batching policy: engine.py owns those and passes the attention in).
     x_{l+1} = x_l + W_o Attn(RoPE(W_qkv RMSNorm(x_l)))
     x_{l+2} = x_{l+1} + W_down (silu(W_gate h) * W_up h),  h = RMSNorm(x_{l+1})
     logits  = W_lm RMSNorm(x_L)
-    RoPE(x) = x R_p: one matrix a position (rotate-half: R_p[j, j] = cos, R_p[j + D/2, j] = -sin,
-              R_p[j, j + D/2] = sin), so q and k turn in one batched product each
 
 A decode layer is few kernels (BENCHMARKS.md, kernels): the residual adds ride in the products
-(addmm into x), RoPE is a product, the rotated keys land beside the values in the q/k/v output so
+(addmm into x), the rotated keys land beside the values in the q/k/v output so
 that attention stores both with one write.
 
 Written against the Hugging Face weights of Llama, Qwen2 and Qwen3 (Qwen2's q/k/v biases, Qwen3's
@@ -93,47 +91,46 @@ def rms_norm(x, weight, eps):
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def rotate(x, cos, signed_sin, out=None):
+    """RoPE on [N, heads, head_dim], rotate-half convention: x cos + (-x2, x1) sin, written as
+    x cos + roll(x) (-sin, sin), with cos and signed_sin [N, 1, head_dim], into `out` when given
+    (the q/k/v output itself: the rotated keys then lie beside the values). Neither one addcmul
+    nor a product with a rotation matrix a position: a fused multiply-add rounds differently in
+    a vector body and its scalar tail, and a batched product's rounding moved with the batch, so
+    an episode's numbers would depend on its batch neighbours (DECISIONS.md: Keyed random
+    streams, Decode fusion)."""
+    return torch.add(x * cos, x.roll(x.shape[-1] // 2, -1) * signed_sin, out=out)
+
+
 def rope(w, positions, dtype):
-    """The RoPE matrices [N, D, D] of each token's position (rotate-half convention): row vector
-    x of a head turns as x R, out[j] = x[j] cos_j + x[j'] s_j with j' = (j + D/2) mod D and
-    s_j = -sin_j on the first half, +sin_j on the second. One batched product then turns every
-    head of a token (not an elementwise multiply-add, whose vector body and scalar tail round
-    differently, which made an episode's numbers depend on its batch neighbours: DECISIONS.md,
-    Keyed random streams)."""
+    """cos and signed sin [N, 1, head_dim] of each token's position (rotate-half RoPE)."""
     freqs = positions[:, None].float() * w["inv_freq"][None]
     emb = torch.cat([freqs, freqs], -1)
-    cos = (emb.cos() * w["rope_scale"]).to(dtype)
-    sin = (emb.sin() * w["rope_scale"]).to(dtype)
-    sin[:, :sin.shape[-1] // 2] *= -1
-    D = cos.shape[-1]
-    j = torch.arange(D, device=cos.device)
-    R = cos.new_zeros(len(positions), D, D)
-    R[:, j, j] = cos
-    R[:, (j + D // 2) % D, j] = sin
-    return R
+    cos = (emb.cos() * w["rope_scale"]).to(dtype)[:, None]
+    sin = (emb.sin() * w["rope_scale"]).to(dtype)[:, None]
+    sin[..., :sin.shape[-1] // 2] *= -1
+    return cos, sin
 
 
 def decoder(w, ids, positions, attend, backends=None):
     """Final hidden states [N, hidden] of a packed batch of tokens; attend(layer, q, kv) is the
-    attention path (q [N, H, D] contiguous, kv [N, 2, kv_heads, D] the rotated keys and the
+    attention path (q [N, H, D], kv [N, 2, kv_heads, D] the rotated keys and the
     values side by side), which also stores k and v wherever the path keeps them; its SDPA calls
     may use `backends` (default SDPA_BACKENDS)."""
     x = w["embed"][ids]
-    R = rope(w, positions, x.dtype)
+    cos, sin = rope(w, positions, x.dtype)
     N, H, Hkv, D = len(ids), w["n_heads"], w["n_kv_heads"], w["head_dim"]
     with sdpa_kernel(SDPA_BACKENDS if backends is None else backends):
         for i, lw in enumerate(w["layers"]):
             qkv = linear(rms_norm(x, lw["ln1"], w["eps"]), lw["qkv"], lw.get("qkv_bias"))
-            q, k = qkv[:, :H * D].view(N, H, D), qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
+            qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
+            turned = qk
             if "q_norm" in lw:  # Qwen3: each head's q and k normalised and scaled by its weight
-                q = F.rms_norm(q, (D,), lw["q_norm"], w["eps"])
-                k_in = F.rms_norm(k, (D,), lw["k_norm"], w["eps"])
-            else:
-                k_in = k.clone()  # the product below writes k over itself
-            q = torch.bmm(q, R)
-            torch.bmm(k_in, R, out=k)  # rotated keys in place, beside the values
+                turned = torch.cat([F.rms_norm(qk[:, :H], (D,), lw["q_norm"], w["eps"]),
+                                    F.rms_norm(qk[:, H:], (D,), lw["k_norm"], w["eps"])], 1)
+            rotate(turned, cos, sin, out=qk)  # queries and keys in one go, in place
             kv = qkv[:, H * D:].view(N, 2, Hkv, D)
-            x = linear(attend(i, q, kv).reshape(N, H * D), lw["o"], residual=x)
+            x = linear(attend(i, qk[:, :H], kv).reshape(N, H * D), lw["o"], residual=x)
             gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
             x = linear(F.silu(gate).mul_(up), lw["down"], residual=x)
     return x

@@ -420,8 +420,9 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
     weight packing takes), counted on this machine with a TorchDispatchMode over one step of
     models of `shape` with 2 and 3 layers: (ops that run a kernel, of which the names, all ops
     with views, the step's ops outside the layers). F.rms_norm
-    counts as one (CUDA's fused kernel; a CPU runs its ~8-op decomposition); the attention is
-    one SDPA op on both (the CPU's flash kernel here, the memory-efficient kernel on CUDA)."""
+    counts as one (CUDA's fused kernel; a CPU runs its ~8-op decomposition); the attention's
+    six ops here (two casts to float32, baddbmm, softmax, a cast, bmm) are six on CUDA too (bmm
+    writing float32, its scale and bias, softmax, a cast, bmm: fastpath.decode_attention)."""
     import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode

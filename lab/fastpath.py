@@ -10,15 +10,16 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
                        the left, grouped query heads folded into the query rows, in calls of at
                        most ATTENTION_CALL_MB (padded_calls, call_mask, call_bytes)
                split   on a compute-bound device (a CPU): one SDPA call a sequence, no padding
-               decode  ... and one query a sequence: one SDPA call (decode_attention)
+               decode  ... and one query a sequence: two batched products (decode_attention)
     decode   DecodeBatch: a fixed shape per batch bucket (BATCH_BUCKETS, then multiples of
              BATCH_STEP), a dense copy of the batch's cache in the engine's one decode memory
              (DECODE_COPY_GB, or DECODE_COPY_FRACTION_GPU of free memory), host checks every
              SYNC_EVERY steps, and on CUDA one CUDA graph per bucket, sampling and capacity tier
              (CAPACITY_TIERS), captured once for the engine's life:
                  scores = q K^T / sqrt(d) + bias (float32),  out = softmax(scores) V
-             over the dense keys (one SDPA call a layer), each layer writing its token's keys and
-             values into the copy with one write, each step every layer's into the pool with one.
+             over the dense keys (two batched products a layer, batch-invariant where one SDPA
+             call is not), each layer writing its token's keys and values into the copy, each
+             step every layer's into the pool after the layers.
              On a CPU a window runs on the cores other processes leave free (engine.cpu_threads).
     weights  on a CPU the products' weights in oneDNN's prepacked layout (PACK_CPU_WEIGHTS).
 
@@ -82,9 +83,8 @@ def attention_transient_bytes(heads, decode_columns, itemsize):
     """The most memory attention takes beside the pool and the decode memory, in bytes: one padded-path
     SDPA call (ATTENTION_CALL_MB, call_bytes: its mask, folded queries and output, and the
     gathered keys and values the engine keeps for the next call) and the masks a forward keeps
-    (at most as much again, Batch), plus room for a decode step's float32 scores, their softmax
-    and its cast (heads x every decode memory column): an upper bound kept from the two-product
-    decode attention, since the one SDPA call a layer (decode_attention) holds none of them."""
+    (at most as much again, Batch), plus a decode step's float32 scores, their softmax and its
+    cast (one layer at a time, heads x every decode memory column)."""
     return int(2 * ATTENTION_CALL_MB * 2**20) + decode_columns * heads * (8 + itemsize)
 
 
@@ -120,21 +120,39 @@ def pack_weights(w):
                        for lw in w["layers"]]}
 
 
-def decode_attention(q, keys, values, key_bias):
-    """softmax(q k^T / sqrt(d) + bias) v for one query per sequence, one SDPA call: q [B, H, D]
-    (contiguous), keys and values [B, kv_heads, K, D], key_bias [B * kv_heads, 1, 1, K] in q's
-    dtype (0 where a key is visible, else -inf). Query head h*G + g reads kv head h
-    (grouped-query attention): each kv head's G queries are folded into the query rows of one
-    [B * kv_heads] batch entry, so the call needs no GQA support (which would leave a masked call
-    on CUDA only the MATH kernel) and its output [B * kv_heads, G, D] is q's head order again.
-    The scores and the softmax are float32 inside the kernel whatever the model's dtype (flash
-    and memory-efficient attention on CUDA, the CPU's flash kernel)."""
+def decode_attention(q, keys_t, values, key_bias):
+    """softmax(q k^T / sqrt(d) + bias) v for one query per sequence: q [B, H, D], keys_t
+    [B, kv_heads, D, K] (keys transposed: the score product then reads rows of K contiguous
+    floats, ~25% faster on a CPU than reading keys across), values [B, kv_heads, K, D], key_bias
+    float32 [B * kv_heads, 1, K] (0 where a key is visible, else -inf). Query head h*G + g reads
+    kv head h (grouped-query attention), so each kv head meets its G queries in one product; on
+    a CPU two batched products beat SDPA's kernel at one query. The scores and the softmax are
+    float32 whatever the model's dtype (as in flash-attn and SDPA): pi_old recorded here then
+    differs from the trainer's recomputation by the weights' rounding, not the scores'. Not one
+    SDPA call: the CPU's flash kernel rounds a row's output differently with the number of
+    (masked) keys, which the batch's longest sequence sets, so an episode's numbers would depend
+    on its batch neighbours (DECISIONS.md: Decode fusion)."""
     B, H, D = q.shape
-    Hkv, K = keys.shape[1], keys.shape[2]
-    out = F.scaled_dot_product_attention(
-        q.view(B * Hkv, 1, H // Hkv, D), keys.reshape(B * Hkv, 1, K, D),
-        values.reshape(B * Hkv, 1, K, D), attn_mask=key_bias)
-    return out.view(B, H, D)
+    Hkv, K = keys_t.shape[1], keys_t.shape[3]
+    q, keys_t = q.reshape(B * Hkv, H // Hkv, D), keys_t.reshape(B * Hkv, D, K)
+    if q.dtype == torch.float32:
+        scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
+    elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
+        scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
+    else:
+        scores = torch.baddbmm(key_bias, q.float(), keys_t.float(), alpha=D ** -0.5)
+    probs = torch.softmax(scores, -1).to(values.dtype)
+    return torch.bmm(probs, values.reshape(B * Hkv, K, D)).view(B, H, D)
+
+
+@functools.cache
+def fp32_products():
+    """Whether this PyTorch's CUDA bmm writes float32 from half inputs (out_dtype); checked once."""
+    try:
+        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device="cuda")
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
 
 
 def call_bytes(rows, width, keys, heads, kv_heads, head_dim, itemsize):
@@ -295,7 +313,7 @@ class FastPath:
         return min(columns // CAPACITY_BUCKET * CAPACITY_BUCKET, self.decode_capacity)
 
     def decode_memory_views(self, n):
-        """Keys and values of a DecodeBatch, n elements each, as one [2, n] view of the engine's one
+        """Keys and values of a DecodeBatch, n elements each, as one [2, n] view (keys, values) of the engine's one
         decode memory of decode_bytes, allocated at first use and never again (every bucket views it).
         On a CPU it is left untouched until used (fresh memory costs its first touch: zero-filling
         an 8-row copy took 0.25 s of page faults); on CUDA it starts zeroed, since a graph step
@@ -395,9 +413,9 @@ class Batch:
         self.tables = tables.to(dev)
         if self.path == "decode":  # additive mask [B * kv_heads, 1, K]: 0 or -inf
             kv_pos = torch.arange(n_blocks * bs)
-            bias = torch.zeros(B, 1, 1, len(kv_pos)).masked_fill_(kv_pos >= kv_lens[:, None, None, None],
-                                                                  -math.inf)
-            self.bias = bias.repeat_interleave(engine.w["n_kv_heads"], 0).to(dev, engine.dtype)
+            bias = torch.zeros(B, 1, len(kv_pos)).masked_fill_(kv_pos >= kv_lens[:, None, None],
+                                                               -math.inf)
+            self.bias = bias.repeat_interleave(engine.w["n_kv_heads"], 0).to(dev)  # float32
         if self.path == "flash":  # queries padded on the left to [B, Q]: padded row
             # i of sequence b is its position kv_len - Q + i (bottom-right causal alignment)
             row = torch.repeat_interleave(torch.arange(B), q_lens)
@@ -482,7 +500,8 @@ class Batch:
             return out
         keys, values = self.gather(cache.k[layer], 0), self.gather(cache.v[layer], 1)
         if self.path == "decode":
-            return decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2), self.bias)
+            return decode_attention(q, keys.permute(0, 2, 3, 1), values.transpose(1, 2),
+                                    self.bias)
         outs = []
         for b, ((lo, hi, kv), mask) in enumerate(zip(self.spans, self.masks)):
             out = F.scaled_dot_product_attention(  # [1, heads, tokens, head_dim] each
@@ -512,12 +531,13 @@ class DecodeBatch:
         capacity  FastPath.decode_capacity_for(B) tokens a row, fixed for the bucket; a graph step
                   attends over all of them (the unwritten ones masked), an eager step over the
                   columns its positions reach
-        kv        each row's keys and values, dense: [2, layers, B, kv_heads, capacity +
-                  DECODE_PAD, head_dim] (column capacity the scratch one), a view of the
-                  engine's one decode memory (FastPath.decode_memory_views), copied from the pool
-                  and kept between calls (filled). A layer writes its token's keys and values
-                  with one write; after the layers, one write stores every layer's into the
-                  pool, which stays the cache of record
+        keys_t    each row's keys, dense and transposed [layers, B, kv_heads, head_dim, capacity +
+                  DECODE_PAD] (decode_attention; every key row 32-byte aligned, column capacity
+                  the scratch one), and values [layers, B, kv_heads, capacity + DECODE_PAD, head_dim]:
+        values    views of the engine's one decode memory (FastPath.decode_memory_views), copied
+                  from the pool and kept between calls (filled); each step writes its token into
+                  both (the pool once a step, after the layers), so the pool stays the cache
+                  of record
         filled    per row, (sequence, tokens of it the row holds): a row that holds its sequence's
                   first tokens from the last call takes only the tokens cached since; reset when
                   another bucket's view wrote the decode memory (FastPath.decode_memory_rows)
@@ -533,8 +553,10 @@ class DecodeBatch:
         self.fast, self.engine = weakref.proxy(fast), engine
         self.capacity, self.block_size = capacity, cache.block_size
         n_layers, _, kv_heads, head_dim = cache.k.shape
-        shape = (n_layers, rows, kv_heads, capacity + DECODE_PAD, head_dim)
-        self.kv = fast.decode_memory_views(math.prod(shape)).view(2, *shape)
+        keys_shape = (n_layers, rows, kv_heads, head_dim, capacity + DECODE_PAD)
+        values_shape = (n_layers, rows, kv_heads, capacity + DECODE_PAD, head_dim)
+        keys, values = fast.decode_memory_views(math.prod(values_shape))
+        self.keys_t, self.values = keys.view(keys_shape), values.view(values_shape)
         self.filled = fast.decode_memory_rows(rows)
         new = lambda fill=0, dtype=torch.long: torch.full((rows,), fill, dtype=dtype, device=dev)
         self.tokens, self.positions, self.keys = new(), new(), new()
@@ -558,10 +580,12 @@ class DecodeBatch:
         for row, sid in enumerate(self.sids):
             n = cache.lengths[sid]
             start = self.filled[row][1] if self.filled[row] and self.filled[row][0] == sid else 0
-            slots = cache.slots(sid, start, n - start).to(self.kv.device)
+            slots = cache.slots(sid, start, n - start).to(self.values.device)
             for layer in range(len(cache.k)):  # a layer at a time: what is read stays in cache
-                self.kv[:, layer, row, :, start:n] = cache.kv[:, layer, slots].transpose(1, 2)
-            self.kv[:, :, row, :, n:limit] = 0
+                self.keys_t[layer, row, :, :, start:n] = cache.k[layer, slots].permute(1, 2, 0)
+                self.values[layer, row, :, start:n] = cache.v[layer, slots].transpose(0, 1)
+            self.keys_t[:, row, :, :, n:limit] = 0
+            self.values[:, row, :, n:limit] = 0
             self.filled[row] = (sid, n)
         for row in range(len(self.sids), len(self.filled)):
             self.filled[row] = None
@@ -592,19 +616,21 @@ class DecodeBatch:
         block = self.tables.gather(1, (pos // bs).clamp(max=self.tables.shape[1] - 1)[:, None])[:, 0]
         slots = torch.where(self.live, block * bs + pos % bs, cache.scratch * bs)
         column = torch.where(self.live, pos.clamp(max=self.capacity - 1), self.capacity)
-        hidden = self.kv_pos[:extent] > column[:, None, None, None]
-        bias = torch.zeros(hidden.shape, dtype=cache.kv.dtype, device=pos.device)
+        hidden = self.kv_pos[:extent] > column[:, None, None]
+        bias = torch.zeros(hidden.shape, device=pos.device)  # float32: the scores' dtype
         bias = bias.masked_fill_(hidden, -math.inf).repeat_interleave(w["n_kv_heads"], 0)
 
         def attend(layer, q, kv):
-            dense = self.kv[:, layer]
-            dense[:, self.rows, :, column] = kv
-            return decode_attention(q, dense[0, :, :, :extent], dense[1, :, :, :extent], bias)
+            self.keys_t[layer][self.rows, :, :, column] = kv[:, 0]
+            self.values[layer][self.rows, :, column] = kv[:, 1]
+            return decode_attention(q, self.keys_t[layer][..., :extent],
+                                    self.values[layer][:, :, :extent], bias)
 
         logits = layers.lm_logits(w, layers.decoder(w, self.tokens, pos, attend,
                                                     self.engine.sdpa_backends))
         # every layer's keys and values of this step into the pool, in one write
-        cache.kv[:, :, slots] = self.kv[:, :, self.rows, :, column].permute(1, 2, 0, 3, 4)
+        cache.k[:, slots] = self.keys_t[:, self.rows, :, :, column].transpose(0, 1)
+        cache.v[:, slots] = self.values[:, self.rows, :, column].transpose(0, 1)
         tokens, logps = self.fast.sample(logits, sampling, self.keys, pos + 1)
         self.tokens.copy_(torch.where(self.live, tokens, self.tokens))
         self.positions.add_(self.live.long())

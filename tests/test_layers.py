@@ -36,9 +36,10 @@ def test_fused_weights_are_the_parameters_storage():
     assert again.data_ptr() == fused.data_ptr() and torch.equal(again, fused)
 
 
-def test_rope_matrices_turn_each_pair_as_rotate_half_does():
-    """x R_p equals the rotate-half formula written out pair by pair: (x1 cos - x2 sin,
-    x2 cos + x1 sin) for the halves x1, x2 of each head, with attention scaling."""
+def test_rotate_turns_each_pair_as_rotate_half_does_in_place():
+    """layers.rotate equals the rotate-half formula written out pair by pair: (x1 cos - x2 sin,
+    x2 cos + x1 sin) for the halves x1, x2 of each head, with attention scaling, written into
+    `out` when given (x itself, as the decoder turns q and k inside the q/k/v output)."""
     torch.manual_seed(0)
     D, positions = 8, torch.tensor([0, 3, 17, 1000])
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
@@ -48,8 +49,11 @@ def test_rope_matrices_turn_each_pair_as_rotate_half_does():
     cos, sin = (angle.cos() * 0.5)[:, None], (angle.sin() * 0.5)[:, None]
     x1, x2 = x[..., :D // 2], x[..., D // 2:]
     expected = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-    torch.testing.assert_close(torch.bmm(x, layers.rope(w, positions, torch.float64)), expected,
-                               atol=1e-5, rtol=0)
+    cos_sin = layers.rope(w, positions, torch.float64)
+    torch.testing.assert_close(layers.rotate(x, *cos_sin), expected, atol=1e-5, rtol=0)
+    out = layers.rotate(x, *cos_sin, out=x)
+    assert out.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=0)
 
 
 def test_a_residual_product_adds_into_the_residual_stream():
