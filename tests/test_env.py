@@ -603,7 +603,7 @@ SOAK_ALL = "PERSUARENA_SOAK"  # set to run the 500-episode soak too
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("episodes", [150, pytest.param(500, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("episodes", [100, pytest.param(500, marks=pytest.mark.skipif(
     not os.environ.get(SOAK_ALL), reason=f"the 500-episode soak runs with {SOAK_ALL}=1"))])
 def test_the_server_survives_a_soak_of_misbehaving_clients(tokenizer, capfd, episodes):
     """A bounded soak over loopback (soak) with short idle and unused timeouts."""
