@@ -84,11 +84,13 @@ def invalid_text(text):
     bad = _SURROGATE.search(text)
     return None if bad is None else f"the lone surrogate U+{ord(bad.group()):04X}"
 
+
 HIDDEN_CATEGORIES = {  # what a name may not hold: characters that print as nothing, move the
     # text around them (bidi), break a line, or are no character at all
     "Cc": "a control character", "Cf": "a zero-width or bidi format character",
     "Cs": "a lone surrogate (a byte that is not UTF-8, or half an emoji)",
     "Co": "a private-use character", "Zl": "a line separator", "Zp": "a paragraph separator"}
+
 
 def hidden_character(text):
     """None when text holds no HIDDEN_CATEGORIES character, else the first one, described."""

@@ -376,21 +376,27 @@ def test_playable_leaves_out_whole_groups_and_silenced_keeps_their_places():
     assert rpo.persuader_tokens(records) == 4
 
 
+def policy_and_reference(seed):
+    """A tiny trainable policy and a frozen reference 0.02 noise away from it."""
+    import copy
+
+    import models
+    torch.manual_seed(seed)
+    policy = models.random_model("tiny-llama")[0].requires_grad_(True)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return policy, reference
+
+
 @pytest.mark.parametrize("share_stem", [False, True])
 def test_micro_batch_loss_is_the_hand_loss_of_plain_forwards(share_stem):
     """rpo.micro_batch_loss on two right-padded records against the loss written out from plain
     full forwards of the policy and the reference (log_softmax over the whole vocabulary at T):
     the clipped surrogate plus KL_BETA * k3 on each persuader token, summed and divided by the
     global token count; the same value and the same gradients, shared prompt or not."""
-    import copy
-
-    import models
-    torch.manual_seed(0)
-    policy = models.random_model("tiny-llama")[0].requires_grad_(True)
-    reference = copy.deepcopy(policy).requires_grad_(False)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    policy, reference = policy_and_reference(0)
     stem = torch.randint(3, 600, (6,)).tolist()
     ids = [stem + torch.randint(3, 600, (6,)).tolist(), stem + torch.randint(3, 600, (3,)).tolist()]
     turn_ids = [[0] * 6 + [1, 1, 0, 2, 2, 2], [0] * 6 + [1, 1, 1]]
@@ -493,16 +499,8 @@ def test_a_model_that_returns_no_cache_gets_the_plain_forward():
 def test_the_update_takes_logits_of_each_rows_own_kept_positions(share_stem, monkeypatch):
     """Two rows whose replies sit at different positions (their union keeps 8 positions, a row 4
     at most): the output layer runs on [2, 4, V] (what lab/plan.py counts), and the loss and every
-    gradient equal those of the union's logits [2, 8, V] (rows=None), by hand."""
-    import copy
-
-    import models
-    torch.manual_seed(3)
-    policy = models.random_model("tiny-llama")[0].requires_grad_(True)
-    reference = copy.deepcopy(policy).requires_grad_(False)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    gradient equal those of the union's logits [2, 8, V] (rows=None) with the union's mask."""
+    policy, reference = policy_and_reference(3)
     stem = torch.randint(3, 600, (5,)).tolist()
     ids = [stem + torch.randint(3, 600, (10,)).tolist(), stem + torch.randint(3, 600, (6,)).tolist()]
     turn_ids = [[0] * 5 + [1, 1, 1, 1] + [0] * 6, [0] * 9 + [1, 1, 0, 2, 2]]
@@ -523,15 +521,14 @@ def test_the_update_takes_logits_of_each_rows_own_kept_positions(share_stem, mon
     t = torch.tensor([i + [0] * (width - len(i)) for i in turn_ids])
     keep = (t[:, 1:] > 0).any(0).nonzero()[:, 0]
     assert len(keep) == 8
+    # the union's own loss (every kept position of every row, the other rows' masked): no
+    # row selection at all, so a row picking a wrong position would show
     kept = t[:, keep + 1] > 0
-    rows = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)[:, :4]
-    pick = lambda logits: logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
-    logp = plain(pick(rpo.kept_logits(policy, x, keep, False)), x[:, keep + 1].gather(1, rows))
+    logp = plain(rpo.kept_logits(policy, x, keep, False), x[:, keep + 1])
     with torch.no_grad():
-        ref = plain(pick(rpo.kept_logits(reference, x, keep, False)), x[:, keep + 1].gather(1, rows))
-    adv = rpo.batch_token_advantages(t, advantages)[:, 1:][:, keep].gather(1, rows)
-    want, _ = rpo.policy_loss(logp, torch.full_like(logp, -6.0), ref, adv, kept.gather(1, rows), 9,
-                              beta=0.05)
+        ref = plain(rpo.kept_logits(reference, x, keep, False), x[:, keep + 1])
+    adv = rpo.batch_token_advantages(t, advantages)[:, 1:][:, keep]
+    want, _ = rpo.policy_loss(logp, torch.full_like(logp, -6.0), ref, adv, kept, 9, beta=0.05)
     want.backward()
     assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
     for name, p in policy.named_parameters():
