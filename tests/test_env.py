@@ -334,8 +334,8 @@ def test_sigterm_stops_the_server_with_a_client_mid_episode(short_scenarios):
             assert server.poll() is None, server.stderr.read()
             time.sleep(0.1)
         raw = session(url)
-        assert raw.ask("reset", {"seed": 1})[0] == "observation"
-        assert raw.ask("step", {"message": "Hello."})[0] == "observation"
+        observed(raw.ask("reset", {"seed": 1}))
+        observed(raw.ask("step", {"message": "Hello."}))
         waiting = Raw(url)
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) is not None
@@ -421,7 +421,7 @@ def test_over_openenv_a_bad_reset_or_a_surrogate_mid_episode_is_one_line(openenv
     import httpx
     url, make_env, ee = openenv_server
     raw = Raw(url)
-    assert raw.ask("reset", {"seed": 1, "instance": instances()[0]["id"]})[0] == "observation"
+    observed(raw.ask("reset", {"seed": 1, "instance": instances()[0]["id"]}))
     assert raw.ask("step", {"message": "Hello."})[1]["observation"]["info"]["turn"] == 1
     held = ee.free_blocks
     for bad in BAD_INSTANCES:
@@ -498,6 +498,14 @@ def settled_threads(target, tries=200):
     return threading.active_count()
 
 
+
+def observed(answer):
+    """An ask's answer that must be an observation; the error it got instead, said if not."""
+    kind, data = answer
+    assert kind == "observation", data
+    return data
+
+
 def misbehave(url, i):
     """Episode i of the soak: a client that misbehaves in one of the ways the server must survive.
     Returns a client left holding its session (idle) or None."""
@@ -507,10 +515,10 @@ def misbehave(url, i):
         raw.send("reset", {"seed": i})
         raw.drop()
         return None
-    assert raw.ask("reset", {"seed": i})[0] == "observation"
+    observed(raw.ask("reset", {"seed": i}))
     if kind == 0:  # a bad instance mid-episode, then the episode goes on
         assert "no instance" in raw.error("reset", {"instance": BAD_INSTANCES[i // 6 % 4]})
-        assert raw.ask("step", {"message": "Next."})[0] == "observation"
+        observed(raw.ask("step", {"message": "Next."}))
         raw.close()
     elif kind == 1:  # a lone surrogate, then gone without a close frame
         assert "surrogate" in raw.error("step", raw='{"type": "step", "data": '
@@ -527,7 +535,7 @@ def misbehave(url, i):
         raw.send("step", {"message": "Hello?"})
         raw.drop()
     else:  # a step, then idle: the next client waits for its release
-        assert raw.ask("step", {"message": "Hi."})[0] == "observation"
+        observed(raw.ask("step", {"message": "Hi."}))
         return raw
     return None
 
