@@ -134,16 +134,38 @@ def requested_instance(options, by_id):
     return wanted
 
 
-def release_new_sequences(eng, first):
-    """Free every sequence of `eng` numbered from `first` on (those one episode created): its KV
-    blocks back in the pool whichever way the episode's loop ended. No-op without an engine."""
-    for sid in [s for s in getattr(eng, "pending", ()) if s >= first]:
-        eng.free(sid)
-
-
 def named(values):
     """A read-out's three values as {probe name: value} (None when the read-out is absent)."""
     return None if values is None else dict(zip(probes.PROBES, values))
+
+
+class OwnIds:
+    """The sequence ids an episode's loop was handed by a shared engine: the ids numbered while
+    its loop ran, span by span. The loop runs only while its caller (reset or step) holds the
+    engine; between spans it waits for a message, and another session's episode may number ids
+    on the same engine then, which are not this episode's (DECISIONS.md: Server hardening)."""
+
+    def __init__(self, eng):
+        self.eng, self.spans = eng, []
+        self.resume()
+
+    def now(self):
+        return self.eng.cache.next_id if self.eng is not None else 0
+
+    def resume(self):
+        self.spans.append([self.now(), None])
+
+    def pause(self):
+        self.spans[-1][1] = self.now()
+
+    def release(self):
+        """Free this episode's sequences still pending: its KV blocks back in the pool whichever
+        way its loop ended. No-op without an engine."""
+        if self.spans[-1][1] is None:
+            self.pause()
+        for sid in [s for s in getattr(self.eng, "pending", ())
+                    if any(lo <= s < hi for lo, hi in self.spans)]:
+            self.eng.free(sid)
 
 
 class TrainerSide(PersonSide):
@@ -152,9 +174,9 @@ class TrainerSide(PersonSide):
     takes the next one from `actions`; None stops the episode ("stopped"). hear() keeps the reply
     and the beliefs so far for step() to return."""
 
-    def __init__(self, t_max, actions, events):
+    def __init__(self, t_max, actions, events, own):
         super().__init__(t_max, read=None, write=None)
-        self.actions, self.events, self.heard = actions, events, None
+        self.actions, self.events, self.own, self.heard = actions, events, own, None
 
     def prefill(self, instance):
         return None
@@ -162,8 +184,10 @@ class TrainerSide(PersonSide):
     def speak(self, sids, keys):
         said = []
         for _ in sids:
+            self.own.pause()  # other episodes may use the engine while this one waits
             self.events.put(("speak", None))
             text = self.actions.get()
+            self.own.resume()
             said.append(dict(text=text or "", ids=[], logprobs=[],
                              reason=rollout.STOPPED if text is None else "stop"))
         return said
@@ -235,12 +259,11 @@ class PersuasionEnv(gym.Env):
 
     def _start(self, inst, seed):
         self.actions, self.events = queue.Queue(), queue.Queue()
-        self.side = TrainerSide(self.t_max, self.actions, self.events)
         self.watched = Watched(rollout.side(self.persuadee, "persuadee", self.sampling,
                                             self.max_new_tokens, self.probe_space,
                                             self.probe_signs))
-        eng = getattr(self.watched.inner, "eng", None)
-        first = eng.cache.next_id if eng is not None else 0
+        own = OwnIds(getattr(self.watched.inner, "eng", None))
+        self.side = TrainerSide(self.t_max, self.actions, self.events, own)
 
         def play():
             outcome = ("error", RuntimeError("the loop stopped"))
@@ -254,7 +277,7 @@ class PersuasionEnv(gym.Env):
                 outcome = ("error", e)
             finally:  # the episode's blocks go back on any end, then the caller hears of it
                 try:
-                    release_new_sequences(eng, first)
+                    own.release()
                 finally:
                     self.events.put(outcome)
         self.worker = threading.Thread(target=play, daemon=True, name="persuarena-episode")
@@ -428,6 +451,7 @@ def arena_environment(make_env, lock):
             super().__init__()
             self.env, self.steps, self.episode_id = make_env(), 0, None
             self.used = self.busy = self.closed = False  # read by the server's idle release
+            self.last_call = time.time()  # any call, refused ones too (openenv counts answers)
 
         def _call(self, method, *args, **kwargs):
             if self.closed:
@@ -439,7 +463,7 @@ def arena_environment(make_env, lock):
                 with lock:
                     return method(*args, **kwargs)
             finally:
-                self.busy = False
+                self.busy, self.last_call = False, time.time()
 
         def reset(self, seed=None, episode_id=None, instance=None, **kwargs):
             if kwargs:
@@ -466,7 +490,7 @@ def arena_environment(make_env, lock):
 
         @property
         def state(self):
-            self.used = True  # a client that asks is using its session
+            self.used, self.last_call = True, time.time()  # a client that asks is using it
             episode = self.env.episode or {}
             inst = episode.get("instance")
             return ArenaState(episode_id=self.episode_id, step_count=self.steps,
@@ -497,8 +521,9 @@ def arena_server_class():
             env, info = self._sessions.get(sid), self._session_info.get(sid)
             if env is None or info is None or env.busy:
                 return None
-            if now - info.last_activity_at > self.idle_s:
-                return f"idle {now - info.last_activity_at:.1f} s"
+            idle = now - max(info.last_activity_at, env.last_call)
+            if idle > self.idle_s:
+                return f"idle {idle:.1f} s"
             if unused_too and not env.used and now - info.created_at > self.unused_s:
                 return "never used"
             return None

@@ -213,6 +213,27 @@ def test_a_loop_that_fails_frees_its_blocks_and_step_never_waits(tokenizer, monk
     assert ee.free_blocks == 2000
 
 
+def test_episodes_sharing_an_engine_free_only_their_own_sequences(tokenizer):
+    """Two envs over one engine, their calls interleaved (as the server's sessions are when a
+    dropped one is closed after the next one started): closing one mid-episode frees its own
+    sequences only, and the other plays on to its end; the pool is whole after both."""
+    ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+    first, second = (persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=3,
+                                                  max_new_tokens=4, judge=None) for _ in range(2))
+    first.reset(seed=1)
+    first.step("Hello.")
+    second.reset(seed=2)
+    assert second.step("Hi.")[4]["turn"] == 1
+    first.step("Still there?")
+    first.close()  # freed while second's sequences, numbered after first's began, are pending
+    turn = second.step("Go on.")
+    while not (turn[2] or turn[3]):
+        turn = second.step("More.")
+    assert turn[4]["record"]["turns"] == turn[4]["turn"]
+    second.close()
+    assert ee.free_blocks == 2000
+
+
 @contextlib.contextmanager
 def serving(make_env, **app_kw):
     """env.py's OpenEnv app on 127.0.0.1 (a free port) in a thread: yields its http URL."""
