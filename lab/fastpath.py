@@ -52,6 +52,9 @@ CUDA_GRAPHS = True        # on CUDA, capture each decode bucket once as a graph 
 CAPACITY_TIERS = 4        # ... at this many extents (capacity / 4, / 2, 3 / 4, whole): a window
 # attends over the smallest tier its rows' positions reach, not the whole capacity
 DECODE_EXTENT = "live"    # eager decode steps attend up to the live length; "tier": as a graph does
+EXTENT_MULTIPLE = 16      # ... rounded up to a multiple of this: a CPU score product's last few
+# columns round unlike the same columns inside a wider one, so a row's scores would move with the
+# batch's longest row (DECISIONS.md: Decode fusion)
 DECODE_PAD = 16           # columns after a row's capacity: its scratch column, and padding that
 # starts every transposed key row 32-byte aligned (cuBLAS reads aligned rows; capacity + 1 did not)
 ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
@@ -650,7 +653,7 @@ class DecodeBatch:
         tier = self.tier(start + steps)  # the columns the window's last step reaches
         with self.engine.threads():  # the cores free now (engine.cpu_threads)
             for j in range(steps):
-                live = min(start + j + 1, self.capacity)
+                live = min(round_up(start + j + 1, EXTENT_MULTIPLE), self.capacity)
                 t, lp = (self.replay(sampling, tier) if graph else
                          self.step(tier if extent == "tier" else live, sampling))
                 tokens[:, j], logps[:, j] = t, lp

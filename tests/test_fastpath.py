@@ -341,6 +341,29 @@ def test_a_row_decodes_bit_equal_beside_a_much_longer_sequence(arch):
     assert alone == beside and torch.equal(alone_logits, beside_logits)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_row_decodes_bit_equal_in_batches_of_any_size(arch):
+    """A sequence's greedy tokens and log-probs over 12 decode steps are bit-equal alone and
+    among 2 to 7 other sequences of other lengths (buckets of 2, 4 and 8, padded rows, other
+    extents). Eager extents at any length broke it for 3, 5 and 7 (a CPU score product's last
+    columns round unlike the same columns in a wider product): fastpath.EXTENT_MULTIPLE."""
+    eng = engine.Engine(tiny_model(arch), models.tiny_tokenizer())
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (37, 40, 45, 50, 52, 60, 61, 70)]
+    turns = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (7, 8, 9, 10, 11, 12, 13, 14)]
+
+    def first_row(k):
+        parents = [eng.new(p) for p in prompts[:k]]
+        eng.forward(parents)
+        sids = [eng.fork(s, t) for s, t in zip(parents, turns[:k])]
+        out = eng.generate(sids, 12, stop_ids=[])[0]
+        for s in sids + parents:
+            eng.free(s)
+        return out
+    alone = first_row(1)
+    assert [k for k in range(2, 9) if first_row(k) != alone] == []
+
+
 def test_the_bench_refuses_bad_arguments_in_one_line(capsys):
     """lab.bench's counts (--dialogues, --turns, --max-new-tokens, --load) and --snr's (preset,
     --instances, --messages, --resamples) are refused before any model loads, in one line."""
