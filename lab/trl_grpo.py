@@ -28,6 +28,7 @@ models.turn_ids), as rollout.py builds the persuader's context.
 import os
 
 import torch
+from transformers import DynamicCache
 
 import arena
 import models
@@ -76,11 +77,14 @@ def generation_kwargs(trainer, max_new_tokens):
 
 
 @torch.no_grad()
-def persuader_message(model, context_ids, gen_kwargs):
+def persuader_message(model, context_ids, gen_kwargs, cache=None):
     """One sampled message after context_ids: (its ids, up to and including the end-of-turn
-    token if written; each id's log-probability under the processed sampling distribution)."""
+    token if written; each id's log-probability under the processed sampling distribution).
+    `cache` (a transformers DynamicCache) holds the episode's context so far: generate runs only
+    the ids past it, so each turn prefills its new ids, not the whole conversation again."""
     inputs = torch.tensor([context_ids], device=model.device)
-    out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **gen_kwargs)
+    out = model.generate(inputs, attention_mask=torch.ones_like(inputs), past_key_values=cache,
+                         **gen_kwargs)
     ids = out.sequences[0, len(context_ids):].tolist()
     ends = [k for k, i in enumerate(ids) if i in gen_kwargs["eos_token_id"]]
     ids = ids[:ends[0] + 1] if ends else ids
@@ -95,8 +99,9 @@ def play_episode(env, model, tokenizer, instance_id, seed, gen_kwargs):
     messages, _ = env.reset(seed=seed, options={"instance": instance_id})
     prompt = models.chat_ids(tokenizer, list(messages), True)
     completion, logprobs, mask, step_rewards = [], [], [], []
+    cache = DynamicCache()  # the context's keys and values, one turn after another
     while True:
-        ids, lps = persuader_message(model, prompt + completion, gen_kwargs)
+        ids, lps = persuader_message(model, prompt + completion, gen_kwargs, cache)
         text = tokenizer.decode(ids, skip_special_tokens=True)
         observation, reward, terminated, truncated, info = env.step(text)
         completion, logprobs, mask = completion + ids, logprobs + lps, mask + [1] * len(ids)

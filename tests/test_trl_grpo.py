@@ -106,6 +106,23 @@ def test_grpo_trainer_trains_against_the_openenv_server(openenv_server, tmp_path
     assert len(persuadee.cache.free_blocks) == 2000
 
 
+def test_a_message_after_a_cached_context_equals_one_after_the_whole_context():
+    """persuader_message with the episode's cache carried from turn to turn gives, greedy, the
+    ids of a plain generate over the whole context, and log-probs equal to rounding."""
+    policy, tokenizer = models.random_model("tiny-qwen3", seed=1)
+    policy.eval()
+    gen = dict(do_sample=False, max_new_tokens=6, eos_token_id=[-1], pad_token_id=0,
+               return_dict_in_generate=True, output_scores=True)
+    context, cache = list(range(20, 60)), trl_grpo.DynamicCache()
+    for turn in range(3):
+        cached = trl_grpo.persuader_message(policy, context, gen, cache)
+        plain = trl_grpo.persuader_message(policy, context, gen)
+        assert cached[0] == plain[0]
+        assert torch.allclose(torch.tensor(cached[1]), torch.tensor(plain[1]), atol=1e-4)
+        assert cache.get_seq_length() == len(context) + len(cached[0]) - 1
+        context = context + cached[0] + list(range(70 + turn, 80 + turn))  # the reply's ids
+
+
 def test_a_prompt_that_is_no_instance_is_refused_in_one_line(tokenizer):
     env = persuasion_env.PersuasionEnv(engine.Engine(tiny_model("qwen3"), tokenizer, 8, 2000),
                                        scenarios=instances(), t_max=1, judge=None)
