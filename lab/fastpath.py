@@ -10,7 +10,7 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
                        the left, grouped query heads folded into the query rows, in calls of at
                        most ATTENTION_CALL_MB (padded_calls, call_mask, call_bytes)
                split   on a compute-bound device (a CPU): one SDPA call a sequence, no padding
-               decode  ... and one query a sequence: two batched products (decode_attention)
+               decode  ... and one query a sequence: two batched products (kernels.decode_attention)
     decode   DecodeBatch: a fixed shape per batch bucket (BATCH_BUCKETS, then multiples of
              BATCH_STEP), a dense copy of the batch's cache in the engine's one decode memory
              (DECODE_COPY_GB, or DECODE_COPY_FRACTION_GPU of free memory), host checks every
@@ -19,7 +19,9 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
                  scores = q K^T / sqrt(d) + bias (float32),  out = softmax(scores) V
              over the dense keys (two batched products a layer, batch-invariant where one SDPA
              call is not), each layer writing its token's keys and values into the copy, each
-             step every layer's into the pool after the layers.
+             step every layer's into the pool after the layers. With FUSED_KERNELS, RoPE and
+             the copy's write, the attention and silu * up are lab.kernels' operators (one
+             Triton kernel each on CUDA, the same composites elsewhere).
              On a CPU a window runs on the cores other processes leave free (engine.cpu_threads).
     weights  on a CPU the products' weights in oneDNN's prepacked layout (PACK_CPU_WEIGHTS).
 

@@ -20,12 +20,13 @@ def rounded(x, dt: tl.constexpr):
     else:
         return x.to(dt).to(tl.float32)
 
+
 @triton.jit
 def rope_store_kernel(qkv, cos, sin, q_norm, k_norm, q_out, keys_t, values, rows, column,
                       qkv_stride, cos_stride, eps, kt_row, kt_head, kt_dim, kt_col,
                       v_row, v_head, v_col, v_dim,
                       H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-    n, j = tl.program_id(0), tl.program_id(1)  # token, head slot (q heads, k heads, v heads)
+    n, j = tl.program_id(0).to(tl.int64), tl.program_id(1)  # token, head slot (q, k, v heads)
     dt = qkv.dtype.element_ty
     d = tl.arange(0, D)
     src = qkv + n * qkv_stride + j * D
@@ -51,11 +52,12 @@ def rope_store_kernel(qkv, cos, sin, q_norm, k_norm, q_out, keys_t, values, rows
         else:
             tl.store(keys_t + row * kt_row + (j - H) * kt_head + d * kt_dim + col * kt_col, out)
 
+
 @triton.jit
 def attention_kernel(q, keys_t, values, bias, out, K, scale, kt_row, kt_head, kt_dim,
                      v_row, v_head, v_col, bias_row,
                      H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    b, h = tl.program_id(0), tl.program_id(1)  # row, query head
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # row (offsets past 2^31), query head
     kvh = h // G
     d = tl.arange(0, D)
     qv = tl.load(q + (b * H + h) * D + d).to(tl.float32)
@@ -83,9 +85,10 @@ def attention_kernel(q, keys_t, values, bias, out, K, scale, kt_row, kt_head, kt
     dt = out.dtype.element_ty
     tl.store(out + (b * H + h) * D + d, rounded(acc / total, dt).to(dt))
 
+
 @triton.jit
 def silu_mul_kernel(gate_up, out, width, stride, BLOCK: tl.constexpr):
-    n, c = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n, c = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dt = gate_up.dtype.element_ty
     ok = c < width
     gate = tl.load(gate_up + n * stride + c, mask=ok, other=0.0).to(tl.float32)

@@ -209,3 +209,25 @@ def test_a_decoder_on_the_triton_kernels_is_within_roundings_of_the_plain_one(ar
     torch.testing.assert_close(keys_t, plain[1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(values, plain[2], rtol=1e-5, atol=1e-6)
     assert torch.equal(values[0], plain[2][0])
+
+
+def test_a_kernel_that_fails_at_first_use_warns_once_and_the_composite_runs(monkeypatch, capsys):
+    """triton_or_composite (the CUDA implementations' dispatch): a Triton launch that raises
+    (a compile error) gives one warning line and the composite's result, then the composite
+    alone for the process's life (the launcher is not tried again)."""
+    tries = []
+
+    def failing(gate_up):
+        tries.append(1)
+        raise RuntimeError("PTX compile failed\nsecond line of the report")
+
+    monkeypatch.setattr(kernels, "triton_kernels", lambda: SimpleNamespace())
+    monkeypatch.setattr(kernels, "FAILED", set())
+    gate_up = torch.randn(3, 8)
+    for _ in range(2):
+        out = kernels.triton_or_composite("silu_mul", failing, layers.silu_mul, gate_up)
+        assert torch.equal(out, layers.silu_mul(gate_up))
+    err = capsys.readouterr().err
+    assert len(tries) == 1 and err.count("\n") == 1, err
+    assert "silu_mul" in err and "PTX compile failed" in err and "second line" not in err
+    assert interpreted() or kernels.max_differences("cpu") is None  # no Triton run on a CPU
