@@ -180,19 +180,19 @@ def test_each_triton_kernel_is_within_a_rounding_of_its_composite(shape, dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_attention_gives_a_row_its_bits_alone_and_beside_a_longer_row(dtype):
-    """A row of 37 keys alone (its extent 40) and beside a row of 150 (the extent 160, its own
-    columns past 37 holding zeros as the decode copy's do): the same output bits."""
+    """A row of 100 keys (two chunks) alone (its extent 112) and beside a row of 300 (the extent
+    320, its own columns past 100 holding zeros as the decode copy's do): the same output bits."""
     H, Hkv, D = 4, 2, 16
     g = torch.Generator().manual_seed(3)
     new = lambda *s: torch.randn(*s, generator=g).to(dtype)
-    q, keys_t, values = new(2, H, D), new(2, Hkv, D, 160), new(2, Hkv, 160, D)
-    keys_t[0, ..., 37:], values[0, :, 37:] = 0, 0
-    alone = kernels.decode_attention_triton(q[:1], keys_t[:1, ..., :40], values[:1, :, :40],
-                                            bias_for([37], Hkv, 40))
-    beside = kernels.decode_attention_triton(q, keys_t, values, bias_for([37, 150], Hkv, 160))
+    q, keys_t, values = new(2, H, D), new(2, Hkv, D, 320), new(2, Hkv, 320, D)
+    keys_t[0, ..., 100:], values[0, :, 100:] = 0, 0
+    alone = kernels.decode_attention_triton(q[:1], keys_t[:1, ..., :112], values[:1, :, :112],
+                                            bias_for([100], Hkv, 112))
+    beside = kernels.decode_attention_triton(q, keys_t, values, bias_for([100, 300], Hkv, 320))
     assert torch.equal(alone[0], beside[0])
     assert_within_rounding(beside, kernels.decode_attention(q, keys_t, values,
-                                                             bias_for([37, 150], Hkv, 160)), dtype)
+                                                             bias_for([100, 300], Hkv, 320)), dtype)
 
 
 @needs_triton
