@@ -37,7 +37,8 @@ import torch
 
 import layers
 
-ATTENTION_BLOCK = 64   # keys a chunk of the Triton attention (fixed: batch invariance)
+ATTENTION_BLOCK = 32   # keys a chunk of the Triton attention (fixed: batch invariance); fewer
+# registers a thread than 64 on an H200, so more programs in flight (BENCHMARKS.md)
 SILU_BLOCK = 1024      # intermediate columns a program of the Triton silu_mul
 
 
