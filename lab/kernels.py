@@ -84,7 +84,7 @@ def qk_rope_store_composite(qkv, cos, sin, q_norm, k_norm, eps, n_heads, keys_t,
     q, kv = layers.turn_qk(qkv, cos, sin, q_norm, k_norm, eps, n_heads, keys_t.shape[2])
     keys_t[rows, :, :, column] = kv[:, 0]
     values[rows, :, column] = kv[:, 1]
-    return q.clone(memory_format=torch.contiguous_format)  # never q itself (a custom op's rule)
+    return q.clone(memory_format=torch.contiguous_format)  # never a view: the operator's output
 
 
 def decode_ops(fused):
@@ -140,8 +140,8 @@ def decode_attention_triton(q, keys_t, values, key_bias):
     assert key_bias.stride(2) == 1
     out = q.new_empty(B, H, D)
     kern.attention_kernel[(B, H)](q, keys_t, values, key_bias, out, K, D ** -0.5,
-                           *keys_t.stride()[:3], *values.stride()[:3], key_bias.stride(0),
-                           H=H, G=H // Hkv, D=D, BLOCK=ATTENTION_BLOCK)
+                                  *keys_t.stride()[:3], *values.stride()[:3], key_bias.stride(0),
+                                  H=H, G=H // Hkv, D=D, BLOCK=ATTENTION_BLOCK)
     return out
 
 
@@ -152,21 +152,21 @@ def silu_mul_triton(gate_up):
     assert gate_up.stride(1) == 1
     out = gate_up.new_empty(N, width)
     kern.silu_mul_kernel[(N, -(-width // SILU_BLOCK))](gate_up, out, width, gate_up.stride(0),
-                                                     BLOCK=SILU_BLOCK)
+                                                       BLOCK=SILU_BLOCK)
     return out
 
 
-FAILED = set()  # Triton kernels that failed at their first use: the composite runs from then on
+failed_kernels = set()  # Triton kernels that failed at their first use: their composites run
 
 
 def triton_or_composite(name, triton_fn, composite, *args):
     """triton_fn(*args) where Triton is importable and this kernel has not failed before, else
     composite(*args); a first failure prints one warning line and falls back for good."""
-    if name not in FAILED and triton_kernels() is not None:
+    if name not in failed_kernels and triton_kernels() is not None:
         try:
             return triton_fn(*args)
         except Exception as error:  # a compile error of any kind: the run goes on, slower
-            FAILED.add(name)
+            failed_kernels.add(name)
             print(f"warning: lab.kernels: the Triton {name} failed ({type(error).__name__}: "
                   f"{str(error).splitlines()[0] if str(error) else ''}); its composite runs "
                   "instead", file=sys.stderr)
@@ -176,7 +176,8 @@ def triton_or_composite(name, triton_fn, composite, *args):
 # -----------------------------------------------------------------------------
 # the custom ops: the composite by default (a CPU), the Triton kernel on CUDA
 
-OPS = (  # name, schema, composite, Triton launcher
+OPS = (  # name, schema, composite, Triton launcher; qk_rope_store's qkv is scratch (the
+    # composite rotates its q/k part in place, the kernel leaves it), keys_t and values written
     ("qk_rope_store", "(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, "
      "float eps, int n_heads, Tensor(b!) keys_t, Tensor(c!) values, Tensor rows, Tensor column) "
      "-> Tensor", qk_rope_store_composite, qk_rope_store_triton),

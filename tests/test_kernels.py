@@ -184,7 +184,7 @@ def test_each_triton_kernel_is_within_a_rounding_of_its_composite(shape, dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_attention_gives_a_row_its_bits_alone_and_beside_a_longer_row(dtype):
-    """A row of 100 keys (two chunks) alone (its extent 112) and beside a row of 300 (the extent
+    """A row of 100 keys (four chunks) alone (its extent 112) and beside a row of 300 (the extent
     320, its own columns past 100 holding zeros as the decode copy's do): the same output bits."""
     H, Hkv, D = 4, 2, 16
     g = torch.Generator().manual_seed(3)
@@ -226,7 +226,7 @@ def test_a_kernel_that_fails_at_first_use_warns_once_and_the_composite_runs(monk
         raise RuntimeError("PTX compile failed\nsecond line of the report")
 
     monkeypatch.setattr(kernels, "triton_kernels", lambda: SimpleNamespace())
-    monkeypatch.setattr(kernels, "FAILED", set())
+    monkeypatch.setattr(kernels, "failed_kernels", set())
     gate_up = torch.randn(3, 8)
     for _ in range(2):
         out = kernels.triton_or_composite("silu_mul", failing, layers.silu_mul, gate_up)
