@@ -112,27 +112,48 @@ def rope(w, positions, dtype):
     return cos, sin
 
 
-def decoder(w, ids, positions, attend, backends=None):
+def turn_qk(qkv, cos, sin, q_norm, k_norm, eps, n_heads, head_dim):
+    """Queries [N, H, D] and kv [N, 2, kv_heads, D] (rotated keys beside the values) of a q/k/v
+    output: Qwen3's per-head norms of q and k when given (each head normalised, scaled by its
+    weight), then RoPE of q and k together, written in place into qkv (views of it come back)."""
+    N, H, D = qkv.shape[0], n_heads, head_dim
+    Hkv = (qkv.shape[1] // D - H) // 2
+    qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
+    turned = qk
+    if q_norm is not None:
+        turned = torch.cat([F.rms_norm(qk[:, :H], (D,), q_norm, eps),
+                            F.rms_norm(qk[:, H:], (D,), k_norm, eps)], 1)
+    rotate(turned, cos, sin, out=qk)  # queries and keys in one go, in place
+    return qk[:, :H], qkv[:, H * D:].view(N, 2, Hkv, D)
+
+
+def silu_mul(gate_up):
+    """silu(gate) * up of the fused gate/up product's output [N, 2 * intermediate]."""
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate).mul_(up)
+
+
+def decoder(w, ids, positions, attend, backends=None, fused=None):
     """Final hidden states [N, hidden] of a packed batch of tokens; attend(layer, q, kv) is the
     attention path (q [N, H, D], kv [N, 2, kv_heads, D] the rotated keys and the
     values side by side), which also stores k and v wherever the path keeps them; its SDPA calls
-    may use `backends` (default SDPA_BACKENDS)."""
+    may use `backends` (default SDPA_BACKENDS). `fused` (lab.fastpath's decode step: lab.kernels)
+    replaces two pieces with fused ones: fused.rope_store(layer, qkv, cos, sin) does turn_qk and
+    stores k and v itself, returning q (attend then gets kv None), and fused.silu_mul(gate_up)."""
     x = w["embed"][ids]
     cos, sin = rope(w, positions, x.dtype)
-    N, H, Hkv, D = len(ids), w["n_heads"], w["n_kv_heads"], w["head_dim"]
+    N, H, D = len(ids), w["n_heads"], w["head_dim"]
     with sdpa_kernel(SDPA_BACKENDS if backends is None else backends):
         for i, lw in enumerate(w["layers"]):
             qkv = linear(rms_norm(x, lw["ln1"], w["eps"]), lw["qkv"], lw.get("qkv_bias"))
-            qk = qkv[:, :(H + Hkv) * D].view(N, H + Hkv, D)
-            turned = qk
-            if "q_norm" in lw:  # Qwen3: each head's q and k normalised and scaled by its weight
-                turned = torch.cat([F.rms_norm(qk[:, :H], (D,), lw["q_norm"], w["eps"]),
-                                    F.rms_norm(qk[:, H:], (D,), lw["k_norm"], w["eps"])], 1)
-            rotate(turned, cos, sin, out=qk)  # queries and keys in one go, in place
-            kv = qkv[:, H * D:].view(N, 2, Hkv, D)
-            x = linear(attend(i, qk[:, :H], kv).reshape(N, H * D), lw["o"], residual=x)
-            gate, up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"]).chunk(2, -1)
-            x = linear(F.silu(gate).mul_(up), lw["down"], residual=x)
+            if fused is None:
+                q, kv = turn_qk(qkv, cos, sin, lw.get("q_norm"), lw.get("k_norm"), w["eps"], H, D)
+            else:
+                q, kv = fused.rope_store(i, qkv, cos, sin), None
+            x = linear(attend(i, q, kv).reshape(N, H * D), lw["o"], residual=x)
+            gate_up = linear(rms_norm(x, lw["ln2"], w["eps"]), lw["gate_up"])
+            x = linear((silu_mul if fused is None else fused.silu_mul)(gate_up), lw["down"],
+                       residual=x)
     return x
 
 

@@ -70,7 +70,9 @@ judge), engines sized by plan.py's memory plan for 8 ranks (16 episodes a rank),
               length (attending over fewer columns: rounding, not a bug): max |delta log-prob|
   memory      torch.cuda.max_memory_allocated against the plan's figures for what this process
               holds (rollout copy, persuadee, both KV pools and decode memories)
-  kernels     aten ops a decode layer issues on the GPU's code path (decode_layer_ops)
+  kernels     aten ops a decode layer issues on the GPU's code path (decode_layer_ops); the
+              persuadee's decode step with lab.kernels' fused kernels and with the composites
+              (ms a step, max |delta log-prob|), each kernel's max difference from its composite
 Targets: decode step <= 1.5x the weight + live-KV floor, probe share <= 5%, peak within 10% of the
 plan, graphs bit-equal to eager at the same extent, <= 12 kernels a decode layer.
 
@@ -92,7 +94,7 @@ import layers
 import models
 import probes
 import rollout
-from lab import cli, fastpath, gguf, presets, significance
+from lab import cli, fastpath, gguf, kernels, presets, significance
 
 MODEL = "smollm2"
 DIALOGUES = 8
@@ -419,39 +421,46 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
     DecodeBatch step, which engine.COMPUTE_BOUND_DEVICES does not touch; bf16, which no CPU
     weight packing takes), counted on this machine with a TorchDispatchMode over one step of
     models of `shape` with 2 and 3 layers: (ops that run a kernel, of which the names, all ops
-    with views, the step's ops outside the layers). F.rms_norm
-    counts as one (CUDA's fused kernel; a CPU runs its ~8-op decomposition); the attention's
-    six ops here (two casts to float32, baddbmm, softmax, a cast, bmm) are six on CUDA too (bmm
-    writing float32, its scale and bias, softmax, a cast, bmm: fastpath.decode_attention)."""
+    with views, the step's ops outside the layers). F.rms_norm counts as one (CUDA's fused
+    kernel; a CPU runs its ~8-op decomposition), and so does each of lab.kernels' operators
+    (one Triton kernel each on CUDA; the dispatch mode sees the operator, not the composite a
+    CPU runs inside it): RoPE with the q/k norms and the store into the decode copy, the
+    attention, silu * up. With lab.fastpath.FUSED_KERNELS off, the composites' ops are counted
+    (the attention's six: two casts to float32, baddbmm, softmax, a cast, bmm)."""
     import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from torch.overrides import TorchFunctionMode
 
-    class Count(TorchDispatchMode):
+    class Count(TorchDispatchMode):  # a custom op counts as one: what runs inside it is unseen
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not self.inside_norm:
-                self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
-    class FusedNorm(TorchFunctionMode):  # F.rms_norm: one op, as CUDA's fused kernel runs it
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func not in (torch.nn.functional.rms_norm, torch.rms_norm) or counter.inside_norm:
+            if self.inside:
                 return func(*args, **(kwargs or {}))
-            counter.ops["rms_norm"] += 1
-            counter.inside_norm = True
+            self.ops[func.overloadpacket.__name__] += 1
+            self.inside = func.namespace == "persuarena"  # its F.rms_norm calls too (FusedNorm)
             try:
                 return func(*args, **(kwargs or {}))
             finally:
-                counter.inside_norm = False
+                self.inside = False
+
+    class FusedNorm(TorchFunctionMode):  # F.rms_norm: one op, as CUDA's fused kernel runs it
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func not in (torch.nn.functional.rms_norm, torch.rms_norm) or counter.inside:
+                return func(*args, **(kwargs or {}))
+            counter.ops["rms_norm"] += 1
+            counter.inside = True
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                counter.inside = False
     step = fastpath.DecodeBatch.step
     counts, counter = {}, None
 
     def counted(self, extent, sampling):
         nonlocal counter
         counter = Count()
-        counter.ops, counter.inside_norm = collections.Counter(), False
+        counter.ops, counter.inside = collections.Counter(), False
         with FusedNorm(), counter:
             out = step(self, extent, sampling)
         counts.setdefault(len(self.engine.w["layers"]), counter.ops)
@@ -466,9 +475,9 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
     finally:
         fastpath.DecodeBatch.step = step
     layer = counts[3] - counts[2]
-    kernels = {k: n for k, n in layer.items() if k not in VIEW_OPS}
+    issued = {k: n for k, n in layer.items() if k not in VIEW_OPS}
     outside = sum(counts[2].values()) - 2 * sum(layer.values())
-    return sum(kernels.values()), kernels, sum(layer.values()), outside
+    return sum(issued.values()), issued, sum(layer.values()), outside
 
 
 def max_logp_difference(a, b):
@@ -575,6 +584,33 @@ def graphs_against_eager(persuadee, sampling, rows):
     return tokens["graph"], differ, same_logps, max_logp_difference(runs["graph"], runs["eager live"])
 
 
+def fused_against_composite(eng, sampling, rows, sync):
+    """One engine's decode with lab.kernels' custom ops (Triton on CUDA) and with the composites:
+    ms a step each (64 steps of `rows` rows after prompts of ~1000 tokens, the second of two runs
+    timed), max |delta log-prob| over the tokens both sampled alike, and each Triton kernel's
+    largest difference from its composite (kernels.max_differences; None without Triton)."""
+    prompts = [[(89 * i + 7 * j) % 40000 + 10 for j in range(1000 + 29 * i)] for i in range(rows)]
+    out, runs = {}, {}
+    for fused in (True, False):
+        eng.fast.fused_kernels = fused
+        for _ in range(2):  # the first captures the graphs (and compiles the kernels)
+            parents = [eng.new(p) for p in prompts]
+            eng.forward(parents)
+            sids = [eng.fork(s, [7, 8]) for s in parents]
+            sync()
+            start = time.perf_counter()
+            runs[fused] = eng.generate(sids, 64, sampling, list(range(rows)), [])
+            sync()
+            seconds = time.perf_counter() - start
+            for sid in sids + parents:
+                eng.free(sid)
+        out[f"decode_step_ms_fused_{'on' if fused else 'off'}"] = 1e3 * seconds / 64
+    eng.fast.fused_kernels = None  # the constant again
+    out["fused_max_abs_dlogp"] = max_logp_difference(runs[True], runs[False])
+    out["fused_kernel_max_diff"] = kernels.max_differences(eng.device)
+    return out
+
+
 def print_gpu_check(out, shapes, device, records, generated, bandwidth):
     """The GPU check's figures (gpu_check's dict), as lines."""
     print(f"gpu check: {shapes[0]} persuader, {shapes[1]} persuadee (judge), bf16 on {device}")
@@ -593,6 +629,10 @@ def print_gpu_check(out, shapes, device, records, generated, bandwidth):
           f"{out['live_max_abs_dlogp']:.2e} over the tokens both sampled alike")
     print(f"decode layer: {out['decode_layer_kernels']} kernels (aten ops of tiny-qwen3 on the GPU "
           "path, counted on the CPU; target <= 12)")
+    print(f"persuadee decode step with the fused kernels {out['decode_step_ms_fused_on']:.2f} ms, "
+          f"with the composites {out['decode_step_ms_fused_off']:.2f} ms; max |delta log-prob| "
+          f"{out['fused_max_abs_dlogp']:.2e}; each kernel's max |difference| from its composite: "
+          f"{out['fused_kernel_max_diff']}")
     print(f"peak memory {out['peak_gib']:.2f} GiB against the plan's {out['planned_gib']:.2f} GiB")
 
 
@@ -645,6 +685,7 @@ def gpu_check(args):
     graph_tokens, differ, same_logps, live_delta = graphs_against_eager(persuadee, persuadee_sampling,
                                                                         rows)
 
+    fused = fused_against_composite(persuadee, persuadee_sampling, rows, sync)
     bandwidth, _ = machine(persuadee_model, args.device, torch.bfloat16, sync)
     out = dict(tok_s=generated / wall, wall_s=wall, warmup_s=warm_s, capture_s=capture_s,
                capture_in_timed_run_s=(persuader.fast.graph_capture_s + persuadee.fast.graph_capture_s
@@ -653,7 +694,7 @@ def gpu_check(args):
                graph_tokens_differ=differ, graph_tokens=sum(map(len, graph_tokens)),
                graph_bit_equal=differ == 0 and same_logps, live_max_abs_dlogp=live_delta,
                decode_layer_kernels=decode_layer_ops()[0],
-               bandwidth_gb_s=bandwidth / 1e9)
+               bandwidth_gb_s=bandwidth / 1e9, **fused)
     for name, eng in (("persuader", persuader), ("persuadee", persuadee)):
         seconds, n, kv = steps[id(eng.model)]
         weights = sum(p.numel() for p in eng.model.parameters()) * 2  # bf16

@@ -10,7 +10,7 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
                        the left, grouped query heads folded into the query rows, in calls of at
                        most ATTENTION_CALL_MB (padded_calls, call_mask, call_bytes)
                split   on a compute-bound device (a CPU): one SDPA call a sequence, no padding
-               decode  ... and one query a sequence: two batched products (decode_attention)
+               decode  ... and one query a sequence: two batched products (kernels.decode_attention)
     decode   DecodeBatch: a fixed shape per batch bucket (BATCH_BUCKETS, then multiples of
              BATCH_STEP), a dense copy of the batch's cache in the engine's one decode memory
              (DECODE_COPY_GB, or DECODE_COPY_FRACTION_GPU of free memory), host checks every
@@ -19,7 +19,9 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
                  scores = q K^T / sqrt(d) + bias (float32),  out = softmax(scores) V
              over the dense keys (two batched products a layer, batch-invariant where one SDPA
              call is not), each layer writing its token's keys and values into the copy, each
-             step every layer's into the pool after the layers.
+             step every layer's into the pool after the layers. With FUSED_KERNELS, RoPE and
+             the copy's write, the attention and silu * up are lab.kernels' operators (one
+             Triton kernel each on CUDA, the same composites elsewhere).
              On a CPU a window runs on the cores other processes leave free (engine.cpu_threads).
     weights  on a CPU the products' weights in oneDNN's prepacked layout (PACK_CPU_WEIGHTS).
 
@@ -34,12 +36,14 @@ import itertools
 import math
 import time
 import weakref
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 import layers
+from lab import kernels
 
 FLASH_BLOCK_SIZE = 256    # tokens per KV block with flash-attn's paged kernels (divisible by 256)
 DECODE_COPY_GB = 1.0      # the decode memory (every decode batch's dense copy) on a CPU
@@ -60,6 +64,8 @@ DECODE_PAD = 16           # columns after a row's capacity: its scratch column, 
 ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
 # a forward past it runs in several calls (whole sequences, or windows of one's queries)
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
+FUSED_KERNELS = True      # a decode step's RoPE + store, attention and silu * up as lab.kernels'
+# custom ops (one Triton kernel each on CUDA; the same composites elsewhere), else the composites
 
 try:
     from flash_attn import flash_attn_with_kvcache
@@ -121,41 +127,6 @@ def pack_weights(w):
     return {**w, "lm_head": Packed(w["lm_head"]),
             "layers": [{k: Packed(v) if k in products else v for k, v in lw.items()}
                        for lw in w["layers"]]}
-
-
-def decode_attention(q, keys_t, values, key_bias):
-    """softmax(q k^T / sqrt(d) + bias) v for one query per sequence: q [B, H, D], keys_t
-    [B, kv_heads, D, K] (keys transposed: the score product then reads rows of K contiguous
-    floats, ~25% faster on a CPU than reading keys across), values [B, kv_heads, K, D], key_bias
-    float32 [B * kv_heads, 1, K] (0 where a key is visible, else -inf). Query head h*G + g reads
-    kv head h (grouped-query attention), so each kv head meets its G queries in one product; on
-    a CPU two batched products beat SDPA's kernel at one query. The scores and the softmax are
-    float32 whatever the model's dtype (as in flash-attn and SDPA): pi_old recorded here then
-    differs from the trainer's recomputation by the weights' rounding, not the scores'. Not one
-    SDPA call: the CPU's flash kernel rounds a row's output differently with the number of
-    (masked) keys, which the batch's longest sequence sets, so an episode's numbers would depend
-    on its batch neighbours (DECISIONS.md: Decode fusion)."""
-    B, H, D = q.shape
-    Hkv, K = keys_t.shape[1], keys_t.shape[3]
-    q, keys_t = q.reshape(B * Hkv, H // Hkv, D), keys_t.reshape(B * Hkv, D, K)
-    if q.dtype == torch.float32:
-        scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
-    elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
-        scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
-    else:
-        scores = torch.baddbmm(key_bias, q.float(), keys_t.float(), alpha=D ** -0.5)
-    probs = torch.softmax(scores, -1).to(values.dtype)
-    return torch.bmm(probs, values.reshape(B * Hkv, K, D)).view(B, H, D)
-
-
-@functools.cache
-def fp32_products():
-    """Whether this PyTorch's CUDA bmm writes float32 from half inputs (out_dtype); checked once."""
-    try:
-        a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device="cuda")
-        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError):
-        return False
 
 
 def call_bytes(rows, width, keys, heads, kv_heads, head_dim, itemsize):
@@ -270,8 +241,9 @@ class FastPath:
         self.graph_pool = self.side_stream = None  # CUDA: one graph pool, one capture stream
         self.gather_buffers = [None, None]  # Batch.gather's keys and values
         self.graph_capture_s = 0.0  # time spent capturing decode graphs (CUDA)
-        self.cuda_graphs = self.decode_extent = None  # this engine's CUDA_GRAPHS and DECODE_EXTENT
-        # where set (lab.bench compares them on one engine); None: the constants, read each run
+        self.cuda_graphs = self.decode_extent = None  # this engine's CUDA_GRAPHS, DECODE_EXTENT and
+        self.fused_kernels = None  # FUSED_KERNELS where set (lab.bench compares them on one
+        # engine); None: the constants, read each run
 
     @property
     def decode_capacity(self):
@@ -503,8 +475,8 @@ class Batch:
             return out
         keys, values = self.gather(cache.k[layer], 0), self.gather(cache.v[layer], 1)
         if self.path == "decode":
-            return decode_attention(q, keys.permute(0, 2, 3, 1), values.transpose(1, 2),
-                                    self.bias)
+            return kernels.decode_attention(q, keys.permute(0, 2, 3, 1), values.transpose(1, 2),
+                                            self.bias)
         outs = []
         for b, ((lo, hi, kv), mask) in enumerate(zip(self.spans, self.masks)):
             out = F.scaled_dot_product_attention(  # [1, heads, tokens, head_dim] each
@@ -568,7 +540,7 @@ class DecodeBatch:
                                  dtype=torch.long, device=dev)
         self.rows, self.kv_pos = torch.arange(rows, device=dev), torch.arange(capacity, device=dev)
         self.tiers = capacity_tiers(capacity)
-        self.graphs = {}  # (sampling, tier) -> (graph, outputs)
+        self.graphs = {}  # (sampling, tier, fused) -> (graph, outputs)
 
     def begin(self, sids, limit):
         """Bring the dense copy up to date with these sequences' cached keys and values: a row
@@ -623,14 +595,21 @@ class DecodeBatch:
         bias = torch.zeros(hidden.shape, device=pos.device)  # float32: the scores' dtype
         bias = bias.masked_fill_(hidden, -math.inf).repeat_interleave(w["n_kv_heads"], 0)
 
-        def attend(layer, q, kv):
-            self.keys_t[layer][self.rows, :, :, column] = kv[:, 0]
-            self.values[layer][self.rows, :, column] = kv[:, 1]
-            return decode_attention(q, self.keys_t[layer][..., :extent],
-                                    self.values[layer][:, :, :extent], bias)
+        ops = kernels.decode_ops(self.fused())
 
+        def rope_store(layer, qkv, cos, sin):  # RoPE, and k and v into the decode copy
+            lw = w["layers"][layer]
+            return ops.qk_rope_store(qkv, cos, sin, lw.get("q_norm"), lw.get("k_norm"), w["eps"],
+                                     w["n_heads"], self.keys_t[layer], self.values[layer],
+                                     self.rows, column)
+
+        def attend(layer, q, kv):  # kv None: rope_store stored them
+            return ops.decode_attention(q, self.keys_t[layer][..., :extent],
+                                        self.values[layer][:, :, :extent], bias)
+
+        hooks = SimpleNamespace(rope_store=rope_store, silu_mul=ops.silu_mul)
         logits = layers.lm_logits(w, layers.decoder(w, self.tokens, pos, attend,
-                                                    self.engine.sdpa_backends))
+                                                    self.engine.sdpa_backends, hooks))
         # every layer's keys and values of this step into the pool, in one write
         cache.k[:, slots] = self.keys_t[:, self.rows, :, :, column].transpose(0, 1)
         cache.v[:, slots] = self.values[:, self.rows, :, column].transpose(0, 1)
@@ -659,6 +638,10 @@ class DecodeBatch:
                 tokens[:, j], logps[:, j] = t, lp
         return tokens.tolist(), logps.tolist()
 
+    def fused(self):
+        """Whether steps run lab.kernels' custom ops (FUSED_KERNELS, or the engine's own setting)."""
+        return FUSED_KERNELS if self.fast.fused_kernels is None else self.fast.fused_kernels
+
     def tier(self, reach):
         """The smallest of the bucket's capacity tiers (capacity_tiers) that holds `reach` columns."""
         return next((t for t in self.tiers if t >= reach), self.capacity)
@@ -668,7 +651,8 @@ class DecodeBatch:
         for this sampling and tier (while every row is inert, so that capturing writes nothing
         but scratch) and kept for the engine's life: its tensors, the decode memory and the weights
         never move."""
-        if (sampling, extent) not in self.graphs:
+        key = (sampling, extent, self.fused())
+        if key not in self.graphs:
             start = time.perf_counter()
             live = self.live.clone()
             self.live.zero_()
@@ -684,9 +668,9 @@ class DecodeBatch:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=fast.graph_pool):
                 outputs = self.step(extent, sampling)
-            self.graphs[sampling, extent] = (graph, outputs)
+            self.graphs[key] = (graph, outputs)
             self.live.copy_(live)
             fast.graph_capture_s += time.perf_counter() - start
-        graph, outputs = self.graphs[sampling, extent]
+        graph, outputs = self.graphs[key]
         graph.replay()
         return outputs

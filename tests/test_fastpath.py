@@ -12,7 +12,7 @@ import layers
 import models
 import rpo
 from conftest import tiny_model
-from lab import fastpath
+from lab import fastpath, kernels
 from test_engine import ARCHS, PROMPTS, hf_greedy, storages
 
 
@@ -277,7 +277,7 @@ def test_decode_attention_matches_sdpa():
     bias = torch.zeros(B, 1, K).masked_fill(~visible, float("-inf")).repeat_interleave(Hkv, 0)
     ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible[:, None],
                                          enable_gqa=True)[:, :, 0]
-    torch.testing.assert_close(fastpath.decode_attention(q, keys.transpose(2, 3), values, bias), ref)
+    torch.testing.assert_close(kernels.decode_attention(q, keys.transpose(2, 3), values, bias), ref)
 
 
 def test_decode_scores_are_float32_in_bfloat16():
@@ -289,7 +289,7 @@ def test_decode_scores_are_float32_in_bfloat16():
     q = (torch.randn(B, H, D) * 4).bfloat16()
     keys, values = (torch.randn(B, Hkv, K, D) * 4).bfloat16(), torch.randn(B, Hkv, K, D).bfloat16()
     bias = torch.zeros(B * Hkv, 1, K)
-    out = fastpath.decode_attention(q, keys.transpose(2, 3), values, bias).float()
+    out = kernels.decode_attention(q, keys.transpose(2, 3), values, bias).float()
     G = H // Hkv
     kq = keys.float().repeat_interleave(G, 1)
     scores = torch.einsum("bhd,bhkd->bhk", q.float(), kq) / D ** 0.5
@@ -301,18 +301,23 @@ def test_decode_scores_are_float32_in_bfloat16():
     assert error < 0.02 and error < rounding / 4, (error, rounding)
 
 
-def test_a_decode_layer_issues_few_kernels_and_no_residual_add():
-    """bench.decode_layer_ops over the GPU's code path (tiny-qwen3, bf16): at most 24 kernels a
-    layer, the residual adds in the products (addmm_), the keys and values stored into the dense
-    decode copy with two writes and into the pool once a step (after the layers); the attention
-    two batched products (not one SDPA call) and RoPE elementwise (not a product with a matrix
-    a position): both of those moved a row's rounding with its batch (DECISIONS.md: Decode
-    fusion)."""
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-llama"])
+def test_a_decode_layer_issues_few_kernels_and_no_residual_add(shape, monkeypatch):
+    """bench.decode_layer_ops over the GPU's code path (bf16): at most 12 kernels a layer, each of
+    lab.kernels' custom ops (RoPE with the q/k norms and the store into the dense decode copy,
+    the attention, silu * up) counted once, the residual adds in the products (addmm_), the
+    attention not one SDPA call (that moved a row's rounding with its batch: DECISIONS.md,
+    Decode fusion). With the custom ops off, the composites' 24 (Qwen3) and 21 (Llama)."""
     from lab import bench
-    n, names, _, _ = bench.decode_layer_ops()
-    assert n <= 24, names
-    assert names["index_put_"] == 2 and names["addmm_"] == 2 and names["bmm"] == 1
+    n, names, _, _ = bench.decode_layer_ops(shape)
+    assert n <= 12, names
+    assert names["qk_rope_store"] == names["decode_attention"] == names["silu_mul"] == 1, names
+    assert names["addmm_"] == 2 and names["rms_norm"] == 2 and names["mm"] == 2, names
     assert not [name for name in names if "scaled_dot_product" in name], names
+    monkeypatch.setattr(fastpath, "FUSED_KERNELS", False)
+    n, names, _, _ = bench.decode_layer_ops(shape)
+    assert n == {"tiny-qwen3": 24, "tiny-llama": 21}[shape], names
+    assert names["index_put_"] == 2 and names["bmm"] == 1 and "decode_attention" not in names
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
