@@ -19,7 +19,8 @@ leave the running values untouched: DECISIONS.md, Decode fusion). The scores are
 multiply and a sum, not tl.dot (a row has one query a head).
 
 Triton is imported at the first CUDA call only. Where it is missing, where a kernel fails to
-compile (one warning line, then the composite for the process's life), or with
+compile or its first output leaves its composite's by more than rounding (FIRST_USE_TOLERANCE;
+one warning line, then the composite for the process's life), or with
 lab.fastpath.FUSED_KERNELS off, the composites run. The kernels themselves also run on CPU
 tensors under Triton's interpreter (the *_triton functions), which is how they are tested here:
 
@@ -40,6 +41,8 @@ import layers
 ATTENTION_BLOCK = 32   # keys a chunk of the Triton attention (fixed: batch invariance); fewer
 # registers a thread than 64 on an H200, so more programs in flight (BENCHMARKS.md)
 SILU_BLOCK = 1024      # intermediate columns a program of the Triton silu_mul
+FIRST_USE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # a
+# kernel's first output may leave its composite's by this, relative to the largest |value| + 1
 
 
 def decode_attention(q, keys_t, values, key_bias):
@@ -157,14 +160,57 @@ def silu_mul_triton(gate_up):
 
 
 failed_kernels = set()  # Triton kernels that failed at their first use: their composites run
+checked_kernels = set()  # Triton kernels whose first output matched their composite's
+
+
+def rope_store_reference(qkv, cos, sin, q_norm, k_norm, eps, n_heads, keys_t, values, rows,
+                         column):
+    """What qk_rope_store_composite returns and stores, computed aside (qkv cloned, a one-column
+    copy a token): (q, each token's stored keys, its stored values) and the same read back from
+    the real copy, for the first-use check."""
+    N, Hkv, D = qkv.shape[0], keys_t.shape[1], keys_t.shape[2]
+    keys, vals = keys_t.new_empty(N, Hkv, D, 1), values.new_empty(N, Hkv, 1, D)
+    at, zero = torch.arange(N, device=qkv.device), torch.zeros_like(column)
+    q = qk_rope_store_composite(qkv.clone(), cos, sin, q_norm, k_norm, eps, n_heads, keys, vals,
+                                at, zero)
+    return (q, keys[..., 0], vals[:, :, 0]), (keys_t[rows, :, :, column], values[rows, :, column])
+
+
+def first_use_mismatch(name, out, composite, args):
+    """Where a Triton kernel's first output leaves its composite's by more than rounding (the
+    largest difference, in words), else None. Rows the composite leaves non-finite (inert padded
+    rows read memory never written) are not compared. Skipped while a CUDA graph is captured."""
+    if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    if name == "qk_rope_store":
+        (q, keys, vals), stored = rope_store_reference(*args)
+        pairs = [(out, q), (stored[0], keys), (stored[1], vals)]
+    else:
+        pairs = [(out, composite(*args))]
+    for got, want in pairs:
+        tolerance = FIRST_USE_TOLERANCE.get(want.dtype, FIRST_USE_TOLERANCE[torch.float32])
+        got, want = got.float(), want.float()
+        seen = torch.isfinite(want)
+        scale = 1 + want[seen].abs().max().item() if seen.any() else 1
+        worst = (got[seen] - want[seen]).abs().max().item() if seen.any() else 0.0
+        if not worst <= tolerance * scale:
+            return f"differs from its composite by {worst:.3g} (tolerance {tolerance * scale:.3g})"
+    return None
 
 
 def triton_or_composite(name, triton_fn, composite, *args):
     """triton_fn(*args) where Triton is importable and this kernel has not failed before, else
-    composite(*args); a first failure prints one warning line and falls back for good."""
+    composite(*args). At its first use a kernel's output is checked against its composite
+    (first_use_mismatch); a first failure or mismatch prints one warning line and falls back for
+    good."""
     if name not in failed_kernels and triton_kernels() is not None:
         try:
-            return triton_fn(*args)
+            out = triton_fn(*args)
+            if name not in checked_kernels:
+                if mismatch := first_use_mismatch(name, out, composite, args):
+                    raise ArithmeticError(mismatch)
+                checked_kernels.add(name)
+            return out
         except Exception as error:  # a compile error of any kind: the run goes on, slower
             failed_kernels.add(name)
             print(f"warning: lab.kernels: the Triton {name} failed ({type(error).__name__}: "
@@ -200,6 +246,7 @@ def define_ops(library):
     return library
 
 
+OPS_BY_NAME = {name: composite for name, _, composite, _ in OPS}
 library = define_ops(torch.library.Library("persuarena", "DEF"))  # kept: the ops live while it does
 
 

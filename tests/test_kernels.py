@@ -237,6 +237,73 @@ def test_a_kernel_that_fails_at_first_use_warns_once_and_the_composite_runs(monk
     assert interpreted() or kernels.max_differences("cpu") is None  # no Triton run on a CPU
 
 
+def first_use(name, triton_fn, c, monkeypatch, capsys):
+    """triton_or_composite of one op at its first use, with triton_fn as the kernel: (its output,
+    the warning printed, whether the kernel is now marked failed)."""
+    monkeypatch.setattr(kernels, "triton_kernels", lambda: SimpleNamespace())
+    monkeypatch.setattr(kernels, "failed_kernels", set())
+    monkeypatch.setattr(kernels, "checked_kernels", set())
+    composite = kernels.OPS_BY_NAME[name]
+    if name == "qk_rope_store":
+        keys_t, values = c.keys_t.clone(), c.values.clone()
+        out = kernels.triton_or_composite(name, triton_fn, composite, c.qkv.clone(), c.cos, c.sin,
+                                          *c.norms, 1e-6, c.H, keys_t, values, c.rows, c.column)
+        out = (out, keys_t, values)
+    else:
+        out = kernels.triton_or_composite(name, triton_fn, composite, c.q)
+    return out, capsys.readouterr().err, name in kernels.failed_kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kernel_whose_first_output_is_not_its_composites_warns_and_falls_back(
+        dtype, monkeypatch, capsys):
+    """At its first use a kernel's output is checked against its composite (first_use_mismatch):
+    a kernel off by a sign in one head (RoPE + store: in q, or only in the stored keys; silu_mul)
+    warns in one line and the composite's result is used, for good; one off by rounding passes
+    and its output is used."""
+    c = case("qwen3", dtype)
+    expected = rope_store(kernels.qk_rope_store_composite, c)
+
+    def rope_kernel(flip_q=False, flip_keys=False, nudge=0.0):
+        def kernel(qkv, *rest):
+            q = kernels.qk_rope_store_composite(qkv.clone(), *rest)  # the kernel leaves qkv
+            keys_t, rows, column = rest[6], rest[8], rest[9]
+            if flip_q:
+                q[:, 1] = -q[:, 1]
+            if flip_keys:
+                keys_t[rows[0], 1, :, column[0]] *= -1
+            return q * (1 + nudge)
+        return kernel
+    for bad in (rope_kernel(flip_q=True), rope_kernel(flip_keys=True)):
+        (q, keys_t, values), err, failed = first_use("qk_rope_store", bad, c, monkeypatch, capsys)
+        assert failed and err.count("\n") == 1 and "differs from its composite" in err, err
+        assert torch.equal(q, expected[0]) and torch.equal(keys_t, expected[1])
+    near = rope_kernel(nudge=2 ** -12 if dtype == torch.float32 else 2 ** -6)
+    (q, keys_t, _), err, failed = first_use("qk_rope_store", near, c, monkeypatch, capsys)
+    assert not failed and err == "" and not torch.equal(q, expected[0])
+    c.q = torch.randn(3, 2 * 64).to(dtype)  # silu_mul's input
+    out, err, failed = first_use("silu_mul", lambda x: -layers.silu_mul(x), c, monkeypatch, capsys)
+    assert failed and "silu_mul" in err and torch.equal(out, layers.silu_mul(c.q))
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", ["llama", "qwen3"])
+def test_each_triton_kernel_passes_its_first_use_check(shape):
+    """The real kernels (under the interpreter) are within first_use_mismatch's tolerance."""
+    c = case(shape, torch.bfloat16)
+    args = (c.qkv.clone(), c.cos, c.sin, *c.norms, 1e-6, c.H, c.keys_t.clone(), c.values.clone(),
+            c.rows, c.column)
+    out = kernels.qk_rope_store_triton(*args)
+    assert kernels.first_use_mismatch("qk_rope_store", out, None, args) is None
+    bias = bias_for([5, 40, 17], c.Hkv, c.keys_t.shape[3])
+    attention = (c.q, c.keys_t, c.values, bias)
+    assert kernels.first_use_mismatch("decode_attention", kernels.decode_attention_triton(
+        *attention), kernels.decode_attention, attention) is None
+    gate_up = torch.randn(3, 2 * 1100).to(torch.bfloat16)
+    assert kernels.first_use_mismatch("silu_mul", kernels.silu_mul_triton(gate_up),
+                                      layers.silu_mul, (gate_up,)) is None
+
+
 COMPILE = """
 import json, subprocess, sys, tempfile
 import triton
