@@ -195,12 +195,18 @@ def call_mask(call, keys, group, dtype):
 
 class Packed:
     """A weight in oneDNN's prepacked layout, for CPU matrix products of a few rows (decode);
-    called as layers.linear would call F.linear."""
+    called as layers.linear would call F.linear. A single row is multiplied as two (itself
+    twice): oneDNN's one-row kernel rounds a row unlike the same row among others once the inner
+    dimension passes ~1k (SmolLM2's down projection), so a sequence decoding alone would round
+    unlike itself in a batch; from two rows on the rows agree (DECISIONS.md: Decode fusion)."""
 
     def __init__(self, weight):
         self.data = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
 
     def __call__(self, x, bias=None):
+        if x.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.data,
+                                                      bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
 
