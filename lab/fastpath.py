@@ -247,9 +247,9 @@ class FastPath:
         self.graph_pool = self.side_stream = None  # CUDA: one graph pool, one capture stream
         self.gather_buffers = [None, None]  # Batch.gather's keys and values
         self.graph_capture_s = 0.0  # time spent capturing decode graphs (CUDA)
-        self.cuda_graphs = self.decode_extent = None  # this engine's CUDA_GRAPHS, DECODE_EXTENT and
-        self.fused_kernels = None  # FUSED_KERNELS where set (lab.bench compares them on one
-        # engine); None: the constants, read each run
+        # this engine's CUDA_GRAPHS, DECODE_EXTENT and FUSED_KERNELS where set (lab.bench compares
+        # them on one engine); None: the constants, read each run
+        self.cuda_graphs = self.decode_extent = self.fused_kernels = None
 
     @property
     def decode_capacity(self):

@@ -176,23 +176,36 @@ def rope_store_reference(qkv, cos, sin, q_norm, k_norm, eps, n_heads, keys_t, va
     return (q, keys[..., 0], vals[:, :, 0]), (keys_t[rows, :, :, column], values[rows, :, column])
 
 
-def first_use_mismatch(name, out, composite, args):
-    """Where a Triton kernel's first output leaves its composite's by more than rounding (the
-    largest difference, in words), else None. Rows the composite leaves non-finite (inert padded
-    rows read memory never written) are not compared. Skipped while a CUDA graph is captured."""
-    if out.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
+def differences(name, out, composite, args):
+    """A Triton kernel's output on `args` against its composite's on the same inputs: {what:
+    (largest |difference|, 1 + largest |composite value|)}, over the entries the composite
+    leaves finite (inert padded rows read memory never written). qk_rope_store's composite runs
+    aside (rope_store_reference): its q and the keys and values each token stored."""
     if name == "qk_rope_store":
         (q, keys, vals), stored = rope_store_reference(*args)
-        pairs = [(out, q), (stored[0], keys), (stored[1], vals)]
+        pairs = dict(qk_rope_store=(out, q), keys=(stored[0], keys), values=(stored[1], vals))
     else:
-        pairs = [(out, composite(*args))]
-    for got, want in pairs:
-        tolerance = FIRST_USE_TOLERANCE.get(want.dtype, FIRST_USE_TOLERANCE[torch.float32])
+        pairs = {name: (out, composite(*args))}
+    found = {}
+    for what, (got, want) in pairs.items():
         got, want = got.float(), want.float()
         seen = torch.isfinite(want)
-        scale = 1 + want[seen].abs().max().item() if seen.any() else 1
-        worst = (got[seen] - want[seen]).abs().max().item() if seen.any() else 0.0
+        if not seen.any():
+            found[what] = (0.0, 1.0)
+            continue
+        found[what] = ((got[seen] - want[seen]).abs().max().item(),
+                       1 + want[seen].abs().max().item())
+    return found
+
+
+def first_use_mismatch(name, out, composite, args):
+    """Where a Triton kernel's first output leaves its composite's by more than rounding
+    (FIRST_USE_TOLERANCE of the largest value; the largest difference, in words), else None.
+    Skipped while a CUDA graph is captured."""
+    if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    tolerance = FIRST_USE_TOLERANCE.get(out.dtype, FIRST_USE_TOLERANCE[torch.float32])
+    for worst, scale in differences(name, out, composite, args).values():
         if not worst <= tolerance * scale:
             return f"differs from its composite by {worst:.3g} (tolerance {tolerance * scale:.3g})"
     return None
@@ -265,24 +278,21 @@ def max_differences(device, dtype=torch.bfloat16, seed=0):
 
 
 def kernel_differences(device, dtype, seed):
-    """max_differences's figures: each kernel and its composite on the same random inputs."""
+    """max_differences's figures: each kernel and its composite on the same random inputs
+    (differences)."""
     g = torch.Generator(device).manual_seed(seed)
     new = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)
     B, H, Hkv, D, C = 8, 32, 8, 128, 1024
-    qkv, cos, sin = new(B, (H + 2 * Hkv) * D), new(B, 1, D), new(B, 1, D)
-    norms = new(D), new(D)
-    copy = new(B, Hkv, D, C), new(B, Hkv, C, D)
-    stores = [copy, tuple(t.clone() for t in copy)]  # the Triton kernel's, the composite's
-    rows = torch.arange(B, device=device)
-    column = torch.randint(0, C, (B,), generator=g, device=device)
-    q_fused = qk_rope_store_triton(qkv.clone(), cos, sin, *norms, 1e-6, H, *stores[0], rows, column)
-    q_plain = qk_rope_store_composite(qkv.clone(), cos, sin, *norms, 1e-6, H, *stores[1], rows,
-                                      column)
+    rope = (new(B, (H + 2 * Hkv) * D), new(B, 1, D), new(B, 1, D), new(D), new(D), 1e-6, H,
+            new(B, Hkv, D, C), new(B, Hkv, C, D), torch.arange(B, device=device),
+            torch.randint(0, C, (B,), generator=g, device=device))
     bias = torch.zeros(B * Hkv, 1, C, device=device)
     bias[:, :, 1000:] = -math.inf
-    attention = [f(q_plain, *stores[1], bias) for f in (decode_attention_triton, decode_attention)]
-    gate_up = new(B, 2 * 4096)
-    pairs = dict(qk_rope_store=(q_fused, q_plain), keys=(stores[0][0], stores[1][0]),
-                 values=(stores[0][1], stores[1][1]), decode_attention=attention,
-                 silu_mul=(silu_mul_triton(gate_up), layers.silu_mul(gate_up)))
-    return {k: (a.float() - b.float()).abs().max().item() for k, (a, b) in pairs.items()}
+    attention = (new(B, H, D), rope[7], rope[8], bias)
+    gate_up = (new(B, 2 * 4096),)
+    found = {}
+    for name, triton_fn, args in (("qk_rope_store", qk_rope_store_triton, rope),
+                                  ("decode_attention", decode_attention_triton, attention),
+                                  ("silu_mul", silu_mul_triton, gate_up)):
+        found |= differences(name, triton_fn(*args), OPS_BY_NAME[name], args)
+    return {what: worst for what, (worst, _) in found.items()}

@@ -604,18 +604,26 @@ def soak(url, ee, episodes, idle_every, unused_every, capfd):
 
 
 def test_an_idle_session_is_closed_and_says_so(tokenizer, capfd):
-    """A session idle past the timeout is released mid-episode (its blocks freed, one line
-    logged); its next call answers in one line that it was closed; a new client plays."""
+    """A session whose calls are refused (a bad reset) or only ask its state, for three times the
+    timeout, is not idle (openenv-core counts answered resets and steps only); once silent past
+    the timeout it is released mid-episode (its blocks freed, one line logged); its next call
+    answers in one line that it was closed; a new client plays."""
     import time
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
 
     def make_env():
         return persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=2, max_new_tokens=4,
                                             judge=None)
-    with serving(make_env, session_idle_s=0.3) as url:
+    with serving(make_env, session_idle_s=1.0) as url:
         idle = session(url)
         assert idle.ask("reset", {"seed": 1})[0] == "observation"
         assert ee.free_blocks < 2000
+        busy_until = time.time() + 3.0
+        while time.time() < busy_until:
+            assert "no instance" in idle.error("reset", {"instance": "nowhere"})
+            assert idle.ask("state")[0] == "state"
+            time.sleep(0.1)
+        assert ee.free_blocks < 2000  # still in play
         for _ in range(200):
             if ee.free_blocks == 2000:
                 break
