@@ -53,7 +53,7 @@ def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
 
 @pytest.mark.parametrize("extra, says", [
     (["--steps", "3", "--eval-every", "2"], "not a multiple"),
-    (["--lams", "0.5", "1"], "must include 0"),
+    (["--lams", "0.5", "-1"], "finite number >= 0"),
     (["--name", "a/b"], "one folder name")])
 def test_bad_sweep_arguments_are_one_line(extra, says, capsys):
     base = ["--steps", "2", "--eval-every", "1", "--eval-limit", "1", "--name", "x"]
