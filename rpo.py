@@ -54,6 +54,7 @@ CLIP_LOW = 0.2  # ratio clipped below at 1 - CLIP_LOW
 CLIP_HIGH = 0.28  # ratio clipped above at 1 + CLIP_HIGH (asymmetric, "clip-higher")
 KL_BETA = 0.01  # weight of the k3 penalty against the frozen initial policy
 STD_EPS = 1e-6  # added to the group std, as in TRL and verl
+DENSE_BASELINE = "turn"  # the dense term's baseline: per turn index; "pooled", one over all turns (DECISIONS.md: Dense baseline)
 DIAG_EPS = 1e-9  # |A| above this counts as a nonzero advantage in step_diagnostics
 
 
@@ -144,11 +145,20 @@ def _group_terms(outcome_rewards, process_rewards):
             acc += float(r[t])
             d[t] = acc
         D.append(d)
-    # one baseline pooled over all turns of the group: a per-turn-index baseline is biased when the
-    # policy decides how long the episode lasts (verl issue 7244)
-    n = sum(len(d) for d, ok in zip(D, readable) if ok)
-    pool = sum(sum(d) for d, ok in zip(D, readable) if ok) / n if n else 0.0
-    return a_out, [[x - pool for x in d] if ok else d for d, ok in zip(D, readable)]
+    return a_out, [[x - b for x, b in zip(d, _dense_baseline(D, readable, len(d)))] if ok else d
+                   for d, ok in zip(D, readable)]
+
+
+def _dense_baseline(D, readable, turns):
+    """The baseline subtracted from an episode's D_{i,1..turns}: DENSE_BASELINE "pooled", one
+    mean over every readable (j, k) of the group; "turn", the mean of D_{j,t} over the readable
+    episodes that reached turn t (DECISIONS.md: Dense baseline)."""
+    kept = [d for d, ok in zip(D, readable) if ok]
+    if DENSE_BASELINE == "pooled":
+        n = sum(len(d) for d in kept)
+        return [sum(sum(d) for d in kept) / n if n else 0.0] * turns
+    at = [[d[t] for d in kept if len(d) > t] for t in range(turns)]
+    return [sum(v) / len(v) if v else 0.0 for v in at]
 
 
 def group_advantages(outcome_rewards, process_rewards, lam=LAMBDA):

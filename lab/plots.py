@@ -11,6 +11,7 @@ The paper's figures from episode records and training runs, drawn with matplotli
   plot_runs      checkpoint selection (Table 9) and Fig. 3, best held-out acceptance over lambda
   plot_dynamics  Fig. 7: dead groups, rescued share and the two advantage terms by step
   plot_run       a training run's curves from metrics.jsonl (curves.png)
+  plot_training  training episodes against a same-seed frozen control (training.png)
 The statistics behind them come from analyses.py; eval.py's command line calls them.
 Tests: python -m pytest -q tests/test_plots.py
 """
@@ -293,7 +294,8 @@ def plot_sweep(entries, rows, folder):
     one line per lambda (mean over seeds, 95% band over seeds: significance.mean_band), and the
     training steps' dead-group share with the share of them the dense term rescued (Fig. 7,
     means over the steps up to each checkpoint; step 0 has none); effect.png,
-    each lambda's last checkpoint minus the initial policy in b_T - b_0 (paired, 95% t interval)."""
+    each lambda's last checkpoint minus the initial policy in b_T - b_0, the 95% t interval of
+    the episode pairs and, beside it, of the seeds' means (seed level), each labelled."""
     fig, axes = plt.subplots(1, 3, figsize=SWEEP_FIGSIZE)
     for lam in sorted({e["lam"] for e in entries}):
         mine = [e for e in entries if e["lam"] == lam]
@@ -312,7 +314,8 @@ def plot_sweep(entries, rows, folder):
             mean, _ = significance.mean_band(rescued)
             axes[2].plot(steps[:mean.size], mean, ls="--", color=line.get_color(),
                          label=f"lambda {lam:g} rescued")
-    for ax, title in zip(axes, ("held-out mean b_T - b_0", "held-out full acceptance",
+    for ax, title in zip(axes, ("held-out mean b_T - b_0 (band: 95% over seeds)",
+                                "held-out full acceptance (band: 95% over seeds)",
                                 "training: dead groups (solid), rescued share of them (dashed)")):
         ax.set(title=title, xlabel="training step (0 = initial policy)")
         ax.grid(alpha=0.3)
@@ -322,13 +325,67 @@ def plot_sweep(entries, rows, folder):
     fig, ax = plt.subplots(figsize=BELIEF_FIGSIZE)
     for i, r in enumerate(last):
         vs = r["vs_initial"]
-        if vs["belief_diff"] is None:
-            continue
-        low = vs["belief_diff"] - (vs["belief_diff_low"] if vs["belief_diff_low"] is not None else vs["belief_diff"])
-        high = (vs["belief_diff_high"] if vs["belief_diff_high"] is not None else vs["belief_diff"]) - vs["belief_diff"]
-        ax.errorbar([i], [vs["belief_diff"]], yerr=[[low], [high]], fmt="o", capsize=4)
+        seed = (vs["seed_level"] or {}).get("belief_change")
+        for dx, (diff, low, high), label in (
+                (-0.1, (vs["belief_diff"], vs["belief_diff_low"], vs["belief_diff_high"]),
+                 "episode level: pairs (seed, scenario), 95% t"),
+                (0.1, (seed["diff"], seed["low"], seed["high"]) if seed else (None, None, None),
+                 "seed level: seeds' means, 95% t over seeds")):
+            if diff is None:
+                continue
+            err = [[diff - (diff if low is None else low)], [(diff if high is None else high) - diff]]
+            ax.errorbar([i + dx], [diff], yerr=err, fmt="o" if dx < 0 else "s", capsize=4,
+                        color="C0" if dx < 0 else "C3", label=label if i == 0 else None)
     ax.set_xticks(range(len(last)), [f"lambda {r['lam']:g}\nstep {r['step']}" for r in last])
     ax.axhline(0, color="black", lw=0.5)
     ax.set(title="held-out effect: last checkpoint minus initial policy", ylabel="paired diff of b_T - b_0")
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     _save_fig(fig, Path(folder) / "effect.png")
+
+
+TRAINING_WINDOW = 10  # steps in training.png's running means
+
+
+def running_mean(values, window=TRAINING_WINDOW):
+    """The mean of each value and the window - 1 before it (fewer at the start)."""
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i + 1 - window):i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def plot_training(arms, control, folder, window=TRAINING_WINDOW):
+    """training.png: each arm's training episodes against its same-seed frozen control (lr 0:
+    the same instances and random streams, only the weights differ). arms: {label: {seed: [mean
+    b_T - b_0 of each step's training episodes]}}, control: {seed: [...]}. Left, running means
+    over `window` steps of every arm and the control (seeds averaged); right, the difference arm
+    minus control, a running mean per seed, its mean over seeds and, from two seeds, a 95% t
+    band over seeds (significance.mean_band)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=OVERLAY_FIGSIZE)
+    seeds = sorted(control)
+    frozen_mean = np.mean([control[s] for s in seeds], axis=0)
+    left.plot(range(1, frozen_mean.size + 1), running_mean(list(frozen_mean), window), color="black",
+              label="frozen control (lr 0)")
+    for label, by_seed in arms.items():
+        rows = [by_seed[s][:len(control[s])] for s in seeds if s in by_seed]
+        mean = np.mean(rows, axis=0)
+        line, = left.plot(range(1, mean.size + 1), running_mean(list(mean), window), label=label)
+        diffs = [running_mean([a - b for a, b in zip(by_seed[s], control[s])], window) for s in seeds if s in by_seed]
+        middle, half = significance.mean_band(diffs)
+        steps = range(1, middle.size + 1)
+        for d in diffs:
+            right.plot(range(1, len(d) + 1), d, color=line.get_color(), alpha=0.3, lw=0.8)
+        right.plot(steps, middle, color=line.get_color(), lw=2, label=f"{label}, mean over {len(diffs)} seeds")
+        if len(diffs) > 1:
+            right.fill_between(steps, middle - half, middle + half, color=line.get_color(), alpha=0.2)
+    left.set(title=f"training episodes' b_T - b_0\n({window}-step running mean, seeds averaged)",
+             xlabel="training step", ylabel="mean b_T - b_0")
+    right.axhline(0, color="black", lw=0.5)
+    right.set(title="trained minus frozen control, running mean\n(thin: each seed; band: 95% t over seeds)",
+              xlabel="training step", ylabel="difference in b_T - b_0")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    _save_fig(fig, Path(folder) / "training.png")

@@ -21,12 +21,15 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
                    with SEED_LEVEL_MIN seeds or more each comparison also carries seed_level, a
                    paired t test over the seeds' means (the seed is the unit of replication of
                    a training effect), and each row between_seed_sd; the differences the
-                   episode pairs detect at 80% power (t; summary.json "power"); with
-                   --frozen-control, each arm against a same-seed run at lr 0 on the training
-                   episodes themselves (paired by step, group and member, a group one
-                   cluster); and how many tests the table holds, none corrected
+                   episode pairs and, from SEED_LEVEL_MIN seeds, the seeds detect at 80% power
+                   (t; summary.json "power", "power.seed_level"); with --frozen-control, each
+                   arm against a same-seed run at lr 0 on the training episodes themselves
+                   (paired by step, group and member): a t test over the seeds' mean
+                   differences (seed_level), and beside it a group as one cluster; and how
+                   many tests the table holds, none corrected
     curves.png     held-out b_T - b_0 and full acceptance by step, per lambda, seed bands
     effect.png     each lambda's last checkpoint minus the initial policy, 95% intervals
+    training.png   with --frozen-control, every arm's training episodes against its control
 
 Arms already trained are reused; a killed arm resumes from its checkpoint (train.py --resume).
 A re-run keeps the settings sweep.json recorded (cli.pin_settings, as train.py --resume keeps
@@ -408,8 +411,23 @@ def frozen_rows(runs, frozen, lams, seeds, steps):
                       if len(diffs) > 1 else None)  # at 80% power, alpha 0.05
         rows.append(dict(lam=lam, n=len(diffs), pairs=len(keys), belief_diff=mean, low=low, high=high,
                          detectable=detectable,
-                         wilcoxon_p=significance.wilcoxon(diffs, [0.0] * len(diffs)) if diffs else None))
+                         wilcoxon_p=significance.wilcoxon(diffs, [0.0] * len(diffs)) if diffs else None,
+                         seed_level=frozen_seed_level(clusters, seeds)))
     return rows
+
+
+def frozen_seed_level(clusters, seeds):
+    """The frozen-control comparison with the seed as the unit: each seed's mean of its groups'
+    paired differences, then a t test over the seeds against 0 (paired_t), and the difference
+    that many seeds detect at 80% power; None below SEED_LEVEL_MIN seeds."""
+    by_seed = {}
+    for (seed, *_), d in clusters.items():
+        by_seed.setdefault(seed, []).append(sum(d) / len(d))
+    means = [sum(v) / len(v) for s, v in sorted(by_seed.items()) if s in seeds]
+    if len(means) < SEED_LEVEL_MIN:
+        return None
+    t = significance.paired_t(means, [0.0] * len(means))
+    return dict(t, detectable=significance.detectable_mean(t["sd"], len(means), paired=True) if t["sd"] else None)
 
 
 def sweep_power(rows, initial):
@@ -424,7 +442,27 @@ def sweep_power(rows, initial):
     p0 = sum(ep["outcome"] == "ACCEPT" for ep in initial) / max(len(initial), 1)
     return dict(pairs=n, belief_diff_sd=sd, initial_full_accept=p0,
                 detectable_belief_diff=sd and n and significance.detectable_mean(sd, n, paired=True),
-                detectable_full_accept=n and significance.detectable_proportion(p0, n))
+                detectable_full_accept=n and significance.detectable_proportion(p0, n),
+                seed_level=seed_power(rows))
+
+
+def seed_power(rows):
+    """What the seed-level comparisons could detect at 80% power, two-sided alpha 0.05 (paired t
+    over the seeds' means, t quantiles at seeds - 1 degrees of freedom): per measure the sd of the
+    seeds' paired differences pooled over every seed-level comparison of the table (root mean
+    square) and the difference that many seeds detect; None below SEED_LEVEL_MIN seeds. With
+    few seeds this is far larger than the episode-level figure: the seed is what replicates."""
+    levels = [vs["seed_level"] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])
+              if vs is not None and vs["seed_level"]]
+    if not levels:
+        return None
+    out = dict(seeds=min(level["seeds"] for level in levels))
+    for key in ("full_accept", "belief_change"):
+        sds = [level[key]["sd"] for level in levels if level[key]["sd"] is not None]
+        sd = math.sqrt(sum(x * x for x in sds) / len(sds)) if sds else None
+        out[key] = dict(sd=sd, detectable=significance.detectable_mean(sd, out["seeds"], paired=True)
+                        if sd else None)  # no spread: nothing to scale a detectable difference by
+    return out
 
 
 def _f(x, fmt="+.4f"):
@@ -442,6 +480,7 @@ def count_tests(rows, frozen=None):
     ps += [vs["seed_level"][k]["p"] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])
            if vs and vs["seed_level"] for k in ("full_accept", "belief_change")]
     ps += [r["wilcoxon_p"] for r in frozen or ()]
+    ps += [r["seed_level"]["p"] for r in frozen or () if r.get("seed_level")]
     return sum(p is not None for p in ps)
 
 
@@ -501,19 +540,42 @@ def format_table(rows, frozen=None, header="", power=None):
                   f"(sd of the paired differences {_f(power['belief_diff_sd'], '.4f')}); a rise in full "
                   f"acceptance from the initial {100 * power['initial_full_accept']:.1f}% of "
                   + ("more than the sample allows" if rise is None else f"{100 * rise:.1f} points")
-                  + " (independent proportions)."]
+                  + " (independent proportions): episode level, which overstates what replicates."]
+        lines += seed_power_lines(power.get("seed_level"))
     if frozen:
-        lines += ["", "Against the same-seed frozen control (lr 0), training episodes of the second "
-                  "half, paired by step, group and member, a group one cluster (the mean of its "
-                  "members' differences):", "",
-                  "| lambda | groups (pairs) | mean diff of b_T - b_0 [95%] | Wilcoxon p | detectable (80% power) |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['lam']:g} | {r['n']} ({r['pairs']}) | {_f(r['belief_diff'])} [{_f(r['low'])}, "
-                  f"{_f(r['high'])}] | {_p(r['wilcoxon_p'])} | {_f(r['detectable'], '.4f')} |"
-                  for r in frozen]
+        lines += frozen_lines(frozen)
     lines += ["", f"This table holds {count_tests(rows, frozen)} tests (p-values), none corrected "
               "for multiplicity: at alpha 0.05, one in twenty falls below it by chance when nothing differs."]
     return "\n".join(lines) + "\n"
+
+
+def seed_power_lines(level):
+    """table.md's seed-level power sentence (sweep_power's seed_level), none below SEED_LEVEL_MIN."""
+    if not level:
+        return []
+    fa, bc = level["full_accept"], level["belief_change"]
+    return [f"Power at the seed level ({level['seeds']} seeds, paired t over the seeds' means, 80%, "
+            f"alpha 0.05): a b_T - b_0 difference of {_f(bc['detectable'], '.4f')} (sd of the seeds' "
+            f"paired differences {_f(bc['sd'], '.4f')}); a full-acceptance difference of "
+            f"{_f(fa['detectable'] and 100 * fa['detectable'], '.1f')} points (sd "
+            f"{_f(fa['sd'] and 100 * fa['sd'], '.1f')} points)."]
+
+
+def frozen_lines(frozen):
+    """table.md's frozen-control section: the seed level first (the unit that replicates), then
+    the groups as clusters, which describe these seeds' trained policies only."""
+    lines = ["", "Against the same-seed frozen control (lr 0), training episodes of the second half, "
+             "paired by step, group and member. Seed level: each seed's mean paired difference, a "
+             "t test over the seeds (95% interval). Group level: a group one cluster (the mean of "
+             "its members' differences), pooled over seeds, describing these seeds' policies:", "",
+             "| lambda | seed level: diff of b_T - b_0 [95%] p | detectable (80%) | groups (pairs) | "
+             "group level: mean diff [95%] | Wilcoxon p | detectable (80%) |", "|---|---|---|---|---|---|---|"]
+    for r in frozen:
+        level = r.get("seed_level")
+        lines.append(f"| {r['lam']:g} | {_diff(level)} | {_f(level and level['detectable'], '.4f')} | "
+                     f"{r['n']} ({r['pairs']}) | {_f(r['belief_diff'])} [{_f(r['low'])}, {_f(r['high'])}] | "
+                     f"{_p(r['wilcoxon_p'])} | {_f(r['detectable'], '.4f')} |")
+    return lines
 
 
 def start_folder(root, args):
@@ -563,6 +625,17 @@ def main(argv=None):
     return summarize_sweep(root, args)
 
 
+def plot_training(root, runs, args):
+    """training.png: every arm's training episodes against its same-seed frozen control, step by
+    step (the mean b_T - b_0 of each step's episodes, metrics.jsonl's belief_change)."""
+    from lab import plots
+    changes = lambda rows: [m["belief_change"] for m in rows]
+    control = {s: changes(row for _, row in read_arm(
+                   read_jsonl, root / "runs" / arm_name(FROZEN, s) / "metrics.jsonl")) for s in args.seeds}
+    arms = {f"lambda {lam:g}": {s: changes(runs[lam][s]["metrics"]) for s in args.seeds} for lam in args.lams}
+    plots.plot_training(arms, control, root)
+
+
 def read_arm(reader, path):
     """reader(path), or a one-line refusal naming the arm's file or folder that cannot be read."""
     try:
@@ -591,6 +664,7 @@ def summarize_sweep(root, args):
                     read_jsonl, root / "runs" / arm_name(FROZEN, s) / "rollouts.jsonl")]}
                    for s in args.seeds}
         frozen = frozen_rows(runs, control, args.lams, args.seeds, args.steps)
+        plot_training(root, runs, args)
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
     first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
     subset = read_arm(lambda p: json.loads(p.read_text()).get("subset"), first) if first.is_file() else None

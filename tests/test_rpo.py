@@ -21,6 +21,13 @@ def close(a, b, tol=1e-9):
 # -----------------------------------------------------------------------------
 # rewards
 
+@pytest.fixture
+def pooled_baseline(monkeypatch):
+    """The dense term's baseline pooled over every turn of the group (rpo.DENSE_BASELINE "pooled",
+    the ablation): the by-hand figures of the tests that use it are pooled means."""
+    monkeypatch.setattr(rpo, "DENSE_BASELINE", "pooled")
+
+
 def test_process_rewards_without_anchor():
     r = rpo.process_rewards([0.0, 0.4, -0.2, 0.6], "ACCEPT", anchor=False)
     assert close(r, [0.2, -0.3, 0.4])
@@ -100,6 +107,7 @@ def test_group_advantage_outcome_only_by_hand():
     assert close(A, [[2 / s, 2 / s], [-1 / s], [-1 / s, -1 / s, -1 / s]], 1e-12)
 
 
+@pytest.mark.usefixtures("pooled_baseline")
 def test_group_advantage_dense_ragged_by_hand():
     s = math.sqrt(3) + EPS
     P = [[0.2, 0.3], [-0.1], [0.0, 0.1, -0.2]]
@@ -113,6 +121,22 @@ def test_group_advantage_dense_ragged_by_hand():
                            [-1 / s - rpo.LAMBDA * 0.15, -1 / s - rpo.LAMBDA * 0.15, -1 / s - rpo.LAMBDA * 0.25]], 1e-12)
 
 
+def test_group_advantage_dense_turn_baseline_by_hand(monkeypatch):
+    """DENSE_BASELINE "turn": each turn index's own mean over the episodes that reached it."""
+    monkeypatch.setattr(rpo, "DENSE_BASELINE", "turn")
+    s = math.sqrt(3) + EPS
+    P = [[0.2, 0.3], [-0.1], [0.0, 0.1, -0.2]]
+    # return-to-go: [0.5, 0.3], [-0.1], [-0.1, -0.1, -0.2]; turn means: t1 (0.5 - 0.1 - 0.1) / 3 =
+    # 0.1, t2 (0.3 - 0.1) / 2 = 0.1, t3 -0.2 (one episode); centred [0.4, 0.2], [-0.2], [-0.2, -0.2, 0]
+    A = rpo.group_advantages([3.0, 0.0, 0.0], P, lam=0.5)
+    assert close(A, [[2 / s + 0.2, 2 / s + 0.1], [-1 / s - 0.1], [-1 / s - 0.1, -1 / s - 0.1, -1 / s]], 1e-12)
+    # members whose beliefs moved alike at every turn get no dense advantage at all (pooled, they
+    # would: D = [-0.1, -0.2] twice, pool -0.15, so +0.05 on turn 1 and -0.05 on turn 2)
+    assert rpo.group_advantages([0.0, 0.0], [[0.1, -0.2], [0.1, -0.2]], lam=1) == [[0.0, 0.0], [0.0, 0.0]]
+    # a group of one has no baseline at any turn: no dense advantage (and no outcome advantage)
+    assert rpo.group_advantages([1.0], [[0.3, 0.2]], lam=1) == [[0.0, 0.0]]
+
+
 def test_lambda_zero_is_plain_grpo():
     R = [1.5, -2.0, 3.25, 0.0, 1.0]
     mean, std = statistics.mean(R), statistics.stdev(R)  # stdev: ddof = 1
@@ -124,6 +148,7 @@ def test_lambda_zero_is_plain_grpo():
     assert A1 == rpo.group_advantages(R, P2, lam=0.0)  # exactly: beliefs play no part at lambda 0
 
 
+@pytest.mark.usefixtures("pooled_baseline")
 def test_dead_group_rescued_by_dense_term():
     P = [[0.2], [-0.1], [0.3, 0.0]]
     assert rpo.group_advantages([1.0, 1.0, 1.0], P, lam=0.0) == [[0.0], [0.0], [0.0, 0.0]]
@@ -134,6 +159,7 @@ def test_dead_group_rescued_by_dense_term():
     assert close(rpo.group_advantages([2.0, 2.0], [[0.0], [0.0, 0.0]], lam=0.5), [[0.0], [0.0, 0.0]], 0.0)
 
 
+@pytest.mark.usefixtures("pooled_baseline")
 def test_group_of_one():
     assert rpo.group_advantages([3.0], [[0.1, 0.2]], lam=0.0) == [[0.0, 0.0]]
     # return-to-go [0.3, 0.2], pooled mean 0.25, centred [0.05, -0.05], times 0.5
@@ -270,6 +296,7 @@ def test_micro_batches_sum_to_full_batch():
 # -----------------------------------------------------------------------------
 # diagnostics
 
+@pytest.mark.usefixtures("pooled_baseline")
 def test_step_diagnostics_by_hand():
     a = 1 / (math.sqrt(2) + EPS)  # R = [1, -1]: mean 0, std sqrt(2)
     groups = [
@@ -290,6 +317,7 @@ def test_step_diagnostics_by_hand():
     assert d0["dead_group_share"] == 3 / 4
 
 
+@pytest.mark.usefixtures("pooled_baseline")
 def test_a_non_finite_belief_is_excluded_from_its_group_and_counted():
     """An episode whose probes gave NaN keeps its outcome advantage, gets no dense term and is
     left out of the pooled baseline: the others' advantages are those of the group without its

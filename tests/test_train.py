@@ -35,13 +35,14 @@ def tiny_run(tmp_path, scenarios, name, *extra):
 
 @pytest.mark.slow
 def test_learning_raises_the_persuadees_belief(tmp_path, short_scenarios, monkeypatch):
-    """Dense reward only (lambda 1, no anchor, no KL), deterministic persuadee: the trained
-    policy moves the persuadee's belief up against a frozen copy on the same seeds (the same
-    instances and random streams), while its groups still differ (at lr 3e-2 every group
-    collapsed to one message by step ~16, and a collapsed group's gradient is 0); the same loop
-    with the advantage's sign flipped moves it down."""
+    """Dense reward only (lambda 1, no anchor, no KL), deterministic persuadee, three-turn
+    episodes: the trained policy moves the persuadee's belief up against a frozen copy on the
+    same seeds (the same instances and random streams), while its groups still differ (at lr 3e-2
+    every group collapsed to one message by step ~16, and a collapsed group's gradient is 0); the
+    same loop with the advantage's sign flipped moves it down. Multi-turn credit rests on the
+    dense term's per-turn baseline (rpo.DENSE_BASELINE; DECISIONS.md: Dense baseline)."""
     args = ("--steps", 30, "--lam", 1, "--no-anchor", "--kl-beta", 0, "--group-size", 4,
-            "--instances", 2, "--t-max", 1, "--max-new-tokens", 8, "--persuadee-temperature", 0,
+            "--instances", 2, "--t-max", 3, "--max-new-tokens", 8, "--persuadee-temperature", 0,
             "--save-every", 30)
     last = lambda history, key="belief_change": [m[key] for m in history[-10:]]
     frozen = last(tiny_run(tmp_path, short_scenarios, "frozen", *args, "--lr", 0))
