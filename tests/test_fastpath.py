@@ -303,19 +303,19 @@ def test_decode_scores_are_float32_in_bfloat16():
 
 @pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-llama"])
 def test_a_decode_layer_issues_few_kernels_and_no_residual_add(shape, monkeypatch):
-    """bench.decode_layer_ops over the GPU's code path (bf16): at most 12 kernels a layer, each of
+    """bench_gpu.decode_layer_ops over the GPU's code path (bf16): at most 12 kernels a layer, each of
     lab.kernels' custom ops (RoPE with the q/k norms and the store into the dense decode copy,
     the attention, silu * up) counted once, the residual adds in the products (addmm_), the
     attention not one SDPA call (that moved a row's rounding with its batch: DECISIONS.md,
     Decode fusion). With the custom ops off, the composites' 24 (Qwen3) and 21 (Llama)."""
-    from lab import bench
-    n, names, _, _ = bench.decode_layer_ops(shape)
+    from lab import bench_gpu
+    n, names, _, _ = bench_gpu.decode_layer_ops(shape)
     assert n <= 12, names
     assert names["qk_rope_store"] == names["decode_attention"] == names["silu_mul"] == 1, names
     assert names["addmm_"] == 2 and names["rms_norm"] == 2 and names["mm"] == 2, names
     assert not [name for name in names if "scaled_dot_product" in name], names
     monkeypatch.setattr(fastpath, "FUSED_KERNELS", False)
-    n, names, _, _ = bench.decode_layer_ops(shape)
+    n, names, _, _ = bench_gpu.decode_layer_ops(shape)
     assert n == {"tiny-qwen3": 24, "tiny-llama": 21}[shape], names
     assert names["index_put_"] == 2 and names["bmm"] == 1 and "decode_attention" not in names
 
@@ -392,7 +392,7 @@ def test_the_bench_refuses_bad_arguments_in_one_line(capsys):
     --instances, --messages, --resamples) are refused before any model loads, in one line."""
     import argparse
 
-    from lab import bench
+    from lab import bench, bench_snr
     for argv in (["--dialogues", "0"], ["--turns", "-1"], ["--max-new-tokens", "0"],
                  ["--load", "-2"]):
         with pytest.raises(SystemExit):
@@ -400,10 +400,10 @@ def test_the_bench_refuses_bad_arguments_in_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"lab.bench: {argv[0]} {argv[1]}") and "\n" not in err
     good = dict(snr="tiny", instances=2, messages=2, resamples=2, seed=0)
-    bench.snr_problem(argparse.Namespace(**good))
+    bench_snr.snr_problem(argparse.Namespace(**good))
     for change in (dict(snr="nope"), dict(instances=-1), dict(instances=0), dict(messages=1),
                    dict(resamples=1), dict(instances=10**6)):
         with pytest.raises(SystemExit) as e:
-            bench.snr_problem(argparse.Namespace(**{**good, **change}))
+            bench_snr.snr_problem(argparse.Namespace(**{**good, **change}))
         assert str(e.value).startswith("lab.bench: --") and "\n" not in str(e.value)
 
