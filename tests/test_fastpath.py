@@ -257,6 +257,34 @@ def test_a_window_attends_over_its_capacity_tier_not_the_whole_capacity(monkeypa
     assert greedy == [hf_greedy(model, p, 16) for p in PROMPTS]
 
 
+def test_a_failed_graph_capture_falls_back_to_eager_in_one_warning_line(monkeypatch, capsys):
+    """On the GPU's code path with graphs on (forced here: a CPU has no CUDA graphs) and a capture
+    that fails: one warning line, once for the engine, and every step runs eagerly with the same
+    tokens and log-probs as an engine that never tried; the next call does not try again."""
+    monkeypatch.setattr(engine, "COMPUTE_BOUND_DEVICES", ())
+    model = tiny_model("qwen3")
+    sampling = engine.Sampling(0.7, top_p=0.8, top_k=20)
+    run = lambda eng: [o[:2] for o in eng.generate([eng.new(p) for p in PROMPTS], 16, sampling,
+                                                  [1, 2, 3], [])]
+    eager = run(engine.Engine(model, block_size=16, num_blocks=400))
+    tries = []
+
+    def refused(self, sampling, extent):
+        tries.append(extent)
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+    monkeypatch.setattr(fastpath.DecodeBatch, "capture", refused)
+    monkeypatch.setattr(fastpath.DecodeBatch, "uses_graphs",
+                        lambda self: not self.fast.capture_failed)
+    eng = engine.Engine(model, block_size=16, num_blocks=400)
+    capsys.readouterr()
+    assert run(eng) == eager and run(eng) == eager
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: lab.fastpath: a CUDA graph capture failed (RuntimeError: operation "
+                   "not permitted when stream is capturing); this engine's decode steps run "
+                   "eagerly"]
+    assert len(tries) == 1 and eng.fast.capture_failed
+
+
 def test_decode_memory_key_rows_start_aligned():
     """Every transposed key row of a DecodeBatch starts on a 32-byte boundary (cuBLAS reads
     aligned rows), whatever the bucket."""
