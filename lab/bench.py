@@ -40,9 +40,11 @@ Metrics:
     PYTHONPATH=. python -m lab.bench --probe-vs-judge --dialogues 4 --turns 2   # Table 4: probe vs judge call
     PYTHONPATH=. python -m lab.bench --device cuda --random-init qwen3-4b --skip-baselines --cudnn-attention
     PYTHONPATH=. python -m lab.bench --gpu-check --json                      # on a GPU (lab/bench_gpu.py)
+    PYTHONPATH=. python -m lab.bench --decode-model                          # the modelled H200 decode
     PYTHONPATH=. python -m lab.bench --snr tiny                              # lab/bench_snr.py
 """
 import json
+import os
 import sys
 
 import torch
@@ -51,7 +53,7 @@ import layers
 import models
 import rollout
 from lab import (bench_baselines as baselines, bench_gpu as gpu_bench, bench_load as load_runs,
-                 bench_snr as snr, bench_workload as workload, cli)
+                 bench_snr as snr, bench_vllm as vllm, bench_workload as workload, cli)
 
 def parse_args(argv=None):
     p = cli.new_parser("python -m lab.bench", __doc__)
@@ -72,7 +74,11 @@ def parse_args(argv=None):
                    "inside probe reads and persuadee replies, write a chrome trace to TRACE")
     p.add_argument("--cudnn-attention", action="store_true", help="let the engine's SDPA calls use "
                    "cuDNN too (layers.SDPA_BACKENDS leaves it out), to measure what that costs")
-    p.add_argument("--gpu-check", action="store_true", help="the GPU check (module docstring)")
+    p.add_argument("--vllm-python", default=vllm.VLLM_PYTHON, metavar="PATH", help="the Python of "
+                   "vLLM's own environment: runs the workload through vLLM too (lab/bench_vllm.py)")
+    p.add_argument("--gpu-check", action="store_true", help="the GPU check (lab/bench_gpu.py)")
+    p.add_argument("--decode-model", action="store_true", help="print the modelled decode attention "
+                   "on an H200 against its KV floor (bench_gpu.decode_model; no GPU needed)")
     p.add_argument("--check-models", default=gpu_bench.CHECK_MODELS,
                    help="--gpu-check's persuader and persuadee RANDOM_CONFIGS shapes")
     p.add_argument("--check-turns", type=int, default=None,
@@ -87,26 +93,34 @@ def parse_args(argv=None):
     if args.load < 0:
         p.exit(2, f"lab.bench: --load {args.load} is negative; pass 0 (a quiet run only) or the "
                   "busy processes to run beside it, e.g. --load 2\n")
+    vllm.vllm_problem(args)
     return args
 
 
 
-def run_implementations(args, model, tok, instances, sync, gpu):
+def run_implementations(args, model, tok, instances, sync, gpu, with_vllm=True):
     """The engine's dialogues and (unless --skip-baselines) transformers' generate and
-    generate_batch on the same ones, each after a one-turn warm-up: their dicts by name, with
-    tok_s and the probe share added; a failing baseline is reported and left out."""
+    generate_batch on the same ones, and vLLM's with --vllm-python (unless with_vllm is False),
+    each after a one-turn warm-up: their dicts by name, with tok_s, the probe share and the
+    machine's one-minute load average before and after added; a failing baseline is reported
+    and left out."""
     backends = ([torch.nn.attention.SDPBackend.CUDNN_ATTENTION, *layers.SDPA_BACKENDS]
                 if args.cudnn_attention else None)
     impls = {"engine": lambda *a: workload.run_engine(*a, sdpa_backends=backends)}
     if not args.skip_baselines:
         impls["hf generate"] = baselines.run_hf
         impls["hf generate_batch"] = lambda *a: baselines.run_hf(*a, batch_api=True)
+    if with_vllm and args.vllm_python:
+        impls["vllm"] = lambda *a: vllm.vllm_side(args, *a)
     res = {}
     for name, fn in impls.items():
         try:
-            fn(model, tok, instances[:1], 1, 2, sync)  # warm-up
+            if name != "vllm":  # its worker warms up after its start (vllm_side)
+                fn(model, tok, instances[:1], 1, 2, sync)
+            load = os.getloadavg()[0]
             with workload.profiled(args.profile if name == "engine" else None, gpu):
                 res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
+            res[name].update(load_before=load, load_after=os.getloadavg()[0])
         except Exception as e:  # a failing baseline is reported, not given a number
             print(f"{name} failed: {type(e).__name__}: {e}")
     for r in res.values():
@@ -142,8 +156,13 @@ def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances
         prefill_floor_tok_s=flops / (2 * layer_params), bandwidth_gb_s=bandwidth / 1e9,
         matmul_gflop_s=flops / 1e9, device=args.device, dtype=str(dtype).split(".")[-1],
         model=args.random_init or args.model, dialogues=len(instances), turns=args.turns,
-        max_new_tokens=args.max_new_tokens, graph_capture_s=e["graph_capture_s"])
-    return out
+        max_new_tokens=args.max_new_tokens, graph_capture_s=e["graph_capture_s"],
+        engine_threads=[min(e["threads"], default=0), max(e["threads"], default=0)],
+        engine_threads_mean=sum(e["threads"]) / max(len(e["threads"]), 1),
+        load_before=e["load_before"], load_after=e["load_after"],
+        begin_ms=1e3 * e["begin_s"] / max(e["begin_n"], 1), begin_calls=e["begin_n"],
+        sample_ms=1e3 * e["sample_s"] / max(e["sample_n"], 1), sample_calls=e["sample_n"])
+    return out | vllm.figures(tok, e, res.get("vllm"))
 
 
 def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
@@ -158,10 +177,13 @@ def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
           f"GFLOP/s [{workload.MATMUL_ROWS}, {cfg.hidden_size}] x [{cfg.hidden_size}, "
           f"{2 * cfg.intermediate_size}]")
     print(f"{'implementation':<18}{'wall s':>8}{'msg tok':>9}{'tok/s':>8}{'reply s':>9}"
-          f"{'probe s':>9}{'probe/reply':>12}{'conv prefill':>14}{'prefilled twice':>17}")
+          f"{'probe s':>9}{'probe/reply':>12}{'conv prefill':>14}{'prefilled twice':>17}"
+          f"{'threads':>9}{'load (1 min)':>14}")
     for k, r in res.items():
+        threads = f"{min(r['threads'], default=0)}-{max(r['threads'], default=0)}"
         print(f"{k:<18}{r['wall']:>8.1f}{r['gen']:>9}{r['tok_s']:>8.1f}{r['reply']:>9.1f}"
-              f"{r['probe']:>9.1f}{r['share']:>12.2f}{r['conv']:>14}{r['twice']:>17}")
+              f"{r['probe']:>9.1f}{r['share']:>12.2f}{r['conv']:>14}{r['twice']:>17}"
+              f"{threads:>9}{r['load_before']:>8.1f} -> {r['load_after']:.1f}")
     if hf:
         print(f"speedup: {out['speedup_vs_generate']:.2f}x vs hf generate" + (
             f", {out['speedup_vs_generate_batch']:.2f}x vs hf generate_batch" if cb else ""))
@@ -173,6 +195,9 @@ def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
           f" ms with the KV reads); prefill {out['prefill_tok_s']:.0f} tok/s (floor "
           f"{out['prefill_floor_tok_s']:.0f} tok/s)" + (
               f"; CUDA graph capture {out['graph_capture_s']:.2f} s" if gpu else ""))
+    print(f"engine DecodeBatch.begin {out['begin_ms']:.2f} ms a call ({out['begin_calls']} calls); "
+          f"sampler {out['sample_ms']:.2f} ms a step ({out['sample_calls']} eager steps)")
+    vllm.print_figures(out)
     print(f"decode layer (tiny-qwen3 on the GPU's code path, aten ops that run a kernel): "
           f"{out['decode_layer_kernels']} (target <= 12): "
           + ", ".join(f"{k} {n}" for k, n in sorted(names.items(), key=lambda kv: -kv[1])))
@@ -180,7 +205,11 @@ def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
 
 def main():
     args = parse_args()
-    models.set_cpu_threads(args.device)  # one thread per core the machine's load leaves free
+    if args.decode_model:
+        rows = gpu_bench.decode_model()
+        print(json.dumps(rows)) if args.json else gpu_bench.print_decode_model(rows)
+        return
+    models.set_cpu_threads(args.device)  # one thread per core free now
     if args.gpu_check:
         out = gpu_bench.gpu_check(args)
         if args.json:
@@ -207,7 +236,7 @@ def main():
     print_comparison(args, out, res, names, (persuader_len, persuadee_len), model.config, gpu)
     if args.load:  # the same comparison beside --load busy processes
         with load_runs.busy_load(args.load):
-            loaded = run_implementations(args, model, tok, instances, sync, gpu)
+            loaded = run_implementations(args, model, tok, instances, sync, gpu, with_vllm=False)
         figures = comparison_figures(args, model, tok, dtype, loaded, bandwidth, flops, instances)
         out["loaded"] = dict(busy_processes=args.load,
                              **{k: figures[k] for k in load_runs.LOADED_FIGURES})

@@ -88,20 +88,14 @@ def hf_read_probes(model, tok, batch, questions, pad, st):
 @torch.no_grad()
 def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
     """The same dialogues with no cache kept between calls: every turn, each side's whole history
-    runs through the model again. The histories are the engine's own ids, built by the same chat
-    edge (rollout.prompt_ids, persuadee_heard, models.closing_ids and turn_ids) around the ids
-    each side generated, so that the two implementations see identical contexts and greedy
-    decoding must give identical messages."""
+    runs through the model again (play_dialogues), by model.generate or generate_batch."""
     from transformers import GenerationConfig
     stop = engine.stop_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=stop,
                            pad_token_id=pad)
     questions, _ = probes.probe_ids(tok)
-    st = dict(reply=0.0, probe=0.0, gen=0, conv=0, probe_tokens=0)
-    ds = [dict(zip(("persuader", "persuadee"), rollout.prompt_ids(tok, tok, i)),
-               state=arena.Episode(turns), texts=[], probes=[], fed={"persuader": 0, "persuadee": 0})
-          for i in instances]
+    st = new_stats()
 
     def generate(batch, key):
         prompts = [d[key] for d in batch]
@@ -113,6 +107,27 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
 
     def read_probes(batch):
         hf_read_probes(model, tok, batch, questions, pad, st)
+    return play_dialogues(tok, instances, turns, st, generate, read_probes, sync)
+
+
+def new_stats():
+    """A baseline's counters: seconds in persuadee replies and probe reads, message tokens,
+    conversation and probe-question tokens through the model, the torch threads it runs on (this
+    process's, fixed at its start by models.set_cpu_threads)."""
+    return dict(reply=0.0, probe=0.0, gen=0, conv=0, probe_tokens=0, threads=[torch.get_num_threads()])
+
+
+def play_dialogues(tok, instances, turns, st, generate, read_probes, sync):
+    """The dialogues of a baseline that keeps no cache of its own between calls, on the engine's
+    own ids: each side's history built by the same chat edge (rollout.prompt_ids, persuadee_heard,
+    models.closing_ids and turn_ids) around the ids each side generated, so that every
+    implementation sees identical contexts and greedy decoding must give identical messages.
+    generate(dialogues, side) -> the new ids of each; read_probes(dialogues) appends each one's
+    probe values to d["probes"]; both add to st (new_stats), which is returned with the wall time,
+    the tokens prefilled twice, the message texts and the probe values."""
+    ds = [dict(zip(("persuader", "persuadee"), rollout.prompt_ids(tok, tok, i)),
+               state=arena.Episode(turns), texts=[], probes=[], fed={"persuader": 0, "persuadee": 0})
+          for i in instances]
 
     def text(ids):
         return tok.decode(ids, skip_special_tokens=True).strip()

@@ -37,6 +37,14 @@ import probes
 import rollout
 from lab import bench_workload as workload, cli, fastpath, gguf, kernels
 
+H200 = dict(bandwidth=4.8e12, sms=132, registers=65536, chunk_s=0.7e-6, kernel_gap_s=1e-6)
+# --decode-model's machine: HBM bytes/s, SMs, registers an SM, seconds one chunk's dependent loads
+# and sums take in one program (about a DRAM latency), seconds between two kernels in a graph
+ATTENTION_REGISTERS = {False: 159, True: 206}  # a thread of the Triton attention at 32-key
+# chunks, unsplit and split (ptxas -v, sm_90, bf16, Qwen3-14B's heads; tests/test_kernels.py)
+DECODE_MODEL_SHAPES = ("qwen3-4b", "qwen3-14b")
+DECODE_MODEL_BATCHES = (1, 4, 16)
+DECODE_MODEL_CONTEXTS = (512, 1024, 2048, 4096)
 STOP_SHARE = 128    # --gpu-check: one token id in this many ends a message (mean length ~128)
 CHECK_MODELS = "qwen3-4b,qwen3-14b"  # --gpu-check: persuader and persuadee shapes
 
@@ -146,14 +154,14 @@ def timed_check_rollout(persuader, persuadee, targs, samplings, sync, gpu):
     """The paper preset's rollout of one rank, timed: (records, wall seconds, per model id
     [decode seconds, steps, KV tokens], persuadee reply and probe seconds, peak bytes)."""
     persuader_sampling, persuadee_sampling = samplings
-    steps = {id(persuader.model): [0.0, 0, 0], id(persuadee.model): [0.0, 0, 0]}
+    steps = {id(persuader.model): {}, id(persuadee.model): {}}  # model -> bucket -> [s, n, kv]
     run_steps, read = fastpath.DecodeBatch.run, probes.read_engine
     st = dict(reply=0.0, probe=0.0)
 
     def timed_run(batch, running, keys, n, sampling):
         t = time.perf_counter()
         out = run_steps(batch, running, keys, n, sampling)  # ends in one read-back: synced
-        s = steps[id(batch.engine.model)]
+        s = steps[id(batch.engine.model)].setdefault(len(batch.tokens), [0.0, 0, 0])
         s[0] += time.perf_counter() - t
         s[1] += n
         s[2] += n * sum(batch.engine.cached(x) for x in running)
@@ -178,11 +186,12 @@ def timed_check_rollout(persuader, persuadee, targs, samplings, sync, gpu):
         torch.cuda.reset_peak_memory_stats()
     try:
         t = time.perf_counter()
-        records = rollout.rollout_episodes(
-            persuader, persuadee, workload.pick_instances(targs.instances // 8), targs.t_max,
-            group_size=targs.group_size, seed=1, persuader_sampling=persuader_sampling,
-            persuadee_sampling=persuadee_sampling, max_new_tokens=targs.max_new_tokens,
-            judge=persuadee)
+        with workload.timed_decode_parts(st, (persuader, persuadee), sync):
+            records = rollout.rollout_episodes(
+                persuader, persuadee, workload.pick_instances(targs.instances // 8), targs.t_max,
+                group_size=targs.group_size, seed=1, persuader_sampling=persuader_sampling,
+                persuadee_sampling=persuadee_sampling, max_new_tokens=targs.max_new_tokens,
+                judge=persuadee)
         sync()
         wall = time.perf_counter() - t
     finally:
@@ -252,6 +261,11 @@ def print_gpu_check(out, shapes, device, records, generated, bandwidth):
         print(f"{name} decode step {out[f'{name}_decode_step_ms']:.2f} ms against a floor of "
               f"{out[f'{name}_floor_ms']:.2f} ms (weights + KV at {bandwidth / 1e9:.0f} GB/s); "
               f"buckets {out[f'{name}_decode_buckets']}")
+        for bucket, b in out.get(f"{name}_buckets", {}).items():
+            print(f"  bucket {bucket:>3}: {b['step_ms']:.2f} ms a step, floor {b['floor_ms']:.2f} "
+                  f"ms ({b['over_floor']:.2f}x; target <= 1.5x), {b['steps']} steps")
+    print(f"DecodeBatch.begin {out['begin_ms']:.2f} ms a call ({out['begin_calls']} calls); "
+          f"sampler {out['sample_ms']:.2f} ms a call outside graphs ({out['sample_calls']} calls)")
     print(f"graphs vs eager at the same extent (the capacity tier): {out['graph_tokens_differ']} of "
           f"{out['graph_tokens']} sampled tokens differ, bit-equal tokens and log-probs: "
           f"{out['graph_bit_equal']}; against eager at the live length: max |delta log-prob| "
@@ -272,6 +286,21 @@ def planned_rollout_bytes(rank_plan):
             "persuadee bfloat16", "persuadee KV pool", "persuadee decode memory",
             "persuadee attention transient")
     return sum(n for name, n in rank_plan["items"] if name.startswith(held))
+
+
+def step_figures(name, eng, per_bucket, bandwidth):
+    """One engine's decode step against its weight + KV floor, over all its steps and for each
+    batch bucket (per_bucket: bucket -> [seconds, steps, KV tokens read]), as flat figures."""
+    weights = sum(p.numel() for p in eng.model.parameters()) * 2  # bf16
+    floor = lambda n, kv: weights / bandwidth + kv / max(n, 1) * eng.token_bytes / bandwidth
+    out = {f"{name}_buckets": {bucket: dict(step_ms=1e3 * s / max(n, 1), floor_ms=1e3 * floor(n, kv),
+                                            steps=n, over_floor=s / max(n, 1) / floor(n, kv))
+                               for bucket, (s, n, kv) in sorted(per_bucket.items())}}
+    seconds, n, kv = (sum(v[i] for v in per_bucket.values()) for i in range(3))
+    out.update({f"{name}_decode_step_ms": 1e3 * seconds / max(n, 1),
+                f"{name}_floor_ms": 1e3 * floor(n, kv),
+                f"{name}_decode_buckets": sorted(eng.fast.decode_batches)})
+    return out
 
 
 def gpu_check(args):
@@ -325,15 +354,80 @@ def gpu_check(args):
                decode_layer_kernels=decode_layer_ops()[0],
                bandwidth_gb_s=bandwidth / 1e9, **fused)
     for name, eng in (("persuader", persuader), ("persuadee", persuadee)):
-        seconds, n, kv = steps[id(eng.model)]
-        weights = sum(p.numel() for p in eng.model.parameters()) * 2  # bf16
-        floor = weights / bandwidth + kv / max(n, 1) * eng.token_bytes / bandwidth
-        out[f"{name}_decode_step_ms"] = 1e3 * seconds / max(n, 1)
-        out[f"{name}_floor_ms"] = 1e3 * floor
-        out[f"{name}_decode_buckets"] = sorted(eng.fast.decode_batches)
+        out.update(step_figures(name, eng, steps[id(eng.model)], bandwidth))
+    out.update(begin_ms=1e3 * st["begin_s"] / max(st["begin_n"], 1), begin_calls=st["begin_n"],
+               sample_ms=1e3 * st["sample_s"] / max(st["sample_n"], 1), sample_calls=st["sample_n"])
     planned = planned_rollout_bytes(rank_plan)
     out.update(peak_gib=peak / 2**30, planned_gib=planned / 2**30,
                peak_over_plan=peak / planned if gpu else None)
     print_gpu_check(out, shapes, args.device, records, generated, bandwidth)
     return out
 
+
+
+# -----------------------------------------------------------------------------
+# the modelled decode on an H200 (python -m lab.bench --decode-model): no GPU needed
+
+
+def attention_seconds(rows, heads, kv_heads, head_dim, context, span, machine=None, itemsize=2):
+    """Modelled seconds of one layer's Triton decode attention (lab.kernels) on `machine` (H200):
+    programs = rows x heads x spans (span None: one span a row, the unsplit kernel); as many run
+    at once as the registers allow (ATTENTION_REGISTERS a thread, 4 warps a program), in waves.
+    A program walks its span's chunks of kernels.ATTENTION_BLOCK one after another, chunk_s each
+    (its loads wait on memory), so a wave lasts max(chunks x chunk_s, the wave's bytes /
+    bandwidth); the bytes are each row's keys and values once (a kv head's query heads run side
+    by side and share them through L2) plus the partials; the combine kernel (split only) walks
+    the spans the same way. Plus kernel_gap_s a kernel."""
+    from lab import kernels
+    m = machine or H200
+    spans = 1 if span is None else -(-context // span)
+    per_span = min(context, span or context)
+    resident = m["sms"] * (m["registers"] // (ATTENTION_REGISTERS[spans > 1] * 128))
+    programs = rows * heads * spans
+    waves = -(-programs // resident)
+    kv_bytes = rows * context * 2 * kv_heads * head_dim * itemsize
+    part_bytes = programs * (head_dim + 2) * 4 if spans > 1 else 0
+    chunks = -(-per_span // kernels.ATTENTION_BLOCK)
+    seconds = max(waves * chunks * m["chunk_s"], (kv_bytes + part_bytes) / m["bandwidth"])
+    if spans > 1:  # the combine: one program a (row, head), its spans in turn
+        seconds += max(spans * m["chunk_s"] / 4, 2 * part_bytes / m["bandwidth"]) + m["kernel_gap_s"]
+    return seconds + m["kernel_gap_s"], kv_bytes / m["bandwidth"]
+
+
+def decode_model(span=None, machine=None):
+    """The modelled decode table: for each of DECODE_MODEL_SHAPES (models.random_config, the
+    planner's shapes), batch and context, the attention of one layer against its KV floor,
+    unsplit and split at `span` keys (default kernels.ATTENTION_SPAN), and the whole step against
+    its weight + KV floor with the products at their floor (bf16). Rows of dicts."""
+    from lab import kernels, plan
+    m, span = machine or H200, span or kernels.ATTENTION_SPAN
+    rows = []
+    for shape in DECODE_MODEL_SHAPES:
+        cfg = models.random_config(shape)
+        heads, kv_heads, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        weights_s = plan.parameter_count(cfg) * 2 / m["bandwidth"]
+        for batch in DECODE_MODEL_BATCHES:
+            for context in DECODE_MODEL_CONTEXTS:
+                whole, floor = attention_seconds(batch, heads, kv_heads, D, context, None, m)
+                split, _ = attention_seconds(batch, heads, kv_heads, D, context, span, m)
+                layers_n = cfg.num_hidden_layers
+                step_floor = weights_s + layers_n * floor
+                rows.append(dict(
+                    shape=shape, batch=batch, context=context, kv_floor_us=1e6 * floor,
+                    unsplit_us=1e6 * whole, split_us=1e6 * split, unsplit_over_floor=whole / floor,
+                    split_over_floor=split / floor, step_floor_ms=1e3 * step_floor,
+                    step_over_floor=(weights_s + layers_n * split) / step_floor))
+    return rows
+
+
+def print_decode_model(rows):
+    """decode_model's rows as the Markdown table BENCHMARKS.md carries."""
+    from lab import kernels
+    print(f"| shape | batch | context | KV floor us | unsplit us (x floor) | split at "
+          f"{kernels.ATTENTION_SPAN} us (x floor) | step floor ms | step x floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['shape']} | {r['batch']} | {r['context']} | {r['kv_floor_us']:.1f} | "
+              f"{r['unsplit_us']:.1f} ({r['unsplit_over_floor']:.1f}x) | {r['split_us']:.1f} "
+              f"({r['split_over_floor']:.1f}x) | {r['step_floor_ms']:.2f} | "
+              f"{r['step_over_floor']:.2f}x |")

@@ -83,7 +83,7 @@ def add(st, **kw):
 
 
 def time_engine(eng, st, is_persuadee, sync):
-    """Patch timers and counters into `st` around one engine's generate, forward and free
+    """Patch timers and counters into `st` around one engine's generate, forward, free and threads
     (instance attributes: deleting them restores the class methods)."""
     generate, forward, free = eng.generate, eng.forward, eng.free
 
@@ -110,7 +110,15 @@ def time_engine(eng, st, is_persuadee, sync):
         if st["started"] and not st["in_probe"]:  # a conversation, not a root or a probe fork
             st["unique"] += eng.cache.lengths[sid]
         free(sid)
-    eng.generate, eng.forward, eng.free = timed_generate, timed_forward, counted_free
+
+    @contextmanager
+    def counted_threads():  # the torch threads each forward and decode window ran on
+        with threads():
+            st["threads"].append(torch.get_num_threads())
+            yield
+    threads = eng.threads
+    eng.generate, eng.forward, eng.free, eng.threads = (timed_generate, timed_forward, counted_free,
+                                                        counted_threads)
 
 
 def run_engine(model, tok, instances, turns, max_new, sync, sdpa_backends=None):
@@ -120,7 +128,7 @@ def run_engine(model, tok, instances, turns, max_new, sync, sdpa_backends=None):
     persuader, persuadee = (engine.Engine(model, tok, sdpa_backends=sdpa_backends),
                             engine.Engine(model, tok, sdpa_backends=sdpa_backends))
     st = dict(reply=0.0, probe=0.0, probe_tokens=0, gen=0, unique=0, dec_t=0.0, dec_n=0, dec_b=0,
-              dec_kv=0, pre_t=0.0, pre_tok=0, in_probe=False, started=False)
+              dec_kv=0, pre_t=0.0, pre_tok=0, in_probe=False, started=False, threads=[])
     read = probes.read_engine
 
     def timed_read(eng, sids, **kw):
@@ -145,15 +153,16 @@ def run_engine(model, tok, instances, turns, max_new, sync, sdpa_backends=None):
     fastpath.DecodeBatch.run = timed_run
     try:
         t0 = time.perf_counter()
-        eps = rollout.rollout_episodes(persuader, persuadee, instances, t_max=turns,
-                                       persuader_sampling=engine.GREEDY,
-                                       persuadee_sampling=engine.GREEDY, max_new_tokens=max_new)
+        with timed_decode_parts(st, (persuader, persuadee), sync):
+            eps = rollout.rollout_episodes(persuader, persuadee, instances, t_max=turns,
+                                           persuader_sampling=engine.GREEDY,
+                                           persuadee_sampling=engine.GREEDY, max_new_tokens=max_new)
         st["wall"] = time.perf_counter() - t0
     finally:
         probes.read_engine = read
         fastpath.DecodeBatch.run = run_steps
         for eng in (persuader, persuadee):  # back to the class methods (breaks the closure cycles)
-            del eng.generate, eng.forward, eng.free
+            del eng.generate, eng.forward, eng.free, eng.threads
     st["graph_capture_s"] = sum(e.fast.graph_capture_s for e in (persuader, persuadee) if e.fast)
     st["conv"] = persuader.tokens_prefilled + persuadee.tokens_prefilled - st["probe_tokens"]
     st["twice"] = st["conv"] - st["unique"]
@@ -161,6 +170,37 @@ def run_engine(model, tok, instances, turns, max_new, sync, sdpa_backends=None):
     st["probes"] = [e["probes"] for e in eps]
     return st
 
+
+
+@contextmanager
+def timed_decode_parts(st, engines, sync):
+    """Timers on DecodeBatch.begin (bringing a batch's dense copy up to date) and on the engines'
+    fast-path sampler, each call synced: st's begin_s, begin_n, sample_s, sample_n. A sampler
+    inside a CUDA graph runs in its replay, unseen: on a GPU these are the eager steps' and
+    captures' calls only."""
+    begin = fastpath.DecodeBatch.begin
+    st.update(begin_s=0.0, begin_n=0, sample_s=0.0, sample_n=0)
+
+    def timed(fn, key):
+        def call(*args, **kwargs):
+            sync()
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            add(st, **{f"{key}_s": time.perf_counter() - t, f"{key}_n": 1})
+            return out
+        return call
+    fastpath.DecodeBatch.begin = timed(begin, "begin")
+    fasts = [e.fast for e in engines if e.fast is not None]
+    samplers = [f.sample for f in fasts]
+    for f in fasts:
+        f.sample = timed(f.sample, "sample")
+    try:
+        yield
+    finally:
+        fastpath.DecodeBatch.begin = begin
+        for f, sample in zip(fasts, samplers):
+            f.sample = sample
 
 
 def first_mismatch(tok, a, b):

@@ -34,14 +34,51 @@ def test_flash_path_matches_sdpa_path():
     torch.testing.assert_close(outs[1], outs[3], atol=1e-3, rtol=0)
 
 
+BF16_NEAR_TIE = 0.125  # logits: a greedy pick whose top two are closer than this may swap under
+# bf16's rounding (8 mantissa bits: logits of a few units move by ~2^-6 between two kernels' sums)
+
+
+def first_split_is_a_near_tie(model, prompt, ours, ref, near_tie=BF16_NEAR_TIE):
+    """What bf16 can promise of two implementations' greedy continuations of `prompt`: the same
+    tokens up to the first place they differ, and there the reference's top two logits (one
+    forward of prompt + ref) within near_tie of each other; (promise kept, where they split)."""
+    at = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    if at is None:
+        return len(ours) == len(ref), None
+    with torch.no_grad():
+        seq = torch.tensor([prompt + ref], device=next(model.parameters()).device)
+        top = model(seq).logits[0, len(prompt) - 1 + at].float().topk(2).values
+    return (top[0] - top[1]).item() < near_tie, at
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_greedy_agrees_with_hf_up_to_its_first_near_tie(arch):
+    """On a CPU in bf16 (the dtype a GPU runs): the engine's greedy tokens equal Hugging Face
+    generate's up to where the two first differ, and that place is a near-tie of the reference
+    (first_split_is_a_near_tie), the promise bf16 allows; the GPU test below makes the same one."""
+    model = tiny_model(arch).to(torch.bfloat16)
+    ours = engine.generate(model, PROMPTS, 24)
+    for prompt, mine in zip(PROMPTS, ours):
+        ref = hf_greedy(model, prompt, 24)
+        kept, at = first_split_is_a_near_tie(model, prompt, mine, ref)
+        assert kept, (prompt, at)
+        with torch.no_grad():  # a split where the reference is decided breaks the promise
+            top = model(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1:-1].float().topk(2)
+        decided = int((top.values[:, 0] - top.values[:, 1]).argmax())
+        wrong = ref[:decided] + [top.indices[decided, 1].item()] + ref[decided + 1:]
+        assert first_split_is_a_near_tie(model, prompt, wrong, ref) == (False, decided)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_engine_matches_hf_generate(arch, dtype, monkeypatch):
-    """The GPU twin of the CPU equivalence test (PyTorch attention path), in float32 and in
-    bf16 (the graph path's dtype) with SDPA limited to flash and memory-efficient kernels, so
-    that a call only MATH would run fails here; bf16 log-probs of a sampled generate stay
-    within 1e-2 (mean) of the training forward's."""
+    """The GPU twin of the CPU equivalence test (PyTorch attention path), in float32 (equal
+    tokens) and in bf16 (the graph path's dtype: equal up to the first near-tie, what bf16 can
+    promise: its norms and residual adds round unlike Hugging Face's, and cuBLAS picks kernels by
+    shape) with SDPA limited to flash and memory-efficient kernels, so that a call only MATH
+    would run fails here; bf16 log-probs of a sampled generate stay within 1e-2 (mean) of the
+    training forward's."""
     from torch.nn.attention import SDPBackend
     monkeypatch.setattr(layers, "SDPA_BACKENDS", [SDPBackend.FLASH_ATTENTION,
                                                   SDPBackend.EFFICIENT_ATTENTION])
@@ -52,7 +89,10 @@ def test_cuda_engine_matches_hf_generate(arch, dtype, monkeypatch):
     monkeypatch.undo()
     ref = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    assert ours == ref
+    if dtype == torch.float32:
+        assert ours == ref
+    for prompt, mine, theirs in zip(PROMPTS, ours, ref):
+        assert first_split_is_a_near_tie(model, prompt, mine, theirs)[0], prompt
     if dtype == torch.bfloat16:
         eng = engine.Engine(model, block_size=16, num_blocks=64)
         outs = eng.generate([eng.new(p) for p in PROMPTS], 16, engine.Sampling(1.0), [1, 2, 3], [])
