@@ -57,7 +57,7 @@ COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the c
 # attention a sequence at a time, the probes' common opening prefilled once
 MAX_NEW_TOKENS = 256      # per message
 ENGINE_THREADS = "free"   # torch threads of a CPU forward or decode window: "free", the cores
-# other processes leave free at its start, at most the process's (cpu_threads); "all", the process's
+# other processes leave free at its start (cpu_threads, up or down); "all", the process's
 FORWARD_TOKENS = 8192     # new tokens a forward runs at once: a larger batch (the judge's prompts, the
 # fidelity check's forks) runs in consecutive chunks, so its MLP transient stays bounded (lab/plan.py)
 
@@ -105,19 +105,26 @@ def running_elsewhere():
         return 0
 
 
+def process_cores():
+    """The most threads this process runs on a CPU: OMP_NUM_THREADS when set, else its cores."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def free_cores(samples=3):
-    """The cores other processes leave free now: the process's cores less the fewest tasks
-    running elsewhere over a few instant samples (a task that keeps a core busy is in every
-    sample, a passing one in few)."""
+    """The cores other processes leave free now, at least one and at most process_cores: its
+    cores less the fewest tasks running elsewhere over a few instant samples (a task that keeps
+    a core busy is in every sample, a passing one in few)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores - min(running_elsewhere() for _ in range(samples))
+    return max(1, min(process_cores(), cores - min(running_elsewhere() for _ in range(samples))))
 
 
 @contextlib.contextmanager
 def cpu_threads(device, policy=None):
     """Torch threads for one engine forward or decode window on a CPU: with ENGINE_THREADS (or
     `policy`) "free", as many as the cores other processes leave free at its start
-    (free_cores), at least one and at most the process's threads, restored afterwards. Its
+    (free_cores): fewer or more than the process's threads, which are restored afterwards. Its
     operations are small parallel regions whose threads wait on one another: on a busy machine
     a thread without a core stalls every region (two threads beside two busy processes made a
     SmolLM2 decode step 4-9x slower than one thread did, its prefill several times slower), and
@@ -126,7 +133,7 @@ def cpu_threads(device, policy=None):
         yield
         return
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(threads, free_cores())))
+    torch.set_num_threads(free_cores())
     try:
         yield
     finally:

@@ -127,16 +127,17 @@ def load_tokenizer(name_or_path="smollm2"):
 
 
 def set_cpu_threads(device=None):
-    """On a CPU with OMP_NUM_THREADS unset, torch's threads: one per core the machine's load leaves
-    free (at least one). torch's default takes every core, and on a busy machine its threads then
-    wait on each other (the engine's many small operations a decode step most of all). Every
-    entry point (train.py, eval.py, lab.bench, lab.env) calls it before its models run;
-    OMP_NUM_THREADS, when set, wins. device: where the models run (default: CUDA if present)."""
+    """On a CPU with OMP_NUM_THREADS unset, torch's threads: one per core other processes leave
+    free now (engine.free_cores, instant samples, not the lagging load average), at least one.
+    torch's default takes every core, and on a busy machine its threads then wait on each other.
+    Every entry point (train.py, eval.py, lab.bench, lab.env) calls it before its models run, and
+    each engine forward or decode window follows the free cores again, up or down
+    (engine.cpu_threads); OMP_NUM_THREADS, when set, wins. device: default CUDA if present."""
+    import engine
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - round(os.getloadavg()[0]))))
+    torch.set_num_threads(engine.free_cores())
 
 
 def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):

@@ -15,7 +15,7 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
              BATCH_STEP), a dense copy of the batch's cache in the engine's one decode memory
              (DECODE_COPY_GB, or DECODE_COPY_FRACTION_GPU of free memory), host checks every
              SYNC_EVERY steps, and on CUDA one CUDA graph per bucket, sampling and capacity tier
-             (CAPACITY_TIERS), captured once for the engine's life:
+             (CAPACITY_TIERS), captured once for the engine's life (eager steps if one fails):
                  scores = q K^T / sqrt(d) + bias (float32),  out = softmax(scores) V
              over the dense keys (two batched products a layer, batch-invariant where one SDPA
              call is not), each layer writing its token's keys and values into the copy, each
@@ -34,6 +34,7 @@ pending tokens, admit_step, take, decode_loop) with its sampling function.
 import functools
 import itertools
 import math
+import sys
 import time
 import weakref
 from types import SimpleNamespace
@@ -233,8 +234,7 @@ class FastPath:
     decode_capacity: Engine's arguments of those names."""
 
     def __init__(self, engine, sample, free, decode_bytes=None, decode_capacity=None):
-        self.engine, self.sample = weakref.proxy(engine), sample
-        cuda = engine.device.type == "cuda"
+        self.engine, self.sample, cuda = weakref.proxy(engine), sample, engine.device.type == "cuda"
         self.use_flash = (flash_usable(engine.device, engine.dtype)
                           and engine.block_size % FLASH_BLOCK_SIZE == 0)
         if decode_bytes is None:
@@ -246,7 +246,7 @@ class FastPath:
         self.decode_memory = None  # [2, decode_bytes / 2 elements]: keys, values (decode_memory_views)
         self.graph_pool = self.side_stream = None  # CUDA: one graph pool, one capture stream
         self.gather_buffers = [None, None]  # Batch.gather's keys and values
-        self.graph_capture_s = 0.0  # time spent capturing decode graphs (CUDA)
+        self.graph_capture_s, self.capture_failed = 0.0, False  # capturing decode graphs (CUDA)
         # this engine's CUDA_GRAPHS, DECODE_EXTENT and FUSED_KERNELS where set (lab.bench compares
         # them on one engine); None: the constants, read each run
         self.cuda_graphs = self.decode_extent = self.fused_kernels = None
@@ -630,17 +630,15 @@ class DecodeBatch:
         read back once."""
         start = self.load(running, keys)
         fast = self.fast
-        graphs = CUDA_GRAPHS if fast.cuda_graphs is None else fast.cuda_graphs
         extent = DECODE_EXTENT if fast.decode_extent is None else fast.decode_extent
-        graph = self.engine.device.type == "cuda" and graphs
         tokens = torch.empty(len(self.tokens), steps, dtype=torch.long, device=self.tokens.device)
         logps = torch.empty(tokens.shape, dtype=torch.float32, device=self.tokens.device)
         tier = self.tier(start + steps)  # the columns the window's last step reaches
         with self.engine.threads():  # the cores free now (engine.cpu_threads)
             for j in range(steps):
                 live = min(round_up(start + j + 1, EXTENT_MULTIPLE), self.capacity)
-                t, lp = (self.replay(sampling, tier) if graph else
-                         self.step(tier if extent == "tier" else live, sampling))
+                out = self.replay(sampling, tier) if self.uses_graphs() else None
+                t, lp = out or self.step(tier if extent == "tier" else live, sampling)
                 tokens[:, j], logps[:, j] = t, lp
         return tokens.tolist(), logps.tolist()
 
@@ -652,17 +650,38 @@ class DecodeBatch:
         """The smallest of the bucket's capacity tiers (capacity_tiers) that holds `reach` columns."""
         return next((t for t in self.tiers if t >= reach), self.capacity)
 
+    def uses_graphs(self):
+        """Whether steps replay CUDA graphs: on CUDA with CUDA_GRAPHS (or the engine's own
+        setting), unless a capture has failed in this engine (FastPath.capture_failed)."""
+        fast = self.fast
+        graphs = CUDA_GRAPHS if fast.cuda_graphs is None else fast.cuda_graphs
+        return self.engine.device.type == "cuda" and graphs and not fast.capture_failed
+
     def replay(self, sampling, extent):
         """The step as a CUDA graph over `extent` columns (a capacity tier), captured on first use
-        for this sampling and tier (while every row is inert, so that capturing writes nothing
-        but scratch) and kept for the engine's life: its tensors, the decode memory and the weights
-        never move."""
+        for this sampling and tier and kept for the engine's life: its tensors, the decode memory
+        and the weights never move. A capture that fails (an operation a graph refuses) prints
+        one warning line and returns None: this engine's steps then run eagerly for good."""
         key = (sampling, extent, self.fused())
         if key not in self.graphs:
-            start = time.perf_counter()
-            live = self.live.clone()
-            self.live.zero_()
-            fast = self.fast
+            try:
+                self.graphs[key] = self.capture(sampling, extent)
+            except Exception as error:  # the run goes on eagerly, slower
+                self.fast.capture_failed = True
+                print(f"warning: lab.fastpath: a CUDA graph capture failed ({type(error).__name__}"
+                      f": {str(error).splitlines()[0] if str(error) else ''}); this engine's decode "
+                      "steps run eagerly", file=sys.stderr)
+                return None
+        graph, outputs = self.graphs[key]
+        graph.replay()
+        return outputs
+
+    def capture(self, sampling, extent):
+        """(graph, its outputs) of one step, captured with every row inert (writing only scratch),
+        in the thread-local capture mode (another thread's CUDA calls do not break it)."""
+        start, live, fast = time.perf_counter(), self.live.clone(), self.fast
+        self.live.zero_()
+        try:
             if fast.graph_pool is None:  # one pool and one capture stream an engine
                 fast.graph_pool = torch.cuda.graph_pool_handle()
                 fast.side_stream = torch.cuda.Stream()
@@ -672,11 +691,9 @@ class DecodeBatch:
                 self.step(extent, sampling)  # warm-up outside the graph
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=fast.graph_pool):
+            with torch.cuda.graph(graph, pool=fast.graph_pool, capture_error_mode="thread_local"):
                 outputs = self.step(extent, sampling)
-            self.graphs[key] = (graph, outputs)
+            return graph, outputs
+        finally:
             self.live.copy_(live)
             fast.graph_capture_s += time.perf_counter() - start
-        graph, outputs = self.graphs[key]
-        graph.replay()
-        return outputs

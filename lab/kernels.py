@@ -12,11 +12,15 @@ bit-identical with or without them).
                       scores, query head h reading kv head h // G (grouped-query attention)
     silu_mul          silu(gate) * up from the fused product's [gate | up]
 
-The Triton attention is one program a (row, query head): it walks the keys in fixed chunks of
-ATTENTION_BLOCK from column 0 with a running max and sum (online softmax), so a row's result
-never depends on its batch or on the extent beyond its keys (masked lanes weigh exactly 0 and
-leave the running values untouched: DECISIONS.md, Decode fusion). The scores are a broadcast
-multiply and a sum, not tl.dot (a row has one query a head).
+The Triton attention splits a row's keys into spans of ATTENTION_SPAN from column 0, one program
+a (row, query head, span) walking its span in fixed chunks of ATTENTION_BLOCK with a running max
+and sum (online softmax); a second kernel combines the spans' partials,
+    out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,   M = max_s m_s
+(flash-decoding), so a long context is read by many programs at once. A row's result never
+depends on its batch or on the extent beyond its keys: its spans are fixed by its own columns,
+masked lanes weigh exactly 0 and leave the running values untouched, and a span past its keys
+adds exactly 0 to the combine (DECISIONS.md, Decode fusion). The scores are a broadcast multiply
+and a sum, not tl.dot (a row has one query a head).
 
 Triton is imported at the first CUDA call only. Where it is missing, where a kernel fails to
 compile or its first output leaves its composite's by more than rounding (FIRST_USE_TOLERANCE;
@@ -40,6 +44,8 @@ import layers
 
 ATTENTION_BLOCK = 32   # keys a chunk of the Triton attention (fixed: batch invariance); fewer
 # registers a thread than 64 on an H200, so more programs in flight (BENCHMARKS.md)
+ATTENTION_SPAN = 256   # keys a program of it takes, spans fixed from column 0 (flash-decoding:
+# long contexts spread over programs; a row's spans depend on its own length alone)
 SILU_BLOCK = 1024      # intermediate columns a program of the Triton silu_mul
 FIRST_USE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # a
 # kernel's first output may leave its composite's by this, relative to the largest |value| + 1
@@ -134,17 +140,23 @@ def qk_rope_store_triton(qkv, cos, sin, q_norm, k_norm, eps, n_heads, keys_t, va
 
 
 def decode_attention_triton(q, keys_t, values, key_bias):
-    """decode_attention as one Triton kernel: a program a (row, query head)."""
+    """decode_attention as Triton kernels: a program a (row, query head, span of ATTENTION_SPAN
+    keys), then, where the extent holds more than one span, one a (row, query head) combining
+    the spans' partials (flash-decoding)."""
     kern = triton_kernels()
     B, H, D = q.shape
     Hkv, K = keys_t.shape[1], keys_t.shape[3]
     check_head_dim(D, "decode_attention")
     assert q.is_contiguous() and keys_t.stride(3) == 1 and values.stride(3) == 1
-    assert key_bias.stride(2) == 1
-    out = q.new_empty(B, H, D)
-    kern.attention_kernel[(B, H)](q, keys_t, values, key_bias, out, K, D ** -0.5,
-                                  *keys_t.stride()[:3], *values.stride()[:3], key_bias.stride(0),
-                                  H=H, G=H // Hkv, D=D, BLOCK=ATTENTION_BLOCK)
+    assert key_bias.stride(2) == 1 and ATTENTION_SPAN % ATTENTION_BLOCK == 0
+    out, spans = q.new_empty(B, H, D), max(1, -(-K // ATTENTION_SPAN))
+    parts = [q.new_empty(B, H, spans, *shape, dtype=torch.float32) for shape in ((), (), (D,))]
+    kern.attention_kernel[(B, H, spans)](
+        q, keys_t, values, key_bias, out, *parts, K, D ** -0.5, *keys_t.stride()[:3],
+        *values.stride()[:3], key_bias.stride(0), H=H, G=H // Hkv, D=D, BLOCK=ATTENTION_BLOCK,
+        SPAN=ATTENTION_SPAN, SPLIT=spans > 1)
+    if spans > 1:
+        kern.attention_combine_kernel[(B, H)](*parts, out, spans, H=H, D=D)
     return out
 
 

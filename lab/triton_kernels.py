@@ -54,20 +54,25 @@ def rope_store_kernel(qkv, cos, sin, q_norm, k_norm, q_out, keys_t, values, rows
 
 
 @triton.jit
-def attention_kernel(q, keys_t, values, bias, out, K, scale, kt_row, kt_head, kt_dim,
-                     v_row, v_head, v_col, bias_row,
-                     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)  # row (offsets past 2^31), query head
+def attention_kernel(q, keys_t, values, bias, out, part_max, part_sum, part_acc, K, scale,
+                     kt_row, kt_head, kt_dim, v_row, v_head, v_col, bias_row,
+                     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                     SPAN: tl.constexpr, SPLIT: tl.constexpr):
+    """One (row, query head, span of SPAN keys from column span * SPAN): an online softmax over
+    the span's chunks of BLOCK; with SPLIT, its running max, sum and weighted values go to the
+    partials for attention_combine_kernel, else the output is written."""
+    b, h, span = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     kvh = h // G
     d = tl.arange(0, D)
     qv = tl.load(q + (b * H + h) * D + d).to(tl.float32)
     m = tl.full((), -float("inf"), tl.float32)
     total = tl.zeros((), tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    k0 = 0
-    while k0 < K:  # not `for in range(K)`: Triton 3.6's interpreter fails on it (numpy 2)
+    k0 = span * SPAN
+    end = tl.minimum(k0 + SPAN, K)
+    while k0 < end:  # not `for in range(K)`: Triton 3.6's interpreter fails on it (numpy 2)
         kk = k0 + tl.arange(0, BLOCK)
-        valid = kk < K
+        valid = kk < end  # SPAN is a multiple of BLOCK: the same lanes as kk < K
         kt = tl.load(keys_t + b * kt_row + kvh * kt_head + d[:, None] * kt_dim + kk[None, :],
                      mask=valid[None, :], other=0.0).to(tl.float32)
         scores = tl.sum(qv[:, None] * kt, 0) * scale + tl.load(
@@ -82,6 +87,39 @@ def attention_kernel(q, keys_t, values, bias, out, K, scale, kt_row, kt_head, kt
         total = total * alpha + tl.sum(p, 0)
         m = m_new
         k0 += BLOCK
+    if SPLIT:
+        at = (b * H + h) * tl.num_programs(2) + span
+        tl.store(part_max + at, m)
+        tl.store(part_sum + at, total)
+        tl.store(part_acc + at * D + d, acc)
+    else:
+        dt = out.dtype.element_ty
+        tl.store(out + (b * H + h) * D + d, rounded(acc / total, dt).to(dt))
+
+
+@triton.jit
+def attention_combine_kernel(part_max, part_sum, part_acc, out, spans,
+                             H: tl.constexpr, D: tl.constexpr):
+    """One (row, query head): its spans' partials rescaled to their common max and summed in span
+    order. A span past the row's keys (max -inf) adds exactly 0, and a row whose keys fill one
+    span gets the very bits the unsplit kernel writes (its weight is exp(0) = 1)."""
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    first = (b * H + h) * spans
+    d = tl.arange(0, D)
+    m = tl.full((), -float("inf"), tl.float32)
+    s = 0
+    while s < spans:
+        m = tl.maximum(m, tl.load(part_max + first + s))
+        s += 1
+    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    total = tl.zeros((), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    s = 0
+    while s < spans:
+        w = tl.exp(tl.load(part_max + first + s) - m_safe)
+        total += w * tl.load(part_sum + first + s)
+        acc += w * tl.load(part_acc + (first + s) * D + d)
+        s += 1
     dt = out.dtype.element_ty
     tl.store(out + (b * H + h) * D + d, rounded(acc / total, dt).to(dt))
 

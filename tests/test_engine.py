@@ -403,24 +403,34 @@ def test_a_batch_past_forward_tokens_runs_in_chunks_with_the_same_logits(arch, p
 
 def test_a_cpu_forward_takes_the_cores_other_processes_leave(monkeypatch):
     """cpu_threads (an engine's forwards and decode windows): beside as many running tasks as
-    cores, one thread; on an idle machine the process's threads; never more than those; restored
-    afterwards; "all" and a GPU leave the threads alone. A forward runs inside it."""
+    cores, one thread; on an idle machine every core of the process, more than the one thread a
+    busy start left it (the threads follow the machine up as well as down), at most
+    OMP_NUM_THREADS when set; restored afterwards; "all" and a GPU leave the threads alone. A
+    forward runs inside it."""
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
-        torch.set_num_threads(2)
+        torch.set_num_threads(1)  # what a start beside busy processes chose
         seen = {}
-        for name, elsewhere, policy, device in (("busy", cores, "free", "cpu"),
+        for name, elsewhere, policy, device in (("busy", 4, "free", "cpu"),
                                                 ("idle", 0, "free", "cpu"),
-                                                ("all", cores, "all", "cpu"),
-                                                ("gpu", cores, "free", "cuda")):
+                                                ("half", 2, "free", "cpu"),
+                                                ("all", 4, "all", "cpu"),
+                                                ("gpu", 4, "free", "cuda")):
             monkeypatch.setattr(engine, "running_elsewhere", lambda: elsewhere)
             with engine.cpu_threads(device, policy):
                 seen[name] = torch.get_num_threads()
-            assert torch.get_num_threads() == 2
-        assert seen == dict(busy=1, idle=min(2, cores), all=2, gpu=2)
+            assert torch.get_num_threads() == 1
+        assert seen == dict(busy=1, idle=4, half=2, all=1, gpu=1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        monkeypatch.setattr(engine, "running_elsewhere", lambda: 0)
+        with engine.cpu_threads("cpu", "free"):
+            assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+    monkeypatch.undo()
     inside = []
     monkeypatch.setattr(engine, "running_elsewhere", lambda: cores)
     eng = engine.Engine(tiny_model("llama"), block_size=16, num_blocks=64)

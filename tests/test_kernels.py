@@ -183,9 +183,36 @@ def test_each_triton_kernel_is_within_a_rounding_of_its_composite(shape, dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_split_triton_attention_is_within_a_rounding_of_its_composite(dtype, monkeypatch):
+    """Flash-decoding: contexts spread over spans of 64 keys (up to 5 programs a row and head,
+    then the combine), rows ending inside, at and just past a span's edge, a row of one key,
+    GQA: within a rounding of the composite; and each row alone, at its own extent, gives the
+    same bits as in the batch."""
+    monkeypatch.setattr(kernels, "ATTENTION_SPAN", 64)
+    H, Hkv, D = 6, 2, 32
+    g = torch.Generator().manual_seed(5)
+    new = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    lengths = [300, 64, 65, 1, 129, 200]
+    q, keys_t, values = new(6, H, D), new(6, Hkv, D, 320), new(6, Hkv, 320, D)
+    for row, n in enumerate(lengths):  # the decode copy holds zeros past a row's keys
+        keys_t[row, ..., n:], values[row, :, n:] = 0, 0
+    bias = bias_for(lengths, Hkv, 320)
+    batch = kernels.decode_attention_triton(q, keys_t, values, bias)
+    assert_within_rounding(batch, kernels.decode_attention(q, keys_t, values, bias), dtype)
+    for row, n in enumerate(lengths):
+        extent = -(-n // 16) * 16
+        alone = kernels.decode_attention_triton(
+            q[row:row + 1], keys_t[row:row + 1, ..., :extent].contiguous(),
+            values[row:row + 1, :, :extent].contiguous(), bias_for([n], Hkv, extent))
+        assert torch.equal(alone[0], batch[row]), (row, n)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_attention_gives_a_row_its_bits_alone_and_beside_a_longer_row(dtype):
-    """A row of 100 keys (four chunks) alone (its extent 112) and beside a row of 300 (the extent
-    320, its own columns past 100 holding zeros as the decode copy's do): the same output bits."""
+    """A row of 100 keys (four chunks) alone (its extent 112: one span, no combine) and beside a
+    row of 300 (the extent 320: two spans and the combine, its own columns past 100 holding zeros
+    as the decode copy's do): the same output bits."""
     H, Hkv, D = 4, 2, 16
     g = torch.Generator().manual_seed(3)
     new = lambda *s: torch.randn(*s, generator=g).to(dtype)
@@ -320,14 +347,20 @@ for dt in ("bf16", "fp32"):
             "rows": "*i64", "column": "*i64", **i32("qkv_stride", "cos_stride"), "eps": "fp32",
             **i32("kt_row", "kt_head", "kt_dim", "kt_col", "v_row", "v_head", "v_col", "v_dim"),
             **const("H", "HKV", "D", "NORM")}
-    attention = {**p("q", "keys_t", "values"), "bias": "*fp32", **p("out"), "K": "i32",
+    f32 = lambda *names: {n: "*fp32" for n in names}
+    attention = {**p("q", "keys_t", "values"), "bias": "*fp32", **p("out"),
+                 **f32("part_max", "part_sum", "part_acc"), "K": "i32",
                  "scale": "fp32", **i32("kt_row", "kt_head", "kt_dim", "v_row", "v_head", "v_col",
-                                        "bias_row"), **const("H", "G", "D", "BLOCK")}
+                                        "bias_row"), **const("H", "G", "D", "BLOCK", "SPAN", "SPLIT")}
+    combine = {**f32("part_max", "part_sum", "part_acc"), **p("out"), "spans": "i32",
+               **const("H", "D")}
     silu = {**p("gate_up", "out"), **i32("width", "stride"), "BLOCK": "constexpr"}
     for name, fn, sig, consts in (
             ("rope", k.rope_store_kernel, rope, dict(H=32, HKV=8, D=128, NORM=True)),
             ("attention", k.attention_kernel, attention,
-             dict(H=40, G=5, D=128, BLOCK=kernels.ATTENTION_BLOCK)),
+             dict(H=40, G=5, D=128, BLOCK=kernels.ATTENTION_BLOCK, SPAN=kernels.ATTENTION_SPAN,
+                  SPLIT=True)),
+            ("attention combine", k.attention_combine_kernel, combine, dict(H=40, D=128)),
             ("silu_mul", k.silu_mul_kernel, silu, dict(BLOCK=kernels.SILU_BLOCK))):
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32))
@@ -352,7 +385,7 @@ def test_each_triton_kernel_compiles_for_an_h200_without_spilling():
     run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.splitlines()[-1])
-    assert len(found) == 6, found
+    assert len(found) == 8, found
     for name, lines in found.items():
         assert any(line.startswith("0 bytes stack frame, 0 bytes spill stores") for line in lines), (
             name, lines)

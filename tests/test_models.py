@@ -386,18 +386,24 @@ def test_the_lab_modules_models_reads_do_not_import_it_back():
 
 
 def test_every_entry_point_takes_one_thread_per_free_core(monkeypatch):
-    """models.set_cpu_threads: on a CPU with OMP_NUM_THREADS unset, the cores the load average
-    leaves free (at least one); OMP_NUM_THREADS or a CUDA device leaves torch's count alone.
-    train.py, eval.py, lab.bench and lab.env each call it before any model loads."""
+    """models.set_cpu_threads: on a CPU with OMP_NUM_THREADS unset, the cores other processes
+    leave free now (the fewest tasks running elsewhere over engine.free_cores' instant samples,
+    read here from a fake reader; at least one), up as well as down, whatever the one-minute load
+    average says; OMP_NUM_THREADS or a CUDA device leaves torch's count alone. train.py, eval.py,
+    lab.bench and lab.env each call it before any model loads."""
     import os
     import sys
+
+    import engine
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (12.0, 12.0, 12.0))  # a busy spell, now past
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for load, want in ((3.2, 5), (0.0, 8), (12.0, 1)):
-        monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    for samples, want in (([3, 4, 3], 5), ([0, 2, 1], 8), ([12, 9, 30], 1), ([1, 1, 1], 7)):
+        reader = iter(samples)
+        monkeypatch.setattr(engine, "running_elsewhere", lambda: next(reader))
         models.set_cpu_threads("cpu")
         assert set_to.pop() == want
     models.set_cpu_threads("cuda")

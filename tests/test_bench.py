@@ -1,0 +1,107 @@
+"""lab.bench's modules on a CPU, without vLLM: the vLLM side's client against a stand-in worker
+that answers its JSON protocol with the same model (the dialogues and probe values then equal the
+Hugging Face baseline's), the --vllm-python check, the worker's stop cut, and the modelled decode's
+floors.
+
+    python -m pytest -q tests/test_bench.py
+"""
+import argparse
+import math
+
+import pytest
+import torch
+
+import engine
+import models
+import probes
+from conftest import tiny_model
+from lab import bench_baselines, bench_gpu, bench_vllm, bench_workload, kernels, vllm_worker
+
+
+class ModelWorker:
+    """lab/vllm_worker.py's protocol answered by a Hugging Face model in this process: greedy
+    generate (cut after the first stop id) and next-token log-probabilities of given ids."""
+
+    def __init__(self, model):
+        self.model, self.ready, self.asked = model, dict(threads=1, startup_s=0.0, vllm="none"), []
+
+    @torch.no_grad()
+    def ask(self, **request):
+        self.asked.append(request)
+        if "generate" in request:
+            outs = [self.model.generate(torch.tensor([p]), max_new_tokens=request["max_new_tokens"],
+                                        do_sample=False, pad_token_id=0, eos_token_id=None)
+                    [0, len(p):].tolist() for p in request["generate"]]
+            return dict(outputs=[vllm_worker.cut(o, set(request["stop"])) for o in outs],
+                        cached=[0] * len(outs), seconds=0.0)
+        logps = [torch.log_softmax(self.model(torch.tensor([p])).logits[0, -1].float(), -1)
+                 [request["token_ids"]].tolist() for p in request["probe"]]
+        return dict(logprobs=logps, cached=[0] * len(logps), seconds=0.0)
+
+
+def test_vllms_client_plays_the_same_dialogues_as_the_hf_baseline(tokenizer):
+    """run_vllm over a stand-in worker backed by the same model: token ids only cross (every
+    prompt is one of the dialogue's histories, never text tokenized again), the messages equal
+    hf generate's and the probe values agree within bench_vllm.PROBE_TOLERANCE (read from the yes
+    and no ids' log-probabilities alone, as vLLM's logprob_token_ids gives them); agreement()
+    says so, and a changed message is found."""
+    model = tiny_model("llama")
+    instances = bench_workload.pick_instances(2)
+    hf = bench_baselines.run_hf(model, tokenizer, instances, 2, 6, lambda: None)
+    worker = ModelWorker(model)
+    stop = engine.stop_ids(model, tokenizer)
+    ours = bench_vllm.run_vllm(worker, tokenizer, stop, instances, 2, 6)
+    assert ours["dialogues"] == hf["dialogues"] and ours["gen"] == hf["gen"]
+    assert all(isinstance(t, int) for r in worker.asked for p in r.get("generate", r.get("probe"))
+               for t in p)
+    yes = probes.answer_ids(tokenizer, probes.YES_WORDS)
+    assert worker.asked[0]["token_ids"][:len(yes)] == list(yes)
+    match, mismatch, diff, within = bench_vllm.agreement(tokenizer, hf, ours)
+    assert match and mismatch is None and within and diff <= bench_vllm.PROBE_TOLERANCE
+    changed = dict(ours, dialogues=[d[:] for d in ours["dialogues"]])
+    changed["dialogues"][1][0] = changed["dialogues"][1][0] + " more"
+    assert bench_vllm.agreement(tokenizer, hf, changed)[:2] == (False, (1, 0, len(
+        models.encode(tokenizer, hf["dialogues"][1][0]))))
+
+
+def test_the_bench_refuses_a_bad_vllm_python_in_one_line(tmp_path):
+    """--vllm-python must be an executable file, and vLLM needs a model folder (no --random-init):
+    one line each, before any model loads."""
+    good = argparse.Namespace(vllm_python=None, random_init=None)
+    bench_vllm.vllm_problem(good)
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\n")
+    for args in (argparse.Namespace(vllm_python=str(tmp_path / "none"), random_init=None),
+                 argparse.Namespace(vllm_python=str(tmp_path), random_init=None),
+                 argparse.Namespace(vllm_python=str(script), random_init=None)):
+        with pytest.raises(SystemExit) as e:
+            bench_vllm.vllm_problem(args)
+        assert str(e.value).startswith("lab.bench: --vllm-python") and "\n" not in str(e.value)
+    script.chmod(0o755)
+    bench_vllm.vllm_problem(argparse.Namespace(vllm_python=str(script), random_init=None))
+    with pytest.raises(SystemExit, match="random-init"):
+        bench_vllm.vllm_problem(argparse.Namespace(vllm_python=str(script), random_init="tiny-llama"))
+
+
+def test_the_worker_cuts_after_the_first_stop_id():
+    assert vllm_worker.cut([5, 6, 2, 7, 2], {2}) == [5, 6, 2]
+    assert vllm_worker.cut([5, 6], {2}) == [5, 6]
+
+
+def test_the_modelled_decode_counts_the_kv_floor_and_the_spans():
+    """bench_gpu.attention_seconds: the KV floor is every row's keys and values once over the
+    bandwidth (exact); one span unsplit, more past the span; splitting a long context at batch 1
+    beats walking it in one program a head; a longer context never models faster."""
+    m = bench_gpu.H200
+    whole, floor = bench_gpu.attention_seconds(1, 32, 8, 128, 4096, None)
+    assert floor == 4096 * 2 * 8 * 128 * 2 / m["bandwidth"]
+    chunks = 4096 // kernels.ATTENTION_BLOCK
+    assert whole == pytest.approx(chunks * m["chunk_s"] + m["kernel_gap_s"])
+    split, _ = bench_gpu.attention_seconds(1, 32, 8, 128, 4096, 256)
+    assert split < whole / 4
+    times = [bench_gpu.attention_seconds(4, 40, 8, 128, n, 256)[0] for n in (512, 1024, 2048, 4096)]
+    assert times == sorted(times)
+    rows = bench_gpu.decode_model()
+    assert len(rows) == (len(bench_gpu.DECODE_MODEL_SHAPES) * len(bench_gpu.DECODE_MODEL_BATCHES)
+                         * len(bench_gpu.DECODE_MODEL_CONTEXTS))
+    assert all(math.isfinite(r["step_over_floor"]) and r["step_over_floor"] >= 1 for r in rows)
