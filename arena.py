@@ -40,8 +40,8 @@ from lab import hardening, scenario_check
 # -----------------------------------------------------------------------------
 # knobs an ablation turns
 
-T_MAX_TRAIN = 6                # turns per episode in training
-T_MAX_EVAL = 10                # turns per episode in evaluation
+T_MAX_TRAIN = 6                # turns per episode in training (--t-max; the cpu and tiny presets set 2)
+T_MAX_EVAL = 10                # turns per episode in evaluation (--eval-t-max; cpu and tiny: 3, 2)
 UPGRADE_WINDOW = 2             # turns after the first CONDITIONAL_ACCEPT in which ACCEPT may still come
 MAX_REJECTIONS = 2             # the REJECT that ends the episode (the earlier ones are recoverable)
 JUDGE_RETRIES = 3              # sampled retries after the judge's greedy answer, then s falls back to 0

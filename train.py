@@ -37,6 +37,7 @@ lab/plan.py's.
     torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
     python train.py --preset paper --plan          # its memory per rank on 8 x H200, on any machine
 """
+import collections
 import math
 import random
 import sys
@@ -56,11 +57,21 @@ import rollout
 import rpo
 from lab import cli, lora, plan, runs, steps
 
-# the knobs train.py owns (presets: lab/presets.py; the objective's: rpo.py)
+# the paper's numbers, each its flag's default (a preset sets only what differs: lab/presets.py,
+# which the cpu and tiny presets do for all but MICRO_BATCH; the objective's own: rpo.py)
+GROUP_SIZE = 8                      # --group-size: episodes of each instance, one GRPO group
+INSTANCES = 16                      # --instances: scenario instances a step (x GROUP_SIZE episodes)
+LR = 1e-6                           # --lr: AdamW's learning rate
+STEPS = 200                         # --steps
+MICRO_BATCH = 4                     # --micro-batch: episodes a forward and backward of the update
+EVAL_EVERY = 20                     # --eval-every: steps between held-out evaluations (0: none)
+EVAL_LIMIT = 120                    # --eval-limit: held-out scenario instances an evaluation plays
+SAVE_EVERY = 20                     # --save-every: steps between checkpoints
 GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
 SEED = 0                            # --seed
-NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-finite one skips the step
+NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-finite one skips the
+# step; a name taken out is no longer checked (the step then goes ahead), an unknown one is refused
 MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps that stop the run
 
 # -----------------------------------------------------------------------------
@@ -232,7 +243,7 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
                                            WEIGHT_DECAY)) is not None:
         return dict(stats, persuader_tokens=num_tokens)  # a zero gradient: no forward needed
     stats = dict(loss=0.0, kl=0.0, clip_frac=0.0, ratio_mean=0.0)
-    bad = dict.fromkeys(NONFINITE_CHECKS, 0)
+    bad = collections.Counter()  # non-finite counts by name (cli.NONFINITE_NAMES)
     policy.train()
     for i in range(0, len(records), args.micro_batch):
         loss, s = rpo.micro_batch_loss(
@@ -243,13 +254,12 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
             share_stem=shares_prompts(policy, world), share_reference_stem=world == 1,
             context=lambda model: compute_context(model, args, world))
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is a global mean
-        for k, v in s.pop("nonfinite").items():
-            bad[k] += v
+        bad.update(s.pop("nonfinite"))
         for k, v in s.items():
             stats[k] += v
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), GRAD_CLIP)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    bad = {k: runs.all_sum(v, device) for k, v in bad.items()}
+    bad = {k: runs.all_sum(bad[k], device) for k in ("logprobs", "advantages", "loss")}
     bad["grad_norm"] = not math.isfinite(grad_norm)
     nonfinite = [k for k in NONFINITE_CHECKS if bad[k]]
     if not nonfinite:

@@ -216,7 +216,7 @@ def test_eval_refuses_a_pool_it_cannot_use_in_one_line(tmp_path, monkeypatch, ex
     import eval
     no_loading(monkeypatch)
     monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    monkeypatch.setattr(presets, "cpu_defaults", dict)  # as on a GPU: the persuadee's model judges
+    monkeypatch.setattr(presets, "laptop_settings", dict)  # as on a GPU: the persuadee's model judges
     assert re.search(says, one_line_exit(lambda: eval.main(TINY_EVAL + extra)))
 
 
@@ -226,7 +226,7 @@ def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, mo
     which never writes a score)."""
     import eval
     monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    monkeypatch.setattr(presets, "cpu_defaults", dict)  # as on a GPU: the persuadee's model judges
+    monkeypatch.setattr(presets, "laptop_settings", dict)  # as on a GPU: the persuadee's model judges
     args = TINY_EVAL[:-1] + ["1", "--t-max", "4", "--max-new-tokens", "128", "--name", "j"]
     # 210 blocks hold one episode of these lengths (206) but not the judge's prompt of it (225)
     said = one_line_exit(lambda: eval.main(args + ["--kv-blocks", "210"]))

@@ -252,12 +252,15 @@ def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch
     monkeypatch.setattr(arena, "T_MAX_TRAIN", 5)
     tiny = presets.PRESETS["tiny"]
     notes = presets.preset_notes(parse_train(["--preset", "tiny", "--out", str(tmp_path)]))
-    assert notes == [f"t_max {tiny['t_max']} (tiny preset; arena.T_MAX_TRAIN 5)",
-                     f"eval_t_max {tiny['eval_t_max']} (tiny preset; arena.T_MAX_EVAL {arena.T_MAX_EVAL})",
-                     f"max_new_tokens {tiny['max_new_tokens']} (tiny preset; engine.MAX_NEW_TOKENS "
-                     f"{__import__('engine').MAX_NEW_TOKENS})"]
+    assert notes[-3:] == [f"t_max {tiny['t_max']} (tiny preset; arena.T_MAX_TRAIN 5)",
+                          f"eval_t_max {tiny['eval_t_max']} (tiny preset; arena.T_MAX_EVAL {arena.T_MAX_EVAL})",
+                          f"max_new_tokens {tiny['max_new_tokens']} (tiny preset; engine.MAX_NEW_TOKENS "
+                          f"{__import__('engine').MAX_NEW_TOKENS})"]
+    assert notes[0] == f"steps {tiny['steps']} (tiny preset; train.STEPS 200)"
+    owned = [k for k in presets.OWNERS if k in tiny]  # the paper's numbers too (train.py's)
+    assert [n.split()[0] for n in notes] == owned
     given = parse_train(["--preset", "tiny", "--t-max", "3", "--out", str(tmp_path)])
-    assert [n.split()[0] for n in presets.preset_notes(given)] == ["eval_t_max", "max_new_tokens"]
+    assert [n.split()[0] for n in presets.preset_notes(given)] == [k for k in owned if k != "t_max"]
     assert presets.preset_notes(parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])) == []
 
 # -----------------------------------------------------------------------------

@@ -210,6 +210,62 @@ def test_defaults():
     assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, hardening.NEGATION_WINDOW) == (2, 2, 3)
     paper = presets.preset_values("paper")
     assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
+    assert (train.GROUP_SIZE, train.INSTANCES, train.LR, train.STEPS, train.MICRO_BATCH,
+            train.EVAL_EVERY, train.EVAL_LIMIT, train.SAVE_EVERY) == (8, 16, 1e-6, 200, 4, 20, 120, 20)
+
+
+def test_the_paper_numbers_are_train_constants_and_their_flags_defaults(monkeypatch, tmp_path):
+    """An edit of train.GROUP_SIZE or train.LR reaches a paper run (no preset holds them), and
+    the cpu preset's own group size still wins over it."""
+    monkeypatch.setattr(train, "GROUP_SIZE", 6)
+    monkeypatch.setattr(train, "LR", 3e-6)
+    args = parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])
+    assert (args.group_size, args.lr, args.instances) == (6, 3e-6, train.INSTANCES)
+    cpu = parse_train(["--preset", "cpu", "--out", str(tmp_path)])
+    assert cpu.group_size == presets.PRESETS["cpu"]["group_size"] != 6
+    assert parse_train(["--preset", "cpu", "--group-size", "5", "--out", str(tmp_path)]).group_size == 5
+
+
+def test_no_preset_repeats_a_constants_own_value(monkeypatch):
+    """A preset holds only what differs from the owning constants; a repeated value (here the
+    tiny preset given train.py's own MICRO_BATCH) is caught."""
+    assert presets.repeats() == []
+    monkeypatch.setitem(presets.PRESETS, "tiny", dict(presets.PRESETS["tiny"],
+                                                       micro_batch=train.MICRO_BATCH))
+    assert presets.repeats() == [f"tiny.micro_batch {train.MICRO_BATCH} (= train.MICRO_BATCH)"]
+
+
+def test_a_truncating_persuader_sampling_is_refused_in_one_line(monkeypatch, tmp_path):
+    """top_p or top_k on the persuader's rollout.SAMPLING would change the rollout but not the
+    loss (off-policy): refused before any model loads, naming it."""
+    import engine
+    import rollout
+    paper = rollout.SAMPLING["paper"]
+    monkeypatch.setitem(rollout.SAMPLING, "paper", (paper[0]._replace(top_p=0.9), paper[1]))
+    with pytest.raises(SystemExit) as e:
+        parse_train(["--preset", "tiny", "--out", str(tmp_path)])
+    assert str(e.value).startswith("train.py: --sampling paper gives the persuader top_p 0.9")
+    assert "\n" not in str(e.value)
+    monkeypatch.setitem(rollout.SAMPLING, "paper", (engine.Sampling(1.0, top_k=50), paper[1]))
+    with pytest.raises(SystemExit, match="top_k 50"):
+        parse_train(["--preset", "tiny", "--out", str(tmp_path)])
+
+
+def test_a_nonfinite_check_taken_out_is_not_a_crash_and_an_unknown_one_refused(monkeypatch, tmp_path):
+    """train.NONFINITE_CHECKS edited: a name taken out stops that check (the step goes ahead),
+    a name no step measures is refused in one line."""
+    monkeypatch.setattr(train, "NONFINITE_CHECKS", ("logprobs", "grad_norm"))
+    monkeypatch.setattr(rpo, "policy_loss", lambda *a, **k: (a[0].sum() * float("nan"),
+                                                             dict(kl=0.0, clip_frac=0.0, ratio_mean=1.0, tokens=1)))
+    args = parse_train(["--preset", "tiny", "--out", str(tmp_path), "--kl-beta", "0"])
+    policy = models.load_model("random:tiny-llama", dtype=torch.float32)[0]
+    record = dict(ids=[1, 2, 3, 4], turn_ids=[0, 0, 1, 1], logprobs=[0.0, 0.0, -1.0, -1.0])
+    stats = train.policy_update(policy, None, torch.optim.AdamW(policy.parameters()), [record],
+                                [[1.0]], args, torch.device("cpu"), 1)
+    assert stats["step_skipped"] == 1 and stats["nonfinite"] == ["grad_norm"]  # loss unchecked
+    monkeypatch.setattr(train, "NONFINITE_CHECKS", ("loss", "reward"))
+    with pytest.raises(SystemExit, match=r"^train.py: train.NONFINITE_CHECKS names reward, which"):
+        parse_train(["--preset", "tiny", "--out", str(tmp_path)])
 
 
 @pytest.fixture
