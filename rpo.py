@@ -43,7 +43,6 @@ Tests: python -m pytest -q tests/test_rpo.py
 """
 import math
 
-import arena
 
 LAMBDA = 0.5  # weight of the dense process term; 0 recovers outcome-only GRPO
 ANCHOR = False  # ablation: replace the last belief by the outcome's anchor belief (DECISIONS.md: Terminal anchor)
@@ -197,52 +196,23 @@ def numeric(beliefs):
     return [math.nan if b is None else b for b in beliefs]
 
 
-def playable(records, group_size):
-    """(the groups whose every episode was played, counts of those left out, why each was): an
-    episode that never started (it cannot fit the empty pools: no belief, no token of its own)
-    or whose served model failed for good ("api_error") takes its whole group out of the step's
-    metrics and loss (a group's baseline needs all of its members)."""
-    why = {i: "never started: it does not fit the empty KV pools alone" if not r["beliefs"]
-           else "its served model kept failing" for i, r in enumerate(records)
-           if not r["beliefs"] or r["end_reason"] == arena.API_ERROR}
-    kept = [r for g in range(0, len(records), group_size) for r in records[g:g + group_size]
-            if not any(i in why for i in range(g, g + group_size))]
-    said = "; ".join(f"{records[i]['id']} member {i % group_size} {w}" for i, w in why.items())
-    return kept, dict(never_started=sum(not r["beliefs"] for r in records),
-                      api_errors=sum(r["end_reason"] == arena.API_ERROR for r in records),
-                      left_out=len(records) - len(kept)), said
-
-
-def advantages(records, group_size, lam=LAMBDA, anchor=ANCHOR):
-    """Rewards and Probe-RPO advantages of whole groups of episode records: the turn advantages
-    A_{i,t} of each episode, and (outcome rewards, process rewards, goals) of each group (what
-    diagnostic_sums reads)."""
-    groups, per_episode = [], []
+def rewards(records, group_size, anchor=ANCHOR):
+    """The rewards of whole groups of episode records, per group (outcome rewards R_i =
+    GOAL[outcome] + STRATEGY_WEIGHT * s_i, process rewards r_{i,t} from the beliefs, goals
+    GOAL[outcome]): what advantages turns into A_{i,t} and diagnostic_sums reads."""
+    groups = []
     for g in range(0, len(records), group_size):
         group = records[g:g + group_size]
-        outcome = [outcome_reward(r["outcome"], r["judge"]) for r in group]
-        process = [process_rewards(numeric(r["beliefs"]), r["outcome"], anchor) for r in group]
-        groups.append((outcome, process, [GOAL[r["outcome"]] for r in group]))
-        per_episode += group_advantages(outcome, process, lam)
-    return per_episode, groups
+        groups.append(([outcome_reward(r["outcome"], r["judge"]) for r in group],
+                       [process_rewards(numeric(r["beliefs"]), r["outcome"], anchor) for r in group],
+                       [GOAL[r["outcome"]] for r in group]))
+    return groups
 
 
-def silenced(played, kept, turn_advantages):
-    """Every played episode for the update, in its place, those left out (playable) with no
-    persuader token and no advantage: each rank then runs the same micro-batches (FSDP's
-    collectives), and the left-out ones add nothing to the loss or its token count."""
-    kept_ids = {id(r) for r in kept}
-    advantage = iter(turn_advantages)
-    records, per_episode = [], []
-    for r in played:
-        if id(r) in kept_ids:
-            records.append(r)
-            per_episode.append(next(advantage))
-        else:
-            ids = r["ids"] or [0]  # one inert token for an episode that never started
-            records.append(dict(ids=ids, turn_ids=[0] * len(ids), logprobs=[0.0] * len(ids)))
-            per_episode.append([])
-    return records, per_episode
+def advantages(groups, lam=LAMBDA):
+    """The Probe-RPO turn advantages A_{i,t} of each episode, in order, from its group's
+    rewards (rewards)."""
+    return [a for outcome, process, _ in groups for a in group_advantages(outcome, process, lam)]
 
 
 # -----------------------------------------------------------------------------

@@ -190,22 +190,12 @@ def step_instances(instances, args, step, rank, world):
     return chosen[rank::world]
 
 
-def play_step(m, instances, args, step, rank, world):
-    """This rank's share of the step's groups, played by the current policy; their records
-    and the step's timings (seconds, by runs.TIMING_KEYS)."""
-    mine = step_instances(instances, args, step, rank, world)
-    bar = tqdm(total=len(mine) * args.group_size, desc=f"step {step} rollout",
-               disable=rank != 0, leave=False)
-    times = dict(judge_s=0.0, probe_s=0.0)
-    seed = args.seed * 1000003 + step * 1009  # not the rank: records are rank-free
+def rollout_options(args):
+    """rollout_episodes' settings of a run, beside its instances, seed and clocks."""
     persuader_sampling, persuadee_sampling = rollout.role_sampling(args)
-    records = rollout.rollout_episodes(
-        m.actor, m.persuadee, mine, args.t_max, group_size=args.group_size, seed=seed,
-        persuader_sampling=persuader_sampling, persuadee_sampling=persuadee_sampling,
-        max_new_tokens=args.max_new_tokens, judge=m.judge, probe_space=args.probe_space,
-        probe_signs=args.probe_signs, decision=args.decision, progress=bar, timings=times)
-    bar.close()
-    return records, times
+    return dict(group_size=args.group_size, persuader_sampling=persuader_sampling,
+                persuadee_sampling=persuadee_sampling, max_new_tokens=args.max_new_tokens,
+                probe_space=args.probe_space, probe_signs=args.probe_signs, decision=args.decision)
 
 
 def compute_context(model, args, world):
@@ -313,19 +303,27 @@ def train(args, run_dir, rank, world, device, sizes, say):
         steps.open_run(run_dir, args, start, sys.modules[__name__])
     log, history, skipped = runs.Loggers(args, run_dir, start, rank), [], 0
     for step in range(start + 1, args.steps + 1):
-        t0 = time.perf_counter()
-        played, times = play_step(m, instances, args, step, rank, world)  # rollout and rewards
-        records, left_out, why = rpo.playable(played, args.group_size)
+        t0, times = time.perf_counter(), dict(judge_s=0.0, probe_s=0.0)
+        mine = step_instances(instances, args, step, rank, world)  # this rank's groups
+        seed = args.seed * 1000003 + step * 1009  # not the rank: records are rank-free
+        with tqdm(total=len(mine) * args.group_size, desc=f"step {step} rollout",
+                  disable=rank != 0, leave=False) as bar:  # 1. rollout, b_0..b_T read by the probes
+            played = rollout.rollout_episodes(m.actor, m.persuadee, mine, args.t_max, seed=seed,
+                                              progress=bar, timings=times, **rollout_options(args))
+        played = rollout.judge_episodes(m.judge, mine, played, seed, args.group_size, times)  # 2. s
+        records, left_out, why = steps.playable(played, args.group_size)  # whole groups only
         if why:
             say(f"left out {left_out['left_out']} episodes (their groups) of this step: {why}")
         times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
         t1 = time.perf_counter()
-        turn_adv, groups = rpo.advantages(records, args.group_size, args.lam, args.anchor)
-        update = policy_update(m.policy, m.reference, m.optimizer,
-                               *rpo.silenced(played, records, turn_adv), args, device, world)
-        refresh(m)
+        rewards = rpo.rewards(records, args.group_size, args.anchor)  # 3. R and r_t, per group
+        turn_advantages = rpo.advantages(rewards, args.lam)  # 4. A_{i,t}
+        batch, batch_advantages = steps.silenced(played, records, turn_advantages)  # every rank alike
+        update = policy_update(m.policy, m.reference, m.optimizer, batch, batch_advantages, args,
+                               device, world)  # 5. loss and AdamW step
+        refresh(m)  # 6. the rollout copy takes the updated weights
         times["update_s"], times["step_s"] = time.perf_counter() - t1, time.perf_counter() - t0
-        metrics = steps.step_metrics(step, records, groups, update, times, args, device)
+        metrics = steps.step_metrics(step, records, rewards, update, times, args, device)
         metrics.update({k: runs.all_sum(v, device) for k, v in left_out.items()})
         rows = steps.step_records(step, records, args.group_size, args, rank, world)
         history.append(metrics)

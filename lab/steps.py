@@ -84,6 +84,45 @@ def open_run(run_dir, args, start, own=None):
     resume_metrics(run_dir / "rollouts.jsonl", start)
 
 # -----------------------------------------------------------------------------
+# the step's batch: whole groups only, every rank the same micro-batches
+
+
+def playable(records, group_size):
+    """(the groups whose every episode was played, counts of those left out, why each was): an
+    episode that never started (it cannot fit the empty pools: no belief, no token of its own)
+    or whose served model failed for good ("api_error") takes its whole group out of the step's
+    metrics and loss (a group's baseline needs all of its members)."""
+    why = {i: "never started: it does not fit the empty KV pools alone" if not r["beliefs"]
+           else "its served model kept failing" for i, r in enumerate(records)
+           if not r["beliefs"] or r["end_reason"] == arena.API_ERROR}
+    kept = [r for g in range(0, len(records), group_size) for r in records[g:g + group_size]
+            if not any(i in why for i in range(g, g + group_size))]
+    said = "; ".join(f"{records[i]['id']} member {i % group_size} {w}" for i, w in why.items())
+    return kept, dict(never_started=sum(not r["beliefs"] for r in records),
+                      api_errors=sum(r["end_reason"] == arena.API_ERROR for r in records),
+                      left_out=len(records) - len(kept)), said
+
+
+def silenced(played, kept, turn_advantages):
+    """Every played episode for the update, in its place, those left out (playable) with no
+    persuader token and no advantage: each rank then runs the same micro-batches (FSDP's
+    collectives), and the left-out ones add nothing to the loss or its token count."""
+    kept_ids = {id(r) for r in kept}
+    advantage = iter(turn_advantages)
+    records, per_episode = [], []
+    for r in played:
+        if id(r) in kept_ids:
+            records.append(r)
+            per_episode.append(next(advantage))
+        else:
+            ids = r["ids"] or [0]  # one inert token for an episode that never started
+            records.append(dict(ids=ids, turn_ids=[0] * len(ids), logprobs=[0.0] * len(ids)))
+            per_episode.append([])
+    return records, per_episode
+
+
+
+# -----------------------------------------------------------------------------
 # the zero-advantage skip and the divergence stop
 
 

@@ -290,6 +290,48 @@ def test_one_loop_drives_every_episode():
     assert "def play_episodes" not in (here / "lab" / "served.py").read_text()
 
 
+def test_every_side_conforms_to_the_one_side_protocol():
+    """rollout.Side is declared once; the engine's, the server's, the person's, the trainer's and
+    the watched side each have all of its methods (a method dropped from one fails here)."""
+    import inspect
+
+    from lab import env, play, served
+    methods = [name for name, v in vars(rollout.Side).items() if inspect.isfunction(v) and name[0] != "_"]
+    assert methods == ["prompt", "room", "prefill", "start", "ready", "speak", "reply", "hear", "free"]
+    for cls in (rollout.EngineSide, served.ServedSide, play.PersonSide, env.TrainerSide):
+        assert [m for m in methods if not callable(getattr(cls, m, None))] == [], cls.__name__
+    side = play.PersonSide(2, read=lambda prompt: "", write=lambda *a: None)
+    assert isinstance(side, rollout.Side) and isinstance(env.Watched(side), rollout.Side)
+    assert not isinstance(object(), rollout.Side)
+
+
+def calls_in(function):
+    """The dotted names a function's body calls (a.b(...) as "a.b", f(...) as "f")."""
+    import ast
+    import inspect
+    import textwrap
+    names = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names.add(f.id if isinstance(f, ast.Name) else
+                      f"{getattr(f.value, 'id', '?')}.{f.attr}" if isinstance(f, ast.Attribute) else "?")
+    return names
+
+
+def test_the_probe_reads_are_three_calls_from_the_training_loop():
+    """train.train calls rollout_episodes, which calls the persuadee side's start (b_0) and reply
+    (b_t), which call probes.read_engine: three hops, the judge a line of the loop of its own."""
+    import train
+    loop = calls_in(train.train)
+    assert {"rollout.rollout_episodes", "rollout.judge_episodes", "rpo.rewards",
+            "rpo.advantages", "policy_update"} <= loop
+    assert {"persuadee.start", "persuadee.reply"} <= calls_in(rollout.rollout_episodes)
+    assert "probes.read_engine" in calls_in(rollout.EngineSide.start)
+    assert "probes.read_engine" in calls_in(rollout.EngineSide.reply)
+    assert "judge_all" not in calls_in(rollout.EpisodeLoop.__init__)
+
+
 def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():
     """One owner for the frozen roles' sampling, the cut-off end reasons, the yes/no
     instruction and the 256 new tokens; the persuader never truncates (pi_old exact)."""

@@ -378,7 +378,8 @@ def test_advantages_from_records_by_hand():
     which leaves the episode's dense term out of its group (and its outcome term in)."""
     recs = [record("ACCEPT", 1.0, [0.0, 0.4]), record("REJECT", 0.0, [0.0, -0.2]),
             record("PENDING", 0.0, [0.0, None]), record("PENDING", 2.0, [0.2, 0.2])]
-    per_episode, groups = rpo.advantages(recs, 2, lam=0.5, anchor=False)
+    groups = rpo.rewards(recs, 2, anchor=False)
+    per_episode = rpo.advantages(groups, lam=0.5)
     # group 1: R = 3.5, -1.0; std (ddof 1) = 4.5 / sqrt 2; A_out = +-(2.25 / std)
     a = 2.25 / (4.5 / math.sqrt(2) + EPS)
     # D = 0.2 and -0.1, pooled mean 0.05: D~ = 0.15, -0.15
@@ -388,20 +389,6 @@ def test_advantages_from_records_by_hand():
     assert close(per_episode[2:], [[-b], [b]])
     assert groups[0][0] == [3.5, -1.0] and groups[0][2] == [3.0, -1.0]
     assert math.isnan(groups[1][1][0][0])
-
-
-def test_playable_leaves_out_whole_groups_and_silenced_keeps_their_places():
-    recs = [record("ACCEPT", 0.0, [0.0, 0.1]), record("REJECT", 0.0, [0.0, 0.1]),
-            record("PENDING", 0.0, []), record("PENDING", 0.0, [0.0, 0.1], end_reason="api_error")]
-    for r in recs:
-        r.update(ids=[5, 6, 7], turn_ids=[0, 1, 1], logprobs=[0.0, -1.0, -1.0])
-    kept, counts, why = rpo.playable(recs, 2)
-    assert kept == recs[:2] and counts == dict(never_started=1, api_errors=1, left_out=2)
-    assert "member 0 never started" in why and "member 1 its served model kept failing" in why
-    records, adv = rpo.silenced(recs, kept, [[1.0], [-1.0]])
-    assert records[:2] == kept and adv == [[1.0], [-1.0], [], []]
-    assert all(r["turn_ids"] == [0, 0, 0] for r in records[2:])
-    assert rpo.persuader_tokens(records) == 4
 
 
 def policy_and_reference(seed):

@@ -803,12 +803,13 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
                                        persuader_sampling=engine.Sampling(1.0))
     assert [(r["end_reason"] == "cache", r["beliefs"] == []) for r in records] == \
         [(False, False)] * 2 + [(True, True)] * 2
-    kept, left_out, why = rpo.playable(records, 2)
+    kept, left_out, why = steps.playable(records, 2)
     assert kept == records[:2]
     assert left_out == dict(never_started=2, api_errors=0, left_out=2)
     assert f"{long['id']} member 1 never started" in why
     args = ap.Namespace(lam=rpo.LAMBDA, anchor=rpo.ANCHOR, judge="none", group_size=2)
-    turn_adv, groups = rpo.advantages(kept, 2, args.lam, args.anchor)
+    groups = rpo.rewards(kept, 2, args.anchor)
+    turn_adv = rpo.advantages(groups, args.lam)
     m = steps.step_metrics(1, kept, groups, dict(persuader_tokens=1), dict(rollout_s=1.0), args,
                            torch.device("cpu"))
     assert m["episodes"] == 2
@@ -817,7 +818,7 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
     assert empty["episodes"] == 0 and empty["reward_mean"] == 0.0
     # the update still sees four episodes in their places (every rank the same micro-batches),
     # the left-out ones without a persuader token: a micro-batch of only those adds nothing
-    update_records, update_adv = rpo.silenced(records, kept, turn_adv)
+    update_records, update_adv = steps.silenced(records, kept, turn_adv)
     assert update_records[:2] == kept and update_adv[2:] == [[], []]
     assert all(not any(r["turn_ids"]) and r["ids"] for r in update_records[2:])
     model = er.model
@@ -1114,3 +1115,21 @@ def test_the_persuader_is_read_once_and_copied_for_its_other_roles(persuadee, ex
             assert p.dtype == torch.bfloat16 and not p.requires_grad and p.data_ptr() not in pointers
             assert torch.equal(p, initial[name].to(torch.bfloat16)), name
     assert m.rollout_model is not m.persuadee_model
+
+
+def rpo_record(outcome, judge, beliefs, end_reason="accept"):
+    return dict(outcome=outcome, judge=judge, beliefs=beliefs, end_reason=end_reason, id="x")
+
+
+def test_playable_leaves_out_whole_groups_and_silenced_keeps_their_places():
+    recs = [rpo_record("ACCEPT", 0.0, [0.0, 0.1]), rpo_record("REJECT", 0.0, [0.0, 0.1]),
+            rpo_record("PENDING", 0.0, []), rpo_record("PENDING", 0.0, [0.0, 0.1], end_reason="api_error")]
+    for r in recs:
+        r.update(ids=[5, 6, 7], turn_ids=[0, 1, 1], logprobs=[0.0, -1.0, -1.0])
+    kept, counts, why = steps.playable(recs, 2)
+    assert kept == recs[:2] and counts == dict(never_started=1, api_errors=1, left_out=2)
+    assert "member 0 never started" in why and "member 1 its served model kept failing" in why
+    records, adv = steps.silenced(recs, kept, [[1.0], [-1.0]])
+    assert records[:2] == kept and adv == [[1.0], [-1.0], [], []]
+    assert all(r["turn_ids"] == [0, 0, 0] for r in records[2:])
+    assert rpo.persuader_tokens(records) == 4
