@@ -216,17 +216,32 @@ def side(player, role, sampling, max_new_tokens, probe_space=None, probe_signs=N
 
 
 def judge_all(model, instances, transcripts, seed, group_indices):
-    """(strategy score s, fell back) per transcript, by a local or a served judge; s = 0 (not
-    fallen back) for every transcript when there is no judge (model None)."""
+    """(strategy score s, fell back) per transcript, by a local or a served judge under the one
+    retry policy (judge_attempts); s = 0 (not fallen back) for every transcript when there is
+    no judge (model None)."""
     if model is None:
         return [0.0] * len(instances), [False] * len(instances)
-    if isinstance(model, served.ServedModel):
-        return served.judge_scores(model, instances, transcripts, seed, group_indices,
-                                   max_tokens=JUDGE_MAX_NEW_TOKENS,
-                                   retry_sampling=JUDGE_RETRY_SAMPLING)
-    return local_judge.judge_scores(model, instances, transcripts, seed, group_indices,
-                                    max_tokens=JUDGE_MAX_NEW_TOKENS,
-                                    retry_sampling=JUDGE_RETRY_SAMPLING)
+    scorer = served.judge_scores if isinstance(model, served.ServedModel) else local_judge.judge_scores
+    return scorer(model, instances, transcripts, seed, group_indices,
+                  max_tokens=JUDGE_MAX_NEW_TOKENS, attempts=judge_attempts)
+
+
+def judge_attempts(answer, n):
+    """The judge's retry policy, which sets s (DECISIONS.md: Judge retries), for every judge
+    (local: lab/judge.py; served: lab/served.py): each of n transcripts' greedy answer, then up
+    to arena.JUDGE_RETRIES answers sampled with JUDGE_RETRY_SAMPLING while none parses
+    (arena.parse_judge). answer(todo, sampling, attempt) returns the answer texts (None: no
+    answer) of the transcripts todo (indices). Returns s per transcript, None where none parsed
+    (the caller falls back to s = 0)."""
+    scores = [None] * n
+    for attempt in range(1 + arena.JUDGE_RETRIES):
+        todo = [i for i, s in enumerate(scores) if s is None]
+        if not todo:
+            break
+        sampling = engine.GREEDY if attempt == 0 else JUDGE_RETRY_SAMPLING
+        for i, text in zip(todo, answer(todo, sampling, attempt)):
+            scores[i] = None if text is None else arena.parse_judge(text)
+    return scores
 
 
 def new_episode(inst, index, g, t_max, seed):

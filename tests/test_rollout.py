@@ -118,7 +118,7 @@ def judge_scores(judge, instances, transcripts, seed=0):
     """The local judge as rollout.judge_all calls it (its answer length read now)."""
     return local_judge.judge_scores(judge, instances, transcripts, seed,
                                     max_tokens=rollout.JUDGE_MAX_NEW_TOKENS,
-                                    retry_sampling=rollout.JUDGE_RETRY_SAMPLING)
+                                    attempts=rollout.judge_attempts)
 
 
 def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
@@ -243,6 +243,26 @@ def test_a_prompt_longer_than_the_context_is_named_before_anything_runs(tokenize
     with pytest.raises(ValueError, match=f"prompt of {inst['id']} is \\d+ tokens"):
         rollout.rollout_episodes(er, ee, [inst], 2)
     assert er.free_blocks == er.cache.num_blocks
+
+
+def test_one_judge_retry_policy_for_the_local_and_the_served_judge():
+    """rollout.judge_attempts is the only retry loop: greedy, then arena.JUDGE_RETRIES sampled
+    retries while nothing parses, then None (s falls back to 0); lab/judge.py and lab/served.py
+    hold none of their own."""
+    from pathlib import Path
+    asked = []
+
+    def answer(todo, sampling, attempt):
+        asked.append((list(todo), sampling, attempt))
+        return ["PROBING: 5\nFIT: 5\nADAPTATION: 5" if i == 0 and attempt == 1 else
+                None if i == 1 else "no verdict" for i in todo]
+    assert rollout.judge_attempts(answer, 3) == [2.0, None, None]
+    assert [a[2] for a in asked] == list(range(1 + arena.JUDGE_RETRIES))
+    assert asked[0][:2] == ([0, 1, 2], engine.GREEDY)
+    assert asked[1][:2] == ([0, 1, 2], rollout.JUDGE_RETRY_SAMPLING) and asked[2][0] == [1, 2]
+    here = Path(__file__).resolve().parent.parent
+    for name in ("lab/judge.py", "lab/served.py"):
+        assert "JUDGE_RETRIES" not in (here / name).read_text(), name
 
 
 def test_the_judge_fits_any_pool_that_holds_one_transcript(tokenizer, monkeypatch):
