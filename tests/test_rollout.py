@@ -14,7 +14,7 @@ import probes
 import rollout
 import rpo
 from lab import judge as local_judge
-from conftest import tiny_model
+from conftest import tiny_model, token_logprobs
 
 
 def test_dialogue_rollout_returns_blocks_and_consistent_streams(tokenizer):
@@ -39,7 +39,7 @@ def test_dialogue_rollout_returns_blocks_and_consistent_streams(tokenizer):
             assert 1 <= len(sampled) <= 6
             assert tokenizer.decode(sampled, skip_special_tokens=True).strip() == \
                 r["transcript"][2 * (t - 1)]["text"]
-        ref = rpo.token_logprobs(er_model(ids).logits, ids, 1.0)[0]
+        ref = token_logprobs(er_model(ids).logits, ids, 1.0)[0]
         mask = turns[1:] > 0
         torch.testing.assert_close(torch.tensor(r["logprobs"][1:])[mask], ref[mask],
                                    atol=1e-4, rtol=0)

@@ -858,7 +858,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     plays the merged weights (the sampled log-probs are the policy's: ratio 1 at step 2); the
     checkpoint is peft's adapter folder (PeftModel.from_pretrained, merge_and_unload) and
     eval.py --persuader runs/NAME/checkpoint-K evaluates it."""
-    import eval
+    import eval as evaluation
     from peft import PeftModel
     history = tiny_run(tmp_path, short_scenarios, "lora", "--lora", 4, "--steps", 2, "--lr", 3e-2,
                        "--save-every", 1, "--kl-beta", 0.01)
@@ -872,7 +872,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight,
                            models.random_model("tiny-llama")[0].model.layers[0].self_attn.q_proj.weight)
     monkeypatch.chdir(tmp_path)
-    eval.main(["--persuader", str(folder), "--persuadee", "random:tiny-qwen3", "--judge", "none",
+    evaluation.main(["--persuader", str(folder), "--persuadee", "random:tiny-qwen3", "--judge", "none",
              "--limit", "1", "--t-max", "1", "--max-new-tokens", "3", "--name", "lora-eval"])
     assert (tmp_path / "evals" / "lora-eval" / "summary.json").is_file()
 
@@ -1071,14 +1071,14 @@ def test_flags_are_passed_down_and_the_preset_is_named_before_step_one(tmp_path,
 def test_periodic_evaluation_plays_a_stratified_subset(monkeypatch, tmp_path):
     """issue 35: --eval-limit 5 evaluates one scenario of each domain, and the summary names it."""
     import arena
-    import eval
+    import eval as evaluation
     from lab import cli
     played = {}
-    monkeypatch.setattr(eval, "evaluate", lambda a, p, instances, out, **kw: played.update(
+    monkeypatch.setattr(evaluation, "evaluate", lambda a, p, instances, out, **kw: played.update(
         instances=instances, subset=kw["subset"]) or {"full_accept": 0.0, "full_or_conditional": 0.0})
     monkeypatch.setattr(train.steps, "record_evaluation", lambda *a: None)
     args = cli.train_args(["--preset", "tiny", "--eval-limit", "5"], train)
-    train.evaluate(None, None, None, args, 1, 0, tmp_path)
+    train.evaluate_heldout(None, None, None, args, 1, 0, tmp_path)
     assert sorted(i["domain"] for i in played["instances"]) == sorted(arena.DOMAINS)
     assert played["subset"] == "heldout stratified-5 of 120"
 
@@ -1096,15 +1096,15 @@ def test_the_persuader_is_read_once_and_copied_for_its_other_roles(persuadee, ex
                         lambda name, *a, **k: loads.append(name) or original(name, *a, **k))
     args = parse_train(TINY + ["--scenarios", short_scenarios, "--dtype", "bfloat16", "--persuadee",
                                persuadee, "--kl-beta", "0.05", *extra])
-    m = train.build_models(args, 1, torch.device("cpu"), {})
+    m = train.build_models(args, 1, torch.device("cpu"))
     same = persuadee == args.persuader
     assert loads == [args.persuader] + ([] if same else [persuadee])
     initial = {k.replace("base_model.model.", "").replace(".base_layer", ""): p.detach()
                for k, p in m.policy.named_parameters() if "lora_" not in k}
-    copies = [m.rollout_model] + ([m.persuadee_model] if same else [])
+    copies = [m.rollout_copy] + ([m.persuadee] if same else [])
     if not extra:
         copies.append(m.reference)
-        assert (m.reference is m.persuadee_model) == same
+        assert (m.reference is m.persuadee) == same
     else:
         assert isinstance(m.reference, train.lora.AdapterOff)
     pointers = {p.data_ptr() for p in initial.values()}
@@ -1114,7 +1114,26 @@ def test_the_persuader_is_read_once_and_copied_for_its_other_roles(persuadee, ex
         for name, p in params.items():
             assert p.dtype == torch.bfloat16 and not p.requires_grad and p.data_ptr() not in pointers
             assert torch.equal(p, initial[name].to(torch.bfloat16)), name
-    assert m.rollout_model is not m.persuadee_model
+    assert m.rollout_copy is not m.persuadee
+    assert m.held == train.plan.run_models(args, 1)  # what the memory plan counts
+
+
+def test_train_loads_what_the_plan_decides(monkeypatch, short_scenarios):
+    """plan.run_models is the one decision: edited to give the reference a copy of its own
+    (instead of the persuadee's weights), build_models loads one and the memory plan counts it."""
+    import dataclasses
+    args = parse_train(TINY + ["--scenarios", short_scenarios, "--persuadee", "random:tiny-llama",
+                               "--kl-beta", "0.05"])
+    decided = train.plan.run_models(args, 1)
+    assert decided == train.plan.RunModels("persuader", "none", "persuadee", False)
+    original = train.plan.run_models
+    monkeypatch.setattr(train.plan, "run_models",
+                        lambda *a: dataclasses.replace(original(*a), reference="copy"))
+    m = train.build_models(args, 1, torch.device("cpu"))
+    assert m.reference is not m.persuadee and m.reference is not None
+    items = dict(train.plan.memory_plan(args, 1, 139, False)["items"])
+    assert any(k.startswith("reference ") for k in items)
+    assert not any("also the reference" in k for k in items)
 
 
 def rpo_record(outcome, judge, beliefs, end_reason="accept"):
