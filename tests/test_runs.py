@@ -415,7 +415,7 @@ def test_pinned_constants_hold_every_caps_constant_json_can():
     assert pinned["arena.T_MAX_TRAIN"] == arena.T_MAX_TRAIN
     assert pinned["rollout.DECISION"] == rollout.DECISION
     from lab import gguf, hardening
-    assert pinned["lab.hardening.NEGATIONS"] == sorted(hardening.NEGATIONS, key=repr)
+    assert pinned["arena.NEGATIONS"] == sorted(arena.NEGATIONS, key=repr)
     assert "arena.SCENARIOS_PATH" not in pinned and not any(k.startswith("lab.gguf") for k in pinned)
     assert gguf.CACHE_DIR and not any(k.startswith(("engine.", "layers.")) for k in pinned)
     assert "arena.TAG_RE" not in pinned

@@ -207,7 +207,7 @@ def test_defaults():
     assert rpo.ANCHOR_BELIEF == {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0,
                                  "REJECT": -1.0, "WALK_AWAY": -1.0}
     assert (arena.T_MAX_TRAIN, arena.T_MAX_EVAL, arena.JUDGE_RETRIES) == (6, 10, 3)
-    assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, hardening.NEGATION_WINDOW) == (2, 2, 3)
+    assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
     paper = presets.preset_values("paper")
     assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
     assert (train.GROUP_SIZE, train.INSTANCES, train.LR, train.STEPS, train.MICRO_BATCH,
