@@ -16,7 +16,7 @@ import torch
 import arena
 import models
 import rpo
-from lab import cli, hardening, presets, runs, steps
+from lab import cli, presets, runs, steps
 import train
 
 
