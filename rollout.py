@@ -1,25 +1,18 @@
 """
 rollout.py: the one episode loop. Episodes of a persuader and a persuadee, whatever plays each role.
 
-A role is a *side*: a local engine.Engine (EngineSide, below), a model behind an OpenAI-compatible
-API (served.ServedSide) or, as persuader, the person at the terminal (lab/play.py). Every side has
-the same small interface, so one loop drives every mix of them:
-
-    prompt(inst)          the prompt's ids (none where text crosses, served or typed)
-    room(inst, n)         can n episodes of inst open now (its prompt and one message each)?
-    prefill(inst)         the prompt, once per instance; start(roots, counts) forks it n times
-                          (a persuadee's roots read b_0 first) and frees the roots
-    ready(sids)           the sequences whose next message fits now (its capacity: a pool's free
-                          blocks, a server's every request, one person)
-    speak(sids, keys)     the persuader's next messages; reply(sids, keys) the persuadee's, with
-                          the probes read after each
-    hear(sid, ...)        the other side's text enters the context (tags stripped), free(sid)
+A role is a *side* (the Protocol Side, below): a local engine.Engine (EngineSide), a model behind
+an OpenAI-compatible API (served.ServedSide) or, as persuader, the person at the terminal
+(lab/play.py). Every side has the same small interface (prompt, room, prefill, start: forks with
+b_0 read, ready, speak, reply: with the probes read after each, hear, free), so one loop drives
+every mix of them.
 
 On a local side a dialogue is a growing context that only appends: the persuader's new message
 goes into the persuadee's context, the reply into the persuader's, so every token of a
 conversation is prefilled exactly once (engine.py). After each reply the persuadee's beliefs are
-read in forks of its context (probes.py); at the end a frozen judge scores each transcript
-(lab/judge.py; lab/served.py for a served judge). With decision "logit" (--decision logit) the
+read in forks of its context (probes.py); once all have ended a frozen judge scores each
+transcript (judge_episodes, under the one retry policy judge_attempts; lab/judge.py and
+lab/served.py answer each attempt). With decision "logit" (--decision logit) the
 persuadee's decision is read in such a fork too (probes.read_decisions) and sampled with its
 episode's keyed stream, instead of parsed from its tag.
 
