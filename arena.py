@@ -23,7 +23,7 @@ and rejections are counted over the whole episode, whatever came between them.
 Tags are read only in square brackets, on normalised text (DECISIONS.md: Text normalisation),
 and both sides see the other's text with every tag stripped, so a persuader cannot forge a
 decision; a quoted or negated tag is no decision (the decision tags section says exactly what
-counts; lab/hardening.py holds the hostile-text rules, lab/scenario_check.py the scenario schema).
+counts; lab/hardening.py holds the other text checks, lab/scenario_check.py the scenario schema).
 arena.py uses the standard library only, besides those two.
 
 Tests: python -m pytest -q tests/test_arena.py
@@ -32,16 +32,18 @@ Tests: python -m pytest -q tests/test_arena.py
 import copy
 import json
 import os
+import bisect
 import random
 import re
+import unicodedata
 
 from lab import hardening, scenario_check
 
 # -----------------------------------------------------------------------------
 # knobs an ablation turns
 
-T_MAX_TRAIN = 6                # turns per episode in training
-T_MAX_EVAL = 10                # turns per episode in evaluation
+T_MAX_TRAIN = 6                # turns per episode in training (--t-max; the cpu and tiny presets set 2)
+T_MAX_EVAL = 10                # turns per episode in evaluation (--eval-t-max; cpu and tiny: 3, 2)
 UPGRADE_WINDOW = 2             # turns after the first CONDITIONAL_ACCEPT in which ACCEPT may still come
 MAX_REJECTIONS = 2             # the REJECT that ends the episode (the earlier ones are recoverable)
 JUDGE_RETRIES = 3              # sampled retries after the judge's greedy answer, then s falls back to 0
@@ -247,7 +249,7 @@ def subset_name(n, total):
 # -----------------------------------------------------------------------------
 # decision tags (DECISIONS.md: Several tags, Text normalisation)
 #
-# One grammar, read on normalised text (lab/hardening.py: look-alike letters and brackets folded,
+# One grammar, read on normalised text (normalise: look-alike letters and brackets folded,
 # zero-width characters dropped) by both the parser and the stripper. A tag is a bracketed
 # decision, an optional backslash before either bracket (markdown escapes), '*' or '_' emphasis and
 # blanks inside, a past form ("[ACCEPTED]", "[walked away]") and a closing '.' or '!' allowed:
@@ -255,12 +257,139 @@ def subset_name(n, total):
 #
 # What counts as a decision: the last tag that is neither quoted ('"[ACCEPT]"', or inside a quoted
 # span of its line) nor negated (an ACCEPT or CONDITIONAL ACCEPT whose own verb a negation governs:
-# "I will not [ACCEPT]"; lab/hardening.py has the rule). A negation before REJECT, WALK AWAY or
+# "I will not [ACCEPT]": negated). A negation before REJECT, WALK AWAY or
 # PENDING never voids it: it agrees with the decision ("I can't do this [REJECT]"), and reading
 # such a tag can only cost the persuader. The persuadee's prompt puts "at most one tag, in square
 # brackets, at the very end" of its reply: a tag is the reply's verdict, not a word of its
 # sentence. A quoted or negated tag is a word, not a decision; the stripper still removes it, as
 # it removes everything the parser could read.
+
+NEGATION_WINDOW = 3  # words between a negation and the tag it governs, at most
+NEGATIONS = frozenset((  # words that negate (besides any word ending in n't)
+    "not", "never", "nor", "neither", "cannot", "refuse", "refuses", "decline", "declines", "dont",
+    "wont", "cant", "doesnt", "didnt", "isnt", "arent", "wouldnt", "couldnt", "shouldnt"))
+REFUSALS = (  # phrases that refuse as one negation word does ("No way I [ACCEPT]")
+    ("no", "way"), ("not", "a", "chance"), ("no", "chance"), ("not", "in", "a", "million", "years"),
+    ("over", "my", "dead", "body"), ("rather", "die", "than"), ("not", "on", "your", "life"))
+GOVERNING = frozenset((  # words between a negation and a tag that keep the tag its object
+    "to", "be", "going", "gonna", "ready", "able", "willing", "prepared", "about", "want", "yet",
+    "ever", "just", "simply", "really", "quite", "fully", "truly", "so", "easily", "still", "even",
+    "i", "i'd", "i'm", "i'll", "we", "we'd", "can", "could", "will", "would", "should", "think",
+    "believe", "feel", "sure", "happy", "comfortable", "inclined", "convinced", "enough", "make",
+    "me"))
+AFFIRMING = frozenset((  # "why not [ACCEPT]", "no reason not to", "how could I not", "a fool not to"
+    "why", "how", "reason", "fool", "crazy", "mad", "silly"))
+ASIDES = 2  # comma-set asides between a negation and its tag ("I will not, ever, [ACCEPT]"), at most
+DROPPED_CATEGORIES = ("Cf", "Mn", "Me")  # format characters and combining marks vanish
+CONFUSABLES = {
+    **dict.fromkeys("【〔〖〘〚⟦⁅❲⦋⦍⦏［", "["), **dict.fromkeys("】〕〗〙〛⟧⁆❳⦌⦎⦐］", "]"),
+    **dict.fromkeys("“”„‟«»″〝〞", '"'), **dict.fromkeys("‘’‚‛ʼ′´ʹʻ", "'"),
+    **dict.fromkeys("‐‑‒–—―−", "-"),
+    **dict(zip("АВСЕНІЈКМОРЅТХУҮԀԌԚԜаԁсеһіјӏорԛѕԝху", "ABCEHIJKMOPSTXYYDGQWadcehijlopqswxy")),
+    **dict(zip("ΑΒΕΖΗΙΚΜΝΟΡΤΥΧαεικνορτυχ", "ABEZHIKMNOPTYXaeiknoptux")),
+    **dict(zip("ᴀʙᴄᴅᴇꜰɢʜɪᴊᴋʟᴍɴᴏᴘʀꜱᴛᴜᴠᴡʏᴢıİ", "abcdefghijklmnoprstuvwyziI")),
+}
+QUOTES = '"`'  # the marks that open and close a quoted span ("'" only wraps: it is also an apostrophe)
+
+def _normalised(text):
+    """(normalised text, the index in text of each normalised character's source). A confusable
+    is mapped before NFKC too, which would turn an acute accent used as an apostrophe into a
+    space and a combining mark."""
+    chars, origin = [], []
+    for i, c in enumerate(text):
+        if unicodedata.category(c) in DROPPED_CATEGORIES:
+            continue
+        for n in unicodedata.normalize("NFKC", CONFUSABLES.get(c, c)):
+            if unicodedata.category(n) not in DROPPED_CATEGORIES:
+                chars.append(CONFUSABLES.get(n, n))
+                origin.append(i)
+    return "".join(chars), origin
+
+def normalise(text):
+    """The text the tag grammar reads (see the section comment)."""
+    return _normalised(text)[0]
+
+_CLAUSE_END = re.compile(r"[.!?;:,\n\]]")
+_WORD = re.compile(r"[a-z']+")
+
+def find_marks(norm):
+    """Where the grammar's marks are in the normalised text: line breaks, clause ends and each
+    quote mark (sorted positions), read once so that each tag's look-up is a bisection."""
+    where = {q: [i for i, c in enumerate(norm) if c == q] for q in QUOTES}
+    where["\n"] = [i for i, c in enumerate(norm) if c == "\n"]
+    where["clause"] = [m.start() for m in _CLAUSE_END.finditer(norm)]
+    return where
+
+def quoted_tag(norm, m, marks):
+    """A tag is quoted when a quote mark opened before it closes right after it (its emphasis
+    aside: '"[ACCEPT]"', 'say "fine, [ACCEPT]"', "'[ACCEPT]'") or when it sits inside a balanced quoted span of its
+    line: an odd number of that mark before it on the line and one after it. An inch mark, a lone
+    or unmatched quote, or a quote opened on another line leaves it a decision."""
+    start, end = m.start(), m.end()
+    while start and norm[start - 1] in "*_":
+        start -= 1
+    while end < len(norm) and norm[end] in "*_":
+        end += 1
+    after = norm[end:end + 1]
+    if after == "'" == norm[start - 1:start] or after in QUOTES and after and marks[after][0] < start:
+        return True  # wrapped, or the closing mark of a quote opened before (on any line)
+    lines = marks["\n"]
+    line_start = lines[bisect.bisect_left(lines, start) - 1] + 1 if lines and lines[0] < start else 0
+    k = bisect.bisect_left(lines, end)
+    line_end = lines[k] if k < len(lines) else len(norm)
+    for q in QUOTES:
+        at = marks[q]
+        before = bisect.bisect_left(at, start) - bisect.bisect_left(at, line_start)
+        if before % 2 and bisect.bisect_left(at, line_end) > bisect.bisect_left(at, end):
+            return True
+    return False
+
+def _negates(word):
+    return word in NEGATIONS or word.endswith("n't")
+
+def _negations(words):
+    """(first, last) word index of each negation in words: a negating word, or a REFUSALS phrase
+    (whose own words count once)."""
+    spans = [(i, i + len(p) - 1) for i in range(len(words)) for p in REFUSALS
+             if tuple(words[i:i + len(p)]) == p]
+    inside = {j for a, b in spans for j in range(a, b + 1)}
+    spans += [(i, i) for i, w in enumerate(words) if _negates(w) and i not in inside]
+    return sorted(spans, key=lambda span: span[1])
+
+def _governed(words, first, end):
+    """Whether words[end+1:first] are at most NEGATION_WINDOW GOVERNING words."""
+    between = words[end + 1:first]
+    return len(between) <= NEGATION_WINDOW and all(w in GOVERNING for w in between)
+
+def _governs(words):
+    """Whether the last negation of a clause's words governs what follows them: nothing but
+    GOVERNING words (at most NEGATION_WINDOW) after it, no AFFIRMING word or other negation
+    governing it in turn ("why not", "how could I not", "no way I'd refuse", "can't refuse")."""
+    spans = _negations(words)
+    if not spans or not _governed(words + [""], len(words), spans[-1][1]):
+        return False
+    first = spans[-1][0]
+    if any(_governed(words, first, end) for _, end in spans[:-1]):
+        return False  # a double negative affirms
+    return not any(w in AFFIRMING and _governed(words, first, i)
+                   for i, w in enumerate(words[:first]))
+
+def negated(norm, m, marks):
+    """Whether a negation governs the verb of the tag m (arena asks only for the decisions a
+    negation voids): in its clause, or, when a comma sets the tag off, in the clause before up to
+    ASIDES comma-set asides that hold no negation of their own ("I will not, under any
+    circumstances, [ACCEPT]")."""
+    ends, end = marks["clause"], m.start()
+    for aside in range(ASIDES + 2):
+        k = bisect.bisect_left(ends, end) - 1
+        start = ends[k] + 1 if k >= 0 else 0
+        words = _WORD.findall(norm[start:end].lower())
+        if _governs(words):
+            return True
+        if k < 0 or norm[ends[k]] != "," or _negations(words) or (words and aside == 0):
+            return False
+        end = ends[k]
+    return False
 
 VOIDABLE = ("ACCEPT", "CONDITIONAL_ACCEPT")  # the decisions a governing negation voids
 # Words may be joined by any run of spaces, '_' or '-' ("[ walk - away ]" counts; "[walkaway]" does
@@ -284,12 +413,12 @@ def _decision(word):
 
 def parse_decision(text):
     """The decision of the last tag in text that is neither quoted nor negated, or None."""
-    norm, decision = hardening.normalise(text), None
-    marks = hardening.find_marks(norm)
+    norm, decision = normalise(text), None
+    marks = find_marks(norm)
     for m in TAG_RE.finditer(norm):
         said = _decision(m.group(1))
-        if not hardening.quoted_tag(norm, m, marks) and not (
-                said in VOIDABLE and hardening.negated(norm, m, marks)):
+        if not quoted_tag(norm, m, marks) and not (
+                said in VOIDABLE and negated(norm, m, marks)):
             decision = said
     return decision
 
@@ -298,7 +427,7 @@ def strip_decision_tags(text):
     without tags comes back unchanged. Repeated until none is left, as removing "[ACCEPT]" from
     "[ACC[ACCEPT]EPT]" leaves a tag behind."""
     out = text
-    while (new := hardening.strip_once(out, _STRIP_RE)) != out:
+    while (new := hardening.strip_once(out, _STRIP_RE, _normalised)) != out:
         out = new
     return out if out == text else out.strip()
 

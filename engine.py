@@ -55,7 +55,7 @@ CACHE_FRACTION_GPU = 0.15  # share of free GPU memory given to each engine's KV 
 MAX_BLOCKS = 1 << 16      # pool size cap (small models would otherwise get millions of blocks)
 COMPUTE_BOUND_DEVICES = ("cpu",)  # where compute, not kernel launches, is the cost: prefill
 # attention a sequence at a time, the probes' common opening prefilled once
-MAX_NEW_TOKENS = 256      # per message
+MAX_NEW_TOKENS = 256      # per message (--max-new-tokens; the cpu and tiny presets set 32, 4)
 ENGINE_THREADS = "free"   # torch threads of a CPU forward or decode window: "free", the cores
 # other processes leave free at its start (cpu_threads, up or down); "all", the process's
 FORWARD_TOKENS = 8192     # new tokens a forward runs at once: a larger batch (the judge's prompts, the

@@ -351,7 +351,7 @@ def cpu_defaults(args):
     import torch
 
     import engine
-    cpu = {} if torch.cuda.is_available() else presets.cpu_defaults()
+    cpu = {} if torch.cuda.is_available() else presets.laptop_settings()
     if args.max_new_tokens is None:
         remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
         args.max_new_tokens = engine.MAX_NEW_TOKENS if remote else cpu.get(

@@ -233,11 +233,6 @@ def encode(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def control_ids(tokenizer):
-    """Every added token's id (special or not, e.g. Qwen3's <think>): the framing vocabulary."""
-    return set(tokenizer.added_tokens_decoder)
-
-
 def text_ids(tokenizer, text):
     """Ids of text as plain text: no added token, special or not, is matched, so the result holds
     no control id. A fast tokenizer runs its own pipeline (normalizer, pre-tokenizer, model)

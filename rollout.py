@@ -1,25 +1,18 @@
 """
 rollout.py: the one episode loop. Episodes of a persuader and a persuadee, whatever plays each role.
 
-A role is a *side*: a local engine.Engine (EngineSide, below), a model behind an OpenAI-compatible
-API (served.ServedSide) or, as persuader, the person at the terminal (lab/play.py). Every side has
-the same small interface, so one loop drives every mix of them:
-
-    prompt(inst)          the prompt's ids (none where text crosses, served or typed)
-    room(inst, n)         can n episodes of inst open now (its prompt and one message each)?
-    prefill(inst)         the prompt, once per instance; start(roots, counts) forks it n times
-                          (a persuadee's roots read b_0 first) and frees the roots
-    ready(sids)           the sequences whose next message fits now (its capacity: a pool's free
-                          blocks, a server's every request, one person)
-    speak(sids, keys)     the persuader's next messages; reply(sids, keys) the persuadee's, with
-                          the probes read after each
-    hear(sid, ...)        the other side's text enters the context (tags stripped), free(sid)
+A role is a *side* (the Protocol Side, below): a local engine.Engine (EngineSide), a model behind
+an OpenAI-compatible API (served.ServedSide) or, as persuader, the person at the terminal
+(lab/play.py). Every side has the same small interface (prompt, room, prefill, start: forks with
+b_0 read, ready, speak, reply: with the probes read after each, hear, free), so one loop drives
+every mix of them.
 
 On a local side a dialogue is a growing context that only appends: the persuader's new message
 goes into the persuadee's context, the reply into the persuader's, so every token of a
 conversation is prefilled exactly once (engine.py). After each reply the persuadee's beliefs are
-read in forks of its context (probes.py); at the end a frozen judge scores each transcript
-(lab/judge.py; lab/served.py for a served judge). With decision "logit" (--decision logit) the
+read in forks of its context (probes.py); once all have ended a frozen judge scores each
+transcript (judge_episodes, under the one retry policy judge_attempts; lab/judge.py and
+lab/served.py answer each attempt). With decision "logit" (--decision logit) the
 persuadee's decision is read in such a fork too (probes.read_decisions) and sampled with its
 episode's keyed stream, instead of parsed from its tag.
 
@@ -39,8 +32,7 @@ since no belief change and no decision answers it.
 
     python -m pytest -q tests/test_rollout.py
 """
-import time
-from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
 
 import arena
 import engine
@@ -66,13 +58,26 @@ DECISION = "tag"  # "logit": the persuadee's decision read in a fork after each 
 # Logit decision), for persuadees too small to write tags; --decision's default
 
 
-@contextmanager
-def clock(timings, key):
-    """Add the block's wall time to timings[key] (when timings is a dict)."""
-    start = time.perf_counter()
-    yield
-    if timings is not None:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+clock = scheduling.clock  # (timings, key): a block's wall time added to timings[key]
+
+
+@runtime_checkable
+class Side(Protocol):
+    """What plays a role, whatever it is (module docstring): EngineSide (a local engine),
+    served.ServedSide (an OpenAI-compatible API), play.PersonSide (a person), env.TrainerSide
+    (a trainer outside) and env.Watched (a side whose reads are kept)."""
+    tokenizer: object  # None where text crosses (served or typed)
+    max_len: int | None  # the context, None where a server checks its own
+
+    def prompt(self, instance): ...  # the prompt's ids ([] where text crosses)
+    def room(self, instance, n): ...  # can n episodes of instance open now?
+    def prefill(self, instance): ...  # the prompt once; its root
+    def start(self, roots, counts): ...  # (sids per root, b_0 read per root or None); roots freed
+    def ready(self, sids): ...  # those whose next message fits now
+    def speak(self, sids, keys): ...  # the persuader's messages: dict(text, ids, logprobs, reason)
+    def reply(self, sids, keys, timings=None): ...  # the persuadee's, probes read after each
+    def hear(self, sid, text, final_turn=False, shown=None): ...  # (ids added, "context" or None)
+    def free(self, sid): ...
 
 
 def role_sampling(args):
@@ -137,16 +142,17 @@ def persuader_heard(tokenizer, message_ids, text):
 
 def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timings=None,
                    probe_space=None, probe_signs=None, decision="tag"):
-    """The persuadee's half of a turn, for each sequence (the message it heard already pending,
-    persuadee_heard): it replies, its reply is closed and its beliefs are read in forks.
+    """The persuadee's half of a turn on an engine, for each sequence (the message it heard
+    already pending, persuadee_heard): EngineSide.reply on it."""
+    return EngineSide(persuadee, "persuadee", sampling, max_new_tokens, probe_space, probe_signs,
+                      decision).reply(sids, keys, timings)
 
-    Returns per sequence {text, decision, reason, probes, probe_mass (the Yes+No mass of each
-    read-out)}; a reply cut off by the cache or the context ("context", "cache") has no probes,
-    and its sequence is left as it is. decision "logit": the decision is read in a fork instead
-    of from the reply's tag (read_logit_decisions)."""
+
+def close_replies(persuadee, sids, outs):
+    """The persuadee's replies as generated (outs), each closed in its context where it fits:
+    (per sequence dict(text, decision, reason, probes None, probe_mass None), the closed ones as
+    (sid, reply)). A reply with no room left to close and ask the probes ends "context"."""
     tok = persuadee.tokenizer
-    with clock(timings, "persuadee_s"):
-        outs = persuadee.generate(sids, max_new_tokens, sampling, keys)
     replies, closed = [], []
     for sid, (ids, _, reason) in zip(sids, outs):
         text = tok.decode(ids, skip_special_tokens=True).strip()
@@ -159,19 +165,7 @@ def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timi
         if reason not in arena.CUT_OFF:
             persuadee.append(sid, closing)
             closed.append((sid, replies[-1]))
-    if closed:
-        with clock(timings, "persuadee_s"):
-            persuadee.forward([sid for sid, _ in closed])
-        with clock(timings, "probe_s"):
-            values, mass = probes.read_engine(persuadee, [sid for sid, _ in closed],
-                                              with_mass=True, space=probe_space,
-                                              signs=probe_signs)
-        for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
-            reply["probes"], reply["probe_mass"] = v, m
-        if decision == "logit":
-            by_sid = dict(zip(sids, keys or [0] * len(sids)))
-            read_logit_decisions(persuadee, [(sid, r, by_sid[sid]) for sid, r in closed], timings)
-    return replies
+    return replies, closed
 
 
 def sample_decisions(probs, keys, positions):
@@ -215,17 +209,32 @@ def side(player, role, sampling, max_new_tokens, probe_space=None, probe_signs=N
 
 
 def judge_all(model, instances, transcripts, seed, group_indices):
-    """(strategy score s, fell back) per transcript, by a local or a served judge; s = 0 (not
-    fallen back) for every transcript when there is no judge (model None)."""
+    """(strategy score s, fell back) per transcript, by a local or a served judge under the one
+    retry policy (judge_attempts); s = 0 (not fallen back) for every transcript when there is
+    no judge (model None)."""
     if model is None:
         return [0.0] * len(instances), [False] * len(instances)
-    if isinstance(model, served.ServedModel):
-        return served.judge_scores(model, instances, transcripts, seed, group_indices,
-                                   max_tokens=JUDGE_MAX_NEW_TOKENS,
-                                   retry_sampling=JUDGE_RETRY_SAMPLING)
-    return local_judge.judge_scores(model, instances, transcripts, seed, group_indices,
-                                    max_tokens=JUDGE_MAX_NEW_TOKENS,
-                                    retry_sampling=JUDGE_RETRY_SAMPLING)
+    scorer = served.judge_scores if isinstance(model, served.ServedModel) else local_judge.judge_scores
+    return scorer(model, instances, transcripts, seed, group_indices,
+                  max_tokens=JUDGE_MAX_NEW_TOKENS, attempts=judge_attempts)
+
+
+def judge_attempts(answer, n):
+    """The judge's retry policy, which sets s (DECISIONS.md: Judge retries), for every judge
+    (local: lab/judge.py; served: lab/served.py): each of n transcripts' greedy answer, then up
+    to arena.JUDGE_RETRIES answers sampled with JUDGE_RETRY_SAMPLING while none parses
+    (arena.parse_judge). answer(todo, sampling, attempt) returns the answer texts (None: no
+    answer) of the transcripts todo (indices). Returns s per transcript, None where none parsed
+    (the caller falls back to s = 0)."""
+    scores = [None] * n
+    for attempt in range(1 + arena.JUDGE_RETRIES):
+        todo = [i for i, s in enumerate(scores) if s is None]
+        if not todo:
+            break
+        sampling = engine.GREEDY if attempt == 0 else JUDGE_RETRY_SAMPLING
+        for i, text in zip(todo, answer(todo, sampling, attempt)):
+            scores[i] = None if text is None else arena.parse_judge(text)
+    return scores
 
 
 def new_episode(inst, index, g, t_max, seed):
@@ -258,16 +267,49 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
                      decision=None, on_record=None, progress=None, timings=None):
     """Play G = group_size episodes of every instance to the end, scheduled onto the sides.
 
-    persuader and persuadee are each an engine.Engine, a served.ServedModel or a side (module
-    docstring), sampled with their role's engine.Sampling (default SAMPLING["paper"]), each message
-    at most max_new_tokens (default engine.MAX_NEW_TOKENS); judge is an Engine, a ServedModel or
-    None (s = 0). probe_space and probe_signs are the probe options (probes.py's defaults);
-    decision is how the persuadee decides, "tag" or "logit" (default DECISION).
-    `max_active` caps the episodes in play at once (default: as many as the sides take).
-    `on_record`, when given, receives each episode's record as soon as it ends, its judge field
-    still None: the judge scores every transcript once, at the end, when the pools are empty.
-    `timings`, when given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s
-    and judge_s. Returns one record per episode (instance-major, rollout.record), judged."""
+    persuader and persuadee are each an engine.Engine, a served.ServedModel or a Side, sampled
+    with their role's engine.Sampling (default SAMPLING["paper"]), each message at most
+    max_new_tokens (default engine.MAX_NEW_TOKENS). probe_space and probe_signs are the probe
+    options (probes.py's defaults); decision is how the persuadee decides, "tag" or "logit"
+    (default DECISION). `max_active` caps the episodes in play at once (default: as many as the
+    sides take). `on_record`, when given, receives each episode's record as soon as it ends, its
+    judge field still None. judge: an Engine or a ServedModel scores every transcript once all
+    have ended (judge_episodes; train.py calls it itself); None leaves s = 0. `timings`, when
+    given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s and judge_s.
+    Returns one record per episode (instance-major, rollout.record)."""
+    persuader, persuadee = sides(persuader, persuadee, instances, persuader_sampling,
+                                 persuadee_sampling, max_new_tokens, probe_space, probe_signs,
+                                 decision)
+    loop = EpisodeLoop(persuader, persuadee, instances, t_max, seed, group_size, max_active,
+                       on_record, timings)
+    while loop.scheduler.running or loop.scheduler.waiting:
+        groups = loop.admit()  # prompts prefilled where every side has room
+        if groups:
+            counts = [len(members) for _, members, _ in groups]
+            persuader_sids, _ = persuader.start([roots[0] for *_, roots in groups], counts)
+            with clock(timings, "probe_s"):  # b_0 of every new episode, read before its first message
+                persuadee_sids, b0 = persuadee.start([roots[1] for *_, roots in groups], counts)
+            loop.started(groups, persuader_sids, persuadee_sids, b0)
+        if speakers := loop.ready(persuader, "speak"):
+            with clock(timings, "persuader_s"):
+                said = persuader.speak([e["persuader_sid"] for e in speakers],
+                                       [e["persuader_key"] for e in speakers])
+            loop.said(speakers, said)
+        if repliers := loop.ready(persuadee, "reply"):  # the probes read after each reply
+            loop.replied(repliers, persuadee.reply([e["persuadee_sid"] for e in repliers],
+                                                   [e["persuadee_key"] for e in repliers], timings))
+        if not speakers and not repliers and loop.scheduler.running:
+            loop.scheduler.stall()
+        if progress is not None:
+            progress.update(len(loop.scheduler.done) - progress.n)
+    records = [record(loop.scheduler.done[i, g], 0.0, False) for i in range(len(instances))
+               for g in range(group_size)]
+    return judge_episodes(judge, instances, records, seed, group_size, timings)
+
+
+def sides(persuader, persuadee, instances, persuader_sampling, persuadee_sampling, max_new_tokens,
+          probe_space, probe_signs, decision):
+    """The two sides of rollout_episodes (side), their prompts checked against the instances."""
     paper = SAMPLING["paper"]
     max_new_tokens = engine.MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     decision = DECISION if decision is None else decision
@@ -281,77 +323,57 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     if problems:
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
                          "out (rollout.prompt_problems finds them) or use a longer-context model.")
-    loop = EpisodeLoop(persuader_side, persuadee_side, instances, t_max, seed, group_size,
-                       max_active, on_record, timings)
-    loop.run(progress)
-    episodes = [loop.scheduler.done[i, g] for i in range(len(instances)) for g in range(group_size)]
-    spoken = [e for e in episodes if e["transcript"]]  # nothing to judge in the others: s = 0
+    return persuader_side, persuadee_side
+
+
+def judge_episodes(judge, instances, records, seed, group_size, timings=None):
+    """The strategy judge's score s of each episode record (instance-major, group_size a
+    instance), written into its "judge" and "judge_failed" (judge_all); an episode with nothing
+    said keeps s = 0, and so does every one when judge is None. Returns the records."""
+    spoken = [i for i, r in enumerate(records) if r["transcript"]] if judge is not None else []
     with clock(timings, "judge_s"):
-        scores, failed = judge_all(judge, [e["inst"] for e in spoken],
-                                   [e["transcript"] for e in spoken], seed,
-                                   [e["g"] for e in spoken])
-    verdicts = {id(e): v for e, v in zip(spoken, zip(scores, failed))}
-    return [record(e, *verdicts.get(id(e), (0.0, False))) for e in episodes]
+        scores, failed = judge_all(judge, [instances[i // group_size] for i in spoken],
+                                   [records[i]["transcript"] for i in spoken], seed,
+                                   [i % group_size for i in spoken]) if spoken else ([], [])
+    for i, score, fell_back in zip(spoken, scores, failed):
+        records[i]["judge"], records[i]["judge_failed"] = score, fell_back
+    return records
 
 
 class EpisodeLoop:
-    """The one episode loop over two sides: admit groups (Scheduler), then, until every
-    episode has ended, let every persuader whose side has room speak and every persuadee that
-    heard reply (its probes read), stepping each episode's arena state machine."""
+    """The episodes' state between the sides' calls in rollout_episodes: which episodes wait
+    and run (Scheduler), and what each message and reply does to its episode (its arena state
+    machine, its token stream, transcript and beliefs)."""
 
     def __init__(self, persuader, persuadee, instances, t_max, seed, group_size, max_active,
                  on_record, timings):
-        self.persuader, self.persuadee = persuader, persuadee  # the two sides
         self.instances, self.t_max, self.seed = instances, t_max, seed
-        self.on_record, self.timings = on_record, timings
-        self.scheduler = scheduling.Scheduler((persuader, persuadee), len(instances), group_size,
-                                              max_active)
+        self.on_record = on_record
+        self.scheduler = scheduling.Scheduler((persuader, persuadee), instances, group_size,
+                                              max_active, timings)
 
-    def run(self, progress=None):
-        scheduler = self.scheduler
-        self.refill()
-        while scheduler.running or scheduler.waiting:
-            moved = self.speak() | self.reply()
-            if not moved and scheduler.running:
-                scheduler.stall()
-            self.refill()
-            if progress is not None:
-                progress.update(len(scheduler.done) - progress.n)
+    def admit(self):
+        """The groups the scheduler admits now (index, members, roots); those that never start
+        (no room in empty pools) are recorded as ended "cache"."""
+        groups, never = self.scheduler.admit()
+        for index, g in never:
+            e = new_episode(self.instances[index], index, g, self.t_max, self.seed)
+            e["state"].end("cache")
+            self.scheduler.done[index, g] = e
+            self.ended(e)
+        return groups
 
-    def refill(self):
-        self.scheduler.refill(self.fits, self.open_group, self.never_started, self.start)
-
-    def fits(self, index, n):
-        return self.persuader.room(self.instances[index], n) and self.persuadee.room(self.instances[index], n)
-
-    def open_group(self, index):
-        with clock(self.timings, "persuader_s"):
-            persuader_root = self.persuader.prefill(self.instances[index])
-        with clock(self.timings, "persuadee_s"):
-            persuadee_root = self.persuadee.prefill(self.instances[index])
-        return persuader_root, persuadee_root
-
-    def never_started(self, index, g):  # cannot fit empty pools: recorded, never played
-        e = new_episode(self.instances[index], index, g, self.t_max, self.seed)
-        e["state"].end("cache")
-        self.scheduler.done[index, g] = e
-        self.ended(e)
-
-    def start(self, groups):
-        """Fork the prefilled prompts into the groups' episodes; b_0 read for all at once."""
-        persuader, persuadee = self.persuader, self.persuadee
-        counts = [len(members) for _, members, _ in groups]
-        persuader_sids, _ = persuader.start([roots[0] for _, _, roots in groups], counts)
-        with clock(self.timings, "probe_s"):
-            persuadee_sids, reads = persuadee.start([roots[1] for _, _, roots in groups], counts)
-        for (index, members, _), persuader_group, persuadee_group, (b0, m0) in zip(groups, persuader_sids, persuadee_sids, reads):
+    def started(self, groups, persuader_sids, persuadee_sids, reads):
+        """The groups' episodes, forked from their prompts, running with b_0 read."""
+        for (index, members, _), persuader_group, persuadee_group, (b0, m0) in zip(
+                groups, persuader_sids, persuadee_sids, reads):
             inst = self.instances[index]
-            prompt = persuader.prompt(inst)
+            prompt = self.scheduler.sides[0].prompt(inst)
             for g, persuader_sid, persuadee_sid in zip(members, persuader_group, persuadee_group):
                 e = new_episode(inst, index, g, self.t_max, self.seed)
-                e.update(persuader_sid=persuader_sid, persuadee_sid=persuadee_sid, ids=list(prompt), turn_ids=[0] * len(prompt),
-                         logprobs=[0.0] * len(prompt), probes=[b0], probe_mass=[m0],
-                         beliefs=[probes.belief(b0)])
+                e.update(persuader_sid=persuader_sid, persuadee_sid=persuadee_sid, ids=list(prompt),
+                         turn_ids=[0] * len(prompt), logprobs=[0.0] * len(prompt), probes=[b0],
+                         probe_mass=[m0], beliefs=[probes.belief(b0)])
                 self.scheduler.running.append(e)
 
     @staticmethod
@@ -374,18 +396,16 @@ class EpisodeLoop:
         if self.on_record is not None:
             self.on_record(record(e, None, None))
 
-    def ready(self, side_, phase, key):
+    def ready(self, side_, phase):
+        """The running episodes in phase ("speak", "reply") whose side has room for their next
+        message now."""
+        key = "persuader_sid" if phase == "speak" else "persuadee_sid"
         episodes = [e for e in self.scheduler.running if e["phase"] == phase]
         fit = set(side_.ready([e[key] for e in episodes]))
         return [e for e in episodes if e[key] in fit]
 
-    def speak(self):
-        """Every persuader with room says its message; the persuadee hears it. Whether any did."""
-        speakers = self.ready(self.persuader, "speak", "persuader_sid")
-        if not speakers:
-            return False
-        with clock(self.timings, "persuader_s"):
-            said = self.persuader.speak([e["persuader_sid"] for e in speakers], [e["persuader_key"] for e in speakers])
+    def said(self, speakers, said):
+        """Each persuader's message enters its token stream and transcript; the persuadee hears it."""
         for e, out in zip(speakers, said):
             self.extend(e, out["ids"], e["state"].turn + 1, out["logprobs"])
             if out["reason"] not in (arena.API_ERROR, STOPPED):  # those said nothing
@@ -394,18 +414,12 @@ class EpisodeLoop:
             if out["reason"] not in SPOKEN:
                 self.cut_off(e, out["reason"])
                 continue
-            self.persuadee.hear(e["persuadee_sid"], out["text"], e["state"].final_turn)
+            self.scheduler.sides[1].hear(e["persuadee_sid"], out["text"], e["state"].final_turn)
             e["phase"] = "reply"
-        return True
 
-    def reply(self):
-        """Every persuadee with room replies (probes read after it); the state machine steps and
-        the persuader hears the reply. Whether any did."""
-        repliers = self.ready(self.persuadee, "reply", "persuadee_sid")
-        if not repliers:
-            return False
-        replies = self.persuadee.reply([e["persuadee_sid"] for e in repliers], [e["persuadee_key"] for e in repliers],
-                                self.timings)
+    def replied(self, repliers, replies):
+        """Each reply steps its episode's state machine, adds its belief, and the persuader
+        hears it."""
         for e, reply in zip(repliers, replies):
             if reply["reason"] != arena.API_ERROR:
                 e["transcript"].append({"role": "persuadee", "text": reply["text"],
@@ -420,13 +434,12 @@ class EpisodeLoop:
             if e["state"].done:
                 self.finish(e)
                 continue
-            ids, reason = self.persuader.hear(e["persuader_sid"], reply["text"], shown=(reply["probes"],
-                                                                       e["beliefs"]))
+            ids, reason = self.scheduler.sides[0].hear(e["persuader_sid"], reply["text"],
+                                                       shown=(reply["probes"], e["beliefs"]))
             self.extend(e, ids)
             e["phase"] = "speak"
             if reason:
                 self.finish(e, reason)
-        return True
 
 
 class EngineSide:
@@ -501,10 +514,25 @@ class EngineSide:
         return ids, "context" if self.eng.overflow(sid) == "context" else None
 
     def reply(self, sids, keys, timings=None):
-        return persuadee_turn(self.eng, sids, sampling=self.sampling,
-                              max_new_tokens=self.max_new_tokens, keys=keys, timings=timings,
-                              probe_space=self.space, probe_signs=self.signs,
-                              decision=self.decision)
+        """The persuadee's replies (the message it heard pending: persuadee_heard), each closed and
+        its beliefs read in forks (probes.read_engine): per sequence dict(text, decision, reason,
+        probes, probe_mass: the Yes+No mass of each read-out); a reply cut off ("context",
+        "cache") has no probes. decision "logit": read in a fork instead (read_logit_decisions)."""
+        with clock(timings, "persuadee_s"):
+            outs = self.eng.generate(sids, self.max_new_tokens, self.sampling, keys)
+            replies, closed = close_replies(self.eng, sids, outs)
+            if closed:
+                self.eng.forward([sid for sid, _ in closed])
+        if closed:
+            with clock(timings, "probe_s"):
+                values, mass = probes.read_engine(self.eng, [sid for sid, _ in closed],
+                                                  with_mass=True, space=self.space, signs=self.signs)
+            for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
+                reply["probes"], reply["probe_mass"] = v, m
+            if self.decision == "logit":
+                by_sid = dict(zip(sids, keys or [0] * len(sids)))
+                read_logit_decisions(self.eng, [(sid, r, by_sid[sid]) for sid, r in closed], timings)
+        return replies
 
     def free(self, sid):
         self.eng.free(sid)

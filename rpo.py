@@ -24,17 +24,16 @@ file turns beliefs, outcomes and strategy scores into per-token advantages and t
                        L   = sum over persuader tokens of l / N,  N = persuader tokens in the global
                              batch (all ranks, all micro-batches): summed micro-batch losses = mean.
 
-From episode records (rollout.record) to the loss: playable keeps the groups whose every episode
-was played; advantages gives each episode's A_{i,t} (rewards as above, a belief that could not be
-read counted and left out of its group's dense term); silenced puts the left-out episodes back in
-their places without a persuader token (every rank runs the same micro-batches); and
-micro_batch_loss takes a micro-batch of records to L: the policy's log-probs at the persuader's
-tokens (kept_logits: logits only where the row predicts a persuader token, a group's shared
-prompt run once), the frozen reference's, and policy_loss over them with the global token count.
+From episode records (rollout.record) of whole groups to the loss: rewards gives each group's R
+and r_t, advantages each episode's A_{i,t} (a belief that could not be read counted and left out
+of its group's dense term), and micro_batch_loss takes a micro-batch of records to L: the policy's log-probs at the persuader's
+tokens (logits only where the row predicts a persuader token; lab/steps.kept_logits runs a group's
+shared prompt once), the frozen reference's, and policy_loss over them with the global token count.
 train.py keeps the backward, its scale over ranks, clipping and the optimizer.
 
-Alignment: token_logprobs returns [B, L-1] for ids[:, 1:], so a per-token quantity built over the
-L input positions (token_advantages, the persuader mask) is sliced [:, 1:] before policy_loss.
+Alignment: the logits at position p predict ids[:, p + 1], so micro_batch_loss keeps the positions
+p where turn_ids[:, p + 1] > 0 and reads the targets, old log-probs and advantages (built over the
+L input positions by batch_token_advantages) at p + 1 before target_logprobs and policy_loss.
 
 torch is imported inside the functions that make tensors, so that the reward math (process_rewards,
 dense_return, GOAL) serves lab/analyses.py without loading torch.
@@ -43,19 +42,19 @@ Tests: python -m pytest -q tests/test_rpo.py
 """
 import math
 
-import arena
 
 LAMBDA = 0.5  # weight of the dense process term; 0 recovers outcome-only GRPO
 ANCHOR = False  # ablation: replace the last belief by the outcome's anchor belief (DECISIONS.md: Terminal anchor)
 GOAL = {"ACCEPT": 3.0, "CONDITIONAL_ACCEPT": 1.0, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -2.0}  # goal reward per outcome
 ANCHOR_BELIEF = {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -1.0}  # b_T under ANCHOR
-STRATEGY_WEIGHT = 0.5  # weight of the judge's strategy score s in the outcome reward
+STRATEGY_WEIGHT = 0.5  # weight of the judge's strategy score s in the outcome reward (inert under
+# the cpu and tiny presets: --judge none, s = 0)
 CLIP_LOW = 0.2  # ratio clipped below at 1 - CLIP_LOW
 CLIP_HIGH = 0.28  # ratio clipped above at 1 + CLIP_HIGH (asymmetric, "clip-higher")
 KL_BETA = 0.01  # weight of the k3 penalty against the frozen initial policy
 STD_EPS = 1e-6  # added to the group std, as in TRL and verl
 DENSE_BASELINE = "turn"  # the dense term's baseline: per turn index; "pooled", one over all turns (DECISIONS.md: Dense baseline)
-DIAG_EPS = 1e-9  # |A| above this counts as a nonzero advantage in step_diagnostics
+DIAG_EPS = 1e-9  # |A| above this counts as a nonzero advantage in diagnostic_sums
 
 
 # -----------------------------------------------------------------------------
@@ -167,15 +166,9 @@ def group_advantages(outcome_rewards, process_rewards, lam=LAMBDA):
     return [[a + lam * x for x in d] for a, d in zip(a_out, dense)]
 
 
-def token_advantages(turn_ids, advantages):
-    """turn_ids [L] (t >= 1 on persuader tokens of message t, else 0) -> float [L]: A_t there, 0 elsewhere."""
-    import torch
-    table = torch.tensor([0.0] + [float(a) for a in advantages], device=turn_ids.device)
-    return table[turn_ids]
-
-
 def batch_token_advantages(turn_ids, advantages):
-    """Batched token_advantages: turn_ids [B, L], advantages a list of B (ragged) lists -> [B, L]."""
+    """turn_ids [B, L] (t >= 1 on persuader tokens of message t, else 0), advantages a list of B
+    (ragged) lists -> float [B, L]: A_t on the tokens of message t, 0 elsewhere."""
     import torch
     B = turn_ids.shape[0]
     assert len(advantages) == B
@@ -196,61 +189,27 @@ def numeric(beliefs):
     return [math.nan if b is None else b for b in beliefs]
 
 
-def playable(records, group_size):
-    """(the groups whose every episode was played, counts of those left out, why each was): an
-    episode that never started (it cannot fit the empty pools: no belief, no token of its own)
-    or whose served model failed for good ("api_error") takes its whole group out of the step's
-    metrics and loss (a group's baseline needs all of its members)."""
-    why = {i: "never started: it does not fit the empty KV pools alone" if not r["beliefs"]
-           else "its served model kept failing" for i, r in enumerate(records)
-           if not r["beliefs"] or r["end_reason"] == arena.API_ERROR}
-    kept = [r for g in range(0, len(records), group_size) for r in records[g:g + group_size]
-            if not any(i in why for i in range(g, g + group_size))]
-    said = "; ".join(f"{records[i]['id']} member {i % group_size} {w}" for i, w in why.items())
-    return kept, dict(never_started=sum(not r["beliefs"] for r in records),
-                      api_errors=sum(r["end_reason"] == arena.API_ERROR for r in records),
-                      left_out=len(records) - len(kept)), said
-
-
-def advantages(records, group_size, lam=LAMBDA, anchor=ANCHOR):
-    """Rewards and Probe-RPO advantages of whole groups of episode records: the turn advantages
-    A_{i,t} of each episode, and (outcome rewards, process rewards, goals) of each group (what
-    diagnostic_sums reads)."""
-    groups, per_episode = [], []
+def rewards(records, group_size, anchor=ANCHOR):
+    """The rewards of whole groups of episode records, per group (outcome rewards R_i =
+    GOAL[outcome] + STRATEGY_WEIGHT * s_i, process rewards r_{i,t} from the beliefs, goals
+    GOAL[outcome]): what advantages turns into A_{i,t} and diagnostic_sums reads."""
+    groups = []
     for g in range(0, len(records), group_size):
         group = records[g:g + group_size]
-        outcome = [outcome_reward(r["outcome"], r["judge"]) for r in group]
-        process = [process_rewards(numeric(r["beliefs"]), r["outcome"], anchor) for r in group]
-        groups.append((outcome, process, [GOAL[r["outcome"]] for r in group]))
-        per_episode += group_advantages(outcome, process, lam)
-    return per_episode, groups
+        groups.append(([outcome_reward(r["outcome"], r["judge"]) for r in group],
+                       [process_rewards(numeric(r["beliefs"]), r["outcome"], anchor) for r in group],
+                       [GOAL[r["outcome"]] for r in group]))
+    return groups
 
 
-def silenced(played, kept, turn_advantages):
-    """Every played episode for the update, in its place, those left out (playable) with no
-    persuader token and no advantage: each rank then runs the same micro-batches (FSDP's
-    collectives), and the left-out ones add nothing to the loss or its token count."""
-    kept_ids = {id(r) for r in kept}
-    advantage = iter(turn_advantages)
-    records, per_episode = [], []
-    for r in played:
-        if id(r) in kept_ids:
-            records.append(r)
-            per_episode.append(next(advantage))
-        else:
-            ids = r["ids"] or [0]  # one inert token for an episode that never started
-            records.append(dict(ids=ids, turn_ids=[0] * len(ids), logprobs=[0.0] * len(ids)))
-            per_episode.append([])
-    return records, per_episode
+def advantages(groups, lam=LAMBDA):
+    """The Probe-RPO turn advantages A_{i,t} of each episode, in order, from its group's
+    rewards (rewards)."""
+    return [a for outcome, process, _ in groups for a in group_advantages(outcome, process, lam)]
 
 
 # -----------------------------------------------------------------------------
 # log-probs and loss
-
-def token_logprobs(logits, ids, temperature=1.0):
-    """log softmax(logits[:, :-1] / temperature) at ids[:, 1:], float32 [B, L-1]."""
-    return target_logprobs(logits[:, :-1], ids[:, 1:], temperature)
-
 
 def target_logprobs(logits, targets, temperature=1.0):
     """log softmax(logits / temperature) at targets: [B, K, V] and [B, K] -> float32 [B, K].
@@ -305,48 +264,23 @@ def persuader_tokens(records):
     return sum(sum(1 for t in r["turn_ids"][1:] if t) for r in records)
 
 
-def kept_logits(model, ids, keep, share_stem, rows=None):
-    """model(ids).logits at the positions keep; with rows ([B, K] indices into keep), each row's
-    own K of them (row_logits): [B, K, V]. With share_stem, the prefix every row shares (a
-    group's persuader prompt, up to the first kept position) runs once, and its keys and values,
-    autograd graph included, are repeated for the rows, which run only what follows: the same
-    logits and gradients for fewer FLOPs (DECISIONS.md: Shared prompt in the update). A model
-    that returns no cache for the stem gets the plain forward instead."""
-    import engine
-    share_stem = share_stem and len(ids) > 1 and len(keep) > 0  # (no kept position: no stem)
-    stem = min(engine.shared_stem(ids.tolist()), int(keep[0])) if share_stem else 0
-    out = model(ids[:1, :stem], use_cache=True, logits_to_keep=1) if stem else {}
-    name = "cache" if "cache" in out else "past_key_values"  # transformers' newer name, its older
-    with row_logits(model, rows):
-        if out.get(name) is None:  # no stem, or no cache back (transformers 5.17: train mode
-            return model(ids, use_cache=False, logits_to_keep=keep).logits  # with checkpointing)
-        out[name].batch_repeat_interleave(len(ids))
-        return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem,
-                     **{name: out[name]}).logits
-
-
-def row_logits(model, rows):
-    """Within it, the model's output layer takes of the hidden states at the kept positions
-    [B, U, h] only each row's own, rows [B, K] (indices into U): the logits are [B, K, V], not
-    the union's [B, U, V] (rows of different reply lengths keep different positions; lab/plan.py
-    counts K). rows None: the union as it is."""
-    import contextlib
-    if rows is None:
-        return contextlib.nullcontext()
-    take = lambda module, args: (args[0].gather(1, rows[..., None].expand(-1, -1, args[0].shape[-1])),
-                                 *args[1:])
-    return model.get_output_embeddings().register_forward_pre_hook(take)  # removed on exit
+def plain_logits(model, ids, keep, rows):
+    """model(ids).logits at each row's own kept positions, rows [B, K] indices into keep:
+    [B, K, V] (train.py passes lab/steps.kept_logits instead, which runs the output layer on
+    those positions only and a group's shared prompt once)."""
+    kept = model(ids, use_cache=False).logits[:, keep]
+    return kept.gather(1, rows[..., None].expand(-1, -1, kept.shape[-1]))
 
 
 def micro_batch_loss(policy, reference, records, turn_advantages, num_tokens, *, temperature=1.0,
-                     clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA, share_stem=False,
-                     share_reference_stem=None, context=None):
+                     clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA, logits=None,
+                     context=None):
     """The loss of one micro-batch of episode records (ids, turn_ids, the sampled logprobs) and
     their turn advantages: the policy's and the frozen reference's log-probs of the persuader's
     tokens, policy_loss over them with the GLOBAL token count num_tokens (so the micro-batches'
     losses, summed over ranks, are the batch mean). context(model), when given, is where each
-    forward runs (precision, attention backend); share_stem (kept_logits) for the policy's, and
-    share_reference_stem (default: the same) for the reference's. Returns the loss and its
+    forward runs (precision, attention backend); logits(model, ids, keep, rows), when given, how
+    each model's logits at the kept positions are taken (default plain_logits). Returns the loss and its
     stats: its value, kl, clip_frac, ratio_mean weighted by this micro-batch's share of
     num_tokens, and under "nonfinite" 1 for each of logprobs, advantages, loss that is not
     finite (counted by the caller, which then does not step)."""
@@ -363,21 +297,20 @@ def micro_batch_loss(policy, reference, records, turn_advantages, num_tokens, *,
     # logits only where some row predicts a persuader token: the lm_head and softmax over the
     # vocabulary are skipped for the prompts and the persuadee's text
     keep = (turn_ids[:, 1:] > 0).any(0).nonzero()[:, 0]
-    # the output layer then runs on each row's own kept positions (row_logits), left-aligned:
+    # the output layer then runs on each row's own kept positions, left-aligned:
     # rows [B, K], K the most a row keeps, indices into keep (kept ones first, in order)
     kept = turn_ids[:, keep + 1] > 0
     rows = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)[:, :int(kept.sum(1).max())]
     targets, mask = ids[:, keep + 1].gather(1, rows), kept.gather(1, rows)
     old = pad("logprobs", 0.0, torch.float32)[:, keep + 1].gather(1, rows)
     adv = adv[:, 1:].to(device)[:, keep].gather(1, rows)
+    logits = logits or plain_logits
     with context(policy):
-        logp = target_logprobs(kept_logits(policy, ids, keep, share_stem, rows), targets, temperature)
+        logp = target_logprobs(logits(policy, ids, keep, rows), targets, temperature)
     ref = None
     if beta > 0:
         with torch.no_grad(), context(reference):
-            share = share_stem if share_reference_stem is None else share_reference_stem
-            ref = target_logprobs(kept_logits(reference, ids, keep, share, rows), targets,
-                                  temperature)
+            ref = target_logprobs(logits(reference, ids, keep, rows), targets, temperature)
     loss, s = policy_loss(logp, old, ref, adv, mask, num_tokens, clip_low, clip_high, beta)
     with torch.no_grad():
         weight = s["tokens"] / max(num_tokens, 1)
@@ -439,8 +372,3 @@ def diagnostics(sums):
         # episodes whose dense term was excluded for a non-finite probe value
         "nonfinite_belief_share": ratio("unreadable", "episodes"),
     }
-
-
-def step_diagnostics(groups, lam=LAMBDA):
-    """The diagnostics of one process's groups (see diagnostic_sums and diagnostics)."""
-    return diagnostics(diagnostic_sums(groups, lam))

@@ -37,12 +37,13 @@ lab/plan.py's.
     torchrun --nproc_per_node 8 train.py           # paper preset on a GPU node
     python train.py --preset paper --plan          # its memory per rank on 8 x H200, on any machine
 """
+import collections
 import math
 import random
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,11 +57,21 @@ import rollout
 import rpo
 from lab import cli, lora, plan, runs, steps
 
-# the knobs train.py owns (presets: lab/presets.py; the objective's: rpo.py)
+# the paper's numbers, each its flag's default (a preset sets only what differs: lab/presets.py,
+# which the cpu and tiny presets do for all but MICRO_BATCH; the objective's own: rpo.py)
+GROUP_SIZE = 8                      # --group-size: episodes of each instance, one GRPO group
+INSTANCES = 16                      # --instances: scenario instances a step (x GROUP_SIZE episodes)
+LR = 1e-6                           # --lr: AdamW's learning rate
+STEPS = 200                         # --steps
+MICRO_BATCH = 4                     # --micro-batch: episodes a forward and backward of the update
+EVAL_EVERY = 20                     # --eval-every: steps between held-out evaluations (0: none)
+EVAL_LIMIT = 120                    # --eval-limit: held-out scenario instances an evaluation plays
+SAVE_EVERY = 20                     # --save-every: steps between checkpoints
 GRAD_CLIP = 1.0                     # max global grad norm
 WEIGHT_DECAY = 0.0                  # AdamW weight decay
 SEED = 0                            # --seed
-NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-finite one skips the step
+NONFINITE_CHECKS = ("logprobs", "advantages", "loss", "grad_norm")  # a non-finite one skips the
+# step; a name taken out is no longer checked (the step then goes ahead), an unknown one is refused
 MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps that stop the run
 
 # -----------------------------------------------------------------------------
@@ -92,81 +103,101 @@ def checkpoint_activations(policy):
     (getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable)()
 
 
-def build_models(args, world, device, sizes):
-    """The actor (fp32 master weights, trained and sharded; its rollout copy in --dtype, the
-    actor engine's weights), the frozen reference and persuadee in --dtype, the AdamW."""
+@dataclass
+class Models:
+    """What build_models loads, as plan.run_models decided (held): the policy (the persuader's
+    fp32 master weights, trained) and its AdamW, its rollout copy (None: the engine runs on the
+    policy), the frozen reference and persuadee (None where served), the served roles."""
+    held: plan.RunModels
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: object
+    rollout_copy: torch.nn.Module | None
+    reference: torch.nn.Module | None
+    persuadee: torch.nn.Module | None
+    persuadee_tokenizer: object
+    served_persuadee: object
+    served_judge: object
+    lora: int | None
+
+
+@dataclass
+class Engines:
+    """The engines that play a step: the persuader's (on the rollout copy), the persuadee's (or
+    its server) and the judge's (the persuadee's, its own, a server, or None)."""
+    persuader: engine.Engine
+    persuadee: object
+    judge: object
+
+
+def build_models(args, world, device):
+    """The models plan.run_models decides (the memory plan counted the same): the policy in
+    fp32, sharded, its rollout copy, the frozen reference and persuadee in --dtype, the AdamW."""
+    held = plan.run_models(args, world)
     served_persuadee, served_judge = steps.served_roles(args)
     policy, tokenizer = load(args.persuader, args.dtype if args.lora else "float32", device)
     if bad := runs.nonfinite_weight(policy.state_dict()):
         sys.exit(f"train.py: --persuader {args.persuader} holds non-finite weights ({bad}); pass "
                  "a model with finite weights (an earlier checkpoint of the run that wrote it)")
-    same = not served_persuadee and args.persuadee == args.persuader
     # the persuader is read once: its other roles are copies in --dtype (models.copied)
     copy = lambda: models.copied(policy, getattr(torch, args.dtype))
-    if served_persuadee:
-        persuadee_model = persuadee_tokenizer = None  # the server plays it
-    elif same:  # the persuader's frozen initial weights: the persuadee and the reference at once
-        persuadee_model, persuadee_tokenizer = copy(), tokenizer
-    else:
-        persuadee_model, persuadee_tokenizer = load(args.persuadee, args.dtype, device)
-    separate = world > 1 or args.dtype != "float32" or bool(args.lora)
-    rollout_model = copy() if separate else policy  # copied before adapters or checkpointing
+    persuadee, persuadee_tokenizer = dict(
+        served=lambda: (None, None), persuader=lambda: (copy(), tokenizer),  # frozen initial weights
+        own=lambda: load(args.persuadee, args.dtype, device))[held.persuadee]()
+    rollout_copy = copy() if held.rollout_copy else None  # before adapters or checkpointing
     if args.lora:  # fp32 adapters on the frozen base, data parallel; the base is the reference
         policy = lora.average_lora_gradients(lora.attach_lora(policy, args.lora,
                                                                   args.persuader), world)
-    reference = None
-    if args.kl_beta > 0:
-        reference = persuadee_model if same else lora.AdapterOff(policy) if args.lora else \
-            shard(copy(), world)
+    reference = {None: lambda: None, "persuadee": lambda: persuadee,
+                 "base": lambda: lora.AdapterOff(policy),
+                 "copy": lambda: shard(copy(), world)}[held.reference]()
     if not args.lora:
         policy.requires_grad_(True)
     if plan.checkpointing(args.activation_checkpointing, device.type):
         checkpoint_activations(policy)
     policy = policy if args.lora else shard(policy, world, getattr(torch, args.dtype))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
-    return SimpleNamespace(policy=policy, optimizer=optimizer, reference=reference, lora=args.lora,
-                           tokenizer=tokenizer, rollout_model=rollout_model if separate else None,
-                           persuadee_model=persuadee_model, persuadee_tokenizer=persuadee_tokenizer,
-                           served_persuadee=served_persuadee, served_judge=served_judge)
+    return Models(held, policy, optimizer, tokenizer, rollout_copy, reference, persuadee,
+                  persuadee_tokenizer, served_persuadee, served_judge, args.lora)
 
 
 @torch.no_grad()
-def copy_weights(policy, rollout_model):
+def copy_weights(policy, rollout_copy):
     """Gather the sharded fp32 master weights, one parameter at a time, into the rollout copy
-    (cast to its dtype). Its parameters are the actor engine's own fused tensors (layers.fuse),
-    so this writes straight into what the engine reads, at the same addresses."""
-    target = dict(rollout_model.named_parameters())
+    (cast to its dtype). Its parameters are the persuader engine's own fused tensors
+    (layers.fuse), so this writes straight into what the engine reads, at the same addresses."""
+    target = dict(rollout_copy.named_parameters())
     for name, p in policy.named_parameters():
         target[name].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
-def refresh_rollout_copy(m):
-    """The policy's weights written into the rollout copy (the actor engine's own tensors): the
-    fp32 master weights gathered, or under LoRA the base with its adapters merged."""
-    if m.rollout_model is not None:
-        (lora.refresh_from_lora if m.lora else copy_weights)(m.policy, m.rollout_model)
+def refresh_rollout_copy(loaded):
+    """The policy's weights written into the rollout copy (the persuader engine's own tensors):
+    the fp32 master weights gathered, or under LoRA the base with its adapters merged."""
+    if loaded.rollout_copy is not None:
+        (lora.refresh_from_lora if loaded.lora else copy_weights)(loaded.policy, loaded.rollout_copy)
 
 
-def build_engines(m, args, device, sizes):
-    """The actor engine on the rollout copy (the policy's weights copied in, after a resume),
-    the persuadee's engine (or its server) and the judge: the persuadee's when it names the
-    same model, a model of its own (which the plan counted), a server, or none."""
-    refresh_rollout_copy(m)
-    m.actor = engine.Engine(m.rollout_model or m.policy, m.tokenizer, **sizes.get("actor", {}))
-    m.persuadee = m.served_persuadee or engine.Engine(m.persuadee_model, m.persuadee_tokenizer,
-                                                      **sizes.get("persuadee", {}))
-    if m.served_judge or args.judge == "none":
-        m.judge = m.served_judge or None
-    elif args.judge in (None, args.persuadee):  # the persuadee's model: its engine, shared
-        m.judge = m.persuadee
-    else:
-        m.judge = engine.Engine(*load(args.judge, args.dtype, device), **sizes.get("judge", {}))
+def build_engines(loaded, args, device, sizes):
+    """The engines of the models loaded.held names: the persuader's on the rollout copy (the
+    policy's weights copied in, after a resume), the persuadee's (or its server) and the
+    judge's (the persuadee's engine, shared; a model of its own, which the plan counted; a
+    server; or none)."""
+    refresh_rollout_copy(loaded)
+    persuader = engine.Engine(loaded.rollout_copy or loaded.policy, loaded.tokenizer,
+                              **sizes.get("persuader", {}))
+    persuadee = loaded.served_persuadee or engine.Engine(
+        loaded.persuadee, loaded.persuadee_tokenizer, **sizes.get("persuadee", {}))
+    judge = dict(none=lambda: None, served=lambda: loaded.served_judge,
+                 persuadee=lambda: persuadee, own=lambda: engine.Engine(
+                     *load(args.judge, args.dtype, device), **sizes.get("judge", {})))
+    return Engines(persuader, persuadee, judge[loaded.held.judge]())
 
 
-def refresh(m):
-    """Point the actor engine at the updated weights (written into its own tensors)."""
-    refresh_rollout_copy(m)
-    m.actor.refresh()
+def refresh(loaded, engines):
+    """Point the persuader engine at the updated weights (written into its own tensors)."""
+    refresh_rollout_copy(loaded)
+    engines.persuader.refresh()
 
 # -----------------------------------------------------------------------------
 # one step: rollout, the update, the held-out evaluation
@@ -179,22 +210,12 @@ def step_instances(instances, args, step, rank, world):
     return chosen[rank::world]
 
 
-def play_step(m, instances, args, step, rank, world):
-    """This rank's share of the step's groups, played by the current policy; their records
-    and the step's timings (seconds, by runs.TIMING_KEYS)."""
-    mine = step_instances(instances, args, step, rank, world)
-    bar = tqdm(total=len(mine) * args.group_size, desc=f"step {step} rollout",
-               disable=rank != 0, leave=False)
-    times = dict(judge_s=0.0, probe_s=0.0)
-    seed = args.seed * 1000003 + step * 1009  # not the rank: records are rank-free
+def rollout_options(args):
+    """rollout_episodes' settings of a run, beside its instances, seed and clocks."""
     persuader_sampling, persuadee_sampling = rollout.role_sampling(args)
-    records = rollout.rollout_episodes(
-        m.actor, m.persuadee, mine, args.t_max, group_size=args.group_size, seed=seed,
-        persuader_sampling=persuader_sampling, persuadee_sampling=persuadee_sampling,
-        max_new_tokens=args.max_new_tokens, judge=m.judge, probe_space=args.probe_space,
-        probe_signs=args.probe_signs, decision=args.decision, progress=bar, timings=times)
-    bar.close()
-    return records, times
+    return dict(group_size=args.group_size, persuader_sampling=persuader_sampling,
+                persuadee_sampling=persuadee_sampling, max_new_tokens=args.max_new_tokens,
+                probe_space=args.probe_space, probe_signs=args.probe_signs, decision=args.decision)
 
 
 def compute_context(model, args, world):
@@ -232,7 +253,7 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
                                            WEIGHT_DECAY)) is not None:
         return dict(stats, persuader_tokens=num_tokens)  # a zero gradient: no forward needed
     stats = dict(loss=0.0, kl=0.0, clip_frac=0.0, ratio_mean=0.0)
-    bad = dict.fromkeys(NONFINITE_CHECKS, 0)
+    bad = collections.Counter()  # non-finite counts by name (cli.NONFINITE_NAMES)
     policy.train()
     for i in range(0, len(records), args.micro_batch):
         loss, s = rpo.micro_batch_loss(
@@ -240,16 +261,16 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
             turn_advantages[i:i + args.micro_batch], num_tokens,
             temperature=args.persuader_temperature or 1.0,  # greedy records log-probs at T = 1
             clip_low=args.clip_low, clip_high=args.clip_high, beta=args.kl_beta,
-            share_stem=shares_prompts(policy, world), share_reference_stem=world == 1,
+            logits=lambda model, *a: steps.kept_logits(  # a shared prompt once where it may
+                model, *a, share_stem=shares_prompts(policy, world) if model is policy else world == 1),
             context=lambda model: compute_context(model, args, world))
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is a global mean
-        for k, v in s.pop("nonfinite").items():
-            bad[k] += v
+        bad.update(s.pop("nonfinite"))
         for k, v in s.items():
             stats[k] += v
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), GRAD_CLIP)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    bad = {k: runs.all_sum(v, device) for k, v in bad.items()}
+    bad = {k: runs.all_sum(bad[k], device) for k in ("logprobs", "advantages", "loss")}
     bad["grad_norm"] = not math.isfinite(grad_norm)
     nonfinite = [k for k in NONFINITE_CHECKS if bad[k]]
     if not nonfinite:
@@ -262,21 +283,21 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
     return stats
 
 
-def evaluate(actor, persuadee, judge, args, step, rank, run_dir):
+def evaluate_heldout(persuader, persuadee, judge, args, step, rank, run_dir):
     """Held-out evaluation through eval.py, the scenarios sharded over the ranks, with the run's
     own sampling, lambda and anchor; rank 0 writes runs/NAME/eval-STEP and appends its summary to
     runs/NAME/evals.jsonl under its step (what eval.py --runs reads)."""
-    import eval
+    import eval as evaluation  # eval.py (not the builtin)
     heldout = arena.heldout_instances(arena.load_scenarios(args.scenarios))
     instances = arena.stratified(heldout, args.eval_limit)  # every domain x resistance cell as evenly as N allows
     world = dist.get_world_size() if dist.is_initialized() else 1
-    summary = eval.evaluate(actor, persuadee, instances, run_dir / f"eval-{step}",
+    summary = evaluation.evaluate(persuader, persuadee, instances, run_dir / f"eval-{step}",
                             t_max=args.eval_t_max, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, judge=judge, anchor=args.anchor,
                             sampling=rollout.role_sampling(args), probe_space=args.probe_space,
                             probe_signs=args.probe_signs, rank=rank, world=world,
                             shaping_lambda=args.lam, decision=args.decision,
-                            fidelity=(eval.FIDELITY_SAMPLES if args.eval_fidelity is None
+                            fidelity=(evaluation.FIDELITY_SAMPLES if args.eval_fidelity is None
                                       else args.eval_fidelity),
                             subset="heldout " + arena.subset_name(args.eval_limit, len(heldout)))
     if rank == 0:
@@ -293,29 +314,37 @@ def train(args, run_dir, rank, world, device, sizes, say):
     """Build the models and engines, resume, then for each step: rollout -> rewards ->
     advantages -> loss and update -> weight refresh -> log -> evaluate -> save. Returns the
     metrics of every step."""
-    m = build_models(args, world, device, sizes)
-    start = runs.load_checkpoint(run_dir, m.policy, m.optimizer) if args.resume else 0
+    loaded = build_models(args, world, device)  # the models plan.run_models decided
+    start = runs.load_checkpoint(run_dir, loaded.policy, loaded.optimizer) if args.resume else 0
     if args.resume:
         say(f"resumed from step {start}")
-    build_engines(m, args, device, sizes)
-    instances = steps.training_set(args, m, say)
+    engines = build_engines(loaded, args, device, sizes)
+    instances = steps.training_set(args, engines, say)
     if rank == 0:
         steps.open_run(run_dir, args, start, sys.modules[__name__])
     log, history, skipped = runs.Loggers(args, run_dir, start, rank), [], 0
     for step in range(start + 1, args.steps + 1):
-        t0 = time.perf_counter()
-        played, times = play_step(m, instances, args, step, rank, world)  # rollout and rewards
-        records, left_out, why = rpo.playable(played, args.group_size)
+        t0, times = time.perf_counter(), dict(judge_s=0.0, probe_s=0.0)
+        mine = step_instances(instances, args, step, rank, world)  # this rank's groups
+        seed = args.seed * 1000003 + step * 1009  # not the rank: records are rank-free
+        with tqdm(total=len(mine) * args.group_size, desc=f"step {step} rollout",
+                  disable=rank != 0, leave=False) as bar:  # 1. rollout, b_0..b_T read by the probes
+            played = rollout.rollout_episodes(engines.persuader, engines.persuadee, mine, args.t_max, seed=seed,
+                                              progress=bar, timings=times, **rollout_options(args))
+        played = rollout.judge_episodes(engines.judge, mine, played, seed, args.group_size, times)  # 2. s
+        records, left_out, why = steps.playable(played, args.group_size)  # whole groups only
         if why:
             say(f"left out {left_out['left_out']} episodes (their groups) of this step: {why}")
         times["rollout_s"] = time.perf_counter() - t0 - times["judge_s"]
         t1 = time.perf_counter()
-        turn_adv, groups = rpo.advantages(records, args.group_size, args.lam, args.anchor)
-        update = policy_update(m.policy, m.reference, m.optimizer,
-                               *rpo.silenced(played, records, turn_adv), args, device, world)
-        refresh(m)
+        rewards = rpo.rewards(records, args.group_size, args.anchor)  # 3. R and r_t, per group
+        turn_advantages = rpo.advantages(rewards, args.lam)  # 4. A_{i,t}
+        batch, batch_advantages = steps.silenced(played, records, turn_advantages)  # every rank alike
+        update = policy_update(loaded.policy, loaded.reference, loaded.optimizer, batch, batch_advantages, args,
+                               device, world)  # 5. loss and AdamW step
+        refresh(loaded, engines)  # 6. the rollout copy takes the updated weights
         times["update_s"], times["step_s"] = time.perf_counter() - t1, time.perf_counter() - t0
-        metrics = steps.step_metrics(step, records, groups, update, times, args, device)
+        metrics = steps.step_metrics(step, records, rewards, update, times, args, device)
         metrics.update({k: runs.all_sum(v, device) for k, v in left_out.items()})
         rows = steps.step_records(step, records, args.group_size, args, rank, world)
         history.append(metrics)
@@ -324,10 +353,11 @@ def train(args, run_dir, rank, world, device, sizes, say):
         skipped = steps.stop_if_diverged(skipped, step, metrics, MAX_SKIPPED_STEPS)
         evaluated = bool(args.eval_every) and step % args.eval_every == 0
         if evaluated:
-            log.scalars(step, evaluate(m.actor, m.persuadee, m.judge, args, step, rank, run_dir),
+            log.scalars(step, evaluate_heldout(engines.persuader, engines.persuadee,
+                                             engines.judge, args, step, rank, run_dir),
                         "heldout/")
         if step % args.save_every == 0 or step == args.steps or evaluated:
-            runs.save_checkpoint(run_dir, step, m.policy, m.optimizer, m.tokenizer, rank)
+            runs.save_checkpoint(run_dir, step, loaded.policy, loaded.optimizer, loaded.tokenizer, rank)
     log.close()
     runs.finish_distributed()
     say(f"done: metrics in {run_dir / 'metrics.jsonl'}, policy in {run_dir / 'checkpoint-*'}")

@@ -322,7 +322,7 @@ def gpu_check(args):
     persuader_model, persuadee_model = (
         models.random_model(shape, torch.bfloat16, args.device, seed=seed, tokenizer=tok)[0]
         for shape, seed in zip(shapes, (1, 2)))
-    persuader = engine.Engine(persuader_model, tok, **rank_plan["sizes"]["actor"])
+    persuader = engine.Engine(persuader_model, tok, **rank_plan["sizes"]["persuader"])
     persuadee = engine.Engine(persuadee_model, tok, **rank_plan["sizes"]["persuadee"])
     persuader_sampling, persuadee_sampling = rollout.SAMPLING["paper"]
     for eng in (persuader, persuadee):

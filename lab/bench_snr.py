@@ -28,7 +28,7 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
     of significance.message_variance_share. Settings (models, dtype, sampling, message length) are
     presets.PRESETS[preset]'s; the persuadee's decision rule (rollout.DECISION) plays no part."""
     import train
-    cfg = presets.PRESETS[preset]
+    cfg = presets.preset_values(preset)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     persuader_model, persuader_tok = train.load(cfg["persuader"], cfg["dtype"], device)
     persuadee_model, persuadee_tok = (

@@ -47,6 +47,8 @@ POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_
             "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
 TEMPERATURE_RANGE = (1e-2, 1e2)  # a sampling temperature other than 0 (greedy) lies here: below,
 # sampling is greedy in all but name; above, it is uniform over the vocabulary
+NONFINITE_NAMES = ("logprobs", "advantages", "loss", "grad_norm")  # what a step can find non-finite
+# (rpo.micro_batch_loss's three, the gradient norm): train.NONFINITE_CHECKS names some of them
 PLAN_GIB_MAX = 2.0**20  # --plan-gib at most (a PiB): more is no device, and overflows the byte count
 PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening", "lab.lora")
 # the constants that say what is trained and played, pinned on resume with the entry point's own;
@@ -201,7 +203,15 @@ def add_sampling_flags(parser):
 
 
 def sampling_problem(args):
-    """What is wrong with the sampling flags, as (flag, problem, fix), or None."""
+    """What is wrong with the sampling flags, as (flag, problem, fix), or None. A persuader
+    preset that truncates (top_p, top_k) is refused: the loss takes the whole tempered
+    distribution's log-probs, so the rollout would be off-policy without a word."""
+    persuader = rollout.SAMPLING[args.sampling][0] if args.sampling in rollout.SAMPLING else None
+    if persuader is not None and (persuader.top_p not in (None, 1.0) or persuader.top_k):
+        return (f"--sampling {args.sampling}", f"gives the persuader top_p {persuader.top_p}, top_k "
+                f"{persuader.top_k} (rollout.SAMPLING), which the loss cannot follow (it scores the "
+                "whole tempered distribution: off-policy)", "set the persuader's top_p and top_k "
+                "there to None; truncate only the persuadee's")
     for flag, value, example in (("--persuader-temperature", args.persuader_temperature, 1.0),
                                  ("--persuadee-temperature", args.persuadee_temperature, 0.7)):
         low, high = TEMPERATURE_RANGE
@@ -331,9 +341,10 @@ def train_parser(own):
         p.add_argument(f"--{key}")
     p.add_argument("--judge", help="judge model (default: the persuadee's); 'none' gives s = 0")
     for key in ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
-                "micro_batch", "eval_every", "eval_limit", "save_every"):
-        p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int)
-    p.add_argument("--lr", type=float)
+                "micro_batch", "eval_every", "eval_limit", "save_every", "lr"):
+        # the default: the constant that owns it (presets.OWNERS; train.py's paper numbers)
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, default=presets.owned(key),
+                       type=float if key == "lr" else int, help=f"default {presets.OWNERS[key]}")
     p.add_argument("--eval-fidelity", type=int, help="read-outs of each held-out evaluation checked "
                    "against a full forward (default eval.FIDELITY_SAMPLES; 0 skips the check, "
                    "which changes no result: the persuadee is frozen, one check covers the run)")
@@ -376,11 +387,12 @@ def train_args(argv, own):
     validated before any model loads, the values read back from config.json as a fresh command
     line's are."""
     p = train_parser(own)
+    preset = p.parse_args(argv).preset or ("paper" if torch.cuda.is_available() else "cpu")
+    p.set_defaults(**presets.PRESETS[preset], preset=preset)  # the preset's over the constants'
     args = p.parse_args(argv)
-    args.preset = args.preset or ("paper" if torch.cuda.is_available() else "cpu")
-    for key, value in presets.preset_values(args.preset).items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    if unknown := set(own.NONFINITE_CHECKS) - set(NONFINITE_NAMES):
+        raise SystemExit(f"train.py: train.NONFINITE_CHECKS names {', '.join(sorted(unknown))}, "
+                         f"which no step measures; keep only names of {', '.join(NONFINITE_NAMES)}")
     args.name = args.name or f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     fill_sampling(args)
     run_dir = Path(args.out) / args.name
@@ -496,7 +508,7 @@ def against_paper(args):
     """What a LoRA run or the one-gpu preset trades against the paper preset, for --plan."""
     if not args.lora and args.preset != "one-gpu":
         return []
-    paper, world = presets.PRESETS["paper"], args.plan_ranks or 1
+    paper, world = presets.preset_values("paper"), args.plan_ranks or 1
     episodes = args.instances * args.group_size
     full = paper["instances"] * paper["group_size"]
     return [f"against the paper preset (8 GPUs, full fine-tuning): LoRA rank {args.lora} on a "

@@ -2,7 +2,8 @@
 The frozen strategy judge run on a local engine: each transcript scored by arena.judge_messages
 and arena.parse_judge, s = mean of three 1-5 scores - 3 (lab/served.py has the same for a judge
 behind an API). rollout.judge_all calls judge_scores once every episode has ended, with the
-judge's answer length and retry sampling (rollout.JUDGE_MAX_NEW_TOKENS, JUDGE_RETRY_SAMPLING).
+judge's answer length (rollout.JUDGE_MAX_NEW_TOKENS) and its one retry policy
+(rollout.judge_attempts), which asks this engine for each attempt's answers.
 Transcripts are judged in chunks that fit the judge's pool, the part a group of transcripts
 shares prefilled once.
 
@@ -14,9 +15,9 @@ import models
 
 
 def judge_scores(judge, instances, transcripts, seed=0, group_indices=None, *, max_tokens,
-                 retry_sampling):
-    """(strategy score s, fell back) per transcript: one greedy answer, then up to
-    arena.JUDGE_RETRIES sampled retries, then s = 0 with fell back True (also for a prompt too
+                 attempts):
+    """(strategy score s, fell back) per transcript: the attempts of the retry policy
+    (rollout.judge_attempts), then s = 0 with fell back True (also for a prompt too
     long to judge, or one that the judge's free pool cannot take even alone). Run in chunks of
     transcripts that the pool takes at once (their prompts plus their answers), in order, a group
     split across chunks where it does not fit whole; attempt k of transcript i samples from the
@@ -38,7 +39,7 @@ def judge_scores(judge, instances, transcripts, seed=0, group_indices=None, *, m
                     for j in chunk]
             verdicts = judge_chunk(judge, [prompts[j] for j in chunk],
                                    [instances[j]["id"] for j in chunk], keys, max_tokens,
-                                   retry_sampling)
+                                   attempts)
             for j, s in zip(chunk, verdicts):
                 scores[j] = s
             chunk, room = [], judge.free_blocks
@@ -48,7 +49,7 @@ def judge_scores(judge, instances, transcripts, seed=0, group_indices=None, *, m
     return [0.0 if s is None else s for s in scores], [s is None for s in scores]
 
 
-def judge_chunk(judge, prompts, group_ids, keys, max_tokens, retry_sampling):
+def judge_chunk(judge, prompts, group_ids, keys, max_tokens, attempts):
     """Verdicts (None where no answer parsed) of prompts that fit the judge's pool together.
 
     Prompts are prefilled once: the part a group shares (the instruction and the hidden profile
@@ -68,21 +69,20 @@ def judge_chunk(judge, prompts, group_ids, keys, max_tokens, retry_sampling):
         for i in members:
             bases[i] = judge.fork(roots[-1], prompts[i][shared:-1])  # the last token starts each attempt
     judged = [i for i, b in enumerate(bases) if b is not None and not judge.overflow(b)]
-    scores = [None] * len(prompts)
     waiting = [bases[i] for i in judged if judge.length(bases[i]) > judge.cached(bases[i])]
     if waiting:
         judge.forward(waiting)  # the chunk was sized to fit (judge_scores)
-    for attempt in range(1 + arena.JUDGE_RETRIES):
-        todo = [i for i in judged if scores[i] is None]
-        if not todo:
-            break
-        sids = [judge.fork(bases[i], prompts[i][-1:]) for i in todo]
-        sampling = engine.GREEDY if attempt == 0 else retry_sampling
+
+    def answer(todo, sampling, attempt):  # each attempt in a fork of its transcript's base
+        sids = [judge.fork(bases[judged[i]], prompts[judged[i]][-1:]) for i in todo]
         outs = judge.generate(sids, max_tokens, sampling,
-                              [engine.stream_key(keys[i], attempt) for i in todo])
-        for i, sid, (ids, _, _) in zip(todo, sids, outs):
-            scores[i] = arena.parse_judge(tok.decode(ids, skip_special_tokens=True))
+                              [engine.stream_key(keys[judged[i]], attempt) for i in todo])
+        for sid in sids:
             judge.free(sid)
+        return [tok.decode(ids, skip_special_tokens=True) for ids, _, _ in outs]
+    scores = [None] * len(prompts)
+    for i, s in zip(judged, attempts(answer, len(judged))):
+        scores[i] = s
     for sid in roots + [b for b in bases if b is not None]:
         judge.free(sid)
     return scores

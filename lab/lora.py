@@ -228,7 +228,7 @@ class AdapterOff:
     def parameters(self):
         return self.lora.parameters()
 
-    def get_output_embeddings(self):  # rpo.row_logits hooks it
+    def get_output_embeddings(self):  # steps.row_logits hooks it
         return self.lora.get_output_embeddings()
 
     def __call__(self, *args, **kwargs):

@@ -112,7 +112,7 @@ def private_secret_words(scenario):
 def keyword_tags(text, scenario=None):
     """{"moves": [...], "manipulation": [...]} for one persuader message; secret_use needs the
     scenario (its hidden secret), and is never set without one."""
-    text = hardening.normalise(text)  # look-alike letters and zero-width breaks hide no keyword
+    text = arena.normalise(text)  # look-alike letters and zero-width breaks hide no keyword
     found = [label for label, pats in _COMPILED.items() if any(p.search(text) for p in pats)]
     if scenario is not None:
         private = private_secret_words(scenario)

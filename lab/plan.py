@@ -23,6 +23,7 @@ no other); a run whose disk cannot hold it is refused before any model loads (di
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +39,33 @@ PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, 
 PLAN_POOL_MARGIN = 1.25    # KV pool over the contexts in play: probe forks, judge, block rounding
 PLAN_DISK_SLACK_GIB = 0.5  # a run folder beside its checkpoints: tokenizers, logs, evaluations' records
 
+
+
+@dataclass(frozen=True)
+class RunModels:
+    """Which models a training run holds: the one decision train.py loads (build_models,
+    build_engines) and memory_plan counts, so the plan cannot disagree with what loads."""
+    persuadee: str          # "served"; "persuader": the persuader's frozen initial weights (a copy
+    #                         in --dtype, read once); "own": a model of its own
+    judge: str              # "none" (s = 0); "served"; "persuadee": its engine, shared; "own"
+    reference: str | None   # None (no KL term); "persuadee": the same weights; "base": LoRA's
+    #                         frozen base, adapters off; "copy": the persuader's, sharded
+    rollout_copy: bool      # the persuader engine runs on a copy of the policy in --dtype
+    #                         (several ranks, a half dtype, or LoRA's merged weights), else on it
+
+
+def run_models(args, world):
+    """The RunModels of a run's settings on world ranks."""
+    served_persuadee = served.is_served(args.persuadee)
+    persuadee = ("served" if served_persuadee else
+                 "persuader" if args.persuadee == args.persuader else "own")
+    judge = ("served" if served.is_served(args.judge) or args.judge is None and served_persuadee
+             else "none" if args.judge == "none"
+             else "persuadee" if args.judge in (None, args.persuadee) else "own")
+    reference = (None if args.kl_beta <= 0 else "persuadee" if persuadee == "persuader"
+                 else "base" if getattr(args, "lora", None) else "copy")
+    rollout_copy = world > 1 or args.dtype != "float32" or bool(getattr(args, "lora", None))
+    return RunModels(persuadee, judge, reference, rollout_copy)
 
 
 def checkpointing(mode, device_type):
@@ -121,10 +149,10 @@ def engine_contexts(args, world, rows):
     return contexts
 
 
-def policy_items(policy_cfg, args, world, itemsize, shard):
+def policy_items(policy_cfg, args, world, itemsize, shard, rollout_copy):
     """The policy's lines of a rank's memory plan (full fine-tuning): fp32 master shard,
     gradients and AdamW moments; FSDP's gathered layers or autocast's weight copies; the rollout
-    copy when the actor engine cannot share the master weights."""
+    copy when the persuader engine cannot share the master weights."""
     P = parameter_count(policy_cfg)
     items = [(f"policy master weights fp32{shard}", int(4 * P / world)),
              (f"policy gradients fp32{shard}", int(4 * P / world)),
@@ -137,8 +165,8 @@ def policy_items(policy_cfg, args, world, itemsize, shard):
                           + 4 * layer_count(policy_cfg))))
     elif args.dtype != "float32":
         items.append((f"autocast {args.dtype} weight copies", int(itemsize * P)))
-    if world > 1 or args.dtype != "float32":  # a separate rollout copy
-        items.append((f"rollout copy {args.dtype} (actor engine's weights)", int(itemsize * P)))
+    if rollout_copy:  # RunModels.rollout_copy
+        items.append((f"rollout copy {args.dtype} (persuader engine's weights)", int(itemsize * P)))
     return items
 
 
@@ -151,16 +179,14 @@ def memory_plan(args, world, gib, gpu):
     GiB, itemsize = 2**30, getattr(torch, args.dtype).itemsize
     policy_cfg = shapes.model_config(args.persuader)
     P = parameter_count(policy_cfg)
-    served_persuadee = served.is_served(args.persuadee)
-    same = not served_persuadee and args.persuadee == args.persuader
-    judge_own = args.judge not in (None, "none", args.persuadee) and not served.is_served(args.judge)
+    held = run_models(args, world)  # what train.py loads
     rows = max(args.instances // world, 1) * args.group_size
     contexts = engine_contexts(args, world, rows)
     shard = f" (1/{world} shard)" if world > 1 else ""
     if getattr(args, "lora", None):  # train.py --lora: LoRA's policy lines instead
         items, sizes = lora_items(policy_cfg, args, itemsize), {}
     else:
-        items, sizes = policy_items(policy_cfg, args, world, itemsize, shard), {}
+        items, sizes = policy_items(policy_cfg, args, world, itemsize, shard, held.rollout_copy), {}
 
     def add(name, n):
         items.append((name, int(n)))
@@ -178,15 +204,16 @@ def memory_plan(args, world, gib, gpu):
                 forward_transient_bytes(cfg, itemsize, engine.FORWARD_TOKENS))
         sizes[role] = dict(cache_bytes=pool, decode_bytes=decode_memory, decode_capacity=capacity)
 
-    engine_items("actor", policy_cfg)
-    if not served_persuadee:
+    engine_items("persuader", policy_cfg)
+    if held.persuadee != "served":
+        same = held.persuadee == "persuader"
         persuadee_cfg = policy_cfg if same else shapes.model_config(args.persuadee)
-        add(f"persuadee {args.dtype}" + (" (also the reference)" if same else ""),
-            itemsize * parameter_count(persuadee_cfg))
+        add(f"persuadee {args.dtype}" + (" (also the reference)" if held.reference == "persuadee"
+                                         else ""), itemsize * parameter_count(persuadee_cfg))
         engine_items("persuadee", persuadee_cfg)
-    if args.kl_beta > 0 and not same and not getattr(args, "lora", None):  # LoRA's is the base
+    if held.reference == "copy":  # "base": LoRA's, counted in lora_items
         add(f"reference {args.dtype}{shard}", itemsize * P / world)
-    if judge_own:
+    if held.judge == "own":
         judge_cfg = shapes.model_config(args.judge)
         add(f"judge {args.dtype} (its own model)", itemsize * parameter_count(judge_cfg))
         engine_items("judge", judge_cfg)
@@ -219,7 +246,7 @@ def lora_items(cfg, args, itemsize):
     return [(f"LoRA adapters r={args.lora} fp32 ({n / 1e6:.0f}M, replicated)", 4 * n),
             ("adapter gradients fp32", 4 * n), ("AdamW moments fp32 (adapters)", 8 * n),
             (f"frozen base {args.dtype} (the reference, adapter off)", itemsize * P),
-            (f"rollout copy {args.dtype} (merged, actor engine's)", itemsize * P),
+            (f"rollout copy {args.dtype} (merged, persuader engine's)", itemsize * P),
             ("LoRA merge, one module at a time", lora_merge_bytes(cfg, itemsize))]
 
 
@@ -257,7 +284,7 @@ def activation_bytes(cfg, args, itemsize, gpu):
 
 
 def kept_logit_bytes(cfg, args, itemsize):
-    """One micro-batch's logits in the update: each row's own kept positions (rpo.row_logits:
+    """One micro-batch's logits in the update: each row's own kept positions (steps.row_logits:
     the rows' union never reaches the output layer), at most t_max x max_new_tokens a row; the
     compute-dtype logits, the float32 rows autograd keeps, their gradient, the reference's."""
     kept = min(context_tokens(args.t_max, args.max_new_tokens), args.t_max * args.max_new_tokens)

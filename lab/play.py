@@ -113,6 +113,9 @@ class PersonSide:
             said.append(dict(text=text, ids=[], logprobs=[], reason="stop" if text else rollout.STOPPED))
         return said
 
+    def reply(self, sids, keys, timings=None):  # (rollout.Side) a person plays only the persuader
+        raise ValueError("play.py: a person plays the persuader; the persuadee is a model")
+
     def hear(self, sid, text, final_turn=False, shown=None):
         """The reply, its probe values, the belief and its change this turn."""
         self.write(f"them: {text}")

@@ -3,15 +3,29 @@ Scheduling rollout's episodes onto the sides' capacity (rollout.py's docstring, 
 which episodes wait and which run. Groups are admitted in order while every side has room for
 their prompts plus one message each; when no episode can move, the youngest is freed and queued
 to be replayed from the start (its random streams are keyed, so the replay is the same episode).
+The scheduler asks the sides (rollout.Side: room, prefill, free) and returns what to start;
+the episode loop (rollout.rollout_episodes) starts it.
 
 ADMISSION "continuous" refills the pools as episodes end; "waves" admits only into empty pools
 (BENCHMARKS.md compares the two).
 
 Tests: python -m pytest -q tests/test_rollout.py
 """
+import time
 from collections import deque
+from contextlib import contextmanager
 
 ADMISSION = "continuous"  # or "waves": admit only into empty pools (BENCHMARKS.md compares the two)
+ROLES = ("persuader", "persuadee")  # the sides' order; a side's prefill is timed as ROLE_s
+
+
+@contextmanager
+def clock(timings, key):
+    """Add the block's wall time to timings[key] (when timings is a dict)."""
+    start = time.perf_counter()
+    yield
+    if timings is not None:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
 class Scheduler:
@@ -19,22 +33,33 @@ class Scheduler:
     holds (instance index, group members) in order, running the episodes in play, done the
     finished ones by (index, member)."""
 
-    def __init__(self, sides, n_instances, group_size, max_active=None):
-        self.sides, self.max_active = sides, max_active
-        self.waiting = deque((i, list(range(group_size))) for i in range(n_instances))
+    def __init__(self, sides, instances, group_size, max_active=None, timings=None):
+        self.sides, self.instances, self.max_active = sides, instances, max_active
+        self.timings = timings  # each side's prefill is timed under ROLES[i] + "_s"
+        self.waiting = deque((i, list(range(group_size))) for i in range(len(instances)))
         self.running, self.done = [], {}
         self.held = -1  # len(done) at the last preemption: no admission until an episode ends
 
-    def refill(self, fits, open_group, never_started, start):
-        """Admit groups from the head of the queue while fits(index, n) holds, each prefilled by
-        open_group as it is admitted (so the next check sees the room it took), then start them
-        all at once. A group too big for empty pools goes one episode at a time; an episode
-        that cannot fit them alone goes to never_started."""
-        if len(self.done) <= self.held and self.running:
-            return
-        if ADMISSION == "waves" and self.running:
-            return
-        started = []  # (index, members, roots)
+    def fits(self, index, n):
+        return all(side.room(self.instances[index], n) for side in self.sides)
+
+    def prefill(self, index):
+        """The instance's prompt prefilled once on every side: its roots, one a side."""
+        roots = []
+        for role, side in zip(ROLES, self.sides):
+            with clock(self.timings, f"{role}_s"):
+                roots.append(side.prefill(self.instances[index]))
+        return tuple(roots)
+
+    def admit(self):
+        """What to start now: ([(index, members, roots)], [(index, member)]). Groups are admitted
+        from the head of the queue while every side has room for them, each prefilled as it is
+        admitted (so the next check sees the room it took); a group too big for empty pools goes
+        one episode at a time; an episode that cannot fit them alone is returned second, never
+        to start."""
+        started, never = [], []  # (index, members, roots); (index, member)
+        if len(self.done) <= self.held and self.running or ADMISSION == "waves" and self.running:
+            return started, never
         while self.waiting:
             admitted = len(self.running) + sum(len(members) for _, members, _ in started)
             allowed = (len(self.waiting[0][1]) if self.max_active is None
@@ -44,19 +69,18 @@ class Scheduler:
             if allowed < len(self.waiting[0][1]):
                 self.split_head(allowed)
             index, members = self.waiting[0]
-            if not fits(index, len(members)):
+            if not self.fits(index, len(members)):
                 if self.running or started:
                     break
                 if len(members) > 1:
                     self.split_head(1)
                     continue
                 self.waiting.popleft()
-                never_started(index, members[0])
+                never.append((index, members[0]))
                 continue
             self.waiting.popleft()
-            started.append((index, members, open_group(index)))
-        if started:
-            start(started)
+            started.append((index, members, self.prefill(index)))
+        return started, never
 
     def split_head(self, n):
         """The queue's first group, as its first n members and the rest."""

@@ -337,23 +337,17 @@ def seed_of(*parts):
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16) % 2**31
 
 
-def judge_scores(judge, instances, transcripts, seed, group_indices, *, max_tokens,
-                 retry_sampling):
-    """(strategy score s, fell back) per transcript, as lab/judge.judge_scores returns them: greedy
-    first, then arena.JUDGE_RETRIES retries sampled with retry_sampling, then 0."""
-    scores = [None] * len(instances)
-    for attempt in range(1 + arena.JUDGE_RETRIES):
-        todo = [i for i, s in enumerate(scores) if s is None]
-        if not todo:
-            break
+def judge_scores(judge, instances, transcripts, seed, group_indices, *, max_tokens, attempts):
+    """(strategy score s, fell back) per transcript, as lab/judge.judge_scores returns them:
+    attempts (rollout.judge_attempts, the one retry policy) asks this server for each answer,
+    a request that failed for good giving none; then 0 where none parsed."""
+    def answer(todo, sampling, attempt):
         replies = judge.map([dict(
             messages=arena.judge_messages(instances[i], transcripts[i]), max_tokens=max_tokens,
-            sampling=engine.GREEDY if attempt == 0 else retry_sampling,
-            seed=seed_of(seed, "judge", instances[i]["id"], group_indices[i], attempt))
-            for i in todo])
-        for i, reply in zip(todo, replies):
-            if not isinstance(reply, ServedError):
-                scores[i] = arena.parse_judge(reply["text"])
+            sampling=sampling, seed=seed_of(seed, "judge", instances[i]["id"], group_indices[i],
+                                            attempt)) for i in todo])
+        return [None if isinstance(reply, ServedError) else reply["text"] for reply in replies]
+    scores = attempts(answer, len(instances))
     judge.count("judge_fallbacks", sum(s is None for s in scores))
     return [0.0 if s is None else s for s in scores], [s is None for s in scores]
 

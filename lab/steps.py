@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import arena
+import engine
 import rollout
 import rpo
 from lab import cli, plan, presets, runs, served
@@ -32,7 +33,7 @@ def served_roles(args):
     persuadee = served.ServedModel(args.persuadee, **key) if served.is_served(args.persuadee) else None
     judge = (served.ServedModel(args.judge, **key) if served.is_served(args.judge) else
              persuadee if args.judge is None else None)  # default: the persuadee
-    for model in {id(m): m for m in (persuadee, judge) if m}.values():
+    for model in {id(s): s for s in (persuadee, judge) if s}.values():
         model.check()  # a wrong URL or key is a one-line exit before any model loads
     return persuadee, judge
 
@@ -63,10 +64,11 @@ def plan_run(args, world, device, say):
     return rank_plan["sizes"] if device.type == "cuda" else {}
 
 
-def training_set(args, m, say):
+def training_set(args, engines, say):
     """The training instances, less those whose prompts fit no context (named once, up front)."""
     instances = arena.training_instances(arena.load_scenarios(args.scenarios, split="train"))
-    problems = rollout.prompt_problems(m.actor, m.persuadee, instances, args.max_new_tokens)
+    problems = rollout.prompt_problems(engines.persuader, engines.persuadee, instances,
+                                       args.max_new_tokens)
     if problems:
         say(f"skipping {len(problems)} training instances that do not fit a context, e.g. "
             f"{next(iter(problems.values()))}")
@@ -82,6 +84,76 @@ def open_run(run_dir, args, start, own=None):
     cli.record_config(run_dir, args, start, own)
     resume_metrics(run_dir / "metrics.jsonl", start)
     resume_metrics(run_dir / "rollouts.jsonl", start)
+
+# -----------------------------------------------------------------------------
+# the step's batch: whole groups only, every rank the same micro-batches
+
+
+def playable(records, group_size):
+    """(the groups whose every episode was played, counts of those left out, why each was): an
+    episode that never started (it cannot fit the empty pools: no belief, no token of its own)
+    or whose served model failed for good ("api_error") takes its whole group out of the step's
+    metrics and loss (a group's baseline needs all of its members)."""
+    why = {i: "never started: it does not fit the empty KV pools alone" if not r["beliefs"]
+           else "its served model kept failing" for i, r in enumerate(records)
+           if not r["beliefs"] or r["end_reason"] == arena.API_ERROR}
+    kept = [r for g in range(0, len(records), group_size) for r in records[g:g + group_size]
+            if not any(i in why for i in range(g, g + group_size))]
+    said = "; ".join(f"{records[i]['id']} member {i % group_size} {w}" for i, w in why.items())
+    return kept, dict(never_started=sum(not r["beliefs"] for r in records),
+                      api_errors=sum(r["end_reason"] == arena.API_ERROR for r in records),
+                      left_out=len(records) - len(kept)), said
+
+
+def silenced(played, kept, turn_advantages):
+    """Every played episode for the update, in its place, those left out (playable) with no
+    persuader token and no advantage: each rank then runs the same micro-batches (FSDP's
+    collectives), and the left-out ones add nothing to the loss or its token count."""
+    kept_ids = {id(r) for r in kept}
+    advantage = iter(turn_advantages)
+    records, per_episode = [], []
+    for r in played:
+        if id(r) in kept_ids:
+            records.append(r)
+            per_episode.append(next(advantage))
+        else:
+            ids = r["ids"] or [0]  # one inert token for an episode that never started
+            records.append(dict(ids=ids, turn_ids=[0] * len(ids), logprobs=[0.0] * len(ids)))
+            per_episode.append([])
+    return records, per_episode
+
+
+
+def kept_logits(model, ids, keep, rows=None, share_stem=False):
+    """model(ids).logits at the positions keep; with rows ([B, K] indices into keep), each row's
+    own K of them (row_logits): [B, K, V]. With share_stem, the prefix every row shares (a
+    group's persuader prompt, up to the first kept position) runs once, and its keys and values,
+    autograd graph included, are repeated for the rows, which run only what follows: the same
+    logits and gradients for fewer FLOPs (DECISIONS.md: Shared prompt in the update). A model
+    that returns no cache for the stem gets the plain forward instead."""
+    share_stem = share_stem and len(ids) > 1 and len(keep) > 0  # (no kept position: no stem)
+    stem = min(engine.shared_stem(ids.tolist()), int(keep[0])) if share_stem else 0
+    out = model(ids[:1, :stem], use_cache=True, logits_to_keep=1) if stem else {}
+    name = "cache" if "cache" in out else "past_key_values"  # transformers' newer name, its older
+    with row_logits(model, rows):
+        if out.get(name) is None:  # no stem, or no cache back (transformers 5.17: train mode
+            return model(ids, use_cache=False, logits_to_keep=keep).logits  # with checkpointing)
+        out[name].batch_repeat_interleave(len(ids))
+        return model(ids[:, stem:], use_cache=True, logits_to_keep=keep - stem,
+                     **{name: out[name]}).logits
+
+
+def row_logits(model, rows):
+    """Within it, the model's output layer takes of the hidden states at the kept positions
+    [B, U, h] only each row's own, rows [B, K] (indices into U): the logits are [B, K, V], not
+    the union's [B, U, V] (rows of different reply lengths keep different positions; lab/plan.py
+    counts K). rows None: the union as it is."""
+    import contextlib
+    if rows is None:
+        return contextlib.nullcontext()
+    take = lambda module, args: (args[0].gather(1, rows[..., None].expand(-1, -1, args[0].shape[-1])),
+                                 *args[1:])
+    return model.get_output_embeddings().register_forward_pre_hook(take)  # removed on exit
 
 # -----------------------------------------------------------------------------
 # the zero-advantage skip and the divergence stop
@@ -193,7 +265,7 @@ def sample_rows(records):
     rows = []
     for r in records[:SAMPLE_DIALOGUES]:
         beliefs = " ".join("-" if b is None else f"{b:+.2f}" for b in r["beliefs"])
-        transcript = "\n".join(f"{m['role']}: {m['text']}" for m in r["transcript"])
+        transcript = "\n".join(f"{turn['role']}: {turn['text']}" for turn in r["transcript"])
         rows.append([r["id"], r["outcome"], r["turns"], beliefs, transcript])
     return rows
 

@@ -2,7 +2,7 @@
 sweep.py: the paper's lambda experiment (Table 2, Fig. 7) in one command, at any preset.
 
 Every (lambda, seed) arm is a training run (train.py, called through its main) that evaluates its
-policy on the same held-out episodes every --eval-every steps (train.evaluate: one episode per
+policy on the same held-out episodes every --eval-every steps (train.evaluate_heldout: one episode per
 scenario, the persuadee's random streams keyed by (seed, instance, side), so two arms of one
 seed, and the initial policy, meet the same persuadee draws: only the weights differ). The
 initial policy of each seed is evaluated the same way (step 0). Then, from the runs' records:
@@ -216,7 +216,7 @@ def check_arms(args, extra, arms, runs_dir):
 
 
 def evaluate_initial(argv, folder):
-    """The initial policy on the arms' held-out episodes (train.evaluate at step 0, the arm's
+    """The initial policy on the arms' held-out episodes (train.evaluate_heldout at step 0, the arm's
     own settings), into folder/eval-0 and folder/evals.jsonl."""
     import torch
 
@@ -231,12 +231,12 @@ def evaluate_initial(argv, folder):
     persuadee_loaded = ((models.copied(persuader_model, getattr(torch, args.dtype)), tokenizer)
                         if args.persuadee == args.persuader else  # read once, as train.py does
                         train.load(args.persuadee, args.dtype, device))
-    actor = engine.Engine(persuader_model, tokenizer, **sizes.get("actor", {}))
+    actor = engine.Engine(persuader_model, tokenizer, **sizes.get("persuader", {}))
     persuadee = engine.Engine(*persuadee_loaded, **sizes.get("persuadee", {}))
     judge = (None if args.judge == "none" else persuadee if args.judge in (None, args.persuadee)
              else engine.Engine(*train.load(args.judge, args.dtype, device), **sizes.get("judge", {})))
     folder.mkdir(parents=True, exist_ok=True)
-    train.evaluate(actor, persuadee, judge, args, 0, 0, folder)
+    train.evaluate_heldout(actor, persuadee, judge, args, 0, 0, folder)
 
 
 def belief_changes(episodes):

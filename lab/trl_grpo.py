@@ -12,7 +12,7 @@ TRL's GRPOTrainer on the arena): for each prompt the trainer hands over, one epi
             context += message, then the reply as a user turn         # env_mask 0: not trained
 
 and the episode's two rewards reach the trainer as two reward functions that it mixes by its
-own weights:  R = outcome reward (G(outcome) + 0.5 s) + LAMBDA * sum_t r_t,  sum_t r_t =
+own weights:  R = outcome reward (G(outcome) + 0.5 s) + rpo.LAMBDA * sum_t r_t,  sum_t r_t =
 (b_T - b_0) / 2. GRPO then centres R within the group of NUM_GENERATIONS episodes of one
 instance. Unlike train.py's Probe-RPO, the dense term enters as the episode's sum (GRPO scores a
 whole completion with one number), not as a per-turn return-to-go.
@@ -32,8 +32,8 @@ from transformers import DynamicCache
 
 import arena
 import models
+import rpo
 
-LAMBDA = 0.5  # weight of the dense sum_t r_t against the outcome reward (the paper's lambda)
 NUM_GENERATIONS = 4  # episodes per instance: GRPO's group
 TURN_TOKENS = 128  # the most tokens the persuader generates in one message
 LEARNING_RATE = 1e-6
@@ -156,7 +156,7 @@ def arena_dense(completions, arena_dense, **kwargs):
     return [float(r) for r in arena_dense]
 
 
-def grpo_config(out, steps, lam=LAMBDA, num_generations=NUM_GENERATIONS,
+def grpo_config(out, steps, lam=rpo.LAMBDA, num_generations=NUM_GENERATIONS,
                 learning_rate=LEARNING_RATE, seed=0, **overrides):
     """A GRPOConfig for the arena: one instance per step (a group of num_generations episodes),
     rewards weighted (1, lam) in REWARD_NAMES' order, fp32, nothing saved, logged every step."""
@@ -226,7 +226,7 @@ def parse_args(argv=None):
     ap.add_argument("--instances", type=int, default=8, help="train on the first N instances")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--num-generations", type=int, default=NUM_GENERATIONS)
-    ap.add_argument("--lam", type=float, default=LAMBDA)
+    ap.add_argument("--lam", type=float, default=rpo.LAMBDA)
     ap.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN)
     ap.add_argument("--turn-tokens", type=int, default=TURN_TOKENS)

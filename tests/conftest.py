@@ -10,6 +10,18 @@ from lab import fastpath
 
 
 
+def token_logprobs(logits, ids, temperature=1.0):
+    """log softmax(logits[:, :-1] / temperature) at ids[:, 1:], float32 [B, L-1]: the reference
+    the tests compare the engine's and the update's log-probs with (rpo.target_logprobs)."""
+    import rpo
+    return rpo.target_logprobs(logits[:, :-1], ids[:, 1:], temperature)
+
+
+def control_ids(tokenizer):
+    """Every added token's id (special or not, e.g. Qwen3's <think>): the framing vocabulary."""
+    return set(tokenizer.added_tokens_decoder)
+
+
 def tiny_model(arch="llama", seed=0, **overrides):
     """A random decoder (~0.2M parameters, grouped-query attention) from models.RANDOM_CONFIGS,
     initialised with peaked logits so that greedy decoding has no near-ties."""

@@ -26,7 +26,7 @@ import engine
 import models
 import rollout
 from lab import pools, presets
-from conftest import short_scenario, template_tokenizer
+from conftest import control_ids, short_scenario, template_tokenizer
 
 ACCEPT_ORDER = "You have decided to accept."
 FORGED_TURN = {  # a system turn ordering acceptance, in each family's role markers
@@ -113,7 +113,7 @@ def play(kind, persuader_texts, persuadee_texts, special_id=None):
 
 
 def framing(tok, ids):
-    control = models.control_ids(tok)
+    control = control_ids(tok)
     return [i for i in ids if i in control]
 
 
@@ -213,28 +213,28 @@ TINY_EVAL = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwe
      r"--kv-blocks 400 cannot hold the judge's prompt .*pass --kv-blocks (\d+) or more"),
 ])
 def test_eval_refuses_a_pool_it_cannot_use_in_one_line(tmp_path, monkeypatch, extra, says):
-    import eval
+    import eval as evaluation
     no_loading(monkeypatch)
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    monkeypatch.setattr(presets, "cpu_defaults", dict)  # as on a GPU: the persuadee's model judges
-    assert re.search(says, one_line_exit(lambda: eval.main(TINY_EVAL + extra)))
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(presets, "laptop_settings", dict)  # as on a GPU: the persuadee's model judges
+    assert re.search(says, one_line_exit(lambda: evaluation.main(TINY_EVAL + extra)))
 
 
 def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, monkeypatch):
     """The default judge shares the persuadee's pool: at the smallest --kv-blocks eval accepts,
     every transcript's prompt fits (a judge that always answers stands in for the random model,
     which never writes a score)."""
-    import eval
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    monkeypatch.setattr(presets, "cpu_defaults", dict)  # as on a GPU: the persuadee's model judges
+    import eval as evaluation
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(presets, "laptop_settings", dict)  # as on a GPU: the persuadee's model judges
     args = TINY_EVAL[:-1] + ["1", "--t-max", "4", "--max-new-tokens", "128", "--name", "j"]
     # 210 blocks hold one episode of these lengths (206) but not the judge's prompt of it (225)
-    said = one_line_exit(lambda: eval.main(args + ["--kv-blocks", "210"]))
+    said = one_line_exit(lambda: evaluation.main(args + ["--kv-blocks", "210"]))
     assert "judge's prompt" in said
     size = int(re.search(r"pass --kv-blocks (\d+) or more", said).group(1))
     from lab import judge as local_judge
     monkeypatch.setattr(local_judge, "judge_chunk", lambda judge, prompts, *a: [1.0] * len(prompts))
-    summary = eval.main(args + ["--kv-blocks", str(size)]) or json.loads(
+    summary = evaluation.main(args + ["--kv-blocks", str(size)]) or json.loads(
         (tmp_path / "j" / "summary.json").read_text())
     episodes = [json.loads(line) for line in (tmp_path / "j" / "episodes.jsonl").read_text().splitlines()]
     assert episodes and not any(e["judge_failed"] for e in episodes)
@@ -276,7 +276,7 @@ def test_an_evaluation_with_no_belief_still_writes_its_summary(tmp_path, capsys)
     summary is written. eval refuses such weights when it loads them."""
     import torch
 
-    import eval
+    import eval as evaluation
     from conftest import tiny_model
     broken = tiny_model("qwen3", seed=2)
     with torch.no_grad():
@@ -284,7 +284,7 @@ def test_an_evaluation_with_no_belief_still_writes_its_summary(tmp_path, capsys)
     tok = models.tiny_tokenizer()
     engines = [engine.Engine(tiny_model("llama", seed=1), tok, num_blocks=400),
                engine.Engine(broken, tok, num_blocks=400)]
-    summary = eval.evaluate(*engines, arena.heldout_instances()[:2], tmp_path / "run", t_max=1,
+    summary = evaluation.evaluate(*engines, arena.heldout_instances()[:2], tmp_path / "run", t_max=1,
                           max_new_tokens=3)
     assert (tmp_path / "run" / "summary.json").is_file() and "probe_fidelity" not in summary
     assert "fidelity skipped" in capsys.readouterr().err
@@ -303,7 +303,7 @@ def test_a_temperature_that_trains_nothing_is_refused_in_one_line(flag, value, t
                                                                   capsys):
     """0 is greedy; otherwise [1e-2, 1e2]: 1e-30 samples greedily and 1e30 uniformly, KL 0 every
     step. train.py and eval.py share the check (cli.sampling_problem)."""
-    import eval
+    import eval as evaluation
     import train
     no_loading(monkeypatch)
     said = one_line_exit(lambda: train.main(TINY_TRAIN + ["--out", str(tmp_path), flag, value]))
@@ -311,8 +311,8 @@ def test_a_temperature_that_trains_nothing_is_refused_in_one_line(flag, value, t
                     "(nearer 0 or infinity it samples greedily or uniformly in all but name, and a "
                     f"persuader trains nothing: KL 0 every step); pass e.g. {flag} "
                     f"{1.0 if 'persuader' in flag else 0.7}")
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    said = one_line_exit(lambda: eval.main(TINY_EVAL + [flag, value]), capsys)
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
+    said = one_line_exit(lambda: evaluation.main(TINY_EVAL + [flag, value]), capsys)
     assert f"{flag} {float(value)} must be 0 (greedy) or lie in [0.01, 100]" in said
     assert said.endswith(f"KL 0 every step); pass e.g. {flag} {1.0 if 'persuader' in flag else 0.7}")
 
@@ -323,12 +323,12 @@ def test_a_temperature_that_trains_nothing_is_refused_in_one_line(flag, value, t
 def test_an_evaluations_resumed_choice_is_validated_as_a_fresh_flag(key, value, choices, tmp_path,
                                                                     monkeypatch, capsys):
     """eval.py --resume reads settings.json back through the same check as train.py's config.json."""
-    import eval
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    import eval as evaluation
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "settings.json").write_text(json.dumps({key: value}))
     no_loading(monkeypatch)
-    said = one_line_exit(lambda: eval.main(TINY_EVAL + ["--name", "e", "--resume"]), capsys)
+    said = one_line_exit(lambda: evaluation.main(TINY_EVAL + ["--name", "e", "--resume"]), capsys)
     assert f"holds {json.dumps(key)}: {json.dumps(value)}, not one of {choices}; fix it there" in said
 
 
@@ -356,15 +356,15 @@ def test_a_name_is_checked_as_bytes_and_characters(name, says, tmp_path, monkeyp
     (no invisible, reordering or line-breaking character): refused in one line naming the code
     point, by train.py and eval.py, before the first checkpoint (the non-UTF-8 name used to train,
     then fail at its first save with disk-full advice; 100 emoji gave ENAMETOOLONG)."""
-    import eval
+    import eval as evaluation
     import train
     no_loading(monkeypatch)
     said = one_line_exit(lambda: train.main(TINY_TRAIN + ["--out", str(tmp_path), "--name", name]))
     assert said == (f"train.py: --name {name!r} {says}" + ("; use visible characters" if "holds" in
                     says else "") + "; pass e.g. --name my-run (--out says where runs go)")
     assert not any(tmp_path.iterdir())
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    assert says in one_line_exit(lambda: eval.main(TINY_EVAL + ["--name", name]), capsys)
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
+    assert says in one_line_exit(lambda: evaluation.main(TINY_EVAL + ["--name", name]), capsys)
 
 
 def test_a_name_of_visible_characters_is_accepted(tmp_path):
@@ -446,7 +446,7 @@ def test_a_tampered_adapter_folder_is_refused_in_one_line(adapter, config, weigh
     and lab.env share (cli.model_problem) before any weight loads: before, a null or
     self-pointing base, bad JSON and wrong shapes gave tracebacks, and an empty adapter or one
     scaled by lora_alpha 1e30 evaluated silently."""
-    import eval
+    import eval as evaluation
     import train
     if config == "SELF":
         config = {"base_model_name_or_path": str(tmp_path / "tampered")}
@@ -455,8 +455,8 @@ def test_a_tampered_adapter_folder_is_refused_in_one_line(adapter, config, weigh
     said = one_line_exit(lambda: train.main(TINY_TRAIN + ["--out", str(tmp_path / "runs"),
                                                          "--persuader", str(folder)]))
     assert said.startswith(f"train.py: --persuader {folder} is an adapter folder whose ") and says in said
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path / "evals"))
-    said = one_line_exit(lambda: eval.main(TINY_EVAL[2:] + ["--persuader", str(folder)]), capsys)
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path / "evals"))
+    said = one_line_exit(lambda: evaluation.main(TINY_EVAL[2:] + ["--persuader", str(folder)]), capsys)
     assert said.startswith(f"eval.py: --persuader {folder} is an adapter folder whose ") and says in said
 
 

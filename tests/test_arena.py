@@ -142,7 +142,7 @@ def test_negated_and_quoted_tags_are_no_decision(text, expected):
 
 def test_negation_window_is_the_constant():
     """A negation NEGATION_WINDOW governing words before the tag voids it; one word further does not."""
-    filler = " ".join(["really"] * hardening.NEGATION_WINDOW)
+    filler = " ".join(["really"] * arena.NEGATION_WINDOW)
     assert parse_decision(f"I do not {filler} [ACCEPT]") is None
     assert parse_decision(f"I do not {filler} really [ACCEPT]") == "ACCEPT"
 
@@ -242,7 +242,7 @@ def test_stripping_is_linear_in_blank_runs():
         stripped = strip_decision_tags(text)
         parse_decision(text)
         assert time.perf_counter() - start < 15, repr(text[:20])
-        assert arena.TAG_RE.search(hardening.normalise(stripped)) is None
+        assert arena.TAG_RE.search(arena.normalise(stripped)) is None
     assert strip_decision_tags("a" + " " * 1000 + "[ACCEPT] b") == "a b"
 
 
@@ -327,17 +327,17 @@ def test_parse_and_strip_on_hostile_text(text):
     assert decision is None or decision in arena.OUTCOMES
     stripped = strip_decision_tags(text)
     assert parse_decision(stripped) is None
-    assert arena.TAG_RE.search(hardening.normalise(stripped)) is None
+    assert arena.TAG_RE.search(arena.normalise(stripped)) is None
     assert strip_decision_tags(stripped) == stripped
-    if arena.TAG_RE.search(hardening.normalise(text)) is None:
+    if arena.TAG_RE.search(arena.normalise(text)) is None:
         assert stripped == text
 
 @fuzz(2000)
 @given(st.text(alphabet=st.characters(codec="utf-8")))
 def test_normalise_is_idempotent_and_keeps_tags_readable(text):
     """normalise is a fixed point after one pass, so parsing normalised text changes nothing."""
-    once = hardening.normalise(text)
-    assert hardening.normalise(once) == once
+    once = arena.normalise(text)
+    assert arena.normalise(once) == once
     assert parse_decision(once) == parse_decision(text)
 
 @fuzz(500)

@@ -8,7 +8,7 @@ import torch
 
 import engine
 import rpo
-from conftest import tiny_model
+from conftest import tiny_model, token_logprobs
 from lab import fastpath
 
 ARCHS = ["llama", "qwen3", "qwen2"]
@@ -103,7 +103,7 @@ def test_sampling_logprobs_equal_training_forward(top_p, paths):
     outs = eng.generate(sids, 10, engine.Sampling(temperature, top_p), [1, 2, 3], stop_ids=[])
     for prompt, (ids, logps, _) in zip(PROMPTS, outs):
         seq = torch.tensor([prompt + ids])
-        ref = rpo.token_logprobs(model(seq).logits, seq, temperature)[0, len(prompt) - 1:]
+        ref = token_logprobs(model(seq).logits, seq, temperature)[0, len(prompt) - 1:]
         if top_p is None:
             torch.testing.assert_close(torch.tensor(logps), ref, atol=1e-4, rtol=0)
         else:  # truncation only raises a kept token's probability

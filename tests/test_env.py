@@ -195,7 +195,7 @@ def test_a_loop_that_fails_frees_its_blocks_and_step_never_waits(tokenizer, monk
 
     def broken(*args, **kwargs):
         raise TypeError("TextInputSequence must be str")
-    monkeypatch.setattr(rollout, "persuadee_turn", broken)
+    monkeypatch.setattr(rollout.EngineSide, "reply", broken)
     with pytest.raises(RuntimeError) as excinfo:
         env.step("Hello.")
     assert "ended on TypeError: TextInputSequence" in one_line_error(excinfo)

@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from lab import analyses as an
-import eval
+import eval as evaluation
 from lab import plots
 from lab import records
 from lab import report
@@ -34,7 +34,7 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     assert records.load_episodes(tmp_path / "B" / "episodes.jsonl") == RUN_B
     assert json.loads((tmp_path / "A" / "summary.json").read_text())["full_accept"] == pytest.approx(0.5)
     check_compare(an.compare(records.load_episodes(tmp_path / "A"), records.load_episodes(tmp_path / "B")))
-    eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    evaluation.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "2 wins, 1 losses, 2 ties" in out and "outcome transitions" in out
     assert "B against A: 1 won, 1 lost, 3 tied" in out
@@ -80,7 +80,7 @@ def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "run" / "evals.jsonl").write_text('{"step": 1, "full_accept": 0.5}\n{"full_accept": 0.1}\n')
     with pytest.raises(SystemExit) as e:
-        eval.main([a.format(tmp=tmp_path) for a in argv])
+        evaluation.main([a.format(tmp=tmp_path) for a in argv])
     message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err
     assert e.value.code != 0
     assert message.strip().startswith("eval.py: ") and needle in message and "\n" not in message.strip()
@@ -97,12 +97,12 @@ def test_cli_subprocess_no_traceback():
 def test_table_cli_markdown_and_latex(tmp_path, capsys):
     report.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
     report.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
-    eval.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--reference", str(tmp_path / "B")])
+    evaluation.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--reference", str(tmp_path / "B")])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split(" | ")[1:4] == ["n", "FA", "FA+CA"]
     assert lines[2].startswith(f"| {tmp_path / 'A'} | 6 | 50.0 [18.8, 81.2] p=1 |")
     assert lines[3].startswith(f"| {tmp_path / 'B'} (ref.) | 5 | 40.0 [11.8, 76.9] |")
-    eval.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--format", "latex"])
+    evaluation.main(["--table", str(tmp_path / "A"), str(tmp_path / "B"), "--format", "latex"])
     out = capsys.readouterr().out
     assert out.startswith("\\begin{tabular}{lrrrrrrrr}") and "\\bottomrule" in out
 
@@ -114,7 +114,7 @@ def test_analyze_runs_on_a_folder_without_beliefs_labels_or_known_scenarios(tmp_
                  probes=[None] * len(ep["probes"])) for i, ep in enumerate(RUN_A)]
     (tmp_path / "served").mkdir()
     (tmp_path / "served" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in bare))
-    eval.main(["--analyze", str(tmp_path / "served")])
+    evaluation.main(["--analyze", str(tmp_path / "served")])
     captured = capsys.readouterr()
     assert "belief statistics: none" in captured.out and "no move labels" in captured.err
     summary = json.loads((tmp_path / "served" / "summary.json").read_text())
@@ -132,7 +132,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     model, tok = models.load_model("random:tiny-qwen3")
     instances = arena.heldout_instances()[:2]
     engines = [engine.Engine(model, tok, num_blocks=3000) for _ in range(2)]
-    summary = eval.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2, max_new_tokens=8)
+    summary = evaluation.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2, max_new_tokens=8)
     assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
     # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
     sample = json.loads((tmp_path / "run" / "fidelity.json").read_text())["sample"]
@@ -154,7 +154,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     assert written["roles"]["persuadee"]["sampling"] == list(__import__("rollout").SAMPLING["cpu"][1])
     written = {k: v for k, v in written.items() if k not in report.RUN_KEYS}
     (tmp_path / "run" / "summary.json").unlink()
-    eval.main(["--analyze", str(tmp_path / "run")])
+    evaluation.main(["--analyze", str(tmp_path / "run")])
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == written
     assert "belief statistics" in capsys.readouterr().out
     # episodes stored without labels (an older run) are tagged by keyword in memory, not on disk
@@ -175,7 +175,7 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     monkeypatch.setattr(local_judge, "judge_scores",
                         lambda judge, instances, transcripts, seed=0, groups=None, **kw: judged_by.append(judge.model)
                         or ([0.0] * len(instances), [False] * len(instances)))
-    eval.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
+    evaluation.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--persuadee", "random:tiny-llama",
              "--judge", "random:tiny-llama", "--subset", "balanced60", "--limit", "1", "--t-max", "1",
              "--max-new-tokens", "3", "--name", "g", "--probe-space", "logodds"])
     assert probes.PROBE_SPACE == "prob"  # an option travels as an argument, the constant stays
@@ -219,7 +219,7 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     instances = arena.heldout_instances()
     assert len(instances) == 120
     engines = [engine.Engine(model, tok, num_blocks=400) for _ in range(2)]
-    summary = eval.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=0,
+    summary = evaluation.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=0,
                             max_new_tokens=4, judge=None)
     episodes = records.load_episodes(tmp_path / "run")
     assert summary["n"] == 120 and [e["id"] for e in episodes] == [i["id"] for i in instances]
@@ -234,15 +234,15 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     common = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
               "--limit", "6", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(Path(eval.__file__)), *common, "--name", "two"]
+           str(Path(evaluation.__file__)), *common, "--name", "two"]
     log = tmp_path / "two.log"
     with open(log, "w") as out:
         p = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
         monkeypatch.chdir(tmp_path)
-        eval.main(common + ["--name", "one"])
+        evaluation.main(common + ["--name", "one"])
         assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
-    runs = {name: tmp_path / eval.EVALS_DIR / name for name in ("one", "two")}
+    runs = {name: tmp_path / evaluation.EVALS_DIR / name for name in ("one", "two")}
     one, two = (records.load_episodes(runs[k]) for k in ("one", "two"))
     assert len(one) == 6 == len(two)
     from test_html_report import assert_self_contained, parse  # a real evaluation's report.html
@@ -326,19 +326,19 @@ def test_limit_and_subset_are_stratified():
     import arena
     def cells(kept):
         return {(inst["domain"], inst["hidden"]["resistance"]) for inst in kept}
-    eight = eval.chosen_instances(eval.parse_args(["--limit", "8"]))
+    eight = evaluation.chosen_instances(evaluation.parse_args(["--limit", "8"]))
     assert len(eight) == 8 and len(cells(eight)) == 8
     assert {d for d, _ in cells(eight)} == set(arena.DOMAINS)
     assert {r for _, r in cells(eight)} == set(arena.RESISTANCE_TYPES)
-    args = eval.parse_args(["--subset", "balanced60"])
-    sixty = eval.chosen_instances(args)
+    args = evaluation.parse_args(["--subset", "balanced60"])
+    sixty = evaluation.chosen_instances(args)
     per_cell = [sum((i["domain"], i["hidden"]["resistance"]) == c for i in sixty) for c in cells(sixty)]
     assert len(sixty) == 60 and len(per_cell) == 20 and set(per_cell) == {3}
     assert args.subset_name == "heldout stratified-60 of 120"
-    args = eval.parse_args(["--subset", "balanced60", "--limit", "20"])
-    assert len(cells(eval.chosen_instances(args))) == 20 and args.subset_name.endswith("stratified-20 of 120")
-    args = eval.parse_args([])
-    assert len(eval.chosen_instances(args)) == 120 and args.subset_name == "heldout all 120"
+    args = evaluation.parse_args(["--subset", "balanced60", "--limit", "20"])
+    assert len(cells(evaluation.chosen_instances(args))) == 20 and args.subset_name.endswith("stratified-20 of 120")
+    args = evaluation.parse_args([])
+    assert len(evaluation.chosen_instances(args)) == 120 and args.subset_name == "heldout all 120"
 
 
 ROLLOUTS = [  # (step, group, member, outcome, judge, beliefs) of rollouts.jsonl
@@ -379,7 +379,7 @@ def test_runs_checkpoint_selection_by_hand(tmp_path, capsys, monkeypatch):
     a = write_run(tmp_path, "lam0.5", 0.5, [0.2, 0.5, 0.4, 0.5], [0.0, 0.2, 0.1, 0.3, 0.3, 0.5, 0.6, 0.6], judged,
                   rollouts=True)
     b = write_run(tmp_path, "lam1", 1.0, [0.1, 0.3, 0.2, 0.2], [0.1] * 8, judged)
-    eval.main(["--runs", str(a), str(b), "--name", "sel"])
+    evaluation.main(["--runs", str(a), str(b), "--name", "sel"])
     out = capsys.readouterr().out
     table = {line.split()[0]: line.split()[1:] for line in out.splitlines()[:6] if line.split()[0].isdigit()}
     assert table == {"2": ["20.0%", "10.0%"], "4": ["50.0%", "30.0%"], "6": ["40.0%", "20.0%"], "8": ["50.0%", "20.0%"]}
@@ -430,7 +430,7 @@ def test_runs_checkpoint_selection_by_hand(tmp_path, capsys, monkeypatch):
     w, h = plots.RUN_PANEL_SIZE
     assert png_size(tmp_path / "evals" / "sel" / "dynamics.png") == (round(w * len(plots.RUN_DYNAMICS) * plots.DPI), round(h * plots.DPI))
     with pytest.raises(SystemExit, match="evals.jsonl does not exist"):
-        eval.main(["--runs", str(tmp_path / "evals")])
+        evaluation.main(["--runs", str(tmp_path / "evals")])
 
 
 def test_training_keeps_evaluated_checkpoints_and_joins_summaries(tmp_path, short_scenarios, capsys, monkeypatch):
@@ -449,7 +449,7 @@ def test_training_keeps_evaluated_checkpoints_and_joins_summaries(tmp_path, shor
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(k in metrics[0] for k in plots.RUN_DYNAMICS) and "negative_process_share" in metrics[0]
     capsys.readouterr()
-    eval.main(["--runs", str(run), "--name", "tiny"])
+    evaluation.main(["--runs", str(run), "--name", "tiny"])
     out = capsys.readouterr().out
     assert "held-out full acceptance by step" in out and "pooled over the run" in out
     # rollouts.jsonl: 4 steps x 2 instances x 2 episodes, pooled by --runs into the run's figures
@@ -479,26 +479,26 @@ def test_every_new_table_and_figure_from_tiny_model_evaluations(tmp_path, monkey
     dirs = {}
     for name, persuader in (("A", llama), ("B", qwen)):
         dirs[name] = str(tmp_path / "evals" / name)
-        eval.evaluate(engine.Engine(*persuader, num_blocks=2000), engine.Engine(*qwen, num_blocks=2000), instances,
+        evaluation.evaluate(engine.Engine(*persuader, num_blocks=2000), engine.Engine(*qwen, num_blocks=2000), instances,
                     dirs[name], t_max=3, fidelity=6, max_new_tokens=6, names=(name, "tiny-qwen3"))
     capsys.readouterr()
-    eval.main(["--table", dirs["A"], dirs["B"]])
+    evaluation.main(["--table", dirs["A"], dirs["B"]])
     lines = capsys.readouterr().out.splitlines()
     assert len([line for line in lines if line.startswith("| ")]) == 1 + 2   # the header, A, B
     assert lines[3].startswith(f"| {dirs['B']} | 3 |") and "p=" in lines[3]
-    eval.main(["--table", dirs["A"], dirs["B"], "--format", "latex"])
+    evaluation.main(["--table", dirs["A"], dirs["B"], "--format", "latex"])
     assert capsys.readouterr().out.count("\\\\") == 3
-    eval.main(["--compare", dirs["A"], dirs["B"]])
+    evaluation.main(["--compare", dirs["A"], dirs["B"]])
     assert "won" in capsys.readouterr().out and (tmp_path / "evals" / "B" / "compare.json").is_file()
-    eval.main(["--compare-many", dirs["A"], "--policy", dirs["B"]])
+    evaluation.main(["--compare-many", dirs["A"], "--policy", dirs["B"]])
     assert "ranked by mean final belief" in capsys.readouterr().out
-    eval.main(["--overlay", dirs["A"], dirs["B"], "--name", "ov"])
+    evaluation.main(["--overlay", dirs["A"], dirs["B"], "--name", "ov"])
     assert "CA b_0" in capsys.readouterr().out
     assert png_size(tmp_path / "evals" / "ov" / "overlay_probes.png") == \
         tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)
-    eval.main(["--case", dirs["B"], instances[0]["id"]])
+    evaluation.main(["--case", dirs["B"], instances[0]["id"]])
     assert "of the net sum r_t" in capsys.readouterr().out
-    eval.main(["--analyze", dirs["A"]])
+    evaluation.main(["--analyze", dirs["A"]])
     out = capsys.readouterr().out
     assert "probe fidelity, fork vs full forward" in out and "by |v|" in out
     summary = json.loads((tmp_path / "evals" / "A" / "summary.json").read_text())
@@ -519,7 +519,7 @@ def test_compare_many_cli(tmp_path, capsys):
     policy, base1, base2 = many_runs().values()
     for name, eps in (("b1", base1), ("b2", base2), ("p", policy)):
         report.save_run(tmp_path / name, eps, an.summarize(eps))
-    eval.main(["--compare-many", str(tmp_path / "b1"), str(tmp_path / "b2"), "--policy", str(tmp_path / "p")])
+    evaluation.main(["--compare-many", str(tmp_path / "b1"), str(tmp_path / "b2"), "--policy", str(tmp_path / "p")])
     out = capsys.readouterr().out
     assert "closed by no baseline: 3; the policy closes 2 of them (66.7%)" in out
     table = out.split("scenarios every run has")[0]
@@ -529,12 +529,12 @@ def test_compare_many_cli(tmp_path, capsys):
 
 def test_case_cli_prints_the_episode_and_writes_its_plot(tmp_path, capsys):
     report.save_run(tmp_path / "run", LAB, an.summarize(LAB))
-    eval.main(["--case", str(tmp_path / "run"), "m2"])
+    evaluation.main(["--case", str(tmp_path / "run"), "m2"])
     out = capsys.readouterr().out
     assert "m2: CONDITIONAL_ACCEPT after 3 turns" in out and "the two largest turns carry" in out
     assert png_size(tmp_path / "run" / "case-m2.png") == tuple(round(v * plots.DPI) for v in plots.CASE_FIGSIZE)
     with pytest.raises(SystemExit, match="has no episode of nope"):
-        eval.main(["--case", str(tmp_path / "run"), "nope"])
+        evaluation.main(["--case", str(tmp_path / "run"), "nope"])
 
 
 def test_end_reasons_are_counted_and_a_cut_off_table_says_so():
@@ -554,28 +554,28 @@ def test_a_name_is_resumed_only_with_its_own_settings(tmp_path, monkeypatch, cap
     """Every evaluation appends episodes.jsonl: a rerun of a name is refused without --resume or
     --overwrite; --resume plays only the missing episodes and refuses other settings, naming
     them; --overwrite removes that evaluation's folder alone."""
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("x")
     argv = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3", "--limit",
             "2", "--t-max", "1", "--max-new-tokens", "3", "--kv-blocks", "600", "--name", "r"]
-    eval.main(argv)
+    evaluation.main(argv)
     lines = (tmp_path / "r" / "episodes.jsonl").read_text().splitlines()
     assert len(lines) == 2
     settings = json.loads((tmp_path / "r" / "settings.json").read_text())
     assert settings["seed"] == 0 and settings["dtype"] == "float32" and settings["limit"] == 2
     with pytest.raises(SystemExit, match="--resume"):
-        eval.main(argv)
+        evaluation.main(argv)
     with pytest.raises(SystemExit, match=r"seed 0 there, 1 now.*t_max 1 there, 2 now"):
-        eval.main(argv + ["--resume", "--seed", "1", "--t-max", "2"])
+        evaluation.main(argv + ["--resume", "--seed", "1", "--t-max", "2"])
     (tmp_path / "r" / "episodes.jsonl").write_text(lines[0] + "\n" + lines[1][:20])  # killed
     capsys.readouterr()
-    eval.main(argv + ["--resume"])
+    evaluation.main(argv + ["--resume"])
     assert "1 of 2 episodes already played" in capsys.readouterr().err
     again = (tmp_path / "r" / "episodes.jsonl").read_text().splitlines()
     assert [json.loads(l)["id"] for l in again] == [json.loads(l)["id"] for l in lines]
     assert json.loads(again[1])["transcript"] == json.loads(lines[1])["transcript"]
-    eval.main(argv + ["--overwrite", "--seed", "1"])
+    evaluation.main(argv + ["--overwrite", "--seed", "1"])
     assert json.loads((tmp_path / "r" / "settings.json").read_text())["seed"] == 1
     assert (tmp_path / "other" / "keep.txt").exists()
 
@@ -588,9 +588,9 @@ def test_kv_blocks_too_few_for_one_episode_say_how_many(tmp_path, monkeypatch):
         raise AssertionError("a model was loaded before --kv-blocks was checked")
     monkeypatch.setattr(models, "load_model", refuse)
     monkeypatch.setattr(models, "random_model", refuse)
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     with pytest.raises(SystemExit, match=r"--kv-blocks 5 cannot hold one episode.*pass --kv-blocks \d+"):
-        eval.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+        evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
                  "--limit", "1", "--t-max", "1", "--max-new-tokens", "3", "--kv-blocks", "5"])
 
 
@@ -603,10 +603,10 @@ def test_compare_warns_when_the_runs_faced_different_roles(tmp_path, capsys):
         judge=dict(model="j", sampling=[[0.0, None, None]], dtype="float32"))
     report.save_run(tmp_path / "A", RUN_A, {**an.summarize(RUN_A), "roles": roles("q", [0.7, 0.8, 20])})
     report.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("q", [0.7, 0.8, 20])})
-    eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    evaluation.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     assert "warning" not in capsys.readouterr().out
     report.save_run(tmp_path / "B", RUN_B, {**an.summarize(RUN_B), "roles": roles("r", [0.7, None, None])})
-    eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    evaluation.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "differ in the persuadee's model: q against r" in out
     assert "differ in the persuadee's sampling" in out and "judge" not in out.split("A =")[0]

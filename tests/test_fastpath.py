@@ -11,7 +11,7 @@ import engine
 import layers
 import models
 import rpo
-from conftest import tiny_model
+from conftest import tiny_model, token_logprobs
 from lab import fastpath, kernels
 from test_engine import ARCHS, PROMPTS, hf_greedy, storages
 
@@ -99,7 +99,7 @@ def test_cuda_engine_matches_hf_generate(arch, dtype, monkeypatch):
         for prompt, (ids, logps, _) in zip(PROMPTS, outs):
             seq = torch.tensor([prompt + ids], device="cuda")
             with torch.no_grad():
-                train = rpo.token_logprobs(model(seq).logits.float(), seq, 1.0)[0, len(prompt) - 1:]
+                train = token_logprobs(model(seq).logits.float(), seq, 1.0)[0, len(prompt) - 1:]
             assert (torch.tensor(logps, device="cuda") - train).abs().mean() < 1e-2
 
 

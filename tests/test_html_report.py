@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-import eval
+import eval as evaluation
 from lab import analyses as an
 from lab import html_report, report
 
@@ -112,7 +112,7 @@ def test_compare_page_pairs_scenarios_and_marks_transitions(tmp_path, capsys):
              episode("s3", "REJECT", [0.0, -0.3]), episode("s4", "CONDITIONAL_ACCEPT", [0.0, 0.2])]
     report.save_run(tmp_path / "A", RUN, an.summarize(RUN))
     report.save_run(tmp_path / "B", after, an.summarize(after))
-    eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    evaluation.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     path = tmp_path / "B" / html_report.COMPARE_NAME
     assert str(path) in capsys.readouterr().out
     tree = parse(path)

@@ -32,10 +32,10 @@ def test_the_paper_plan_fits_and_its_weights_are_the_parameter_counts(capsys, mo
     items = dict(rank_plan["items"])
     assert items["policy master weights fp32 (1/8 shard)"] == 4 * P // 8
     assert items["AdamW moments fp32 (1/8 shard)"] == 8 * P // 8
-    assert items["rollout copy bfloat16 (actor engine's weights)"] == 2 * P
+    assert items["rollout copy bfloat16 (persuader engine's weights)"] == 2 * P
     assert items["reference bfloat16 (1/8 shard)"] == 2 * P // 8
     assert items["persuadee bfloat16"] == 2 * E
-    for role in ("actor", "persuadee"):  # the attention transient is planned
+    for role in ("persuader", "persuadee"):  # the attention transient is planned
         assert items[f"{role} attention transient"] >= 2 * fastpath.ATTENTION_CALL_MB * 2**20
     for shape in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "smollm2-135m"):
         assert plan.parameter_count(models.random_config(shape)) == count(shape), shape
@@ -114,7 +114,7 @@ def test_the_one_gpu_preset_fits_one_h200_and_counts_adapters_base_and_reference
     assert items[f"LoRA adapters r=64 fp32 ({L / 1e6:.0f}M, replicated)"] + \
         items["adapter gradients fp32"] + items["AdamW moments fp32 (adapters)"] == 16 * L
     assert items["frozen base bfloat16 (the reference, adapter off)"] == 2 * P
-    assert items["rollout copy bfloat16 (merged, actor engine's)"] == 2 * P
+    assert items["rollout copy bfloat16 (merged, persuader engine's)"] == 2 * P
     assert not any("reference bfloat16" in k or "master" in k or "autocast" in k for k in items)
 
 
@@ -161,14 +161,14 @@ def test_the_plan_lists_the_forward_transients_and_the_lora_merge():
     persuadee = shapes.model_config(presets.preset_values("paper")["persuadee"])
     assert paper[f"persuadee {label}"] == plan.forward_transient_bytes(persuadee, 2, engine.FORWARD_TOKENS)
     assert paper[f"persuadee {label}"] > engine.FORWARD_TOKENS * 3 * persuadee.intermediate_size * 2
-    assert f"actor {label}" in paper and not any("LoRA merge" in k for k in paper)
+    assert f"persuader {label}" in paper and not any("LoRA merge" in k for k in paper)
     one = dict(plan.memory_plan(parse_train(["--preset", "one-gpu", "--plan", "--out",
                                               "/nonexistent"]), 1, 139, True)["items"])
     model = models.random_model("qwen3-4b", torch.bfloat16, "meta")[0]
     largest = max(m.weight.numel() for name, m in model.named_modules()
                   if name.rsplit(".", 1)[-1] in lora.LORA_TARGETS)
     assert one["LoRA merge, one module at a time"] == largest * (4 + 4 + 4 + 2)
-    # the update's logits: each row's own kept positions (rpo.row_logits), t_max x
+    # the update's logits: each row's own kept positions (steps.row_logits), t_max x
     # max_new_tokens a row, in bf16 (logits and their gradient) and fp32 (autograd's and the
     # reference's rows)
     args = parse_train(["--preset", "paper", "--plan", "--out", "/nonexistent"])
@@ -186,11 +186,11 @@ def test_the_decode_memory_says_what_the_heldout_evaluation_gives_up():
     cfg = shapes.model_config(args.persuader)
     rows, tokens = plan.engine_contexts(args, 8, 16)[1]
     extent = fastpath.round_up(tokens + fastpath.SYNC_EVERY, fastpath.CAPACITY_BUCKET)
-    actor = next(k for k in items if k.startswith("actor decode memory"))
-    more = (fastpath.decode_memory_bytes(16, extent, plan.kv_token_bytes(cfg, 2)) - items[actor]) / 2**30
+    persuader = next(k for k in items if k.startswith("persuader decode memory"))
+    more = (fastpath.decode_memory_bytes(16, extent, plan.kv_token_bytes(cfg, 2)) - items[persuader]) / 2**30
     assert rows == 15 and more > 0
-    assert actor.endswith(f"held-out turns past it decode in smaller batches; 16 rows at {extent} "
+    assert persuader.endswith(f"held-out turns past it decode in smaller batches; 16 rows at {extent} "
                           f"tokens: +{more:.1f} GiB)")
     small = plan.memory_plan(parse_train(["--preset", "paper", "--plan", "--out", "/nonexistent",
                                           "--eval-every", "0"]), 8, 139, True)["items"]
-    assert "actor decode memory" in dict(small)  # no evaluation: nothing given up
+    assert "persuader decode memory" in dict(small)  # no evaluation: nothing given up

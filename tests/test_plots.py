@@ -6,7 +6,7 @@ import struct
 from pathlib import Path
 
 from lab import analyses
-import eval
+import eval as evaluation
 from lab import plots
 from lab import report
 from test_analyses import LAB, SIX
@@ -44,7 +44,7 @@ def test_overlay_and_moves_plots(tmp_path, monkeypatch):
     report.save_run(tmp_path / "B", SIX, analyses.summarize(SIX))
     assert png_size(tmp_path / "A" / "moves.png") == tuple(round(v * plots.DPI) for v in plots.MOVES_FIGSIZE)
     assert not (tmp_path / "B" / "moves.png").exists()   # no labels stored
-    eval.main(["--overlay", str(tmp_path / "A"), str(tmp_path / "B"), "--name", "ov"])
+    evaluation.main(["--overlay", str(tmp_path / "A"), str(tmp_path / "B"), "--name", "ov"])
     assert png_size(tmp_path / "evals" / "ov" / "overlay.png") == tuple(round(v * plots.DPI) for v in plots.OVERLAY_FIGSIZE)
     assert png_size(tmp_path / "evals" / "ov" / "overlay_probes.png") == \
         tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)

@@ -169,13 +169,13 @@ def test_evaluation_fidelity_reads_on_the_persuadees_pool(tmp_path, monkeypatch)
     (engine.CACHE_GB_CPU made small): it reads on the persuadee's own engine, finishes, and
     equals the reference."""
     import arena
-    import eval
+    import eval as evaluation
     model, tok = models.load_model("random:tiny-qwen3")
     engines = [engine.Engine(model, tok, num_blocks=600) for _ in range(2)]
     context = len(models.chat_ids(tok, arena.persuadee_messages(arena.heldout_instances()[0]),
                                   False))
     monkeypatch.setattr(engine, "CACHE_GB_CPU", 2 * context * engines[0].token_bytes / 2**30)
-    summary = eval.evaluate(*engines, arena.heldout_instances()[:3], tmp_path / "run", t_max=2,
+    summary = evaluation.evaluate(*engines, arena.heldout_instances()[:3], tmp_path / "run", t_max=2,
                           fidelity=6, max_new_tokens=6)
     assert summary["probe_fidelity"]["n"] == 6 * 3
     assert summary["probe_fidelity"]["max_abs_diff"] < 1e-4
@@ -214,7 +214,7 @@ def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios
     fourth signed by the new probe's own sign; the records, summaries and figures follow."""
     import json
 
-    import eval
+    import eval as evaluation
     import rollout
     import train
     from lab import records
@@ -232,7 +232,7 @@ def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios
                 short_scenarios, "--out", str(tmp_path / "runs"), "--name", "four", "--steps", "1",
                 "--eval-every", "1", "--eval-limit", "1"])
     trained = len(played)
-    eval.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--limit", "1",
+    evaluation.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--limit", "1",
                "--t-max", "2", "--max-new-tokens", "3", "--name", "four", "--judge", "none"])
     assert trained and len(played) > trained  # training rollouts and both evaluations ran
     rows = [row for ep in played for row in ep["probes"]]

@@ -14,7 +14,7 @@ import probes
 import rollout
 import rpo
 from lab import judge as local_judge
-from conftest import tiny_model
+from conftest import tiny_model, token_logprobs
 
 
 def test_dialogue_rollout_returns_blocks_and_consistent_streams(tokenizer):
@@ -39,7 +39,7 @@ def test_dialogue_rollout_returns_blocks_and_consistent_streams(tokenizer):
             assert 1 <= len(sampled) <= 6
             assert tokenizer.decode(sampled, skip_special_tokens=True).strip() == \
                 r["transcript"][2 * (t - 1)]["text"]
-        ref = rpo.token_logprobs(er_model(ids).logits, ids, 1.0)[0]
+        ref = token_logprobs(er_model(ids).logits, ids, 1.0)[0]
         mask = turns[1:] > 0
         torch.testing.assert_close(torch.tensor(r["logprobs"][1:])[mask], ref[mask],
                                    atol=1e-4, rtol=0)
@@ -118,7 +118,7 @@ def judge_scores(judge, instances, transcripts, seed=0):
     """The local judge as rollout.judge_all calls it (its answer length read now)."""
     return local_judge.judge_scores(judge, instances, transcripts, seed,
                                     max_tokens=rollout.JUDGE_MAX_NEW_TOKENS,
-                                    retry_sampling=rollout.JUDGE_RETRY_SAMPLING)
+                                    attempts=rollout.judge_attempts)
 
 
 def test_judge_scores_parse_retry_and_fall_back(tokenizer, monkeypatch):
@@ -245,6 +245,26 @@ def test_a_prompt_longer_than_the_context_is_named_before_anything_runs(tokenize
     assert er.free_blocks == er.cache.num_blocks
 
 
+def test_one_judge_retry_policy_for_the_local_and_the_served_judge():
+    """rollout.judge_attempts is the only retry loop: greedy, then arena.JUDGE_RETRIES sampled
+    retries while nothing parses, then None (s falls back to 0); lab/judge.py and lab/served.py
+    hold none of their own."""
+    from pathlib import Path
+    asked = []
+
+    def answer(todo, sampling, attempt):
+        asked.append((list(todo), sampling, attempt))
+        return ["PROBING: 5\nFIT: 5\nADAPTATION: 5" if i == 0 and attempt == 1 else
+                None if i == 1 else "no verdict" for i in todo]
+    assert rollout.judge_attempts(answer, 3) == [2.0, None, None]
+    assert [a[2] for a in asked] == list(range(1 + arena.JUDGE_RETRIES))
+    assert asked[0][:2] == ([0, 1, 2], engine.GREEDY)
+    assert asked[1][:2] == ([0, 1, 2], rollout.JUDGE_RETRY_SAMPLING) and asked[2][0] == [1, 2]
+    here = Path(__file__).resolve().parent.parent
+    for name in ("lab/judge.py", "lab/served.py"):
+        assert "JUDGE_RETRIES" not in (here / name).read_text(), name
+
+
 def test_the_judge_fits_any_pool_that_holds_one_transcript(tokenizer, monkeypatch):
     """On the smallest pool that judges the longest transcript alone (found by trying), a group
     of four and another instance are all judged, a group split across chunks, each as it is
@@ -288,6 +308,48 @@ def test_one_loop_drives_every_episode():
                if "arena.Episode(" in p.read_text()}
     assert drivers == {"rollout.py", "lab/bench_baselines.py"}
     assert "def play_episodes" not in (here / "lab" / "served.py").read_text()
+
+
+def test_every_side_conforms_to_the_one_side_protocol():
+    """rollout.Side is declared once; the engine's, the server's, the person's, the trainer's and
+    the watched side each have all of its methods (a method dropped from one fails here)."""
+    import inspect
+
+    from lab import env, play, served
+    methods = [name for name, v in vars(rollout.Side).items() if inspect.isfunction(v) and name[0] != "_"]
+    assert methods == ["prompt", "room", "prefill", "start", "ready", "speak", "reply", "hear", "free"]
+    for cls in (rollout.EngineSide, served.ServedSide, play.PersonSide, env.TrainerSide):
+        assert [m for m in methods if not callable(getattr(cls, m, None))] == [], cls.__name__
+    side = play.PersonSide(2, read=lambda prompt: "", write=lambda *a: None)
+    assert isinstance(side, rollout.Side) and isinstance(env.Watched(side), rollout.Side)
+    assert not isinstance(object(), rollout.Side)
+
+
+def calls_in(function):
+    """The dotted names a function's body calls (a.b(...) as "a.b", f(...) as "f")."""
+    import ast
+    import inspect
+    import textwrap
+    names = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names.add(f.id if isinstance(f, ast.Name) else
+                      f"{getattr(f.value, 'id', '?')}.{f.attr}" if isinstance(f, ast.Attribute) else "?")
+    return names
+
+
+def test_the_probe_reads_are_three_calls_from_the_training_loop():
+    """train.train calls rollout_episodes, which calls the persuadee side's start (b_0) and reply
+    (b_t), which call probes.read_engine: three hops, the judge a line of the loop of its own."""
+    import train
+    loop = calls_in(train.train)
+    assert {"rollout.rollout_episodes", "rollout.judge_episodes", "rpo.rewards",
+            "rpo.advantages", "policy_update"} <= loop
+    assert {"persuadee.start", "persuadee.reply"} <= calls_in(rollout.rollout_episodes)
+    assert "probes.read_engine" in calls_in(rollout.EngineSide.start)
+    assert "probes.read_engine" in calls_in(rollout.EngineSide.reply)
+    assert "judge_all" not in calls_in(rollout.EpisodeLoop.__init__)
 
 
 def test_the_frozen_roles_and_the_judge_share_one_sampling_owner():

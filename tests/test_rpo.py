@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import rpo
+from lab import steps
+from conftest import token_logprobs
 
 EPS = rpo.STD_EPS
 
@@ -167,11 +169,15 @@ def test_group_of_one():
     assert close(rpo.group_advantages([3.0], [[0.4]], lam=0.5), [[0.0]], 0.0)
 
 
+def step_diagnostics(groups, lam):
+    """The diagnostics of one process's groups, as train.py pools them (rpo.diagnostics)."""
+    return rpo.diagnostics(rpo.diagnostic_sums(groups, lam))
+
+
 def test_token_advantages_maps_turns():
-    ids = torch.tensor([0, 0, 1, 1, 1, 0, 0, 2, 2, 0, 3, 0])
-    out = rpo.token_advantages(ids, [0.5, -1.0, 2.0])
-    assert out.dtype == torch.float32
-    assert out.tolist() == [0.0, 0.0, 0.5, 0.5, 0.5, 0.0, 0.0, -1.0, -1.0, 0.0, 2.0, 0.0]
+    ids = torch.tensor([[0, 0, 1, 1, 0, 2, 3, 3]])
+    out = rpo.batch_token_advantages(ids, [[0.5, -1.0, 2.0]])
+    assert out[0].tolist() == [0.0, 0.0, 0.5, 0.5, 0.0, -1.0, 2.0, 2.0]
 
 
 def test_batch_token_advantages_ragged():
@@ -188,7 +194,7 @@ def test_token_logprobs_matches_naive(temperature):
     torch.manual_seed(0)
     logits = (3 * torch.randn(2, 6, 13)).requires_grad_()
     ids = torch.randint(0, 13, (2, 6))
-    got = rpo.token_logprobs(logits, ids, temperature)
+    got = token_logprobs(logits, ids, temperature)
     naive = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert got.shape == (2, 5)
     torch.testing.assert_close(got, naive, atol=1e-6, rtol=0)
@@ -202,7 +208,7 @@ def test_token_logprobs_bf16_logits_give_float32():
     torch.manual_seed(1)
     logits = torch.randn(1, 4, 9).bfloat16()
     ids = torch.randint(0, 9, (1, 4))
-    got = rpo.token_logprobs(logits, ids)
+    got = token_logprobs(logits, ids)
     assert got.dtype == torch.float32
     naive = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(got, naive, atol=1e-6, rtol=0)
@@ -305,14 +311,14 @@ def test_step_diagnostics_by_hand():
         ([2.0, 2.0], [[0.1], [0.1]]),  # dead; both return-to-go equal the pool -> all zero
         ([3.0], [[-0.3]]),  # group of one, one turn -> dead, all zero
     ]
-    d = rpo.step_diagnostics(groups, lam=0.5)
+    d = step_diagnostics(groups, lam=0.5)
     assert d["dead_group_share"] == 3 / 4
     assert abs(d["dead_rescued_share"] - 1 / 3) < 1e-12
     # |dense|: 0.1 + 0.1 + 0.2 + 0.1 + 0.1 = 0.6; |A|: 2 (a + 0.1) + 0.4
     assert abs(d["dense_share"] - 0.6 / (2 * (a + 0.1) + 0.4)) < 1e-12
     # per turn (8 turns): |A_out| is a on the live group's 2 turns, else 0; |lam D~| sums to 0.6
     assert d["outcome_term_abs"] == pytest.approx(2 * a / 8) and d["dense_term_abs"] == pytest.approx(0.6 / 8)
-    d0 = rpo.step_diagnostics(groups, lam=0.0)
+    d0 = step_diagnostics(groups, lam=0.0)
     assert d0["dead_rescued_share"] == 0.0 and d0["dense_share"] == 0.0 and d0["dense_term_abs"] == 0.0
     assert d0["dead_group_share"] == 3 / 4
 
@@ -331,8 +337,8 @@ def test_a_non_finite_belief_is_excluded_from_its_group_and_counted():
     assert A[1] == [a_out[1], a_out[1]]
     assert A[2] == pytest.approx([a_out[2] + 0.5 * (-0.1 - pool)])
     assert all(math.isfinite(x) for a in A for x in a)
-    assert rpo.step_diagnostics([(R, P)], 0.5)["nonfinite_belief_share"] == pytest.approx(1 / 3)
-    assert rpo.step_diagnostics([(R, [[0.1, 0.2], [0.0, 0.3], [-0.1]])], 0.5)["nonfinite_belief_share"] == 0
+    assert step_diagnostics([(R, P)], 0.5)["nonfinite_belief_share"] == pytest.approx(1 / 3)
+    assert step_diagnostics([(R, [[0.1, 0.2], [0.0, 0.3], [-0.1]])], 0.5)["nonfinite_belief_share"] == 0
 
 
 def test_diagnostic_sums_add_over_shards_and_count_identical_outcomes():
@@ -343,7 +349,7 @@ def test_diagnostic_sums_add_over_shards_and_count_identical_outcomes():
         ([0.0, 0.0], [[0.4], [0.0, -0.2]], [0.0, 0.0]),  # dead both ways, rescued
         ([1.0, -1.0], [[0.2], [-0.2]], [1.0, -1.0]),   # live both ways
     ]
-    whole = rpo.step_diagnostics(groups, lam=0.5)
+    whole = step_diagnostics(groups, lam=0.5)
     assert whole["dead_group_share"] == pytest.approx(1 / 3) and whole["dead_goal_share"] == pytest.approx(2 / 3)
     assert whole["dead_rescued_share"] == 1.0
     shards = [rpo.diagnostic_sums(groups[:1], 0.5), rpo.diagnostic_sums(groups[1:], 0.5)]
@@ -351,7 +357,7 @@ def test_diagnostic_sums_add_over_shards_and_count_identical_outcomes():
     # the mean of the shards' own ratios is not the pooled figure: shard 0 has no dead group
     own = [rpo.diagnostics(s)["dead_rescued_share"] for s in shards]
     assert sum(own) / 2 == 0.5 != whole["dead_rescued_share"]
-    assert rpo.step_diagnostics([g[:2] for g in groups], 0.5)["dead_goal_share"] == 0.0  # no goals given
+    assert step_diagnostics([g[:2] for g in groups], 0.5)["dead_goal_share"] == 0.0  # no goals given
 
 
 def test_collapsed_groups_count_identical_persuader_messages():
@@ -378,7 +384,8 @@ def test_advantages_from_records_by_hand():
     which leaves the episode's dense term out of its group (and its outcome term in)."""
     recs = [record("ACCEPT", 1.0, [0.0, 0.4]), record("REJECT", 0.0, [0.0, -0.2]),
             record("PENDING", 0.0, [0.0, None]), record("PENDING", 2.0, [0.2, 0.2])]
-    per_episode, groups = rpo.advantages(recs, 2, lam=0.5, anchor=False)
+    groups = rpo.rewards(recs, 2, anchor=False)
+    per_episode = rpo.advantages(groups, lam=0.5)
     # group 1: R = 3.5, -1.0; std (ddof 1) = 4.5 / sqrt 2; A_out = +-(2.25 / std)
     a = 2.25 / (4.5 / math.sqrt(2) + EPS)
     # D = 0.2 and -0.1, pooled mean 0.05: D~ = 0.15, -0.15
@@ -388,20 +395,6 @@ def test_advantages_from_records_by_hand():
     assert close(per_episode[2:], [[-b], [b]])
     assert groups[0][0] == [3.5, -1.0] and groups[0][2] == [3.0, -1.0]
     assert math.isnan(groups[1][1][0][0])
-
-
-def test_playable_leaves_out_whole_groups_and_silenced_keeps_their_places():
-    recs = [record("ACCEPT", 0.0, [0.0, 0.1]), record("REJECT", 0.0, [0.0, 0.1]),
-            record("PENDING", 0.0, []), record("PENDING", 0.0, [0.0, 0.1], end_reason="api_error")]
-    for r in recs:
-        r.update(ids=[5, 6, 7], turn_ids=[0, 1, 1], logprobs=[0.0, -1.0, -1.0])
-    kept, counts, why = rpo.playable(recs, 2)
-    assert kept == recs[:2] and counts == dict(never_started=1, api_errors=1, left_out=2)
-    assert "member 0 never started" in why and "member 1 its served model kept failing" in why
-    records, adv = rpo.silenced(recs, kept, [[1.0], [-1.0]])
-    assert records[:2] == kept and adv == [[1.0], [-1.0], [], []]
-    assert all(r["turn_ids"] == [0, 0, 0] for r in records[2:])
-    assert rpo.persuader_tokens(records) == 4
 
 
 def policy_and_reference(seed):
@@ -418,7 +411,13 @@ def policy_and_reference(seed):
     return policy, reference
 
 
-@pytest.mark.parametrize("share_stem", [False, True])
+def kept_logits(share_stem):
+    """The update's logits as train.py takes them (lab/steps.kept_logits), None: rpo's plain ones."""
+    return None if share_stem is None else (
+        lambda model, *a: steps.kept_logits(model, *a, share_stem=share_stem))
+
+
+@pytest.mark.parametrize("share_stem", [None, False, True])
 def test_micro_batch_loss_is_the_hand_loss_of_plain_forwards(share_stem):
     """rpo.micro_batch_loss on two right-padded records against the loss written out from plain
     full forwards of the policy and the reference (log_softmax over the whole vocabulary at T):
@@ -434,7 +433,7 @@ def test_micro_batch_loss_is_the_hand_loss_of_plain_forwards(share_stem):
     T, beta, low, high, N = 0.9, 0.05, 0.2, 0.28, 11  # N: more tokens than here (other ranks)
     loss, stats = rpo.micro_batch_loss(policy, reference, recs, advantages, N, temperature=T,
                                        clip_low=low, clip_high=high, beta=beta,
-                                       share_stem=share_stem)
+                                       logits=kept_logits(share_stem))
     loss.backward()
     got = {k: p.grad.clone() for k, p in policy.named_parameters()}
     policy.zero_grad()
@@ -472,7 +471,7 @@ def test_micro_batch_loss_counts_a_non_finite_log_prob():
 
 @pytest.mark.parametrize("first_kept", [9, 5])
 def test_a_shared_prompt_runs_once_with_the_plain_forwards_logits_and_gradients(first_kept):
-    """rpo.kept_logits with share_stem: three right-padded rows whose first 12 tokens agree
+    """steps.kept_logits with share_stem: three right-padded rows whose first 12 tokens agree
     (a group's prompt). The prefix runs once, its keys and values repeated for the rows; the
     logits at the kept positions and every weight's gradient equal the plain forward's. The
     prefix stops at the first kept position (5: inside the shared part)."""
@@ -492,7 +491,7 @@ def test_a_shared_prompt_runs_once_with_the_plain_forwards_logits_and_gradients(
     out = {}
     for share in (False, True):
         m = copy.deepcopy(model).train()
-        logits = rpo.kept_logits(m, ids, keep, share)
+        logits = steps.kept_logits(m, ids, keep, share_stem=share)
         (logits * weights).sum().backward()
         out[share] = logits.detach(), {k: p.grad for k, p in m.named_parameters()}
     assert out[True][0].shape == out[False][0].shape == (3, len(keep), model.config.vocab_size)
@@ -503,7 +502,7 @@ def test_a_shared_prompt_runs_once_with_the_plain_forwards_logits_and_gradients(
 
 
 def test_a_model_that_returns_no_cache_gets_the_plain_forward():
-    """rpo.kept_logits with share_stem on a model that drops the stem's cache (transformers 5.17
+    """steps.kept_logits with share_stem on a model that drops the stem's cache (transformers 5.17
     in train mode with activation checkpointing): the plain forward's logits, no KeyError."""
     import torch
 
@@ -520,7 +519,7 @@ def test_a_model_that_returns_no_cache_gets_the_plain_forward():
     keep = torch.arange(9, ids.shape[1] - 1)
     with torch.no_grad():
         want = model(ids, use_cache=False).logits[:, keep]
-        torch.testing.assert_close(rpo.kept_logits(no_cache, ids, keep, True), want)
+        torch.testing.assert_close(steps.kept_logits(no_cache, ids, keep, share_stem=True), want)
 
 
 @pytest.mark.parametrize("share_stem", [False, True])
@@ -538,7 +537,7 @@ def test_the_update_takes_logits_of_each_rows_own_kept_positions(share_stem, mon
     monkeypatch.setattr(rpo, "target_logprobs",
                         lambda logits, *a: widths.append(logits.shape) or plain(logits, *a))
     loss, _ = rpo.micro_batch_loss(policy, reference, recs, advantages, 9, beta=0.05,
-                                   share_stem=share_stem)
+                                   logits=kept_logits(share_stem))
     loss.backward()
     got = {k: p.grad.clone() for k, p in policy.named_parameters()}
     policy.zero_grad()
@@ -552,9 +551,9 @@ def test_the_update_takes_logits_of_each_rows_own_kept_positions(share_stem, mon
     # the union's own loss (every kept position of every row, the other rows' masked): no
     # row selection at all, so a row picking a wrong position would show
     kept = t[:, keep + 1] > 0
-    logp = plain(rpo.kept_logits(policy, x, keep, False), x[:, keep + 1])
+    logp = plain(steps.kept_logits(policy, x, keep), x[:, keep + 1])
     with torch.no_grad():
-        ref = plain(rpo.kept_logits(reference, x, keep, False), x[:, keep + 1])
+        ref = plain(steps.kept_logits(reference, x, keep), x[:, keep + 1])
     adv = rpo.batch_token_advantages(t, advantages)[:, 1:][:, keep]
     want, _ = rpo.policy_loss(logp, torch.full_like(logp, -6.0), ref, adv, kept, 9, beta=0.05)
     want.backward()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval
+import eval as evaluation
 import models
 import probes
 from lab import episode_log, records
@@ -93,13 +93,13 @@ def test_train_resume_refuses_a_run_with_planted_links(run_copy, tmp_path, plant
 
 
 def test_eval_resume_refuses_a_folder_with_planted_links(tmp_path, monkeypatch, no_model_loads):
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path / "evals"))
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path / "evals"))
     folder = tmp_path / "evals" / "e"
     folder.mkdir(parents=True)
     (tmp_path / "elsewhere").write_text("keep")
     (folder / "settings.json").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(SystemExit, match="holds links"):
-        eval.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+        evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
                    "--limit", "1", "--name", "e", "--resume"])
     assert (tmp_path / "elsewhere").read_text() == "keep"
 
@@ -115,9 +115,9 @@ def test_a_folder_that_holds_no_run_survives_overwrite(tmp_path, short_scenarios
         train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(source.parent),
                     "--name", "src", "--overwrite"])
     assert "not a run this project wrote" in str(e.value.code) and "important.py" in str(e.value.code)
-    monkeypatch.setattr(eval, "EVALS_DIR", str(source.parent))
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(source.parent))
     with pytest.raises(SystemExit, match="not a run this project wrote"):
-        eval.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+        evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
                    "--limit", "1", "--name", "src", "--overwrite"])
     assert (source / "important.py").read_text() == "x = 1\n"
 
@@ -140,9 +140,9 @@ def test_a_second_process_under_one_name_is_refused(tmp_path, short_scenarios, m
                         str(tmp_path / "runs"), "--name", "busy"])
         message = str(e.value.code)
         assert "is in use by process" in message and str(other.pid) in message and "\n" not in message
-        monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path / "runs"))
+        monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path / "runs"))
         with pytest.raises(SystemExit, match="is in use by process"):
-            eval.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+            evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
                        "--limit", "1", "--name", "busy"])
     finally:
         other.kill()
@@ -170,7 +170,7 @@ def test_a_long_name_is_refused_in_one_line(tmp_path, no_model_loads):
     with pytest.raises(SystemExit, match=f"more than {runs.NAME_MAX}"):
         parse_train(["--preset", "tiny", "--out", str(tmp_path), "--name", "x" * 300])
     with pytest.raises(SystemExit):
-        eval.main(["--limit", "1", "--name", "bad\x07name"])
+        evaluation.main(["--limit", "1", "--name", "bad\x07name"])
 
 
 def test_a_failed_first_checkpoint_advises_overwrite_which_then_runs(tmp_path, short_scenarios,
@@ -252,12 +252,15 @@ def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch
     monkeypatch.setattr(arena, "T_MAX_TRAIN", 5)
     tiny = presets.PRESETS["tiny"]
     notes = presets.preset_notes(parse_train(["--preset", "tiny", "--out", str(tmp_path)]))
-    assert notes == [f"t_max {tiny['t_max']} (tiny preset; arena.T_MAX_TRAIN 5)",
-                     f"eval_t_max {tiny['eval_t_max']} (tiny preset; arena.T_MAX_EVAL {arena.T_MAX_EVAL})",
-                     f"max_new_tokens {tiny['max_new_tokens']} (tiny preset; engine.MAX_NEW_TOKENS "
-                     f"{__import__('engine').MAX_NEW_TOKENS})"]
+    assert notes[-3:] == [f"t_max {tiny['t_max']} (tiny preset; arena.T_MAX_TRAIN 5)",
+                          f"eval_t_max {tiny['eval_t_max']} (tiny preset; arena.T_MAX_EVAL {arena.T_MAX_EVAL})",
+                          f"max_new_tokens {tiny['max_new_tokens']} (tiny preset; engine.MAX_NEW_TOKENS "
+                          f"{__import__('engine').MAX_NEW_TOKENS})"]
+    assert notes[0] == f"steps {tiny['steps']} (tiny preset; train.STEPS 200)"
+    owned = [k for k in presets.OWNERS if k in tiny]  # the paper's numbers too (train.py's)
+    assert [n.split()[0] for n in notes] == owned
     given = parse_train(["--preset", "tiny", "--t-max", "3", "--out", str(tmp_path)])
-    assert [n.split()[0] for n in presets.preset_notes(given)] == ["eval_t_max", "max_new_tokens"]
+    assert [n.split()[0] for n in presets.preset_notes(given)] == [k for k in owned if k != "t_max"]
     assert presets.preset_notes(parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])) == []
 
 # -----------------------------------------------------------------------------
@@ -306,8 +309,8 @@ def test_a_standalone_summary_of_a_lambda_0_run_reports_shaping_at_lambda_0(run_
                                                                             monkeypatch):
     run, argv = run_copy
     assert json.loads((run / "config.json").read_text())["lam"] == 0 != rpo.LAMBDA
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path / "evals"))
-    eval.main(["--persuader", str(run / "checkpoint-1"), "--persuadee", "random:tiny-qwen3",
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path / "evals"))
+    evaluation.main(["--persuader", str(run / "checkpoint-1"), "--persuadee", "random:tiny-qwen3",
                "--judge", "none", "--limit", "1", "--t-max", "1", "--max-new-tokens", "2",
                "--kv-blocks", "600", "--name", "standalone"])
     folder = tmp_path / "evals" / "standalone"
@@ -317,7 +320,7 @@ def test_a_standalone_summary_of_a_lambda_0_run_reports_shaping_at_lambda_0(run_
     assert summary["roles"]["persuader"]["sampling"][0] == float(flags["--persuader-temperature"])
     for analyzed in (folder, run / "eval-1"):
         (analyzed / "summary.json").unlink()
-        eval.main(["--analyze", str(analyzed)])
+        evaluation.main(["--analyze", str(analyzed)])
         assert json.loads((analyzed / "summary.json").read_text())["shaping_lambda"] == 0
 
 # -----------------------------------------------------------------------------
@@ -382,7 +385,7 @@ def test_the_episode_record_has_one_schema(tmp_path):
     schema = set(records.EPISODE_RECORD)
     assert set(record) == schema - set(records.STAMP_FIELDS) - set(records.LABEL_FIELDS)
     assert set(records.EPISODE_FIELDS) <= schema
-    eval.evaluate(*engines, arena.heldout_instances()[:1], tmp_path / "e", t_max=1, fidelity=0,
+    evaluation.evaluate(*engines, arena.heldout_instances()[:1], tmp_path / "e", t_max=1, fidelity=0,
                   max_new_tokens=2)
     [saved] = [json.loads(line) for line in (tmp_path / "e" / "episodes.jsonl").read_text().splitlines()]
     assert set(saved) == schema - set(records.TRAINING_FIELDS)
@@ -391,16 +394,16 @@ def test_the_episode_record_has_one_schema(tmp_path):
 def test_eval_resume_keeps_the_evaluations_own_settings(tmp_path, monkeypatch, capsys):
     """eval.py --resume means what train.py --resume means: a setting the command line leaves
     out is the evaluation's own (here --seed 1 and --t-max 1), one it changes is refused."""
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     argv = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3", "--limit", "1",
             "--max-new-tokens", "2", "--kv-blocks", "600", "--name", "r"]
-    eval.main(argv + ["--seed", "1", "--t-max", "1"])
+    evaluation.main(argv + ["--seed", "1", "--t-max", "1"])
     lines = (tmp_path / "r" / "episodes.jsonl").read_text()
-    eval.main(["--name", "r", "--resume"])
+    evaluation.main(["--name", "r", "--resume"])
     assert "1 of 1 episodes already played" in capsys.readouterr().err
     assert (tmp_path / "r" / "episodes.jsonl").read_text() == lines
     with pytest.raises(SystemExit, match="seed 1 there, 2 now"):
-        eval.main(["--name", "r", "--resume", "--seed", "2"])
+        evaluation.main(["--name", "r", "--resume", "--seed", "2"])
 
 
 def test_pinned_constants_hold_every_caps_constant_json_can():
@@ -412,7 +415,7 @@ def test_pinned_constants_hold_every_caps_constant_json_can():
     assert pinned["arena.T_MAX_TRAIN"] == arena.T_MAX_TRAIN
     assert pinned["rollout.DECISION"] == rollout.DECISION
     from lab import gguf, hardening
-    assert pinned["lab.hardening.NEGATIONS"] == sorted(hardening.NEGATIONS, key=repr)
+    assert pinned["arena.NEGATIONS"] == sorted(arena.NEGATIONS, key=repr)
     assert "arena.SCENARIOS_PATH" not in pinned and not any(k.startswith("lab.gguf") for k in pinned)
     assert gguf.CACHE_DIR and not any(k.startswith(("engine.", "layers.")) for k in pinned)
     assert "arena.TAG_RE" not in pinned

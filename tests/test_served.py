@@ -20,7 +20,7 @@ import torch
 from lab import analyses
 import arena
 import engine
-import eval
+import eval as evaluation
 import models
 import probes
 import rollout
@@ -553,18 +553,18 @@ def test_eval_cli_routes_a_served_role_and_resumes(server, tmp_path, monkeypatch
     """python eval.py --persuadee openai:MODEL@URL (the judge too, by default): episodes.jsonl,
     summary.json with the request counts and the belief columns missing; rerun, nothing is
     played again."""
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     argv = ["--persuader", "random:tiny-llama", "--persuadee", server, "--scenarios", "train",
             "--limit", "2", "--t-max", "2", "--max-new-tokens", "6", "--name", "api"]
-    eval.main(argv)
+    evaluation.main(argv)
     episodes = lines(tmp_path / "api" / "episodes.jsonl")
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert len(episodes) == 2 and summary["requests"][server]["requests"] >= 3
     assert summary["beliefs_missing"] == 1.0 and "belief" in capsys.readouterr().out
     assert summary["roles"]["persuadee"]["not_applied"] == ["top_k"]  # the server refuses it
     with pytest.raises(SystemExit, match="--resume"):  # a name is not reused by accident
-        eval.main(argv)
-    eval.main(argv + ["--resume"])
+        evaluation.main(argv)
+    evaluation.main(argv + ["--resume"])
     assert lines(tmp_path / "api" / "episodes.jsonl") == episodes
     summary = json.loads((tmp_path / "api" / "summary.json").read_text())
     assert summary["requests"][server]["requests"] == 1  # the start-up check only
@@ -671,7 +671,7 @@ def test_every_flag_means_the_same_with_a_served_role(tmp_path, monkeypatch, ans
     """A served persuader (loopback server) against a local persuadee through eval.py: --judge
     none scores s = 0 with no model called "none" loaded, --anchor and --probe-space reach the
     records, --kv-blocks sizes the local pool, --dtype the local model."""
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     monkeypatch.setattr(models, "tiny_tokenizer", lambda *a, **k: answer_tokenizer)
     pools = []
 
@@ -682,7 +682,7 @@ def test_every_flag_means_the_same_with_a_served_role(tmp_path, monkeypatch, ans
     monkeypatch.setattr(engine, "Engine", Recorded)
     server = Loopback(tiny_model("llama", seed=1), answer_tokenizer)
     try:
-        eval.main(["--persuader", server.spec, "--persuadee", "random:tiny-qwen3", "--judge",
+        evaluation.main(["--persuader", server.spec, "--persuadee", "random:tiny-qwen3", "--judge",
                  "none", "--anchor", "--probe-space", "logodds", "--probe-signs", "PE=-1",
                  "--kv-blocks", "900", "--scenarios", "train", "--limit", "2", "--t-max", "2",
                  "--max-new-tokens", "4", "--name", "flags"])
@@ -1177,8 +1177,8 @@ def garbage(monkeypatch):
 def served_eval(persuadee, tmp_path, monkeypatch, *, limit, t_max):
     """eval.py of the tiny persuader against a served persuadee: (episodes, summary), each line
     standard JSON."""
-    monkeypatch.setattr(eval, "EVALS_DIR", str(tmp_path))
-    eval.main(["--persuader", "random:tiny-llama", "--persuadee", persuadee, "--scenarios", "train",
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
+    evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", persuadee, "--scenarios", "train",
                "--limit", str(limit), "--t-max", str(t_max), "--max-new-tokens", "4", "--name", "served"])
     episodes = [strict_json(line) for line in
                 (tmp_path / "served" / "episodes.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ import torch
 import arena
 import models
 import rpo
-from lab import cli, hardening, presets, runs, steps
+from lab import cli, presets, runs, steps
 import train
 
 
@@ -207,9 +207,65 @@ def test_defaults():
     assert rpo.ANCHOR_BELIEF == {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0,
                                  "REJECT": -1.0, "WALK_AWAY": -1.0}
     assert (arena.T_MAX_TRAIN, arena.T_MAX_EVAL, arena.JUDGE_RETRIES) == (6, 10, 3)
-    assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, hardening.NEGATION_WINDOW) == (2, 2, 3)
+    assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
     paper = presets.preset_values("paper")
     assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
+    assert (train.GROUP_SIZE, train.INSTANCES, train.LR, train.STEPS, train.MICRO_BATCH,
+            train.EVAL_EVERY, train.EVAL_LIMIT, train.SAVE_EVERY) == (8, 16, 1e-6, 200, 4, 20, 120, 20)
+
+
+def test_the_paper_numbers_are_train_constants_and_their_flags_defaults(monkeypatch, tmp_path):
+    """An edit of train.GROUP_SIZE or train.LR reaches a paper run (no preset holds them), and
+    the cpu preset's own group size still wins over it."""
+    monkeypatch.setattr(train, "GROUP_SIZE", 6)
+    monkeypatch.setattr(train, "LR", 3e-6)
+    args = parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])
+    assert (args.group_size, args.lr, args.instances) == (6, 3e-6, train.INSTANCES)
+    cpu = parse_train(["--preset", "cpu", "--out", str(tmp_path)])
+    assert cpu.group_size == presets.PRESETS["cpu"]["group_size"] != 6
+    assert parse_train(["--preset", "cpu", "--group-size", "5", "--out", str(tmp_path)]).group_size == 5
+
+
+def test_no_preset_repeats_a_constants_own_value(monkeypatch):
+    """A preset holds only what differs from the owning constants; a repeated value (here the
+    tiny preset given train.py's own MICRO_BATCH) is caught."""
+    assert presets.repeats() == []
+    monkeypatch.setitem(presets.PRESETS, "tiny", dict(presets.PRESETS["tiny"],
+                                                       micro_batch=train.MICRO_BATCH))
+    assert presets.repeats() == [f"tiny.micro_batch {train.MICRO_BATCH} (= train.MICRO_BATCH)"]
+
+
+def test_a_truncating_persuader_sampling_is_refused_in_one_line(monkeypatch, tmp_path):
+    """top_p or top_k on the persuader's rollout.SAMPLING would change the rollout but not the
+    loss (off-policy): refused before any model loads, naming it."""
+    import engine
+    import rollout
+    paper = rollout.SAMPLING["paper"]
+    monkeypatch.setitem(rollout.SAMPLING, "paper", (paper[0]._replace(top_p=0.9), paper[1]))
+    with pytest.raises(SystemExit) as e:
+        parse_train(["--preset", "tiny", "--out", str(tmp_path)])
+    assert str(e.value).startswith("train.py: --sampling paper gives the persuader top_p 0.9")
+    assert "\n" not in str(e.value)
+    monkeypatch.setitem(rollout.SAMPLING, "paper", (engine.Sampling(1.0, top_k=50), paper[1]))
+    with pytest.raises(SystemExit, match="top_k 50"):
+        parse_train(["--preset", "tiny", "--out", str(tmp_path)])
+
+
+def test_a_nonfinite_check_taken_out_is_not_a_crash_and_an_unknown_one_refused(monkeypatch, tmp_path):
+    """train.NONFINITE_CHECKS edited: a name taken out stops that check (the step goes ahead),
+    a name no step measures is refused in one line."""
+    monkeypatch.setattr(train, "NONFINITE_CHECKS", ("logprobs", "grad_norm"))
+    monkeypatch.setattr(rpo, "policy_loss", lambda *a, **k: (a[0].sum() * float("nan"),
+                                                             dict(kl=0.0, clip_frac=0.0, ratio_mean=1.0, tokens=1)))
+    args = parse_train(["--preset", "tiny", "--out", str(tmp_path), "--kl-beta", "0"])
+    policy = models.load_model("random:tiny-llama", dtype=torch.float32)[0]
+    record = dict(ids=[1, 2, 3, 4], turn_ids=[0, 0, 1, 1], logprobs=[0.0, 0.0, -1.0, -1.0])
+    stats = train.policy_update(policy, None, torch.optim.AdamW(policy.parameters()), [record],
+                                [[1.0]], args, torch.device("cpu"), 1)
+    assert stats["step_skipped"] == 1 and stats["nonfinite"] == ["grad_norm"]  # loss unchecked
+    monkeypatch.setattr(train, "NONFINITE_CHECKS", ("loss", "reward"))
+    with pytest.raises(SystemExit, match=r"^train.py: train.NONFINITE_CHECKS names reward, which"):
+        parse_train(["--preset", "tiny", "--out", str(tmp_path)])
 
 
 @pytest.fixture
@@ -747,12 +803,13 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
                                        persuader_sampling=engine.Sampling(1.0))
     assert [(r["end_reason"] == "cache", r["beliefs"] == []) for r in records] == \
         [(False, False)] * 2 + [(True, True)] * 2
-    kept, left_out, why = rpo.playable(records, 2)
+    kept, left_out, why = steps.playable(records, 2)
     assert kept == records[:2]
     assert left_out == dict(never_started=2, api_errors=0, left_out=2)
     assert f"{long['id']} member 1 never started" in why
     args = ap.Namespace(lam=rpo.LAMBDA, anchor=rpo.ANCHOR, judge="none", group_size=2)
-    turn_adv, groups = rpo.advantages(kept, 2, args.lam, args.anchor)
+    groups = rpo.rewards(kept, 2, args.anchor)
+    turn_adv = rpo.advantages(groups, args.lam)
     m = steps.step_metrics(1, kept, groups, dict(persuader_tokens=1), dict(rollout_s=1.0), args,
                            torch.device("cpu"))
     assert m["episodes"] == 2
@@ -761,7 +818,7 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
     assert empty["episodes"] == 0 and empty["reward_mean"] == 0.0
     # the update still sees four episodes in their places (every rank the same micro-batches),
     # the left-out ones without a persuader token: a micro-batch of only those adds nothing
-    update_records, update_adv = rpo.silenced(records, kept, turn_adv)
+    update_records, update_adv = steps.silenced(records, kept, turn_adv)
     assert update_records[:2] == kept and update_adv[2:] == [[], []]
     assert all(not any(r["turn_ids"]) and r["ids"] for r in update_records[2:])
     model = er.model
@@ -801,7 +858,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     plays the merged weights (the sampled log-probs are the policy's: ratio 1 at step 2); the
     checkpoint is peft's adapter folder (PeftModel.from_pretrained, merge_and_unload) and
     eval.py --persuader runs/NAME/checkpoint-K evaluates it."""
-    import eval
+    import eval as evaluation
     from peft import PeftModel
     history = tiny_run(tmp_path, short_scenarios, "lora", "--lora", 4, "--steps", 2, "--lr", 3e-2,
                        "--save-every", 1, "--kl-beta", 0.01)
@@ -815,7 +872,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight,
                            models.random_model("tiny-llama")[0].model.layers[0].self_attn.q_proj.weight)
     monkeypatch.chdir(tmp_path)
-    eval.main(["--persuader", str(folder), "--persuadee", "random:tiny-qwen3", "--judge", "none",
+    evaluation.main(["--persuader", str(folder), "--persuadee", "random:tiny-qwen3", "--judge", "none",
              "--limit", "1", "--t-max", "1", "--max-new-tokens", "3", "--name", "lora-eval"])
     assert (tmp_path / "evals" / "lora-eval" / "summary.json").is_file()
 
@@ -1014,14 +1071,14 @@ def test_flags_are_passed_down_and_the_preset_is_named_before_step_one(tmp_path,
 def test_periodic_evaluation_plays_a_stratified_subset(monkeypatch, tmp_path):
     """issue 35: --eval-limit 5 evaluates one scenario of each domain, and the summary names it."""
     import arena
-    import eval
+    import eval as evaluation
     from lab import cli
     played = {}
-    monkeypatch.setattr(eval, "evaluate", lambda a, p, instances, out, **kw: played.update(
+    monkeypatch.setattr(evaluation, "evaluate", lambda a, p, instances, out, **kw: played.update(
         instances=instances, subset=kw["subset"]) or {"full_accept": 0.0, "full_or_conditional": 0.0})
     monkeypatch.setattr(train.steps, "record_evaluation", lambda *a: None)
     args = cli.train_args(["--preset", "tiny", "--eval-limit", "5"], train)
-    train.evaluate(None, None, None, args, 1, 0, tmp_path)
+    train.evaluate_heldout(None, None, None, args, 1, 0, tmp_path)
     assert sorted(i["domain"] for i in played["instances"]) == sorted(arena.DOMAINS)
     assert played["subset"] == "heldout stratified-5 of 120"
 
@@ -1039,15 +1096,15 @@ def test_the_persuader_is_read_once_and_copied_for_its_other_roles(persuadee, ex
                         lambda name, *a, **k: loads.append(name) or original(name, *a, **k))
     args = parse_train(TINY + ["--scenarios", short_scenarios, "--dtype", "bfloat16", "--persuadee",
                                persuadee, "--kl-beta", "0.05", *extra])
-    m = train.build_models(args, 1, torch.device("cpu"), {})
+    m = train.build_models(args, 1, torch.device("cpu"))
     same = persuadee == args.persuader
     assert loads == [args.persuader] + ([] if same else [persuadee])
     initial = {k.replace("base_model.model.", "").replace(".base_layer", ""): p.detach()
                for k, p in m.policy.named_parameters() if "lora_" not in k}
-    copies = [m.rollout_model] + ([m.persuadee_model] if same else [])
+    copies = [m.rollout_copy] + ([m.persuadee] if same else [])
     if not extra:
         copies.append(m.reference)
-        assert (m.reference is m.persuadee_model) == same
+        assert (m.reference is m.persuadee) == same
     else:
         assert isinstance(m.reference, train.lora.AdapterOff)
     pointers = {p.data_ptr() for p in initial.values()}
@@ -1057,4 +1114,41 @@ def test_the_persuader_is_read_once_and_copied_for_its_other_roles(persuadee, ex
         for name, p in params.items():
             assert p.dtype == torch.bfloat16 and not p.requires_grad and p.data_ptr() not in pointers
             assert torch.equal(p, initial[name].to(torch.bfloat16)), name
-    assert m.rollout_model is not m.persuadee_model
+    assert m.rollout_copy is not m.persuadee
+    assert m.held == train.plan.run_models(args, 1)  # what the memory plan counts
+
+
+def test_train_loads_what_the_plan_decides(monkeypatch, short_scenarios):
+    """plan.run_models is the one decision: edited to give the reference a copy of its own
+    (instead of the persuadee's weights), build_models loads one and the memory plan counts it."""
+    import dataclasses
+    args = parse_train(TINY + ["--scenarios", short_scenarios, "--persuadee", "random:tiny-llama",
+                               "--kl-beta", "0.05"])
+    decided = train.plan.run_models(args, 1)
+    assert decided == train.plan.RunModels("persuader", "none", "persuadee", False)
+    original = train.plan.run_models
+    monkeypatch.setattr(train.plan, "run_models",
+                        lambda *a: dataclasses.replace(original(*a), reference="copy"))
+    m = train.build_models(args, 1, torch.device("cpu"))
+    assert m.reference is not m.persuadee and m.reference is not None
+    items = dict(train.plan.memory_plan(args, 1, 139, False)["items"])
+    assert any(k.startswith("reference ") for k in items)
+    assert not any("also the reference" in k for k in items)
+
+
+def rpo_record(outcome, judge, beliefs, end_reason="accept"):
+    return dict(outcome=outcome, judge=judge, beliefs=beliefs, end_reason=end_reason, id="x")
+
+
+def test_playable_leaves_out_whole_groups_and_silenced_keeps_their_places():
+    recs = [rpo_record("ACCEPT", 0.0, [0.0, 0.1]), rpo_record("REJECT", 0.0, [0.0, 0.1]),
+            rpo_record("PENDING", 0.0, []), rpo_record("PENDING", 0.0, [0.0, 0.1], end_reason="api_error")]
+    for r in recs:
+        r.update(ids=[5, 6, 7], turn_ids=[0, 1, 1], logprobs=[0.0, -1.0, -1.0])
+    kept, counts, why = steps.playable(recs, 2)
+    assert kept == recs[:2] and counts == dict(never_started=1, api_errors=1, left_out=2)
+    assert "member 0 never started" in why and "member 1 its served model kept failing" in why
+    records, adv = steps.silenced(recs, kept, [[1.0], [-1.0]])
+    assert records[:2] == kept and adv == [[1.0], [-1.0], [], []]
+    assert all(r["turn_ids"] == [0, 0, 0] for r in records[2:])
+    assert rpo.persuader_tokens(records) == 4

@@ -5,6 +5,7 @@ import torch
 
 import engine
 import models
+import rpo
 from conftest import tiny_model
 from lab import env as persuasion_env
 from lab import trl_grpo
@@ -65,7 +66,7 @@ def test_grpo_trainer_trains_on_the_arenas_rewards(tmp_path):
         assert row["rewards/arena_dense/mean"] == pytest.approx(sum(dense) / GROUP, abs=1e-6)
         assert row["rewards/arena_outcome/mean"] == pytest.approx(sum(outcome) / GROUP, abs=1e-6)
         assert row["reward"] == pytest.approx(
-            (sum(outcome) + trl_grpo.LAMBDA * sum(dense)) / GROUP, abs=1e-6)
+            (sum(outcome) + rpo.LAMBDA * sum(dense)) / GROUP, abs=1e-6)
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
     for e, got in zip(played, episodes):  # the trainer's completion: messages sent, replies heard
