@@ -54,7 +54,7 @@ import layers
 import models
 import rollout
 import rpo
-from lab import cli, lora, plan, runs, steps
+from lab import checkpoints, cli, loggers, lora, plan, ranks, runs, steps
 
 # the knobs train.py owns (presets: lab/presets.py; the objective's: rpo.py)
 GRAD_CLIP = 1.0                     # max global grad norm
@@ -97,7 +97,7 @@ def build_models(args, world, device, sizes):
     actor engine's weights), the frozen reference and persuadee in --dtype, the AdamW."""
     served_persuadee, served_judge = steps.served_roles(args)
     policy, tokenizer = load(args.persuader, args.dtype if args.lora else "float32", device)
-    if bad := runs.nonfinite_weight(policy.state_dict()):
+    if bad := checkpoints.nonfinite_weight(policy.state_dict()):
         sys.exit(f"train.py: --persuader {args.persuader} holds non-finite weights ({bad}); pass "
                  "a model with finite weights (an earlier checkpoint of the run that wrote it)")
     same = not served_persuadee and args.persuadee == args.persuader
@@ -181,7 +181,7 @@ def step_instances(instances, args, step, rank, world):
 
 def play_step(m, instances, args, step, rank, world):
     """This rank's share of the step's groups, played by the current policy; their records
-    and the step's timings (seconds, by runs.TIMING_KEYS)."""
+    and the step's timings (seconds, by ranks.TIMING_KEYS)."""
     mine = step_instances(instances, args, step, rank, world)
     bar = tqdm(total=len(mine) * args.group_size, desc=f"step {step} rollout",
                disable=rank != 0, leave=False)
@@ -227,7 +227,7 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
     micro-batch (rpo.micro_batch_loss), its backward, the gradient clipped. A non-finite
     log-prob, advantage, loss or gradient norm on any rank skips the step (weights and optimizer
     state untouched; stats say so: step_skipped, nonfinite)."""
-    num_tokens = runs.all_sum(rpo.persuader_tokens(records), device)
+    num_tokens = ranks.all_sum(rpo.persuader_tokens(records), device)
     if (stats := steps.zero_advantage_step(policy, optimizer, turn_advantages, args, device,
                                            WEIGHT_DECAY)) is not None:
         return dict(stats, persuader_tokens=num_tokens)  # a zero gradient: no forward needed
@@ -249,14 +249,14 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
             stats[k] += v
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), GRAD_CLIP)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    bad = {k: runs.all_sum(v, device) for k, v in bad.items()}
+    bad = {k: ranks.all_sum(v, device) for k, v in bad.items()}
     bad["grad_norm"] = not math.isfinite(grad_norm)
     nonfinite = [k for k in NONFINITE_CHECKS if bad[k]]
     if not nonfinite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     policy.eval()
-    stats = {k: runs.all_sum(v, device) for k, v in stats.items()}
+    stats = {k: ranks.all_sum(v, device) for k, v in stats.items()}
     stats.update(grad_norm=grad_norm, persuader_tokens=num_tokens, step_skipped=int(bool(nonfinite)),
                  nonfinite=nonfinite, zero_gradient=0)
     return stats
@@ -294,14 +294,14 @@ def train(args, run_dir, rank, world, device, sizes, say):
     advantages -> loss and update -> weight refresh -> log -> evaluate -> save. Returns the
     metrics of every step."""
     m = build_models(args, world, device, sizes)
-    start = runs.load_checkpoint(run_dir, m.policy, m.optimizer) if args.resume else 0
+    start = checkpoints.load_checkpoint(run_dir, m.policy, m.optimizer) if args.resume else 0
     if args.resume:
         say(f"resumed from step {start}")
     build_engines(m, args, device, sizes)
     instances = steps.training_set(args, m, say)
     if rank == 0:
         steps.open_run(run_dir, args, start, sys.modules[__name__])
-    log, history, skipped = runs.Loggers(args, run_dir, start, rank), [], 0
+    log, history, skipped = loggers.Loggers(args, run_dir, start, rank), [], 0
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         played, times = play_step(m, instances, args, step, rank, world)  # rollout and rewards
@@ -316,7 +316,7 @@ def train(args, run_dir, rank, world, device, sizes, say):
         refresh(m)
         times["update_s"], times["step_s"] = time.perf_counter() - t1, time.perf_counter() - t0
         metrics = steps.step_metrics(step, records, groups, update, times, args, device)
-        metrics.update({k: runs.all_sum(v, device) for k, v in left_out.items()})
+        metrics.update({k: ranks.all_sum(v, device) for k, v in left_out.items()})
         rows = steps.step_records(step, records, args.group_size, args, rank, world)
         history.append(metrics)
         if rank == 0:
@@ -327,9 +327,9 @@ def train(args, run_dir, rank, world, device, sizes, say):
             log.scalars(step, evaluate(m.actor, m.persuadee, m.judge, args, step, rank, run_dir),
                         "heldout/")
         if step % args.save_every == 0 or step == args.steps or evaluated:
-            runs.save_checkpoint(run_dir, step, m.policy, m.optimizer, m.tokenizer, rank)
+            checkpoints.save_checkpoint(run_dir, step, m.policy, m.optimizer, m.tokenizer, rank)
     log.close()
-    runs.finish_distributed()
+    ranks.finish_distributed()
     say(f"done: metrics in {run_dir / 'metrics.jsonl'}, policy in {run_dir / 'checkpoint-*'}")
     return history
 
@@ -341,7 +341,7 @@ def main(argv=None):
             print(line)
         plan.print_plan(args)
         return []
-    rank, world, device = runs.setup_distributed()
+    rank, world, device = ranks.setup_distributed()
     models.set_cpu_threads(device)
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name

@@ -35,7 +35,7 @@ import models
 import probes
 import rollout
 import rpo
-from lab import gguf, lora, plan, presets, runs, served, shapes
+from lab import checkpoints, gguf, loggers, lora, plan, presets, runs, served, shapes
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
@@ -357,7 +357,7 @@ def train_parser(own):
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing runs/NAME")
     p.add_argument("--scenarios", default=arena.SCENARIOS_PATH)
-    p.add_argument("--log", action="append", choices=runs.LOGGERS, default=[],
+    p.add_argument("--log", action="append", choices=loggers.LOGGERS, default=[],
                    help="also log to TensorBoard (runs/NAME) or Weights & Biases; repeatable")
     p.add_argument("--plan", action="store_true", help="print the per-rank memory plan for "
                    "--plan-ranks GPUs of --plan-gib and exit; no model loads")
@@ -387,7 +387,7 @@ def train_args(argv, own):
     runs.check_folder(args.out, args.name, "train.py", args.resume, args.overwrite,
                       first=os.environ.get("RANK", "0") == "0")
     if args.resume:
-        runs.checkpoint_folder(run_dir)
+        checkpoints.checkpoint_folder(run_dir)
         pin_settings(args, read_config(run_dir, "train.py"), explicit_settings(p, argv),
                      "train.py", RESUME_MAY_CHANGE, NOT_SETTINGS, record=str(run_dir / "config.json"),
                      own=own, parser=p)
@@ -397,7 +397,7 @@ def train_args(argv, own):
         raise SystemExit(f"{e.code} (the value read from {run_dir / 'config.json'})"
                          if args.resume else e.code) from None
     for kind in args.log:  # before any model loads: a missing package is a one-line exit
-        runs.require(kind)
+        loggers.require(kind)
     return args
 
 

@@ -16,7 +16,7 @@ contexts in play (prompt + T_max turns of two messages) with PLAN_POOL_MARGIN to
     python train.py --preset paper --plan --plan-gib 40      # refused, with the numbers
 
 The disk a run folder takes at its fullest (disk_plan): the fp32 weights of every evaluated step
-and of the latest two checkpoints, and AdamW's state of only those two (runs.save_checkpoint keeps
+and of the latest two checkpoints, and AdamW's state of only those two (checkpoints.save_checkpoint keeps
 no other); a run whose disk cannot hold it is refused before any model loads (disk_refusal).
     python -m pytest -q test_plan.py
 """
@@ -275,7 +275,7 @@ def saved_steps(args):
 
 
 def disk_plan(args):
-    """The disk a run folder takes at its fullest, from the policy's config (runs.save_checkpoint's
+    """The disk a run folder takes at its fullest, from the policy's config (checkpoints.save_checkpoint's
     rule): the fp32 weights of every evaluated step and of the latest two checkpoints, AdamW's
     state of the latest checkpoint and of the one before it while the newest is written (full
     fine-tuning: the whole policy, 4 P and 8 P bytes; LoRA: the adapters), and the rest."""

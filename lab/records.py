@@ -8,7 +8,7 @@ served persuadee could not read, a judge that gave no score); NaN lives only ins
 arithmetic of rpo.py and torch. EPISODE_FIELDS is what the analyses read of a record and what
 each must be; load_episodes refuses a record that breaks it, naming the file, line and field;
 RUN_FIELDS is the same for a training run's metrics.jsonl, evals.jsonl and rollouts.jsonl. A
-JSONL file is read by runs.read_jsonl: a bad last line (a killed writer) is dropped with a
+JSONL file is read by jsonl.read_jsonl: a bad last line (a killed writer) is dropped with a
 warning, an earlier one refused.
 
 Tests: python -m pytest -q tests/test_records.py
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import arena
-from lab.runs import read_jsonl
+from lab.jsonl import read_jsonl
 
 
 def probe_names():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import arena
 import rpo
-from lab import analyses, html_report, moves, plots, records, runs, served
+from lab import analyses, comparisons, html_report, jsonl, moves, plots, records, run_selection, runs, served
 
 RUN_KEYS = ("roles", "settings", "requests", "subset")  # summary.json's record of how the run was played
 
@@ -33,10 +33,10 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs.write_atomic(out_dir / "episodes.jsonl", "".join(map(runs.json_line, episodes)))
+    runs.write_atomic(out_dir / "episodes.jsonl", "".join(map(jsonl.json_line, episodes)))
     if fidelity is not None:
         runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
-    runs.write_atomic(out_dir / "summary.json", json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
+    runs.write_atomic(out_dir / "summary.json", json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
     save_plots(out_dir, episodes, summary)
 
 
@@ -90,7 +90,7 @@ def analyze(run_dir, shaping_lambda=None):
     if path.is_file():  # what the run recorded of itself, which its episodes do not hold
         before = json.loads(path.read_text())
         summary.update({k: before[k] for k in RUN_KEYS if k in before})
-    runs.write_atomic(path, json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
+    runs.write_atomic(path, json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
     save_plots(run_dir, episodes, summary)
     return summary
 
@@ -123,7 +123,7 @@ def folder_lambda(run_dir):
                       (run_dir.parent / "config.json", "lam")):
         if path.is_file():
             recorded = json.loads(path.read_text())
-            if isinstance(recorded, dict) and runs.is_number(recorded.get(key)):
+            if isinstance(recorded, dict) and jsonl.is_number(recorded.get(key)):
                 return float(recorded[key])
     return rpo.LAMBDA
 
@@ -175,19 +175,19 @@ def analysis_mode(args, evals_dir):
     if args.compare:
         a, b = args.compare
         episodes_a, episodes_b = records.load_episodes(a), records.load_episodes(b)
-        result = analyses.compare(episodes_a, episodes_b)
+        result = comparisons.compare(episodes_a, episodes_b)
         path = (Path(b) if Path(b).is_dir() else Path(b).parent) / "compare.json"
         runs.write_atomic(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
         page = html_report.write_compare(path.parent / html_report.COMPARE_NAME, a, b, result, episodes_a, episodes_b)
-        return "\n".join(role_differences(a, b) + [analyses.format_compare(result, a, b), f"wrote {path} and {page}"])
+        return "\n".join(role_differences(a, b) + [comparisons.format_compare(result, a, b), f"wrote {path} and {page}"])
     if args.compare_many:
-        result = analyses.compare_many({d: records.load_episodes(d) for d in args.compare_many},
+        result = comparisons.compare_many({d: records.load_episodes(d) for d in args.compare_many},
                                        records.load_episodes(args.policy))
-        return analyses.format_compare_many(result, args.policy)
+        return comparisons.format_compare_many(result, args.policy)
     if args.table:
-        table = analyses.main_table({d: records.load_episodes(d) for d in args.table},
+        table = comparisons.main_table({d: records.load_episodes(d) for d in args.table},
                                     args.reference or args.table[0])
-        return analyses.format_main_table(table, args.format)
+        return comparisons.format_main_table(table, args.format)
     if args.analyze:
         summary = analyze(args.analyze, args.shaping_lambda)
         return f"{analyses.format_table(summary)}\nwrote {Path(args.analyze) / 'summary.json'} and the plots"
@@ -208,12 +208,12 @@ def analysis_mode(args, evals_dir):
         return (f"{analyses.format_probe_overlay(analyses.probe_overlay(believed))}\n"
                 f"wrote {out / 'overlay.png'} and {out / 'overlay_probes.png'}")
     if args.runs:
-        trained = [analyses.read_run(d) for d in args.runs]
-        selection = analyses.runs_selection(trained)
+        trained = [run_selection.read_run(d) for d in args.runs]
+        selection = run_selection.runs_selection(trained)
         out = output_dir(args, evals_dir, "runs_" + "_".join(slug(r["name"]) for r in trained))
         plots.plot_runs(selection["runs"], out / "runs.png")
         plots.plot_dynamics(trained, out / "dynamics.png")
         out.mkdir(parents=True, exist_ok=True)
         runs.write_atomic(out / "runs.json", json.dumps(selection, indent=2) + "\n")
-        return f"{analyses.format_runs(selection)}\nwrote {out / 'runs.png'}, {out / 'dynamics.png'} and {out / 'runs.json'}"
+        return f"{run_selection.format_runs(selection)}\nwrote {out / 'runs.png'}, {out / 'dynamics.png'} and {out / 'runs.json'}"
     return f"wrote {plots.plot_run(args.plot_run)}"

@@ -52,12 +52,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lab import analyses
+from lab import analyses, run_selection
 from lab import cli
 from lab import records
 from lab import runs
 from lab import significance
-from lab.runs import read_jsonl
+from lab.jsonl import read_jsonl
 
 LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
@@ -650,7 +650,7 @@ def summarize_sweep(root, args):
     from lab import plots
     initial = {s: read_arm(records.load_episodes, root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
                for s in args.seeds}
-    runs = {lam: {s: read_arm(analyses.read_run, root / "runs" / arm_name(lam, s)) for s in args.seeds}
+    runs = {lam: {s: read_arm(run_selection.read_run, root / "runs" / arm_name(lam, s)) for s in args.seeds}
             for lam in args.lams}
     held_out = {lam: {s: {0: initial[s], **runs[lam][s]["episodes"]} for s in args.seeds}
                 for lam in args.lams}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from lab import analyses as an
+from lab import analyses as an, comparisons
 import eval
 from lab import plots
 from lab import records
@@ -33,7 +33,7 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     assert records.load_episodes(tmp_path / "A") == RUN_A
     assert records.load_episodes(tmp_path / "B" / "episodes.jsonl") == RUN_B
     assert json.loads((tmp_path / "A" / "summary.json").read_text())["full_accept"] == pytest.approx(0.5)
-    check_compare(an.compare(records.load_episodes(tmp_path / "A"), records.load_episodes(tmp_path / "B")))
+    check_compare(comparisons.compare(records.load_episodes(tmp_path / "A"), records.load_episodes(tmp_path / "B")))
     eval.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "2 wins, 1 losses, 2 ties" in out and "outcome transitions" in out

@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "lab"
 CORE_LIMITS = dict(modules=10, lines=4000, module_lines=700, train_lines=400)
 CORE_THIRD_PARTY = {"torch", "transformers", "numpy", "tqdm"}
+PACKAGE_MODULE_LINES = 700  # no lab module longer
+PACKAGE_BEING_SPLIT = {"bench.py", "env.py"}  # over it until their split lands (issue 44); shrink only
 
 
 def core_files():
@@ -62,6 +64,12 @@ def test_the_top_level_is_the_method_within_its_budget():
     assert sum(lines.values()) <= CORE_LIMITS["lines"], lines
     assert max(lines.values()) <= CORE_LIMITS["module_lines"], lines
     assert lines["train.py"] <= CORE_LIMITS["train_lines"], lines["train.py"]
+
+
+def test_no_package_module_is_over_its_budget():
+    lines = {p.name: len(p.read_text().splitlines()) for p in package_files()}
+    over = {name: n for name, n in lines.items() if n > PACKAGE_MODULE_LINES and name not in PACKAGE_BEING_SPLIT}
+    assert not over, over
 
 
 def test_the_core_imports_only_torch_transformers_numpy_and_tqdm_at_module_level():

@@ -1,8 +1,7 @@
 """The run folder (runs.py) as train.py and eval.py use it: links never written through, a lock,
 --overwrite of a run only, resume pinning and validation, one JSONL rule, the run's own sampling
-and lambda in its evaluations, rank setup. One tiny trained run (conftest.trained_run) serves
+and lambda in its evaluations. One tiny trained run (conftest.trained_run) serves
 the tests that read a run; each copies it."""
-import datetime
 import errno
 import json
 import math
@@ -13,15 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import eval
 import models
 import probes
-from lab import episode_log, records
+from lab import records
 import rollout
 import rpo
-from lab import cli, presets, runs, steps
+from lab import cli, presets, runs
 import train
 
 
@@ -261,30 +259,6 @@ def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch
     assert presets.preset_notes(parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])) == []
 
 # -----------------------------------------------------------------------------
-# one JSONL rule
-
-
-def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_path, capsys):
-    """A bad last line (a write cut by a kill or a full disk) is dropped with the same warning
-    in train's metrics.jsonl and eval's episodes.jsonl; a bad earlier line is refused by both,
-    naming the file and line."""
-    metrics, episodes = tmp_path / "metrics.jsonl", tmp_path / "episodes.jsonl"
-    metrics.write_text('{"step": 1}\n{"step": 2, "lo\n')
-    episodes.write_text('{"id": "a"}\n{"id": "b", "tr\n')
-    steps.resume_metrics(metrics, 5)
-    assert list(episode_log.read_played(episodes)) == ["a"]
-    warnings = [line.replace(str(tmp_path), "") for line in capsys.readouterr().err.splitlines()]
-    assert warnings == ["warning: dropping the partial last line 2 of /metrics.jsonl",
-                        "warning: dropping the partial last line 2 of /episodes.jsonl"]
-    assert metrics.read_text() == '{"step": 1}\n' and episodes.read_text() == '{"id": "a"}\n'
-    metrics.write_text('not json\n{"step": 1}\n')
-    episodes.write_text('not json\n{"id": "a"}\n')
-    with pytest.raises(SystemExit, match="metrics.jsonl, line 1 is not valid JSON"):
-        steps.resume_metrics(metrics, 5)
-    with pytest.raises(ValueError, match="episodes.jsonl, line 1 is not valid JSON"):
-        episode_log.read_played(episodes)
-
-# -----------------------------------------------------------------------------
 # a run's evaluations: its own sampling, lambda and anchor
 
 
@@ -319,42 +293,6 @@ def test_a_standalone_summary_of_a_lambda_0_run_reports_shaping_at_lambda_0(run_
         (analyzed / "summary.json").unlink()
         eval.main(["--analyze", str(analyzed)])
         assert json.loads((analyzed / "summary.json").read_text())["shaping_lambda"] == 0
-
-# -----------------------------------------------------------------------------
-# ranks: the device before the process group, one order of timing keys, rank-0 checkpoints
-
-
-def test_a_gpu_rank_sets_its_device_before_the_process_group(monkeypatch):
-    import torch.distributed as dist
-    calls = []
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **k: calls.append(
-        ("init", backend, str(k["device_id"]), k["timeout"])))
-    monkeypatch.setattr(dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    assert runs.setup_distributed()[:2] == (1, 2)
-    assert calls == [("set_device", "cuda:1"),
-                     ("init", "nccl", "cuda:1", datetime.timedelta(seconds=runs.DIST_TIMEOUT_S))]
-
-
-def test_every_rank_all_reduces_the_same_timing_keys_in_one_order(monkeypatch):
-    """A rank that admitted no group measured no persuader_s: it still reduces every key of
-    runs.TIMING_KEYS, in their order, as a busy rank does."""
-    reduced = []
-    monkeypatch.setattr(runs, "all_sum", lambda value, device: reduced.append(value) or value)
-    busy = dict(step_s=9.0, judge_s=1.0, probe_s=2.0, persuadee_s=3.0, persuader_s=4.0,
-                rollout_s=5.0, update_s=6.0)
-    idle = dict(judge_s=0.0, probe_s=0.0, rollout_s=0.5, update_s=0.1, step_s=0.7)
-    for times in (busy, idle):
-        reduced.clear()
-        out = runs.mean_timings(times, "cpu")
-        assert list(out) == list(runs.TIMING_KEYS) and len(reduced) == 1 + len(runs.TIMING_KEYS)
-    assert runs.mean_timings(busy, "cpu")["persuader_s"] == 4.0
-
 
 def test_the_sampling_flags_name_rollouts_presets():
     """--sampling offers the presets rollout.SAMPLING holds (read there, never copied), and the
