@@ -17,7 +17,8 @@ and never through a link:
   - write_atomic(): a temporary file created exclusively (O_CREAT | O_EXCL | O_NOFOLLOW, a
     random name) in the same folder, then renamed over the target: a kill or a full disk leaves
     the old file or the new one, and a link planted in a copied folder is replaced, never
-    written through; append_line() opens with O_NOFOLLOW.
+    written through; append_line() opens with O_NOFOLLOW; write_in() refuses a linked folder
+    (the writer for every file a sweep or a bench writes).
 The standard library (and lab.hardening, which is) only.
 Tests: python -m pytest -q tests/test_runs.py
 """
@@ -84,6 +85,21 @@ def write_atomic(path, data, *, who=None, kept="the previous file is intact"):
         if who is None or not isinstance(e, OSError):
             raise
         raise SystemExit(write_failure(who, path.name, path.parent, e, kept)) from None
+
+
+def write_in(folder, name, data, who):
+    """A file of a folder this program owns (a run, a sweep, a bench's output): refused in one
+    line when the folder is a link (its files would land wherever it points) or name is not one
+    file name; else write_atomic (a link at the file is replaced, never followed). Returns the
+    path written."""
+    folder = Path(folder)
+    if name_problem(name):
+        raise say_error(who, f"{name!r} is not one file name; nothing was written into {folder}")
+    if folder.is_symlink():
+        raise say_error(who, f"{folder} is a link ({folder} -> {os.readlink(folder)}), which this "
+                             f"program never writes through; nothing was written: pass another folder")
+    write_atomic(folder / name, data, who=who)
+    return folder / name
 
 
 def write_folder_atomic(path, fill):

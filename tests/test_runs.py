@@ -213,6 +213,34 @@ def test_a_resumed_config_with_an_invalid_value_is_refused_before_loading(run_co
     assert "config.json" in message
 
 
+@pytest.mark.parametrize("edit, says", [
+    (lambda c: c.pop("lam"), "lacks lam"),
+    (lambda c: c.clear(), "lacks "),
+    (lambda c: c.update(foo=1, persuader_top_p=0.5), "holds foo, persuader_top_p, which it never records"),
+    (lambda c: c["constants"].pop("rpo.LAMBDA"), "lacks constants.rpo.LAMBDA"),
+    (lambda c: c["constants"].update({"other.CONSTANT": 1}), "holds constants.other.CONSTANT, which"),
+])
+def test_resume_refuses_a_config_with_missing_or_foreign_keys_in_one_line(run_copy, edit, says,
+                                                                           no_model_loads):
+    """A key deleted from config.json is not filled with today's default (a lambda-0 run resumed
+    at rpo.LAMBDA); a key this program never writes is no setting of this run."""
+    run, _ = run_copy
+    config = json.loads((run / "config.json").read_text())
+    edit(config)
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        resume(run, "--steps", 2)
+    message = str(e.value.code)
+    assert message.startswith(f"train.py: --resume: {run / 'config.json'} {says}") and "\n" not in message
+    assert message.endswith("it is the run's whole record, read as it is: restore it from a copy, "
+                            "or start a new run (another --name)")
+    if not config:  # the exact line, as a user sees it
+        assert message == (f"train.py: --resume: {run / 'config.json'} lacks activation_checkpointing, "
+                           "allow_insecure_key, anchor, clip_high, clip_low, constants and 37 more; it is "
+                           "the run's whole record, read as it is: restore it from a copy, or start a "
+                           "new run (another --name)")
+
+
 @pytest.mark.parametrize("module, name, value", [
     (rpo, "STRATEGY_WEIGHT", 0.25),
     (rpo, "GOAL", {**rpo.GOAL, "ACCEPT": 5.0}),
