@@ -4,6 +4,9 @@ checkpoints.py: a training run's checkpoint-STEP folders and the `latest` pointe
 save_checkpoint gathers the full weights and optimizer state to rank 0, which writes
 checkpoint-STEP as one atomic folder (runs.write_folder_atomic), then `latest` (runs.write_atomic),
 then prunes older checkpoints (an evaluated step keeps its weights, loses its optimizer state).
+A kill at any moment of a save leaves `latest` naming the old checkpoint or the new one, both
+whole (the folder is renamed into place before `latest` moves, older ones pruned after); what
+an interrupted save leaves (LEFTOVER_RE) is removed on resume and counted by lab/plan.py.
 load_checkpoint has rank 0 read and check `latest` (names and shapes of the policy, finite
 weights, trainer.pt with weights_only=True) and broadcasts it; every rank keeps its shard.
 torch is imported inside each function.
@@ -12,11 +15,14 @@ Tests: python -m pytest -q tests/test_checkpoints.py
 """
 import re
 import shutil
+from pathlib import Path
 
 from lab.ranks import agree
 from lab.runs import say_error, write_atomic, write_failure, write_folder_atomic
 
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")  # the only names `latest` may hold
+LEFTOVER_RE = re.compile(r"\.(checkpoint-\d+|latest)\..+\.tmp")  # an interrupted save's temporary
+# folder or `latest` (runs.write_folder_atomic, runs.write_atomic): never read, removed on resume
 
 
 def nonfinite_weight(state_dict):
@@ -75,6 +81,29 @@ def _write_checkpoint(run_dir, step, model_sd, optim_sd, policy, tokenizer, prev
     return final
 
 
+def leftovers(run_dir):
+    """The temporary folders and files an interrupted save left in run_dir (a kill between
+    their creation and their rename: one may hold a whole checkpoint) and their bytes."""
+    found = [e for e in sorted(Path(run_dir).iterdir()) if LEFTOVER_RE.fullmatch(e.name)] \
+        if Path(run_dir).is_dir() else []
+    size = sum(f.stat().st_size for e in found for f in ([e] if e.is_file() else e.rglob("*"))
+               if f.is_file() and not f.is_symlink())
+    return found, size
+
+
+def remove_leftovers(run_dir, who="train.py"):
+    """Remove what an interrupted save left (leftovers), saying so in one line."""
+    found, size = leftovers(run_dir)
+    for entry in found:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    if found:
+        print(f"{who}: removed {', '.join(e.name for e in found[:3])}{' ...' if len(found) > 3 else ''} "
+              f"({size / 2**20:.1f} MiB) from {run_dir}, left by an interrupted checkpoint save")
+
+
 def prune_checkpoints(run_dir, final):
     """Once `latest` names checkpoint `final`: an older checkpoint of a held-out evaluation (an
     eval-STEP folder: checkpoint selection, eval.py --runs, needs its weights) keeps its weights
@@ -108,6 +137,7 @@ def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank, who="trai
                                  f"over {previous or 'nothing'} in {run_dir}: lower --lr and --resume")
         final = _write_checkpoint(run_dir, step, model_sd, optim_sd, policy, tokenizer, previous, who)
         prune_checkpoints(run_dir, final)
+        remove_leftovers(run_dir, who)
     if dist.is_initialized():
         dist.barrier()
 
@@ -184,6 +214,7 @@ def load_checkpoint(run_dir, policy, optimizer, device=None, who="train.py"):
     rank = dist.get_rank() if dist.is_initialized() else 0
     found, refusal = None, None
     if rank == 0:
+        remove_leftovers(run_dir, who)
         try:
             found = _read_checkpoint(run_dir, policy, who)
         except SystemExit as e:
