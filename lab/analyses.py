@@ -35,7 +35,7 @@ import numpy as np
 
 import arena
 import rpo
-from lab import moves
+from lab import moves, records
 from lab.records import probe_names
 from lab.significance import (finite_or_none, mean_band, pearson, proportion_difference, spearman,
                               welch_difference)
@@ -73,8 +73,19 @@ def raw_process_rewards(ep):
 
 def with_beliefs(episodes):
     """The episodes that have beliefs (a persuadee served without log-probs, or an episode that
-    never started, has none): the belief columns and analyses use these alone."""
-    return [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"]]
+    never started, has none) and no unsound value (records.unsound): the belief columns and
+    analyses use these alone."""
+    return [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"] and not records.unsound(ep)]
+
+
+def set_aside(episodes):
+    """(the sound episodes, [{id, fields}] of those with a NaN, an infinity or an absurd value,
+    records.unsound): the summary is of the first, and lists and counts the second."""
+    sound, aside = [], []
+    for ep in episodes:
+        fields = records.unsound(ep)
+        (aside.append(dict(id=ep["id"], fields=fields)) if fields else sound.append(ep))
+    return sound, aside
 
 
 def _summary(episodes):
@@ -219,7 +230,12 @@ def summarize(episodes, shaping_lambda=None):
     dense_by_outcome beside it; moves and manipulation when labelled)."""
     if not episodes:
         raise ValueError("no episodes to summarize")
+    episodes, aside = set_aside(episodes)
+    if not episodes:
+        raise ValueError(f"every record holds a NaN, an infinity or an out-of-range value (e.g. "
+                         f"{aside[0]['id']}: {', '.join(aside[0]['fields'])}); nothing to summarize")
     summary = _summary(episodes)
+    summary["set_aside"] = aside
     anchors = {_anchor(ep) for ep in episodes}
     summary["anchor"] = anchors.pop() if len(anchors) == 1 else "mixed"
     summary["by_resistance"] = _groups(episodes, "resistance")
@@ -290,6 +306,11 @@ def format_table(summary):
     if summary.get("beliefs_missing"):
         lines.append(f"{'beliefs':<26}{'missing':>8}  in {pct(summary['beliefs_missing'])} of episodes "
                      "(the persuadee's server gave no log-probs): belief columns leave them out")
+    if aside := summary.get("set_aside"):
+        lines.append(f"{'SET ASIDE':<26}{len(aside):>8}  records with a NaN, an infinity or an "
+                     "out-of-range value, left out of every figure: " + ", ".join(
+                         f"{a['id']} ({', '.join(a['fields'])})" for a in aside[:3]) +
+                     (f" and {len(aside) - 3} more" if len(aside) > 3 else ""))
     if summary.get("api_errors"):
         lines.append(f"{'api errors':<26}{summary['api_errors']:>8}  episodes ended as api_error "
                      "(their requests kept failing)")

@@ -17,6 +17,7 @@ the figures lab/plots.py's.
     python -m pytest -q tests/test_eval.py
 """
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -70,6 +71,9 @@ def analyze(run_dir, shaping_lambda=None):
     if not (run_dir / "episodes.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file():
         raise ValueError(f"{run_dir} is a training run (metrics.jsonl, no episodes.jsonl); pass one of its "
                          "eval-STEP folders, or read it with --runs or --plot-run")
+    if links := runs.links_in(run_dir):
+        raise ValueError(f"{run_dir} holds links ({', '.join(links[:4])}), which eval.py never "
+                         "reads or writes through; remove them (copy the folder with cp -L)")
     episodes = records.load_episodes(run_dir)
     untagged = [ep for ep in episodes if "moves" not in ep]
     if untagged:
@@ -82,17 +86,51 @@ def analyze(run_dir, shaping_lambda=None):
                   f"{', ...' if len(unknown) > 3 else ''} are not in {path}; no move labels", file=sys.stderr)
         else:
             moves.tag_episodes(untagged, scenarios)
-    path = run_dir / "fidelity.json"
-    fidelity = json.loads(path.read_text()) if path.is_file() else None
+    fidelity = read_fidelity(run_dir / "fidelity.json")
     lam = folder_lambda(run_dir) if shaping_lambda is None else shaping_lambda
     summary = analyses.summarize_run(episodes, fidelity, lam)
     path = run_dir / "summary.json"
     if path.is_file():  # what the run recorded of itself, which its episodes do not hold
-        before = json.loads(path.read_text())
-        summary.update({k: before[k] for k in RUN_KEYS if k in before})
+        before = read_json(path, "delete it (its episodes give the rest)")
+        summary.update({k: before[k] for k in RUN_KEYS if k in before} if isinstance(before, dict) else {})
     runs.write_atomic(path, json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
     save_plots(run_dir, episodes, summary)
     return summary
+
+
+def read_json(path, fix):
+    """A JSON file an evaluation wrote, or a ValueError naming it and fix (one line)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = e.msg if isinstance(e, json.JSONDecodeError) else (getattr(e, "strerror", None) or type(e).__name__)
+        raise ValueError(f"{path} cannot be read ({why}); {fix}") from None
+
+
+def read_fidelity(path):
+    """fidelity.json (the probes' fork and reference read-outs, eval.py --eval-fidelity), or None
+    when absent; one that is not what eval.py writes is a ValueError naming it."""
+    if not path.is_file():
+        return None
+    fix = "delete it (the summary then leaves the probe fidelity out) or restore it"
+    fidelity = read_json(path, fix)
+    keys = ("fork", "reference", "vocabulary")
+    shapes = {k: _shape(fidelity[k]) for k in keys if isinstance(fidelity, dict) and k in fidelity}
+    if not (shapes.get("fork") and shapes.get("reference") and len(set(shapes.values())) == 1):
+        raise ValueError(f"{path} does not hold fork and reference read-outs (lists of finite "
+                         f"numbers of one shape, as eval.py writes them); {fix}")
+    return fidelity if shapes["fork"] != (0,) else None
+
+
+def _shape(value):
+    """The shape of a nested list of finite numbers (rows of one length), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return () if math.isfinite(value) else None
+    if not isinstance(value, list):
+        return None
+    inner = {_shape(v) for v in value}
+    return (len(value), *inner.pop()) if len(inner) == 1 and None not in inner else \
+        ((0,) if not value else None)
 
 
 def run_config(persuader):
