@@ -32,7 +32,7 @@ from pathlib import Path
 import arena
 import probes
 import rpo
-from lab import analyses, cli, comparisons, episode_log, jsonl, moves, pools, presets, ranks, report, runs, served
+from lab import analyses, cli, comparisons, episode_log, jsonl, moves, pools, presets, ranks, report, runs, served, terminal
 
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
@@ -366,7 +366,7 @@ def main(argv=None):
     if (args.compare or args.compare_many or args.analyze or args.case or args.overlay or args.runs
             or args.plot_run or args.table):
         try:
-            print(report.analysis_mode(args, EVALS_DIR))
+            print(terminal.visible(report.analysis_mode(args, EVALS_DIR)))  # --case shows model text
         except (OSError, ValueError) as e:
             sys.exit(f"eval.py: {e}")
         return
