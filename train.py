@@ -349,10 +349,12 @@ def main(argv=None):
     sizes = steps.plan_run(args, world, device, say)
     if rank == 0:
         runs.lock(run_dir, "train.py")  # held for the run, taken before any model loads
+    restore = runs.exit_on_interrupt("train.py", run_dir)  # Ctrl-C as SIGTERM: at once, one line
     try:
         return train(args, run_dir, rank, world, device, sizes, say)
     finally:
         runs.unlock(run_dir)
+        restore()
 
 
 if __name__ == "__main__":

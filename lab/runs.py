@@ -27,7 +27,10 @@ import fcntl
 import os
 import re
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from lab import hardening
@@ -279,3 +282,23 @@ def clear(run_dir):
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+def exit_on_interrupt(who, run_dir):
+    """Ctrl-C ends a run as SIGTERM does: at once, whatever is in flight (a step, a save), in
+    one line, with exit status 130. Every file of the run is written whole or not at all (the
+    writers above; checkpoints are renamed into place), so nothing a step half-did is kept and
+    --resume continues from the last checkpoint. (A KeyboardInterrupt would instead unwind
+    through the step's threads and cleanups: late, in several tracebacks.) Returns what puts the
+    previous handler back (a run called from another program, a test)."""
+    line = (f"{who}: interrupted (Ctrl-C); {run_dir} keeps its last checkpoint: continue with "
+            "--resume\n").encode()
+
+    def stop(signum, frame):
+        os.write(sys.stderr.fileno(), line)
+        os._exit(128 + signum)
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # a run called from a thread: Python lets only the main one handle it
+    previous = signal.signal(signal.SIGINT, stop)
+    return lambda: signal.signal(signal.SIGINT, previous)
+

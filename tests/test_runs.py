@@ -383,3 +383,35 @@ def test_pinned_constants_hold_every_caps_constant_json_can():
     assert gguf.CACHE_DIR and not any(k.startswith(("engine.", "layers.")) for k in pinned)
     assert "arena.TAG_RE" not in pinned
     assert json.loads(json.dumps(pinned)) == pinned
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C: as SIGTERM, at once, in one line
+
+
+STALLED_STEP = """
+import sys, time
+import train
+def stalled(*a, **k):  # the update of step 2 never ends on its own: only an interrupt ends the run
+    print("in flight", flush=True)
+    time.sleep(600)
+train.policy_update = stalled
+train.main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_with_a_step_in_flight_ends_the_run_at_once_in_one_line(tmp_path, short_scenarios):
+    import signal
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALLED_STEP, "--preset", "tiny", "--judge", "none", "--scenarios",
+         short_scenarios, "--out", str(tmp_path), "--name", "r", "--steps", "3", "--max-new-tokens", "3"],
+        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(HERE)})
+    for line in proc.stdout:  # the step is in its update
+        if line.startswith("in flight"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)  # the stalled update would hold the run for 600 s
+    assert proc.returncode == 130
+    assert err == (f"train.py: interrupted (Ctrl-C); {tmp_path / 'r'} keeps its last checkpoint: "
+                   "continue with --resume\n")
