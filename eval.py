@@ -32,7 +32,7 @@ from pathlib import Path
 import arena
 import probes
 import rpo
-from lab import analyses, cli, episode_log, moves, pools, presets, report, runs, served
+from lab import analyses, cli, comparisons, episode_log, jsonl, moves, pools, presets, ranks, report, runs, served, terminal
 
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
@@ -78,8 +78,8 @@ def default_dtype():
 
 def distributed():
     """(rank, world): under torchrun the held-out scenarios are sharded over the ranks (the
-    process group started by runs.setup_distributed when the caller has not); else (0, 1)."""
-    return runs.setup_distributed()[:2]
+    process group started by ranks.setup_distributed when the caller has not); else (0, 1)."""
+    return ranks.setup_distributed()[:2]
 
 
 def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, names=("", ""),
@@ -161,7 +161,7 @@ def run_eval(persuader, persuadee, instances, out_dir, *, loaded, judge=None, kv
         summary["requests"] = {n: m.stats for n, m in loaded.items()
                                if isinstance(m, served.ServedModel)}
         runs.write_atomic(Path(out_dir) / "summary.json",
-                          json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
+                          json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
     return summary
 
 
@@ -366,7 +366,7 @@ def main(argv=None):
     if (args.compare or args.compare_many or args.analyze or args.case or args.overlay or args.runs
             or args.plot_run or args.table):
         try:
-            print(report.analysis_mode(args, EVALS_DIR))
+            print(terminal.visible(report.analysis_mode(args, EVALS_DIR)))  # --case shows model text
         except (OSError, ValueError) as e:
             sys.exit(f"eval.py: {e}")
         return
@@ -391,7 +391,7 @@ def main(argv=None):
         run_cells(args, instances, cells)
     finally:
         runs.unlock(root)
-    runs.finish_distributed()
+    ranks.finish_distributed()
 
 
 def evaluation_cells(args, instances):
@@ -443,7 +443,7 @@ def run_cells(args, instances, cells):
             print(f"\n== persuader {p}, persuadee {q}, judge {args.judge or q} -> {out_dir}\n"
                   f"{analyses.format_table(results[(p, q)])}")
     if len(cells) > 1 and rank == 0:
-        print("\n" + analyses.grid_table(results))
+        print("\n" + comparisons.grid_table(results))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ import layers
 import models
 import rollout
 import rpo
-from lab import cli, lora, plan, runs, steps
+from lab import checkpoints, cli, loggers, lora, plan, ranks, runs, steps
 
 # the paper's numbers, each its flag's default (a preset sets only what differs: lab/presets.py,
 # which the cpu and tiny presets do for all but MICRO_BATCH; the objective's own: rpo.py)
@@ -136,7 +136,7 @@ def build_models(args, world, device):
     held = plan.run_models(args, world)
     served_persuadee, served_judge = steps.served_roles(args)
     policy, tokenizer = load(args.persuader, args.dtype if args.lora else "float32", device)
-    if bad := runs.nonfinite_weight(policy.state_dict()):
+    if bad := checkpoints.nonfinite_weight(policy.state_dict()):
         sys.exit(f"train.py: --persuader {args.persuader} holds non-finite weights ({bad}); pass "
                  "a model with finite weights (an earlier checkpoint of the run that wrote it)")
     # the persuader is read once: its other roles are copies in --dtype (models.copied)
@@ -248,7 +248,7 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
     micro-batch (rpo.micro_batch_loss), its backward, the gradient clipped. A non-finite
     log-prob, advantage, loss or gradient norm on any rank skips the step (weights and optimizer
     state untouched; stats say so: step_skipped, nonfinite)."""
-    num_tokens = runs.all_sum(rpo.persuader_tokens(records), device)
+    num_tokens = ranks.all_sum(rpo.persuader_tokens(records), device)
     if (stats := steps.zero_advantage_step(policy, optimizer, turn_advantages, args, device,
                                            WEIGHT_DECAY)) is not None:
         return dict(stats, persuader_tokens=num_tokens)  # a zero gradient: no forward needed
@@ -270,14 +270,14 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
             stats[k] += v
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), GRAD_CLIP)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    bad = {k: runs.all_sum(bad[k], device) for k in ("logprobs", "advantages", "loss")}
+    bad = {k: ranks.all_sum(bad[k], device) for k in ("logprobs", "advantages", "loss")}
     bad["grad_norm"] = not math.isfinite(grad_norm)
     nonfinite = [k for k in NONFINITE_CHECKS if bad[k]]
     if not nonfinite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     policy.eval()
-    stats = {k: runs.all_sum(v, device) for k, v in stats.items()}
+    stats = {k: ranks.all_sum(v, device) for k, v in stats.items()}
     stats.update(grad_norm=grad_norm, persuader_tokens=num_tokens, step_skipped=int(bool(nonfinite)),
                  nonfinite=nonfinite, zero_gradient=0)
     return stats
@@ -315,14 +315,14 @@ def train(args, run_dir, rank, world, device, sizes, say):
     advantages -> loss and update -> weight refresh -> log -> evaluate -> save. Returns the
     metrics of every step."""
     loaded = build_models(args, world, device)  # the models plan.run_models decided
-    start = runs.load_checkpoint(run_dir, loaded.policy, loaded.optimizer) if args.resume else 0
+    start = checkpoints.load_checkpoint(run_dir, loaded.policy, loaded.optimizer) if args.resume else 0
     if args.resume:
         say(f"resumed from step {start}")
     engines = build_engines(loaded, args, device, sizes)
     instances = steps.training_set(args, engines, say)
     if rank == 0:
         steps.open_run(run_dir, args, start, sys.modules[__name__])
-    log, history, skipped = runs.Loggers(args, run_dir, start, rank), [], 0
+    log, history, skipped = loggers.Loggers(args, run_dir, start, rank), [], 0
     for step in range(start + 1, args.steps + 1):
         t0, times = time.perf_counter(), dict(judge_s=0.0, probe_s=0.0)
         mine = step_instances(instances, args, step, rank, world)  # this rank's groups
@@ -345,7 +345,7 @@ def train(args, run_dir, rank, world, device, sizes, say):
         refresh(loaded, engines)  # 6. the rollout copy takes the updated weights
         times["update_s"], times["step_s"] = time.perf_counter() - t1, time.perf_counter() - t0
         metrics = steps.step_metrics(step, records, rewards, update, times, args, device)
-        metrics.update({k: runs.all_sum(v, device) for k, v in left_out.items()})
+        metrics.update({k: ranks.all_sum(v, device) for k, v in left_out.items()})
         rows = steps.step_records(step, records, args.group_size, args, rank, world)
         history.append(metrics)
         if rank == 0:
@@ -357,9 +357,9 @@ def train(args, run_dir, rank, world, device, sizes, say):
                                              engines.judge, args, step, rank, run_dir),
                         "heldout/")
         if step % args.save_every == 0 or step == args.steps or evaluated:
-            runs.save_checkpoint(run_dir, step, loaded.policy, loaded.optimizer, loaded.tokenizer, rank)
+            checkpoints.save_checkpoint(run_dir, step, loaded.policy, loaded.optimizer, loaded.tokenizer, rank)
     log.close()
-    runs.finish_distributed()
+    ranks.finish_distributed()
     say(f"done: metrics in {run_dir / 'metrics.jsonl'}, policy in {run_dir / 'checkpoint-*'}")
     return history
 
@@ -371,7 +371,7 @@ def main(argv=None):
             print(line)
         plan.print_plan(args)
         return []
-    rank, world, device = runs.setup_distributed()
+    rank, world, device = ranks.setup_distributed()
     models.set_cpu_threads(device)
     torch.manual_seed(args.seed + rank)
     run_dir = Path(args.out) / args.name
@@ -379,10 +379,12 @@ def main(argv=None):
     sizes = steps.plan_run(args, world, device, say)
     if rank == 0:
         runs.lock(run_dir, "train.py")  # held for the run, taken before any model loads
+    restore = runs.exit_on_interrupt("train.py", run_dir)  # Ctrl-C as SIGTERM: at once, one line
     try:
         return train(args, run_dir, rank, world, device, sizes, say)
     finally:
         runs.unlock(run_dir)
+        restore()
 
 
 if __name__ == "__main__":

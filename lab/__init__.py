@@ -3,3 +3,11 @@ train, eval and the engine they run on); this package holds run folders, served 
 Gymnasium/OpenEnv export, the memory plan, sweeps, benchmarks, analyses, plots, significance,
 records, move labels, and the engine's fast path (fastpath.py). Its scripts run from the
 repository root as `python -m lab.NAME`."""
+import os as _os
+import sys as _sys
+
+# The repository root first on the import path: `python -m lab.NAME` run elsewhere (PYTHONPATH
+# naming the root) imports the project's train, eval, rpo..., never a same-named file of the
+# current folder (which `-m` puts first).
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+_sys.path[:] = [_ROOT] + [p for p in _sys.path if _os.path.abspath(p or ".") != _ROOT]

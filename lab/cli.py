@@ -35,7 +35,7 @@ import models
 import probes
 import rollout
 import rpo
-from lab import gguf, lora, plan, presets, runs, served, shapes
+from lab import checkpoints, gguf, loggers, lora, plan, presets, runs, served, shapes
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
@@ -49,6 +49,9 @@ TEMPERATURE_RANGE = (1e-2, 1e2)  # a sampling temperature other than 0 (greedy) 
 # sampling is greedy in all but name; above, it is uniform over the vocabulary
 NONFINITE_NAMES = ("logprobs", "advantages", "loss", "grad_norm")  # what a step can find non-finite
 # (rpo.micro_batch_loss's three, the gradient norm): train.NONFINITE_CHECKS names some of them
+CONFIG_OPTIONAL = ("resumed",)  # config.json keys a run holds only once resumed with a change
+LAM_MAX = 100.0  # --lam at most: the dense term's weight; beyond it lambda * sum_t r_t drowns the
+# outcome reward a million-fold, and at ~1e308 it overflows to inf (NaN advantages)
 PLAN_GIB_MAX = 2.0**20  # --plan-gib at most (a PiB): more is no device, and overflows the byte count
 PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening", "lab.lora")
 # the constants that say what is trained and played, pinned on resume with the entry point's own;
@@ -108,10 +111,14 @@ def changed_constants(recorded, own=None):
             for k in sorted(set(then) | set(now)) if k in then and then.get(k) != now.get(k)]
 
 
-def _same_kind(value, like):
-    """Whether a value read back from config.json has the type of the argument it stands for."""
+def _same_kind(value, like, item=None):
+    """Whether a value read back from config.json has the type of the argument it stands for
+    (a list: each item that of the argument's items, item, or of the default's own)."""
     if like is None:  # an argument with no default: checked by validation
         return True
+    if isinstance(like, list):
+        item = item if item is not None else (like[0] if like else None)
+        return isinstance(value, list) and all(_same_kind(v, item) for v in value)
     if isinstance(like, bool):
         return isinstance(value, bool)
     if isinstance(like, int):
@@ -119,6 +126,14 @@ def _same_kind(value, like):
     if isinstance(like, float):
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, type(like))
+
+
+def _item_example(parser, key):
+    """A value of the type of one item of a list argument (nargs, append), from its parser's
+    type: what every item of a recorded list must be. None when the parser does not say."""
+    action = next((a for a in getattr(parser, "_actions", ()) if a.dest == key), None)
+    kind = getattr(action, "type", None)
+    return {int: 0, float: 0.0, str: ""}.get(kind)
 
 
 def choice_problem(parser, key, value, record):
@@ -137,16 +152,43 @@ def choice_problem(parser, key, value, record):
             f"choices ({', '.join(map(str, action.choices))})")
 
 
+def _listed(names, most=6):
+    names = sorted(names)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def record_problem(recorded, keys, optional=(), own=None):
+    """What makes a record (config.json, sweep.json) not the whole of what this program writes,
+    or None: keys it lacks (a default would silently stand in for them: a run resumed at
+    another lambda), keys it holds that this program never writes, and with "constants" among
+    the keys, pinned constants missing from it or foreign to this code."""
+    missing = set(keys) - recorded.keys()
+    extra = recorded.keys() - set(keys) - set(optional)
+    if "constants" in keys and isinstance(recorded.get("constants"), dict):
+        now = pinned_constants(own)
+        missing |= {f"constants.{k}" for k in now.keys() - recorded["constants"].keys()}
+        extra |= {f"constants.{k}" for k in recorded["constants"].keys() - now.keys()}
+    elif "constants" in keys and "constants" in recorded:
+        extra.add("constants (not an object)")
+    parts = ([f"lacks {_listed(missing)}"] if missing else []) + \
+        ([f"holds {_listed(extra)}, which it never records"] if extra else [])
+    return " and ".join(parts) or None
+
+
 def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), record="config.json",
                  own=None, again="--resume", restart="start a new run (another --name)",
-                 parser=None):
+                 parser=None, keys=None, optional=()):
     """--resume: the settings of the run as recorded (config.json or settings.json; sweep.json
     for a sweep run again, `again` naming how in the messages, `restart` how to start over). A
     setting the command line leaves out takes the recorded value (which must have its argument's
     type, and, given the parser, be one of its argument's choices: choice_problem); one it names
     with another value is refused in one line naming each, except may_change; an edited pinned
     constant is refused in one line naming it. The caller then validates args as it does a fresh
-    command line, before any model loads."""
+    command line, before any model loads. Given keys (what a complete record holds, besides
+    optional), a record with a key missing, extra or foreign is refused first (record_problem)."""
+    if keys is not None and (problem := record_problem(recorded, keys, optional, own)):
+        raise runs.say_error(who, f"{again}: {record} {problem}; it is the run's whole record, "
+                             f"read as it is: restore it from a copy, or {restart}")
     if constants := changed_constants(recorded, own):
         raise runs.say_error(who, f"{again}: {'; '.join(constants)}; a resumed run keeps the "
                              f"objective it was trained with: restore the constant, or {restart}")
@@ -156,10 +198,12 @@ def pin_settings(args, recorded, explicit, who, may_change=(), not_settings=(), 
             continue
         flag = f"--{key.replace('_', '-')}"
         if key not in explicit:
-            if not _same_kind(value, getattr(args, key)):
+            item = _item_example(parser, key)
+            if not _same_kind(value, getattr(args, key), item):
+                kind = type(getattr(args, key)).__name__ + (f" of {type(item).__name__}" if isinstance(
+                    getattr(args, key), list) and item is not None else "")
                 raise runs.say_error(who, f"{again}: {record} holds {flag} {json.dumps(value)}, "
-                                     f"not a {type(getattr(args, key)).__name__}; fix it there, "
-                                     f"or {restart}")
+                                     f"not a {kind}; fix it there, or {restart}")
             if parser is not None and (problem := choice_problem(parser, key, value, record)):
                 raise runs.say_error(who, f"{again}: {problem}; fix it there, or {restart}")
             setattr(args, key, value)
@@ -368,7 +412,7 @@ def train_parser(own):
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing runs/NAME")
     p.add_argument("--scenarios", default=arena.SCENARIOS_PATH)
-    p.add_argument("--log", action="append", choices=runs.LOGGERS, default=[],
+    p.add_argument("--log", action="append", choices=loggers.LOGGERS, default=[],
                    help="also log to TensorBoard (runs/NAME) or Weights & Biases; repeatable")
     p.add_argument("--plan", action="store_true", help="print the per-rank memory plan for "
                    "--plan-ranks GPUs of --plan-gib and exit; no model loads")
@@ -399,17 +443,17 @@ def train_args(argv, own):
     runs.check_folder(args.out, args.name, "train.py", args.resume, args.overwrite,
                       first=os.environ.get("RANK", "0") == "0")
     if args.resume:
-        runs.checkpoint_folder(run_dir)
+        checkpoints.checkpoint_folder(run_dir)
         pin_settings(args, read_config(run_dir, "train.py"), explicit_settings(p, argv),
                      "train.py", RESUME_MAY_CHANGE, NOT_SETTINGS, record=str(run_dir / "config.json"),
-                     own=own, parser=p)
+                     own=own, parser=p, keys=config_keys(args), optional=CONFIG_OPTIONAL)
     try:
         validate(args)
     except SystemExit as e:
         raise SystemExit(f"{e.code} (the value read from {run_dir / 'config.json'})"
                          if args.resume else e.code) from None
     for kind in args.log:  # before any model loads: a missing package is a one-line exit
-        runs.require(kind)
+        loggers.require(kind)
     return args
 
 
@@ -433,6 +477,9 @@ def validate(args):
                                  ("--clip-high", args.clip_high, rpo.CLIP_HIGH)):
         if not math.isfinite(value) or value < 0:
             fail(f"{flag} {value}", "must be a finite number >= 0", f"pass e.g. {flag} {example}")
+    if args.lam > LAM_MAX:
+        fail(f"--lam {args.lam}", f"is above {LAM_MAX:g} (the dense term would drown the outcome "
+             "reward)", f"pass e.g. --lam {rpo.LAMBDA}")
     if not (math.isfinite(args.clip_low) and 0 <= args.clip_low < 1):
         fail(f"--clip-low {args.clip_low}", "must lie in [0, 1) (the ratio is clipped at 1 - clip-low)",
              f"pass e.g. --clip-low {rpo.CLIP_LOW}")
@@ -481,6 +528,12 @@ def input_problem(args, scenarios):
     if problem := arena.variants_problem(scenarios):
         return f"--scenarios {args.scenarios}", problem, "add training scenarios, or vary the personas"
     return None
+
+
+def config_keys(args):
+    """The keys of a run's config.json (record_config): every setting, the constants it pins,
+    and how many training instances it skipped."""
+    return (set(vars(args)) - {"resume", "overwrite"}) | {"constants", "skipped_instances"}
 
 
 def record_config(run_dir, args, start, own=None):

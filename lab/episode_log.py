@@ -10,17 +10,17 @@ import json
 from pathlib import Path
 
 import rollout
-from lab import cli, records, runs
+from lab import cli, jsonl, records, runs
 
 
 def read_played(path):
     """Records already in an episodes.jsonl, by id. A bad last line (cut off by a kill) is
-    dropped with a warning and from the file (runs.read_jsonl); an id written twice is an error."""
+    dropped with a warning and from the file (jsonl.read_jsonl); an id written twice is an error."""
     path = Path(path)
     if not path.exists():
         return {}
     played = {}
-    for lineno, record in runs.read_jsonl(path, repair=True):
+    for lineno, record in jsonl.read_jsonl(path, repair=True):
         if not isinstance(record, dict) or "id" not in record:
             raise ValueError(f"{path}, line {lineno} is no episode record; delete that line to "
                              "play its episode again")
@@ -32,7 +32,7 @@ def read_played(path):
 
 def append_record(path, record):
     """One finished episode, flushed to disk before the next ends."""
-    runs.append_line(path, runs.json_line(record), sync=True)
+    runs.append_line(path, jsonl.json_line(record), sync=True)
 
 
 def part_paths(out_dir):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import arena
 import rpo
-from lab import analyses, records, runs, significance
+from lab import analyses, records, runs, significance, terminal
 
 TRACE_SIZE = (140, 34)  # the belief trace's width and height in pixels (b in [-1, 1])
 FILTERS = ("outcome", "resistance", "domain", "end_reason")  # the columns the page filters by
@@ -63,8 +63,9 @@ th.addEventListener('click',function(){sortBy(th)})});fromHash()});
 
 
 def esc(value):
-    """Any value as escaped HTML text (None as -)."""
-    return "-" if value is None else html.escape(str(value), quote=True)
+    """Any value as escaped HTML text (None as -), its control and bidi characters as visible
+    escapes (terminal.visible: a right-to-left override would otherwise reorder what is shown)."""
+    return "-" if value is None else html.escape(terminal.visible(value), quote=True)
 
 
 def number(x, fmt="+.3f"):

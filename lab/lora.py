@@ -85,7 +85,7 @@ def refresh_from_lora(lora, rollout_model):
 
 def saved_names(lora):
     """{an adapter weight's name in peft's file (no adapter name): its name in the model} for
-    every trained parameter: what runs.load_checkpoint restores a LoRA run's adapters under."""
+    every trained parameter: what checkpoints.load_checkpoint restores a LoRA run's adapters under."""
     adapter = lora.active_adapter
     return {name.replace(f".{adapter}.", ".", 1): name
             for name, p in lora.named_parameters() if p.requires_grad}

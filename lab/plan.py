@@ -16,7 +16,7 @@ contexts in play (prompt + T_max turns of two messages) with PLAN_POOL_MARGIN to
     python train.py --preset paper --plan --plan-gib 40      # refused, with the numbers
 
 The disk a run folder takes at its fullest (disk_plan): the fp32 weights of every evaluated step
-and of the latest two checkpoints, and AdamW's state of only those two (runs.save_checkpoint keeps
+and of the latest two checkpoints, and AdamW's state of only those two (checkpoints.save_checkpoint keeps
 no other); a run whose disk cannot hold it is refused before any model loads (disk_refusal).
     python -m pytest -q test_plan.py
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import engine
-from lab import fastpath, lora, served, shapes
+from lab import checkpoints, fastpath, lora, served, shapes
 
 ACTIVATION_CHECKPOINTING = "auto"  # --activation-checkpointing: auto (on for CUDA), on, off
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
@@ -302,7 +302,7 @@ def saved_steps(args):
 
 
 def disk_plan(args):
-    """The disk a run folder takes at its fullest, from the policy's config (runs.save_checkpoint's
+    """The disk a run folder takes at its fullest, from the policy's config (checkpoints.save_checkpoint's
     rule): the fp32 weights of every evaluated step and of the latest two checkpoints, AdamW's
     state of the latest checkpoint and of the one before it while the newest is written (full
     fine-tuning: the whole policy, 4 P and 8 P bytes; LoRA: the adapters), and the rest."""
@@ -324,6 +324,10 @@ def disk_lines(disk, run_dir):
     lines = [f"disk plan for {run_dir} at its fullest:"]
     lines += [f"  {name:<52}{n / GiB:>8.2f} GiB" for name, n in disk["items"]]
     lines.append(f"  {'total':<52}{disk['total'] / GiB:>8.2f} GiB")
+    found, size = checkpoints.leftovers(run_dir)
+    if found:
+        lines.append(f"  {f'+ {len(found)} left by an interrupted save (removed on resume)':<52}"
+                     f"{size / GiB:>8.2f} GiB")
     return lines
 
 
@@ -333,8 +337,9 @@ def disk_refusal(disk, run_dir):
     run_dir = Path(run_dir).absolute()
     held = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file() and not f.is_symlink()) \
         if run_dir.is_dir() else 0
-    free = shutil.disk_usage(next(p for p in (run_dir, *run_dir.parents) if p.exists())).free
-    needed = disk["total"] - held
+    left = checkpoints.leftovers(run_dir)[1]  # not the run's: removed on resume, which frees them
+    free = shutil.disk_usage(next(p for p in (run_dir, *run_dir.parents) if p.exists())).free + left
+    needed = disk["total"] - (held - left)
     if needed <= free:
         return None
     GiB = 2**30

@@ -14,7 +14,7 @@ from pathlib import Path
 import arena
 import probes
 import rollout
-from lab import analyses, hardening, pools, records, report
+from lab import analyses, hardening, pools, records, report, terminal
 
 TYPING_TRIES = 5  # lines a person may type that are not valid text before the message is ""
 
@@ -118,7 +118,7 @@ class PersonSide:
 
     def hear(self, sid, text, final_turn=False, shown=None):
         """The reply, its probe values, the belief and its change this turn."""
-        self.write(f"them: {text}")
+        self.write(f"them: {terminal.visible(text)}")  # a model's text: shown, never obeyed
         values, beliefs = shown
         if None not in values and None not in beliefs[-2:]:
             self.write("   " + "  ".join(f"{k} {v:+.2f}" for k, v in zip(probes.PROBES, values))

@@ -30,7 +30,8 @@ from lab import analyses  # noqa: E402
 from lab import moves  # noqa: E402
 from lab import significance  # noqa: E402
 from lab.records import probe_names, probe_title  # noqa: E402
-from lab.runs import is_number, read_jsonl, write_atomic  # noqa: E402
+from lab.runs import write_atomic  # noqa: E402
+from lab.jsonl import is_number, read_jsonl  # noqa: E402
 
 RUN_DYNAMICS = {"dead_group_share": "share of dead groups (all R equal)",
                 "dead_goal_share": "share of dead groups (identical outcomes)",

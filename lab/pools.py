@@ -17,7 +17,7 @@ import engine
 import models
 import probes
 import rollout
-from lab import runs, served, shapes
+from lab import checkpoints, served, shapes
 
 
 def player(name, loaded, dtype, kv_blocks, allow_insecure_key=None):
@@ -37,7 +37,7 @@ def player(name, loaded, dtype, kv_blocks, allow_insecure_key=None):
 def refuse_nonfinite(name, model):
     """Exit in one line when a loaded model holds a NaN or an infinity (as train.py refuses such
     a checkpoint): its every read-out would be None and its text noise."""
-    if (bad := runs.nonfinite_weight(model.state_dict())) is not None:
+    if (bad := checkpoints.nonfinite_weight(model.state_dict())) is not None:
         sys.exit(f"eval.py: {name} holds non-finite weights ({bad}); evaluate a finite checkpoint")
 
 

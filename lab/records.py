@@ -8,16 +8,17 @@ served persuadee could not read, a judge that gave no score); NaN lives only ins
 arithmetic of rpo.py and torch. EPISODE_FIELDS is what the analyses read of a record and what
 each must be; load_episodes refuses a record that breaks it, naming the file, line and field;
 RUN_FIELDS is the same for a training run's metrics.jsonl, evals.jsonl and rollouts.jsonl. A
-JSONL file is read by runs.read_jsonl: a bad last line (a killed writer) is dropped with a
+JSONL file is read by jsonl.read_jsonl: a bad last line (a killed writer) is dropped with a
 warning, an earlier one refused.
 
 Tests: python -m pytest -q tests/test_records.py
 """
 import json
+import math
 from pathlib import Path
 
 import arena
-from lab.runs import read_jsonl
+from lab.jsonl import read_jsonl
 
 
 def probe_names():
@@ -35,10 +36,6 @@ def probe_title(name):
 
 def _number_or_none(v):
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
-
-
-def _unit_or_none(v):
-    return v is None or (_number_or_none(v) and 0 <= v <= 1)
 
 
 def _label_rows(v):
@@ -68,6 +65,7 @@ STAMP_FIELDS = ("persuader", "persuadee", "seed", "anchor", "probe_space", "prob
 LABEL_FIELDS = ("moves", "manipulation", "tagger")
 
 EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
+    "id": ("a string", lambda v: isinstance(v, str)),
     "scenario_id": ("a string", lambda v: isinstance(v, str)),
     "outcome": (lambda: "one of " + ", ".join(arena.OUTCOMES), lambda v: v in arena.OUTCOMES),
     "turns": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
@@ -80,12 +78,15 @@ EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it m
                                                          and m.get("role") in ("persuader", "persuadee") for m in v)),
     "judge": ("a number or null", _number_or_none),
     "judge_failed": ("true or false", lambda v: isinstance(v, bool)),
-    "probe_mass": ("a list of rows, one number in [0, 1] per probe (null where unread)",
+    "probe_mass": ("a list of rows, one number per probe (null where unread)",
                    lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(probe_names())
-                                                                        and all(map(_unit_or_none, r))) for r in v)),
+                                                                        and all(map(_number_or_none, r))) for r in v)),
     "moves": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
     "manipulation": ("a list of label lists, one per persuader turn", lambda v: _label_rows(v)),
 }
+VALUE_RANGES = {  # where a record's numbers lie; a record with one outside (or NaN, an infinity)
+    "beliefs": (-1.0, 1.0), "probes": (-1.0, 1.0),  # is set aside by the analyses (unsound)
+    "probe_mass": (0.0, 1.0), "judge": (-2.0, 2.0)}  # s = a mean of 1-5 scores - 3 (lab/judge.py)
 OPTIONAL_EPISODE_FIELDS = ("judge", "judge_failed", "probe_mass", "moves", "manipulation")  # checked where present
 
 
@@ -97,6 +98,22 @@ RUN_FIELDS = {  # what --runs reads of a training run's files
     "rollouts.jsonl": {"step": _STEP, "group": _STEP, "member": _STEP, "outcome": EPISODE_FIELDS["outcome"],
                        "goal": _NUMBER, "judge": EPISODE_FIELDS["judge"], "beliefs": EPISODE_FIELDS["beliefs"]},
 }
+
+
+def _numbers(value):
+    if isinstance(value, list):
+        for v in value:
+            yield from _numbers(v)
+    elif value is not None:
+        yield value
+
+
+def unsound(ep):
+    """The fields of an episode record (checked by EPISODE_FIELDS) holding a NaN, an infinity or
+    a number outside its VALUE_RANGES: read as they are, one such value turns a whole run's
+    means and correlations into null."""
+    return [field for field, (low, high) in VALUE_RANGES.items()
+            if any(not (math.isfinite(v) and low <= v <= high) for v in _numbers(ep.get(field)))]
 
 
 def check_record(row, fields, optional=()):

@@ -17,13 +17,14 @@ the figures lab/plots.py's.
     python -m pytest -q tests/test_eval.py
 """
 import json
+import math
 import re
 import sys
 from pathlib import Path
 
 import arena
 import rpo
-from lab import analyses, html_report, moves, plots, records, runs, served
+from lab import analyses, comparisons, html_report, jsonl, moves, plots, records, run_selection, runs, served
 
 RUN_KEYS = ("roles", "settings", "requests", "subset")  # summary.json's record of how the run was played
 
@@ -33,10 +34,10 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs.write_atomic(out_dir / "episodes.jsonl", "".join(map(runs.json_line, episodes)))
+    runs.write_atomic(out_dir / "episodes.jsonl", "".join(map(jsonl.json_line, episodes)))
     if fidelity is not None:
         runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
-    runs.write_atomic(out_dir / "summary.json", json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
+    runs.write_atomic(out_dir / "summary.json", json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
     save_plots(out_dir, episodes, summary)
 
 
@@ -70,6 +71,9 @@ def analyze(run_dir, shaping_lambda=None):
     if not (run_dir / "episodes.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file():
         raise ValueError(f"{run_dir} is a training run (metrics.jsonl, no episodes.jsonl); pass one of its "
                          "eval-STEP folders, or read it with --runs or --plot-run")
+    if links := runs.links_in(run_dir):
+        raise ValueError(f"{run_dir} holds links ({', '.join(links[:4])}), which eval.py never "
+                         "reads or writes through; remove them (copy the folder with cp -L)")
     episodes = records.load_episodes(run_dir)
     untagged = [ep for ep in episodes if "moves" not in ep]
     if untagged:
@@ -82,17 +86,51 @@ def analyze(run_dir, shaping_lambda=None):
                   f"{', ...' if len(unknown) > 3 else ''} are not in {path}; no move labels", file=sys.stderr)
         else:
             moves.tag_episodes(untagged, scenarios)
-    path = run_dir / "fidelity.json"
-    fidelity = json.loads(path.read_text()) if path.is_file() else None
+    fidelity = read_fidelity(run_dir / "fidelity.json")
     lam = folder_lambda(run_dir) if shaping_lambda is None else shaping_lambda
     summary = analyses.summarize_run(episodes, fidelity, lam)
     path = run_dir / "summary.json"
     if path.is_file():  # what the run recorded of itself, which its episodes do not hold
-        before = json.loads(path.read_text())
-        summary.update({k: before[k] for k in RUN_KEYS if k in before})
-    runs.write_atomic(path, json.dumps(runs.finite(summary), indent=2, allow_nan=False) + "\n")
+        before = read_json(path, "delete it (its episodes give the rest)")
+        summary.update({k: before[k] for k in RUN_KEYS if k in before} if isinstance(before, dict) else {})
+    runs.write_atomic(path, json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
     save_plots(run_dir, episodes, summary)
     return summary
+
+
+def read_json(path, fix):
+    """A JSON file an evaluation wrote, or a ValueError naming it and fix (one line)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = e.msg if isinstance(e, json.JSONDecodeError) else (getattr(e, "strerror", None) or type(e).__name__)
+        raise ValueError(f"{path} cannot be read ({why}); {fix}") from None
+
+
+def read_fidelity(path):
+    """fidelity.json (the probes' fork and reference read-outs, eval.py --eval-fidelity), or None
+    when absent; one that is not what eval.py writes is a ValueError naming it."""
+    if not path.is_file():
+        return None
+    fix = "delete it (the summary then leaves the probe fidelity out) or restore it"
+    fidelity = read_json(path, fix)
+    keys = ("fork", "reference", "vocabulary")
+    shapes = {k: _shape(fidelity[k]) for k in keys if isinstance(fidelity, dict) and k in fidelity}
+    if not (shapes.get("fork") and shapes.get("reference") and len(set(shapes.values())) == 1):
+        raise ValueError(f"{path} does not hold fork and reference read-outs (lists of finite "
+                         f"numbers of one shape, as eval.py writes them); {fix}")
+    return fidelity if shapes["fork"] != (0,) else None
+
+
+def _shape(value):
+    """The shape of a nested list of finite numbers (rows of one length), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return () if math.isfinite(value) else None
+    if not isinstance(value, list):
+        return None
+    inner = {_shape(v) for v in value}
+    return (len(value), *inner.pop()) if len(inner) == 1 and None not in inner else \
+        ((0,) if not value else None)
 
 
 def run_config(persuader):
@@ -123,7 +161,7 @@ def folder_lambda(run_dir):
                       (run_dir.parent / "config.json", "lam")):
         if path.is_file():
             recorded = json.loads(path.read_text())
-            if isinstance(recorded, dict) and runs.is_number(recorded.get(key)):
+            if isinstance(recorded, dict) and jsonl.is_number(recorded.get(key)):
                 return float(recorded[key])
     return rpo.LAMBDA
 
@@ -175,19 +213,19 @@ def analysis_mode(args, evals_dir):
     if args.compare:
         a, b = args.compare
         episodes_a, episodes_b = records.load_episodes(a), records.load_episodes(b)
-        result = analyses.compare(episodes_a, episodes_b)
+        result = comparisons.compare(episodes_a, episodes_b)
         path = (Path(b) if Path(b).is_dir() else Path(b).parent) / "compare.json"
         runs.write_atomic(path, json.dumps({"a": a, "b": b, **result}, indent=2) + "\n")
         page = html_report.write_compare(path.parent / html_report.COMPARE_NAME, a, b, result, episodes_a, episodes_b)
-        return "\n".join(role_differences(a, b) + [analyses.format_compare(result, a, b), f"wrote {path} and {page}"])
+        return "\n".join(role_differences(a, b) + [comparisons.format_compare(result, a, b), f"wrote {path} and {page}"])
     if args.compare_many:
-        result = analyses.compare_many({d: records.load_episodes(d) for d in args.compare_many},
+        result = comparisons.compare_many({d: records.load_episodes(d) for d in args.compare_many},
                                        records.load_episodes(args.policy))
-        return analyses.format_compare_many(result, args.policy)
+        return comparisons.format_compare_many(result, args.policy)
     if args.table:
-        table = analyses.main_table({d: records.load_episodes(d) for d in args.table},
+        table = comparisons.main_table({d: records.load_episodes(d) for d in args.table},
                                     args.reference or args.table[0])
-        return analyses.format_main_table(table, args.format)
+        return comparisons.format_main_table(table, args.format)
     if args.analyze:
         summary = analyze(args.analyze, args.shaping_lambda)
         return f"{analyses.format_table(summary)}\nwrote {Path(args.analyze) / 'summary.json'} and the plots"
@@ -208,12 +246,12 @@ def analysis_mode(args, evals_dir):
         return (f"{analyses.format_probe_overlay(analyses.probe_overlay(believed))}\n"
                 f"wrote {out / 'overlay.png'} and {out / 'overlay_probes.png'}")
     if args.runs:
-        trained = [analyses.read_run(d) for d in args.runs]
-        selection = analyses.runs_selection(trained)
+        trained = [run_selection.read_run(d) for d in args.runs]
+        selection = run_selection.runs_selection(trained)
         out = output_dir(args, evals_dir, "runs_" + "_".join(slug(r["name"]) for r in trained))
         plots.plot_runs(selection["runs"], out / "runs.png")
         plots.plot_dynamics(trained, out / "dynamics.png")
         out.mkdir(parents=True, exist_ok=True)
         runs.write_atomic(out / "runs.json", json.dumps(selection, indent=2) + "\n")
-        return f"{analyses.format_runs(selection)}\nwrote {out / 'runs.png'}, {out / 'dynamics.png'} and {out / 'runs.json'}"
+        return f"{run_selection.format_runs(selection)}\nwrote {out / 'runs.png'}, {out / 'dynamics.png'} and {out / 'runs.json'}"
     return f"wrote {plots.plot_run(args.plot_run)}"

@@ -1,6 +1,9 @@
 """
-runs.py: a run folder on disk, shared by train.py (runs/NAME) and eval.py (evals/NAME).
-(What config.json pins on --resume, and how, is lab/cli.py's.)
+runs.py: a run folder on disk, shared by train.py (runs/NAME) and eval.py (evals/NAME), and the
+one writer of every file a run, a sweep or an evaluation writes.
+(What config.json pins on --resume, and how, is lab/cli.py's; JSONL and non-finite numbers are
+lab/jsonl.py's, checkpoints lab/checkpoints.py's, ranks lab/ranks.py's, loggers
+lab/loggers.py's.)
 
 A run folder is written only by the process that holds its lock, only by this module's writers,
 and never through a link:
@@ -14,27 +17,20 @@ and never through a link:
   - write_atomic(): a temporary file created exclusively (O_CREAT | O_EXCL | O_NOFOLLOW, a
     random name) in the same folder, then renamed over the target: a kill or a full disk leaves
     the old file or the new one, and a link planted in a copied folder is replaced, never
-    written through; append_line() opens with O_NOFOLLOW;
-  - read_jsonl(): the one tolerant JSONL reader: a bad last line (a write cut by a kill or a
-    full disk) is dropped with a warning, the same in every file; an earlier bad line is an
-    error naming the file and line (or, for a file that is only a cache, dropped with a warning);
-  - finite(): the one non-finite-to-null rule (None in records and files, NaN only in tensors);
-  - nonfinite_weight(): the one check for a NaN or an infinity in a model's weights (a
-    checkpoint saved or resumed, a --persuader loaded by train.py or eval.py);
-  - checkpoints (save_checkpoint / load_checkpoint), the loggers (stdout, TensorBoard and W&B as
-    one Loggers object) and rank setup (setup_distributed, all_sum).
-The standard library (and lab.hardening, which is) only at import: torch is imported inside the checkpoint and rank functions.
+    written through; append_line() opens with O_NOFOLLOW; write_in() refuses a linked folder
+    (the writer for every file a sweep or a bench writes).
+The standard library (and lab.hardening, which is) only.
+Tests: python -m pytest -q tests/test_runs.py
 """
 import errno
 import fcntl
-import importlib
-import json
-import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from lab import hardening
@@ -48,76 +44,11 @@ RUN_FILES = re.compile(r"(config\.json|metrics\.jsonl|rollouts\.jsonl|evals\.jso
                        r"checkpoint-\d+|eval-\d+|samples-\d+\.json|events\.out\.tfevents\..*|wandb|"
                        r"episodes(\.rank\d+)?\.jsonl|summary\.json|settings\.json|fidelity\.json|"
                        r"compare\.json|runs\.json|[\w.-]+\.png|\..*\.tmp|\.lock|\.persuarena-run)")
-DIST_TIMEOUT_S = 3600  # collectives wait this long: above the slowest rank-0-only step (a paper
-# preset's held-out summary and the checkpoint gather and save of a 4B policy)
-TIMING_KEYS = ("judge_s", "probe_s", "persuader_s", "persuadee_s", "rollout_s", "update_s",
-               "step_s")  # all-reduced in this order on every rank, whatever a rank measured
-CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")  # the only names `latest` may hold
-WANDB_PROJECT = "persuarena"  # W&B project of every run
-LOGGERS = ("tensorboard", "wandb")  # --log choices, each an optional package
 
 
 def say_error(who, text):
     """The one line a refusal ends a program with."""
     return SystemExit(f"{who}: {text}")
-
-# -----------------------------------------------------------------------------
-# non-finite numbers and JSONL
-
-
-def is_number(value):
-    """A finite int or float (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def finite(value):
-    """value with every non-finite float, at any depth, written as None (JSON has no NaN; a
-    record's "no value" is None, NaN lives only inside tensors)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
-
-
-def json_line(row):
-    """One JSONL line of a record (non-finite numbers as null)."""
-    return json.dumps(finite(row), allow_nan=False) + "\n"
-
-
-def read_jsonl(path, skip_bad=False, repair=False, what=None):
-    """[(line number, object)] of a JSONL file's non-empty lines. A last line that is not valid
-    JSON (a write cut by a kill or a full disk) is dropped with a warning, in every file alike;
-    with repair the file is rewritten without it (so that appends start on a fresh line). An
-    earlier bad line is a ValueError naming the file and line, or with skip_bad (a file that is
-    a cache of what can be redone) dropped with a warning. A missing file is a
-    FileNotFoundError saying to pass `what` (what the caller needed) when given."""
-    path = Path(path)
-    if what is not None and not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; pass {what}")
-    text = path.read_text(errors="replace")
-    lines = text.split("\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    rows = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as e:
-            if lineno == len(lines):
-                print(f"warning: dropping the partial last line {lineno} of {path}", file=sys.stderr)
-                if repair:
-                    write_atomic(path, "".join(line + "\n" for line in lines[:-1]))
-            elif skip_bad:
-                print(f"warning: dropping line {lineno} of {path}, not valid JSON", file=sys.stderr)
-            else:
-                raise ValueError(f"{path}, line {lineno} is not valid JSON ({e.msg}); delete "
-                                 "that line") from None
-    return rows
 
 # -----------------------------------------------------------------------------
 # writing: never through a link
@@ -157,6 +88,21 @@ def write_atomic(path, data, *, who=None, kept="the previous file is intact"):
         if who is None or not isinstance(e, OSError):
             raise
         raise SystemExit(write_failure(who, path.name, path.parent, e, kept)) from None
+
+
+def write_in(folder, name, data, who):
+    """A file of a folder this program owns (a run, a sweep, a bench's output): refused in one
+    line when the folder is a link (its files would land wherever it points) or name is not one
+    file name; else write_atomic (a link at the file is replaced, never followed). Returns the
+    path written."""
+    folder = Path(folder)
+    if name_problem(name):
+        raise say_error(who, f"{name!r} is not one file name; nothing was written into {folder}")
+    if folder.is_symlink():
+        raise say_error(who, f"{folder} is a link ({folder} -> {os.readlink(folder)}), which this "
+                             f"program never writes through; nothing was written: pass another folder")
+    write_atomic(folder / name, data, who=who)
+    return folder / name
 
 
 def write_folder_atomic(path, fill):
@@ -337,358 +283,22 @@ def clear(run_dir):
         else:
             entry.unlink()
 
-# -----------------------------------------------------------------------------
-# resume: the settings and the module constants a run was made with
 
+def exit_on_interrupt(who, run_dir):
+    """Ctrl-C ends a run as SIGTERM does: at once, whatever is in flight (a step, a save), in
+    one line, with exit status 130. Every file of the run is written whole or not at all (the
+    writers above; checkpoints are renamed into place), so nothing a step half-did is kept and
+    --resume continues from the last checkpoint. (A KeyboardInterrupt would instead unwind
+    through the step's threads and cleanups: late, in several tracebacks.) Returns what puts the
+    previous handler back (a run called from another program, a test)."""
+    line = (f"{who}: interrupted (Ctrl-C); {run_dir} keeps its last checkpoint: continue with "
+            "--resume\n").encode()
+
+    def stop(signum, frame):
+        os.write(sys.stderr.fileno(), line)
+        os._exit(128 + signum)
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # a run called from a thread: Python lets only the main one handle it
+    previous = signal.signal(signal.SIGINT, stop)
+    return lambda: signal.signal(signal.SIGINT, previous)
 
-
-
-
-
-
-
-
-
-
-
-
-# -----------------------------------------------------------------------------
-# ranks
-
-
-def setup_distributed():
-    """(rank, world, device): one process per GPU under torchrun (the device set before the
-    process group starts, with NCCL bound to it), gloo on CPU; collectives time out after
-    DIST_TIMEOUT_S. Without torchrun: (0, 1, cuda or cpu)."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
-        if cuda:
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device, timeout=timeout)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def all_sum(value, device):
-    """Sum a number over ranks (a no-op in one process)."""
-    import torch
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor(float(value), device=device, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item()
-
-
-def mean_timings(times, device):
-    """The TIMING_KEYS of times (0 where a rank measured none), each averaged over ranks, in the
-    same order on every rank (a rank that admitted no group has no persuader_s of its own)."""
-    world = all_sum(1, device)
-    return {k: all_sum(times.get(k, 0.0), device) / world for k in TIMING_KEYS}
-
-
-def finish_distributed():
-    """End the process group, if one was started (a rank exiting with it alive can abort gloo)."""
-    if "RANK" in os.environ and "torch.distributed" in sys.modules:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def agree(message):
-    """Rank 0's verdict (a refusal's line, or None) on every rank: a check made on rank 0 alone
-    ends every rank, not only the one that made it."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return message
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-# -----------------------------------------------------------------------------
-# checkpoints
-
-
-def nonfinite_weight(state_dict):
-    """The name of the first floating-point tensor holding a NaN or an infinity, or None."""
-    import torch
-    return next((k for k, v in state_dict.items()
-                 if v.is_floating_point() and not torch.isfinite(v).all()), None)
-
-
-def checkpoint_folder(run_dir, who="train.py"):
-    """The folder runs/NAME/latest names, checked: a checkpoint-STEP folder of this run, holding
-    trainer.pt and the weights (a model's, or a LoRA run's adapter). A bad pointer is one line naming it and the fix."""
-    latest = run_dir / "latest"
-    fix = f"restore {run_dir} from a copy, or start a new run (another --name, or --overwrite)"
-    if not latest.is_file():
-        raise say_error(who, f"--resume: no checkpoint in {run_dir} (no 'latest' file); drop "
-                             "--resume and pass --overwrite to start the run again")
-    name = latest.read_text(errors="replace").strip()
-    folder = run_dir / name
-    if not CHECKPOINT_RE.fullmatch(name) or folder.is_symlink() or not folder.is_dir():
-        raise say_error(who, f"{latest} names {name[:80]!r}, not a checkpoint-STEP folder inside "
-                             f"the run; {fix}")
-    from lab import lora
-    for needed in ("trainer.pt", lora.ADAPTER_CONFIG if lora.is_adapter(folder) else "config.json"):
-        if not (folder / needed).is_file():
-            raise say_error(who, f"{folder / needed} is missing; {fix}")
-    if not any(folder.glob("*.safetensors")):
-        raise say_error(who, f"{folder} holds no *.safetensors weights (model.safetensors missing "
-                             f"or renamed); {fix}")
-    return folder
-
-
-def _write_checkpoint(run_dir, step, model_sd, optim_sd, policy, tokenizer, previous, who):
-    """Rank 0: checkpoint-STEP (write_folder_atomic), then `latest` (write_atomic); a failure
-    removes the temporary folder and leaves `latest`."""
-    import torch
-    final = run_dir / f"checkpoint-{step}"
-
-    def fill(folder):
-        model = getattr(policy, "module", policy)
-        # a peft adapter folder: embeddings are never adapted here, and asking peft to check
-        # ("auto") looks the base model up on a hub, which a run never does
-        extra = dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}
-        model.save_pretrained(folder, state_dict=model_sd, **extra)
-        tokenizer.save_pretrained(folder)
-        torch.save(dict(step=step, optimizer=optim_sd, torch_rng=torch.get_rng_state()),
-                   folder / "trainer.pt")
-    try:
-        write_folder_atomic(final, fill)
-        write_atomic(run_dir / "latest", final.name)
-    except Exception as e:  # safetensors, torch and the file system each raise their own kind
-        kept = f"{previous} is intact" if previous else "no earlier checkpoint exists"
-        needed = sum(f.stat().st_size for f in (run_dir / previous).iterdir()) if previous else 0
-        raise SystemExit(write_failure(who, f"checkpoint-{step}", run_dir, e, kept, needed,
-                                       resumable=bool(previous))) from None
-    return final
-
-
-def prune_checkpoints(run_dir, final):
-    """Once `latest` names checkpoint `final`: an older checkpoint of a held-out evaluation (an
-    eval-STEP folder: checkpoint selection, eval.py --runs, needs its weights) keeps its weights
-    and loses trainer.pt, its optimizer state; any other is deleted. A run so holds the optimizer
-    state of its latest checkpoint only, and of the one before while the newest is written."""
-    for old in run_dir.glob("checkpoint-*"):
-        if old == final or not CHECKPOINT_RE.fullmatch(old.name) or old.is_symlink():
-            continue
-        if (run_dir / f"eval-{old.name.removeprefix('checkpoint-')}").is_dir():
-            (old / "trainer.pt").unlink(missing_ok=True)
-        else:
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank, who="train.py"):
-    """Write checkpoint-STEP atomically, point `latest` at it and prune the older ones
-    (prune_checkpoints: an evaluated step's weights stay, its optimizer state goes). The weights and optimizer are gathered to rank 0 (a full state
-    dict, on the CPU), which alone writes. Non-finite weights are never written; a failed write
-    removes its temporary files and leaves the previous checkpoint."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, optim_sd = get_state_dict(policy, optimizer, options=options)
-    if rank == 0:
-        latest = run_dir / "latest"
-        previous = latest.read_text().strip() if latest.is_file() else None
-        bad = next((k for k, v in model_sd.items() if not torch.isfinite(v).all()), None)
-        if bad is not None:
-            raise say_error(who, f"the policy's {bad} is not finite at step {step}; not saving it "
-                                 f"over {previous or 'nothing'} in {run_dir}: lower --lr and --resume")
-        final = _write_checkpoint(run_dir, step, model_sd, optim_sd, policy, tokenizer, previous, who)
-        prune_checkpoints(run_dir, final)
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _read_checkpoint(run_dir, policy, who):
-    """Rank 0: (step, model state dict, optimizer state dict, rng state) of runs/NAME/latest,
-    every check made; raises SystemExit with one line on a bad checkpoint."""
-    import torch
-    from safetensors.torch import load_file
-    folder = checkpoint_folder(run_dir, who)
-    trainer = folder / "trainer.pt"
-    try:
-        state = torch.load(trainer, map_location="cpu", weights_only=True)
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise say_error(who, f"{trainer} is not a checkpoint train.py wrote ({reason}); it was "
-                             "not run; restore the run from a copy or start a new one") from None
-    if not (isinstance(state, dict) and {"step", "optimizer", "torch_rng"} <= state.keys()
-            and state["step"] == int(CHECKPOINT_RE.fullmatch(folder.name)[1])):
-        raise say_error(who, f"{trainer} does not hold the step, optimizer and random state of "
-                             f"{folder.name}; restore the run from a copy or start a new one")
-    model_sd = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            model_sd.update(load_file(f))
-        except Exception as e:
-            raise say_error(who, f"{f} cannot be read ({type(e).__name__}: {str(e)[:80]}); restore "
-                                 "it from a copy or start a new run") from None
-    if bad := nonfinite_weight(model_sd):
-        others = sorted((p.name for p in run_dir.glob("checkpoint-*")
-                         if p != folder and (p / "trainer.pt").is_file()),
-                        key=lambda n: int(n.split("-")[1]) if n.split("-")[1].isdigit() else -1)
-        earlier = (f"resume from an earlier checkpoint (write e.g. {others[-1]} into "
-                   f"{run_dir / 'latest'}), or " if others else
-                   "no earlier checkpoint keeps its optimizer state: ")
-        raise say_error(who, f"{folder} holds non-finite weights ({bad}); {earlier}start a new run "
-                             "with a lower --lr (another --name, or --overwrite)")
-    tied = getattr(policy.config, "tie_word_embeddings", False)
-    if tied and "lm_head.weight" not in model_sd and "model.embed_tokens.weight" in model_sd:
-        model_sd["lm_head.weight"] = model_sd["model.embed_tokens.weight"]
-    if hasattr(policy, "peft_config"):  # peft's adapter file: the adapters alone, under its names
-        from lab import lora
-        names = lora.saved_names(policy)
-        model_sd = {names.get(k, k): v for k, v in model_sd.items()}
-        want = {k: tuple(p.shape) for k, p in policy.named_parameters() if p.requires_grad}
-    else:
-        want = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
-    have = {k: tuple(v.shape) for k, v in model_sd.items()}
-    problems = [f"{len(m)} {what}, e.g. {m[0]}" for what, m in (
-        ("missing", sorted(want.keys() - have.keys())), ("unexpected", sorted(have.keys() - want.keys())),
-        ("of another shape", [f"{k} {have[k]} vs {want[k]}" for k in sorted(want.keys() & have.keys())
-                              if have[k] != want[k]])) if m]
-    if problems:
-        raise say_error(who, f"the weights in {folder} do not match the policy ({'; '.join(problems)}); "
-                             "resume with the --persuader the run started with, or start a new run "
-                             "(another --name)")
-    return state["step"], model_sd, state["optimizer"], state["torch_rng"]
-
-
-def load_checkpoint(run_dir, policy, optimizer, device=None, who="train.py"):
-    """Restore the policy (under --lora its adapters) and optimizer from runs/NAME/latest;
-    returns the step it was saved at.
-
-    Rank 0 alone reads the checkpoint (trainer.pt with weights_only=True: no pickled code runs)
-    and checks it (exactly the policy's names and shapes, finite weights: a foreign, renamed or
-    corrupted checkpoint is one line naming the file and the fix, on every rank); the weights
-    and the optimizer state are then broadcast from rank 0 and each rank keeps its own shard,
-    so no other rank reads the whole trainer state."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-    ranks = dist.is_initialized() and dist.get_world_size() > 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    found, refusal = None, None
-    if rank == 0:
-        try:
-            found = _read_checkpoint(run_dir, policy, who)
-        except SystemExit as e:
-            refusal = str(e.code)
-    if refusal := agree(refusal):
-        raise SystemExit(refusal)
-    step, model_sd, optim_sd, rng = found or (None, {}, {}, None)
-    if ranks:
-        step, rng = agree((step, rng))
-    # the model and the optimizer each by itself: set_state_dict skips the model on a rank
-    # whose model state dict is empty, which broadcast_from_rank0 gives every rank but 0
-    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=ranks)
-    set_optimizer_state_dict(policy, optimizer, optim_sd, options=options)
-    set_model_state_dict(policy, model_sd, options=options)
-    torch.set_rng_state(rng)
-    return step
-
-# -----------------------------------------------------------------------------
-# loggers: stdout, TensorBoard and W&B as one object
-
-
-def require(kind, who="train.py"):
-    """The optional package behind a --log choice, or a one-line exit saying how to get it."""
-    try:
-        return importlib.import_module(kind)
-    except ImportError:
-        raise say_error(who, f"--log {kind} needs the {kind} package: pip install {kind}") from None
-
-
-def scalars(values, prefix=""):
-    """The finite numbers of a (nested) metrics dict as {prefix/key/...: value}."""
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(scalars(value, f"{prefix}{key}/"))
-        elif is_number(value):
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-class TensorBoardLog:
-    """Events in runs/NAME (`tensorboard --logdir runs`); a resumed run drops what came after
-    its checkpoint, as metrics.jsonl does."""
-
-    def __init__(self, run_dir, start):
-        from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(str(run_dir), purge_step=start + 1 if start else None)
-
-    def scalars(self, step, values):
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
-
-    def samples(self, step, rows):
-        head = "| id | outcome | turns | beliefs | transcript |\n| --- | --- | --- | --- | --- |\n"
-        cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")
-        self.writer.add_text("samples", head + "".join(
-            "| " + " | ".join(cell(v) for v in row) + " |\n" for row in rows), step)
-
-    def close(self):
-        self.writer.close()
-
-
-class WandbLog:
-    """A W&B run in runs/NAME/wandb, offline unless WANDB_MODE is set (`wandb sync` uploads it)."""
-
-    def __init__(self, run_dir, args):
-        self.wandb = require("wandb")
-        mode = None if os.environ.get("WANDB_MODE") else "offline"
-        run_id = "".join(c if c.isalnum() or c in "-_" else "-" for c in args.name)  # W&B's id alphabet
-        self.run = self.wandb.init(project=WANDB_PROJECT, name=args.name, id=run_id,
-                                   resume="allow", dir=str(run_dir), mode=mode,
-                                   config={k: v for k, v in vars(args).items() if k != "log"})
-
-    def scalars(self, step, values):
-        self.run.log(values, step=step)
-
-    def samples(self, step, rows):
-        table = self.wandb.Table(columns=["id", "outcome", "turns", "beliefs", "transcript"],
-                                 data=rows)
-        self.run.log({"samples": table}, step=step)
-
-    def close(self):
-        self.run.finish()
-
-
-class Loggers:
-    """Every output of a run's scalars: stdout (rank 0) and one logger per --log choice (rank 0
-    only), written through one object."""
-
-    def __init__(self, args, run_dir, start, rank):
-        self.rank = rank
-        self.sinks = [TensorBoardLog(run_dir, start) if kind == "tensorboard" else WandbLog(run_dir, args)
-                      for kind in args.log] if rank == 0 else []
-
-    def say(self, *text, **kw):
-        if self.rank == 0:
-            print(*text, **kw)
-
-    def scalars(self, step, values, prefix):
-        for sink in self.sinks:
-            sink.scalars(step, scalars({k: v for k, v in values.items() if k != "step"}, prefix))
-
-    def samples(self, step, rows):
-        for sink in self.sinks:
-            sink.samples(step, rows)
-
-    def close(self):
-        for sink in self.sinks:
-            sink.close()

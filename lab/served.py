@@ -54,7 +54,7 @@ import arena
 import engine
 import probes
 from lab import hardening
-from lab.runs import is_number as finite_number
+from lab.jsonl import is_number as finite_number
 
 SERVED_PREFIX = "openai:"     # a model spec with this prefix is served: openai:MODEL@URL
 API_KEY_ENV = "OPENAI_API_KEY"

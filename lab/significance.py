@@ -22,7 +22,7 @@ import math
 import numpy as np
 from scipy import stats
 
-from lab.runs import finite
+from lab.jsonl import finite
 
 Z95 = 1.959964  # two-sided 95% normal quantile for the confidence bands and Wald intervals
 CONFIDENCE = 0.95  # level of the Welch intervals of the move effects

@@ -19,7 +19,7 @@ import arena
 import engine
 import rollout
 import rpo
-from lab import cli, plan, presets, runs, served
+from lab import cli, jsonl, plan, presets, ranks, runs, served
 
 SAMPLE_DIALOGUES = 2                # episodes a step kept in samples-STEP.json and the loggers' table
 
@@ -50,7 +50,7 @@ def plan_run(args, world, device, say):
     for line in plan.disk_lines(disk, run_dir):
         say(line)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if refusal := runs.agree(plan.disk_refusal(disk, run_dir) if rank == 0 else None):
+    if refusal := ranks.agree(plan.disk_refusal(disk, run_dir) if rank == 0 else None):
         sys.exit(refusal)  # only rank 0 writes checkpoints
     for line in presets.preset_notes(args):  # what the preset sets over the owning constants
         say(line)
@@ -167,7 +167,7 @@ def at_reference(optimizer, args, device, weight_decay):
         return True
     moments = sum(int(getattr(st["exp_avg"], "_local_tensor", st["exp_avg"]).count_nonzero())
                   for st in optimizer.state.values() if "exp_avg" in st)
-    return weight_decay == 0 and runs.all_sum(moments, device) == 0
+    return weight_decay == 0 and ranks.all_sum(moments, device) == 0
 
 
 def zero_advantage_step(policy, optimizer, turn_advantages, args, device, weight_decay):
@@ -176,7 +176,7 @@ def zero_advantage_step(policy, optimizer, turn_advantages, args, device, weight
     its forward and backward passes are skipped, and the optimizer still steps on zero gradients
     (AdamW's moments decay as they would). Returns the update's stats (ratio_mean and clip_frac
     unmeasured: None), or None when some advantage (on any rank) or the KL gradient is not 0."""
-    nonzero = runs.all_sum(sum(a != 0 for ep in turn_advantages for a in ep), device)
+    nonzero = ranks.all_sum(sum(a != 0 for ep in turn_advantages for a in ep), device)
     if nonzero or (args.kl_beta != 0 and not at_reference(optimizer, args, device, weight_decay)):
         return None
     for p in policy.parameters():
@@ -204,16 +204,16 @@ def stop_if_diverged(skipped, step, m, limit):
 
 def step_metrics(step, records, groups, update, times, args, device):
     """One metrics line: rewards, outcome shares, belief change, rpo diagnostics, timings."""
-    episodes = runs.all_sum(len(records), device)
+    episodes = ranks.all_sum(len(records), device)
     n = max(episodes, 1)  # every group of a step may have been left out (playable)
-    total = lambda values: runs.all_sum(sum(values), device)
+    total = lambda values: ranks.all_sum(sum(values), device)
     m = dict(step=step, episodes=episodes)
     m["reward_mean"] = total(sum(g[0]) for g in groups) / n
     for o in arena.OUTCOMES:
         m[f"outcome_{o}"] = total(r["outcome"] == o for r in records) / n
     read = [r for r in records if None not in r["beliefs"]]  # rpo counts the rest
     m["belief_change"] = total(r["beliefs"][-1] - r["beliefs"][0] for r in read) / max(
-        runs.all_sum(len(read), device), 1)
+        ranks.all_sum(len(read), device), 1)
     m["turns_mean"] = total(r["turns"] for r in records) / n
     m["judge_mean"] = total(r["judge"] for r in records) / n
     # the share of transcripts whose strategy score fell back to s = 0 (DECISIONS.md: Judge retries)
@@ -221,13 +221,13 @@ def step_metrics(step, records, groups, update, times, args, device):
         bool(r.get("judge_failed")) for r in records) / n
     # pooled: every rank's counts and sums are added before the division (rpo.diagnostics)
     sums = rpo.diagnostic_sums(groups, args.lam)
-    m.update(rpo.diagnostics({k: runs.all_sum(v, device) for k, v in sums.items()}))
-    negative, turns = (runs.all_sum(v, device) for v in rpo.negative_process_counts(rpo.numeric(r["beliefs"]) for r in records))
+    m.update(rpo.diagnostics({k: ranks.all_sum(v, device) for k, v in sums.items()}))
+    negative, turns = (ranks.all_sum(v, device) for v in rpo.negative_process_counts(rpo.numeric(r["beliefs"]) for r in records))
     m["negative_process_share"] = negative / turns if turns else 0.0
-    collapsed, counted = (runs.all_sum(v, device) for v in rpo.collapsed_groups(records, args.group_size))
+    collapsed, counted = (ranks.all_sum(v, device) for v in rpo.collapsed_groups(records, args.group_size))
     m["collapsed_group_share"] = collapsed / counted if counted else 0.0  # identical messages
     m.update(update)
-    m.update(runs.mean_timings(times, device))  # the same keys, in one order, on every rank
+    m.update(ranks.mean_timings(times, device))  # the same keys, in one order, on every rank
     m["tokens_per_s"] = update["persuader_tokens"] / max(times["rollout_s"], 1e-9)
     if device.type == "cuda":
         m["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -273,12 +273,12 @@ def sample_rows(records):
 def resume_metrics(path, start):
     """Keep the lines of a run's JSONL record (metrics.jsonl, rollouts.jsonl) of steps <= start
     (later steps are redone), rewritten atomically; a bad last line is dropped with a warning
-    (runs.read_jsonl), an earlier one refused."""
+    (jsonl.read_jsonl), an earlier one refused."""
     try:
-        rows = runs.read_jsonl(path) if path.exists() else []
+        rows = jsonl.read_jsonl(path) if path.exists() else []
     except ValueError as e:
         raise SystemExit(f"train.py: {e} (or the file) and rerun with --resume") from None
-    runs.write_atomic(path, "".join(runs.json_line(row) for _, row in rows if row["step"] <= start),
+    runs.write_atomic(path, "".join(jsonl.json_line(row) for _, row in rows if row["step"] <= start),
                       who="train.py", kept=f"{path} is as it was")
 
 
@@ -286,8 +286,8 @@ def write_step(run_dir, step, metrics, rows, records, args, log):
     """Rank 0: the step's line of metrics.jsonl and rows of rollouts.jsonl, its samples (every
     --save-every steps and the first), what stdout and the loggers show of it."""
     try:
-        runs.append_line(run_dir / "metrics.jsonl", runs.json_line(metrics))
-        runs.append_line(run_dir / "rollouts.jsonl", "".join(map(runs.json_line, rows)))
+        runs.append_line(run_dir / "metrics.jsonl", jsonl.json_line(metrics))
+        runs.append_line(run_dir / "rollouts.jsonl", "".join(map(jsonl.json_line, rows)))
     except OSError as e:
         raise SystemExit(runs.write_failure("train.py", "metrics.jsonl", run_dir, e,
                                             "the last checkpoint is intact",
@@ -302,7 +302,7 @@ def write_step(run_dir, step, metrics, rows, records, args, log):
             f"judge {m['judge_s']:.1f}, update {m['update_s']:.1f})")
     log.scalars(step, m, "train/")
     if step % args.save_every == 0 or step == 1:
-        runs.write_atomic(run_dir / f"samples-{step}.json", json.dumps(runs.finite(
+        runs.write_atomic(run_dir / f"samples-{step}.json", json.dumps(jsonl.finite(
             [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"], beliefs=r["beliefs"])
              for r in records[:SAMPLE_DIALOGUES]]), indent=1, allow_nan=False),
             who="train.py", kept="the last checkpoint is intact")
@@ -313,11 +313,11 @@ def record_evaluation(path, step, summary):
     """evals.jsonl with the summaries of the steps before this one (a resumed run redoes later
     ones; a line that is no evaluation summary is dropped with a warning) and this step's."""
     kept = []
-    for lineno, row in runs.read_jsonl(path, skip_bad=True) if path.exists() else []:
+    for lineno, row in jsonl.read_jsonl(path, skip_bad=True) if path.exists() else []:
         if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
             print(f"warning: dropping line {lineno} of {path}, not an evaluation summary",
                   file=sys.stderr)
         elif row["step"] < step:
             kept.append(row)
-    runs.write_atomic(path, "".join(map(runs.json_line, kept + [{"step": step, **summary}])),
+    runs.write_atomic(path, "".join(map(jsonl.json_line, kept + [{"step": step, **summary}])),
                       who="train.py", kept=f"{path} is as it was")

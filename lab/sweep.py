@@ -44,6 +44,7 @@ train.py checks them before the first arm trains.
 """
 import json
 import math
+import os
 import re
 import shutil
 import statistics
@@ -52,18 +53,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lab import analyses
+from lab import analyses, run_selection
 from lab import cli
+from lab import jsonl
 from lab import records
 from lab import runs
 from lab import significance
-from lab.runs import read_jsonl
+from lab.jsonl import read_jsonl
 
 LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
 SWEEPS_DIR = "sweeps"
 FROZEN = "frozen"  # the control arm's label: the same seed trained at lr 0
 SEED_LEVEL_MIN = 3  # seeds from which the comparisons carry a paired t test over seeds (seed_level)
+SWEEP_ARMS_MAX = 64  # lambdas x seeds at most: each arm is a training run with its own folder
 SWEEP_FILES = re.compile(r"sweep\.json|summary\.json|table\.md|\w+\.png|runs|initial_s-?\d+")  # what a sweep writes
 SWEEP_SETS = ("preset", "lam", "seed", "steps", "eval_every", "eval_limit", "decision", "save_every",
               "out", "name", "eval_fidelity", "resume", "overwrite")  # train.py flags the sweep sets per arm
@@ -115,8 +118,11 @@ def argument_problems(args):
     for flag, values in (("--lams", args.lams), ("--seeds", args.seeds)):
         if dupes := sorted({v for v in values if values.count(v) > 1}):
             problems.append(f"{flag} names {', '.join(f'{v:g}' for v in dupes)} more than once")
-    if bad := [lam for lam in args.lams if not math.isfinite(lam) or lam < 0]:
-        problems.append(f"--lams {', '.join(map(str, bad))}: each must be a finite number >= 0")
+    if bad := [lam for lam in args.lams if not math.isfinite(lam) or not 0 <= lam <= cli.LAM_MAX]:
+        problems.append(f"--lams {', '.join(map(str, bad))}: each must be a number in [0, {cli.LAM_MAX:g}]")
+    if len(args.lams) * len(args.seeds) > SWEEP_ARMS_MAX:
+        problems.append(f"--lams x --seeds make {len(args.lams) * len(args.seeds)} arms, more than "
+                        f"{SWEEP_ARMS_MAX} (each a training run and its folder); pass fewer")
     if taken := sweep_owned(args):
         problems.append(f"{', '.join(taken)} after -- would override what the sweep sets for every "
                         "arm (and label); pass them as the sweep's own flags or drop them")
@@ -150,6 +156,7 @@ def pin_recorded(args, parser, argv):
     explicit = cli.explicit_settings(parser, argv, known=True) | ({"train_args"} if args.train_args else set())
     cli.pin_settings(args, recorded, explicit, "lab.sweep", not_settings=("name", "out", "overwrite"),
                      record=str(path), again="a re-run of a sweep", parser=parser,
+                     keys=set(vars(args)) - {"overwrite"},
                      restart="pass --overwrite to start the sweep again (or another --name)")
 
 
@@ -452,8 +459,8 @@ def seed_power(rows):
     seeds' paired differences pooled over every seed-level comparison of the table (root mean
     square) and the difference that many seeds detect; None below SEED_LEVEL_MIN seeds. With
     few seeds this is far larger than the episode-level figure: the seed is what replicates."""
-    levels = [vs["seed_level"] for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])
-              if vs is not None and vs["seed_level"]]
+    levels = [vs.get("seed_level") for r in rows for vs in (r["vs_initial"], r["vs_lambda0"])
+              if vs is not None and vs.get("seed_level")]
     if not levels:
         return None
     out = dict(seeds=min(level["seeds"] for level in levels))
@@ -590,7 +597,7 @@ def start_folder(root, args):
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("overwrite",)}
-    runs.write_atomic(root / "sweep.json", json.dumps(settings, indent=2) + "\n")
+    runs.write_in(root, "sweep.json", json.dumps(settings, indent=2) + "\n", who="lab.sweep")
 
 
 def main(argv=None):
@@ -599,8 +606,7 @@ def main(argv=None):
     runs_dir = root / "runs"
     arms = [(lam, seed) for seed in args.seeds for lam in args.lams]
     arms += [(FROZEN, seed) for seed in args.seeds] if args.frozen_control else []
-    if root.exists() and not root.is_dir():
-        raise runs.say_error("lab.sweep", f"{root} is a file, not a sweep folder; pass another --name")
+    check_sweep_folder(root)
     if args.overwrite and root.is_dir():
         start_folder(root, args)  # emptied before the arms are checked: none of them resumes
     try:
@@ -636,6 +642,35 @@ def plot_training(root, runs, args):
     plots.plot_training(arms, control, root)
 
 
+def write_summary(root, summary):
+    """summary.json through the sweep folder's one writer (runs.write_in: atomic, never through a
+    link), every non-finite number written as null (jsonl.finite: an arm's record holding NaN
+    or an infinity never reaches the summary or the table). Returns the summary as written."""
+    summary = jsonl.finite(summary)
+    runs.write_in(root, "summary.json", json.dumps(summary, indent=1, default=str, allow_nan=False),
+                  who="lab.sweep")
+    return summary
+
+
+def write_table(root, table):
+    """table.md through the sweep folder's one writer (runs.write_in)."""
+    runs.write_in(root, "table.md", table, who="lab.sweep")
+
+
+def check_sweep_folder(root):
+    """A sweep folder is written only where it is: refused in one line when it, or an entry in
+    it, is a link (its arms, summary and table would land where the link points)."""
+    if root.is_symlink():
+        raise runs.say_error("lab.sweep", f"{root} is a link (-> {os.readlink(root)}), not a sweep "
+                             "folder; pass another --name or --out")
+    if root.exists() and not root.is_dir():
+        raise runs.say_error("lab.sweep", f"{root} is a file, not a sweep folder; pass another --name")
+    if root.is_dir() and (links := [e.name for e in sorted(root.iterdir()) if e.is_symlink()]
+                          + [f"runs/{n}" for n in runs.links_in(root / "runs")]):
+        raise runs.say_error("lab.sweep", f"{root} holds links ({', '.join(links[:4])}), which a "
+                             "sweep never writes through; remove them, or pass another --name")
+
+
 def read_arm(reader, path):
     """reader(path), or a one-line refusal naming the arm's file or folder that cannot be read."""
     try:
@@ -650,7 +685,7 @@ def summarize_sweep(root, args):
     from lab import plots
     initial = {s: read_arm(records.load_episodes, root / f"initial_s{s}" / "eval-0" / "episodes.jsonl")
                for s in args.seeds}
-    runs = {lam: {s: read_arm(analyses.read_run, root / "runs" / arm_name(lam, s)) for s in args.seeds}
+    runs = {lam: {s: read_arm(run_selection.read_run, root / "runs" / arm_name(lam, s)) for s in args.seeds}
             for lam in args.lams}
     held_out = {lam: {s: {0: initial[s], **runs[lam][s]["episodes"]} for s in args.seeds}
                 for lam in args.lams}
@@ -673,12 +708,13 @@ def summarize_sweep(root, args):
                    clipped_steps=clipped_steps(runs, train.GRAD_CLIP),
                    subset=(subset or f"{args.eval_limit} scenarios").removeprefix("heldout "), arms=entries,
                    table=rows, frozen_control=frozen, power=power, tests=count_tests(rows, frozen))
-    (root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    summary = write_summary(root, summary)
     header = (f"# sweep {args.name}: preset {args.preset}, lambdas {args.lams}, seeds {args.seeds}, "
               f"{args.steps} steps, held-out {summary['subset']} (arena.stratified), decision {args.decision}")
-    (root / "table.md").write_text(format_table(rows, frozen, header, power))
-    plots.plot_sweep(entries, rows, root)
-    print((root / "table.md").read_text())
+    table = format_table(summary["table"], summary["frozen_control"], header, summary["power"])
+    write_table(root, table)
+    plots.plot_sweep(entries, summary["table"], root)
+    print(table)
     return summary
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from lab import analyses as an
+from lab import analyses as an, comparisons
 import eval as evaluation
 from lab import plots
 from lab import records
@@ -33,7 +33,7 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
     assert records.load_episodes(tmp_path / "A") == RUN_A
     assert records.load_episodes(tmp_path / "B" / "episodes.jsonl") == RUN_B
     assert json.loads((tmp_path / "A" / "summary.json").read_text())["full_accept"] == pytest.approx(0.5)
-    check_compare(an.compare(records.load_episodes(tmp_path / "A"), records.load_episodes(tmp_path / "B")))
+    check_compare(comparisons.compare(records.load_episodes(tmp_path / "A"), records.load_episodes(tmp_path / "B")))
     evaluation.main(["--compare", str(tmp_path / "A"), str(tmp_path / "B")])
     out = capsys.readouterr().out
     assert "2 wins, 1 losses, 2 ties" in out and "outcome transitions" in out
@@ -610,3 +610,62 @@ def test_compare_warns_when_the_runs_faced_different_roles(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "differ in the persuadee's model: q against r" in out
     assert "differ in the persuadee's sampling" in out and "judge" not in out.split("A =")[0]
+
+
+# -----------------------------------------------------------------------------
+# --analyze: numbers that cannot poison a summary, one line per malformed file
+
+
+def analyze_folder(tmp_path, episodes, **files):
+    folder = tmp_path / "run"
+    folder.mkdir(exist_ok=True)
+    (folder / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in episodes))
+    for name, text in files.items():
+        (folder / name.replace("_", ".")).write_text(text)
+    return folder
+
+
+def test_analyze_sets_aside_a_record_with_nan_infinity_or_an_absurd_value(tmp_path, capsys):
+    """json reads NaN, Infinity and 1e308 as numbers: each record holding one is listed and left
+    out, the rest are summarised as if it were not there, and the count says so."""
+    bad = [dict(RUN_A[0], id="nan-belief", beliefs=[0.0, float("nan")]),
+           dict(RUN_A[1], id="inf-probe", probes=[[float("inf")] * len(an.probe_names())] * len(RUN_A[1]["probes"])),
+           dict(RUN_A[2], id="huge-judge", judge=1e308)]
+    folder = analyze_folder(tmp_path, RUN_B + bad)
+    eval.main(["--analyze", str(folder)])
+    out = capsys.readouterr().out
+    assert ("SET ASIDE                        3  records with a NaN, an infinity or an out-of-range "
+            "value, left out of every figure: nan-belief (beliefs), inf-probe (probes), huge-judge "
+            "(judge)") in out.splitlines()
+    summary = json.loads((folder / "summary.json").read_text())
+    clean = an.summarize(RUN_B)
+    assert summary["n"] == len(RUN_B) and summary["beliefs_missing"] == 0.0
+    assert summary["mean_final_belief"] == pytest.approx(clean["mean_final_belief"])
+    assert summary["belief_stats"]["probe_level_corr"] == json.loads(json.dumps(clean["belief_stats"]["probe_level_corr"]))
+    assert [a["id"] for a in summary["set_aside"]] == ["nan-belief", "inf-probe", "huge-judge"]
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda d: analyze_folder(d, [{k: v for k, v in RUN_B[0].items() if k != "id"}] + RUN_B[1:]),
+     "eval.py: {run}/episodes.jsonl, line 1: field 'id' must be a string, got missing"),
+    (lambda d: analyze_folder(d, RUN_B, fidelity_json='{"fork": [1, 2], "reference": [1]}'),
+     "eval.py: {run}/fidelity.json does not hold fork and reference read-outs (lists of finite numbers "
+     "of one shape, as eval.py writes them); delete it (the summary then leaves the probe fidelity "
+     "out) or restore it"),
+    (lambda d: analyze_folder(d, RUN_B, fidelity_json='{"fork": '),
+     "eval.py: {run}/fidelity.json cannot be read (Expecting value); delete it (the summary then "
+     "leaves the probe fidelity out) or restore it"),
+    (lambda d: analyze_folder(d, RUN_B, summary_json="[1, 2"),
+     "eval.py: {run}/summary.json cannot be read (Expecting ',' delimiter); delete it (its episodes "
+     "give the rest)"),
+    (lambda d: (analyze_folder(d, RUN_B), (d / "run" / "summary.json").symlink_to(d / "elsewhere.json")),
+     "eval.py: {run} holds links (summary.json), which eval.py never reads or writes through; remove "
+     "them (copy the folder with cp -L)"),
+])
+def test_analyze_names_a_malformed_record_or_file_in_one_line(tmp_path, make, says):
+    (tmp_path / "elsewhere.json").write_text('{"roles": "not this run"}')
+    make(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        eval.main(["--analyze", str(tmp_path / "run")])
+    assert e.value.code == says.format(run=tmp_path / "run")
+    assert (tmp_path / "elsewhere.json").read_text() == '{"roles": "not this run"}'

@@ -5,6 +5,7 @@ size of a 120-episode page, and (where Chromium is installed) filtering in a rea
 Run: python -m pytest -q tests/test_html_report.py"""
 import html.parser
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -136,8 +137,9 @@ def test_a_page_of_120_episodes_of_10_turns_weighs_a_few_mb(tmp_path):
 # which plays one anyway.
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="chromium is not on PATH (Debian's chromium package): the browser check is skipped")
+@pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("PERSUARENA_BROWSER"),
+                    reason="chromium is not on PATH (Debian's chromium package): the browser check is "
+                           "skipped (.ci/run installs it and sets PERSUARENA_BROWSER: there it runs)")
 def test_filtering_by_outcome_in_a_headless_browser(tmp_path):
     report.save_run(tmp_path, RUN, an.summarize(RUN))
     url = (tmp_path / "report.html").as_uri() + "#outcome=ACCEPT"

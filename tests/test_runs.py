@@ -1,8 +1,7 @@
 """The run folder (runs.py) as train.py and eval.py use it: links never written through, a lock,
 --overwrite of a run only, resume pinning and validation, one JSONL rule, the run's own sampling
-and lambda in its evaluations, rank setup. One tiny trained run (conftest.trained_run) serves
+and lambda in its evaluations. One tiny trained run (conftest.trained_run) serves
 the tests that read a run; each copies it."""
-import datetime
 import errno
 import json
 import math
@@ -13,15 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import eval as evaluation
 import models
 import probes
-from lab import episode_log, records
+from lab import records
 import rollout
 import rpo
-from lab import cli, presets, runs, steps
+from lab import cli, presets, runs
 import train
 
 
@@ -215,6 +213,34 @@ def test_a_resumed_config_with_an_invalid_value_is_refused_before_loading(run_co
     assert "config.json" in message
 
 
+@pytest.mark.parametrize("edit, says", [
+    (lambda c: c.pop("lam"), "lacks lam"),
+    (lambda c: c.clear(), "lacks "),
+    (lambda c: c.update(foo=1, persuader_top_p=0.5), "holds foo, persuader_top_p, which it never records"),
+    (lambda c: c["constants"].pop("rpo.LAMBDA"), "lacks constants.rpo.LAMBDA"),
+    (lambda c: c["constants"].update({"other.CONSTANT": 1}), "holds constants.other.CONSTANT, which"),
+])
+def test_resume_refuses_a_config_with_missing_or_foreign_keys_in_one_line(run_copy, edit, says,
+                                                                           no_model_loads):
+    """A key deleted from config.json is not filled with today's default (a lambda-0 run resumed
+    at rpo.LAMBDA); a key this program never writes is no setting of this run."""
+    run, _ = run_copy
+    config = json.loads((run / "config.json").read_text())
+    edit(config)
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        resume(run, "--steps", 2)
+    message = str(e.value.code)
+    assert message.startswith(f"train.py: --resume: {run / 'config.json'} {says}") and "\n" not in message
+    assert message.endswith("it is the run's whole record, read as it is: restore it from a copy, "
+                            "or start a new run (another --name)")
+    if not config:  # the exact line, as a user sees it
+        assert message == (f"train.py: --resume: {run / 'config.json'} lacks activation_checkpointing, "
+                           "allow_insecure_key, anchor, clip_high, clip_low, constants and 37 more; it is "
+                           "the run's whole record, read as it is: restore it from a copy, or start a "
+                           "new run (another --name)")
+
+
 @pytest.mark.parametrize("module, name, value", [
     (rpo, "STRATEGY_WEIGHT", 0.25),
     (rpo, "GOAL", {**rpo.GOAL, "ACCEPT": 5.0}),
@@ -264,30 +290,6 @@ def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch
     assert presets.preset_notes(parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])) == []
 
 # -----------------------------------------------------------------------------
-# one JSONL rule
-
-
-def test_the_same_bad_jsonl_line_is_handled_the_same_way_by_train_and_eval(tmp_path, capsys):
-    """A bad last line (a write cut by a kill or a full disk) is dropped with the same warning
-    in train's metrics.jsonl and eval's episodes.jsonl; a bad earlier line is refused by both,
-    naming the file and line."""
-    metrics, episodes = tmp_path / "metrics.jsonl", tmp_path / "episodes.jsonl"
-    metrics.write_text('{"step": 1}\n{"step": 2, "lo\n')
-    episodes.write_text('{"id": "a"}\n{"id": "b", "tr\n')
-    steps.resume_metrics(metrics, 5)
-    assert list(episode_log.read_played(episodes)) == ["a"]
-    warnings = [line.replace(str(tmp_path), "") for line in capsys.readouterr().err.splitlines()]
-    assert warnings == ["warning: dropping the partial last line 2 of /metrics.jsonl",
-                        "warning: dropping the partial last line 2 of /episodes.jsonl"]
-    assert metrics.read_text() == '{"step": 1}\n' and episodes.read_text() == '{"id": "a"}\n'
-    metrics.write_text('not json\n{"step": 1}\n')
-    episodes.write_text('not json\n{"id": "a"}\n')
-    with pytest.raises(SystemExit, match="metrics.jsonl, line 1 is not valid JSON"):
-        steps.resume_metrics(metrics, 5)
-    with pytest.raises(ValueError, match="episodes.jsonl, line 1 is not valid JSON"):
-        episode_log.read_played(episodes)
-
-# -----------------------------------------------------------------------------
 # a run's evaluations: its own sampling, lambda and anchor
 
 
@@ -322,42 +324,6 @@ def test_a_standalone_summary_of_a_lambda_0_run_reports_shaping_at_lambda_0(run_
         (analyzed / "summary.json").unlink()
         evaluation.main(["--analyze", str(analyzed)])
         assert json.loads((analyzed / "summary.json").read_text())["shaping_lambda"] == 0
-
-# -----------------------------------------------------------------------------
-# ranks: the device before the process group, one order of timing keys, rank-0 checkpoints
-
-
-def test_a_gpu_rank_sets_its_device_before_the_process_group(monkeypatch):
-    import torch.distributed as dist
-    calls = []
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **k: calls.append(
-        ("init", backend, str(k["device_id"]), k["timeout"])))
-    monkeypatch.setattr(dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    assert runs.setup_distributed()[:2] == (1, 2)
-    assert calls == [("set_device", "cuda:1"),
-                     ("init", "nccl", "cuda:1", datetime.timedelta(seconds=runs.DIST_TIMEOUT_S))]
-
-
-def test_every_rank_all_reduces_the_same_timing_keys_in_one_order(monkeypatch):
-    """A rank that admitted no group measured no persuader_s: it still reduces every key of
-    runs.TIMING_KEYS, in their order, as a busy rank does."""
-    reduced = []
-    monkeypatch.setattr(runs, "all_sum", lambda value, device: reduced.append(value) or value)
-    busy = dict(step_s=9.0, judge_s=1.0, probe_s=2.0, persuadee_s=3.0, persuader_s=4.0,
-                rollout_s=5.0, update_s=6.0)
-    idle = dict(judge_s=0.0, probe_s=0.0, rollout_s=0.5, update_s=0.1, step_s=0.7)
-    for times in (busy, idle):
-        reduced.clear()
-        out = runs.mean_timings(times, "cpu")
-        assert list(out) == list(runs.TIMING_KEYS) and len(reduced) == 1 + len(runs.TIMING_KEYS)
-    assert runs.mean_timings(busy, "cpu")["persuader_s"] == 4.0
-
 
 def test_the_sampling_flags_name_rollouts_presets():
     """--sampling offers the presets rollout.SAMPLING holds (read there, never copied), and the
@@ -420,3 +386,35 @@ def test_pinned_constants_hold_every_caps_constant_json_can():
     assert gguf.CACHE_DIR and not any(k.startswith(("engine.", "layers.")) for k in pinned)
     assert "arena.TAG_RE" not in pinned
     assert json.loads(json.dumps(pinned)) == pinned
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C: as SIGTERM, at once, in one line
+
+
+STALLED_STEP = """
+import sys, time
+import train
+def stalled(*a, **k):  # the update of step 2 never ends on its own: only an interrupt ends the run
+    print("in flight", flush=True)
+    time.sleep(600)
+train.policy_update = stalled
+train.main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_with_a_step_in_flight_ends_the_run_at_once_in_one_line(tmp_path, short_scenarios):
+    import signal
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALLED_STEP, "--preset", "tiny", "--judge", "none", "--scenarios",
+         short_scenarios, "--out", str(tmp_path), "--name", "r", "--steps", "3", "--max-new-tokens", "3"],
+        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(HERE)})
+    for line in proc.stdout:  # the step is in its update
+        if line.startswith("in flight"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)  # the stalled update would hold the run for 600 s
+    assert proc.returncode == 130 and "Traceback" not in err  # (the progress bars are stderr's too)
+    assert err.endswith(f"\ntrain.py: interrupted (Ctrl-C); {tmp_path / 'r'} keeps its last checkpoint: "
+                        "continue with --resume\n")

@@ -53,7 +53,7 @@ def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
 
 @pytest.mark.parametrize("extra, says", [
     (["--steps", "3", "--eval-every", "2"], "not a multiple"),
-    (["--lams", "0.5", "-1"], "finite number >= 0"),
+    (["--lams", "0.5", "-1"], "each must be a number in [0, 100]"),
     (["--name", "a/b"], "one folder name")])
 def test_bad_sweep_arguments_are_one_line(extra, says, capsys):
     base = ["--steps", "2", "--eval-every", "1", "--eval-limit", "1", "--name", "x"]
@@ -126,8 +126,11 @@ def test_lr_after_the_separator_trains_the_learning_arms_and_the_control_stays_a
 @pytest.mark.parametrize("extra, says", [
     (["--lams", "0", "1", "1"], "--lams names 1 more than once"),
     (["--seeds", "0", "2", "0"], "--seeds names 0 more than once"),
-    (["--lams", "0", "-1"], "each must be a finite number >= 0"),
-    (["--lams", "0", "nan"], "each must be a finite number >= 0")])
+    (["--lams", "0", "-1"], "each must be a number in [0, 100]"),
+    (["--lams", "0", "nan"], "each must be a number in [0, 100]"),
+    (["--lams", "0", "1e308"], "lab.sweep: --lams 1e+308: each must be a number in [0, 100]\n"),
+    (["--seeds", *map(str, range(33))], "lab.sweep: --lams x --seeds make 99 arms, more than 64 "
+                                        "(each a training run and its folder); pass fewer\n")])
 def test_bad_values_are_refused_before_anything(extra, says, capsys, tmp_path):
     with pytest.raises(SystemExit):
         sweep.parse_args(BASE + ["--out", str(tmp_path)] + extra)
@@ -231,3 +234,70 @@ def test_the_rescued_share_pools_the_dead_groups_of_its_window():
                dict(step=4, dead_group_share=1.0, dead_rescued_share=1.0)]  # outside the window
     assert sweep.rescued_window(metrics, 3, 3) == pytest.approx(2 / 3)
     assert sweep.rescued_window(metrics[:1], 1, 1) is None
+
+
+@pytest.mark.parametrize("edit, says", [
+    (dict(lams=[0, "1"]), 'lab.sweep: a re-run of a sweep: {path} holds --lams [0, "1"], not a list of '
+                          "float; fix it there, or pass --overwrite to start the sweep again (or "
+                          "another --name)"),
+    (dict(seeds=[0, 1.5]), "holds --seeds [0, 1.5], not a list of int"),
+    (dict(lams=[0, 1e308]), "--lams 1e+308: each must be a number in [0, 100]"),
+    (dict(extra_setting=1), "holds extra_setting, which it never records"),
+])
+def test_a_finished_sweeps_tampered_settings_are_refused_as_an_unfinished_ones(tmp_path, monkeypatch,
+                                                                             edit, says, capsys):
+    """A re-run checks sweep.json's values (list items typed, lambda bounded, no key it never
+    writes) before it looks at which arms are done: a finished sweep trains nothing, so its
+    arms' own checks (train.py's) never run."""
+    args, _ = sweep.parse_args(BASE + ["--out", str(tmp_path), "--lams", "0", "1", "--", "--judge", "none"])
+    sweep.start_folder(tmp_path / "x", args)
+    recorded = json.loads((tmp_path / "x" / "sweep.json").read_text())
+    (tmp_path / "x" / "sweep.json").write_text(json.dumps({**recorded, **edit}))
+    monkeypatch.setattr(sweep, "check_arms", lambda *a: pytest.fail("reached the arms"))
+    with pytest.raises(SystemExit) as e:
+        sweep.main(BASE + ["--out", str(tmp_path)])
+    message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err  # argparse's exit
+    assert message.startswith("lab.sweep: ") and "\n" not in message.strip()
+    assert says.format(path=tmp_path / "x" / "sweep.json") in message
+
+
+def fake_arms(monkeypatch):
+    """summarize_sweep's readers answered from memory: one seed, lambdas 0 and 1, one
+    evaluation at step 1, and a training step whose dead-group share is NaN (a tampered or
+    broken metrics.jsonl: json reads NaN and Infinity)."""
+    from test_analyses import episode
+    eps = [episode(f"s{i}", "ACCEPT" if i % 2 else "REJECT", [0.0, 0.1 * i]) for i in range(4)]
+    run = dict(episodes={1: eps}, rollouts=[], lam=0.0, anchor=None,
+               metrics=[dict(step=1, dead_group_share=math.nan, dead_rescued_share=math.inf,
+                             collapsed_group_share=math.nan, grad_norm=math.nan)])
+    monkeypatch.setattr(sweep, "read_arm", lambda reader, path: eps if path.name == "episodes.jsonl" else run)
+
+
+def test_the_summary_and_table_hold_no_nan_and_never_go_through_a_link(tmp_path, monkeypatch):
+    fake_arms(monkeypatch)
+    args, _ = sweep.parse_args(["--steps", "1", "--eval-every", "1", "--eval-limit", "4", "--name",
+                                "x", "--out", str(tmp_path), "--lams", "0", "1", "--seeds", "0"])
+    root = tmp_path / "x"
+    sweep.start_folder(root, args)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the sweep's")
+    for name in ("summary.json", "table.md"):
+        (root / name).symlink_to(outside)
+    sweep.summarize_sweep(root, args)
+    assert outside.read_text() == "not the sweep's"
+    text = (root / "summary.json").read_text()
+    assert not (root / "summary.json").is_symlink() and "NaN" not in text and "Infinity" not in text
+    arm = json.loads(text)["arms"][1]
+    assert arm["step"] == 1 and arm["dead_group_share"] is None and arm["rescued_share"] is None
+    assert not (root / "table.md").is_symlink() and "nan" not in (root / "table.md").read_text()
+
+
+def test_a_linked_sweep_folder_is_refused_in_one_line(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "x").symlink_to(elsewhere)
+    with pytest.raises(SystemExit) as e:
+        sweep.main(BASE + ["--out", str(tmp_path)])
+    assert str(e.value.code) == (f"lab.sweep: {tmp_path / 'x'} is a link (-> {elsewhere}), not a sweep "
+                                 "folder; pass another --name or --out")
+    assert not list(elsewhere.iterdir())

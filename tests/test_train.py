@@ -16,7 +16,7 @@ import torch
 import arena
 import models
 import rpo
-from lab import cli, presets, runs, steps
+from lab import checkpoints, cli, hardening, jsonl, loggers, presets, runs, steps
 import train
 
 
@@ -151,10 +151,10 @@ def test_tensorboard_events_hold_the_metrics_the_heldout_summary_and_samples(tmp
     events = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    expected = {(f"train/{k}", m["step"]): v for m in metrics(run) for k, v in runs.scalars(m).items()
+    expected = {(f"train/{k}", m["step"]): v for m in metrics(run) for k, v in loggers.scalars(m).items()
                 if k != "step"}
     heldout = json.loads((run / "eval-2" / "summary.json").read_text())
-    expected.update({(f"heldout/{k}", 2): v for k, v in runs.scalars(heldout).items()})
+    expected.update({(f"heldout/{k}", 2): v for k, v in loggers.scalars(heldout).items()})
     assert {tag for tag, _ in expected} == tags and ("heldout/by_domain/healthcare/n", 2) in expected
     for (tag, step), value in expected.items():
         [event] = [e for e in events.Scalars(tag) if e.step == step]
@@ -346,7 +346,7 @@ def test_metrics_rewrite_is_atomic_and_drops_a_partial_last_line(tmp_path, monke
 
 
 def test_metrics_lines_are_valid_json_with_non_finite_values():
-    line = json.dumps(runs.finite({"step": 1, "loss": float("nan"), "kl": float("inf"), "x": 2.0}),
+    line = json.dumps(jsonl.finite({"step": 1, "loss": float("nan"), "kl": float("inf"), "x": 2.0}),
                       allow_nan=False)
     assert json.loads(line) == {"step": 1, "loss": None, "kl": None, "x": 2.0}
 
@@ -367,7 +367,7 @@ def saved_run(tmp_path, tokenizer):
     policy, optimizer = trained_policy()
     run = tmp_path / "run"
     run.mkdir()
-    runs.save_checkpoint(run, 1, policy, optimizer, tokenizer, 0)
+    checkpoints.save_checkpoint(run, 1, policy, optimizer, tokenizer, 0)
     return run, policy
 
 
@@ -407,7 +407,7 @@ def test_a_bad_checkpoint_is_one_clear_line(saved_run, kind):
     fresh, optimizer = trained_policy(seed=1)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(SystemExit) as e:
-        runs.load_checkpoint(run, fresh, optimizer, torch.device("cpu"))
+        checkpoints.load_checkpoint(run, fresh, optimizer, torch.device("cpu"))
     assert says in str(e.value.code) and "\n" not in str(e.value.code)
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
 
@@ -419,16 +419,16 @@ def test_a_pickled_payload_is_refused_and_never_runs(saved_run, tmp_path):
                run / "checkpoint-1" / "trainer.pt")
     fresh, optimizer = trained_policy(seed=1)
     with pytest.raises(SystemExit, match="trainer.pt is not a checkpoint train.py wrote"):
-        runs.load_checkpoint(run, fresh, optimizer, torch.device("cpu"))
+        checkpoints.load_checkpoint(run, fresh, optimizer, torch.device("cpu"))
     assert not Payload.path.exists()
 
 
 def test_a_foreign_architecture_is_refused(tmp_path, tokenizer):
     policy, optimizer = trained_policy("qwen3")
-    runs.save_checkpoint(tmp_path, 3, policy, optimizer, tokenizer, 0)
+    checkpoints.save_checkpoint(tmp_path, 3, policy, optimizer, tokenizer, 0)
     fresh, optimizer = trained_policy("llama")
     with pytest.raises(SystemExit, match="do not match the policy.*unexpected"):
-        runs.load_checkpoint(tmp_path, fresh, optimizer, torch.device("cpu"))
+        checkpoints.load_checkpoint(tmp_path, fresh, optimizer, torch.device("cpu"))
 
 
 def test_the_genuine_checkpoint_loads_with_weights_only(saved_run, monkeypatch):
@@ -437,7 +437,7 @@ def test_the_genuine_checkpoint_loads_with_weights_only(saved_run, monkeypatch):
     original = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: (loads.append(k.get("weights_only")), original(*a, **k))[1])
     fresh, optimizer = trained_policy(seed=1)
-    assert runs.load_checkpoint(run, fresh, optimizer, torch.device("cpu")) == 1
+    assert checkpoints.load_checkpoint(run, fresh, optimizer, torch.device("cpu")) == 1
     assert loads == [True]
     assert all(torch.equal(policy.state_dict()[k], v) for k, v in fresh.state_dict().items())
     assert optimizer.state_dict()["state"]
@@ -462,7 +462,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(saved_run, tokenizer, monkeyp
     else:
         monkeypatch.setattr(type(policy), "save_pretrained", save_pretrained)
     with pytest.raises(SystemExit) as e:
-        runs.save_checkpoint(run, 2, policy, optimizer, tokenizer, 0)
+        checkpoints.save_checkpoint(run, 2, policy, optimizer, tokenizer, 0)
     message = str(e.value.code)
     assert "checkpoint-2" in message and str(run) in message and "MiB free" in message
     assert "checkpoint-1 is intact" in message and "\n" not in message
@@ -472,7 +472,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(saved_run, tokenizer, monkeyp
     assert (run / "latest").read_text() == "checkpoint-1"
     monkeypatch.undo()
     fresh, optimizer = trained_policy(seed=1)
-    assert runs.load_checkpoint(run, fresh, optimizer, torch.device("cpu")) == 1
+    assert checkpoints.load_checkpoint(run, fresh, optimizer, torch.device("cpu")) == 1
 
 
 def test_non_finite_weights_are_never_saved(saved_run, tokenizer):
@@ -480,7 +480,7 @@ def test_non_finite_weights_are_never_saved(saved_run, tokenizer):
     with torch.no_grad():
         policy.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
     with pytest.raises(SystemExit, match="up_proj.weight is not finite.*checkpoint-1"):
-        runs.save_checkpoint(run, 2, policy, torch.optim.AdamW(policy.parameters()), tokenizer, 0)
+        checkpoints.save_checkpoint(run, 2, policy, torch.optim.AdamW(policy.parameters()), tokenizer, 0)
     assert (run / "latest").read_text() == "checkpoint-1" and not (run / "checkpoint-2").exists()
 
 
@@ -777,7 +777,7 @@ def test_non_finite_weights_are_refused_at_resume(saved_run, tmp_path):
     sd[key][0, 0] = float("inf")
     save_file(sd, weights, metadata={"format": "pt"})
     with pytest.raises(SystemExit, match=r"non-finite weights \(.*up_proj.*lower --lr"):
-        runs.load_checkpoint(run, policy, torch.optim.AdamW(policy.parameters()), "cpu")
+        checkpoints.load_checkpoint(run, policy, torch.optim.AdamW(policy.parameters()), "cpu")
 
 
 

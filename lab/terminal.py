@@ -1,0 +1,30 @@
+"""
+terminal.py: the one sanitiser of text from a model shown to a person (a terminal line, an HTML
+page): control and escape characters made visible instead of acted on.
+
+A model's reply is data. Printed raw, ESC (\\x1b) and the C1 controls start sequences a terminal
+obeys: OSC 52 writes the clipboard, OSC 0 the window title, CSI 2J clears the screen, CSI H moves
+the cursor; a carriage return or backspaces overwrite what was shown; bidirectional controls
+(U+202A..U+202E, U+2066..U+2069, U+200E, U+200F, U+061C) reorder the text around them, in a
+terminal and on a page alike. visible() writes each such character as its escape (\\x1b,
+\\u202e), keeping newlines and tabs; everything else is left as it is.
+    python eval.py --play heldout-001 --persuadee smollm2    # every reply through visible()
+Tests: python -m pytest -q tests/test_terminal.py
+"""
+import re
+
+BIDI_CONTROLS = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+KEPT = "\n\t"  # controls a message may hold and a terminal shows as layout, not as an action
+CONTROLS = "".join(map(chr, [*range(0x20), *range(0x7f, 0xa0)]))  # C0, DEL and C1
+_SHOWN = re.compile("[" + re.escape("".join(c for c in CONTROLS if c not in KEPT) + BIDI_CONTROLS) + "]")
+
+
+def _escape(match):
+    c = match.group()
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def visible(text):
+    """text with every control character but newline and tab, and every bidi control, written as
+    its escape (ESC as \\x1b, RLO as \\u202e): shown, never obeyed."""
+    return _SHOWN.sub(_escape, str(text))
