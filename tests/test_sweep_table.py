@@ -1,0 +1,69 @@
+"""lab/sweep_table.py: the sweep's statistics by hand (frozen controls, power, seed level)."""
+import math
+import statistics
+
+import pytest
+
+from lab import sweep_table
+
+
+def test_frozen_rows_pair_training_episodes_of_the_second_half():
+    """Each arm's episode against the control's of the same seed, step, group and member, over
+    steps after the first half only (steps 1-2 of 4 differ by 10 and must not count)."""
+    def rollouts(shift):
+        return [dict(step=step, group=g, member=m, b_0=0.0,
+                     b_T=0.1 * m + g + shift(step, g, m)) for step in (1, 2, 3, 4)
+                for g in (0, 1) for m in (0, 1)]
+    gains = {(3, 0, 0): 0.01, (3, 0, 1): 0.03, (3, 1, 0): -0.02, (3, 1, 1): 0.05,
+             (4, 0, 0): 0.00, (4, 0, 1): 0.04, (4, 1, 0): 0.02, (4, 1, 1): 0.01}
+    arm = rollouts(lambda step, g, m: 10.0 if step <= 2 else gains[step, g, m])
+    control = rollouts(lambda *_: 0.0)
+    [row] = sweep_table.frozen_rows({0.0: {0: {"rollouts": arm}}}, {0: {"rollouts": control}}, [0.0], [0], 4)
+    # a group is one cluster (issue 35): (step, group) 3/0 0.02, 3/1 0.015, 4/0 0.02, 4/1 0.015
+    clusters = [0.02, 0.015, 0.02, 0.015]
+    assert row["n"] == 4 and row["pairs"] == 8 and row["belief_diff"] == pytest.approx(0.0175)
+    assert row["low"] < row["belief_diff"] < row["high"]
+    # paired t power over 4 clusters: sqrt(1 / 4) (t_.975,3 3.182446 + t_.8,3 0.978472) sd
+    assert row["detectable"] == pytest.approx(0.5 * 4.160918 * statistics.stdev(clusters), rel=1e-4)
+
+
+def test_sweep_power_by_hand():
+    """The paired sd pooled as a root mean square over every comparison that has one; the
+    acceptance baseline is the initial policy's share."""
+    rows = [dict(vs_initial=dict(n=4, belief_diff_sd=0.3), vs_lambda0=None),
+            dict(vs_initial=dict(n=4, belief_diff_sd=0.4), vs_lambda0=dict(n=4, belief_diff_sd=None))]
+    initial = [dict(outcome=o) for o in ("ACCEPT", "REJECT", "PENDING", "CONDITIONAL_ACCEPT")]
+    power = sweep_table.sweep_power(rows, initial)
+    sd = math.sqrt((0.09 + 0.16) / 2)
+    assert power["pairs"] == 4 and power["belief_diff_sd"] == pytest.approx(sd)
+    assert power["initial_full_accept"] == 0.25
+    assert power["detectable_belief_diff"] == pytest.approx(math.sqrt(1 / 4) * 4.160918 * sd, rel=1e-5)  # t, 3 df
+    assert power["detectable_full_accept"] is None  # 4 pairs cannot detect even 25% -> 100%
+
+
+def test_seed_level_comparisons_by_hand():
+    """Three seeds, two scenarios each: the seed-level test is a paired t over the seeds' means
+    (not over the six episodes), between_seed_sd the sd of those means; below three seeds none."""
+    def eps(accepts, changes):
+        return [dict(scenario_id=f"h{i}", outcome="ACCEPT" if a else "REJECT", beliefs=[0.0, c])
+                for i, (a, c) in enumerate(zip(accepts, changes))]
+    initial = {s: eps([0, 0], [0.0, 0.0]) for s in (0, 1, 2)}
+    trained = {0: eps([1, 0], [0.1, 0.3]), 1: eps([1, 1], [0.2, 0.2]), 2: eps([0, 0], [0.4, 0.2])}
+    held_out = {0.0: {s: {0: initial[s], 1: trained[s]} for s in (0, 1, 2)}}
+    [last, best] = sweep_table.table_rows(held_out, [0.0], [0, 1, 2], [1])
+    assert last["which"] == "last" and best["selected_on"] == "test episodes" and last["selected_on"] is None
+    level = last["vs_initial"]["seed_level"]
+    # per-seed mean changes 0.2, 0.2, 0.3: diff 0.23333, sd 0.057735, t 7.0 on 2 df, p 0.019804
+    assert level["seeds"] == 3 and level["belief_change"]["diff"] == pytest.approx(0.7 / 3)
+    assert level["belief_change"]["p"] == pytest.approx(0.019804, abs=1e-5)
+    # per-seed acceptance 0.5, 1, 0: mean 0.5, sd 0.5
+    assert level["full_accept"]["diff"] == pytest.approx(0.5) and level["full_accept"]["sd"] == pytest.approx(0.5)
+    assert last["between_seed_sd"]["full_accept"] == pytest.approx(0.5)
+    assert last["between_seed_sd"]["belief_change"] == pytest.approx(statistics.stdev([0.2, 0.2, 0.3]))
+    assert last["vs_initial"]["n"] == 6  # the episode-level test beside it
+    table = sweep_table.format_table([last, best])
+    assert "Seed level (3 seeds" in table and "best* (step 1)" in table
+    assert f"This table holds {sweep_table.count_tests([last, best])} tests" in table
+    assert sweep_table.count_tests([last, best]) == 8
+    [two] = sweep_table.table_rows({0.0: {s: held_out[0.0][s] for s in (0, 1)}}, [0.0], [0, 1], [1])[:1]
+    assert two["vs_initial"]["seed_level"] is None and "Seed level" not in sweep_table.format_table([two])
