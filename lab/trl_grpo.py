@@ -186,7 +186,7 @@ def trainer_for(env, model, tokenizer, config, *, instance_ids=None, turn_tokens
 
 class ServerEnv:
     """reset and step, the two calls make_rollout makes, over openenv-core's own client against
-    `python -m lab.env --serve` (one WebSocket session): the same GRPO run with the arena in
+    `python -m lab.env_server --serve` (one WebSocket session): the same GRPO run with the arena in
     another process. `instances` are the server's own (the same --scenarios), for the prompts."""
 
     def __init__(self, url, instances):
@@ -218,7 +218,7 @@ def parse_args(argv=None):
                     "folder or openai:MODEL@URL")
     ap.add_argument("--judge", default="persuadee", help="'persuadee' (its model), 'none' "
                     "(s = 0) or a model name")
-    ap.add_argument("--server", help="train against `python -m lab.env --serve` at this URL "
+    ap.add_argument("--server", help="train against `python -m lab.env_server --serve` at this URL "
                     "(http://127.0.0.1:PORT, started with the same --scenarios) instead of an "
                     "env in this process; --persuadee, --judge, --t-max, --max-new-tokens are "
                     "the server's")

@@ -9,7 +9,7 @@ import rpo
 from conftest import tiny_model
 from lab import env as persuasion_env
 from lab import trl_grpo
-from test_env import openenv_server  # noqa: F401
+from test_env_server import openenv_server  # noqa: F401
 from test_served import instances
 
 TURN_TOKENS = 6
