@@ -148,7 +148,7 @@ class PersuasionEnv(gym.Env):
     model, None scores s = 0. A name is loaded once, at construction. `hub`: a sessions.Hub
     shared with other envs (the server's sessions), whose persuadee, judge, t_max and sampling
     are then this env's."""
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi"], "render_fps": 1}  # fps: a turn a frame
 
     def __init__(self, persuadee="smollm2", scenarios="train", t_max=arena.T_MAX_TRAIN, *,
                  judge=JUDGE_DEFAULT, dtype="float32", kv_blocks=None,

@@ -228,3 +228,58 @@ def test_episodes_sharing_an_engine_free_only_their_own_sequences(tokenizer):
     assert turn[4]["record"]["turns"] == turn[4]["turn"]
     second.close()
     assert ee.free_blocks == 2000
+
+
+def test_seeds_are_checked_and_a_second_thread_is_refused(tokenizer):
+    """reset refuses a seed that is no integer in 0..SEED_MAX (True, 4,000 digits, -1, 1.5) in one
+    line, the episode in play untouched; a step from a second thread while the first's step is in
+    flight is refused in one line (the old env raised spurious TypeErrors), and the first's
+    step returns its turn."""
+    ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+    env = persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=3, max_new_tokens=4,
+                                       judge=None)
+    env.reset(seed=1)
+    for seed in (True, int("9" * 4000), -1, 1.5, persuasion_env.SEED_MAX + 1):
+        with pytest.raises(ValueError) as excinfo:
+            env.reset(seed=seed)
+        assert "a seed is an integer" in one_line_error(excinfo)
+    entered, release = threading.Event(), threading.Event()
+    generate = ee.generate
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return generate(*args, **kwargs)
+    ee.generate = held
+    first = []
+    worker = threading.Thread(target=lambda: first.append(env.step("Hello.")))
+    worker.start()
+    assert entered.wait(30)
+    for call in (lambda: env.step("Me too."), lambda: env.reset(seed=2)):
+        with pytest.raises(RuntimeError) as excinfo:
+            call()
+        assert "another thread" in one_line_error(excinfo)
+    release.set()
+    worker.join(60)
+    ee.generate = generate
+    assert first[0][4]["turn"] == 1
+    env.close()
+    assert ee.free_blocks == 2000
+
+
+def test_gym_make_knows_the_env_and_renders_ansi(tokenizer):
+    """gym.make("PersuArena-v0") after importing lab.env, gymnasium's check_env passes; the ansi
+    render is the conversation as the persuader saw it."""
+    import gymnasium as gym
+    from gymnasium.utils.env_checker import check_env
+    env = gym.make("PersuArena-v0", persuadee="random:tiny-qwen3", scenarios=instances(),
+                   t_max=2, max_new_tokens=4, judge=None, kv_blocks=2000, render_mode="ansi")
+    ee = env.unwrapped.persuadee  # gym.make copies its arguments: a model by name
+    check_env(env.unwrapped)
+    messages, _ = env.reset(seed=3, options={"instance": instances()[0]["id"]})
+    reply, *_ = env.step("Hello there.")
+    text = env.render()
+    assert messages[1]["content"] in text and "[assistant] Hello there." in text
+    assert f"[user] {reply[0]['content']}" in text and "turn 1/2" in text
+    env.close()
+    assert ee.free_blocks == 2000

@@ -26,8 +26,10 @@ def serving(make_env, **app_kw):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    http = app_kw.pop("http", "auto")
     server = uvicorn.Server(uvicorn.Config(env_server.openenv_app(make_env, **app_kw),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+                                           host="127.0.0.1", port=port, log_level="warning",
+                                           http=http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started and thread.is_alive():
@@ -436,3 +438,88 @@ def test_the_server_survives_a_soak_of_misbehaving_clients(tokenizer, capfd, epi
                                             judge=None)
     with serving(make_env, session_idle_s=2.0, unused_session_s=0.2) as url:
         soak(url, ee, episodes, idle_every=75, unused_every=10, capfd=capfd)
+
+
+@contextlib.contextmanager
+def held_replies(ee):
+    """The persuadee's generate blocks until released: (entered, release) events; a step is
+    then in flight for as long as the test wants."""
+    entered, release = threading.Event(), threading.Event()
+    generate = ee.generate
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return generate(*args, **kwargs)
+    ee.generate = held
+    try:
+        yield entered, release
+    finally:
+        release.set()
+        ee.generate = generate
+
+
+def test_info_routes_answer_while_a_step_is_in_flight(openenv_server):
+    """A POST /mcp and GET /health during a step answer while the step is still in flight (the
+    engine held): neither waits on the engine (on the old server, /mcp's env close waited on the
+    engine lock on the event loop and froze every route)."""
+    import httpx
+    url, make_env, ee = openenv_server
+    raw = Raw(url)
+    observed(raw.ask("reset", {"seed": 1, "instance": instances()[0]["id"]}))
+    with held_replies(ee) as (entered, release):
+        raw.send("step", {"message": "Hello."})
+        assert entered.wait(30)
+        answer = post(url + "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/list",
+                                     "params": {}})
+        assert "jsonrpc" in answer
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "healthy"
+        assert not release.is_set()  # answered while the step was still held
+    kind, data = json.loads(raw.ws.recv(timeout=30))["type"], None
+    assert kind == "observation"
+    raw.close()
+
+
+MALFORMED = [("binary", b"\x00\x01"), ("list", "[1, 2]"), ("string", '"step"'),
+             ("deep", "[" * 5000 + "]" * 5000), ("number", '{"type": "reset", "data": {"seed": '
+                                                          + "9" * 4300 + "}}"),
+             ("nan", '{"type": "step", "data": {"message": NaN}}'), ("not JSON", "{oops")]
+
+
+def test_malformed_frames_are_one_line_and_the_episode_goes_on(openenv_server):
+    """A binary frame, JSON that is no object, deep nesting, a 4,300-digit number, NaN and a
+    frame that is not JSON: each answered with a one-line error, and the next step is the
+    episode's next turn (the old handler ended the session on all but the last); seeds that are
+    no integer in range (true, 4,000 digits, -1, 1.5) are refused in one line too."""
+    url, make_env, ee = openenv_server
+    raw = Raw(url)
+    observed(raw.ask("reset", {"seed": 1, "instance": instances()[0]["id"]}))
+    assert observed(raw.ask("step", {"message": "Hello."}))["observation"]["info"]["turn"] == 1
+    for name, frame in MALFORMED:
+        raw.ws.send(frame)
+        answer = json.loads(raw.ws.recv(timeout=10))
+        assert answer["type"] == "error" and "\n" not in answer["data"]["message"], (name, answer)
+        assert "the episode goes on" in answer["data"]["message"], name
+    for seed in (True, int("9" * 30), -1, 1.5):
+        assert "a seed is an integer" in raw.error("reset", {"seed": seed}), seed
+    assert observed(raw.ask("step", {"message": "Go on."}))["observation"]["info"]["turn"] == 2
+    raw.close()
+
+
+def test_a_half_sent_request_is_dropped(tokenizer):
+    """An HTTP request whose headers never end (or whose body never comes) is dropped after the
+    request timeout: the connection is closed by the server (the old server held it forever);
+    a whole request on the same server is answered."""
+    ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 200)
+    hub = sessions.Hub(ee, None, t_max=2, max_new_tokens=4)
+    make_env = lambda: persuasion_env.PersuasionEnv(scenarios=instances(), hub=hub)  # noqa: E731
+    with serving(make_env, http=env_server.request_timeout_protocol(0.5)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for partial in (b"GET /health HTTP/1.1\r\nHost: x\r\n",
+                        b"POST /mcp HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"):
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall(partial)
+                conn.settimeout(20)
+                assert conn.recv(1024) == b""  # closed, not answered
+        assert post(url + "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/list",
+                                   "params": {}})["jsonrpc"] == "2.0"
