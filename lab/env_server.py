@@ -5,8 +5,8 @@ Each WebSocket session (/ws, what openenv's EnvClient and TRL's and SkyRL's inte
 PersuasionEnv over one shared sessions.Hub: up to --sessions (sessions.MAX_SESSIONS) episodes
 play at once
 and whatever they ask of the persuadee in the same moment runs in the same engine steps
-(lab/sessions.py). A session idle for --session-timeout is closed, its episode abandoned and its
-blocks freed. HTTP serves the info routes /health, /schema, /metadata and /mcp, which never wait
+(lab/sessions.py). A session that sends nothing for --session-timeout while no answer is owed
+is told so in one line and closed, its episode ended and its blocks freed. HTTP serves the info routes /health, /schema, /metadata and /mcp, which never wait
 on the engine; not the stateless /reset, /step and /state, which would play each call on a fresh
 env (DECISIONS.md: Server hardening).
 
@@ -19,10 +19,10 @@ dropped; a text frame that is not UTF-8 ends its connection (1007, RFC 6455), lo
     (--sessions defaults to sessions.MAX_SESSIONS)
     python -m pytest -q tests/test_env_server.py
 """
+import asyncio
 import json
 import math
 import sys
-import time
 
 import arena
 import engine
@@ -32,7 +32,6 @@ from lab.env import PersuasionEnv, load_instances, shown
 
 HOST = "127.0.0.1"  # the OpenEnv server listens on loopback only
 SESSION_IDLE_S = 60.0  # an OpenEnv session idle this long is closed, its episode abandoned
-UNUSED_SESSION_S = 2.0  # a session never reset yields its slot to a new client after this long
 SHUTDOWN_S = 3.0  # on SIGTERM, open connections get this long before the server stops
 REQUEST_TIMEOUT_S = 10.0  # an HTTP request not received whole by then is dropped
 MAX_FRAME_CHARS = 64_000  # the longest text frame taken (a step's message is at most 16,000)
@@ -67,10 +66,9 @@ def openenv_models():
 
 
 def arena_environment(make_env):
-    """openenv-core's Environment over make_env()'s PersuasionEnv, one per session: reset takes
-    seed and instance, step takes {"message": str}; sessions run at once (their envs share one
-    hub, which batches them); close never waits on the engine. A session closed by the server
-    (idle) refuses later calls."""
+    """openenv's Environment over make_env()'s PersuasionEnv, one per session: reset takes seed
+    and instance, step takes {"message": str}; sessions run at once (their envs share one hub,
+    which batches them); close never waits on the engine."""
     from openenv.core.env_server import Environment
     PersuaderAction, ArenaObservation, ArenaState = openenv_models()
 
@@ -80,27 +78,13 @@ def arena_environment(make_env):
         def __init__(self):
             super().__init__()
             self.env, self.steps, self.episode_id = make_env(), 0, None
-            self.used = self.busy = self.closed = False  # read by the server's idle release
-            self.last_call = time.time()  # any call, refused ones too (openenv counts answers)
-
-        def _call(self, method, *args, **kwargs):
-            if self.closed:
-                raise RuntimeError("env.py: this session was closed by the server (idle past "
-                                   "its --session-timeout, or never used while another client "
-                                   "waited); open a new session")
-            self.used = self.busy = True
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.busy, self.last_call = False, time.time()
 
         def reset(self, seed=None, episode_id=None, instance=None, **kwargs):
             if kwargs:
                 raise ValueError(f"env.py: unknown reset field(s) {shown(sorted(kwargs))}; reset "
                                  "takes seed, episode_id and instance")
-            messages, info = self._call(
-                self.env.reset, seed=seed,
-                options=None if instance is None else {"instance": instance})
+            messages, info = self.env.reset(
+                seed=seed, options=None if instance is None else {"instance": instance})
             self.steps, self.episode_id = 0, episode_id
             return ArenaObservation(messages=list(messages), info=info)
 
@@ -110,8 +94,7 @@ def arena_environment(make_env):
                 raise ValueError(f"env.py: a step is {{\"message\": <the persuader's text>}}, got "
                                  f"fields {shown(extra or ['message'])} with message of type "
                                  f"{type(action.message).__name__}; the episode goes on")
-            messages, reward, terminated, truncated, info = self._call(self.env.step,
-                                                                       action.message)
+            messages, reward, terminated, truncated, info = self.env.step(action.message)
             self.steps += 1
             return ArenaObservation(messages=list(messages), terminated=terminated,
                                     truncated=truncated, info=info, reward=reward,
@@ -119,7 +102,6 @@ def arena_environment(make_env):
 
         @property
         def state(self):
-            self.used, self.last_call = True, time.time()  # a client that asks is using it
             episode = self.env.episode or {}
             inst = episode.get("instance")
             return ArenaState(episode_id=self.episode_id, step_count=self.steps,
@@ -127,76 +109,27 @@ def arena_environment(make_env):
                               done=episode.get("done", True))
 
         def close(self):
-            self.closed = True
-            self.env.close()  # posts the episode's stop: never waits on the engine
+            self.env.close()  # stops the episode; never waits on the engine without one
     return ArenaEnvironment, PersuaderAction, ArenaObservation
 
 
-def arena_server_class():
-    """openenv-core's HTTPEnvServer whose one slot no idle client keeps: a session idle for
-    idle_s is released (its episode abandoned, its blocks freed), checked every idle_s / 4, and
-    a session never used (no reset, no state asked) yields the slot to a new client once
-    unused_s old. Both hook
-    openenv-core 0.3's session table (_sessions, _session_info, _destroy_session)."""
-    from openenv.core.env_server.http_server import HTTPEnvServer
-
-    class ArenaServer(HTTPEnvServer):
-        def __init__(self, *args, idle_s, unused_s, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.idle_s, self.unused_s = idle_s, unused_s
-
-        def _stale(self, sid, now, unused_too):
-            env, info = self._sessions.get(sid), self._session_info.get(sid)
-            if env is None or info is None or env.busy:
-                return None
-            idle = now - max(info.last_activity_at, env.last_call)
-            if idle > self.idle_s:
-                return f"idle {idle:.1f} s"
-            if unused_too and not env.used and now - info.created_at > self.unused_s:
-                return "never used"
-            return None
-
-        async def release(self, unused_too):
-            now = time.time()
-            async with self._session_lock:
-                stale = {sid: why for sid in list(self._sessions)
-                         if (why := self._stale(sid, now, unused_too))}
-            for sid, why in stale.items():
-                print(f"env.py: session {sid[:8]} released ({why})", file=sys.stderr)
-                await self._destroy_session(sid)
-
-        async def _reap_idle_sessions(self):
-            import asyncio
-            while True:
-                await asyncio.sleep(self.idle_s / 4)
-                await self.release(unused_too=False)
-
-        async def _create_session(self):
-            if len(self._sessions) >= self._max_concurrent_envs:
-                await self.release(unused_too=True)
-            return await super()._create_session()
-    return ArenaServer
-
-
-def openenv_app(make_env, session_idle_s=SESSION_IDLE_S, unused_session_s=UNUSED_SESSION_S,
-                max_sessions=sessions.MAX_SESSIONS):
-    """A FastAPI app serving make_env()'s episodes by openenv-core's contract over WebSocket
+def openenv_app(make_env, session_idle_s=SESSION_IDLE_S, max_sessions=sessions.MAX_SESSIONS):
+    """A FastAPI app serving make_env()'s episodes by openenv's contract over WebSocket
     sessions (/ws, what EnvClient and TRL's and SkyRL's integrations use), up to max_sessions
-    at once (make_env's envs share one hub), released when idle (arena_server_class). HTTP
-    serves /health, /schema, /metadata and /mcp; not the stateless /reset, /step and /state,
-    which would play each call on a fresh env (DECISIONS.md: Server hardening). A malformed
-    frame is answered in one line and a dropped connection logs one line (guarded)."""
+    at once (make_env's envs share one hub), each closed once idle for session_idle_s. HTTP
+    serves /health, /schema, /metadata and /mcp (no MCP sessions: a session is a WebSocket);
+    not the stateless /reset, /step and /state, which would play each call on a fresh env
+    (DECISIONS.md: Server hardening). openenv's public server, wrapped at the ASGI level
+    (guarded): nothing of its internals is reached into."""
     from fastapi import FastAPI
+    from openenv.core.env_server.http_server import HTTPEnvServer
     from openenv.core.env_server.types import ConcurrencyConfig, ServerMode
     ArenaEnvironment, PersuaderAction, ArenaObservation = arena_environment(make_env)
-    server = arena_server_class()(
-        ArenaEnvironment, PersuaderAction, ArenaObservation, idle_s=session_idle_s,
-        unused_s=unused_session_s,
-        concurrency_config=ConcurrencyConfig(max_concurrent_envs=max_sessions,
-                                             session_timeout=session_idle_s))
+    server = HTTPEnvServer(ArenaEnvironment, PersuaderAction, ArenaObservation,
+                           concurrency_config=ConcurrencyConfig(max_concurrent_envs=max_sessions))
     app = FastAPI(title="PersuArena (OpenEnv)", description=__doc__.strip().split("\n\n")[0])
     server.register_routes(app, mode=ServerMode.PRODUCTION)
-    return guarded(app)
+    return guarded(app, session_idle_s)
 
 
 def frame_problem(message):
@@ -249,13 +182,48 @@ def depth(text):
     return deepest
 
 
-def guarded(app):
-    """The ASGI app, save that on a WebSocket a malformed frame (frame_problem) is answered with
+def idle_notice(idle_s):
+    return json.dumps({"type": "error", "data": {"code": "SESSION_ERROR", "message": (
+        f"env_server.py: this session was closed by the server (idle past its --session-timeout "
+        f"of {idle_s:g} s; its episode ended, its blocks freed); open a new session")}})
+
+
+MCP_SESSIONS = ("openenv/session/create", "openenv/session/close")
+
+
+async def mcp_session_refusal(receive):
+    """(a JSON-RPC answer refusing an MCP session over HTTP, or None; the body's messages to
+    replay): the body is read up to MAX_FRAME_CHARS."""
+    messages, body = [], b""
+    while True:
+        message = await receive()
+        messages.append(message)
+        body += message.get("body", b"")
+        if not message.get("more_body") or len(body) > MAX_FRAME_CHARS:
+            break
+    try:
+        request = json.loads(body)
+        method = request.get("method") if isinstance(request, dict) else None
+    except (ValueError, RecursionError):
+        method = None
+    if method not in MCP_SESSIONS:
+        return None, messages
+    return {"jsonrpc": "2.0", "id": request.get("id"), "error": {"code": -32601, "message": (
+        "env_server.py: MCP sessions over HTTP are not served: a session is a WebSocket (/ws), "
+        "closed when its client goes or idles")}}, messages
+
+
+def guarded(app, idle_s=SESSION_IDLE_S):
+    """The ASGI app, save that: on a WebSocket a malformed frame (frame_problem) is answered with
     an error message of the protocol and never reaches openenv's handler (which ends the session
-    on it), closing a gone client again is a no-op, and a handler that fails because its answer
-    could not be sent logs one line instead of uvicorn's traceback. HTTP passes through. `.app`
+    on it); a session that sends nothing for idle_s while no answer is owed (no step in flight)
+    is told so in one line and closed (openenv's handler then closes its env: the episode ends
+    and frees its blocks); closing a gone client again is a no-op and a handler that fails
+    because its answer could not be sent logs one line; POST /mcp refuses MCP sessions. `.app`
     is app."""
     async def asgi(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/mcp" and scope["method"] == "POST":
+            return await mcp(scope, receive, send)
         if scope["type"] != "websocket":
             return await app(scope, receive, send)
 
@@ -265,10 +233,20 @@ def guarded(app):
             except Exception:
                 if message["type"] != "websocket.close":  # a close to a gone client: done
                     raise
+        waiting = []  # the receive in progress, kept across idle checks
 
         async def received():
             while True:
-                message = await receive()
+                if not waiting:
+                    waiting.append(asyncio.ensure_future(receive()))
+                done, _ = await asyncio.wait(waiting, timeout=idle_s)
+                if not done:
+                    print(f"env_server.py: a session released (idle {idle_s:g} s)",
+                          file=sys.stderr)
+                    await sent({"type": "websocket.send", "text": idle_notice(idle_s)})
+                    await sent({"type": "websocket.close", "code": 1000})
+                    return {"type": "websocket.disconnect", "code": 1000}
+                message = waiting.pop().result()
                 if message["type"] != "websocket.receive" or not (
                         problem := frame_problem(message)):
                     return message
@@ -279,6 +257,22 @@ def guarded(app):
         except Exception as e:
             print(f"env_server.py: a client dropped its connection ({type(e).__name__}); its "
                   "session is closed", file=sys.stderr)
+        finally:
+            for task in waiting:
+                task.cancel()
+
+    async def mcp(scope, receive, send):
+        refusal, messages = await mcp_session_refusal(receive)
+        if refusal is not None:
+            body = json.dumps(refusal).encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            return await send({"type": "http.response.body", "body": body})
+
+        async def replayed():
+            return messages.pop(0) if messages else await receive()
+        return await app(scope, replayed, send)
     asgi.app = app
     return asgi
 
@@ -432,7 +426,7 @@ def main(argv=None):
         return PersuasionEnv(scenarios=instances, hub=hub)
     print(f"env.py: serving {args.persuadee} on ws://{HOST}:{args.port}/ws (OpenEnv; up to "
           f"{args.sessions} sessions; idle {args.session_timeout:g} s are closed)", file=sys.stderr)
-    uvicorn.run(openenv_app(make_env, args.session_timeout, max_sessions=args.sessions),
+    uvicorn.run(openenv_app(make_env, args.session_timeout, args.sessions),
                 host=HOST, port=args.port, log_level="warning", http=request_timeout_protocol(),
                 timeout_graceful_shutdown=SHUTDOWN_S)
 

@@ -277,18 +277,12 @@ def post(url, body):
         return json.load(answer)
 
 
-def mcp_session(url, tries=400):
-    """A session created over HTTP (POST /mcp openenv/session/create) and never used: its id,
-    once the slot is free."""
-    import time
-    for _ in range(tries):
-        answer = post(url + "/mcp", {"jsonrpc": "2.0", "id": 1, "params": {},
-                                     "method": "openenv/session/create"})
-        if "result" in answer:
-            return answer["result"]["session_id"]
-        assert "capacity" in answer["error"]["message"].lower(), answer
-        time.sleep(0.05)
-    raise AssertionError("the slot was never released")
+def mcp_session_refused(url):
+    """The one-line refusal of an MCP session over HTTP (POST /mcp openenv/session/create)."""
+    answer = post(url + "/mcp", {"jsonrpc": "2.0", "id": 1, "params": {},
+                                 "method": "openenv/session/create"})
+    assert "\n" not in answer["error"]["message"], answer
+    return answer["error"]["message"]
 
 
 def rss_bytes():
@@ -359,8 +353,8 @@ def one_malloc_arena():
 
 
 def soak(url, ee, episodes, idle_every, unused_every, capfd):
-    """episodes misbehaving clients (misbehave), sessions created and never used (WebSocket and
-    POST /mcp) and idle ones among them; then a polite client plays a whole episode, and the
+    """episodes misbehaving clients (misbehave), sessions opened and never used, refused MCP
+    sessions and idle ones among them; then a polite client plays a whole episode, and the
     pool's free blocks, the thread count and the memory are where they started."""
     one_malloc_arena()
     play_through(polite := session(url), 0)  # warm: lazy threads and caches exist from here
@@ -371,10 +365,10 @@ def soak(url, ee, episodes, idle_every, unused_every, capfd):
         kind = "idle" if i % idle_every == idle_every - 1 else None
         left = misbehave(url, 5 if kind else i if i % 6 != 5 else i + 1)
         held += [left] if left else []
-        if i % unused_every == 0:  # a session opened and never used, by either door
+        if i % unused_every == 0:  # a session opened and never used
             held.append(Raw(url))
-        elif i % unused_every == 1:
-            mcp_session(url)
+        elif i % unused_every == 1:  # an MCP session over HTTP: refused in one line
+            assert "not served" in mcp_session_refused(url)
     polite = session(url)
     final = play_through(polite, 99, instances()[2]["id"])
     polite.close()
@@ -387,20 +381,20 @@ def soak(url, ee, episodes, idle_every, unused_every, capfd):
     assert rss_bytes() - rss < 64 * 2**20
     err = capfd.readouterr().err
     assert "Traceback" not in err and "dropped its connection" in err
-    assert "released (never used)" in err and "released (idle" in err
+    assert "released (idle" in err
 
 
 def test_an_idle_session_is_closed_and_says_so(tokenizer, capfd):
     """A session whose calls are refused (a bad reset) or only ask its state, for three times the
-    timeout, is not idle (openenv-core counts answered resets and steps only); once silent past
-    the timeout it is released mid-episode (its blocks freed, one line logged); its next call
-    answers in one line that it was closed; a new client plays."""
+    timeout, is not idle; once silent past the timeout it is told so in one line and closed
+    mid-episode (its blocks freed, one line logged); a new client plays; an MCP session over
+    HTTP is refused in one line. No openenv internals are reached into (ASGI level)."""
     import time
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+    hub = sessions.Hub(ee, None, t_max=2, max_new_tokens=4)
 
     def make_env():
-        return persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=2, max_new_tokens=4,
-                                            judge=None)
+        return persuasion_env.PersuasionEnv(scenarios=instances(), hub=hub)
     with serving(make_env, session_idle_s=1.0) as url:
         idle = session(url)
         assert idle.ask("reset", {"seed": 1})[0] == "observation"
@@ -411,15 +405,18 @@ def test_an_idle_session_is_closed_and_says_so(tokenizer, capfd):
             assert idle.ask("state")[0] == "state"
             time.sleep(0.1)
         assert ee.free_blocks < 2000  # still in play
+        notice = json.loads(idle.ws.recv(timeout=10))
+        assert notice["type"] == "error" and "closed by the server (idle" in \
+            notice["data"]["message"] and "\n" not in notice["data"]["message"]
         for _ in range(200):
             if ee.free_blocks == 2000:
                 break
             time.sleep(0.05)
         assert ee.free_blocks == 2000
-        assert "closed by the server" in idle.error("step", {"message": "Back again."})
         play_through(polite := session(url), 2)
         polite.close()
         idle.close()
+        assert "not served" in mcp_session_refused(url)
     assert "released (idle " in capfd.readouterr().err
 
 
@@ -430,13 +427,14 @@ SOAK_ALL = "PERSUARENA_SOAK"  # set to run the 500-episode soak too
 @pytest.mark.parametrize("episodes", [100, pytest.param(500, marks=pytest.mark.skipif(
     not os.environ.get(SOAK_ALL), reason=f"the 500-episode soak runs with {SOAK_ALL}=1"))])
 def test_the_server_survives_a_soak_of_misbehaving_clients(tokenizer, capfd, episodes):
-    """A bounded soak over loopback (soak) with short idle and unused timeouts."""
+    """A bounded soak over loopback (soak) with a short idle timeout."""
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
 
+    hub = sessions.Hub(ee, None, t_max=2, max_new_tokens=4)
+
     def make_env():
-        return persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=2, max_new_tokens=4,
-                                            judge=None)
-    with serving(make_env, session_idle_s=2.0, unused_session_s=0.2) as url:
+        return persuasion_env.PersuasionEnv(scenarios=instances(), hub=hub)
+    with serving(make_env, session_idle_s=2.0) as url:
         soak(url, ee, episodes, idle_every=75, unused_every=10, capfd=capfd)
 
 
