@@ -3,17 +3,19 @@ env_server.py: PersuArena over OpenEnv (WebSocket sessions), many at once on one
 
 Each WebSocket session (/ws, what openenv's EnvClient and TRL's and SkyRL's integrations use) is a
 PersuasionEnv over one shared sessions.Hub: up to --sessions (sessions.MAX_SESSIONS) episodes
-play at once
-and whatever they ask of the persuadee in the same moment runs in the same engine steps
-(lab/sessions.py). A session that sends nothing for --session-timeout while no answer is owed
-is told so in one line and closed, its episode ended and its blocks freed. HTTP serves the info routes /health, /schema, /metadata and /mcp, which never wait
-on the engine; not the stateless /reset, /step and /state, which would play each call on a fresh
-env (DECISIONS.md: Server hardening).
+play at once and whatever they ask of the persuadee in the same moment runs in the same engine
+steps (lab/sessions.py). A session that sends nothing for --session-timeout while no answer is
+owed is told so in one line and closed, its episode ended and its blocks freed. HTTP serves the
+info routes /health, /schema, /metadata and /mcp, which never wait on the engine (MCP sessions
+over HTTP are refused: a session is a WebSocket); not the stateless /reset, /step and /state,
+which would play each call on a fresh env (DECISIONS.md: Server hardening). Nothing of openenv's
+internals is reached into: the server is openenv's, wrapped at the ASGI level.
 
 A frame that is not a JSON object (binary, not JSON, nested deeper than MAX_DEPTH, a number of
 more than MAX_DIGITS digits, longer than MAX_FRAME_CHARS) is answered with one error message and
 the session's episode goes on; an HTTP request not received whole within REQUEST_TIMEOUT_S is
-dropped; a text frame that is not UTF-8 ends its connection (1007, RFC 6455), logged in one line.
+dropped; a text frame that is not UTF-8 ends its connection (1007, as RFC 6455 requires: the
+protocol layer fails it before any handler sees it) and its episode, logged in one line.
 
     python -m lab.env_server --serve --port 8000 --persuadee smollm2 --sessions 64
     (--sessions defaults to sessions.MAX_SESSIONS)
@@ -21,6 +23,7 @@ dropped; a text frame that is not UTF-8 ends its connection (1007, RFC 6455), lo
 """
 import asyncio
 import json
+import logging
 import math
 import sys
 
@@ -129,6 +132,7 @@ def openenv_app(make_env, session_idle_s=SESSION_IDLE_S, max_sessions=sessions.M
                            concurrency_config=ConcurrencyConfig(max_concurrent_envs=max_sessions))
     app = FastAPI(title="PersuArena (OpenEnv)", description=__doc__.strip().split("\n\n")[0])
     server.register_routes(app, mode=ServerMode.PRODUCTION)
+    quiet_utf8_log()
     return guarded(app, session_idle_s)
 
 
@@ -275,6 +279,25 @@ def guarded(app, idle_s=SESSION_IDLE_S):
         return await app(scope, replayed, send)
     asgi.app = app
     return asgi
+
+
+class OneLineUTF8(logging.Filter):
+    """uvicorn's log of a text frame that is not UTF-8 (the protocol fails the connection with
+    1007, as RFC 6455 requires) in one line of env_server.py's, without the traceback."""
+
+    def filter(self, record):
+        if "Invalid UTF-8" in str(record.msg):
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "env_server.py: a text frame that is not UTF-8; its connection is closed (1007) "
+                "and its episode ended", (), None, None)
+        return True
+
+
+def quiet_utf8_log():
+    """Install OneLineUTF8 on uvicorn's error log (once)."""
+    log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, OneLineUTF8) for f in log.filters):
+        log.addFilter(OneLineUTF8())
 
 
 def request_timeout_protocol(timeout_s=REQUEST_TIMEOUT_S):

@@ -521,3 +521,27 @@ def test_a_half_sent_request_is_dropped(tokenizer):
                 assert conn.recv(1024) == b""  # closed, not answered
         assert post(url + "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/list",
                                    "params": {}})["jsonrpc"] == "2.0"
+
+
+def test_a_frame_that_is_not_utf8_is_one_line(openenv_server, capfd):
+    """A text frame that is not UTF-8 fails its connection (1007, as RFC 6455 requires) and is
+    logged in one line, no traceback (the old server logged one per frame); its episode's blocks
+    are freed and the next client plays."""
+    import time
+
+    from websockets.exceptions import ConnectionClosedError
+    url, make_env, ee = openenv_server
+    raw = Raw(url)
+    observed(raw.ask("reset", {"seed": 1}))
+    with raw.ws.send_context():
+        raw.ws.protocol.send_text(b'{"type": "step", "data": {"message": "\xff\xfe"}}')
+    with pytest.raises(ConnectionClosedError, match="1007"):
+        raw.ws.recv(timeout=10)
+    for _ in range(200):
+        if ee.free_blocks == 2000:
+            break
+        time.sleep(0.05)
+    assert ee.free_blocks == 2000
+    play_through(Raw(url), 2)
+    err = capfd.readouterr().err
+    assert "a text frame that is not UTF-8" in err and "Traceback" not in err, err
