@@ -44,7 +44,7 @@ MAX_DIGITS = 40  # the most digits of a number in a frame (a seed is at most 19)
 
 def openenv_models():
     """The action, observation and state of the OpenEnv contract (pydantic models on
-    openenv-core's bases): a step is {"message": str}; an observation carries the messages,
+    openenv's bases): a step is {"message": str}; an observation carries the messages,
     terminated, truncated and info beside openenv's reward and done."""
     from typing import Any, Optional
 
