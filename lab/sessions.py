@@ -115,16 +115,28 @@ class OutsideSide:
 
 
 class SessionLoop(rollout.EpisodeLoop):
-    """rollout.EpisodeLoop over the sessions of a hub: episodes join as sessions open them (one
-    "instance" entry each, group size 1, its own seed), the loop waits for messages instead of
-    stalling when every episode waits on its session, ended episodes are judged a round at a
-    time and handed back, and every round holds the persuadee's engine lock."""
+    """rollout.EpisodeLoop over the sessions of a hub, its rounds rollout.play_round's: episodes
+    join as sessions open them (one "instance" entry each, group size 1, its own seed), the loop
+    waits for messages instead of stalling when every episode waits on its session, ended
+    episodes are judged a round at a time and handed back, and every round holds the
+    persuadee's engine lock."""
 
     def __init__(self, hub):
-        self.hub = hub
-        super().__init__(OutsideSide(self), hub.persuadee_side, {}, hub.t_max, None, 1, None, None,
+        self.hub, self.persuader = hub, OutsideSide(self)
+        super().__init__(self.persuader, hub.persuadee_side, {}, hub.t_max, None, 1, None, None,
                          None)
-        self.judged = []  # (ticket, record) ended this round, judged at the next refill
+        self.judged = []  # (ticket, record) ended this round, judged at the next hand_back
+
+    def run(self):
+        """Rounds while the hub has work (more): new episodes joined, a round played under the
+        engine lock, the ended ones judged and handed back."""
+        while self.more():
+            self.take_inbox()
+            with self.hub.lock:
+                moved = rollout.play_round(self, self.persuader, self.hub.persuadee_side)
+            if not moved and self.scheduler.running:
+                self.stuck()
+            self.hand_back()
 
     def seed_of(self, index):
         return self.hub.tickets[index].seed
@@ -150,20 +162,6 @@ class SessionLoop(rollout.EpisodeLoop):
             return
         self.finish(self.scheduler.running[-1], "cache")
 
-    def refill(self):
-        self.take_inbox()
-        self.hand_back()
-        with self.hub.lock:
-            super().refill()
-
-    def speak(self):
-        with self.hub.lock:
-            return super().speak()
-
-    def reply(self):
-        with self.hub.lock:
-            return super().reply()
-
     def take_inbox(self):
         """New episodes join the queue; a stopped one waiting to start is dropped."""
         with self.hub.wake:
@@ -183,8 +181,8 @@ class SessionLoop(rollout.EpisodeLoop):
                 self.instances[ticket.index] = ticket.inst
                 self.scheduler.waiting.append((ticket.index, [0]))
 
-    def start(self, groups):
-        super().start(groups)
+    def started(self, groups, persuader_sids, persuadee_sids, reads):
+        super().started(groups, persuader_sids, persuadee_sids, reads)
         started = {index for index, _, _ in groups}
         for e in self.scheduler.running:
             if e["index"] in started and self.hub.tickets[e["index"]].episode is None:
