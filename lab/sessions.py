@@ -105,6 +105,9 @@ class OutsideSide:
                              reason=rollout.STOPPED if text is None else "stop"))
         return said
 
+    def reply(self, sids, keys, timings=None):
+        raise TypeError("sessions.py: the sessions play the persuader; a persuadee replies")
+
     def hear(self, sid, text, final_turn=False, shown=None):
         ticket = self.tickets[sid]
         ticket.events.put(("speak", snapshot(ticket.episode)))
