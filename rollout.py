@@ -283,28 +283,35 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     loop = EpisodeLoop(persuader, persuadee, instances, t_max, seed, group_size, max_active,
                        on_record, timings)
     while loop.scheduler.running or loop.scheduler.waiting:
-        groups = loop.admit()  # prompts prefilled where every side has room
-        if groups:
-            counts = [len(members) for _, members, _ in groups]
-            persuader_sids, _ = persuader.start([roots[0] for *_, roots in groups], counts)
-            with clock(timings, "probe_s"):  # b_0 of every new episode, read before its first message
-                persuadee_sids, b0 = persuadee.start([roots[1] for *_, roots in groups], counts)
-            loop.started(groups, persuader_sids, persuadee_sids, b0)
-        if speakers := loop.ready(persuader, "speak"):
-            with clock(timings, "persuader_s"):
-                said = persuader.speak([e["persuader_sid"] for e in speakers],
-                                       [e["persuader_key"] for e in speakers])
-            loop.said(speakers, said)
-        if repliers := loop.ready(persuadee, "reply"):  # the probes read after each reply
-            loop.replied(repliers, persuadee.reply([e["persuadee_sid"] for e in repliers],
-                                                   [e["persuadee_key"] for e in repliers], timings))
-        if not speakers and not repliers and loop.scheduler.running:
+        if not play_round(loop, persuader, persuadee, timings) and loop.scheduler.running:
             loop.scheduler.stall()
         if progress is not None:
             progress.update(len(loop.scheduler.done) - progress.n)
     records = [record(loop.scheduler.done[i, g], 0.0, False) for i in range(len(instances))
                for g in range(group_size)]
     return judge_episodes(judge, instances, records, seed, group_size, timings)
+
+
+def play_round(loop, persuader, persuadee, timings=None):
+    """One round of the loop: admit what fits, then every persuader with room speaks and every
+    persuadee with room replies. Whether any episode moved. (lab/sessions.py plays its sessions'
+    episodes through the same rounds.)"""
+    groups = loop.admit()  # prompts prefilled where every side has room
+    if groups:
+        counts = [len(members) for _, members, _ in groups]
+        persuader_sids, _ = persuader.start([roots[0] for *_, roots in groups], counts)
+        with clock(timings, "probe_s"):  # b_0 of every new episode, read before its first message
+            persuadee_sids, b0 = persuadee.start([roots[1] for *_, roots in groups], counts)
+        loop.started(groups, persuader_sids, persuadee_sids, b0)
+    if speakers := loop.ready(persuader, "speak"):
+        with clock(timings, "persuader_s"):
+            said = persuader.speak([e["persuader_sid"] for e in speakers],
+                                   [e["persuader_key"] for e in speakers])
+        loop.said(speakers, said)
+    if repliers := loop.ready(persuadee, "reply"):  # the probes read after each reply
+        loop.replied(repliers, persuadee.reply([e["persuadee_sid"] for e in repliers],
+                                               [e["persuadee_key"] for e in repliers], timings))
+    return bool(speakers or repliers)
 
 
 def sides(persuader, persuadee, instances, persuader_sampling, persuadee_sampling, max_new_tokens,
@@ -357,7 +364,7 @@ class EpisodeLoop:
         (no room in empty pools) are recorded as ended "cache"."""
         groups, never = self.scheduler.admit()
         for index, g in never:
-            e = new_episode(self.instances[index], index, g, self.t_max, self.seed)
+            e = new_episode(self.instances[index], index, g, self.t_max, self.seed_of(index))
             e["state"].end("cache")
             self.scheduler.done[index, g] = e
             self.ended(e)
@@ -370,11 +377,14 @@ class EpisodeLoop:
             inst = self.instances[index]
             prompt = self.scheduler.sides[0].prompt(inst)
             for g, persuader_sid, persuadee_sid in zip(members, persuader_group, persuadee_group):
-                e = new_episode(inst, index, g, self.t_max, self.seed)
+                e = new_episode(inst, index, g, self.t_max, self.seed_of(index))
                 e.update(persuader_sid=persuader_sid, persuadee_sid=persuadee_sid, ids=list(prompt),
                          turn_ids=[0] * len(prompt), logprobs=[0.0] * len(prompt), probes=[b0],
                          probe_mass=[m0], beliefs=[probes.belief(b0)])
                 self.scheduler.running.append(e)
+
+    def seed_of(self, index):  # the seed its streams are keyed by (lab/sessions.py: its own)
+        return self.seed
 
     @staticmethod
     def extend(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training

@@ -25,7 +25,10 @@ models.turn_ids), as rollout.py builds the persuader's context.
         --judge none --steps 2 --t-max 2 --turn-tokens 8 --out runs/trl-smoke
     python -m pytest -q tests/test_trl_grpo.py
 """
+import json
+import math
 import os
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -38,6 +41,9 @@ NUM_GENERATIONS = 4  # episodes per instance: GRPO's group
 TURN_TOKENS = 128  # the most tokens the persuader generates in one message
 LEARNING_RATE = 1e-6
 REWARD_NAMES = ("arena_outcome", "arena_dense")  # TRL logs rewards/<name>/mean per step
+SAVE_EVERY = 1  # steps between checkpoints (a run killed mid-way resumes from the last)
+WHO = "trl_grpo.py"
+PERSUADER = "persuader"  # the run folder's trained persuader, a folder eval.py takes
 
 
 def prompt_key(messages):
@@ -119,8 +125,10 @@ def play_episode(env, model, tokenizer, instance_id, seed, gen_kwargs):
 
 def make_rollout(env, by_prompt, turn_tokens=TURN_TOKENS, seed=0, on_episode=None):
     """GRPOTrainer's rollout_func: one env episode per prompt it is handed (the trainer repeats
-    each prompt NUM_GENERATIONS times), episode seeds seed, seed + 1, ... in order of play.
-    on_episode(instance id, episode) sees each episode (tests, logs)."""
+    each prompt NUM_GENERATIONS times), episode seeds seed, seed + 1, ... in order of the prompts.
+    An env with `sessions(n)` (ServerEnv) plays the step's episodes at once, one session each,
+    so the server batches their persuadee replies; a PersuasionEnv plays them in turn.
+    on_episode(instance id, episode) sees each episode (tests, logs), in order of the prompts."""
     played = [0]
 
     def rollout_func(prompts, trainer):
@@ -132,14 +140,22 @@ def make_rollout(env, by_prompt, turn_tokens=TURN_TOKENS, seed=0, on_episode=Non
         gen_kwargs = generation_kwargs(trainer, turn_tokens)
         was_training = model.training
         model.eval()
-        episodes = []
-        for instance_id in instance_ids:
-            episode = play_episode(env, model, trainer.processing_class, instance_id,
-                                   seed + played[0], gen_kwargs)
-            played[0] += 1
+        seeds = [seed + played[0] + k for k in range(len(instance_ids))]
+        played[0] += len(instance_ids)
+        tokenizer = trainer.processing_class
+        if hasattr(env, "sessions"):
+            from concurrent.futures import ThreadPoolExecutor
+            clients = env.sessions(len(instance_ids))
+            with ThreadPoolExecutor(len(instance_ids)) as pool:
+                episodes = list(pool.map(lambda a: play_episode(a[0], model, tokenizer, a[1], a[2],
+                                                                gen_kwargs),
+                                         zip(clients, instance_ids, seeds)))
+        else:
+            episodes = [play_episode(env, model, tokenizer, i, s, gen_kwargs)
+                        for i, s in zip(instance_ids, seeds)]
+        for instance_id, episode in zip(instance_ids, episodes):
             if on_episode is not None:
                 on_episode(instance_id, episode)
-            episodes.append(episode)
         model.train(was_training)
         keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask") + REWARD_NAMES
         return {k: [e[k] for e in episodes] for k in keys}
@@ -159,7 +175,8 @@ def arena_dense(completions, arena_dense, **kwargs):
 def grpo_config(out, steps, lam=rpo.LAMBDA, num_generations=NUM_GENERATIONS,
                 learning_rate=LEARNING_RATE, seed=0, **overrides):
     """A GRPOConfig for the arena: one instance per step (a group of num_generations episodes),
-    rewards weighted (1, lam) in REWARD_NAMES' order, fp32, nothing saved, logged every step."""
+    rewards weighted (1, lam) in REWARD_NAMES' order, fp32, nothing saved (main saves every
+    --save-every steps: save_strategy "steps"), logged every step."""
     from trl import GRPOConfig
     return GRPOConfig(**{**dict(
         output_dir=out, max_steps=steps, per_device_train_batch_size=num_generations,
@@ -184,15 +201,19 @@ def trainer_for(env, model, tokenizer, config, *, instance_ids=None, turn_tokens
                                                  on_episode))
 
 
-class ServerEnv:
-    """reset and step, the two calls make_rollout makes, over openenv-core's own client against
-    `python -m lab.env --serve` (one WebSocket session): the same GRPO run with the arena in
-    another process. `instances` are the server's own (the same --scenarios), for the prompts."""
+class ServerSession:
+    """reset and step, the two calls play_episode makes, over openenv's own client: one
+    WebSocket session of `python -m lab.env_server --serve`."""
 
-    def __init__(self, url, instances):
+    def __init__(self, url):
         from openenv.core import GenericEnvClient
-        self.by_id = {inst["id"]: inst for inst in instances}
-        self.client = GenericEnvClient(base_url=url).sync().connect()
+        try:
+            self.client = GenericEnvClient(base_url=url).sync().connect()
+        except Exception as e:
+            why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+            raise SystemExit(f"trl_grpo.py: cannot reach the arena server at {url} ({why}); "
+                             "start it with python -m lab.env_server --serve, or check --server"
+                             ) from None
 
     def reset(self, *, seed=None, options=None):
         result = self.client.reset(seed=seed, instance=(options or {}).get("instance"))
@@ -208,6 +229,26 @@ class ServerEnv:
         self.client.close()
 
 
+class ServerEnv(ServerSession):
+    """The arena in another process: one session for calls made on it, and sessions(n), n
+    sessions kept open across steps, that make_rollout plays a step's episodes on at once.
+    `instances` are the server's own (the same --scenarios), for the prompts."""
+
+    def __init__(self, url, instances):
+        super().__init__(url)
+        self.url, self.by_id, self.pool = url, {inst["id"]: inst for inst in instances}, []
+
+    def sessions(self, n):
+        while len(self.pool) < n:
+            self.pool.append(ServerSession(self.url))
+        return self.pool[:n]
+
+    def close(self):
+        for session in self.pool:
+            session.close()
+        super().close()
+
+
 def parse_args(argv=None):
     import engine
     from lab import cli
@@ -218,10 +259,10 @@ def parse_args(argv=None):
                     "folder or openai:MODEL@URL")
     ap.add_argument("--judge", default="persuadee", help="'persuadee' (its model), 'none' "
                     "(s = 0) or a model name")
-    ap.add_argument("--server", help="train against `python -m lab.env --serve` at this URL "
-                    "(http://127.0.0.1:PORT, started with the same --scenarios) instead of an "
-                    "env in this process; --persuadee, --judge, --t-max, --max-new-tokens are "
-                    "the server's")
+    ap.add_argument("--server", help="train against `python -m lab.env_server --serve` at this "
+                    "URL (http://127.0.0.1:PORT, started with the same --scenarios) instead of "
+                    "an env in this process, a step's episodes played at once as sessions; "
+                    "--persuadee, --judge, --t-max, --max-new-tokens are the server's")
     ap.add_argument("--scenarios", default="train", help="train, heldout or a scenarios.jsonl")
     ap.add_argument("--instances", type=int, default=8, help="train on the first N instances")
     ap.add_argument("--steps", type=int, default=2)
@@ -233,43 +274,139 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS,
                     help="the persuadee's reply, in tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/trl-grpo")
+    ap.add_argument("--out", default="runs/trl-grpo", help="the run folder (a run of this "
+                    "program: refused if it exists, unless --resume or --overwrite)")
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY, help="steps between "
+                    "checkpoints")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out from its "
+                    "last checkpoint")
+    ap.add_argument("--overwrite", action="store_true", help="replace the run in --out")
     args = ap.parse_args(argv)
-    for name in ("instances", "steps", "t_max", "turn_tokens", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.num_generations < 2:
-        ap.error(f"--num-generations must be at least 2 (GRPO's group), got "
-                 f"{args.num_generations}")
-    if not (args.lam >= 0 and args.learning_rate > 0):
-        ap.error(f"--lam must be >= 0 and --learning-rate > 0, got {args.lam}, "
-                 f"{args.learning_rate}")
-    if args.server and not args.server.startswith(("http://", "https://", "ws://", "wss://")):
-        ap.error(f"--server takes a URL such as http://127.0.0.1:8000, got {args.server!r}")
+    if problem := flag_problem(args):
+        ap.error(problem)
     if (found := cli.model_problem(args.policy)):  # before any model loads
         ap.error(f"--policy {args.policy} {found}; {cli.MODEL_FIX}")
     return args
 
 
+def flag_problem(args):
+    """What is wrong with the numbers and the --server URL, in one line, or None."""
+    for name in ("instances", "steps", "t_max", "turn_tokens", "max_new_tokens", "save_every"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+    if args.num_generations < 2:
+        return f"--num-generations must be at least 2 (GRPO's group), got {args.num_generations}"
+    if not (math.isfinite(args.lam) and args.lam >= 0):
+        return f"--lam must be >= 0 and finite, got {args.lam}"
+    if not (math.isfinite(args.learning_rate) and 0 < args.learning_rate <= 1):
+        return f"--learning-rate must be in (0, 1], got {args.learning_rate}"
+    if not 0 <= args.seed < 2**32:
+        return f"--seed must be in 0..{2**32 - 1}, got {args.seed}"
+    if args.server and not args.server.startswith(("http://", "https://", "ws://", "wss://")):
+        return f"--server takes a URL such as http://127.0.0.1:8000, got {args.server!r}"
+    return None
+
+
+def prepare_run(args):
+    """The run folder --out, checked and locked before any model loads (lab/runs.py's rules:
+    no link, an existing run refused without --resume or --overwrite, --overwrite of a folder
+    this project wrote only, never inside another run; --resume only of a run of this program),
+    its config.json written atomically. Returns (run_dir, the checkpoint to resume or None)."""
+    from lab import runs
+    run_dir = Path(args.out).absolute()
+    for parent in run_dir.parents:
+        if (parent / runs.MARKER).is_file():
+            raise runs.say_error(WHO, f"--out {args.out} is inside the run {parent}; pass an "
+                                      "--out of its own (e.g. runs/trl-grpo)")
+    runs.check_folder(run_dir.parent, run_dir.name, WHO, args.resume, args.overwrite,
+                      flag="--out")
+    config = run_dir / "config.json"
+    if args.resume and not ours(config):
+        raise runs.say_error(WHO, f"--resume: {run_dir} is not a run of {WHO} (its config.json "
+                                  "is another program's, or missing); pass another --out")
+    if args.overwrite and config.is_file() and not ours(config):
+        raise runs.say_error(WHO, f"--overwrite: {run_dir} is a run of another program (its "
+                                  "config.json); nothing was deleted: pass another --out")
+    runs.lock(run_dir, WHO, flag="--out")
+    if args.overwrite:
+        runs.clear(run_dir)
+    latest = run_dir / "latest"
+    resume = None
+    if args.resume:
+        if not latest.is_file():
+            raise runs.say_error(WHO, f"--resume: no checkpoint in {run_dir} yet; pass "
+                                      "--overwrite to start it again")
+        resume = run_dir / latest.read_text().strip()
+    runs.write_atomic(config, json.dumps({"who": WHO, **vars(args)}, indent=1), who=WHO)
+    return run_dir, resume
+
+
+def ours(config):
+    """Whether config.json is one this program wrote."""
+    try:
+        return json.loads(config.read_text()).get("who") == WHO
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def latest_callback(run_dir):
+    """A TrainerCallback that, once the Trainer has written checkpoint-STEP whole, names it in
+    run_dir/latest (written atomically): a checkpoint cut by a kill is never resumed from."""
+    from transformers import TrainerCallback
+    from lab import runs
+
+    class Latest(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            folder = run_dir / f"checkpoint-{state.global_step}"
+            if folder.is_dir():
+                runs.write_atomic(run_dir / "latest", folder.name, who=WHO)
+    return Latest()
+
+
+def arena_env(args, instances):
+    """The env the run trains against: the server's sessions (--server) or one in-process."""
+    from lab import env as persuasion_env
+    if args.server:
+        return ServerEnv(args.server, instances)
+    return persuasion_env.PersuasionEnv(
+        args.persuadee, scenarios=instances, t_max=args.t_max, max_new_tokens=args.max_new_tokens,
+        judge=None if args.judge == "none" else args.judge)
+
+
 def main(argv=None):
     from lab import env as persuasion_env
+    from lab import runs
     args = parse_args(argv)
-    instances = persuasion_env.load_instances(args.scenarios)[:args.instances]
-    env = (ServerEnv(args.server, instances) if args.server else persuasion_env.PersuasionEnv(
-        args.persuadee, scenarios=instances, t_max=args.t_max, max_new_tokens=args.max_new_tokens,
-        judge=None if args.judge == "none" else args.judge))
+    try:
+        instances = persuasion_env.load_instances(args.scenarios)[:args.instances]
+    except ValueError as e:
+        raise SystemExit(f"{WHO}: --scenarios: {e}") from None
+    run_dir, resume = prepare_run(args)
+    env = arena_env(args, instances)
     model, tokenizer = models.load_model(args.policy)
-    config = grpo_config(args.out, args.steps, args.lam, args.num_generations,
-                         args.learning_rate, args.seed)
+    config = grpo_config(str(run_dir), args.steps, args.lam, args.num_generations,
+                         args.learning_rate, args.seed, save_strategy="steps",
+                         save_steps=args.save_every, save_total_limit=2)
     trainer = trainer_for(env, model, tokenizer, config, turn_tokens=args.turn_tokens)
-    trainer.train()
-    env.close()
-    trainer.save_model(args.out)  # the trained persuader and its tokenizer, a folder eval.py takes
+    trainer.add_callback(latest_callback(run_dir))
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except (ConnectionError, OSError) as e:
+        raise SystemExit(f"{WHO}: the arena went away mid-run ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120] if str(e) else ''}); the run keeps its "
+                         f"last checkpoint: rerun with --resume") from None
+    finally:
+        env.close()
+    if bad := runs.nonfinite_weight(model.state_dict()):
+        raise runs.say_error(WHO, f"the persuader's {bad} is not finite after training; not "
+                                  "saving it: lower --learning-rate and rerun with --overwrite")
+    runs.write_folder_atomic(run_dir / PERSUADER, trainer.save_model)
     for row in trainer.state.log_history:
         if "reward" in row:
             print(f"step {row['step']}: reward {row['reward']:.4f}  outcome "
                   f"{row['rewards/arena_outcome/mean']:.4f}  dense "
                   f"{row['rewards/arena_dense/mean']:.4f}")
+    runs.unlock(run_dir)
 
 
 if __name__ == "__main__":

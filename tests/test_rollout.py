@@ -312,16 +312,16 @@ def test_one_loop_drives_every_episode():
 
 def test_every_side_conforms_to_the_one_side_protocol():
     """rollout.Side is declared once; the engine's, the server's, the person's, the trainer's and
-    the watched side each have all of its methods (a method dropped from one fails here)."""
+    the sessions' side each have all of its methods (a method dropped from one fails here)."""
     import inspect
 
-    from lab import env, play, served
+    from lab import play, served, sessions
     methods = [name for name, v in vars(rollout.Side).items() if inspect.isfunction(v) and name[0] != "_"]
     assert methods == ["prompt", "room", "prefill", "start", "ready", "speak", "reply", "hear", "free"]
-    for cls in (rollout.EngineSide, served.ServedSide, play.PersonSide, env.TrainerSide):
+    for cls in (rollout.EngineSide, served.ServedSide, play.PersonSide, sessions.OutsideSide):
         assert [m for m in methods if not callable(getattr(cls, m, None))] == [], cls.__name__
     side = play.PersonSide(2, read=lambda prompt: "", write=lambda *a: None)
-    assert isinstance(side, rollout.Side) and isinstance(env.Watched(side), rollout.Side)
+    assert isinstance(side, rollout.Side) and isinstance(sessions.OutsideSide(None), rollout.Side)
     assert not isinstance(object(), rollout.Side)
 
 
@@ -346,7 +346,8 @@ def test_the_probe_reads_are_three_calls_from_the_training_loop():
     loop = calls_in(train.train)
     assert {"rollout.rollout_episodes", "rollout.judge_episodes", "rpo.rewards",
             "rpo.advantages", "policy_update"} <= loop
-    assert {"persuadee.start", "persuadee.reply"} <= calls_in(rollout.rollout_episodes)
+    assert "play_round" in calls_in(rollout.rollout_episodes)  # its rounds (lab/sessions.py's too)
+    assert {"persuadee.start", "persuadee.reply"} <= calls_in(rollout.play_round)
     assert "probes.read_engine" in calls_in(rollout.EngineSide.start)
     assert "probes.read_engine" in calls_in(rollout.EngineSide.reply)
     assert "judge_all" not in calls_in(rollout.EpisodeLoop.__init__)

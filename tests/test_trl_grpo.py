@@ -1,5 +1,8 @@
 """trl_grpo.py: TRL's GRPOTrainer trains a tiny persuader against PersuasionEnv on a CPU; the
 rewards it logs are the arena's, its completions are the episodes the env played."""
+import json
+import threading
+
 import pytest
 import torch
 
@@ -9,7 +12,7 @@ import rpo
 from conftest import tiny_model
 from lab import env as persuasion_env
 from lab import trl_grpo
-from test_env import openenv_server  # noqa: F401
+from test_env_server import openenv_server  # noqa: F401
 from test_served import instances
 
 TURN_TOKENS = 6
@@ -85,25 +88,42 @@ def test_grpo_trainer_trains_on_the_arenas_rewards(tmp_path):
         assert all(lp <= 0.0 for lp in got["logprobs"])
 
 
-def test_grpo_trainer_trains_against_the_openenv_server(openenv_server, tmp_path):  # noqa: F811
-    """The same rollout over openenv-core's client against env.py's OpenEnv server (one step):
-    the logged rewards are those the server reported, and the server's pool is whole after."""
+SERVER_GROUP = 4  # generations a step plays at once against the server
+
+
+def test_grpo_trainer_drives_the_openenv_server_concurrently(openenv_server, tmp_path):  # noqa: F811
+    """One GRPO step of 4 generations over openenv's client against the OpenEnv server: the
+    4 episodes play as 4 sessions at once (the persuadee replied to several in one engine step),
+    the logged rewards are the means of what the server reported per step (the episodes' own
+    sums), and the server's pool is whole after."""
     url, _, persuadee = openenv_server
+    batches, generate = [], persuadee.generate
+
+    def counted(sids, *args, **kwargs):
+        batches.append(len(sids))
+        return generate(sids, *args, **kwargs)
+    persuadee.generate = counted
     env = trl_grpo.ServerEnv(url, instances())
-    played = recording(env)
+    episodes = []
     policy, policy_tokenizer = models.random_model("tiny-qwen3", seed=3)
-    config = trl_grpo.grpo_config(str(tmp_path), 1, num_generations=GROUP)
-    trainer = trl_grpo.trainer_for(env, policy, policy_tokenizer, config, turn_tokens=TURN_TOKENS)
+    config = trl_grpo.grpo_config(str(tmp_path), 1, num_generations=SERVER_GROUP)
+    trainer = trl_grpo.trainer_for(env, policy, policy_tokenizer, config, turn_tokens=TURN_TOKENS,
+                                   on_episode=lambda i, e: episodes.append((i, e)))
     trainer.train()
     env.close()
+    persuadee.generate = generate
     (row,) = [row for row in trainer.state.log_history if "reward" in row]
-    last = [e["steps"][-1]["info"] for e in played]
-    assert len(played) == GROUP and len({e["instance"] for e in played}) == 1
-    assert all(1 <= len(e["steps"]) <= 3 for e in played)
-    dense = sum((info["beliefs"][-1] - info["beliefs"][0]) / 2 for info in last) / GROUP
-    outcome = sum(info["outcome_reward"] for info in last) / GROUP
+    assert len(episodes) == SERVER_GROUP and len({i for i, _ in episodes}) == 1
+    assert max(batches) > 1  # sessions' replies shared engine steps
+    assert all(1 <= e["turns"] <= 3 for _, e in episodes)
+    dense = sum(sum(e["step_rewards"]) for _, e in episodes) / SERVER_GROUP
+    outcome = sum(e["arena_outcome"] for _, e in episodes) / SERVER_GROUP
     assert row["rewards/arena_dense/mean"] == pytest.approx(dense, abs=1e-6)
     assert row["rewards/arena_outcome/mean"] == pytest.approx(outcome, abs=1e-6)
+    for _ in range(200):
+        if len(persuadee.cache.free_blocks) == 2000:
+            break
+        threading.Event().wait(0.05)
     assert len(persuadee.cache.free_blocks) == 2000
 
 
@@ -140,9 +160,62 @@ def test_bad_flags_are_one_line_errors(capsys):
     for flags, says in ((["--num-generations", "1"], "at least 2"),
                         (["--steps", "0"], "--steps must be at least 1"),
                         (["--lam", "nan"], "--lam must be >= 0"),
+                        (["--lam", "inf"], "--lam must be >= 0 and finite"),
+                        (["--learning-rate", "inf"], "--learning-rate must be in (0, 1]"),
+                        (["--seed", "-1"], "--seed must be in 0.."),
                         (["--policy", "random:nope"], "--policy random:nope"),
                         (["--server", "127.0.0.1:8000"], "--server takes a URL")):
         with pytest.raises(SystemExit):
             trl_grpo.parse_args(flags)
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert says in err, err
+
+
+TINY = ["--policy", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--judge", "none",
+        "--t-max", "1", "--turn-tokens", "4", "--max-new-tokens", "4", "--num-generations", "2",
+        "--instances", "1"]
+
+
+def test_out_is_a_protected_run_folder(tmp_path, monkeypatch, short_scenarios):
+    """--out refuses, in one line and before any model loads: a train.py run (plain, with
+    --overwrite, with --resume), a folder inside a run, a missing scenarios file, a server that
+    is down; the train.py run's config.json is untouched (the old --out replaced it)."""
+    from lab import runs
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a model loaded before the run folder was checked")
+    monkeypatch.setattr(models, "load_model", no_weights)
+    train_run = tmp_path / "train-run"
+    train_run.mkdir()
+    (train_run / runs.MARKER).write_text("a PersuArena run folder, written by train.py\n")
+    (train_run / "config.json").write_text(json.dumps({"name": "train-run", "lr": 1e-5}))
+    base = TINY + ["--scenarios", short_scenarios, "--steps", "1"]
+    for extra, says in (([], "is an existing run"), (["--overwrite"], "another program"),
+                        (["--resume"], "is not a run of trl_grpo.py")):
+        with pytest.raises(SystemExit) as excinfo:
+            trl_grpo.main(base + ["--out", str(train_run)] + extra)
+        assert says in str(excinfo.value) and "\n" not in str(excinfo.value)
+    assert json.loads((train_run / "config.json").read_text()) == {"name": "train-run",
+                                                                  "lr": 1e-5}
+    for argv, says in ((base + ["--out", str(train_run / "inner")], "is inside the run"),
+                       (TINY + ["--scenarios", str(tmp_path / "no.jsonl"), "--out",
+                                str(tmp_path / "b")], "cannot load scenarios"),
+                       (base + ["--server", "http://127.0.0.1:9", "--out", str(tmp_path / "c")],
+                        "cannot reach the arena server")):
+        with pytest.raises(SystemExit) as excinfo:
+            trl_grpo.main(argv)
+        assert says in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+def test_training_is_saved_as_it_goes_and_resumes(tmp_path, short_scenarios):
+    """Each step leaves a whole checkpoint named by `latest` (written atomically); --resume
+    continues from it to the new --steps; the persuader folder is written at the end."""
+    out = tmp_path / "run"
+    argv = TINY + ["--scenarios", short_scenarios, "--out", str(out)]
+    trl_grpo.main(argv + ["--steps", "1"])
+    assert (out / "latest").read_text() == "checkpoint-1" and (out / "persuader").is_dir()
+    trl_grpo.main(argv + ["--steps", "2", "--resume"])
+    assert (out / "latest").read_text() == "checkpoint-2"
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert [row["step"] for row in state["log_history"] if "reward" in row] == [1, 2]

@@ -1,0 +1,345 @@
+"""
+sessions.py: many sessions' episodes on one persuadee, played by rollout.py's one loop.
+
+A session (a PersuasionEnv, one OpenEnv WebSocket client) opens an episode and feeds it the
+persuader's messages from outside. Every session of a Hub shares one persuadee (and judge): the
+hub runs rollout.EpisodeLoop in one thread (SessionLoop), whose persuader side is the sessions
+themselves (OutsideSide: an episode is ready to speak once its session's message has arrived).
+So what the sessions ask of the persuadee at the same moment, replies with their probe reads and
+decisions, runs in the same engine steps, and the judge scores the episodes that ended in the same
+round together (those of one seed in one call: its retries are keyed by the seed). A session's
+message never waits for another session's episode to end.
+
+Admission: an episode of a local persuadee is admitted only while its worst case fits the pool
+beside the worst cases of those in play (pools.episode_blocks, and pools.judge_blocks when the
+persuadee judges), so no episode in play ever has to be preempted; a session that does not fit
+waits up to ADMIT_WAIT_S and is then refused in one line. At most max_sessions episodes play at
+once. A session's stop (reset, close, a dropped client) ends its own episode ("stopped") and
+frees exactly its blocks; nothing a session sends reaches another's episode. An episode's random
+streams are keyed by its own seed, so it plays the same whoever else is in play.
+
+    hub = Hub(engine, judge=None, t_max=3, max_new_tokens=8)
+    ticket = hub.open(instance, seed=0)   # then hub.say(ticket, text), ticket.events.get()
+
+    python -m pytest -q tests/test_sessions.py
+"""
+import queue
+import threading
+import weakref
+from collections import deque
+
+import rollout
+from lab import pools
+
+HUB_IDLE_S = 5.0  # the loop's thread ends after this long without an episode (started again)
+ADMIT_WAIT_S = 30.0  # a session whose episode does not fit the pool waits this long, then is refused
+POLL_S = 0.5  # how often a waiting loop or session checks that the other side still lives
+MAX_SESSIONS = 64  # episodes in play at once on one hub (the server's --sessions)
+
+_ENGINE_LOCKS = weakref.WeakKeyDictionary()  # persuadee -> the lock a round holds (one hub)
+
+
+def engine_lock(player):
+    """The one lock of a persuadee (an engine or a served model): two hubs on one engine (envs
+    built with different settings) never step it at once."""
+    try:
+        return _ENGINE_LOCKS.setdefault(player, threading.RLock())
+    except TypeError:  # not weak-referenceable: a lock of its own
+        return threading.RLock()
+
+
+class Ticket:
+    """One session's episode in a hub: its instance and seed, the messages it was sent (None:
+    stop) and the events the loop posts to it: ("started", snapshot), ("speak", snapshot) when the
+    episode waits for the next message, ("end", judged record), ("error", exception)."""
+
+    def __init__(self, inst, seed, need):
+        self.inst, self.seed, self.need = inst, seed, need
+        self.mailbox, self.events = deque(), queue.Queue()
+        self.episode, self.index, self.ended = None, None, False
+
+
+def snapshot(e):
+    """What a session reads of its episode after b_0 or a reply: turn, decision, beliefs, the
+    last read-out's probe values and masses, the reply's text."""
+    last = e["transcript"][-1] if e["transcript"] else None
+    replied = last is not None and last["role"] == "persuadee"
+    return dict(text=last["text"] if replied else None,
+                decision=last["decision"] if replied else None, beliefs=list(e["beliefs"]),
+                probes=e["probes"][-1], probe_mass=e["probe_mass"][-1])
+
+
+class OutsideSide:
+    """The persuader of every session (rollout.py's side interface): no prompt, no pool; an
+    episode is ready once its session's message is in the mailbox; hearing a reply tells the
+    session that the episode waits for the next message."""
+    tokenizer = max_len = None
+
+    def __init__(self, loop):
+        self.loop, self.tickets, self.next_sid = loop, {}, 0
+
+    def prompt(self, instance):
+        return []
+
+    def room(self, instance, n):
+        return True
+
+    def prefill(self, instance):
+        return None
+
+    def start(self, roots, counts):
+        sids = []
+        for n in counts:
+            sids.append(list(range(self.next_sid, self.next_sid + n)))
+            self.next_sid += n
+        return sids, [None] * len(roots)
+
+    def ready(self, sids):
+        return [s for s in sids if s in self.tickets and self.tickets[s].mailbox]
+
+    def speak(self, sids, keys):
+        said = []
+        for s in sids:
+            text = self.tickets[s].mailbox.popleft()
+            said.append(dict(text=text or "", ids=[], logprobs=[],
+                             reason=rollout.STOPPED if text is None else "stop"))
+        return said
+
+    def reply(self, sids, keys, timings=None):
+        raise TypeError("sessions.py: the sessions play the persuader; a persuadee replies")
+
+    def hear(self, sid, text, final_turn=False, shown=None):
+        ticket = self.tickets[sid]
+        ticket.events.put(("speak", snapshot(ticket.episode)))
+        return [], None
+
+    def free(self, sid):
+        self.tickets.pop(sid, None)
+
+
+class SessionLoop(rollout.EpisodeLoop):
+    """rollout.EpisodeLoop over the sessions of a hub, its rounds rollout.play_round's: episodes
+    join as sessions open them (one "instance" entry each, group size 1, its own seed), the loop
+    waits for messages instead of stalling when every episode waits on its session, ended
+    episodes are judged a round at a time and handed back, and every round holds the
+    persuadee's engine lock."""
+
+    def __init__(self, hub):
+        self.hub, self.persuader = hub, OutsideSide(self)
+        super().__init__(self.persuader, hub.persuadee_side, {}, hub.t_max, None, 1, None, None,
+                         None)
+        self.judged = []  # (ticket, record) ended this round, judged at the next hand_back
+
+    def run(self):
+        """Rounds while the hub has work (more): new episodes joined, a round played under the
+        engine lock, the ended ones judged and handed back."""
+        while self.more():
+            self.take_inbox()
+            with self.hub.lock:
+                moved = rollout.play_round(self, self.persuader, self.hub.persuadee_side)
+            if not moved and self.scheduler.running:
+                self.stuck()
+            self.hand_back()
+
+    def seed_of(self, index):
+        return self.hub.tickets[index].seed
+
+    def more(self):
+        """Whether the loop goes on: work in play, or a new episode within HUB_IDLE_S."""
+        with self.hub.wake:
+            if not (self.scheduler.running or self.scheduler.waiting or self.hub.inbox):
+                self.hub.wake.wait(HUB_IDLE_S)
+            if not (self.scheduler.running or self.scheduler.waiting or self.hub.inbox):
+                self.hub.thread = None  # the next open starts a new one
+                return False
+        return True
+
+    def stuck(self):
+        """No episode moved: wait for a session's message when any episode waits on one; else
+        (the pool cannot take a reply, which admission prevents) the youngest ends "cache"."""
+        if any(e["phase"] == "speak" for e in self.scheduler.running):
+            with self.hub.wake:
+                if not self.hub.inbox and not self.persuader.ready(
+                        [e["persuader_sid"] for e in self.scheduler.running]):
+                    self.hub.wake.wait(POLL_S)
+            return
+        self.finish(self.scheduler.running[-1], "cache")
+
+    def take_inbox(self):
+        """New episodes join the queue; a stopped one waiting to start is dropped."""
+        with self.hub.wake:
+            arrived, self.hub.inbox = self.hub.inbox, []
+        for ticket in arrived:
+            if ticket.mailbox and ticket.mailbox[-1] is None and ticket.episode is None:
+                self.scheduler.waiting = deque(w for w in self.scheduler.waiting
+                                               if w[0] != ticket.index)
+                self.hub.tickets.pop(ticket.index, None)
+                self.hub.release(ticket)
+                ticket.events.put(("end", None))
+                continue
+            if ticket.index is None:
+                ticket.index = self.hub.next_index
+                self.hub.next_index += 1
+                self.hub.tickets[ticket.index] = ticket
+                self.instances[ticket.index] = ticket.inst
+                self.scheduler.waiting.append((ticket.index, [0]))
+
+    def started(self, groups, persuader_sids, persuadee_sids, reads):
+        super().started(groups, persuader_sids, persuadee_sids, reads)
+        started = {index for index, _, _ in groups}
+        for e in self.scheduler.running:
+            if e["index"] in started and self.hub.tickets[e["index"]].episode is None:
+                ticket = self.hub.tickets[e["index"]]
+                ticket.episode = e
+                self.persuader.tickets[e["persuader_sid"]] = ticket
+                ticket.events.put(("started", snapshot(e)))
+
+    def ended(self, e):
+        ticket = self.hub.tickets[e["index"]]
+        ticket.ended = True
+        self.scheduler.done.pop((e["index"], e["g"]), None)
+        self.instances.pop(e["index"], None)
+        self.judged.append((ticket, rollout.record(e, None, None)))
+
+    def hand_back(self):
+        """Judge the episodes that ended (one judge call per seed), then hand each its record."""
+        done, self.judged = self.judged, []
+        by_seed = {}
+        for ticket, rec in done:
+            by_seed.setdefault(ticket.seed, []).append((ticket, rec))
+        for seed, items in by_seed.items():
+            spoken = [(t, r) for t, r in items if r["transcript"]]
+            with self.hub.lock:
+                scores, failed = rollout.judge_all(self.hub.judge, [t.inst for t, _ in spoken],
+                                                   [r["transcript"] for _, r in spoken], seed,
+                                                   [0] * len(spoken))
+            for (_, rec), s, f in zip(spoken, scores, failed):
+                rec.update(judge=s, judge_failed=f)
+            for ticket, rec in items:
+                if rec["judge"] is None:
+                    rec.update(judge=0.0, judge_failed=False)
+                self.hub.tickets.pop(ticket.index, None)
+                self.hub.release(ticket)
+                ticket.events.put(("end", rec))
+
+    def fail(self, error):
+        """The loop raised: every episode in play frees its sequences and hears of the error."""
+        for e in list(self.scheduler.running):
+            try:
+                self.scheduler.release(e)
+            except Exception:
+                pass
+        for ticket in list(self.hub.tickets.values()) + self.hub.inbox:
+            self.hub.release(ticket)
+            ticket.events.put(("error", error))
+        self.hub.tickets.clear()
+        self.hub.inbox.clear()
+
+
+class Hub:
+    """Episodes of many sessions on one persuadee (module docstring). persuadee and judge as
+    PersuasionEnv takes them once built (an engine.Engine, a served.ServedModel, a side);
+    max_sessions caps the episodes in play; admit_wait_s bounds a session's wait for room."""
+
+    def __init__(self, persuadee, judge=None, *, t_max, max_new_tokens, sampling=None,
+                 probe_space=None, probe_signs=None, max_sessions=MAX_SESSIONS,
+                 admit_wait_s=ADMIT_WAIT_S):
+        self.persuadee, self.judge, self.t_max = persuadee, judge, t_max
+        self.max_new_tokens, self.max_sessions, self.admit_wait_s = (max_new_tokens, max_sessions,
+                                                                    admit_wait_s)
+        self.persuadee_side = rollout.side(persuadee, "persuadee",
+                                           sampling or rollout.SAMPLING["paper"][1],
+                                           max_new_tokens, probe_space, probe_signs)
+        self.lock = engine_lock(persuadee)
+        self.eng = getattr(self.persuadee_side, "eng", None)
+        self.wake = threading.Condition()
+        self.inbox, self.tickets, self.next_index = [], {}, 0
+        self.reserved, self.open_count, self.thread, self.loop = 0, 0, None, None
+
+    def need(self, inst):
+        """The KV blocks one episode of inst (and its judging, when the persuadee judges) can
+        take at most; 0 for a served persuadee."""
+        if self.eng is None:
+            return 0
+        need = pools.episode_blocks(self.eng, [inst], self.t_max, self.max_new_tokens)
+        if self.judge is self.persuadee:
+            need = max(need, pools.judge_blocks(self.eng, [inst], self.t_max, self.max_new_tokens))
+        return need
+
+    def capacity(self):
+        return self.eng.cache.num_blocks if self.eng is not None else 0
+
+    def open(self, inst, seed):
+        """A new episode of inst keyed by seed, once admitted (module docstring): its Ticket.
+        Refused in one line when it can never fit, or does not within admit_wait_s."""
+        need = self.need(inst)
+        if need > self.capacity() and self.eng is not None:
+            return self._never_fits(inst, seed, need)
+        with self.wake:
+            fits = lambda: (self.open_count < self.max_sessions
+                            and self.reserved + need <= max(self.capacity(), need))
+            if not self.wake.wait_for(fits, self.admit_wait_s):
+                raise RuntimeError(
+                    f"sessions.py: the persuadee is full ({self.open_count} episodes in play, "
+                    f"{self.reserved} of {self.capacity()} KV blocks reserved; one of "
+                    f"{inst['id']} needs {need}) and none ended within {self.admit_wait_s:g} s; "
+                    "try again later, or serve with more --kv-blocks")
+            ticket = Ticket(inst, seed, need)
+            self.reserved += need
+            self.open_count += 1
+            self.inbox.append(ticket)
+            self._ensure_thread()
+            self.wake.notify_all()
+        return ticket
+
+    def _never_fits(self, inst, seed, need):
+        """An episode whose worst case exceeds the whole pool is still played (the loop ends it
+        "cache" if it must, as rollout.py would): admitted alone."""
+        with self.wake:
+            if not self.wake.wait_for(lambda: self.open_count == 0, self.admit_wait_s):
+                raise RuntimeError(f"sessions.py: an episode of {inst['id']} needs the whole "
+                                   f"pool ({need} KV blocks of {self.capacity()}) and other "
+                                   "episodes kept it; try again later")
+            ticket = Ticket(inst, seed, self.capacity())
+            self.reserved += ticket.need
+            self.open_count += 1
+            self.inbox.append(ticket)
+            self._ensure_thread()
+            self.wake.notify_all()
+        return ticket
+
+    def _ensure_thread(self):
+        if self.thread is None or not self.thread.is_alive():
+            self.loop = SessionLoop(self)
+            self.thread = threading.Thread(target=self._run, args=(self.loop,), daemon=True,
+                                           name="persuarena-sessions")
+            self.thread.start()
+
+    def _run(self, loop):
+        try:
+            loop.run()
+        except BaseException as e:  # every waiting session hears of it
+            with self.wake:
+                loop.fail(e)
+                self.thread = None
+                self.wake.notify_all()
+
+    def release(self, ticket):
+        """A ticket's reservation back (once)."""
+        with self.wake:
+            if ticket.need is not None:
+                self.reserved -= ticket.need
+                self.open_count -= 1
+                ticket.need = None
+                self.wake.notify_all()
+
+    def say(self, ticket, text):
+        """The session's next message (None: stop the episode)."""
+        with self.wake:
+            ticket.mailbox.append(text)
+            if ticket.episode is None and text is None:
+                self.inbox.append(ticket)
+            self.wake.notify_all()
+
+    def alive(self):
+        return self.thread is not None and self.thread.is_alive()
