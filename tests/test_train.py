@@ -537,7 +537,8 @@ DIAGNOSTICS = ("dead_group_share", "dead_goal_share", "dead_rescued_share", "den
 
 def pooled_by_hand(rows, lam):
     """The step diagnostics of rollouts.jsonl rows written out with numpy: A_out from the group's
-    R (no judge: R = GOAL), D~ the return-to-go centred on the group's pooled mean."""
+    R (no judge: R = GOAL), D~ the return-to-go centred on the mean of its turn index over the
+    members that reached it (rpo.DENSE_BASELINE "turn")."""
     groups = {}
     for row in rows:
         groups.setdefault(row["group"], []).append(row)
@@ -547,12 +548,13 @@ def pooled_by_hand(rows, lam):
         R = np.array([m["goal"] for m in members], dtype=float)
         a_out = (R - R.mean()) / (R.std(ddof=1) + 1e-6) if np.ptp(R) > 0 else np.zeros_like(R)
         togo = [np.cumsum(np.diff(m["beliefs"])[::-1] / 2)[::-1] for m in members]
-        pool = np.concatenate(togo).mean()
-        A = [a + lam * (d - pool) for a, d in zip(a_out, togo)]
+        turn_mean = [np.mean([d[t] for d in togo if len(d) > t]) for t in range(max(map(len, togo)))]
+        centred = [d - np.array(turn_mean[:len(d)]) for d in togo]
+        A = [a + lam * c for a, c in zip(a_out, centred)]
         if np.ptp(R) == 0:
             dead += 1
             rescued += any(np.abs(x).max() > 1e-9 for x in A)
-        abs_dense += sum(np.abs(lam * (d - pool)).sum() for d in togo)
+        abs_dense += sum(np.abs(lam * c).sum() for c in centred)
         abs_total += sum(np.abs(x).sum() for x in A)
     return {"dead_group_share": dead / len(groups), "dead_rescued_share": rescued / dead if dead else 0.0,
             "dense_share": abs_dense / abs_total}
