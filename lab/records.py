@@ -111,9 +111,17 @@ def _numbers(value):
 def unsound(ep):
     """The fields of an episode record (checked by EPISODE_FIELDS) holding a NaN, an infinity or
     a number outside its VALUE_RANGES: read as they are, one such value turns a whole run's
-    means and correlations into null."""
+    means and correlations into null. A read-out whose belief is None was never read (a
+    persuadee that returned no finite log-probs: counted as beliefs_missing), so its probe
+    values and mass are not looked at."""
+    read = [b is not None for b in ep.get("beliefs") or []]
+    def values(field):
+        value = ep.get(field)
+        if field in ("probes", "probe_mass") and isinstance(value, list) and len(value) == len(read):
+            value = [v for v, ok in zip(value, read) if ok]
+        return _numbers(value)
     return [field for field, (low, high) in VALUE_RANGES.items()
-            if any(not (math.isfinite(v) and low <= v <= high) for v in _numbers(ep.get(field)))]
+            if any(not (math.isfinite(v) and low <= v <= high) for v in values(field))]
 
 
 def check_record(row, fields, optional=()):

@@ -397,7 +397,8 @@ def main(argv=None):
                          f"last checkpoint: rerun with --resume") from None
     finally:
         env.close()
-    if bad := runs.nonfinite_weight(model.state_dict()):
+    from lab import checkpoints
+    if bad := checkpoints.nonfinite_weight(model.state_dict()):
         raise runs.say_error(WHO, f"the persuader's {bad} is not finite after training; not "
                                   "saving it: lower --learning-rate and rerun with --overwrite")
     runs.write_folder_atomic(run_dir / PERSUADER, trainer.save_model)

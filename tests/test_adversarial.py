@@ -506,7 +506,7 @@ def resumable_run(tmp_path, **recorded):
     (run_dir / "latest").write_text("checkpoint-1")
     cli.record_config(run_dir, args, 0, own=train)
     config = json.loads((run_dir / "config.json").read_text())
-    (run_dir / "config.json").write_text(json.dumps({**config, **recorded}))
+    (run_dir / "config.json").write_text(json.dumps({**config, "skipped_instances": 0, **recorded}))
     return run_dir / "config.json"
 
 

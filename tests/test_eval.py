@@ -632,7 +632,7 @@ def test_analyze_sets_aside_a_record_with_nan_infinity_or_an_absurd_value(tmp_pa
            dict(RUN_A[1], id="inf-probe", probes=[[float("inf")] * len(an.probe_names())] * len(RUN_A[1]["probes"])),
            dict(RUN_A[2], id="huge-judge", judge=1e308)]
     folder = analyze_folder(tmp_path, RUN_B + bad)
-    eval.main(["--analyze", str(folder)])
+    evaluation.main(["--analyze", str(folder)])
     out = capsys.readouterr().out
     assert ("SET ASIDE                        3  records with a NaN, an infinity or an out-of-range "
             "value, left out of every figure: nan-belief (beliefs), inf-probe (probes), huge-judge "
@@ -666,6 +666,6 @@ def test_analyze_names_a_malformed_record_or_file_in_one_line(tmp_path, make, sa
     (tmp_path / "elsewhere.json").write_text('{"roles": "not this run"}')
     make(tmp_path)
     with pytest.raises(SystemExit) as e:
-        eval.main(["--analyze", str(tmp_path / "run")])
+        evaluation.main(["--analyze", str(tmp_path / "run")])
     assert e.value.code == says.format(run=tmp_path / "run")
     assert (tmp_path / "elsewhere.json").read_text() == '{"roles": "not this run"}'

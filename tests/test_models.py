@@ -390,7 +390,7 @@ def test_every_entry_point_takes_one_thread_per_free_core(monkeypatch):
     leave free now (the fewest tasks running elsewhere over engine.free_cores' instant samples,
     read here from a fake reader; at least one), up as well as down, whatever the one-minute load
     average says; OMP_NUM_THREADS or a CUDA device leaves torch's count alone. train.py, eval.py,
-    lab.bench and lab.env each call it before any model loads."""
+    lab.bench and lab.env_server each call it before any model loads."""
     import os
     import sys
 
@@ -420,11 +420,11 @@ def test_every_entry_point_takes_one_thread_per_free_core(monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
     import eval as evaluation
     import train
-    from lab import bench, env
+    from lab import bench, env_server
     for main in (lambda: train.main(["--preset", "tiny", "--out", "/nonexistent-out"]),
                  lambda: evaluation.main(["--persuader", "random:tiny-llama", "--persuadee",
                                     "random:tiny-qwen3", "--judge", "none", "--limit", "1"]),
-                 lambda: bench.main(), lambda: env.main(["--serve", "--persuadee", "random:tiny-qwen3"])):
+                 lambda: bench.main(), lambda: env_server.main(["--serve", "--persuadee", "random:tiny-qwen3"])):
         monkeypatch.setattr(sys, "argv", ["bench.py", "--random-init", "tiny-llama"])
         with pytest.raises(Called):
             main()

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from lab import cli, sweep
+from lab import cli, significance, sweep
 import train
 
 
@@ -35,7 +35,7 @@ def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
     power = summary["power"]
     assert power["pairs"] == 2 and "Power (80%" in table
     if power["belief_diff_sd"]:  # two pairs: what they detect is the inverse of what they need
-        assert sweep.significance.episodes_for_mean(
+        assert significance.episodes_for_mean(
             power["belief_diff_sd"], power["detectable_belief_diff"] * 1.001, paired=True) <= 2
     assert (root / "curves.png").stat().st_size and (root / "effect.png").stat().st_size
     # the frozen persuadee's probe fidelity is checked once, in the initial evaluation
