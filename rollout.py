@@ -347,6 +347,17 @@ def judge_episodes(judge, instances, records, seed, group_size, timings=None):
     return records
 
 
+
+def numbered(first, counts):
+    """Consecutive sequence ids from `first`, one list a count, and the next free id: how a side
+    with no pool of its own (a person, outside sessions) names the episodes it starts."""
+    sids = []
+    for n in counts:
+        sids.append(list(range(first, first + n)))
+        first += n
+    return sids, first
+
+
 class EpisodeLoop:
     """The episodes' state between the sides' calls in rollout_episodes: which episodes wait
     and run (Scheduler), and what each message and reply does to its episode (its arena state

@@ -144,20 +144,20 @@ def _group_terms(outcome_rewards, process_rewards):
             acc += float(r[t])
             d[t] = acc
         D.append(d)
-    return a_out, [[x - b for x, b in zip(d, _dense_baseline(D, readable, len(d)))] if ok else d
-                   for d, ok in zip(D, readable)]
+    baseline = _dense_baseline([d for d, ok in zip(D, readable) if ok])
+    return a_out, [[x - b for x, b in zip(d, baseline)] if ok else d for d, ok in zip(D, readable)]
 
 
-def _dense_baseline(D, readable, turns):
-    """The baseline subtracted from an episode's D_{i,1..turns}: DENSE_BASELINE "pooled", one
-    mean over every readable (j, k) of the group; "turn", the mean of D_{j,t} over the readable
-    episodes that reached turn t (DECISIONS.md: Dense baseline)."""
-    kept = [d for d, ok in zip(D, readable) if ok]
+def _dense_baseline(kept):
+    """The group's baseline for turns 1, 2, ... (the longest readable episode's), from the
+    readable episodes' D: DENSE_BASELINE "pooled", one mean over every (j, k); "turn", the mean of
+    D_{j,t} over the episodes that reached turn t (DECISIONS.md: Dense baseline)."""
+    turns = max((len(d) for d in kept), default=0)
     if DENSE_BASELINE == "pooled":
         n = sum(len(d) for d in kept)
         return [sum(sum(d) for d in kept) / n if n else 0.0] * turns
     at = [[d[t] for d in kept if len(d) > t] for t in range(turns)]
-    return [sum(v) / len(v) if v else 0.0 for v in at]
+    return [sum(v) / len(v) for v in at]
 
 
 def group_advantages(outcome_rewards, process_rewards, lam=LAMBDA):

@@ -95,11 +95,8 @@ class PersonSide:
         return None
 
     def start(self, roots, counts):
-        sids = []
-        for n in counts:
-            sids.append(list(range(self.next_sid, self.next_sid + n)))
-            self.next_sid += n
-            self.turns.update(dict.fromkeys(sids[-1], 0))
+        sids, self.next_sid = rollout.numbered(self.next_sid, counts)
+        self.turns.update(dict.fromkeys((s for group in sids for s in group), 0))
         return sids, [None] * len(roots)
 
     def ready(self, sids):

@@ -88,10 +88,7 @@ class OutsideSide:
         return None
 
     def start(self, roots, counts):
-        sids = []
-        for n in counts:
-            sids.append(list(range(self.next_sid, self.next_sid + n)))
-            self.next_sid += n
+        sids, self.next_sid = rollout.numbered(self.next_sid, counts)
         return sids, [None] * len(roots)
 
     def ready(self, sids):

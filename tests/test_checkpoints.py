@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lab import checkpoints, plan
-from test_train import trained_policy
+from test_train import saved_run, trained_policy  # noqa: F401 (saved_run: a fixture)
 
 # the calls a save is made of, each a moment a kill can land before or after
 KILL_AT = (("os", "replace"), ("shutil", "rmtree"), ("torch", "save"), ("tempfile", "mkdtemp"),
@@ -55,12 +55,8 @@ def save_in_child(run, tokenizer, kill_at):
 
 
 @pytest.fixture
-def run_with_one_checkpoint(tmp_path, tokenizer):
-    policy, optimizer = trained_policy()
-    run = tmp_path / "run"
-    run.mkdir()
-    checkpoints.save_checkpoint(run, 1, policy, optimizer, tokenizer, 0)
-    return run
+def run_with_one_checkpoint(saved_run):
+    return saved_run[0]
 
 
 def test_a_kill_at_any_moment_of_a_save_leaves_the_old_or_the_new_checkpoint(

@@ -67,3 +67,19 @@ def test_seed_level_comparisons_by_hand():
     assert sweep_table.count_tests([last, best]) == 8
     [two] = sweep_table.table_rows({0.0: {s: held_out[0.0][s] for s in (0, 1)}}, [0.0], [0, 1], [1])[:1]
     assert two["vs_initial"]["seed_level"] is None and "Seed level" not in sweep_table.format_table([two])
+
+
+def test_frozen_control_at_the_seed_level_by_hand():
+    """Each seed's mean of its groups' mean differences, then a t test over the seeds: a seed
+    with more groups weighs no more than another, and a flipped sign flips the difference."""
+    from scipy import stats
+    clusters = {(0, 1, 0): [0.1, 0.3], (0, 2, 0): [0.0], (1, 1, 0): [0.2], (2, 1, 0): [-0.1, 0.1],
+                (2, 2, 0): [0.4], (2, 3, 0): [0.1]}
+    means = [(0.2 + 0.0) / 2, 0.2, (0.0 + 0.4 + 0.1) / 3]
+    level = sweep_table.frozen_seed_level(clusters, [0, 1, 2])
+    assert level["n"] == 3 and level["diff"] == pytest.approx(statistics.mean(means))
+    assert level["p"] == pytest.approx(stats.ttest_1samp(means, 0.0).pvalue)
+    assert level["detectable"] > 0
+    flipped = sweep_table.frozen_seed_level({k: [-x for x in v] for k, v in clusters.items()}, [0, 1, 2])
+    assert flipped["diff"] == pytest.approx(-level["diff"])
+    assert sweep_table.frozen_seed_level(clusters, [0, 1]) is None  # below SEED_LEVEL_MIN
