@@ -5,6 +5,8 @@ import json
 import struct
 from pathlib import Path
 
+import numpy as np
+
 from lab import analyses
 import eval as evaluation
 from lab import plots
@@ -54,3 +56,32 @@ def test_system_labels_are_the_shortest_distinct_tails():
     assert plots.system_labels(["evals/A", "evals/B"]) == ["A", "B"]
     assert plots.system_labels(["runs/x/eval-8", "runs/y/eval-8"]) == ["x/eval-8", "y/eval-8"]
     assert plots.system_labels(["same", "same"]) == ["same", "same"]
+
+
+def test_running_mean_by_hand():
+    assert plots.running_mean([1.0, 2.0, 3.0, 4.0], window=2) == [1.0, 1.5, 2.5, 3.5]
+    assert plots.running_mean([], window=3) == []
+
+
+def test_plot_training_draws_the_difference_from_the_control(tmp_path, monkeypatch):
+    """training.png's right panel: per seed the running mean of arm minus same-seed control, and
+    their mean over seeds, computed by hand here (a swapped sign or an unpaired seed fails)."""
+    control = {0: [0.0, 0.1, 0.2], 1: [0.3, 0.3, 0.3]}
+    arms = {"lambda 1": {0: [0.5, 0.5, 0.5], 1: [0.0, 0.6, 0.3]}}
+    figures = []
+    monkeypatch.setattr(plots, "_save_fig", lambda fig, path: figures.append((fig, path)))
+    plots.plot_training(arms, control, tmp_path, window=2)
+    (fig, path), = figures
+    assert path == tmp_path / "training.png"
+    left, right = fig.axes
+    seed0 = [0.5, 0.45, 0.35]      # running means (window 2) of 0.5, 0.4, 0.3
+    seed1 = [-0.3, 0.0, 0.15]      # of -0.3, 0.3, 0.0
+    drawn = [line.get_ydata() for line in right.get_lines() if len(line.get_ydata()) == 3]
+    assert any(np.allclose(d, seed0) for d in drawn) and any(np.allclose(d, seed1) for d in drawn)
+    assert any(np.allclose(d, (np.array(seed0) + seed1) / 2) for d in drawn)
+    frozen = [line for line in left.get_lines() if line.get_label().startswith("frozen")][0]
+    assert np.allclose(frozen.get_ydata(), [0.15, 0.175, 0.225])  # seeds averaged: 0.15, 0.2, 0.25
+    plots.plt.close(fig)
+    monkeypatch.undo()
+    plots.plot_training(arms, control, tmp_path)
+    assert png_size(tmp_path / "training.png") == tuple(round(v * plots.DPI) for v in plots.OVERLAY_FIGSIZE)

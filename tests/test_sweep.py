@@ -37,7 +37,7 @@ def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
     if power["belief_diff_sd"]:  # two pairs: what they detect is the inverse of what they need
         assert significance.episodes_for_mean(
             power["belief_diff_sd"], power["detectable_belief_diff"] * 1.001, paired=True) <= 2
-    assert (root / "curves.png").stat().st_size and (root / "effect.png").stat().st_size
+    assert all((root / name).stat().st_size for name in ("curves.png", "effect.png", "training.png"))
     # the frozen persuadee's probe fidelity is checked once, in the initial evaluation
     assert json.loads((root / "initial_s0" / "eval-0" / "fidelity.json").read_text())["sample"]
     assert not list((root / "runs").glob("*/eval-*/fidelity.json"))
