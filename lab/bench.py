@@ -64,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=workload.TURNS)
     p.add_argument("--max-new-tokens", type=int, default=workload.MAX_NEW_TOKENS)
     p.add_argument("--load", type=int, default=0, metavar="N", help="time the comparison again "
-                   "with N busy-loop processes running beside it (one a core: a loaded machine)")
+                   "with N busy-loop processes running beside it (one a core: a loaded machine; at most "
+                   "the machine's cores)")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--random-init", choices=sorted(models.RANDOM_CONFIGS), default=None)
     p.add_argument("--json", action="store_true")
@@ -93,6 +94,10 @@ def parse_args(argv=None):
     if args.load < 0:
         p.exit(2, f"lab.bench: --load {args.load} is negative; pass 0 (a quiet run only) or the "
                   "busy processes to run beside it, e.g. --load 2\n")
+    cores = os.cpu_count() or 1
+    if args.load > cores:  # one busy process a core: more only starts processes to no purpose
+        p.exit(2, f"lab.bench: --load {args.load} is more than this machine's {cores} cores; pass "
+                  f"at most one busy process a core, e.g. --load {cores}\n")
     vllm.vllm_problem(args)
     return args
 

@@ -105,3 +105,27 @@ def test_the_modelled_decode_counts_the_kv_floor_and_the_spans():
     assert len(rows) == (len(bench_gpu.DECODE_MODEL_SHAPES) * len(bench_gpu.DECODE_MODEL_BATCHES)
                          * len(bench_gpu.DECODE_MODEL_CONTEXTS))
     assert all(math.isfinite(r["step_over_floor"]) and r["step_over_floor"] >= 1 for r in rows)
+
+
+def test_the_bench_refuses_more_busy_processes_than_cores_before_anything_starts(monkeypatch, capsys):
+    """--load N above os.cpu_count() is refused in one line before a model loads or a process
+    starts (--load 100000 once took a 2-core machine to a load of 159); N up to the cores passes."""
+    import subprocess
+    import sys
+
+    from lab import bench
+
+    def started(*a, **k):
+        raise AssertionError("something started before --load was checked")
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(subprocess, "Popen", started)
+    monkeypatch.setattr(bench_workload, "load", started)
+    for n in ("3", "100000"):
+        monkeypatch.setattr(sys, "argv", ["lab.bench", "--load", n])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"lab.bench: --load {n} is more than this machine's 2 cores; pass at most "
+                       "one busy process a core, e.g. --load 2")
+    assert bench.parse_args(["--load", "2"]).load == 2
