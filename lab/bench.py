@@ -72,7 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--probe-vs-judge", action="store_true", help="only time a probe read against an "
                    "equal-sized judge call on the same persuadee after the dialogues (Table 4)")
     p.add_argument("--profile", metavar="TRACE", help="profile the engine's run: print the operations "
-                   "inside probe reads and persuadee replies, write a chrome trace to TRACE")
+                   "inside probe reads and persuadee replies, write a chrome trace to TRACE; "
+                   "with --vllm-python, vLLM's worker under cProfile too (TRACE.vllm.pstats)")
     p.add_argument("--cudnn-attention", action="store_true", help="let the engine's SDPA calls use "
                    "cuDNN too (layers.SDPA_BACKENDS leaves it out), to measure what that costs")
     p.add_argument("--vllm-python", default=vllm.VLLM_PYTHON, metavar="PATH", help="the Python of "
