@@ -213,3 +213,6 @@ def print_figures(out):
           f"greedy_match {out['vllm_greedy_match']} (first mismatch: {where}); probe values "
           f"max |engine - vLLM| = {'n/a' if diff is None else f'{diff:.2e}'} (tolerance "
           f"{PROBE_TOLERANCE:g}: {out['vllm_probes_agree']})")
+    print(f"vLLM: {out['vllm_inside_s']:.1f} s of its {out['vllm_wall_s']:.1f} s in its generate "
+          f"(the rest: JSON lines and the dialogue logic); {out['vllm_prefilled_twice']} tokens "
+          f"prefilled twice (prefix-cache blocks the probes and replies recompute)")
