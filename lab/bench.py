@@ -64,14 +64,16 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=workload.TURNS)
     p.add_argument("--max-new-tokens", type=int, default=workload.MAX_NEW_TOKENS)
     p.add_argument("--load", type=int, default=0, metavar="N", help="time the comparison again "
-                   "with N busy-loop processes running beside it (one a core: a loaded machine)")
+                   "with N busy-loop processes running beside it (one a core: a loaded machine; at most "
+                   "the machine's cores)")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--random-init", choices=sorted(models.RANDOM_CONFIGS), default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--probe-vs-judge", action="store_true", help="only time a probe read against an "
                    "equal-sized judge call on the same persuadee after the dialogues (Table 4)")
     p.add_argument("--profile", metavar="TRACE", help="profile the engine's run: print the operations "
-                   "inside probe reads and persuadee replies, write a chrome trace to TRACE")
+                   "inside probe reads and persuadee replies, write a chrome trace to TRACE; "
+                   "with --vllm-python, vLLM's worker under cProfile too (TRACE.vllm.pstats)")
     p.add_argument("--cudnn-attention", action="store_true", help="let the engine's SDPA calls use "
                    "cuDNN too (layers.SDPA_BACKENDS leaves it out), to measure what that costs")
     p.add_argument("--vllm-python", default=vllm.VLLM_PYTHON, metavar="PATH", help="the Python of "
@@ -93,6 +95,10 @@ def parse_args(argv=None):
     if args.load < 0:
         p.exit(2, f"lab.bench: --load {args.load} is negative; pass 0 (a quiet run only) or the "
                   "busy processes to run beside it, e.g. --load 2\n")
+    cores = os.cpu_count() or 1
+    if args.load > cores:  # one busy process a core: more only starts processes to no purpose
+        p.exit(2, f"lab.bench: --load {args.load} is more than this machine's {cores} cores; pass "
+                  f"at most one busy process a core, e.g. --load {cores}\n")
     vllm.vllm_problem(args)
     return args
 

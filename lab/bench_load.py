@@ -3,7 +3,8 @@ lab/bench_load.py: lab.bench's comparison again on a busy machine (python -m lab
 
 --load N runs the same comparison a second time beside N processes that each spin on a core
 (busy_load), and reports LOADED_FIGURES of it apart (print_loaded): what the engine and the
-baselines give when other work shares the machine, each on the threads it chose.
+baselines give when other work shares the machine, each on the threads it chose. N is at most the
+machine's cores (os.cpu_count(): lab.bench refuses more in one line before anything starts).
 
     PYTHONPATH=. python -m lab.bench --dialogues 2 --turns 1 --max-new-tokens 8 --load 2
 """

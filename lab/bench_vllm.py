@@ -23,7 +23,13 @@ Agreement with the engine: the messages token for token (a near-tie may flip bet
 implementations' roundings; the first mismatch is reported) and the probe values of the dialogues
 whose messages all agree, within PROBE_TOLERANCE. Threads: the worker's torch threads, fixed at its
 start to the cores free then (engine.free_cores); the engine's follow the free cores each window.
+Where vLLM's time goes: `inside` (vllm_inside_s) is the time in vLLM's generate, the rest of its
+wall time the JSON lines and the dialogue logic; under the bench's --profile TRACE the worker runs
+its requests under cProfile (stats in TRACE.vllm.pstats, the costliest calls on stderr).
 """
+import ctypes
+import ctypes.util
+import gc
 import json
 import os
 import subprocess
@@ -52,11 +58,11 @@ def worker_env(threads):
 class Worker:
     """lab/vllm_worker.py under vLLM's Python: started, loaded (ready), asked, closed."""
 
-    def __init__(self, python, model_path, threads, dtype="float32"):
+    def __init__(self, python, model_path, threads, dtype="float32", profile=None):
         self.proc = subprocess.Popen(
             [python, "-I", str(WORKER), "--model", str(model_path), "--threads", str(threads),
-             "--dtype", dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=worker_env(threads))
+             "--dtype", dtype, *(["--profile", profile] if profile else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=worker_env(threads))
         self.ready = self.read()
 
     def read(self):
@@ -97,16 +103,20 @@ def vllm_problem(args):
                          "loads a model folder; drop --random-init or --vllm-python")
 
 
-def run_vllm(worker, tok, stop, instances, turns, max_new, sync=lambda: None):
+def run_vllm(worker, tok, stop, instances, turns, max_new, sync=lambda: None, warmup=False):
     """The dialogues through vLLM (play_dialogues), timed like the Hugging Face baselines; the
-    tokens vLLM computes are the prompts less what its prefix cache held."""
+    tokens vLLM computes are the prompts less what its prefix cache held; `inside` the seconds
+    the worker spent in vLLM's generate (the rest of the wall time: the JSON lines and the
+    dialogue logic); a warm-up's requests say so (the worker's --profile leaves them out)."""
     questions, _ = probes.probe_ids(tok)
     yes, no = probes.answer_ids(tok, probes.YES_WORDS), probes.answer_ids(tok, probes.NO_WORDS)
-    st = baselines.new_stats() | dict(threads=[worker.ready["threads"]])
+    st = baselines.new_stats() | dict(threads=[worker.ready["threads"]], inside=0.0)
+    flag = dict(warmup=True) if warmup else {}
 
     def generate(batch, key):
         prompts = [d[key] for d in batch]
-        reply = worker.ask(generate=prompts, max_new_tokens=max_new, stop=stop)
+        reply = worker.ask(generate=prompts, max_new_tokens=max_new, stop=stop, **flag)
+        workload.add(st, inside=reply["seconds"])
         for d, p, ids, cached in zip(batch, prompts, reply["outputs"], reply["cached"]):
             workload.add(st, conv=len(p) - cached + len(ids) - 1, gen=len(ids))
             d["fed"][key] = max(d["fed"][key], len(p) + len(ids) - 1)
@@ -115,7 +125,8 @@ def run_vllm(worker, tok, stop, instances, turns, max_new, sync=lambda: None):
     def read_probes(batch):
         t = time.perf_counter()
         prompts = [d["persuadee"] + q for d in batch for q in questions]
-        reply = worker.ask(probe=prompts, token_ids=list(yes) + list(no))
+        reply = worker.ask(probe=prompts, token_ids=list(yes) + list(no), **flag)
+        workload.add(st, inside=reply["seconds"])
         cached = iter(reply["cached"])
         for d in batch:  # computed tokens: the question's first, then the history's
             for q in questions:
@@ -136,16 +147,29 @@ def vllm_side(args, model, tok, instances, turns, max_new, sync):
     version: the worker started on the model's folder with the cores free now (engine.free_cores,
     at most this process's threads), warmed up on one short dialogue, closed after."""
     path = gguf.smollm2_path() if args.model == "smollm2" else args.model
+    release_memory()
     threads = max(1, min(torch.get_num_threads(), engine.free_cores()))
     print(f"starting vLLM ({args.vllm_python}, {threads} threads)", flush=True)
-    worker = Worker(args.vllm_python, path, threads, str(model.dtype).split(".")[-1])
+    profile = args.profile and f"{args.profile}.vllm.pstats"
+    worker = Worker(args.vllm_python, path, threads, str(model.dtype).split(".")[-1], profile)
     try:
         stop = engine.stop_ids(model, tok)
-        run_vllm(worker, tok, stop, instances[:1], 1, 2)  # warm-up
+        run_vllm(worker, tok, stop, instances[:1], 1, 2, warmup=True)
         st = run_vllm(worker, tok, stop, instances, turns, max_new, sync)
     finally:
         worker.close()
     return st | dict(startup_s=worker.ready["startup_s"], version=worker.ready["vllm"])
+
+
+def release_memory():
+    """The memory the engine's run freed handed back to the system before vLLM's worker starts
+    (glibc keeps freed heap pages otherwise: ~0.4 GB after a short run), so that the two do not
+    hold the machine's memory together."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
 
 
 def agreement(tok, ours, theirs):
@@ -170,7 +194,8 @@ def figures(tok, ours, theirs):
                 vllm_probes_agree=within, vllm_probe_tolerance=PROBE_TOLERANCE,
                 vllm_probe_share=theirs["share"], vllm_prefilled_twice=theirs["twice"],
                 vllm_startup_s=theirs["startup_s"], vllm_threads=theirs["threads"][0],
-                vllm_version=theirs["version"], vllm_load_before=theirs["load_before"],
+                vllm_version=theirs["version"], vllm_inside_s=theirs["inside"],
+                vllm_wall_s=theirs["wall"], vllm_load_before=theirs["load_before"],
                 vllm_load_after=theirs["load_after"])
 
 
@@ -188,3 +213,6 @@ def print_figures(out):
           f"greedy_match {out['vllm_greedy_match']} (first mismatch: {where}); probe values "
           f"max |engine - vLLM| = {'n/a' if diff is None else f'{diff:.2e}'} (tolerance "
           f"{PROBE_TOLERANCE:g}: {out['vllm_probes_agree']})")
+    print(f"vLLM: {out['vllm_inside_s']:.1f} s of its {out['vllm_wall_s']:.1f} s in its generate "
+          f"(the rest: JSON lines and the dialogue logic); {out['vllm_prefilled_twice']} tokens "
+          f"prefilled twice (prefix-cache blocks the probes and replies recompute)")

@@ -12,6 +12,7 @@ own torch and transformers), loads the model once with automatic prefix caching,
       request a prompt, max_tokens 1, logprob_token_ids: it reads the prefix cache, which a
       prompt_logprobs request skips): {"logprobs": [[lp, ...], ...], "cached": [...], "seconds": s}
   {"quit": true}
+A request with "warmup": true is answered but not profiled (--profile).
 The first line it prints is {"ready": true, "startup_s", "threads", "vllm"}; vLLM's own logging
 goes to stderr. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the
 caller), so that no scheduler process competes for the cores it is given.
@@ -20,10 +21,14 @@ caller), so that no scheduler process competes for the cores it is given.
 (-I: lab/ must not be on its path, or `import kernels` in transformers finds lab/kernels.py.)
 """
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
+
+PROFILE_ROWS = 40  # --profile: the calls printed, by cumulative time
 
 
 def answer(llm, request):
@@ -62,6 +67,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--profile", metavar="PATH", help="cProfile the requests' handling: its stats "
+                   "written to PATH at the end and the calls that cost most printed to stderr")
     args = p.parse_args(argv)
     start = time.perf_counter()
     out = os.fdopen(os.dup(1), "w")  # the protocol's stream; anything else written to the
@@ -74,11 +81,20 @@ def main(argv=None):
                    max_model_len=args.max_model_len, seed=0)
     print(json.dumps(dict(ready=True, startup_s=time.perf_counter() - start,
                           threads=torch.get_num_threads(), vllm=vllm.__version__)), file=out, flush=True)
+    profile = cProfile.Profile() if args.profile else None
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("quit"):
             break
-        print(json.dumps(answer(llm, request)), file=out, flush=True)
+        if profile and not request.get("warmup"):
+            profile.enable()
+        reply = answer(llm, request)
+        if profile:
+            profile.disable()
+        print(json.dumps(reply), file=out, flush=True)
+    if profile:
+        profile.dump_stats(args.profile)
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(PROFILE_ROWS)
 
 
 if __name__ == "__main__":

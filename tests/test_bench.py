@@ -33,10 +33,10 @@ class ModelWorker:
                                         do_sample=False, pad_token_id=0, eos_token_id=None)
                     [0, len(p):].tolist() for p in request["generate"]]
             return dict(outputs=[vllm_worker.cut(o, set(request["stop"])) for o in outs],
-                        cached=[0] * len(outs), seconds=0.0)
+                        cached=[0] * len(outs), seconds=0.25)
         logps = [torch.log_softmax(self.model(torch.tensor([p])).logits[0, -1].float(), -1)
                  [request["token_ids"]].tolist() for p in request["probe"]]
-        return dict(logprobs=logps, cached=[0] * len(logps), seconds=0.0)
+        return dict(logprobs=logps, cached=[0] * len(logps), seconds=0.25)
 
 
 def test_vllms_client_plays_the_same_dialogues_as_the_hf_baseline(tokenizer):
@@ -44,7 +44,8 @@ def test_vllms_client_plays_the_same_dialogues_as_the_hf_baseline(tokenizer):
     prompt is one of the dialogue's histories, never text tokenized again), the messages equal
     hf generate's and the probe values agree within bench_vllm.PROBE_TOLERANCE (read from the yes
     and no ids' log-probabilities alone, as vLLM's logprob_token_ids gives them); agreement()
-    says so, and a changed message is found."""
+    says so, and a changed message is found. The worker's seconds in vLLM are summed (`inside`)
+    and a warm-up's requests say so."""
     model = tiny_model("llama")
     instances = bench_workload.pick_instances(2)
     hf = bench_baselines.run_hf(model, tokenizer, instances, 2, 6, lambda: None)
@@ -52,6 +53,11 @@ def test_vllms_client_plays_the_same_dialogues_as_the_hf_baseline(tokenizer):
     stop = engine.stop_ids(model, tokenizer)
     ours = bench_vllm.run_vllm(worker, tokenizer, stop, instances, 2, 6)
     assert ours["dialogues"] == hf["dialogues"] and ours["gen"] == hf["gen"]
+    assert ours["inside"] == 0.25 * len(worker.asked)  # the worker's seconds in vLLM, summed
+    assert not any("warmup" in r for r in worker.asked)
+    asked = len(worker.asked)
+    bench_vllm.run_vllm(worker, tokenizer, stop, instances[:1], 1, 2, warmup=True)
+    assert all(r["warmup"] for r in worker.asked[asked:])  # left out of the worker's --profile
     assert all(isinstance(t, int) for r in worker.asked for p in r.get("generate", r.get("probe"))
                for t in p)
     yes = probes.answer_ids(tokenizer, probes.YES_WORDS)
@@ -105,3 +111,27 @@ def test_the_modelled_decode_counts_the_kv_floor_and_the_spans():
     assert len(rows) == (len(bench_gpu.DECODE_MODEL_SHAPES) * len(bench_gpu.DECODE_MODEL_BATCHES)
                          * len(bench_gpu.DECODE_MODEL_CONTEXTS))
     assert all(math.isfinite(r["step_over_floor"]) and r["step_over_floor"] >= 1 for r in rows)
+
+
+def test_the_bench_refuses_more_busy_processes_than_cores_before_anything_starts(monkeypatch, capsys):
+    """--load N above os.cpu_count() is refused in one line before a model loads or a process
+    starts (--load 100000 once took a 2-core machine to a load of 159); N up to the cores passes."""
+    import subprocess
+    import sys
+
+    from lab import bench
+
+    def started(*a, **k):
+        raise AssertionError("something started before --load was checked")
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(subprocess, "Popen", started)
+    monkeypatch.setattr(bench_workload, "load", started)
+    for n in ("3", "100000"):
+        monkeypatch.setattr(sys, "argv", ["lab.bench", "--load", n])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"lab.bench: --load {n} is more than this machine's 2 cores; pass at most "
+                       "one busy process a core, e.g. --load 2")
+    assert bench.parse_args(["--load", "2"]).load == 2
