@@ -39,6 +39,9 @@ RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for ti
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=16,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny-qwen3-tied": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            tie_word_embeddings=True),  # one matrix in and out, as Qwen3-4B's
     "tiny-mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, head_dim=32,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          rope_theta=1e6, sliding_window=None),  # head_dim != hidden / heads

@@ -128,6 +128,9 @@ def save_checkpoint(run_dir, step, policy, optimizer, tokenizer, rank, who="trai
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(policy, optimizer, options=options)
+    if getattr(policy.config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in model_sd:
+        model_sd.pop("lm_head.weight", None)  # gathered as a copy of its own under FSDP: one
+        # matrix written once, as one process writes it and plan.py counts it (load re-ties it)
     if rank == 0:
         latest = run_dir / "latest"
         previous = latest.read_text().strip() if latest.is_file() else None

@@ -365,6 +365,14 @@ def parse_args(argv=None):
     return args
 
 
+def open_file_limit():
+    """This process's soft limit on open files (sockets included); unlimited reads as Linux's
+    default ceiling on any process's open files (fs.nr_open, 2**20)."""
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 2**20 if soft == resource.RLIM_INFINITY else soft
+
+
 def flag_problem(args):
     """What is wrong with the server's flags, in one line, or None: checked before any model
     loads (a model's files, its pool and a served model's answer are checked in checked_models)."""
@@ -377,6 +385,9 @@ def flag_problem(args):
                         ("sessions", args.sessions)):
         if value < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {value}"
+    if args.sessions > (most := open_file_limit() // 2):  # a session holds a socket, and more
+        return (f"--sessions must be at most {most} (half this process's open-file limit, "
+                f"ulimit -n), got {args.sessions}; pass fewer, or raise the limit")
     if not (math.isfinite(args.session_timeout) and args.session_timeout > 0):
         return f"--session-timeout must be a number of seconds > 0, got {args.session_timeout}"
     for flag, name in (("--persuadee", args.persuadee), ("--judge", args.judge)):

@@ -38,6 +38,7 @@ import models
 import rpo
 
 NUM_GENERATIONS = 4  # episodes per instance: GRPO's group
+NUM_GENERATIONS_MAX = 64  # --num-generations at most: with --server, each a session and a thread at once
 TURN_TOKENS = 128  # the most tokens the persuader generates in one message
 LEARNING_RATE = 1e-6
 REWARD_NAMES = ("arena_outcome", "arena_dense")  # TRL logs rewards/<name>/mean per step
@@ -294,8 +295,9 @@ def flag_problem(args):
     for name in ("instances", "steps", "t_max", "turn_tokens", "max_new_tokens", "save_every"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-    if args.num_generations < 2:
-        return f"--num-generations must be at least 2 (GRPO's group), got {args.num_generations}"
+    if not 2 <= args.num_generations <= NUM_GENERATIONS_MAX:
+        return (f"--num-generations must be in 2..{NUM_GENERATIONS_MAX} (GRPO's group; with --server "
+                f"each episode is a session and a thread at once), got {args.num_generations}")
     if not (math.isfinite(args.lam) and args.lam >= 0):
         return f"--lam must be >= 0 and finite, got {args.lam}"
     if not (math.isfinite(args.learning_rate) and 0 < args.learning_rate <= 1):

@@ -92,6 +92,7 @@ def test_the_server_cli_refuses_bad_flags_before_loading(capsys, monkeypatch, sh
     import models
     for argv, words in ((["--port", "1"], "pass --serve"), (["--serve", "--port", "0"], "--port"),
                         (["--serve", "--t-max", "0"], "--t-max must be at least 1"),
+                        (["--serve", "--sessions", str(10**9)], "--sessions must be at most"),
                         (["--serve", "--judge", "openai:nope"], "--judge: served.py: model spec"),
                         (["--serve", "--judge", "random:nope"], "--judge random:nope names no"),
                         (["--serve", "--session-timeout", "nan"], "--session-timeout must be"),

@@ -172,3 +172,35 @@ def test_entry_points_run_from_another_folder_and_no_stray_file_there_shadows_th
     run = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.startswith("usage: train.py"), run.stderr
+
+
+def installed_here():
+    """Whether this checkout is installed in place (requirements.txt's `-e .`, pyproject.toml)."""
+    import importlib.metadata
+    import json
+    urls = [json.loads(d.read_text("direct_url.json") or "{}").get("url")  # the build's
+            for d in importlib.metadata.distributions(name="persuarena")]  # egg-info has none
+    return ROOT.as_uri() in urls
+
+
+@pytest.mark.skipif(not installed_here(), reason="this checkout is not installed in place: "
+                                                  "pip install -r requirements.txt (CI's venv is)")
+def test_the_installed_project_runs_lab_modules_from_any_folder(tmp_path):
+    """Installed (pip install -r requirements.txt), `python -m lab.sweep --help` works from another
+    folder without PYTHONPATH, and stray train.py / rpo.py files there (which `-m` puts first on
+    the path) are not what lab imports."""
+    import subprocess
+    for stray in ("train.py", "rpo.py"):
+        (tmp_path / stray).write_text('raise SystemExit("the stray file was imported")\n')
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-m", "lab.sweep", "--help"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("usage: python -m lab.sweep"), run.stderr
+
+
+def test_pyproject_installs_every_top_level_module_and_lab():
+    """pyproject.toml's py-modules are the top-level modules (a new one is installed too)."""
+    import tomllib
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert sorted(setup["py-modules"]) == [p.stem for p in core_files()]
+    assert setup["packages"] == [PACKAGE]

@@ -157,7 +157,8 @@ def test_a_prompt_that_is_no_instance_is_refused_in_one_line(tokenizer):
 
 
 def test_bad_flags_are_one_line_errors(capsys):
-    for flags, says in ((["--num-generations", "1"], "at least 2"),
+    for flags, says in ((["--num-generations", "1"], "--num-generations must be in 2..64"),
+                        (["--num-generations", "100000"], "--num-generations must be in 2..64"),
                         (["--steps", "0"], "--steps must be at least 1"),
                         (["--lam", "nan"], "--lam must be >= 0"),
                         (["--lam", "inf"], "--lam must be >= 0 and finite"),
