@@ -163,7 +163,7 @@ def main(argv=None):
         target, play = (lambda c: f"http://127.0.0.1:{port}"), play_loopback
     try:
         timed(play, target, 1, 1, instances)  # warm-up
-        print("| sessions | episodes | turns/episode | wall (s) | episodes/s | vs 1 | "
+        print("| sessions | episodes | turns/episode | wall (s) | episodes/s | vs first | "
               "sequences/decode step | load |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         base = None

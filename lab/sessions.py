@@ -6,9 +6,12 @@ persuader's messages from outside. Every session of a Hub shares one persuadee (
 hub runs rollout.EpisodeLoop in one thread (SessionLoop), whose persuader side is the sessions
 themselves (OutsideSide: an episode is ready to speak once its session's message has arrived).
 So what the sessions ask of the persuadee at the same moment, replies with their probe reads and
-decisions, runs in the same engine steps (a round waits up to GATHER_S for the messages of the
-sessions answered together in the last round, so that they stay together), and the judge scores the episodes that ended in the same
-round together (those of one seed in one call: its retries are keyed by the seed). A session's
+decisions, runs in the same engine steps (a round waits a little, SessionLoop.gather, for the
+messages of the sessions answered together in the last round, so that they stay together; an idle
+hub's first episodes wait for others opening at the same moment, and episodes of one instance
+admitted together share their prompt's prefill, SharedPrompts), and the judge scores the
+episodes that ended in the same round together (those of one seed in one call: its retries are
+keyed by the seed). A session's
 message never waits for another session's episode to end.
 
 Admission: an episode of a local persuadee is admitted only while its worst case fits the pool
@@ -37,7 +40,9 @@ HUB_IDLE_S = 5.0  # the loop's thread ends after this long without an episode (s
 ADMIT_WAIT_S = 30.0  # a session whose episode does not fit the pool waits this long, then is refused
 POLL_S = 0.5  # how often a waiting loop or session checks that the other side still lives
 MAX_SESSIONS = 64  # episodes in play at once on one hub (the server's --sessions)
-GATHER_S = 0.02  # a round waits this long for the messages of sessions answered in the last one
+GATHER_S = 0.02  # a round waits this long for the messages of sessions answered in the last one,
+GATHER_FRACTION = 0.1  # or this fraction of the last round's time when longer,
+GATHER_MAX_S = 1.0  # but never longer than this
 GATHER_OPEN_S = 0.25  # an idle hub's first episodes wait at most this long for others opening
 
 _ENGINE_LOCKS = weakref.WeakKeyDictionary()  # persuadee -> the lock a round holds (one hub)
@@ -160,6 +165,7 @@ class SessionLoop(rollout.EpisodeLoop):
         super().__init__(self.persuader, hub.persuadee_side, {}, hub.t_max, None, 1, None, None,
                          None)
         self.judged = []  # (ticket, record) ended this round, judged at the next hand_back
+        self.round_s = 0.0  # how long the last round took (gather's wait scales with it)
 
     def run(self):
         """Rounds while the hub has work (more): new episodes joined, a round played under the
@@ -169,19 +175,22 @@ class SessionLoop(rollout.EpisodeLoop):
             if self.take_inbox() and idle:
                 self.gather_openings()
             self.gather()
+            start = time.monotonic()
             with self.hub.lock:
                 moved = rollout.play_round(self, self.persuader, self.hub.persuadee_side)
+            self.round_s = time.monotonic() - start
             if not moved and self.scheduler.running:
                 self.stuck()
             self.hand_back()
 
     def gather(self):
-        """Before a round, wait up to GATHER_S while some episodes' messages have arrived and
-        others' have not: sessions answered in one round then speak in the next together. Without
-        it the first message back starts a round alone and the sessions split into cohorts that
-        alternate, each a fraction of the batch. No wait when none has arrived (stuck waits) or
-        all have."""
-        deadline = time.monotonic() + GATHER_S
+        """Before a round, wait while some episodes' messages have arrived and others' have not
+        (GATHER_S, or GATHER_FRACTION of the last round's time, at most GATHER_MAX_S): sessions
+        answered in one round then speak in the next together. Without it the first message back
+        starts a round alone and the sessions split into cohorts that alternate, each a fraction
+        of the batch. No wait when none has arrived (stuck waits) or all have."""
+        wait = min(GATHER_MAX_S, max(GATHER_S, GATHER_FRACTION * self.round_s))
+        deadline = time.monotonic() + wait
         with self.hub.wake:
             while (left := deadline - time.monotonic()) > 0:
                 waiting = [e["persuader_sid"] for e in self.scheduler.running

@@ -13,8 +13,8 @@ environment's response. Each turn's
 is written on that turn's trajectory step (`state["trajectory"][t-1]["reward"]`, which verifiers
 keeps as set), with the beliefs in state["beliefs"] and the episode's end in state["arena"]. The
 rubric scores a rollout as TRL's run does (lab/trl_grpo.py): arena_outcome, G(outcome) + 0.5 s,
-plus LAMBDA times arena_dense, the sum of the r_t. A dataset row is an instance and a seed (the
-persuadee's random streams); its prompt is the persuader's opening messages. The policy's text
+plus lam (rpo.LAMBDA) times arena_dense, the sum of the r_t. A dataset row is an instance and a
+seed (the persuadee's random streams); its prompt is the persuader's opening messages. The policy's text
 reaches the persuadee only through PersuasionEnv.step, so it stays as inert as there.
 
 Needs verifiers 0.3.1 (requirements.txt; DECISIONS.md: verifiers):
@@ -34,7 +34,6 @@ import arena
 import rpo
 from lab import env as persuasion_env
 
-LAMBDA = rpo.LAMBDA  # the dense term's weight in a rollout's reward (Probe-RPO's default)
 SEED = 0  # row i's episode is keyed by seed SEED + i
 
 
@@ -59,7 +58,7 @@ class PersuArenaEnv(vf.MultiTurnEnv):
     """A verifiers MultiTurnEnv whose environment response is PersuasionEnv.step (module
     docstring). make_env() builds one PersuasionEnv per rollout over a shared hub."""
 
-    def __init__(self, make_env, instances, seed=SEED, lam=LAMBDA, **kwargs):
+    def __init__(self, make_env, instances, seed=SEED, lam=rpo.LAMBDA, **kwargs):
         rows = arena_rows(instances, seed)
         rubric = vf.Rubric(funcs=[arena_outcome, arena_dense], weights=[1.0, lam])
         rows = Dataset.from_list(rows)
@@ -104,7 +103,7 @@ class PersuArenaEnv(vf.MultiTurnEnv):
 
 def load_environment(persuadee="smollm2", scenarios="heldout", t_max=arena.T_MAX_TRAIN, *,
                      judge=persuasion_env.JUDGE_DEFAULT, max_new_tokens=None, num_examples=-1,
-                     seed=SEED, lam=LAMBDA, env=None, **kwargs):
+                     seed=SEED, lam=rpo.LAMBDA, env=None, **kwargs):
     """A PersuArenaEnv over `scenarios` (the first num_examples instances, all when -1), the
     persuadee and judge loaded once (PersuasionEnv's names) or taken from `env`, a PersuasionEnv
     whose hub the rollouts share. kwargs go to verifiers' MultiTurnEnv."""
