@@ -43,7 +43,8 @@ MAX_SESSIONS = 64  # episodes in play at once on one hub (the server's --session
 GATHER_S = 0.02  # a round waits this long for the messages of sessions answered in the last one,
 GATHER_FRACTION = 0.1  # or this fraction of the last round's time when longer,
 GATHER_MAX_S = 1.0  # but never longer than this
-GATHER_OPEN_S = 0.25  # an idle hub's first episodes wait at most this long for others opening
+GATHER_OPEN_S = 0.25  # an idle hub's first episodes wait at most this long for others opening,
+GATHER_OPEN_GAP_S = 0.05  # until this long passes with none
 
 _ENGINE_LOCKS = weakref.WeakKeyDictionary()  # persuadee -> the lock a round holds (one hub)
 
@@ -202,11 +203,11 @@ class SessionLoop(rollout.EpisodeLoop):
 
     def gather_openings(self):
         """On an idle hub (a trainer's step starting), the first episodes wait for those opened
-        at the same moment, until GATHER_S passes with none new (at most GATHER_OPEN_S), so that
-        a group's sessions are admitted in one round and share their prompt's prefill."""
+        at the same moment, until GATHER_OPEN_GAP_S passes with none new (at most GATHER_OPEN_S),
+        so that a group's sessions are admitted in one round and share their prompt's prefill."""
         deadline = time.monotonic() + GATHER_OPEN_S
         with self.hub.wake:
-            while (left := min(GATHER_S, deadline - time.monotonic())) > 0:
+            while (left := min(GATHER_OPEN_GAP_S, deadline - time.monotonic())) > 0:
                 if not self.hub.wake.wait_for(lambda: self.hub.inbox, left):
                     break
                 self.take_inbox(locked=True)
@@ -333,16 +334,20 @@ class Hub:
         self.wake = threading.Condition()
         self.inbox, self.tickets, self.next_index = [], {}, 0
         self.reserved, self.open_count, self.thread, self.loop = 0, 0, None, None
+        self.needs = {}  # instance id -> need()
 
     def need(self, inst):
         """The KV blocks one episode of inst (and its judging, when the persuadee judges) can
         take at most; 0 for a served persuadee."""
         if self.eng is None:
             return 0
-        need = pools.episode_blocks(self.eng, [inst], self.t_max, self.max_new_tokens)
-        if self.judge is self.persuadee:
-            need = max(need, pools.judge_blocks(self.eng, [inst], self.t_max, self.max_new_tokens))
-        return need
+        if inst["id"] not in self.needs:  # once an instance: its prompts are tokenized for it
+            need = pools.episode_blocks(self.eng, [inst], self.t_max, self.max_new_tokens)
+            if self.judge is self.persuadee:
+                need = max(need, pools.judge_blocks(self.eng, [inst], self.t_max,
+                                                    self.max_new_tokens))
+            self.needs[inst["id"]] = need
+        return self.needs[inst["id"]]
 
     def capacity(self):
         return self.eng.cache.num_blocks if self.eng is not None else 0

@@ -14,8 +14,9 @@ is written on that turn's trajectory step (`state["trajectory"][t-1]["reward"]`,
 keeps as set), with the beliefs in state["beliefs"] and the episode's end in state["arena"]. The
 rubric scores a rollout as TRL's run does (lab/trl_grpo.py): arena_outcome, G(outcome) + 0.5 s,
 plus lam (rpo.LAMBDA) times arena_dense, the sum of the r_t. A dataset row is an instance and a
-seed (the persuadee's random streams); its prompt is the persuader's opening messages. The policy's text
-reaches the persuadee only through PersuasionEnv.step, so it stays as inert as there.
+seed (the persuadee's random streams); its prompt is the persuader's opening messages. The
+policy's text reaches the persuadee only through PersuasionEnv.step, so it stays as inert as
+there.
 
 Needs verifiers 0.3.1 (requirements.txt; DECISIONS.md: verifiers):
 
