@@ -6,8 +6,12 @@ persuader's messages from outside. Every session of a Hub shares one persuadee (
 hub runs rollout.EpisodeLoop in one thread (SessionLoop), whose persuader side is the sessions
 themselves (OutsideSide: an episode is ready to speak once its session's message has arrived).
 So what the sessions ask of the persuadee at the same moment, replies with their probe reads and
-decisions, runs in the same engine steps, and the judge scores the episodes that ended in the same
-round together (those of one seed in one call: its retries are keyed by the seed). A session's
+decisions, runs in the same engine steps (a round waits a little, SessionLoop.gather, for the
+messages of the sessions answered together in the last round, so that they stay together; an idle
+hub's first episodes wait for others opening at the same moment, and episodes of one instance
+admitted together share their prompt's prefill, SharedPrompts), and the judge scores the
+episodes that ended in the same round together (those of one seed in one call: its retries are
+keyed by the seed). A session's
 message never waits for another session's episode to end.
 
 Admission: an episode of a local persuadee is admitted only while its worst case fits the pool
@@ -25,6 +29,7 @@ streams are keyed by its own seed, so it plays the same whoever else is in play.
 """
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 
@@ -35,6 +40,11 @@ HUB_IDLE_S = 5.0  # the loop's thread ends after this long without an episode (s
 ADMIT_WAIT_S = 30.0  # a session whose episode does not fit the pool waits this long, then is refused
 POLL_S = 0.5  # how often a waiting loop or session checks that the other side still lives
 MAX_SESSIONS = 64  # episodes in play at once on one hub (the server's --sessions)
+GATHER_S = 0.02  # a round waits this long for the messages of sessions answered in the last one,
+GATHER_FRACTION = 0.1  # or this fraction of the last round's time when longer,
+GATHER_MAX_S = 1.0  # but never longer than this
+GATHER_OPEN_S = 0.25  # an idle hub's first episodes wait at most this long for others opening,
+GATHER_OPEN_GAP_S = 0.05  # until this long passes with none
 
 _ENGINE_LOCKS = weakref.WeakKeyDictionary()  # persuadee -> the lock a round holds (one hub)
 
@@ -114,6 +124,36 @@ class OutsideSide:
         self.tickets.pop(sid, None)
 
 
+class SharedPrompts:
+    """A local persuadee's side (rollout.EngineSide) whose episodes of one instance admitted
+    in the same round share one prefill and one b_0 read, as a rollout group's members do: the
+    second one's prefill is the first one's root, and start forks every member from it. A
+    session is a group of one, so without this each of a trainer's G sessions of an instance
+    prefilled the whole prompt, most of an episode's compute on a CPU. Nothing outlives the
+    round: the root is freed once its members are forked."""
+
+    def __init__(self, side):
+        self.side, self.roots = side, {}
+
+    def __getattr__(self, name):
+        return getattr(self.side, name)
+
+    def prefill(self, instance):
+        if instance["id"] not in self.roots:
+            self.roots[instance["id"]] = self.side.prefill(instance)
+        return self.roots[instance["id"]]
+
+    def start(self, roots, counts):
+        self.roots.clear()
+        unique = list(dict.fromkeys(roots))
+        totals = [sum(n for r, n in zip(roots, counts) if r == u) for u in unique]
+        forked, reads = self.side.start(unique, totals)
+        members = {u: iter(sids) for u, sids in zip(unique, forked)}
+        read = dict(zip(unique, reads))
+        return [[next(members[r]) for _ in range(n)] for r, n in zip(roots, counts)], \
+            [read[r] for r in roots]
+
+
 class SessionLoop(rollout.EpisodeLoop):
     """rollout.EpisodeLoop over the sessions of a hub, its rounds rollout.play_round's: episodes
     join as sessions open them (one "instance" entry each, group size 1, its own seed), the loop
@@ -126,17 +166,51 @@ class SessionLoop(rollout.EpisodeLoop):
         super().__init__(self.persuader, hub.persuadee_side, {}, hub.t_max, None, 1, None, None,
                          None)
         self.judged = []  # (ticket, record) ended this round, judged at the next hand_back
+        self.round_s = 0.0  # how long the last round took (gather's wait scales with it)
 
     def run(self):
         """Rounds while the hub has work (more): new episodes joined, a round played under the
         engine lock, the ended ones judged and handed back."""
         while self.more():
-            self.take_inbox()
+            idle = not self.scheduler.running
+            if self.take_inbox() and idle:
+                self.gather_openings()
+            self.gather()
+            start = time.monotonic()
             with self.hub.lock:
                 moved = rollout.play_round(self, self.persuader, self.hub.persuadee_side)
+            self.round_s = time.monotonic() - start
             if not moved and self.scheduler.running:
                 self.stuck()
             self.hand_back()
+
+    def gather(self):
+        """Before a round, wait while some episodes' messages have arrived and others' have not
+        (GATHER_S, or GATHER_FRACTION of the last round's time, at most GATHER_MAX_S): sessions
+        answered in one round then speak in the next together. Without it the first message back
+        starts a round alone and the sessions split into cohorts that alternate, each a fraction
+        of the batch. No wait when none has arrived (stuck waits) or all have."""
+        wait = min(GATHER_MAX_S, max(GATHER_S, GATHER_FRACTION * self.round_s))
+        deadline = time.monotonic() + wait
+        with self.hub.wake:
+            while (left := deadline - time.monotonic()) > 0:
+                waiting = [e["persuader_sid"] for e in self.scheduler.running
+                           if e["phase"] == "speak"]
+                arrived = len(self.persuader.ready(waiting))
+                if arrived in (0, len(waiting)):
+                    return
+                self.hub.wake.wait(left)
+
+    def gather_openings(self):
+        """On an idle hub (a trainer's step starting), the first episodes wait for those opened
+        at the same moment, until GATHER_OPEN_GAP_S passes with none new (at most GATHER_OPEN_S),
+        so that a group's sessions are admitted in one round and share their prompt's prefill."""
+        deadline = time.monotonic() + GATHER_OPEN_S
+        with self.hub.wake:
+            while (left := min(GATHER_OPEN_GAP_S, deadline - time.monotonic())) > 0:
+                if not self.hub.wake.wait_for(lambda: self.hub.inbox, left):
+                    break
+                self.take_inbox(locked=True)
 
     def seed_of(self, index):
         return self.hub.tickets[index].seed
@@ -162,10 +236,14 @@ class SessionLoop(rollout.EpisodeLoop):
             return
         self.finish(self.scheduler.running[-1], "cache")
 
-    def take_inbox(self):
-        """New episodes join the queue; a stopped one waiting to start is dropped."""
-        with self.hub.wake:
-            arrived, self.hub.inbox = self.hub.inbox, []
+    def take_inbox(self, locked=False):
+        """New episodes join the queue; a stopped one waiting to start is dropped. Whether any
+        joined. locked: the caller holds hub.wake."""
+        if not locked:
+            with self.hub.wake:
+                return self.take_inbox(locked=True)
+        arrived, self.hub.inbox = self.hub.inbox, []
+        joined = False
         for ticket in arrived:
             if ticket.mailbox and ticket.mailbox[-1] is None and ticket.episode is None:
                 self.scheduler.waiting = deque(w for w in self.scheduler.waiting
@@ -180,6 +258,8 @@ class SessionLoop(rollout.EpisodeLoop):
                 self.hub.tickets[ticket.index] = ticket
                 self.instances[ticket.index] = ticket.inst
                 self.scheduler.waiting.append((ticket.index, [0]))
+                joined = True
+        return joined
 
     def started(self, groups, persuader_sids, persuadee_sids, reads):
         super().started(groups, persuader_sids, persuadee_sids, reads)
@@ -247,21 +327,27 @@ class Hub:
         self.persuadee_side = rollout.side(persuadee, "persuadee",
                                            sampling or rollout.SAMPLING["paper"][1],
                                            max_new_tokens, probe_space, probe_signs)
+        if isinstance(self.persuadee_side, rollout.EngineSide):
+            self.persuadee_side = SharedPrompts(self.persuadee_side)
         self.lock = engine_lock(persuadee)
         self.eng = getattr(self.persuadee_side, "eng", None)
         self.wake = threading.Condition()
         self.inbox, self.tickets, self.next_index = [], {}, 0
         self.reserved, self.open_count, self.thread, self.loop = 0, 0, None, None
+        self.needs = {}  # instance id -> need()
 
     def need(self, inst):
         """The KV blocks one episode of inst (and its judging, when the persuadee judges) can
         take at most; 0 for a served persuadee."""
         if self.eng is None:
             return 0
-        need = pools.episode_blocks(self.eng, [inst], self.t_max, self.max_new_tokens)
-        if self.judge is self.persuadee:
-            need = max(need, pools.judge_blocks(self.eng, [inst], self.t_max, self.max_new_tokens))
-        return need
+        if inst["id"] not in self.needs:  # once an instance: its prompts are tokenized for it
+            need = pools.episode_blocks(self.eng, [inst], self.t_max, self.max_new_tokens)
+            if self.judge is self.persuadee:
+                need = max(need, pools.judge_blocks(self.eng, [inst], self.t_max,
+                                                    self.max_new_tokens))
+            self.needs[inst["id"]] = need
+        return self.needs[inst["id"]]
 
     def capacity(self):
         return self.eng.cache.num_blocks if self.eng is not None else 0

@@ -4,6 +4,8 @@ replies share engine steps, and a bad client among them leaves the others' episo
 import json
 import threading
 
+import pytest
+
 import engine
 from conftest import tiny_model
 from lab import env as persuasion_env
@@ -101,3 +103,25 @@ def test_a_session_that_does_not_fit_waits_then_is_refused_in_one_line(tokenizer
     assert second.reset(seed=2)[1]["turn"] == 0
     second.close()
     assert ee.free_blocks == 2000 and hub.reserved == 0
+
+
+def test_episodes_of_one_instance_admitted_together_share_one_prefill(tokenizer):
+    """The hub's persuadee side prefills an instance's prompt once for every episode of it
+    admitted in one round, reads b_0 once, and forks each its own sequence: the same b_0 as a
+    plain side's own prefill, the prompt's tokens run once, the pool whole once all are freed."""
+    import rollout
+    ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+    hub = sessions.Hub(ee, None, t_max=2, max_new_tokens=4)
+    side, inst = hub.persuadee_side, instances()[0]
+    before = ee.tokens_prefilled
+    roots = [side.prefill(inst), side.prefill(inst), side.prefill(instances()[1])]
+    assert roots[0] == roots[1] != roots[2]
+    assert ee.tokens_prefilled - before == len(side.prompt(inst)) + len(side.prompt(instances()[1]))
+    sids, reads = side.start(roots, [1, 2, 1])
+    assert [len(s) for s in sids] == [1, 2, 1] and len({s for g in sids for s in g}) == 4
+    plain = rollout.side(ee, "persuadee", rollout.SAMPLING["paper"][1], 4, None, None)
+    alone_sids, alone = plain.start([plain.prefill(inst)], [1])
+    assert reads[0] == reads[1] and reads[0][0] == pytest.approx(alone[0][0], abs=1e-6)
+    for s in [s for g in sids + alone_sids for s in g]:
+        ee.free(s)
+    assert ee.free_blocks == 2000

@@ -1,0 +1,186 @@
+"""
+bench_sessions.py: episodes per second against the number of sessions playing at once on one
+persuadee (lab/sessions.py), in-process and over the OpenEnv server on loopback.
+
+For each count N, N clients each play REPEATS whole episodes of scripted persuader messages at
+once, client c the instance c mod --instances (1: every client the same one, as the G sessions
+of a trainer's group; then the persuadee prefills its prompt once for those admitted together,
+sessions.SharedPrompts), and
+
+    episodes/s = N * REPEATS / wall,   speed-up(N) = episodes/s(N) / episodes/s(1).
+
+In-process, each client is a PersuasionEnv over one shared sessions.Hub in its own thread; the
+engine's decode calls are counted, so the table also gives the mean number of sequences each
+decode step carried (replies of several sessions in one step lift it above 1). Over loopback
+the server is `python -m lab.env_server --serve` in its own process and each client a raw
+OpenEnv WebSocket session (websockets' client). One warm-up episode precedes the counts. The
+judge is off (s = 0): the table times the persuadee's replies, probe reads and decisions.
+
+    python -m lab.bench_sessions --persuadee random:tiny-qwen3 --over inprocess
+    python -m lab.bench_sessions --persuadee smollm2 --over loopback --sessions 1,16 --repeats 1
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+SESSIONS = (1, 4, 16, 64)  # the issue's counts
+REPEATS = 2  # episodes each client plays back to back at a count
+INSTANCES = 1  # distinct instances the clients play (1: all one, as a trainer's group of G)
+T_MAX = 3  # turns an episode may last
+MAX_NEW_TOKENS = 8  # tokens of a persuadee reply
+SCRIPT = ("Hello, may I ask about your week?", "Would a leaflet help?", "We could go together.",
+          "What would make it easier?")
+SERVER_START_S = 600  # a SmolLM2 server on a busy 2-core machine takes a while to load
+
+
+def client_messages(i):
+    """Client i's messages (a different tail each, so no two contexts are the same)."""
+    return [f"{text} ({i})" for text in SCRIPT * 2]
+
+
+def play_inprocess(env, i, instance, turns):
+    env.reset(seed=i, options={"instance": instance})
+    for n, text in enumerate(client_messages(i), 1):
+        _, _, terminated, truncated, _ = env.step(text)
+        if terminated or truncated:
+            break
+    turns.append(n)
+
+
+def play_loopback(url, i, instance, turns):
+    from websockets.sync.client import connect
+    with connect(url.replace("http://", "ws://") + "/ws", open_timeout=60, close_timeout=1,
+                 ping_interval=None, max_size=None) as ws:
+        def ask(kind, data):
+            ws.send(json.dumps({"type": kind, "data": data}))
+            answer = json.loads(ws.recv(timeout=600))
+            if answer["type"] != "observation":
+                raise RuntimeError(f"bench_sessions.py: the server answered {answer}")
+            return answer["data"]
+        ask("reset", {"seed": i, "instance": instance})
+        for n, text in enumerate(client_messages(i), 1):
+            if ask("step", {"message": text})["done"]:
+                break
+        ws.send(json.dumps({"type": "close"}))
+    turns.append(n)
+
+
+def timed(play, target, count, repeats, instances):
+    """Wall seconds for `count` clients playing `repeats` episodes each at once, and the turns
+    the episodes lasted."""
+    turns, errors = [], []
+
+    def client(c):
+        try:
+            where = target(c)
+            for r in range(repeats):
+                play(where, c * repeats + r, instances[c % len(instances)], turns)
+        except Exception as e:  # the table is not printed over a failed client
+            errors.append(e)
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(count)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        sys.exit(f"bench_sessions.py: {len(errors)} client(s) failed, the first: {errors[0]!r}")
+    return time.perf_counter() - start, turns
+
+
+def inprocess_hub(args, instances):
+    """A hub over the persuadee, its engine's decode calls counted: (hub, steps list)."""
+    import models
+    from lab import env as persuasion_env, pools, sessions
+    models.set_cpu_threads()
+    eng = pools.player(args.persuadee, {}, "float32", args.kv_blocks)
+    steps, generate = [], eng.generate
+
+    def counted(sids, *a, **kw):
+        steps.append(len(sids))
+        return generate(sids, *a, **kw)
+    eng.generate = counted
+    hub = sessions.Hub(eng, None, t_max=args.t_max, max_new_tokens=args.max_new_tokens,
+                       max_sessions=max(args.sessions))
+    return (lambda c: persuasion_env.PersuasionEnv(scenarios=instances, hub=hub)), steps
+
+
+def start_server(args, port):
+    """`python -m lab.env_server --serve` on loopback in its own process, once it answers."""
+    cmd = [sys.executable, "-m", "lab.env_server", "--serve", "--port", str(port),
+           "--persuadee", args.persuadee, "--judge", "none", "--scenarios", args.scenarios,
+           "--t-max", str(args.t_max), "--max-new-tokens", str(args.max_new_tokens),
+           "--sessions", str(max(args.sessions)), "--session-timeout", "600"]
+    if args.kv_blocks:
+        cmd += ["--kv-blocks", str(args.kv_blocks)]
+    proc = subprocess.Popen(cmd)
+    deadline = time.time() + SERVER_START_S
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                sys.exit("bench_sessions.py: the server did not start")
+            time.sleep(1)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m lab.bench_sessions", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--persuadee", default="random:tiny-qwen3")
+    ap.add_argument("--over", choices=("inprocess", "loopback"), default="inprocess")
+    ap.add_argument("--sessions", default=",".join(map(str, SESSIONS)))
+    ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--t-max", type=int, default=T_MAX)
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    ap.add_argument("--kv-blocks", type=int)
+    ap.add_argument("--scenarios", default="heldout")
+    ap.add_argument("--instances", type=int, default=INSTANCES, help="distinct instances played")
+    args = ap.parse_args(argv)
+    args.sessions = [int(n) for n in args.sessions.split(",")]
+    if min(args.sessions) < 1 or args.repeats < 1 or args.instances < 1:
+        ap.error("--sessions are positive counts, --repeats and --instances at least 1")
+    from lab.env import load_instances
+    loaded = load_instances(args.scenarios)
+    instances = [i["id"] for i in loaded][:args.instances]
+    steps, proc = [], None
+    if args.over == "inprocess":
+        target, steps = inprocess_hub(args, loaded)
+        play = play_inprocess
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = start_server(args, port)
+        target, play = (lambda c: f"http://127.0.0.1:{port}"), play_loopback
+    try:
+        timed(play, target, 1, 1, instances)  # warm-up
+        print("| sessions | episodes | turns/episode | wall (s) | episodes/s | vs first | "
+              "sequences/decode step | load |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        base = None
+        for count in args.sessions:
+            steps.clear()
+            wall, turns = timed(play, target, count, args.repeats, instances)
+            rate = len(turns) / wall
+            base = base or rate
+            batch = f"{sum(steps) / len(steps):.1f}" if steps else "-"
+            print(f"| {count} | {len(turns)} | {sum(turns) / len(turns):.1f} | {wall:.2f} | "
+                  f"{rate:.2f} | {rate / base:.1f}x | {batch} | {os.getloadavg()[0]:.1f} |",
+                  flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
