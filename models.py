@@ -39,9 +39,6 @@ RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for ti
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=16,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "tiny-qwen3-tied": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, head_dim=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            tie_word_embeddings=True),  # one matrix in and out, as Qwen3-4B's
     "tiny-mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, head_dim=32,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          rope_theta=1e6, sliding_window=None),  # head_dim != hidden / heads
@@ -55,6 +52,8 @@ RANDOM_CONFIGS = {  # "random:NAME" builds these untrained, for tests and for ti
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          vocab_size=49152, rope_theta=1e5, tie_word_embeddings=True),
 }
+RANDOM_CONFIGS["tiny-qwen3-tied"] = dict(RANDOM_CONFIGS["tiny-qwen3"],
+                                        tie_word_embeddings=True)  # one matrix in and out, as Qwen3-4B's
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

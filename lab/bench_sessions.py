@@ -12,15 +12,14 @@ sessions.SharedPrompts), and
 In-process, each client is a PersuasionEnv over one shared sessions.Hub in its own thread; the
 engine's decode calls are counted, so the table also gives the mean number of sequences each
 decode step carried (replies of several sessions in one step lift it above 1). Over loopback
-the server is `python -m lab.env_server --serve` in its own process and each client a raw
-OpenEnv WebSocket session (websockets' client). One warm-up episode precedes the counts. The
+the server is `python -m lab.env_server --serve` in its own process and each client one
+WebSocket session through the server's own client (env_server.ServerSession, openenv's). One warm-up episode precedes the counts. The
 judge is off (s = 0): the table times the persuadee's replies, probe reads and decisions.
 
     python -m lab.bench_sessions --persuadee random:tiny-qwen3 --over inprocess
     python -m lab.bench_sessions --persuadee smollm2 --over loopback --sessions 1,16 --repeats 1
 """
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -44,7 +43,9 @@ def client_messages(i):
     return [f"{text} ({i})" for text in SCRIPT * 2]
 
 
-def play_inprocess(env, i, instance, turns):
+def play(env, i, instance, turns):
+    """One episode of client i's messages on env: a PersuasionEnv in-process, or
+    env_server.ServerSession, the server's own client over loopback (the same calls)."""
     env.reset(seed=i, options={"instance": instance})
     for n, text in enumerate(client_messages(i), 1):
         _, _, terminated, truncated, _ = env.step(text)
@@ -53,35 +54,20 @@ def play_inprocess(env, i, instance, turns):
     turns.append(n)
 
 
-def play_loopback(url, i, instance, turns):
-    from websockets.sync.client import connect
-    with connect(url.replace("http://", "ws://") + "/ws", open_timeout=60, close_timeout=1,
-                 ping_interval=None, max_size=None) as ws:
-        def ask(kind, data):
-            ws.send(json.dumps({"type": kind, "data": data}))
-            answer = json.loads(ws.recv(timeout=600))
-            if answer["type"] != "observation":
-                raise RuntimeError(f"bench_sessions.py: the server answered {answer}")
-            return answer["data"]
-        ask("reset", {"seed": i, "instance": instance})
-        for n, text in enumerate(client_messages(i), 1):
-            if ask("step", {"message": text})["done"]:
-                break
-        ws.send(json.dumps({"type": "close"}))
-    turns.append(n)
-
-
-def timed(play, target, count, repeats, instances):
-    """Wall seconds for `count` clients playing `repeats` episodes each at once, and the turns
-    the episodes lasted."""
+def timed(target, count, repeats, instances):
+    """Wall seconds for `count` clients, each on its env target(c), playing `repeats` episodes
+    each at once, and the turns the episodes lasted."""
     turns, errors = [], []
 
     def client(c):
         try:
-            where = target(c)
-            for r in range(repeats):
-                play(where, c * repeats + r, instances[c % len(instances)], turns)
-        except Exception as e:  # the table is not printed over a failed client
+            env = target(c)
+            try:
+                for r in range(repeats):
+                    play(env, c * repeats + r, instances[c % len(instances)], turns)
+            finally:
+                env.close()  # its session (and the server's slot) freed for the next count
+        except (Exception, SystemExit) as e:  # no table over a failed client
             errors.append(e)
     threads = [threading.Thread(target=client, args=(c,)) for c in range(count)]
     start = time.perf_counter()
@@ -154,22 +140,22 @@ def main(argv=None):
     steps, proc = [], None
     if args.over == "inprocess":
         target, steps = inprocess_hub(args, loaded)
-        play = play_inprocess
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         proc = start_server(args, port)
-        target, play = (lambda c: f"http://127.0.0.1:{port}"), play_loopback
+        from lab.env_server import ServerSession
+        target = lambda c: ServerSession(f"http://127.0.0.1:{port}", who="bench_sessions.py")
     try:
-        timed(play, target, 1, 1, instances)  # warm-up
+        timed(target, 1, 1, instances)  # warm-up
         print("| sessions | episodes | turns/episode | wall (s) | episodes/s | vs first | "
               "sequences/decode step | load |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         base = None
         for count in args.sessions:
             steps.clear()
-            wall, turns = timed(play, target, count, args.repeats, instances)
+            wall, turns = timed(target, count, args.repeats, instances)
             rate = len(turns) / wall
             base = base or rate
             batch = f"{sum(steps) / len(steps):.1f}" if steps else "-"

@@ -365,6 +365,35 @@ def parse_args(argv=None):
     return args
 
 
+class ServerSession:
+    """This server's client: one WebSocket session of `python -m lab.env_server --serve` over
+    openenv's own client, with PersuasionEnv's reset, step and close (what trl_grpo's episodes
+    and bench_sessions' clients call). who: the command named in its one-line error."""
+
+    def __init__(self, url, who="env_server.py"):
+        from openenv.core import GenericEnvClient
+        try:
+            self.client = GenericEnvClient(base_url=url).sync().connect()
+        except Exception as e:
+            why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+            raise SystemExit(f"{who}: cannot reach the arena server at {url} ({why}); "
+                             "start it with python -m lab.env_server --serve, or check its address"
+                             ) from None
+
+    def reset(self, *, seed=None, options=None):
+        result = self.client.reset(seed=seed, instance=(options or {}).get("instance"))
+        return tuple(result.observation["messages"]), result.observation["info"]
+
+    def step(self, text):
+        result = self.client.step({"message": text})
+        seen = result.observation
+        return (tuple(seen["messages"]), result.reward, seen["terminated"], seen["truncated"],
+                seen["info"])
+
+    def close(self):
+        self.client.close()
+
+
 def open_file_limit():
     """This process's soft limit on open files (sockets included); unlimited reads as Linux's
     default ceiling on any process's open files (fs.nr_open, 2**20)."""

@@ -36,6 +36,7 @@ from transformers import DynamicCache
 import arena
 import models
 import rpo
+from lab import env_server
 
 NUM_GENERATIONS = 4  # episodes per instance: GRPO's group
 NUM_GENERATIONS_MAX = 64  # --num-generations at most: with --server, each a session and a thread at once
@@ -202,46 +203,18 @@ def trainer_for(env, model, tokenizer, config, *, instance_ids=None, turn_tokens
                                                  on_episode))
 
 
-class ServerSession:
-    """reset and step, the two calls play_episode makes, over openenv's own client: one
-    WebSocket session of `python -m lab.env_server --serve`."""
-
-    def __init__(self, url):
-        from openenv.core import GenericEnvClient
-        try:
-            self.client = GenericEnvClient(base_url=url).sync().connect()
-        except Exception as e:
-            why = (str(e).splitlines() or [type(e).__name__])[0][:120]
-            raise SystemExit(f"trl_grpo.py: cannot reach the arena server at {url} ({why}); "
-                             "start it with python -m lab.env_server --serve, or check --server"
-                             ) from None
-
-    def reset(self, *, seed=None, options=None):
-        result = self.client.reset(seed=seed, instance=(options or {}).get("instance"))
-        return tuple(result.observation["messages"]), result.observation["info"]
-
-    def step(self, text):
-        result = self.client.step({"message": text})
-        seen = result.observation
-        return (tuple(seen["messages"]), result.reward, seen["terminated"], seen["truncated"],
-                seen["info"])
-
-    def close(self):
-        self.client.close()
-
-
-class ServerEnv(ServerSession):
+class ServerEnv(env_server.ServerSession):
     """The arena in another process: one session for calls made on it, and sessions(n), n
     sessions kept open across steps, that make_rollout plays a step's episodes on at once.
     `instances` are the server's own (the same --scenarios), for the prompts."""
 
     def __init__(self, url, instances):
-        super().__init__(url)
+        super().__init__(url, who=WHO)
         self.url, self.by_id, self.pool = url, {inst["id"]: inst for inst in instances}, []
 
     def sessions(self, n):
         while len(self.pool) < n:
-            self.pool.append(ServerSession(self.url))
+            self.pool.append(env_server.ServerSession(self.url, who=WHO))
         return self.pool[:n]
 
     def close(self):
