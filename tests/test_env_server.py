@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -125,7 +126,6 @@ def test_sigterm_stops_the_server_with_a_client_mid_episode(short_scenarios):
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -253,7 +253,6 @@ def test_over_openenv_a_bad_reset_or_a_surrogate_mid_episode_is_one_line(openenv
 def session(url, tries=400):
     """A raw session that holds the server's one slot: connect again while the server answers
     that it is at capacity (a slot not yet released)."""
-    import time
 
     from websockets.exceptions import ConnectionClosed
     for _ in range(tries):
@@ -293,7 +292,6 @@ def rss_bytes():
 
 def settled_threads(target, tries=200):
     """The thread count once it is back to target (finished threads need a moment to exit)."""
-    import time
     for _ in range(tries):
         if threading.active_count() <= target:
             break
@@ -377,6 +375,9 @@ def soak(url, ee, episodes, idle_every, unused_every, capfd):
         with contextlib.suppress(Exception):
             raw.ws.close()
     assert final["observation"]["info"]["record"]["id"] == instances()[2]["id"]
+    deadline = time.time() + 10  # the last idle client's episode is released by its idle timeout
+    while ee.free_blocks != 2000 and time.time() < deadline:
+        time.sleep(0.05)
     assert ee.free_blocks == 2000
     assert settled_threads(threads) == threads, [t.name for t in threading.enumerate()]
     assert rss_bytes() - rss < 64 * 2**20
@@ -390,7 +391,6 @@ def test_an_idle_session_is_closed_and_says_so(tokenizer, capfd):
     timeout, is not idle; once silent past the timeout it is told so in one line and closed
     mid-episode (its blocks freed, one line logged); a new client plays; an MCP session over
     HTTP is refused in one line. No openenv internals are reached into (ASGI level)."""
-    import time
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
     hub = sessions.Hub(ee, None, t_max=2, max_new_tokens=4)
 
@@ -425,7 +425,7 @@ SOAK_ALL = "PERSUARENA_SOAK"  # set to run the 500-episode soak too
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("episodes", [100, pytest.param(500, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("episodes", [40, pytest.param(500, marks=pytest.mark.skipif(
     not os.environ.get(SOAK_ALL), reason=f"the 500-episode soak runs with {SOAK_ALL}=1"))])
 def test_the_server_survives_a_soak_of_misbehaving_clients(tokenizer, capfd, episodes):
     """A bounded soak over loopback (soak) with a short idle timeout."""
@@ -436,7 +436,7 @@ def test_the_server_survives_a_soak_of_misbehaving_clients(tokenizer, capfd, epi
     def make_env():
         return persuasion_env.PersuasionEnv(scenarios=instances(), hub=hub)
     with serving(make_env, session_idle_s=2.0) as url:
-        soak(url, ee, episodes, idle_every=75, unused_every=10, capfd=capfd)
+        soak(url, ee, episodes, idle_every=min(75, episodes // 2), unused_every=10, capfd=capfd)
 
 
 @contextlib.contextmanager
@@ -530,7 +530,6 @@ def test_a_frame_that_is_not_utf8_is_one_line(openenv_server):
     the old server, one per frame) is one line without the traceback."""
     import logging
     import sys
-    import time
 
     from websockets.exceptions import ConnectionClosedError
     url, make_env, ee = openenv_server

@@ -232,7 +232,7 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     """torchrun --nproc_per_node 2 eval.py shards the scenarios over the ranks; rank 0 gathers
     them: episodes.jsonl and summary.json equal one process's (run in this one meanwhile)."""
     common = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
-              "--limit", "6", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600"]
+              "--limit", "4", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
            str(Path(evaluation.__file__)), *common, "--name", "two"]
     log = tmp_path / "two.log"
@@ -244,11 +244,11 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
         assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
     runs = {name: tmp_path / evaluation.EVALS_DIR / name for name in ("one", "two")}
     one, two = (records.load_episodes(runs[k]) for k in ("one", "two"))
-    assert len(one) == 6 == len(two)
+    assert len(one) == 4 == len(two)
     from test_html_report import assert_self_contained, parse  # a real evaluation's report.html
     page = parse(runs["one"] / "report.html")
     assert_self_contained((runs["one"] / "report.html").read_text())
-    assert len(page.rows) == 6 and all(ep["id"] in "".join(page.text) for ep in one)
+    assert len(page.rows) == 4 and all(ep["id"] in "".join(page.text) for ep in one)
     for a, b in zip(one, two):  # texts exactly; beliefs to float noise (other batch neighbours)
         floats = ("beliefs", "probes", "probe_mass")
         assert {k: v for k, v in a.items() if k not in floats} == \

@@ -97,13 +97,15 @@ def fake_generate(text):
 
 @pytest.mark.slow
 def test_smollm2_plays_two_dialogues_end_to_end():
-    """Integration: the real CPU default model, two short dialogues, probes and all; the probe
-    values the rollout read at b_0 equal full forwards of the persuadee's prompt."""
+    """Integration: the real CPU default model, two short dialogues of one scenario (a group:
+    its prompts prefilled once), probes and all; the probe values the rollout read at b_0 equal
+    full forwards of the persuadee's prompt."""
     model, tokenizer = models.load_model("smollm2")
-    scenarios = arena.load_scenarios(split="heldout")[:2]
+    scenarios = arena.load_scenarios(split="heldout")[:1]
     er, ee = engine.Engine(model, tokenizer), engine.Engine(model, tokenizer)
-    records = rollout.rollout_episodes(er, ee, scenarios, 2, max_new_tokens=16, seed=0)
-    assert len(records) == 2
+    records = rollout.rollout_episodes(er, ee, scenarios, 2, group_size=2, max_new_tokens=16,
+                                       seed=0)
+    assert len(records) == 2 and records[0]["transcript"] != records[1]["transcript"]
     for r in records:
         assert r["transcript"][0]["role"] == "persuader" and r["transcript"][0]["text"]
         assert all(-1 <= b <= 1 for b in r["beliefs"]) and len(r["beliefs"]) == r["turns"] + 1
