@@ -103,7 +103,7 @@ def test_smollm2_plays_two_dialogues_end_to_end():
     model, tokenizer = models.load_model("smollm2")
     scenarios = arena.load_scenarios(split="heldout")[:1]
     er, ee = engine.Engine(model, tokenizer), engine.Engine(model, tokenizer)
-    records = rollout.rollout_episodes(er, ee, scenarios, 2, group_size=2, max_new_tokens=16,
+    records = rollout.rollout_episodes(er, ee, scenarios, 2, group_size=2, max_new_tokens=8,
                                        seed=0)
     assert len(records) == 2 and records[0]["transcript"] != records[1]["transcript"]
     for r in records:
