@@ -134,12 +134,8 @@ def trained_run(tmp_path_factory):
 
 def pytest_collection_modifyitems(items):
     """The slow tests first (a stable sort): pytest.ini's workers then finish together instead of
-    one of them running the longest tests at the end. The tests of one xdist_group move together
-    (first if any of them is slow), so the costly fixture they share is set up once."""
-    group = lambda item: (m := item.get_closest_marker("xdist_group")) and m.args[0]
-    slow_groups = {group(i) for i in items if i.get_closest_marker("slow") and group(i)}
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None
-               and (group(item) is None or group(item) not in slow_groups))
+    one of them running the longest tests at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_configure(config):

@@ -494,9 +494,9 @@ SERVE_START_S = 240  # start-up allowance on a busy 2-core machine (about 5-45 s
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """`transformers serve` of a tiny random Llama with the test tokenizer on 127.0.0.1; the spec
-    that names it. Session-scoped: conftest.py runs the slow tests first, so this module's tests
-    are not contiguous and a module fixture would start the server again after each gap; the
-    xdist_group keeps its tests on one worker, which starts it once and stops it at the end."""
+    that names it. Session-scoped: conftest.py's slow-first order splits this module's tests, and
+    a module fixture would start the server again after each gap; the xdist_group keeps its tests
+    on one worker, which starts it once and stops it at the session's end."""
     import urllib.request
     folder = tmp_path_factory.mktemp("served") / "tiny-llama"
     model, tok = models.random_model("tiny-llama", seed=1, max_position_embeddings=2048)
