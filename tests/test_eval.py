@@ -227,6 +227,7 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     assert all(eng.free_blocks == 400 for eng in engines)
 
 
+@pytest.mark.xdist_group("ranks")  # one 2-rank run at a time: three processes each
 @pytest.mark.slow
 def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     """torchrun --nproc_per_node 2 eval.py shards the scenarios over the ranks; rank 0 gathers

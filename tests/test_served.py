@@ -1280,6 +1280,7 @@ def test_every_served_side_receives_role_markers_as_text(chat_tokenizer):
     assert model.stats["neutralised"] > 0
 
 
+@pytest.mark.xdist_group("ranks")  # one 2-rank run at a time: three processes each
 @pytest.mark.slow
 def test_two_ranks_train_on_when_one_ranks_episodes_are_left_out(tmp_path, short_scenarios):
     """torchrun, 2 ranks, against a served persuadee whose replies fail for good in one of the

@@ -585,6 +585,7 @@ def pooled_by_hand(rows, lam):
             "dense_share": abs_dense / abs_total}
 
 
+@pytest.mark.xdist_group("ranks")  # one 2-rank run at a time: three processes each
 @pytest.mark.slow
 def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_scenarios):
     """torchrun with 2 CPU ranks (gloo, FSDP) and one process, same global batch, both sides
@@ -711,6 +712,7 @@ BF16_RANKS_ALL = "PERSUARENA_BF16_RANKS"  # set to run the bf16 checkpointing ra
 CHECKPOINTS_CALL = "__call__" in vars(GradientCheckpointingLayer)
 
 
+@pytest.mark.xdist_group("ranks")  # one 2-rank run at a time: three processes each
 @pytest.mark.slow
 @pytest.mark.skipif(not (CHECKPOINTS_CALL or os.environ.get(BF16_RANKS_ALL)),
                     reason="this transformers checkpoints forward, not the path torch 2.11's "
@@ -1043,6 +1045,7 @@ def test_a_stopped_lora_run_resumes_as_an_unbroken_one(tmp_path, short_scenarios
     shutil.rmtree(tmp_path / "whole")
 
 
+@pytest.mark.xdist_group("ranks")  # one 2-rank run at a time: three processes each
 @pytest.mark.slow
 def test_two_lora_ranks_match_one_process(tmp_path, short_scenarios):
     """--lora under torchrun is data parallel: 2 CPU ranks (replicated adapters, gradients
