@@ -8,8 +8,10 @@ The modules of the bench, each its own concept:
   lab/bench_gpu.py        the GPU check (--gpu-check) and the modelled decode on an H200
   lab/bench_load.py       the comparison again beside busy processes (--load N)
   lab/bench_snr.py        the signal to noise of the dense reward (--snr PRESET)
-Each implementation runs in this process on one model object, warmed up on a tiny run first;
-this file compares them (comparison_figures, print_comparison).
+Each implementation runs in this process on one model object, warmed up on a tiny run first
+(the engine's KV pool and decode memory written once before it is timed, as vLLM's start-up
+writes its KV cache: bench_workload.touch_memory); this file compares them (comparison_figures,
+print_comparison).
 
 Metrics:
   tok/s            sampled message tokens of both sides (a stop token counted once) / wall time of
@@ -78,6 +80,9 @@ def parse_args(argv=None):
                    "cuDNN too (layers.SDPA_BACKENDS leaves it out), to measure what that costs")
     p.add_argument("--vllm-python", default=vllm.VLLM_PYTHON, metavar="PATH", help="the Python of "
                    "vLLM's own environment: runs the workload through vLLM too (lab/bench_vllm.py)")
+    p.add_argument("--vllm-pairs", type=int, default=vllm.PAIRS, metavar="N", help="with "
+                   "--vllm-python: N timed runs of each side on one vLLM worker, alternated "
+                   "engine-first and vLLM-first; speedup_vs_vllm is the median of the pairs' ratios")
     p.add_argument("--gpu-check", action="store_true", help="the GPU check (lab/bench_gpu.py)")
     p.add_argument("--decode-model", action="store_true", help="print the modelled decode attention "
                    "on an H200 against its KV floor (bench_gpu.decode_model; no GPU needed)")
@@ -99,6 +104,9 @@ def parse_args(argv=None):
     if args.load > cores:  # one busy process a core: more only starts processes to no purpose
         p.exit(2, f"lab.bench: --load {args.load} is more than this machine's {cores} cores; pass "
                   f"at most one busy process a core, e.g. --load {cores}\n")
+    if args.vllm_pairs < 1 or (args.vllm_pairs > 1 and not args.vllm_python):
+        p.exit(2, f"lab.bench: --vllm-pairs {args.vllm_pairs} needs a count of at least 1 and, "
+                  "above 1, --vllm-python; pass e.g. --vllm-python PATH --vllm-pairs 3\n")
     vllm.vllm_problem(args)
     return args
 
@@ -116,7 +124,8 @@ def run_implementations(args, model, tok, instances, sync, gpu, with_vllm=True):
     if not args.skip_baselines:
         impls["hf generate"] = baselines.run_hf
         impls["hf generate_batch"] = lambda *a: baselines.run_hf(*a, batch_api=True)
-    if with_vllm and args.vllm_python:
+    paired = with_vllm and args.vllm_python and args.vllm_pairs > 1
+    if with_vllm and args.vllm_python and not paired:
         impls["vllm"] = lambda *a: vllm.vllm_side(args, *a)
     res = {}
     for name, fn in impls.items():
@@ -129,9 +138,29 @@ def run_implementations(args, model, tok, instances, sync, gpu, with_vllm=True):
             res[name].update(load_before=load, load_after=os.getloadavg()[0])
         except Exception as e:  # a failing baseline is reported, not given a number
             print(f"{name} failed: {type(e).__name__}: {e}")
+    pairs = paired_runs(args, model, tok, instances, sync, impls["engine"]) if paired else []
+    for i, (ours, theirs) in enumerate(pairs):  # the first pair is the comparison's own
+        res.update({"engine" if i == 0 else f"engine (pair {i + 1})": ours,
+                    "vllm" if i == 0 else f"vllm (pair {i + 1})": theirs})
     for r in res.values():
         r["tok_s"], r["share"] = r["gen"] / r["wall"], r["probe"] / max(r["reply"], 1e-9)
     return res
+
+
+def paired_runs(args, model, tok, instances, sync, engine_run):
+    """The engine and vLLM alternated on one worker (bench_vllm.paired_runs), the engine warmed
+    up before each of its runs as in run_implementations."""
+    def warmed_engine(instances, turns, max_new):
+        engine_run(model, tok, instances[:1], 1, 2, sync)
+        return engine_run(model, tok, instances, turns, max_new, sync)
+    return vllm.paired_runs(args, model, tok, instances, sync, warmed_engine)
+
+
+def vllm_pairs(res):
+    """(engine, vLLM) run dicts of each pair in res (run_implementations), the first pair first."""
+    names = [("engine", "vllm")] + [(k, "vllm" + k[len("engine"):]) for k in res
+                                    if k.startswith("engine (pair ")]
+    return [(res[e], res[v]) for e, v in names if v in res]
 
 
 def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances):
@@ -168,7 +197,7 @@ def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances
         load_before=e["load_before"], load_after=e["load_after"],
         begin_ms=1e3 * e["begin_s"] / max(e["begin_n"], 1), begin_calls=e["begin_n"],
         sample_ms=1e3 * e["sample_s"] / max(e["sample_n"], 1), sample_calls=e["sample_n"])
-    return out | vllm.figures(tok, e, res.get("vllm"))
+    return out | vllm.figures(tok, e, res.get("vllm"), vllm_pairs(res))
 
 
 def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):

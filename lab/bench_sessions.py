@@ -13,8 +13,11 @@ In-process, each client is a PersuasionEnv over one shared sessions.Hub in its o
 engine's decode calls are counted, so the table also gives the mean number of sequences each
 decode step carried (replies of several sessions in one step lift it above 1). Over loopback
 the server is `python -m lab.env_server --serve` in its own process and each client one
-WebSocket session through the server's own client (env_server.ServerSession, openenv's). One warm-up episode precedes the counts. The
-judge is off (s = 0): the table times the persuadee's replies, probe reads and decisions.
+WebSocket session through the server's own client (env_server.ServerSession, openenv's). One
+warm-up episode precedes the counts; in-process, the persuadee's KV pool and decode memory are
+written once before it (bench_workload.touch_memory: a fresh page's first touch would otherwise
+fall on whichever count first reaches it). The judge is off (s = 0): the table times the
+persuadee's replies, probe reads and decisions.
 
     python -m lab.bench_sessions --persuadee random:tiny-qwen3 --over inprocess
     python -m lab.bench_sessions --persuadee smollm2 --over loopback --sessions 1,16 --repeats 1
@@ -84,8 +87,10 @@ def inprocess_hub(args, instances):
     """A hub over the persuadee, its engine's decode calls counted: (hub, steps list)."""
     import models
     from lab import env as persuasion_env, pools, sessions
+    from lab.bench_workload import touch_memory
     models.set_cpu_threads()
     eng = pools.player(args.persuadee, {}, "float32", args.kv_blocks)
+    touch_memory(eng)  # its pages' first touch not counted against the larger counts
     steps, generate = [], eng.generate
 
     def counted(sids, *a, **kw):

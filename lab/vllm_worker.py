@@ -11,6 +11,9 @@ own torch and transformers), loads the model once with automatic prefix caching,
       the log-probabilities log p(t | prompt) of each of token_ids after each prompt (one
       request a prompt, max_tokens 1, logprob_token_ids: it reads the prefix cache, which a
       prompt_logprobs request skips): {"logprobs": [[lp, ...], ...], "cached": [...], "seconds": s}
+  {"reset": true}
+      the prefix cache emptied (before each timed run: what a warm-up or an earlier run left
+      there would otherwise be found): {"reset": true or false, "seconds": s}
   {"quit": true}
 A request with "warmup": true is answered but not profiled (--profile).
 The first line it prints is {"ready": true, "startup_s", "threads", "vllm"}; vLLM's own logging
@@ -86,6 +89,12 @@ def main(argv=None):
         request = json.loads(line)
         if request.get("quit"):
             break
+        if request.get("reset"):
+            start = time.perf_counter()
+            done = llm.reset_prefix_cache()
+            print(json.dumps(dict(reset=bool(done), seconds=time.perf_counter() - start)), file=out,
+                  flush=True)
+            continue
         if profile and not request.get("warmup"):
             profile.enable()
         reply = answer(llm, request)

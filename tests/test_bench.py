@@ -28,6 +28,8 @@ class ModelWorker:
     @torch.no_grad()
     def ask(self, **request):
         self.asked.append(request)
+        if "reset" in request:
+            return dict(reset=True, seconds=0.0)
         if "generate" in request:
             outs = [self.model.generate(torch.tensor([p]), max_new_tokens=request["max_new_tokens"],
                                         do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -37,6 +39,9 @@ class ModelWorker:
         logps = [torch.log_softmax(self.model(torch.tensor([p])).logits[0, -1].float(), -1)
                  [request["token_ids"]].tolist() for p in request["probe"]]
         return dict(logprobs=logps, cached=[0] * len(logps), seconds=0.25)
+
+    def close(self):
+        self.closed = True
 
 
 def test_vllms_client_plays_the_same_dialogues_as_the_hf_baseline(tokenizer):
@@ -68,6 +73,63 @@ def test_vllms_client_plays_the_same_dialogues_as_the_hf_baseline(tokenizer):
     changed["dialogues"][1][0] = changed["dialogues"][1][0] + " more"
     assert bench_vllm.agreement(tokenizer, hf, changed)[:2] == (False, (1, 0, len(
         models.encode(tokenizer, hf["dialogues"][1][0]))))
+
+
+def test_paired_runs_alternate_the_sides_on_one_worker(tokenizer, monkeypatch):
+    """--vllm-pairs: one worker started and warmed up once for all pairs, the sides alternated
+    engine-first then vLLM-first, the same dialogues every run, and speedup_vs_vllm the median of
+    the pairs' ratios (checked against ratios computed here), listed in speedup_vs_vllm_pairs."""
+    model = tiny_model("llama")
+    instances = bench_workload.pick_instances(1)
+    started, order = [], []
+    monkeypatch.setattr(bench_vllm, "Worker", lambda *a: started.append(ModelWorker(model))
+                        or started[-1])
+    monkeypatch.setattr(bench_vllm, "release_memory", lambda: None)
+    walls = iter([4.0, 2.0, 3.0, 1.0, 1.0, 5.0])  # in the order run
+
+    def engine_run(instances, turns, max_new):
+        order.append("engine")
+        return dict(bench_baselines.run_hf(model, tokenizer, instances, turns, max_new,
+                                           lambda: None), wall=next(walls))
+    run = bench_vllm.vllm_run
+
+    def timed_vllm(*a):
+        order.append("vllm")
+        return dict(run(*a), wall=next(walls))
+    monkeypatch.setattr(bench_vllm, "vllm_run", timed_vllm)
+    args = argparse.Namespace(model="none", vllm_python="python", profile=None, vllm_pairs=3,
+                              turns=1, max_new_tokens=4)
+    pairs = bench_vllm.paired_runs(args, model, tokenizer, instances, lambda: None, engine_run)
+    assert len(started) == 1 and order == ["engine", "vllm", "vllm", "engine", "engine", "vllm"]
+    asked = started[0].asked
+    assert started[0].closed and sum("warmup" in r for r in asked) > 0
+    resets = [i for i, r in enumerate(asked) if "reset" in r]  # the cache emptied before each
+    assert len(resets) == 3 and all("warmup" in r for r in asked[:resets[0]])  # timed run
+    for e, v in pairs:
+        e["tok_s"], v["tok_s"] = e["gen"] / e["wall"], v["gen"] / v["wall"]
+        e["share"] = v["share"] = 0.0
+        assert e["dialogues"] == v["dialogues"] == pairs[0][0]["dialogues"]
+    out = bench_vllm.figures(tokenizer, *pairs[0], pairs)
+    assert out["speedup_vs_vllm_pairs"] == pytest.approx([2 / 4, 3 / 1, 5 / 1])  # vLLM's wall
+    assert out["speedup_vs_vllm"] == pytest.approx(3.0)  # over the engine's: the median, not the mean
+
+
+def test_touching_the_memory_leaves_the_engine_s_tokens_alone():
+    """bench_workload.touch_memory writes the pool and the decode memory once (zeros, all of it:
+    every page touched) and the engine then samples what a fresh engine does, log-probs included."""
+    model = tiny_model("llama")
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+
+    def run(touch):
+        eng = engine.Engine(model, num_blocks=32, decode_bytes=2**20)
+        eng.cache.kv.fill_(float("nan")) if touch else None  # garbage that the touch must clear
+        if touch:
+            bench_workload.touch_memory(eng)
+            assert eng.fast.decode_memory is not None
+            assert not eng.fast.decode_memory.any() and not eng.cache.kv.any()
+        sids = [eng.new(p) for p in prompts]
+        return eng.generate(sids, 6, engine.GREEDY, [1, 2], stop_ids=[])
+    assert run(True) == run(False)
 
 
 def test_the_bench_refuses_a_bad_vllm_python_in_one_line(tmp_path):
