@@ -21,10 +21,12 @@ persuadee's replies, probe reads and decisions.
 
     python -m lab.bench_sessions --persuadee random:tiny-qwen3 --over inprocess
     python -m lab.bench_sessions --persuadee smollm2 --over loopback --sessions 1,16 --repeats 1
+    python -m lab.bench_sessions --persuadee smollm2 --sessions 1,4,16 --rounds 3   # medians
 """
 import argparse
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -33,6 +35,7 @@ import urllib.request
 
 SESSIONS = (1, 4, 16, 64)  # the issue's counts
 REPEATS = 2  # episodes each client plays back to back at a count
+ROUNDS = 1  # times the counts are played, in order then reversed, alternately (--rounds)
 INSTANCES = 1  # distinct instances the clients play (1: all one, as a trainer's group of G)
 T_MAX = 3  # turns an episode may last
 MAX_NEW_TOKENS = 8  # tokens of a persuadee reply
@@ -123,6 +126,38 @@ def start_server(args, port):
             time.sleep(1)
 
 
+def play_counts(args, target, steps, instances):
+    """Each count's episodes/s, --rounds times (in order, then reversed, alternately), a table row
+    a play: {count: [rate a round]}."""
+    print("| sessions | episodes | turns/episode | wall (s) | episodes/s | vs first | "
+          "sequences/decode step | load |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base, rates = None, {count: [] for count in args.sessions}
+    for r in range(args.rounds):
+        for count in args.sessions if r % 2 == 0 else args.sessions[::-1]:
+            steps.clear()
+            wall, turns = timed(target, count, args.repeats, instances)
+            rate = len(turns) / wall
+            base = base or rate
+            rates[count].append(rate)
+            batch = f"{sum(steps) / len(steps):.1f}" if steps else "-"
+            print(f"| {count} | {len(turns)} | {sum(turns) / len(turns):.1f} | {wall:.2f} | "
+                  f"{rate:.2f} | {rate / base:.1f}x | {batch} | {os.getloadavg()[0]:.1f} |",
+                  flush=True)
+    return rates
+
+
+def print_medians(counts, rates):
+    """Each count's median episodes/s over the rounds, and its ratio to the first count's."""
+    medians = {count: statistics.median(rates[count]) for count in counts}
+    print(f"\nMedians over {len(rates[counts[0]])} rounds:\n")
+    print("| sessions | median episodes/s | vs first | rounds' episodes/s |")
+    print("|---:|---:|---:|---|")
+    for count in counts:
+        print(f"| {count} | {medians[count]:.2f} | {medians[count] / medians[counts[0]]:.1f}x | "
+              + ", ".join(f"{r:.2f}" for r in rates[count]) + " |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lab.bench_sessions", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,6 +165,9 @@ def main(argv=None):
     ap.add_argument("--over", choices=("inprocess", "loopback"), default="inprocess")
     ap.add_argument("--sessions", default=",".join(map(str, SESSIONS)))
     ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="play the counts this many times, "
+                    "in order then reversed, alternately (a machine whose speed drifts then weighs "
+                    "on every count alike); a second table gives each count's median")
     ap.add_argument("--t-max", type=int, default=T_MAX)
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--kv-blocks", type=int)
@@ -137,8 +175,8 @@ def main(argv=None):
     ap.add_argument("--instances", type=int, default=INSTANCES, help="distinct instances played")
     args = ap.parse_args(argv)
     args.sessions = [int(n) for n in args.sessions.split(",")]
-    if min(args.sessions) < 1 or args.repeats < 1 or args.instances < 1:
-        ap.error("--sessions are positive counts, --repeats and --instances at least 1")
+    if min(args.sessions) < 1 or min(args.repeats, args.instances, args.rounds) < 1:
+        ap.error("--sessions are positive counts, --repeats, --instances and --rounds at least 1")
     from lab.env import load_instances
     loaded = load_instances(args.scenarios)
     instances = [i["id"] for i in loaded][:args.instances]
@@ -154,19 +192,9 @@ def main(argv=None):
         target = lambda c: ServerSession(f"http://127.0.0.1:{port}", who="bench_sessions.py")
     try:
         timed(target, 1, 1, instances)  # warm-up
-        print("| sessions | episodes | turns/episode | wall (s) | episodes/s | vs first | "
-              "sequences/decode step | load |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-        base = None
-        for count in args.sessions:
-            steps.clear()
-            wall, turns = timed(target, count, args.repeats, instances)
-            rate = len(turns) / wall
-            base = base or rate
-            batch = f"{sum(steps) / len(steps):.1f}" if steps else "-"
-            print(f"| {count} | {len(turns)} | {sum(turns) / len(turns):.1f} | {wall:.2f} | "
-                  f"{rate:.2f} | {rate / base:.1f}x | {batch} | {os.getloadavg()[0]:.1f} |",
-                  flush=True)
+        rates = play_counts(args, target, steps, instances)
+        if args.rounds > 1:
+            print_medians(args.sessions, rates)
     finally:
         if proc is not None:
             proc.terminate()
