@@ -28,8 +28,8 @@ def test_rounds_alternate_the_counts_order_and_report_medians(capsys, monkeypatc
         played.append(count)
         return next(walls), [1] * count
     monkeypatch.setattr(bench_sessions, "timed", timed)
-    bench_sessions.main(["--persuadee", "random:tiny-qwen3", "--sessions", "1,3", "--repeats",
-                         "1", "--rounds", "3", "--kv-blocks", "64"])
+    monkeypatch.setattr(bench_sessions, "inprocess_hub", lambda args, loaded: (None, []))
+    bench_sessions.main(["--sessions", "1,3", "--repeats", "1", "--rounds", "3"])
     assert played == ["warm-up", 1, 3, 3, 1, 1, 3]
     out = capsys.readouterr().out
     medians = out[out.index("Medians over 3 rounds"):]
