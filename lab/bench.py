@@ -113,59 +113,63 @@ def parse_args(argv=None):
 
 
 def run_implementations(args, model, tok, instances, sync, gpu, with_vllm=True):
-    """The engine's dialogues and (unless --skip-baselines) transformers' generate and
-    generate_batch on the same ones, and vLLM's with --vllm-python (unless with_vllm is False),
-    each after a one-turn warm-up: their dicts by name, with tok_s, the probe share and the
-    machine's one-minute load average before and after added; a failing baseline is reported
-    and left out."""
+    """(unless --skip-baselines) transformers' generate and generate_batch on the dialogues, then
+    the engine's, alone or, with --vllm-python (unless with_vllm is False), in --vllm-pairs pairs
+    with vLLM's on one worker (bench_vllm.paired_runs); each after a one-turn warm-up. Returns
+    their dicts by name (a later pair's as "engine (pair 2)", ...), with tok_s, the probe share
+    and the machine's one-minute load average before and after added, and the pairs [(engine,
+    vLLM)] (none without vLLM). A failing baseline is reported and left out."""
     backends = ([torch.nn.attention.SDPBackend.CUDNN_ATTENTION, *layers.SDPA_BACKENDS]
                 if args.cudnn_attention else None)
-    impls = {"engine": lambda *a: workload.run_engine(*a, sdpa_backends=backends)}
-    if not args.skip_baselines:
-        impls["hf generate"] = baselines.run_hf
-        impls["hf generate_batch"] = lambda *a: baselines.run_hf(*a, batch_api=True)
-    paired = with_vllm and args.vllm_python and args.vllm_pairs > 1
-    if with_vllm and args.vllm_python and not paired:
-        impls["vllm"] = lambda *a: vllm.vllm_side(args, *a)
-    res = {}
+    engine_run = lambda *a: workload.run_engine(*a, sdpa_backends=backends)
+    impls = {} if args.skip_baselines else {
+        "hf generate": baselines.run_hf,
+        "hf generate_batch": lambda *a: baselines.run_hf(*a, batch_api=True)}
+    res, pairs = {}, []
     for name, fn in impls.items():
         try:
-            if name != "vllm":  # its worker warms up after its start (vllm_side)
-                fn(model, tok, instances[:1], 1, 2, sync)
-            load = os.getloadavg()[0]
-            with workload.profiled(args.profile if name == "engine" else None, gpu):
-                res[name] = fn(model, tok, instances, args.turns, args.max_new_tokens, sync)
-            res[name].update(load_before=load, load_after=os.getloadavg()[0])
+            res[name] = warmed_run(args, model, tok, instances, sync, fn)
         except Exception as e:  # a failing baseline is reported, not given a number
             print(f"{name} failed: {type(e).__name__}: {e}")
-    pairs = paired_runs(args, model, tok, instances, sync, impls["engine"]) if paired else []
-    for i, (ours, theirs) in enumerate(pairs):  # the first pair is the comparison's own
-        res.update({"engine" if i == 0 else f"engine (pair {i + 1})": ours,
-                    "vllm" if i == 0 else f"vllm (pair {i + 1})": theirs})
+    if with_vllm and args.vllm_python:
+        pairs = paired_runs(args, model, tok, instances, sync, engine_run, gpu)
+        for i, (ours, theirs) in enumerate(pairs):  # the first pair is the comparison's own
+            suffix = "" if i == 0 else f" (pair {i + 1})"
+            res.update({"engine" + suffix: ours, "vllm" + suffix: theirs})
+    else:
+        res["engine"] = warmed_run(args, model, tok, instances, sync, engine_run,
+                                   profile=args.profile, gpu=gpu)
     for r in res.values():
         r["tok_s"], r["share"] = r["gen"] / r["wall"], r["probe"] / max(r["reply"], 1e-9)
-    return res
+    return res, pairs
 
 
-def paired_runs(args, model, tok, instances, sync, engine_run):
-    """The engine and vLLM alternated on one worker (bench_vllm.paired_runs), the engine warmed
-    up before each of its runs as in run_implementations."""
-    def warmed_engine(instances, turns, max_new):
-        engine_run(model, tok, instances[:1], 1, 2, sync)
-        return engine_run(model, tok, instances, turns, max_new, sync)
-    return vllm.paired_runs(args, model, tok, instances, sync, warmed_engine)
+def warmed_run(args, model, tok, instances, sync, run, profile=None, gpu=False):
+    """run(model, tok, instances, turns, max_new, sync) after a one-turn warm-up, profiled under
+    `profile` (workload.profiled), with the one-minute load average before and after added."""
+    run(model, tok, instances[:1], 1, 2, sync)
+    load = os.getloadavg()[0]
+    with workload.profiled(profile, gpu):
+        out = run(model, tok, instances, args.turns, args.max_new_tokens, sync)
+    return out | dict(load_before=load, load_after=os.getloadavg()[0])
 
 
-def vllm_pairs(res):
-    """(engine, vLLM) run dicts of each pair in res (run_implementations), the first pair first."""
-    names = [("engine", "vllm")] + [(k, "vllm" + k[len("engine"):]) for k in res
-                                    if k.startswith("engine (pair ")]
-    return [(res[e], res[v]) for e, v in names if v in res]
+def paired_runs(args, model, tok, instances, sync, engine_run, gpu):
+    """The engine and vLLM alternated on one worker (bench_vllm.paired_runs), each engine run
+    warmed up (warmed_run); under --profile the first one profiled."""
+    runs = []
+
+    def engine_side():
+        runs.append(warmed_run(args, model, tok, instances, sync, engine_run,
+                               profile=None if runs else args.profile, gpu=gpu))
+        return runs[-1]
+    return vllm.paired_runs(args, model, tok, instances, sync, engine_side)
 
 
-def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances):
-    """The engine's run against the baselines' (res: run_engine's and run_hf's dicts by name) and
-    against the machine's floors (bandwidth bytes/s, flops FLOP/s), as one flat dict."""
+def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances, pairs=()):
+    """The engine's run against the baselines' (res: run_engine's and run_hf's dicts by name),
+    vLLM's (pairs: run_implementations') and the machine's floors (bandwidth bytes/s, flops
+    FLOP/s), as one flat dict."""
     e, hf, cb = res["engine"], res.get("hf generate"), res.get("hf generate_batch")
     cfg, n_dec = model.config, max(e["dec_n"], 1)
     layer_params = sum(q.numel() for q in model.model.layers.parameters())
@@ -197,7 +201,7 @@ def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances
         load_before=e["load_before"], load_after=e["load_after"],
         begin_ms=1e3 * e["begin_s"] / max(e["begin_n"], 1), begin_calls=e["begin_n"],
         sample_ms=1e3 * e["sample_s"] / max(e["sample_n"], 1), sample_calls=e["sample_n"])
-    return out | vllm.figures(tok, e, res.get("vllm"), vllm_pairs(res))
+    return out | vllm.figures(tok, e, res.get("vllm"), pairs)
 
 
 def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
@@ -265,13 +269,14 @@ def main():
         return
     persuader_len, persuadee_len = zip(*[map(len, rollout.prompt_ids(tok, tok, i)) for i in instances])
     bandwidth, flops = workload.machine(model, args.device, dtype, sync)
-    res = run_implementations(args, model, tok, instances, sync, gpu)
-    out = comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances)
+    res, pairs = run_implementations(args, model, tok, instances, sync, gpu)
+    out = comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances, pairs)
     out["decode_layer_kernels"], names, _, _ = gpu_bench.decode_layer_ops()
     print_comparison(args, out, res, names, (persuader_len, persuadee_len), model.config, gpu)
     if args.load:  # the same comparison beside --load busy processes
         with load_runs.busy_load(args.load):
-            loaded = run_implementations(args, model, tok, instances, sync, gpu, with_vllm=False)
+            loaded, _ = run_implementations(args, model, tok, instances, sync, gpu,
+                                            with_vllm=False)
         figures = comparison_figures(args, model, tok, dtype, loaded, bandwidth, flops, instances)
         out["loaded"] = dict(busy_processes=args.load,
                              **{k: figures[k] for k in load_runs.LOADED_FIGURES})

@@ -127,23 +127,22 @@ def start_server(args, port):
 
 
 def play_counts(args, target, steps, instances):
-    """Each count's episodes/s, --rounds times (in order, then reversed, alternately), a table row
+    """Each count's episodes/s, --rounds times (bench_workload.alternated), a table row
     a play: {count: [rate a round]}."""
+    from lab.bench_workload import alternated
     print("| sessions | episodes | turns/episode | wall (s) | episodes/s | vs first | "
           "sequences/decode step | load |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    base, rates = None, {count: [] for count in args.sessions}
-    for r in range(args.rounds):
-        for count in args.sessions if r % 2 == 0 else args.sessions[::-1]:
-            steps.clear()
-            wall, turns = timed(target, count, args.repeats, instances)
-            rate = len(turns) / wall
-            base = base or rate
-            rates[count].append(rate)
-            batch = f"{sum(steps) / len(steps):.1f}" if steps else "-"
-            print(f"| {count} | {len(turns)} | {sum(turns) / len(turns):.1f} | {wall:.2f} | "
-                  f"{rate:.2f} | {rate / base:.1f}x | {batch} | {os.getloadavg()[0]:.1f} |",
-                  flush=True)
+    rates = {count: [] for count in args.sessions}
+    for count in alternated(args.sessions, args.rounds):
+        steps.clear()
+        wall, turns = timed(target, count, args.repeats, instances)
+        rates[count].append(len(turns) / wall)
+        base = rates[args.sessions[0]][0]  # the first count's first rate: the first row's
+        batch = f"{sum(steps) / len(steps):.1f}" if steps else "-"
+        print(f"| {count} | {len(turns)} | {sum(turns) / len(turns):.1f} | {wall:.2f} | "
+              f"{rates[count][-1]:.2f} | {rates[count][-1] / base:.1f}x | {batch} | "
+              f"{os.getloadavg()[0]:.1f} |", flush=True)
     return rates
 
 

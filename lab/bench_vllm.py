@@ -182,30 +182,20 @@ def vllm_run(worker, model, tok, instances, turns, max_new, sync):
     return st | dict(startup_s=worker.ready["startup_s"], version=worker.ready["vllm"])
 
 
-def vllm_side(args, model, tok, instances, turns, max_new, sync):
-    """vLLM's run of the workload on a worker of its own (started_worker), closed after."""
-    with started_worker(args, model, tok, instances[:1]) as worker:
-        return vllm_run(worker, model, tok, instances, turns, max_new, sync)
-
-
 def paired_runs(args, model, tok, instances, sync, engine_run):
-    """PAIRS (--vllm-pairs) runs of each side on one vLLM worker, alternated engine-first and
-    vLLM-first (a machine whose speed drifts during the pairs then weighs on both sides alike):
-    [(engine's dict, vLLM's dict)] a pair. engine_run(instances, turns, max_new) is the engine's
-    warmed-up run."""
-    pairs = []
+    """--vllm-pairs runs of each side on one vLLM worker, alternated engine-first and vLLM-first
+    (workload.alternated): [(engine's dict, vLLM's dict)] a pair, vLLM's with the one-minute load
+    average before and after. engine_run() is the engine's warmed-up run, its loads its own."""
+    runs = {"engine": [], "vllm": []}
     with started_worker(args, model, tok, instances[:1]) as worker:
-        for i in range(args.vllm_pairs):
-            sides = dict(engine=lambda: engine_run(instances, args.turns, args.max_new_tokens),
-                         vllm=lambda: vllm_run(worker, model, tok, instances, args.turns,
-                                               args.max_new_tokens, sync))
-            done = {}
-            for name in (("engine", "vllm") if i % 2 == 0 else ("vllm", "engine")):
-                load = os.getloadavg()[0]
-                done[name] = sides[name]()
-                done[name].update(load_before=load, load_after=os.getloadavg()[0])
-            pairs.append((done["engine"], done["vllm"]))
-    return pairs
+        for side in workload.alternated(("engine", "vllm"), args.vllm_pairs):
+            if side == "engine":
+                runs["engine"].append(engine_run())
+                continue
+            load = os.getloadavg()[0]
+            st = vllm_run(worker, model, tok, instances, args.turns, args.max_new_tokens, sync)
+            runs["vllm"].append(st | dict(load_before=load, load_after=os.getloadavg()[0]))
+    return list(zip(runs["engine"], runs["vllm"]))
 
 
 def release_memory():

@@ -67,6 +67,13 @@ def best_time(fn, sync, reps=5):
     return min(times)
 
 
+def alternated(items, rounds):
+    """The items, `rounds` passes over them, in order then reversed, alternately: a machine whose
+    speed drifts over the passes weighs on every item alike."""
+    for r in range(rounds):
+        yield from items if r % 2 == 0 else items[::-1]
+
+
 def machine(model, device, dtype, sync):
     """Memory bandwidth (bytes/s) and matmul rate (FLOP/s) of this device, in the model's dtype."""
     x = torch.ones(BANDWIDTH_MB * 2**20 // 4, device=device)

@@ -6,6 +6,7 @@ floors.
     python -m pytest -q tests/test_bench.py
 """
 import argparse
+import contextlib
 import math
 
 import pytest
@@ -87,10 +88,10 @@ def test_paired_runs_alternate_the_sides_on_one_worker(tokenizer, monkeypatch):
     monkeypatch.setattr(bench_vllm, "release_memory", lambda: None)
     walls = iter([4.0, 2.0, 3.0, 1.0, 1.0, 5.0])  # in the order run
 
-    def engine_run(instances, turns, max_new):
+    def engine_run():
         order.append("engine")
-        return dict(bench_baselines.run_hf(model, tokenizer, instances, turns, max_new,
-                                           lambda: None), wall=next(walls))
+        return dict(bench_baselines.run_hf(model, tokenizer, instances, 1, 4, lambda: None),
+                    wall=next(walls))
     run = bench_vllm.vllm_run
 
     def timed_vllm(*a):
@@ -114,6 +115,33 @@ def test_paired_runs_alternate_the_sides_on_one_worker(tokenizer, monkeypatch):
     assert out["speedup_vs_vllm"] == pytest.approx(3.0)  # over the engine's: the median, not the mean
 
 
+def test_with_vllm_the_engine_runs_only_in_the_pairs(monkeypatch):
+    """run_implementations with --vllm-python: the engine's runs are the pairs' (a warm-up and a
+    timed run each, the first profiled under --profile), none besides; without vLLM one warm-up
+    and one timed run; the pairs come back with the rows named for them."""
+    from lab import bench
+    calls, profiled = [], []
+    monkeypatch.setattr(bench_workload, "run_engine", lambda *a, **k: calls.append(a[3]) or dict(
+        gen=4, wall=1.0, probe=0.0, reply=1.0, turns=a[3]))
+    monkeypatch.setattr(bench_workload, "profiled", lambda trace, gpu: profiled.append(trace)
+                        or contextlib.nullcontext())
+
+    def pairs(args, model, tok, instances, sync, engine_run):
+        return [(engine_run(), dict(gen=4, wall=2.0, probe=0.0, reply=1.0))
+                for _ in range(args.vllm_pairs)]
+    monkeypatch.setattr(bench_vllm, "paired_runs", pairs)
+    args = argparse.Namespace(cudnn_attention=False, skip_baselines=True, vllm_python="python",
+                              vllm_pairs=2, turns=3, max_new_tokens=4, profile="trace.json")
+    res, got = bench.run_implementations(args, None, None, ["i0", "i1"], lambda: None, False)
+    assert calls == [1, 3, 1, 3] and profiled == ["trace.json", None]
+    assert sorted(res) == ["engine", "engine (pair 2)", "vllm", "vllm (pair 2)"]
+    assert [(e["tok_s"], v["tok_s"]) for e, v in got] == [(4.0, 2.0), (4.0, 2.0)]
+    calls.clear()
+    res, got = bench.run_implementations(args, None, None, ["i0"], lambda: None, False,
+                                         with_vllm=False)
+    assert calls == [1, 3] and list(res) == ["engine"] and got == []
+
+
 def test_touching_the_memory_leaves_the_engine_s_tokens_alone():
     """bench_workload.touch_memory writes the pool and the decode memory once (zeros, all of it:
     every page touched) and the engine then samples what a fresh engine does, log-probs included."""
@@ -122,10 +150,11 @@ def test_touching_the_memory_leaves_the_engine_s_tokens_alone():
 
     def run(touch):
         eng = engine.Engine(model, num_blocks=32, decode_bytes=2**20)
-        eng.cache.kv.fill_(float("nan")) if touch else None  # garbage that the touch must clear
-        if touch:
+        if touch:  # garbage in both, which the touch must clear
+            eng.cache.kv.fill_(float("nan"))
+            eng.fast.decode_memory_views(1)
+            eng.fast.decode_memory.fill_(float("nan"))
             bench_workload.touch_memory(eng)
-            assert eng.fast.decode_memory is not None
             assert not eng.fast.decode_memory.any() and not eng.cache.kv.any()
         sids = [eng.new(p) for p in prompts]
         return eng.generate(sids, 6, engine.GREEDY, [1, 2], stop_ids=[])
