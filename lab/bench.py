@@ -28,7 +28,9 @@ Metrics:
                    did, changes the contexts wherever a sampled message is not its text's own
                    encoding, and the dialogues then drift apart on near-ties.)
   floors           decode step >= bytes of the layers and lm_head / memory bandwidth (a sum over a
-                   big tensor; the KV reads of the step are added in a second figure);
+                   big tensor; the KV reads of the step are added in a second figure), and
+                   >= 2 * (params + lm_head) * rows / matmul rate (a CPU's products at batch 8
+                   and more are bound by their flops, not their bytes): its roofline is the larger;
                    prefill >= 2 * params * tokens / matmul rate ([512, hidden] x [hidden,
                    2 * intermediate], i.e. [512, 576] x [576, 3072] for SmolLM2); params = the
                    decoder layers' weights (the lm_head only runs on last tokens). The engine's
@@ -166,6 +168,14 @@ def paired_runs(args, model, tok, instances, sync, engine_run, gpu):
     return vllm.paired_runs(args, model, tok, instances, sync, engine_side)
 
 
+def decode_floors(params, itemsize, kv_bytes, rows, bandwidth, flops):
+    """A decode step's floors in seconds: (its weights read once, its weights and the rows' keys and
+    values read once, its products' flops: 2 * params a row) at `bandwidth` bytes/s and `flops`
+    FLOP/s. The step's roofline is the larger of the last two."""
+    weights = params * itemsize / bandwidth
+    return weights, weights + kv_bytes / bandwidth, 2 * params * rows / flops
+
+
 def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances, pairs=()):
     """The engine's run against the baselines' (res: run_engine's and run_hf's dicts by name),
     vLLM's (pairs: run_implementations') and the machine's floors (bandwidth bytes/s, flops
@@ -173,10 +183,12 @@ def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances
     e, hf, cb = res["engine"], res.get("hf generate"), res.get("hf generate_batch")
     cfg, n_dec = model.config, max(e["dec_n"], 1)
     layer_params = sum(q.numel() for q in model.model.layers.parameters())
-    decode_floor = (layer_params + model.lm_head.weight.numel()) * dtype.itemsize / bandwidth
     kv_bytes = (e["dec_kv"] / n_dec * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
                 * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
                 * dtype.itemsize)
+    decode_floor, decode_floor_kv, decode_floor_flops = decode_floors(
+        layer_params + model.lm_head.weight.numel(), dtype.itemsize, kv_bytes,
+        e["dec_b"] / n_dec, bandwidth, flops)
     mismatch = workload.first_mismatch(tok, e["dialogues"], hf["dialogues"]) if hf else None
     out = dict(
         engine_tok_s=e["tok_s"], hf_generate_tok_s=hf and hf["tok_s"],
@@ -190,7 +202,8 @@ def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances
         probe_max_diff_generate=hf and max(abs(x - y) for a, b in zip(e["probes"], hf["probes"])
                                            for pa, pb in zip(a, b) for x, y in zip(pa, pb)),
         decode_step_ms=1e3 * e["dec_t"] / n_dec, decode_floor_ms=1e3 * decode_floor,
-        decode_floor_kv_ms=1e3 * (decode_floor + kv_bytes / bandwidth),
+        decode_floor_kv_ms=1e3 * decode_floor_kv, decode_floor_flops_ms=1e3 * decode_floor_flops,
+        decode_roofline_ms=1e3 * max(decode_floor_kv, decode_floor_flops),
         decode_batch=e["dec_b"] / n_dec, prefill_tok_s=e["pre_tok"] / e["pre_t"],
         prefill_floor_tok_s=flops / (2 * layer_params), bandwidth_gb_s=bandwidth / 1e9,
         matmul_gflop_s=flops / 1e9, device=args.device, dtype=str(dtype).split(".")[-1],
@@ -230,8 +243,9 @@ def print_comparison(args, out, res, names, prompt_lengths, cfg, gpu):
         print(f"greedy_match: {out['greedy_match']} (first mismatch: {where}); probe values "
               f"max |engine - hf generate| = {out['probe_max_diff_generate']:.2e}")
     print(f"engine decode step {out['decode_step_ms']:.1f} ms at batch {out['decode_batch']:.1f} "
-          f"(floor {out['decode_floor_ms']:.1f} ms for the weights, {out['decode_floor_kv_ms']:.1f}"
-          f" ms with the KV reads); prefill {out['prefill_tok_s']:.0f} tok/s (floor "
+          f"(floor {out['decode_roofline_ms']:.1f} ms: the weights {out['decode_floor_ms']:.1f}, "
+          f"with the KV reads {out['decode_floor_kv_ms']:.1f}, the products' flops "
+          f"{out['decode_floor_flops_ms']:.1f}); prefill {out['prefill_tok_s']:.0f} tok/s (floor "
           f"{out['prefill_floor_tok_s']:.0f} tok/s)" + (
               f"; CUDA graph capture {out['graph_capture_s']:.2f} s" if gpu else ""))
     print(f"engine DecodeBatch.begin {out['begin_ms']:.2f} ms a call ({out['begin_calls']} calls); "

@@ -40,6 +40,7 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -54,7 +55,10 @@ from lab import bench_baselines as baselines, bench_workload as workload, gguf
 
 VLLM_PYTHON = None      # --vllm-python: the Python of vLLM's own environment (None: vLLM not run)
 PROBE_TOLERANCE = 1e-3  # |engine - vLLM| a probe value may differ by (float32, other kernels)
-VLLM_KV_GIB = 1         # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)
+VLLM_KV_GIB = math.ceil(2 * engine.CACHE_GB_CPU)  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE,
+# whole GiB): the engine's two pools together (persuader's and persuadee's), so vLLM never evicts
+# a conversation the engine keeps (1 GiB, 23,296 SmolLM2 tokens, held less than 16 dialogues'
+# two sides at 3 turns)
 PAIRS = 1               # --vllm-pairs: timed runs of each side, alternated (paired_runs)
 WORKER = Path(__file__).with_name("vllm_worker.py")
 

@@ -1,7 +1,7 @@
 """lab.bench's modules on a CPU, without vLLM: the vLLM side's client against a stand-in worker
 that answers its JSON protocol with the same model (the dialogues and probe values then equal the
-Hugging Face baseline's), the --vllm-python check, the worker's stop cut, and the modelled decode's
-floors.
+Hugging Face baseline's), the --vllm-python check, the worker's stop cut and cache size, and the
+modelled decode's floors.
 
     python -m pytest -q tests/test_bench.py
 """
@@ -16,7 +16,7 @@ import engine
 import models
 import probes
 from conftest import tiny_model
-from lab import bench_baselines, bench_gpu, bench_vllm, bench_workload, kernels, vllm_worker
+from lab import bench, bench_baselines, bench_gpu, bench_vllm, bench_workload, kernels, vllm_worker
 
 
 class ModelWorker:
@@ -183,6 +183,22 @@ def test_the_bench_refuses_a_bad_vllm_python_in_one_line(tmp_path):
 def test_the_worker_cuts_after_the_first_stop_id():
     assert vllm_worker.cut([5, 6, 2, 7, 2], {2}) == [5, 6, 2]
     assert vllm_worker.cut([5, 6], {2}) == [5, 6]
+
+
+def test_vllms_kv_cache_holds_what_the_engines_two_pools_hold():
+    """vLLM's cache is its persuader's and persuadee's conversations together: smaller than the
+    engine's two pools, it evicts what the engine keeps and prefills it again (its side slower for
+    the cache's size, not its engine). vLLM reads the size as a whole number of GiB."""
+    gib = bench_vllm.worker_env(2)["VLLM_CPU_KVCACHE_SPACE"]
+    assert gib.isdigit() and int(gib) >= 2 * engine.CACHE_GB_CPU
+
+
+def test_a_decode_steps_floors_are_its_bytes_and_its_flops():
+    """Hand-computed: 1,000 float32 weights and 2,000 bytes of keys and values at 1 MB/s; 8 rows
+    of 2 * 1,000 flops at 1 MFLOP/s. The flops floor grows with the rows, the bytes' do not."""
+    weights, with_kv, products = bench.decode_floors(1000, 4, 2000, 8, 1e6, 1e6)
+    assert (weights, with_kv, products) == pytest.approx((4e-3, 6e-3, 16e-3))
+    assert bench.decode_floors(1000, 4, 2000, 1, 1e6, 1e6)[2] == pytest.approx(2e-3)
 
 
 def test_the_modelled_decode_counts_the_kv_floor_and_the_spans():
