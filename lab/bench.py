@@ -53,6 +53,7 @@ import sys
 
 import torch
 
+import engine
 import layers
 import models
 import rollout
@@ -117,7 +118,9 @@ def parse_args(argv=None):
 def run_implementations(args, model, tok, instances, sync, gpu, with_vllm=True):
     """(unless --skip-baselines) transformers' generate and generate_batch on the dialogues, then
     the engine's, alone or, with --vllm-python (unless with_vllm is False), in --vllm-pairs pairs
-    with vLLM's on one worker (bench_vllm.paired_runs); each after a one-turn warm-up. Returns
+    with vLLM's on one worker (bench_vllm.paired_runs); each after a one-turn warm-up, a baseline
+    on the cores free at its start (engine.cpu_threads: not the process's threads, set at the
+    bench's start, when a process that was ending may have held a core). Returns
     their dicts by name (a later pair's as "engine (pair 2)", ...), with tok_s, the probe share
     and the machine's one-minute load average before and after added, and the pairs [(engine,
     vLLM)] (none without vLLM). A failing baseline is reported and left out."""
@@ -129,8 +132,9 @@ def run_implementations(args, model, tok, instances, sync, gpu, with_vllm=True):
         "hf generate_batch": lambda *a: baselines.run_hf(*a, batch_api=True)}
     res, pairs = {}, []
     for name, fn in impls.items():
-        try:
-            res[name] = warmed_run(args, model, tok, instances, sync, fn)
+        try:  # on the cores free at its start, as vLLM's worker and each engine window
+            with engine.cpu_threads(args.device):
+                res[name] = warmed_run(args, model, tok, instances, sync, fn)
         except Exception as e:  # a failing baseline is reported, not given a number
             print(f"{name} failed: {type(e).__name__}: {e}")
     if with_vllm and args.vllm_python:

@@ -112,8 +112,8 @@ def run_hf(model, tok, instances, turns, max_new, sync, batch_api=False):
 
 def new_stats():
     """A baseline's counters: seconds in persuadee replies and probe reads, message tokens,
-    conversation and probe-question tokens through the model, the torch threads it runs on (this
-    process's, fixed at its start by models.set_cpu_threads)."""
+    conversation and probe-question tokens through the model, the torch threads it runs on (the
+    cores free at its start: lab.bench runs it under engine.cpu_threads)."""
     return dict(reply=0.0, probe=0.0, gen=0, conv=0, probe_tokens=0, threads=[torch.get_num_threads()])
 
 

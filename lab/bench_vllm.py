@@ -160,11 +160,11 @@ def run_vllm(worker, tok, stop, instances, turns, max_new, sync=lambda: None, wa
 @contextlib.contextmanager
 def started_worker(args, model, tok, warmup):
     """vLLM's worker started on the model's folder with the cores free now (engine.free_cores, at
-    most this process's threads) and warmed up on a one-turn dialogue of the instances `warmup`;
+    most this process's cores; not its torch threads, set at the bench's start) and warmed up on a one-turn dialogue of the instances `warmup`;
     closed on leaving."""
     path = gguf.smollm2_path() if args.model == "smollm2" else args.model
     release_memory()
-    threads = max(1, min(torch.get_num_threads(), engine.free_cores()))
+    threads = engine.free_cores()
     print(f"starting vLLM ({args.vllm_python}, {threads} threads)", flush=True)
     profile = args.profile and f"{args.profile}.vllm.pstats"
     worker = Worker(args.vllm_python, path, threads, str(model.dtype).split(".")[-1], profile)

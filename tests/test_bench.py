@@ -142,6 +142,32 @@ def test_with_vllm_the_engine_runs_only_in_the_pairs(monkeypatch):
     assert calls == [1, 3] and list(res) == ["engine"] and got == []
 
 
+def test_each_baseline_runs_on_the_cores_free_at_its_start(monkeypatch):
+    """A baseline's threads are the cores free when it starts, not the process's threads (set
+    at the bench's start, perhaps beside a process that was ending): one core busy at the start
+    and none later gives the baselines both cores; the process's threads come back after."""
+    from lab import bench
+    seen = []
+
+    def baseline(*a, batch_api=False):
+        seen.append(torch.get_num_threads())
+        return dict(gen=4, wall=1.0, probe=0.0, reply=1.0, threads=[torch.get_num_threads()])
+    monkeypatch.setattr(bench_baselines, "run_hf", baseline)
+    monkeypatch.setattr(bench_workload, "run_engine", lambda *a, **k: dict(
+        gen=4, wall=1.0, probe=0.0, reply=1.0))
+    monkeypatch.setattr(engine, "free_cores", lambda samples=3: 2)
+    args = argparse.Namespace(cudnn_attention=False, skip_baselines=False, vllm_python=None,
+                              vllm_pairs=1, turns=3, max_new_tokens=4, profile=None, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what set_cpu_threads chose beside the ending process
+    try:
+        res, _ = bench.run_implementations(args, None, None, ["i0"], lambda: None, False)
+        assert seen == [2, 2, 2, 2] and torch.get_num_threads() == 1
+        assert res["hf generate"]["threads"] == res["hf generate_batch"]["threads"] == [2]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_touching_the_memory_leaves_the_engine_s_tokens_alone():
     """bench_workload.touch_memory writes the pool and the decode memory once (zeros, all of it:
     every page touched) and the engine then samples what a fresh engine does, log-probs included."""
