@@ -55,19 +55,20 @@ from lab import bench_baselines as baselines, bench_workload as workload, gguf
 
 VLLM_PYTHON = None      # --vllm-python: the Python of vLLM's own environment (None: vLLM not run)
 PROBE_TOLERANCE = 1e-3  # |engine - vLLM| a probe value may differ by (float32, other kernels)
-VLLM_KV_GIB = math.ceil(2 * engine.CACHE_GB_CPU)  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE,
-# whole GiB): the engine's two pools together (persuader's and persuadee's), so vLLM never evicts
-# a conversation the engine keeps (1 GiB, 23,296 SmolLM2 tokens, held less than 16 dialogues'
-# two sides at 3 turns)
+VLLM_KV_GIB = None       # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB); None: the
+# engine's two pools together (persuader's and persuadee's, 2 x engine.CACHE_GB_CPU read when the
+# worker starts), so vLLM never evicts a conversation the engine keeps (1 GiB, 23,296 SmolLM2
+# tokens, held less than 16 dialogues' two sides at 3 turns)
 PAIRS = 1               # --vllm-pairs: timed runs of each side, alternated (paired_runs)
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 def worker_env(threads):
     """The worker's environment: the engine in its process, `threads` OpenMP threads unbound (a
-    shared machine), its KV cache VLLM_KV_GIB."""
+    shared machine), its KV cache VLLM_KV_GIB (default the engine's two pools)."""
+    gib = VLLM_KV_GIB if VLLM_KV_GIB is not None else math.ceil(2 * engine.CACHE_GB_CPU)
     return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB)}
+            "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(gib)}
 
 
 class Worker:

@@ -211,12 +211,17 @@ def test_the_worker_cuts_after_the_first_stop_id():
     assert vllm_worker.cut([5, 6], {2}) == [5, 6]
 
 
-def test_vllms_kv_cache_holds_what_the_engines_two_pools_hold():
+def test_vllms_kv_cache_holds_what_the_engines_two_pools_hold(monkeypatch):
     """vLLM's cache is its persuader's and persuadee's conversations together: smaller than the
     engine's two pools, it evicts what the engine keeps and prefills it again (its side slower for
-    the cache's size, not its engine). vLLM reads the size as a whole number of GiB."""
+    the cache's size, not its engine). vLLM reads the size as a whole number of GiB; the pools'
+    size is read when the worker starts (an edited engine.CACHE_GB_CPU follows)."""
     gib = bench_vllm.worker_env(2)["VLLM_CPU_KVCACHE_SPACE"]
     assert gib.isdigit() and int(gib) >= 2 * engine.CACHE_GB_CPU
+    monkeypatch.setattr(engine, "CACHE_GB_CPU", 2.5)
+    assert bench_vllm.worker_env(2)["VLLM_CPU_KVCACHE_SPACE"] == "5"
+    monkeypatch.setattr(bench_vllm, "VLLM_KV_GIB", 1)
+    assert bench_vllm.worker_env(2)["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 def test_a_decode_steps_floors_are_its_bytes_and_its_flops():
