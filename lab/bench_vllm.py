@@ -161,8 +161,8 @@ def run_vllm(worker, tok, stop, instances, turns, max_new, sync=lambda: None, wa
 @contextlib.contextmanager
 def started_worker(args, model, tok, warmup):
     """vLLM's worker started on the model's folder with the cores free now (engine.free_cores, at
-    most this process's cores; not its torch threads, set at the bench's start) and warmed up on a one-turn dialogue of the instances `warmup`;
-    closed on leaving."""
+    most this process's cores; not its torch threads, set at the bench's start) and warmed up on a
+    one-turn dialogue of the instances `warmup`; closed on leaving."""
     path = gguf.smollm2_path() if args.model == "smollm2" else args.model
     release_memory()
     threads = engine.free_cores()

@@ -115,11 +115,29 @@ def test_paired_runs_alternate_the_sides_on_one_worker(tokenizer, monkeypatch):
     assert out["speedup_vs_vllm"] == pytest.approx(3.0)  # over the engine's: the median, not the mean
 
 
+def test_vllms_worker_takes_the_cores_free_at_its_start(tokenizer, monkeypatch):
+    """The worker's threads are the cores free when it starts, not the process's torch threads
+    (set at the bench's start, perhaps beside a process that was ending)."""
+    model, started = tiny_model("llama"), []
+    monkeypatch.setattr(bench_vllm, "Worker", lambda *a: started.append(a) or ModelWorker(model))
+    monkeypatch.setattr(bench_vllm, "release_memory", lambda: None)
+    monkeypatch.setattr(bench_vllm, "run_vllm", lambda *a, **k: None)  # no warm-up dialogue
+    monkeypatch.setattr(engine, "free_cores", lambda samples=3: 2)
+    args = argparse.Namespace(model="none", vllm_python="python", profile=None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with bench_vllm.started_worker(args, model, tokenizer, []):
+            pass
+    finally:
+        torch.set_num_threads(threads)
+    assert [a[2] for a in started] == [2]
+
+
 def test_with_vllm_the_engine_runs_only_in_the_pairs(monkeypatch):
     """run_implementations with --vllm-python: the engine's runs are the pairs' (a warm-up and a
     timed run each, the first profiled under --profile), none besides; without vLLM one warm-up
     and one timed run; the pairs come back with the rows named for them."""
-    from lab import bench
     calls, profiled = [], []
     monkeypatch.setattr(bench_workload, "run_engine", lambda *a, **k: calls.append(a[3]) or dict(
         gen=4, wall=1.0, probe=0.0, reply=1.0, turns=a[3]))
@@ -146,7 +164,6 @@ def test_each_baseline_runs_on_the_cores_free_at_its_start(monkeypatch):
     """A baseline's threads are the cores free when it starts, not the process's threads (set
     at the bench's start, perhaps beside a process that was ending): one core busy at the start
     and none later gives the baselines both cores; the process's threads come back after."""
-    from lab import bench
     seen = []
 
     def baseline(*a, batch_api=False):
