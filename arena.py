@@ -5,7 +5,7 @@ world that needs no model: the scenarios and their seeded variants, the three pr
 persuadee, strategy judge), the decision-tag parser and the episode state machine.
 
 A turn is one persuader message and the persuadee's reply. The decision tag that reply carries,
-if any, drives the Episode:
+if any, drives the Dialogue:
 
     ACCEPT, PENDING, WALK_AWAY       end the episode with that outcome
     REJECT                           recorded; the MAX_REJECTIONS-th one ends it as REJECT
@@ -559,7 +559,7 @@ FINAL_TURN_INSTRUCTION = (
 # too small to write tags, the decision is read after each reply in a discarded fork of its
 # context: this question as a user turn, then its next-token probabilities over the first tokens of
 # each choice's word (probes.decision_probs), sampled with the episode's keyed stream, applied by
-# the same Episode. The words start with different letters so their first tokens rarely collide.
+# the same Dialogue. The words start with different letters so their first tokens rarely collide.
 DECISION_WORDS = {"ACCEPT": "Accept", "CONDITIONAL_ACCEPT": "Conditional", "PENDING": "Pending",
                   "REJECT": "Reject", "WALK_AWAY": "Walk", None: "Undecided"}  # None: no tag
 DECISION_QUESTION = (
@@ -638,8 +638,8 @@ API_ERROR = "api_error"  # end reason of an episode whose served model's request
 CUT_OFF = ("context", "cache", API_ERROR)  # end reasons of an episode cut off before its outcome:
 # a context or KV pool that cannot take the next message, or a request that failed for good
 
-class Episode:
-    """The outcome bookkeeping of one conversation; the caller runs the models and calls step()
+class Dialogue:
+    """The decision state machine of one conversation (its outcome bookkeeping); the caller runs the models and calls step()
     with parse_decision(persuadee reply) after each turn."""
 
     def __init__(self, t_max):

@@ -5,7 +5,9 @@ A role is a *side* (the Protocol Side, below): a local engine.Engine (EngineSide
 an OpenAI-compatible API (served.ServedSide) or, as persuader, the person at the terminal
 (lab/play.py). Every side has the same small interface (prompt, room, prefill, start: forks with
 b_0 read, ready, speak, reply: with the probes read after each, hear, free), so one loop drives
-every mix of them.
+every mix of them. Each episode is one Episode (a dataclass, below): what the loop builds and
+plays (its Status says whose message is due), what rpo.py's rewards and loss read and what
+episodes.jsonl holds (Episode.record; Episode.from_record reads one back).
 
 On a local side a dialogue is a growing context that only appends: the persuader's new message
 goes into the persuadee's context, the reply into the persuader's, so every token of a
@@ -32,6 +34,8 @@ since no belief change and no decision answers it.
 
     python -m pytest -q tests/test_rollout.py
 """
+import dataclasses
+import enum
 from typing import Protocol, runtime_checkable
 
 import arena
@@ -237,28 +241,122 @@ def judge_attempts(answer, n):
     return scores
 
 
-def new_episode(inst, index, g, t_max, seed):
-    """An episode's state before it starts: no context, no message, no belief."""
-    key = (seed, inst["id"], g)
-    return dict(index=index, g=g, inst=inst, state=arena.Episode(t_max), phase="speak",
-                persuader_key=engine.stream_key(*key, "persuader"),
-                persuadee_key=engine.stream_key(*key, "persuadee"), ids=[], turn_ids=[], logprobs=[],
-                transcript=[], probes=[], probe_mass=[], beliefs=[])
+class Status(enum.Enum):
+    """Where an episode stands in the loop."""
+    SPEAK = "speak"  # the persuader's next message is due
+    REPLY = "reply"  # the persuadee's reply to the message it heard is due
+    ENDED = "ended"  # its dialogue is done: outcome, turns and end reason are set
 
 
-def record(e, score, failed):
-    """The one episode record: outcome, transcript, beliefs b_0..b_T, probe values and masses,
-    judge score, and the persuader-side token stream for training: `ids`, `turn_ids` (t for the
-    tokens the policy sampled in message t, else 0) and `logprobs` (empty for a persuader whose
-    tokens never came here: served or typed)."""
-    inst = e["inst"]
-    return dict(
-        id=inst["id"], scenario_id=inst.get("scenario_id", inst["id"]), domain=inst["domain"],
-        resistance=inst["hidden"].get("resistance"), outcome=e["state"].outcome,
-        turns=max(len(e["beliefs"]) - 1, 0), end_reason=e["state"].end_reason,
-        transcript=e["transcript"], beliefs=e["beliefs"], probes=e["probes"],
-        probe_mass=e["probe_mass"], judge=score, judge_failed=failed, ids=e["ids"],
-        turn_ids=e["turn_ids"], logprobs=e["logprobs"])
+def described(doc, kind="play", default=None, factory=None):
+    """A field of Episode written to its record (kind: "play", always; "training", left out of an
+    evaluation's records; "stamp" and "label", written where set), with its description."""
+    meta = dict(doc=doc, kind=kind)
+    return (dataclasses.field(default_factory=factory, metadata=meta) if factory else
+            dataclasses.field(default=default, metadata=meta))
+
+
+def loop_only(default):
+    """A field of Episode that only the loop reads: neither recorded nor compared."""
+    return dataclasses.field(default=default, compare=False)
+
+
+@dataclasses.dataclass
+class Episode:
+    """One episode, from the loop to the loss and the disk: rollout_episodes builds and plays it,
+    rpo.rewards and rpo.micro_batch_loss read it, record() is what episodes.jsonl holds (the
+    described fields, below) and from_record reads one back (older files too). "No value" is
+    None in every field (a belief a served persuadee could not read, a judge that gave no score);
+    NaN lives only inside rpo.py's arithmetic. The fields with no description are the loop's."""
+    id: str = described("the instance's id (scenario and variant)", default="")
+    scenario_id: str = described("the scenario's id", default="")
+    domain: str = described("the scenario's domain", default="")
+    resistance: str | None = described("the hidden resistance type")
+    outcome: str | None = described("one of arena.OUTCOMES (None while the episode plays)")
+    turns: int = described("persuader messages answered", default=0)
+    end_reason: str | None = described("why the episode ended (arena.Dialogue)")
+    transcript: list[dict] = described("[{role, text, decision}] in order", factory=list)
+    beliefs: list[float | None] = described("b_0..b_T, the mean of the probe values (None: "
+                                            "unread)", factory=list)
+    probes: list[list[float] | None] = described("one value per probe of probes.PROBES after each "
+                                                 "reply (None: unread)", factory=list)
+    probe_mass: list[list[float] | None] = described("P(Yes) + P(No) of each read-out",
+                                                     factory=list)
+    judge: float | None = described("strategy score s (None: not judged)")
+    judge_failed: bool | None = described("the judge's answer could not be parsed: s fell back to 0")
+    ids: list[int] = described("persuader-side token stream", "training", factory=list)
+    turn_ids: list[int] = described("message index t of each token the policy sampled in message "
+                                    "t, 0 for the others", "training", factory=list)
+    logprobs: list[float] = described("sampling log-probs (empty for a persuader whose tokens "
+                                      "never came here: served or typed)", "training", factory=list)
+    persuader: str | None = described("the persuader's model (evaluation)", "stamp")
+    persuadee: str | None = described("the persuadee's model (evaluation)", "stamp")
+    seed: int | None = described("the evaluation's seed", "stamp")
+    anchor: bool | None = described("the reward setting (evaluation)", "stamp")
+    probe_space: str | None = described("probe value space (evaluation)", "stamp")
+    probe_signs: dict | None = described("probe valences (evaluation)", "stamp")
+    moves: list[list[str]] | None = described("move labels per persuader message (moves.py)",
+                                              "label")
+    manipulation: list[list[str]] | None = described("manipulation labels per persuader message "
+                                                     "(moves.py)", "label")
+    tagger: str | None = described("which tagger labelled them", "label")
+    extra: dict = described("fields of a record that this one does not name, kept as read",
+                            "extra", factory=dict)
+    # the loop's, not recorded (nor compared: two episodes are equal when their records are)
+    instance: dict | None = loop_only(None)  # the scenario instance played
+    index: int = loop_only(0)  # the instance's place in the loop's instances
+    g: int = loop_only(0)  # its place in its group
+    persuader_key: int = loop_only(0)  # the random streams it samples with (engine.stream_key)
+    persuadee_key: int = loop_only(0)
+    persuader_sid: int | None = loop_only(None)  # its sequence on each side
+    persuadee_sid: int | None = loop_only(None)
+    dialogue: arena.Dialogue | None = loop_only(None)  # the decision state machine
+    status: Status = loop_only(Status.SPEAK)
+
+    @classmethod
+    def new(cls, inst: dict, index: int, g: int, t_max: int, seed: int) -> "Episode":
+        """An episode before it starts: no context, no message, no belief."""
+        key = (seed, inst["id"], g)
+        return cls(id=inst["id"], scenario_id=inst.get("scenario_id", inst["id"]),
+                   domain=inst["domain"], resistance=inst["hidden"].get("resistance"),
+                   instance=inst, index=index, g=g, dialogue=arena.Dialogue(t_max),
+                   persuader_key=engine.stream_key(*key, "persuader"),
+                   persuadee_key=engine.stream_key(*key, "persuadee"))
+
+    def end(self, reason: str | None = None) -> None:
+        """The episode ends (its dialogue ended from outside with reason, unless already done):
+        outcome, turns and end reason are set from its dialogue and beliefs."""
+        if reason is not None:
+            self.dialogue.end(reason)
+        self.outcome, self.end_reason = self.dialogue.outcome, self.dialogue.end_reason
+        self.turns, self.status = max(len(self.beliefs) - 1, 0), Status.ENDED
+
+    def record(self, training: bool = True) -> dict:
+        """The record on disk: every described field ("training" ones when training; "stamp" and
+        "label" ones where set), then the extra fields as read."""
+        out = {}
+        for f in dataclasses.fields(self):
+            kind, value = f.metadata.get("kind"), getattr(self, f.name)
+            if kind == "play" or kind == "training" and training or (
+                    kind in ("stamp", "label") and value is not None):
+                out[f.name] = value
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_record(cls, row: dict) -> "Episode":
+        """An episode read back from its record (episodes.jsonl, any version): the fields it
+        names, the others in extra."""
+        named = {f.name for f in dataclasses.fields(cls) if f.metadata.get("kind") not in
+                 (None, "extra")}
+        return cls(**{k: v for k, v in row.items() if k in named},
+                   extra={k: v for k, v in row.items() if k not in named},
+                   status=Status.ENDED)
+
+
+RECORD_FIELDS = {f.name: f.metadata["doc"] for f in dataclasses.fields(Episode)
+                 if f.metadata.get("kind") not in (None, "extra")}  # what a record may hold
+TRAINING_FIELDS = tuple(f.name for f in dataclasses.fields(Episode)
+                        if f.metadata.get("kind") == "training")  # of no use once scored
 
 
 def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
@@ -276,7 +374,7 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
     judge field still None. judge: an Engine or a ServedModel scores every transcript once all
     have ended (judge_episodes; train.py calls it itself); None leaves s = 0. `timings`, when
     given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s and judge_s.
-    Returns one record per episode (instance-major, rollout.record)."""
+    Returns one Episode per episode (instance-major)."""
     persuader, persuadee = sides(persuader, persuadee, instances, persuader_sampling,
                                  persuadee_sampling, max_new_tokens, probe_space, probe_signs,
                                  decision)
@@ -287,9 +385,10 @@ def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, se
             loop.scheduler.stall()
         if progress is not None:
             progress.update(len(loop.scheduler.done) - progress.n)
-    records = [record(loop.scheduler.done[i, g], 0.0, False) for i in range(len(instances))
-               for g in range(group_size)]
-    return judge_episodes(judge, instances, records, seed, group_size, timings)
+    episodes = [loop.scheduler.done[i, g] for i in range(len(instances)) for g in range(group_size)]
+    for e in episodes:
+        e.judge, e.judge_failed = 0.0, False
+    return judge_episodes(judge, instances, episodes, seed, group_size, timings)
 
 
 def play_round(loop, persuader, persuadee, timings=None):
@@ -303,14 +402,14 @@ def play_round(loop, persuader, persuadee, timings=None):
         with clock(timings, "probe_s"):  # b_0 of every new episode, read before its first message
             persuadee_sids, b0 = persuadee.start([roots[1] for *_, roots in groups], counts)
         loop.started(groups, persuader_sids, persuadee_sids, b0)
-    if speakers := loop.ready(persuader, "speak"):
+    if speakers := loop.ready(persuader, Status.SPEAK):
         with clock(timings, "persuader_s"):
-            said = persuader.speak([e["persuader_sid"] for e in speakers],
-                                   [e["persuader_key"] for e in speakers])
+            said = persuader.speak([e.persuader_sid for e in speakers],
+                                   [e.persuader_key for e in speakers])
         loop.said(speakers, said)
-    if repliers := loop.ready(persuadee, "reply"):  # the probes read after each reply
-        loop.replied(repliers, persuadee.reply([e["persuadee_sid"] for e in repliers],
-                                               [e["persuadee_key"] for e in repliers], timings))
+    if repliers := loop.ready(persuadee, Status.REPLY):  # the probes read after each reply
+        loop.replied(repliers, persuadee.reply([e.persuadee_sid for e in repliers],
+                                               [e.persuadee_key for e in repliers], timings))
     return bool(speakers or repliers)
 
 
@@ -333,18 +432,18 @@ def sides(persuader, persuadee, instances, persuader_sampling, persuadee_samplin
     return persuader_side, persuadee_side
 
 
-def judge_episodes(judge, instances, records, seed, group_size, timings=None):
-    """The strategy judge's score s of each episode record (instance-major, group_size a
-    instance), written into its "judge" and "judge_failed" (judge_all); an episode with nothing
-    said keeps s = 0, and so does every one when judge is None. Returns the records."""
-    spoken = [i for i, r in enumerate(records) if r["transcript"]] if judge is not None else []
+def judge_episodes(judge, instances, episodes, seed, group_size, timings=None):
+    """The strategy judge's score s of each Episode (instance-major, group_size a instance),
+    set as its judge and judge_failed (judge_all); an episode with nothing said keeps s = 0, and
+    so does every one when judge is None. Returns the episodes."""
+    spoken = [i for i, e in enumerate(episodes) if e.transcript] if judge is not None else []
     with clock(timings, "judge_s"):
         scores, failed = judge_all(judge, [instances[i // group_size] for i in spoken],
-                                   [records[i]["transcript"] for i in spoken], seed,
+                                   [episodes[i].transcript for i in spoken], seed,
                                    [i % group_size for i in spoken]) if spoken else ([], [])
     for i, score, fell_back in zip(spoken, scores, failed):
-        records[i]["judge"], records[i]["judge_failed"] = score, fell_back
-    return records
+        episodes[i].judge, episodes[i].judge_failed = score, fell_back
+    return episodes
 
 
 
@@ -375,8 +474,8 @@ class EpisodeLoop:
         (no room in empty pools) are recorded as ended "cache"."""
         groups, never = self.scheduler.admit()
         for index, g in never:
-            e = new_episode(self.instances[index], index, g, self.t_max, self.seed_of(index))
-            e["state"].end("cache")
+            e = Episode.new(self.instances[index], index, g, self.t_max, self.seed_of(index))
+            e.end("cache")
             self.scheduler.done[index, g] = e
             self.ended(e)
         return groups
@@ -388,10 +487,10 @@ class EpisodeLoop:
             inst = self.instances[index]
             prompt = self.scheduler.sides[0].prompt(inst)
             for g, persuader_sid, persuadee_sid in zip(members, persuader_group, persuadee_group):
-                e = new_episode(inst, index, g, self.t_max, self.seed_of(index))
-                e.update(persuader_sid=persuader_sid, persuadee_sid=persuadee_sid, ids=list(prompt),
-                         turn_ids=[0] * len(prompt), logprobs=[0.0] * len(prompt), probes=[b0],
-                         probe_mass=[m0], beliefs=[probes.belief(b0)])
+                e = Episode.new(inst, index, g, self.t_max, self.seed_of(index))
+                e.persuader_sid, e.persuadee_sid = persuader_sid, persuadee_sid
+                e.ids, e.turn_ids, e.logprobs = list(prompt), [0] * len(prompt), [0.0] * len(prompt)
+                e.probes, e.probe_mass, e.beliefs = [b0], [m0], [probes.belief(b0)]
                 self.scheduler.running.append(e)
 
     def seed_of(self, index):  # the seed its streams are keyed by (lab/sessions.py: its own)
@@ -399,14 +498,14 @@ class EpisodeLoop:
 
     @staticmethod
     def extend(e, ids, turn=0, logprobs=None):  # the persuader-side token stream for training
-        e["ids"] += ids
-        e["turn_ids"] += [turn] * len(ids)
-        e["logprobs"] += logprobs or [0.0] * len(ids)
+        e.ids += ids
+        e.turn_ids += [turn] * len(ids)
+        e.logprobs += logprobs or [0.0] * len(ids)
 
     def cut_off(self, e, reason):
         """The last persuader message got no reply: no loss on its tokens (module docstring)."""
-        turn = e["state"].turn + 1
-        e["turn_ids"] = [0 if t == turn else t for t in e["turn_ids"]]
+        turn = e.dialogue.turn + 1
+        e.turn_ids = [0 if t == turn else t for t in e.turn_ids]
         self.finish(e, reason)
 
     def finish(self, e, reason=None):
@@ -415,50 +514,49 @@ class EpisodeLoop:
 
     def ended(self, e):
         if self.on_record is not None:
-            self.on_record(record(e, None, None))
+            self.on_record(e)
 
-    def ready(self, side_, phase):
-        """The running episodes in phase ("speak", "reply") whose side has room for their next
+    def ready(self, side_, status):
+        """The running episodes in status (SPEAK, REPLY) whose side has room for their next
         message now."""
-        key = "persuader_sid" if phase == "speak" else "persuadee_sid"
-        episodes = [e for e in self.scheduler.running if e["phase"] == phase]
-        fit = set(side_.ready([e[key] for e in episodes]))
-        return [e for e in episodes if e[key] in fit]
+        sid = (lambda e: e.persuader_sid) if status is Status.SPEAK else (lambda e: e.persuadee_sid)
+        episodes = [e for e in self.scheduler.running if e.status is status]
+        fit = set(side_.ready([sid(e) for e in episodes]))
+        return [e for e in episodes if sid(e) in fit]
 
     def said(self, speakers, said):
         """Each persuader's message enters its token stream and transcript; the persuadee hears it."""
         for e, out in zip(speakers, said):
-            self.extend(e, out["ids"], e["state"].turn + 1, out["logprobs"])
+            self.extend(e, out["ids"], e.dialogue.turn + 1, out["logprobs"])
             if out["reason"] not in (arena.API_ERROR, STOPPED):  # those said nothing
-                e["transcript"].append({"role": "persuader", "text": out["text"],
-                                        "decision": None})
+                e.transcript.append({"role": "persuader", "text": out["text"], "decision": None})
             if out["reason"] not in SPOKEN:
                 self.cut_off(e, out["reason"])
                 continue
-            self.scheduler.sides[1].hear(e["persuadee_sid"], out["text"], e["state"].final_turn)
-            e["phase"] = "reply"
+            self.scheduler.sides[1].hear(e.persuadee_sid, out["text"], e.dialogue.final_turn)
+            e.status = Status.REPLY
 
     def replied(self, repliers, replies):
         """Each reply steps its episode's state machine, adds its belief, and the persuader
         hears it."""
         for e, reply in zip(repliers, replies):
             if reply["reason"] != arena.API_ERROR:
-                e["transcript"].append({"role": "persuadee", "text": reply["text"],
-                                        "decision": reply["decision"]})
+                e.transcript.append({"role": "persuadee", "text": reply["text"],
+                                     "decision": reply["decision"]})
             if reply["reason"] in arena.CUT_OFF:
                 self.cut_off(e, reply["reason"])
                 continue
-            e["state"].step(reply["decision"])
-            e["probes"].append(reply["probes"])
-            e["probe_mass"].append(reply["probe_mass"])
-            e["beliefs"].append(probes.belief(reply["probes"]))
-            if e["state"].done:
+            e.dialogue.step(reply["decision"])
+            e.probes.append(reply["probes"])
+            e.probe_mass.append(reply["probe_mass"])
+            e.beliefs.append(probes.belief(reply["probes"]))
+            if e.dialogue.done:
                 self.finish(e)
                 continue
-            ids, reason = self.scheduler.sides[0].hear(e["persuader_sid"], reply["text"],
-                                                       shown=(reply["probes"], e["beliefs"]))
+            ids, reason = self.scheduler.sides[0].hear(e.persuader_sid, reply["text"],
+                                                       shown=(reply["probes"], e.beliefs))
             self.extend(e, ids)
-            e["phase"] = "speak"
+            e.status = Status.SPEAK
             if reason:
                 self.finish(e, reason)
 

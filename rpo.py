@@ -24,9 +24,9 @@ file turns beliefs, outcomes and strategy scores into per-token advantages and t
                        L   = sum over persuader tokens of l / N,  N = persuader tokens in the global
                              batch (all ranks, all micro-batches): summed micro-batch losses = mean.
 
-From episode records (rollout.record) of whole groups to the loss: rewards gives each group's R
+From episodes (rollout.Episode) of whole groups to the loss: rewards gives each group's R
 and r_t, advantages each episode's A_{i,t} (a belief that could not be read counted and left out
-of its group's dense term), and micro_batch_loss takes a micro-batch of records to L: the policy's log-probs at the persuader's
+of its group's dense term), and micro_batch_loss takes a micro-batch of episodes to L: the policy's log-probs at the persuader's
 tokens (logits only where the row predicts a persuader token; lab/steps.kept_logits runs a group's
 shared prompt once), the frozen reference's, and policy_loss over them with the global token count.
 train.py keeps the backward, its scale over ranks, clipping and the optimizer.
@@ -82,16 +82,16 @@ def negative_process_counts(beliefs_per_episode):
     return sum(r < 0 for r in rewards), len(rewards)
 
 
-def collapsed_groups(records, group_size):
+def collapsed_groups(episodes, group_size):
     """(groups whose members all sent the identical persuader messages, groups of two or more):
     a collapsed group's advantages sum to zero over one and the same token sequence, so its
     gradient is exactly 0 in both terms, whatever the persuadee did. Counts add over ranks."""
     collapsed = groups = 0
-    for g in range(0, len(records), group_size):
-        members = records[g:g + group_size]
+    for g in range(0, len(episodes), group_size):
+        members = episodes[g:g + group_size]
         if len(members) < 2:
             continue
-        said = {tuple((i, t) for i, t in zip(r["ids"], r["turn_ids"]) if t) for r in members}
+        said = {tuple((i, t) for i, t in zip(e.ids, e.turn_ids) if t) for e in members}
         groups, collapsed = groups + 1, collapsed + (len(said) == 1)
     return collapsed, groups
 
@@ -189,16 +189,16 @@ def numeric(beliefs):
     return [math.nan if b is None else b for b in beliefs]
 
 
-def rewards(records, group_size, anchor=ANCHOR):
-    """The rewards of whole groups of episode records, per group (outcome rewards R_i =
+def rewards(episodes, group_size, anchor=ANCHOR):
+    """The rewards of whole groups of episodes (rollout.Episode), per group (outcome rewards R_i =
     GOAL[outcome] + STRATEGY_WEIGHT * s_i, process rewards r_{i,t} from the beliefs, goals
     GOAL[outcome]): what advantages turns into A_{i,t} and diagnostic_sums reads."""
     groups = []
-    for g in range(0, len(records), group_size):
-        group = records[g:g + group_size]
-        groups.append(([outcome_reward(r["outcome"], r["judge"]) for r in group],
-                       [process_rewards(numeric(r["beliefs"]), r["outcome"], anchor) for r in group],
-                       [GOAL[r["outcome"]] for r in group]))
+    for g in range(0, len(episodes), group_size):
+        group = episodes[g:g + group_size]
+        groups.append(([outcome_reward(e.outcome, e.judge) for e in group],
+                       [process_rewards(numeric(e.beliefs), e.outcome, anchor) for e in group],
+                       [GOAL[e.outcome] for e in group]))
     return groups
 
 
@@ -259,9 +259,9 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
     return loss, stats
 
 
-def persuader_tokens(records):
+def persuader_tokens(episodes):
     """The tokens the loss is taken over: every predicted token of a persuader message."""
-    return sum(sum(1 for t in r["turn_ids"][1:] if t) for r in records)
+    return sum(sum(1 for t in e.turn_ids[1:] if t) for e in episodes)
 
 
 def plain_logits(model, ids, keep, rows):
@@ -272,10 +272,11 @@ def plain_logits(model, ids, keep, rows):
     return kept.gather(1, rows[..., None].expand(-1, -1, kept.shape[-1]))
 
 
-def micro_batch_loss(policy, reference, records, turn_advantages, num_tokens, *, temperature=1.0,
+def micro_batch_loss(policy, reference, episodes, turn_advantages, num_tokens, *, temperature=1.0,
                      clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA, logits=None,
                      context=None):
-    """The loss of one micro-batch of episode records (ids, turn_ids, the sampled logprobs) and
+    """The loss of one micro-batch of episodes (rollout.Episode: ids, turn_ids, the sampled
+    logprobs) and
     their turn advantages: the policy's and the frozen reference's log-probs of the persuader's
     tokens, policy_loss over them with the GLOBAL token count num_tokens (so the micro-batches'
     losses, summed over ranks, are the batch mean). context(model), when given, is where each
@@ -289,10 +290,11 @@ def micro_batch_loss(policy, reference, records, turn_advantages, num_tokens, *,
     import torch
     context = context or (lambda model: contextlib.nullcontext())
     device = next(policy.parameters()).device
-    width = max(len(r["ids"]) for r in records)
-    pad = lambda key, fill, dtype: torch.tensor(
-        [r[key] + [fill] * (width - len(r[key])) for r in records], dtype=dtype, device=device)
-    ids, turn_ids = pad("ids", 0, torch.long), pad("turn_ids", 0, torch.long)
+    width = max(len(e.ids) for e in episodes)
+    pad = lambda rows, fill, dtype: torch.tensor(
+        [row + [fill] * (width - len(row)) for row in rows], dtype=dtype, device=device)
+    ids = pad([e.ids for e in episodes], 0, torch.long)
+    turn_ids = pad([e.turn_ids for e in episodes], 0, torch.long)
     adv = batch_token_advantages(turn_ids.cpu(), turn_advantages)
     # logits only where some row predicts a persuader token: the lm_head and softmax over the
     # vocabulary are skipped for the prompts and the persuadee's text
@@ -302,7 +304,7 @@ def micro_batch_loss(policy, reference, records, turn_advantages, num_tokens, *,
     kept = turn_ids[:, keep + 1] > 0
     rows = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)[:, :int(kept.sum(1).max())]
     targets, mask = ids[:, keep + 1].gather(1, rows), kept.gather(1, rows)
-    old = pad("logprobs", 0.0, torch.float32)[:, keep + 1].gather(1, rows)
+    old = pad([e.logprobs for e in episodes], 0.0, torch.float32)[:, keep + 1].gather(1, rows)
     adv = adv[:, 1:].to(device)[:, keep].gather(1, rows)
     logits = logits or plain_logits
     with context(policy):

@@ -58,24 +58,24 @@ def mean(values):
 
 
 def _anchor(ep):
-    return ep.get("anchor", rpo.ANCHOR)  # the run's own reward setting, stored with each episode
+    return rpo.ANCHOR if ep.anchor is None else ep.anchor  # the run's own reward setting, stored with each episode
 
 
 def dense_return(ep):
     """The episode's lambda-free dense return sum_t r_t under its run's setting."""
-    return rpo.dense_return(ep["beliefs"], ep["outcome"], _anchor(ep))
+    return rpo.dense_return(ep.beliefs, ep.outcome, _anchor(ep))
 
 
 def raw_process_rewards(ep):
     """r_t = (b_t - b_{t-1}) / 2 on the measured beliefs: what each turn did to the persuadee."""
-    return rpo.process_rewards(ep["beliefs"], ep["outcome"], anchor=False)
+    return rpo.process_rewards(ep.beliefs, ep.outcome, anchor=False)
 
 
 def with_beliefs(episodes):
     """The episodes that have beliefs (a persuadee served without log-probs, or an episode that
     never started, has none) and no unsound value (records.unsound): the belief columns and
     analyses use these alone."""
-    return [ep for ep in episodes if ep["beliefs"] and None not in ep["beliefs"] and not records.unsound(ep)]
+    return [ep for ep in episodes if ep.beliefs and None not in ep.beliefs and not records.unsound(ep)]
 
 
 def set_aside(episodes):
@@ -84,16 +84,16 @@ def set_aside(episodes):
     sound, aside = [], []
     for ep in episodes:
         fields = records.unsound(ep)
-        (aside.append(dict(id=ep["id"], fields=fields)) if fields else sound.append(ep))
+        (aside.append(dict(id=ep.id, fields=fields)) if fields else sound.append(ep))
     return sound, aside
 
 
 def _summary(episodes):
     n = len(episodes)
-    count = {o: sum(ep["outcome"] == o for ep in episodes) for o in arena.OUTCOMES}
+    count = {o: sum(ep.outcome == o for ep in episodes) for o in arena.OUTCOMES}
     believed = with_beliefs(episodes)
-    judged = [ep["judge"] for ep in episodes if ep.get("judge") is not None]
-    turns = sum(len(ep["beliefs"]) - 1 for ep in believed)
+    judged = [ep.judge for ep in episodes if ep.judge is not None]
+    turns = sum(len(ep.beliefs) - 1 for ep in believed)
     return {
         "n": n,
         "full_accept": count["ACCEPT"] / n,
@@ -101,21 +101,21 @@ def _summary(episodes):
         "pending": count["PENDING"] / n,
         "reject": count["REJECT"] / n,
         "walk_away": count["WALK_AWAY"] / n,
-        "mean_turns": mean(ep["turns"] for ep in episodes),
-        "mean_final_belief": mean(ep["beliefs"][-1] for ep in believed),
+        "mean_turns": mean(ep.turns for ep in episodes),
+        "mean_final_belief": mean(ep.beliefs[-1] for ep in believed),
         "closing_efficiency": closing_efficiency(episodes),
         "mean_dense_return": mean(dense_return(ep) for ep in believed),
-        "negative_process_share": (rpo.negative_process_share(ep["beliefs"] for ep in believed)
+        "negative_process_share": (rpo.negative_process_share(ep.beliefs for ep in believed)
                                    if turns else None),
         "mean_judge": mean(judged),
         "beliefs_missing": (n - len(believed)) / n,
-        "api_errors": sum(ep.get("end_reason") == arena.API_ERROR for ep in episodes),
+        "api_errors": sum(ep.end_reason == arena.API_ERROR for ep in episodes),
         # episodes by how they ended; a cut-off one (arena.CUT_OFF) never reached its outcome
-        "end_reasons": dict(sorted(Counter(str(ep.get("end_reason")) for ep in episodes).items())),
-        "cut_off": sum(ep.get("end_reason") in arena.CUT_OFF for ep in episodes),
+        "end_reasons": dict(sorted(Counter(str(ep.end_reason) for ep in episodes).items())),
+        "cut_off": sum(ep.end_reason in arena.CUT_OFF for ep in episodes),
         # the share of judged transcripts whose score fell back to s = 0 (the paper: "zero if it fails
         # after three retries")
-        "judge_failed_share": mean(bool(ep.get("judge_failed")) for ep in episodes if ep.get("judge") is not None),
+        "judge_failed_share": mean(bool(ep.judge_failed) for ep in episodes if ep.judge is not None),
     }
 
 
@@ -123,14 +123,14 @@ def closing_efficiency(episodes):
     """Table 9's closing efficiency (DECISIONS.md: Closing efficiency): of the episodes that
     ended with the persuadee leaning towards the request (b_T > 0), the share that closed (ACCEPT).
     None where no episode ended with b_T > 0."""
-    leaning = [ep for ep in with_beliefs(episodes) if ep["beliefs"][-1] > 0]
-    return mean(ep["outcome"] == "ACCEPT" for ep in leaning)
+    leaning = [ep for ep in with_beliefs(episodes) if ep.beliefs[-1] > 0]
+    return mean(ep.outcome == "ACCEPT" for ep in leaning)
 
 
 def _groups(episodes, key):
     groups = defaultdict(list)
     for ep in episodes:  # a training scenario may leave its resistance unstated (section B.2)
-        groups[ep.get(key) or UNSTATED].append(ep)
+        groups[getattr(ep, key) or UNSTATED].append(ep)
     return {k: _summary(v) for k, v in sorted(groups.items())}
 
 
@@ -150,27 +150,27 @@ def belief_stats(episodes):
     docstring); None without beliefs (a persuadee served without log-probs)."""
     if not episodes:
         return None
-    levels = [row for ep in episodes for row in ep["probes"]]
-    increments = [np.subtract(ep["probes"][t], ep["probes"][t - 1]).tolist()
-                  for ep in episodes for t in range(1, len(ep["probes"]))]
+    levels = [row for ep in episodes for row in ep.probes]
+    increments = [np.subtract(ep.probes[t], ep.probes[t - 1]).tolist()
+                  for ep in episodes for t in range(1, len(ep.probes))]
     out = {
-        "initial_mean": mean(ep["beliefs"][0] for ep in episodes),
-        "final_mean": mean(ep["beliefs"][-1] for ep in episodes),
+        "initial_mean": mean(ep.beliefs[0] for ep in episodes),
+        "final_mean": mean(ep.beliefs[-1] for ep in episodes),
         "spearman_dense_goal": spearman([dense_return(ep) for ep in episodes],
-                                        [rpo.GOAL[ep["outcome"]] for ep in episodes]),
+                                        [rpo.GOAL[ep.outcome] for ep in episodes]),
         "probe_level_corr": pearson_matrix(levels),
         "probe_increment_corr": pearson_matrix(increments),
         "saturated_share": float(np.mean(np.abs(np.asarray(levels, dtype=float)) > SATURATION)),
     }
-    if all(ep.get("probe_mass") for ep in episodes):
-        out["yes_no_mass_mean"] = float(np.mean([m for ep in episodes for row in ep["probe_mass"] for m in row]))
+    if all(ep.probe_mass for ep in episodes):
+        out["yes_no_mass_mean"] = float(np.mean([m for ep in episodes for row in ep.probe_mass for m in row]))
     return out
 
 
 def dense_by_outcome(episodes):
     """Mean lambda-free dense return sum_t r_t per outcome reached."""
-    return {o: mean(dense_return(ep) for ep in episodes if ep["outcome"] == o)
-            for o in arena.OUTCOMES if any(ep["outcome"] == o for ep in episodes)}
+    return {o: mean(dense_return(ep) for ep in episodes if ep.outcome == o)
+            for o in arena.OUTCOMES if any(ep.outcome == o for ep in episodes)}
 
 
 def shaping_by_outcome(episodes, lam=None):
@@ -183,11 +183,11 @@ def shaping_by_outcome(episodes, lam=None):
 
 def move_stats(episodes):
     """Fig. 5 and section F from the stored move labels (episodes with `moves`)."""
-    longest = max(len(ep["moves"]) for ep in episodes)
+    longest = max(len(ep.moves) for ep in episodes)
     by_turn = {m: [] for m in moves.MOVES}
     counts = []
     for t in range(longest):
-        at_t = [ep["moves"][t] for ep in episodes if len(ep["moves"]) > t]
+        at_t = [ep.moves[t] for ep in episodes if len(ep.moves) > t]
         counts.append(len(at_t))
         for m in moves.MOVES:
             by_turn[m].append(sum(m in labels for labels in at_t) / len(at_t))
@@ -195,11 +195,11 @@ def move_stats(episodes):
     for m in moves.MOVES:
         turn_with, turn_without = [], []
         for ep in episodes:
-            for labels, r in zip(ep["moves"], raw_process_rewards(ep)):
+            for labels, r in zip(ep.moves, raw_process_rewards(ep)):
                 (turn_with if m in labels else turn_without).append(r)
         accepted = {True: [], False: []}
         for ep in episodes:
-            accepted[any(m in labels for labels in ep["moves"])].append(ep["outcome"] == "ACCEPT")
+            accepted[any(m in labels for labels in ep.moves)].append(ep.outcome == "ACCEPT")
         effects[m] = {"dense": welch_difference(turn_with, turn_without),
                       "accept": proportion_difference(accepted[True], accepted[False])}
     ranked = [m for m in moves.MOVES if effects[m]["dense"] and effects[m]["accept"]]
@@ -212,16 +212,16 @@ def manipulation_stats(episodes):
     """Per manipulation label: share of persuader messages and of episodes flagged; the message
     share by outcome."""
     def rates(eps):
-        messages = [labels for ep in eps for labels in ep["manipulation"]]
+        messages = [labels for ep in eps for labels in ep.manipulation]
         n = len(messages)
         return {"n_messages": n, **{m: (sum(m in labels for labels in messages) / n if n else None)
                                     for m in moves.MANIPULATION},
                 "any": sum(bool(labels) for labels in messages) / n if n else None}
     return {"message_rate": rates(episodes),
-            "episode_rate": {m: mean(any(m in labels for labels in ep["manipulation"]) for ep in episodes)
+            "episode_rate": {m: mean(any(m in labels for labels in ep.manipulation) for ep in episodes)
                              for m in moves.MANIPULATION},
-            "by_outcome": {o: rates([ep for ep in episodes if ep["outcome"] == o])
-                           for o in arena.OUTCOMES if any(ep["outcome"] == o for ep in episodes)}}
+            "by_outcome": {o: rates([ep for ep in episodes if ep.outcome == o])
+                           for o in arena.OUTCOMES if any(ep.outcome == o for ep in episodes)}}
 
 
 def summarize(episodes, shaping_lambda=None):
@@ -247,8 +247,8 @@ def summarize(episodes, shaping_lambda=None):
     summary["dense_by_outcome"] = dense_by_outcome(believed)
     if warning := judge_warning(summary):
         summary["judge_warning"] = warning
-    if all("moves" in ep and "manipulation" in ep for ep in episodes):
-        summary["tagger"] = "+".join(sorted({ep.get("tagger", "keyword") for ep in episodes}))
+    if all(ep.moves is not None and ep.manipulation is not None for ep in episodes):
+        summary["tagger"] = "+".join(sorted({ep.tagger or "keyword" for ep in episodes}))
         if believed:  # a move's effect is read off the beliefs it moved
             summary["moves"] = move_stats(believed)
         summary["manipulation"] = manipulation_stats(episodes)
@@ -418,16 +418,16 @@ def case_rows(ep):
     """Per read-out t = 0..T: every probe's value, b_t, r_t (t >= 1, the run's reward setting), the
     turn's share of sum_t |r_t| (share) and of the net sum_t r_t (signed_share: negative for a turn
     that lost ground, and summing to 1), its move labels and the persuader's message."""
-    r = rpo.process_rewards(ep["beliefs"], ep["outcome"], _anchor(ep))
+    r = rpo.process_rewards(ep.beliefs, ep.outcome, _anchor(ep))
     total, net = sum(abs(x) for x in r), sum(r)
     messages = moves.persuader_messages(ep)
     rows = []
-    for t, (values, b) in enumerate(zip(ep["probes"], ep["beliefs"])):
+    for t, (values, b) in enumerate(zip(ep.probes, ep.beliefs)):
         rows.append({"t": t, **dict(zip(probe_names(), values)), "b": b,
                      "r": r[t - 1] if t else None,
                      "share": abs(r[t - 1]) / total if t and total else None,
                      "signed_share": r[t - 1] / net if t and net else None,
-                     "moves": ep.get("moves", [])[t - 1] if t and len(ep.get("moves", [])) >= t else [],
+                     "moves": ep.moves[t - 1] if t and len(ep.moves or []) >= t else [],
                      "message": messages[t - 1] if t and len(messages) >= t else ""})
     return rows
 
@@ -441,8 +441,8 @@ def top_two_share(rows, key="share"):
 
 def format_case(ep, width=60):
     rows = case_rows(ep)
-    lines = [f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns "
-             f"(anchor {_anchor(ep)}, persuader {ep.get('persuader', '?')})",
+    lines = [f"{ep.scenario_id}: {ep.outcome} after {ep.turns} turns "
+             f"(anchor {_anchor(ep)}, persuader {ep.persuader or '?'})",
              f"{'t':>3}" + "".join(f"{k:>8}" for k in probe_names()) + f"{'b_t':>8}{'r_t':>8}{'|share|':>8}{'signed':>8}  moves | message"]
     for row in rows:
         text = row["message"].replace("\n", " ")
@@ -455,10 +455,10 @@ def format_case(ep, width=60):
 
 
 def find_episode(episodes, scenario_id, where):
-    found = [ep for ep in episodes if ep["scenario_id"] == scenario_id or ep["id"] == scenario_id]
+    found = [ep for ep in episodes if ep.scenario_id == scenario_id or ep.id == scenario_id]
     if not found:
         raise ValueError(f"{where} has no episode of {scenario_id}; pick one of "
-                         f"{', '.join(sorted({ep['scenario_id'] for ep in episodes})[:5])}, ...")
+                         f"{', '.join(sorted({ep.scenario_id for ep in episodes})[:5])}, ...")
     return found[0]
 
 
@@ -473,8 +473,8 @@ def probe_overlay(runs):
     for name, episodes in runs.items():
         out[name] = {}
         for i, probe in enumerate(probe_names()):
-            first = [ep["probes"][0][i] for ep in episodes]
-            last = [ep["probes"][-1][i] for ep in episodes]
+            first = [ep.probes[0][i] for ep in episodes]
+            last = [ep.probes[-1][i] for ep in episodes]
             out[name][probe] = {"initial": mean(first), "final": mean(last),
                                 "change": mean(b - a for a, b in zip(first, last)), "n": len(episodes)}
     return out
@@ -494,7 +494,7 @@ def trajectory_stats(episodes, series):
     averages the episodes that reached it."""
     out = {}
     for outcome in arena.OUTCOMES:
-        rows = [series(ep) for ep in episodes if ep["outcome"] == outcome]
+        rows = [series(ep) for ep in episodes if ep.outcome == outcome]
         if rows:
             length = max(len(row) for row in rows)
             count = np.array([sum(len(row) > t for row in rows) for t in range(length)])

@@ -126,7 +126,7 @@ def play_dialogues(tok, instances, turns, st, generate, read_probes, sync):
     probe values to d["probes"]; both add to st (new_stats), which is returned with the wall time,
     the tokens prefilled twice, the message texts and the probe values."""
     ds = [dict(zip(("persuader", "persuadee"), rollout.prompt_ids(tok, tok, i)),
-               state=arena.Episode(turns), texts=[], probes=[], fed={"persuader": 0, "persuadee": 0})
+               state=arena.Dialogue(turns), texts=[], probes=[], fed={"persuader": 0, "persuadee": 0})
           for i in instances]
 
     def text(ids):

@@ -339,7 +339,7 @@ def gpu_check(args):
     records, wall, steps, st, peak = timed_check_rollout(
         persuader, persuadee, targs, (persuader_sampling, persuadee_sampling), sync, gpu)
     print(f"rollout done in {wall:.1f} s", flush=True)
-    generated = sum(sum(1 for t in r["turn_ids"] if t) for r in records)
+    generated = sum(sum(1 for t in r.turn_ids if t) for r in records)
     graph_tokens, differ, same_logps, live_delta = graphs_against_eager(persuadee, persuadee_sampling,
                                                                         rows)
 
@@ -348,7 +348,7 @@ def gpu_check(args):
     out = dict(tok_s=generated / wall, wall_s=wall, warmup_s=warm_s, capture_s=capture_s,
                capture_in_timed_run_s=(persuader.fast.graph_capture_s + persuadee.fast.graph_capture_s
                                        - capture_s),
-               probe_share=st["probe"] / max(st["reply"], 1e-9), turns=max(r["turns"] for r in records),
+               probe_share=st["probe"] / max(st["reply"], 1e-9), turns=max(r.turns for r in records),
                graph_tokens_differ=differ, graph_tokens=sum(map(len, graph_tokens)),
                graph_bit_equal=differ == 0 and same_logps, live_max_abs_dlogp=live_delta,
                decode_layer_kernels=decode_layer_ops()[0],

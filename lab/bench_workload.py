@@ -5,7 +5,7 @@ Workload (defaults): DIALOGUES dialogues with different personas, the first held
 arena.load_scenarios(split="heldout") taken one per (domain, resistance) cell (then in file order);
 TURNS turns, MAX_NEW_TOKENS new tokens a message, greedy, float32 (bfloat16 on a GPU); the three
 probes after each persuadee reply plus b_0 before the first message; SmolLM2-135M-Instruct on a CPU.
-Every implementation plays the same dialogue logic: arena.Episode (a dialogue ends early on a
+Every implementation plays the same dialogue logic: arena.Dialogue (a dialogue ends early on a
 decision tag, at the same place in all of them), tags stripped by persuadee_sees/persuader_sees,
 FINAL_TURN_INSTRUCTION as a system turn after the persuader's message on the final turn.
 
@@ -186,8 +186,8 @@ def run_engine(model, tok, instances, turns, max_new, sync, sdpa_backends=None):
     st["graph_capture_s"] = sum(e.fast.graph_capture_s for e in (persuader, persuadee) if e.fast)
     st["conv"] = persuader.tokens_prefilled + persuadee.tokens_prefilled - st["probe_tokens"]
     st["twice"] = st["conv"] - st["unique"]
-    st["dialogues"] = [[m["text"] for m in e["transcript"]] for e in eps]
-    st["probes"] = [e["probes"] for e in eps]
+    st["dialogues"] = [[m["text"] for m in e.transcript] for e in eps]
+    st["probes"] = [e.probes for e in eps]
     return st
 
 
@@ -271,9 +271,9 @@ def probe_vs_judge(model, tok, instances, turns, max_new, sync):
     for inst, ep in zip(instances, eps):
         messages = arena.persuadee_messages(inst) + [
             {"role": "user" if m["role"] == "persuader" else "assistant", "content": m["text"]}
-            for m in ep["transcript"]]
+            for m in ep.transcript]
         contexts.append(models.chat_ids(tok, messages, False))
-        prompts.append(models.chat_ids(tok, arena.judge_messages(inst, ep["transcript"]), True))
+        prompts.append(models.chat_ids(tok, arena.judge_messages(inst, ep.transcript), True))
     sids = [persuadee.new(ids) for ids in contexts]
     persuadee.forward(sids)  # the persuadee's contexts, cached as in a rollout
 

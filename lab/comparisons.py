@@ -50,13 +50,13 @@ def compare(episodes_a, episodes_b):
         print(f"eval.py: warning: comparing the {len(common)} common scenarios; missing in A: "
               f"{', '.join(missing_in_a) or 'none'}; missing in B: {', '.join(missing_in_b) or 'none'}",
               file=sys.stderr)
-    goal_a = [rpo.GOAL[a[s]["outcome"]] for s in common]
-    goal_b = [rpo.GOAL[b[s]["outcome"]] for s in common]
+    goal_a = [rpo.GOAL[a[s].outcome] for s in common]
+    goal_b = [rpo.GOAL[b[s].outcome] for s in common]
     transitions = {oa: {ob: 0 for ob in arena.OUTCOMES} for oa in arena.OUTCOMES}
     for s in common:
-        transitions[a[s]["outcome"]][b[s]["outcome"]] += 1
-    closed_a = [a[s]["outcome"] == CLOSED for s in common]
-    closed_b = [b[s]["outcome"] == CLOSED for s in common]
+        transitions[a[s].outcome][b[s].outcome] += 1
+    closed_a = [a[s].outcome == CLOSED for s in common]
+    closed_b = [b[s].outcome == CLOSED for s in common]
     return {
         "n": len(common),
         # acceptance-discordant pairs, from B's side (the paper's "58 wins / 1 loss"): the pairs
@@ -82,10 +82,10 @@ def compare(episodes_a, episodes_b):
 def _by_scenario(episodes, label):
     out = {}
     for ep in episodes:
-        if ep["scenario_id"] in out:
-            raise ValueError(f"run {label} has more than one episode for {ep['scenario_id']}; "
+        if ep.scenario_id in out:
+            raise ValueError(f"run {label} has more than one episode for {ep.scenario_id}; "
                              "compare runs with one episode per scenario")
-        out[ep["scenario_id"]] = ep
+        out[ep.scenario_id] = ep
     return out
 
 
@@ -141,15 +141,15 @@ def compare_many(baselines, policy):
         common = sorted(set(b) & set(p))
         if not common:
             raise ValueError(f"baseline {name} shares no scenario_id with the policy")
-        won = sum(p[s]["outcome"] == CLOSED != b[s]["outcome"] for s in common)
-        lost = sum(b[s]["outcome"] == CLOSED != p[s]["outcome"] for s in common)
+        won = sum(p[s].outcome == CLOSED != b[s].outcome for s in common)
+        lost = sum(b[s].outcome == CLOSED != p[s].outcome for s in common)
         per_baseline[name] = {"n": len(common), "won": won, "lost": lost,
-                              "mcnemar_p": mcnemar([p[s]["outcome"] == CLOSED for s in common],
-                                                   [b[s]["outcome"] == CLOSED for s in common])}
+                              "mcnemar_p": mcnemar([p[s].outcome == CLOSED for s in common],
+                                                   [b[s].outcome == CLOSED for s in common])}
     runs = [_by_scenario(e, n) for n, e in baselines.items()]
     everywhere = sorted(set(p).intersection(*runs))
-    none = [s for s in everywhere if all(r[s]["outcome"] != CLOSED for r in runs)]
-    closes = sum(p[s]["outcome"] == CLOSED for s in none)
+    none = [s for s in everywhere if all(r[s].outcome != CLOSED for r in runs)]
+    closes = sum(p[s].outcome == CLOSED for s in none)
     systems = {**dict(zip(baselines, runs)), POLICY: p}
     return {"per_baseline": per_baseline, "n_common": len(everywhere), "closed_by_none": len(none),
             "policy_closes": closes, "policy_closes_share": closes / len(none) if none else None,
@@ -164,8 +164,8 @@ def belief_ranking(systems):
     rows = []
     for name, episodes in systems.items():
         believed = with_beliefs(episodes)
-        rows.append({"name": name, "mean_final_belief": mean(ep["beliefs"][-1] for ep in believed),
-                     "full_accept": mean(ep["outcome"] == CLOSED for ep in episodes)})
+        rows.append({"name": name, "mean_final_belief": mean(ep.beliefs[-1] for ep in believed),
+                     "full_accept": mean(ep.outcome == CLOSED for ep in episodes)})
     ranked = [r for r in rows if r["mean_final_belief"] is not None]
     for key, rank_key in (("mean_final_belief", "belief_rank"), ("full_accept", "accept_rank")):
         ranks = stats.rankdata([-r[key] for r in ranked])
@@ -207,13 +207,13 @@ def main_table(runs, reference):
         common = sorted(set(by[name]) & set(by[reference]))
         row = {"name": name, "n": len(episodes), "reference": name == reference, "n_paired": len(common)}
         for key, (_, outcomes) in TABLE_OUTCOMES.items():
-            hits = [ep["outcome"] in outcomes for ep in episodes]
+            hits = [ep.outcome in outcomes for ep in episodes]
             low, high = wilson_interval(sum(hits), len(hits))
-            p = None if name == reference else mcnemar([by[name][s]["outcome"] in outcomes for s in common],
-                                                         [by[reference][s]["outcome"] in outcomes for s in common])
+            p = None if name == reference else mcnemar([by[name][s].outcome in outcomes for s in common],
+                                                         [by[reference][s].outcome in outcomes for s in common])
             row[key] = {"value": sum(hits) / len(hits), "low": low, "high": high, "p": p}
         for key in TABLE_MEANS:
-            value = (lambda ep: ep["turns"]) if key == "mean_turns" else (lambda ep: ep["beliefs"][-1])
+            value = (lambda ep: ep.turns) if key == "mean_turns" else (lambda ep: ep.beliefs[-1])
             kept = episodes if key == "mean_turns" else with_beliefs(episodes)
             mean, low, high = t_interval([value(ep) for ep in kept])
             both = [s for s in common if key == "mean_turns" or (with_beliefs([by[name][s]]) and

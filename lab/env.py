@@ -257,7 +257,7 @@ class PersuasionEnv(gym.Env):
         kind, seen = self._next_event()
         if kind == "end":  # the loop could not start it: a pool too small for one episode
             raise ValueError(f"env.py: the persuadee cannot hold one episode of {inst['id']} "
-                             f"({seen['end_reason']}); give it more KV blocks (kv_blocks)")
+                             f"({seen.end_reason}); give it more KV blocks (kv_blocks)")
         values, mass = seen["probes"], seen["probe_mass"]
         info = dict(instance=inst["id"], seed=episode_seed, turn=0, t_max=self.t_max,
                     beliefs=seen["beliefs"], probes=named(values), probe_mass=named(mass))
@@ -297,27 +297,27 @@ class PersuasionEnv(gym.Env):
             return observation, turn_reward(seen["beliefs"]), False, False, info
         return self._last_step(seen)
 
-    def _last_step(self, record):
-        """The episode ended in this turn: its record, judged, in the info."""
+    def _last_step(self, ended):
+        """The episode ended in this turn (ended, the judged rollout.Episode): its record in the
+        info."""
         self.episode["done"] = True
-        read = record["turns"] == self.episode["turn"]  # this turn's reply got a read-out
-        last = record["transcript"][-1] if record["transcript"] else None
+        read = ended.turns == self.episode["turn"]  # this turn's reply got a read-out
+        last = ended.transcript[-1] if ended.transcript else None
         replied = last is not None and last["role"] == "persuadee"
-        info = dict(instance=record["id"], turn=self.episode["turn"],
-                    decision=last["decision"] if replied else None, outcome=record["outcome"],
-                    end_reason=record["end_reason"], beliefs=record["beliefs"],
-                    probes=named(record["probes"][-1]) if read else None,
-                    probe_mass=named(record["probe_mass"][-1]) if read else None,
-                    goal_reward=rpo.GOAL[record["outcome"]], strategy=record["judge"],
-                    judge_failed=record["judge_failed"],
-                    outcome_reward=rpo.outcome_reward(record["outcome"], record["judge"]),
-                    record={k: v for k, v in record.items()
-                            if k not in ("ids", "turn_ids", "logprobs")})
+        info = dict(instance=ended.id, turn=self.episode["turn"],
+                    decision=last["decision"] if replied else None, outcome=ended.outcome,
+                    end_reason=ended.end_reason, beliefs=ended.beliefs,
+                    probes=named(ended.probes[-1]) if read else None,
+                    probe_mass=named(ended.probe_mass[-1]) if read else None,
+                    goal_reward=rpo.GOAL[ended.outcome], strategy=ended.judge,
+                    judge_failed=ended.judge_failed,
+                    outcome_reward=rpo.outcome_reward(ended.outcome, ended.judge),
+                    record=ended.record(training=False))
         observation = (({"role": "user", "content": arena.persuader_sees(last["text"])},)
                        if replied else ())
         self.episode["shown"].extend(observation)
-        terminated = record["end_reason"] in DECISION_ENDS
-        return (observation, turn_reward(record["beliefs"]) if read else 0.0, terminated,
+        terminated = ended.end_reason in DECISION_ENDS
+        return (observation, turn_reward(ended.beliefs) if read else 0.0, terminated,
                 not terminated, info)
 
     def render(self):

@@ -10,12 +10,13 @@ import json
 from pathlib import Path
 
 import rollout
-from lab import cli, jsonl, records, runs
+from lab import cli, jsonl, runs
 
 
 def read_played(path):
-    """Records already in an episodes.jsonl, by id. A bad last line (cut off by a kill) is
-    dropped with a warning and from the file (jsonl.read_jsonl); an id written twice is an error."""
+    """Episodes already in an episodes.jsonl (rollout.Episode.from_record), by id. A bad last
+    line (cut off by a kill) is dropped with a warning and from the file (jsonl.read_jsonl); an id
+    written twice is an error."""
     path = Path(path)
     if not path.exists():
         return {}
@@ -26,7 +27,7 @@ def read_played(path):
                              "play its episode again")
         if record["id"] in played:
             raise ValueError(f"{path}, line {lineno} repeats episode {record['id']}; delete one of them")
-        played[record["id"]] = record
+        played[record["id"]] = rollout.Episode.from_record(record)
     return played
 
 
@@ -46,24 +47,24 @@ def play_resumable(persuader, persuadee, instances, path, *, t_max, judge=None, 
     """rollout.rollout_episodes over the instances not yet in `played` (read from path unless
     given), each record appended to path (an episodes.jsonl) as its episode ends, without the
     training stream and with `stamp` (the run's settings) added; the judge scores them at the end
-    with those resumed unscored (judge None). Returns the records of all instances, in order."""
+    with those resumed unscored (judge None). Returns the Episodes of all instances, in order."""
     played = read_played(path) if played is None else played
     stamp = stamp or {}
 
-    def clean(r):
-        return {**{k: v for k, v in r.items() if k not in records.TRAINING_FIELDS}, **stamp}
+    def clean(e):  # the record without its training stream, stamped
+        return {**e.record(training=False), **stamp}
     todo = [inst for inst in instances if inst["id"] not in played]
-    for r in rollout.rollout_episodes(persuader, persuadee, todo, t_max, judge=judge, seed=seed,
-                                      on_record=lambda r: append_record(path, clean(r)),
+    for e in rollout.rollout_episodes(persuader, persuadee, todo, t_max, judge=judge, seed=seed,
+                                      on_record=lambda e: append_record(path, clean(e)),
                                       **rollout_kw):
-        played[r["id"]] = clean(r)
-    pending = [inst for inst in instances if played[inst["id"]]["judge"] is None]
+        played[e.id] = rollout.Episode.from_record(clean(e))
+    pending = [inst for inst in instances if played[inst["id"]].judge is None]
     if pending:  # killed before the judge scored them
         scores, failed = rollout.judge_all(judge, pending,
-                                           [played[i["id"]]["transcript"] for i in pending],
+                                           [played[i["id"]].transcript for i in pending],
                                            seed, [0] * len(pending))
         for inst, score, fail in zip(pending, scores, failed):
-            played[inst["id"]].update(judge=score, judge_failed=fail)
+            played[inst["id"]].judge, played[inst["id"]].judge_failed = score, fail
     return [played[inst["id"]] for inst in instances]
 
 
@@ -101,4 +102,4 @@ def gathered(episodes, instances, world):
     shards = [None] * world
     dist.all_gather_object(shards, episodes)
     order = {inst["id"]: i for i, inst in enumerate(instances)}
-    return sorted((ep for shard in shards for ep in shard), key=lambda ep: order[ep["id"]])
+    return sorted((ep for shard in shards for ep in shard), key=lambda ep: order[ep.id])

@@ -39,7 +39,7 @@ def fidelity_reads(persuadee, instances, episodes, n, probe_space=None, probe_si
         shards = [None] * world
         dist.all_gather_object(shards, mine)
     reads = [shards[j % world][j // world] for j in range(len(sample))]  # back in sample order
-    return {"sample": [[episodes[i]["id"], t] for i, t in sample],
+    return {"sample": [[episodes[i].id, t] for i, t in sample],
             **{key: [r[k] for r in reads] for k, key in enumerate(("fork", "reference",
                                                                    "vocabulary"))}}
 
@@ -49,7 +49,7 @@ def fidelity_sample(episodes, n):
     with beliefs, so that the check covers every stage of a conversation (DECISIONS.md:
     Probe fidelity sample)."""
     every = [(i, t) for i, ep in enumerate(episodes) if analyses.with_beliefs([ep])
-             for t in range(len(ep["probes"]))]
+             for t in range(len(ep.probes))]
     if len(every) <= n:
         return every
     return [every[round(k * (len(every) - 1) / (n - 1))] for k in range(n)] if n > 1 else every[:1]
@@ -63,8 +63,8 @@ def fidelity_contexts(tokenizer, instances, episodes, sample):
     contexts = []
     for i, t in sample:
         ep = episodes[i]
-        messages = arena.persuadee_messages(by_id[ep["id"]])
-        for m in ep["transcript"][:2 * t]:
+        messages = arena.persuadee_messages(by_id[ep.id])
+        for m in ep.transcript[:2 * t]:
             role = "user" if m["role"] == "persuader" else "assistant"
             messages.append({"role": role, "content": m["text"]})
         contexts.append(models.chat_ids(tokenizer, messages, False))

@@ -106,8 +106,8 @@ def table_row(label, stats, episodes):
     believed = analyses.with_beliefs(episodes)
     return (f"<tr><th>{esc(label)}</th><td class='num'>{stats['n']}</td>"
             + share_cell(stats["full_accept"], stats["n"]) + share_cell(stats["full_or_conditional"], stats["n"])
-            + mean_cell([ep["beliefs"][-1] for ep in believed], "+.3f")
-            + mean_cell([ep["turns"] for ep in episodes], ".2f") + "</tr>")
+            + mean_cell([ep.beliefs[-1] for ep in believed], "+.3f")
+            + mean_cell([ep.turns for ep in episodes], ".2f") + "</tr>")
 
 
 def main_table(summary, episodes):
@@ -118,7 +118,7 @@ def main_table(summary, episodes):
     for key, title in (("resistance", "by_resistance"), ("domain", "by_domain")):
         groups = defaultdict(list)
         for ep in episodes:
-            groups[ep.get(key) or analyses.UNSTATED].append(ep)
+            groups[getattr(ep, key) or analyses.UNSTATED].append(ep)
         rows.append(f"<tr><th colspan='6'>{title.replace('_', ' ')}</th></tr>")
         rows += [table_row(name, stats, groups.get(name, [])) for name, stats in summary.get(title, {}).items()]
     note = ("<p class='meta'>shares with Wilson 95% intervals, means with Student-t 95% intervals; "
@@ -132,7 +132,7 @@ def readouts(ep):
         return analyses.case_rows(ep)
     names = records.probe_names()
     return [{"t": t, "b": b, "r": None, **dict(zip(names, values or [None] * len(names)))}
-            for t, (values, b) in enumerate(zip(ep.get("probes") or [], ep.get("beliefs") or []))]
+            for t, (values, b) in enumerate(zip(ep.probes or [], ep.beliefs or []))]
 
 
 def readout_line(row):
@@ -144,10 +144,10 @@ def readout_line(row):
 def transcript_html(ep):
     """The transcript in order: persuader messages with their move labels, persuadee replies with
     the parsed decision, b_t, r_t and the probe values read after them, then the judge's verdict."""
-    rows, moves, manipulation = readouts(ep), ep.get("moves") or [], ep.get("manipulation") or []
+    rows, moves, manipulation = readouts(ep), ep.moves or [], ep.manipulation or []
     parts = [f"<div class='meta'>before the first message: {readout_line(rows[0])}</div>" if rows else ""]
     said = heard = 0
-    for message in ep.get("transcript") or []:
+    for message in ep.transcript or []:
         if message["role"] == "persuader":
             labels = moves[said] if said < len(moves) else []
             flags = manipulation[said] if said < len(manipulation) else []
@@ -159,33 +159,33 @@ def transcript_html(ep):
             meta = f"decision read: {esc(message.get('decision'))}" + (f"; {readout_line(row)}" if row else "")
         parts.append(f"<div class='msg {esc(message['role'])}'><b>{esc(message['role'])} {said}</b>"
                      f"<div>{esc(message.get('text', ''))}</div><div class='meta'>{meta}</div></div>")
-    verdict = ("not judged" if ep.get("judge") is None else
-               f"strategy score s = {number(ep['judge'], '+.2f')}" + (" (judge failed: fell back to 0)" if ep.get("judge_failed") else ""))
-    parts.append(f"<div class='meta'>outcome {esc(ep['outcome'])}, end reason {esc(ep.get('end_reason'))}; judge: {verdict}</div>")
+    verdict = ("not judged" if ep.judge is None else
+               f"strategy score s = {number(ep.judge, '+.2f')}" + (" (judge failed: fell back to 0)" if ep.judge_failed else ""))
+    parts.append(f"<div class='meta'>outcome {esc(ep.outcome)}, end reason {esc(ep.end_reason)}; judge: {verdict}</div>")
     return "".join(parts)
 
 
 def episode_cells(ep):
     """An episode's row cells: id, outcome, resistance, domain, end reason, turns, trace, probes."""
-    last = (ep.get("probes") or [[]])[-1] or []
+    last = (ep.probes or [[]])[-1] or []
     probes = "".join(f'<td class="num" data-v="{number(v)}">{number(v)}</td>'
                      for v in list(last) + [None] * (len(records.probe_names()) - len(last)))
-    final = (ep.get("beliefs") or [None])[-1]
-    return (f"<td>{esc(ep['id'])}</td><td class='{esc(ep['outcome'])}'>{esc(ep['outcome'])}</td>"
-            f"<td>{esc(ep.get('resistance'))}</td><td>{esc(ep.get('domain'))}</td><td>{esc(ep.get('end_reason'))}</td>"
-            f"<td class='num'>{ep['turns']}</td><td data-v='{number(final)}'>{trace_svg(ep.get('beliefs') or [])}</td>{probes}")
+    final = (ep.beliefs or [None])[-1]
+    return (f"<td>{esc(ep.id)}</td><td class='{esc(ep.outcome)}'>{esc(ep.outcome)}</td>"
+            f"<td>{esc(ep.resistance)}</td><td>{esc(ep.domain)}</td><td>{esc(ep.end_reason)}</td>"
+            f"<td class='num'>{ep.turns}</td><td data-v='{number(final)}'>{trace_svg(ep.beliefs or [])}</td>{probes}")
 
 
 def row_data(ep):
     """The data-* attributes the filters read."""
-    return " ".join(f'data-{key.replace("_", "")}="{esc(ep.get(key))}"' for key in FILTERS)
+    return " ".join(f'data-{key.replace("_", "")}="{esc(getattr(ep, key))}"' for key in FILTERS)
 
 
 def filters_html(episodes):
     """One <select> per filtered column, its options the values present."""
     out = []
     for key in FILTERS:
-        values = sorted({str(ep.get(key)) if ep.get(key) is not None else "-" for ep in episodes})
+        values = sorted({str(getattr(ep, key)) if getattr(ep, key) is not None else "-" for ep in episodes})
         options = "".join(f"<option>{esc(v)}</option>" for v in values)
         out.append(f"<label>{key.replace('_', ' ')} <select name='{key.replace('_', '')}'>"
                    f"<option value=''>all</option>{options}</select></label>")
@@ -198,7 +198,7 @@ def episodes_table(episodes):
     head = "".join(f"<th class='sort'>{esc(c)}</th>" for c in columns)
     rows = [f"<tr class='episode' {row_data(ep)}>{episode_cells(ep)}</tr>"
             f"<tr class='detail' {row_data(ep)}><td colspan='{len(columns)}'><details><summary>transcript of "
-            f"{esc(ep['id'])}</summary>{transcript_html(ep)}</details></td></tr>" for ep in episodes]
+            f"{esc(ep.id)}</summary>{transcript_html(ep)}</details></td></tr>" for ep in episodes]
     return f"{filters_html(episodes)}<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
@@ -237,17 +237,17 @@ def transitions_table(result):
 
 def pair_rows(episodes_a, episodes_b):
     """One row a scenario both runs played: A's and B's outcome and trace, the transition marked."""
-    a = {ep["scenario_id"]: ep for ep in episodes_a}
-    b = {ep["scenario_id"]: ep for ep in episodes_b}
+    a = {ep.scenario_id: ep for ep in episodes_a}
+    b = {ep.scenario_id: ep for ep in episodes_b}
     rows = []
     for sid in sorted(set(a) & set(b)):
         ea, eb = a[sid], b[sid]
-        kind = transition_class(ea["outcome"], eb["outcome"])
-        data = (f'data-outcome="{esc(ea["outcome"])}&gt;{esc(eb["outcome"])}" data-transition="{kind}" '
-                f'data-resistance="{esc(eb.get("resistance"))}" data-domain="{esc(eb.get("domain"))}"')
-        rows.append(f"<tr class='episode {kind}' {data}><td>{esc(sid)}</td><td>{esc(ea['outcome'])} &rarr; "
-                    f"{esc(eb['outcome'])}</td><td>{kind}</td><td>{esc(eb.get('resistance'))}</td><td>{esc(eb.get('domain'))}</td>"
-                    f"<td>{trace_svg(ea.get('beliefs') or [])}</td><td>{trace_svg(eb.get('beliefs') or [])}</td></tr>"
+        kind = transition_class(ea.outcome, eb.outcome)
+        data = (f'data-outcome="{esc(ea.outcome)}&gt;{esc(eb.outcome)}" data-transition="{kind}" '
+                f'data-resistance="{esc(eb.resistance)}" data-domain="{esc(eb.domain)}"')
+        rows.append(f"<tr class='episode {kind}' {data}><td>{esc(sid)}</td><td>{esc(ea.outcome)} &rarr; "
+                    f"{esc(eb.outcome)}</td><td>{kind}</td><td>{esc(eb.resistance)}</td><td>{esc(eb.domain)}</td>"
+                    f"<td>{trace_svg(ea.beliefs or [])}</td><td>{trace_svg(eb.beliefs or [])}</td></tr>"
                     f"<tr class='detail'><td colspan='7'><details><summary>transcripts of {esc(sid)}</summary>"
                     f"<div class='side'><b>A</b>{transcript_html(ea)}</div><div class='side'><b>B</b>{transcript_html(eb)}</div>"
                     "</details></td></tr>")

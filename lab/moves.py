@@ -130,7 +130,7 @@ def planted(tags, text):
 
 
 def persuader_messages(episode):
-    return [m["text"] for m in episode["transcript"] if m["role"] == "persuader"]
+    return [m["text"] for m in episode.transcript if m["role"] == "persuader"]
 
 
 def tag_episodes(episodes, scenarios, tagger="keyword", judge=None):
@@ -142,21 +142,21 @@ def tag_episodes(episodes, scenarios, tagger="keyword", judge=None):
     if tagger == "logit" and judge is None:
         raise ValueError("moves: the logit tagger needs a judge Engine; pass --judge MODEL or use --tagger keyword")
     for ep in episodes:
-        if ep["scenario_id"] not in scenarios:
-            raise ValueError(f"moves: no scenario {ep['scenario_id']!r} for episode {ep['id']}; "
+        if ep.scenario_id not in scenarios:
+            raise ValueError(f"moves: no scenario {ep.scenario_id!r} for episode {ep.id}; "
                              "tag episodes of scenarios in scenarios.jsonl")
     if tagger == "keyword":
-        tags = [[keyword_tags(text, scenarios[ep["scenario_id"]]) for text in persuader_messages(ep)]
+        tags = [[keyword_tags(text, scenarios[ep.scenario_id]) for text in persuader_messages(ep)]
                 for ep in episodes]
     else:
-        tags = logit_tags(judge, [scenarios[ep["scenario_id"]] for ep in episodes],
+        tags = logit_tags(judge, [scenarios[ep.scenario_id] for ep in episodes],
                           [persuader_messages(ep) for ep in episodes])
         tags = [[planted(t, text) for t, text in zip(per_turn, persuader_messages(ep))]
                 for ep, per_turn in zip(episodes, tags)]
     for ep, per_turn in zip(episodes, tags):
-        ep["moves"] = [t["moves"] for t in per_turn]
-        ep["manipulation"] = [t["manipulation"] for t in per_turn]
-        ep["tagger"] = tagger
+        ep.moves = [t["moves"] for t in per_turn]
+        ep.manipulation = [t["manipulation"] for t in per_turn]
+        ep.tagger = tagger
     return episodes
 
 # -----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 import arena
 import probes
 import rollout
-from lab import analyses, hardening, pools, records, report, terminal
+from lab import analyses, hardening, pools, report, terminal
 
 TYPING_TRIES = 5  # lines a person may type that are not valid text before the message is ""
 
@@ -59,12 +59,11 @@ def play(scenario_id, persuadee, *, seed, t_max, out_root, read=input, write=pri
         persuadee_sampling=(sampling or rollout.SAMPLING["paper"])[1],
         max_new_tokens=max_new_tokens, probe_space=probe_space,
         probe_signs=probe_signs, decision=decision)
-    for key in records.TRAINING_FIELDS:
-        ep.pop(key)
-    ep.update(judge=None, persuader="human", persuadee=persuadee, seed=seed)
+    ep = rollout.Episode.from_record(dict(ep.record(training=False), judge=None,
+                                          persuader="human", persuadee=persuadee, seed=seed))
     out_dir = Path(out_root) / f"play-{scenario_id}-{time.strftime('%Y%m%d-%H%M%S')}"
     report.save_run(out_dir, [ep], analyses.summarize([ep]))
-    write(f"outcome {ep['outcome']} after {ep['turns']} turns; saved to {out_dir}")
+    write(f"outcome {ep.outcome} after {ep.turns} turns; saved to {out_dir}")
     return ep
 
 

@@ -76,7 +76,7 @@ def _save_fig(fig, path):
 def plot_beliefs(episodes, path):
     """Mean persuadee belief b_t by turn for each outcome, with 95% confidence bands."""
     fig, ax = plt.subplots(figsize=BELIEF_FIGSIZE)
-    _draw_by_outcome(ax, episodes, lambda ep: ep["beliefs"],
+    _draw_by_outcome(ax, episodes, lambda ep: ep.beliefs,
                      "Persuadee belief by turn, by outcome (mean, 95% CI)", "belief b_t (mean of 3 probes)")
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
@@ -87,7 +87,7 @@ def plot_probes(episodes, path):
     """One panel per probe (probes.PROBES): mean probe value by turn for each outcome, 95% bands."""
     fig, axes = plt.subplots(1, len(probe_names()), figsize=PROBE_FIGSIZE, sharey=True)
     for i, (ax, probe) in enumerate(zip(axes, probe_names())):
-        _draw_by_outcome(ax, episodes, lambda ep, i=i: [row[i] for row in ep["probes"]],
+        _draw_by_outcome(ax, episodes, lambda ep, i=i: [row[i] for row in ep.probes],
                          f"{probe_title(probe)} by turn", "probe value 2p(yes) - 1")
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle("Per-probe trajectories by outcome (mean, 95% CI)")
@@ -130,7 +130,7 @@ def plot_case(ep, path):
     for k in probe_names():
         top.plot(t, [row[k] for row in rows], marker="o", ms=3, label=k)
     top.plot(t, [row["b"] for row in rows], marker="s", color="black", lw=2, label="b_t")
-    top.set(title=f"{ep['scenario_id']}: {ep['outcome']} after {ep['turns']} turns", ylabel="probe value",
+    top.set(title=f"{ep.scenario_id}: {ep.outcome} after {ep.turns} turns", ylabel="probe value",
             ylim=(-1.05, 1.05))
     top.legend(fontsize=8)
     bars = [(row["t"], row["r"], row["share"], row["signed_share"]) for row in rows if row["r"] is not None]
@@ -165,7 +165,7 @@ def plot_overlay(runs, path):
     """Fig. 6: runs (name -> episodes) overlaid: mean belief b_t by turn, mean r_t by turn."""
     fig, axes = plt.subplots(1, 2, figsize=OVERLAY_FIGSIZE)
     for name, episodes in zip(system_labels(runs), runs.values()):
-        for ax, rows, start in ((axes[0], [ep["beliefs"] for ep in episodes], 0),
+        for ax, rows, start in ((axes[0], [ep.beliefs for ep in episodes], 0),
                                 (axes[1], [analyses.raw_process_rewards(ep) for ep in episodes], 1)):
             mean, half = significance.mean_band(rows)
             x = np.arange(start, start + mean.size)
@@ -188,7 +188,7 @@ def plot_probe_overlay(runs, path):
     fig, axes = plt.subplots(1, len(probe_names()), figsize=PROBE_FIGSIZE, sharey=True)
     for i, (ax, probe) in enumerate(zip(axes, probe_names())):
         for name, episodes in zip(system_labels(runs), runs.values()):
-            mean, half = significance.mean_band([[row[i] for row in ep["probes"]] for ep in episodes])
+            mean, half = significance.mean_band([[row[i] for row in ep.probes] for ep in episodes])
             x = np.arange(mean.size)
             ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(episodes)})")
             ax.fill_between(x, mean - half, mean + half, alpha=0.2)

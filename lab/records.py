@@ -1,11 +1,9 @@
 """
-records.py: the episode record, in one place, and reading records back from disk (no torch at
-import; the probe names are read from probes.PROBES when asked).
+records.py: reading episode records back from disk, checked (no torch at import; the probe names
+are read from probes.PROBES when asked, and rollout.Episode, the record itself, when loading).
 
-EPISODE_RECORD names every field rollout.record writes, what an evaluation stamps on it
-(eval.evaluate) and what moves.py labels. "No value" is None in every field (a belief or probe a
-served persuadee could not read, a judge that gave no score); NaN lives only inside the
-arithmetic of rpo.py and torch. EPISODE_FIELDS is what the analyses read of a record and what
+What a record holds, and what each field means, is rollout.Episode's (its described fields;
+rollout.RECORD_FIELDS). EPISODE_FIELDS is what the analyses read of a record and what
 each must be; load_episodes refuses a record that breaks it, naming the file, line and field;
 RUN_FIELDS is the same for a training run's metrics.jsonl, evals.jsonl and rollouts.jsonl. A
 JSONL file is read by jsonl.read_jsonl: a bad last line (a killed writer) is dropped with a
@@ -42,28 +40,6 @@ def _label_rows(v):
     return isinstance(v, list) and all(isinstance(r, list) and all(isinstance(x, str) for x in r) for r in v)
 
 
-EPISODE_RECORD = {
-    "id": "the instance's id (scenario and variant)", "scenario_id": "the scenario's id",
-    "domain": "the scenario's domain", "resistance": "the hidden resistance type",
-    "outcome": "one of arena.OUTCOMES", "turns": "persuader messages answered",
-    "end_reason": "why the episode ended (arena.Episode)",
-    "transcript": "[{role, text, decision}] in order",
-    "beliefs": "b_0..b_T, the mean of the probe values (None: unread)",
-    "probes": "one value per probe of probes.PROBES after each reply (None: unread)",
-    "probe_mass": "P(Yes) + P(No) of each read-out", "judge": "strategy score s (None: not judged)",
-    "judge_failed": "the judge's answer could not be parsed: s fell back to 0",
-    "ids": "persuader-side token stream (training)", "turn_ids": "message index of each token, 0 "
-    "for tokens the policy did not sample (training)", "logprobs": "sampling log-probs (training)",
-    "persuader": "the persuader's model (evaluation)", "persuadee": "the persuadee's model "
-    "(evaluation)", "seed": "the evaluation's seed", "anchor": "the reward setting (evaluation)",
-    "probe_space": "probe value space (evaluation)", "probe_signs": "probe valences (evaluation)",
-    "moves": "move labels per persuader message (moves.py)", "manipulation": "manipulation "
-    "labels per persuader message (moves.py)", "tagger": "which tagger labelled them",
-}
-TRAINING_FIELDS = ("ids", "turn_ids", "logprobs")  # of no use once an episode is scored
-STAMP_FIELDS = ("persuader", "persuadee", "seed", "anchor", "probe_space", "probe_signs")
-LABEL_FIELDS = ("moves", "manipulation", "tagger")
-
 EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
     "id": ("a string", lambda v: isinstance(v, str)),
     "scenario_id": ("a string", lambda v: isinstance(v, str)),
@@ -77,7 +53,7 @@ EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it m
                    lambda v: isinstance(v, list) and all(isinstance(m, dict) and isinstance(m.get("text"), str)
                                                          and m.get("role") in ("persuader", "persuadee") for m in v)),
     "judge": ("a number or null", _number_or_none),
-    "judge_failed": ("true or false", lambda v: isinstance(v, bool)),
+    "judge_failed": ("true, false or null (not judged)", lambda v: v is None or isinstance(v, bool)),
     "probe_mass": ("a list of rows, one number per probe (null where unread)",
                    lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(probe_names())
                                                                         and all(map(_number_or_none, r))) for r in v)),
@@ -109,14 +85,14 @@ def _numbers(value):
 
 
 def unsound(ep):
-    """The fields of an episode record (checked by EPISODE_FIELDS) holding a NaN, an infinity or
+    """The fields of an episode (rollout.Episode, checked by EPISODE_FIELDS) holding a NaN, an infinity or
     a number outside its VALUE_RANGES: read as they are, one such value turns a whole run's
     means and correlations into null. A read-out whose belief is None was never read (a
     persuadee that returned no finite log-probs: counted as beliefs_missing), so its probe
     values and mass are not looked at."""
-    read = [b is not None for b in ep.get("beliefs") or []]
+    read = [b is not None for b in ep.beliefs or []]
     def values(field):
-        value = ep.get(field)
+        value = getattr(ep, field)
         if field in ("probes", "probe_mass") and isinstance(value, list) and len(value) == len(read):
             value = [v for v, ok in zip(value, read) if ok]
         return _numbers(value)
@@ -152,8 +128,9 @@ def read_records(path, what, fields, optional=()):
 
 
 def load_episodes(dir_or_file):
-    """Episodes of a run directory (its episodes.jsonl) or of a .jsonl file; a record the analyses
-    cannot read is refused with its file, line and field."""
+    """Episodes (rollout.Episode) of a run directory (its episodes.jsonl) or of a .jsonl file; a
+    record the analyses cannot read is refused with its file, line and field."""
+    import rollout
     path = Path(dir_or_file)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass an eval directory such as evals/NAME")
@@ -163,4 +140,4 @@ def load_episodes(dir_or_file):
                             EPISODE_FIELDS, OPTIONAL_EPISODE_FIELDS)
     if not episodes:
         raise ValueError(f"{path} holds no episodes; rerun the evaluation that wrote it")
-    return episodes
+    return [rollout.Episode.from_record(row) for row in episodes]

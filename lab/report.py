@@ -34,7 +34,7 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs.write_atomic(out_dir / "episodes.jsonl", "".join(map(jsonl.json_line, episodes)))
+    runs.write_atomic(out_dir / "episodes.jsonl", "".join(jsonl.json_line(ep.record(training=False)) for ep in episodes))
     if fidelity is not None:
         runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
     runs.write_atomic(out_dir / "summary.json", json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
@@ -75,12 +75,12 @@ def analyze(run_dir, shaping_lambda=None):
         raise ValueError(f"{run_dir} holds links ({', '.join(links[:4])}), which eval.py never "
                          "reads or writes through; remove them (copy the folder with cp -L)")
     episodes = records.load_episodes(run_dir)
-    untagged = [ep for ep in episodes if "moves" not in ep]
+    untagged = [ep for ep in episodes if ep.moves is None]
     if untagged:
         config = run_dir.parent / "config.json"
         path = (json.loads(config.read_text()).get("scenarios") if config.is_file() else None) or arena.SCENARIOS_PATH
         scenarios = scenarios_by_id(path)
-        unknown = sorted({ep["scenario_id"] for ep in untagged} - set(scenarios))
+        unknown = sorted({ep.scenario_id for ep in untagged} - set(scenarios))
         if unknown:
             print(f"eval.py: warning: {run_dir}: scenarios {', '.join(unknown[:3])}"
                   f"{', ...' if len(unknown) > 3 else ''} are not in {path}; no move labels", file=sys.stderr)

@@ -114,8 +114,8 @@ def run_analysis(run):
     best = max(range(len(steps)), key=lambda i: (heldout[i], -steps[i]))  # ties: the earliest
     checkpoint = run["dir"] / f"checkpoint-{steps[best]}"
     paired = [(a, b) for a, b in zip(train, heldout) if a is not None]
-    judged = [(rpo.GOAL[ep["outcome"]], ep["judge"]) for eps in run["episodes"].values() for ep in eps
-              if ep.get("judge") is not None]
+    judged = [(rpo.GOAL[ep.outcome], ep.judge) for eps in run["episodes"].values() for ep in eps
+              if ep.judge is not None]
     trained = [(r["goal"], r["judge"]) for r in run["rollouts"] if r.get("judge") is not None]
     return {"name": run["name"], "lam": run["lam"], "anchor": run["anchor"], "steps": steps,
             "heldout_accept": heldout, "train_accept": train, "checkpoints": checkpoints,

@@ -88,14 +88,14 @@ class Scheduler:
         self.waiting.extendleft([(index, members[n:]), (index, members[:n])])
 
     def release(self, e):
-        for s, key in zip(self.sides, ("persuader_sid", "persuadee_sid")):
-            s.free(e[key])
+        for s, sid in zip(self.sides, (e.persuader_sid, e.persuadee_sid)):
+            s.free(sid)
 
     def finish(self, e, reason=None):
-        if reason:
-            e["state"].end(reason)
+        """e (a rollout.Episode) ends: its dialogue ended with reason, or done already."""
+        e.end(reason or None)
         self.release(e)
-        self.done[e["index"], e["g"]] = e
+        self.done[e.index, e.g] = e
         self.running.remove(e)
 
     def stall(self):
@@ -106,5 +106,5 @@ class Scheduler:
             return self.finish(self.running[0], "cache")
         e = self.running.pop()
         self.release(e)
-        self.waiting.appendleft((e["index"], [e["g"]]))
+        self.waiting.appendleft((e.index, [e.g]))
         self.held = len(self.done)

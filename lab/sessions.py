@@ -61,7 +61,7 @@ def engine_lock(player):
 class Ticket:
     """One session's episode in a hub: its instance and seed, the messages it was sent (None:
     stop) and the events the loop posts to it: ("started", snapshot), ("speak", snapshot) when the
-    episode waits for the next message, ("end", judged record), ("error", exception)."""
+    episode waits for the next message, ("end", the judged rollout.Episode), ("error", exception)."""
 
     def __init__(self, inst, seed, need):
         self.inst, self.seed, self.need = inst, seed, need
@@ -72,11 +72,11 @@ class Ticket:
 def snapshot(e):
     """What a session reads of its episode after b_0 or a reply: turn, decision, beliefs, the
     last read-out's probe values and masses, the reply's text."""
-    last = e["transcript"][-1] if e["transcript"] else None
+    last = e.transcript[-1] if e.transcript else None
     replied = last is not None and last["role"] == "persuadee"
     return dict(text=last["text"] if replied else None,
-                decision=last["decision"] if replied else None, beliefs=list(e["beliefs"]),
-                probes=e["probes"][-1], probe_mass=e["probe_mass"][-1])
+                decision=last["decision"] if replied else None, beliefs=list(e.beliefs),
+                probes=e.probes[-1], probe_mass=e.probe_mass[-1])
 
 
 class OutsideSide:
@@ -194,8 +194,8 @@ class SessionLoop(rollout.EpisodeLoop):
         deadline = time.monotonic() + wait
         with self.hub.wake:
             while (left := deadline - time.monotonic()) > 0:
-                waiting = [e["persuader_sid"] for e in self.scheduler.running
-                           if e["phase"] == "speak"]
+                waiting = [e.persuader_sid for e in self.scheduler.running
+                           if e.status is rollout.Status.SPEAK]
                 arrived = len(self.persuader.ready(waiting))
                 if arrived in (0, len(waiting)):
                     return
@@ -228,10 +228,10 @@ class SessionLoop(rollout.EpisodeLoop):
     def stuck(self):
         """No episode moved: wait for a session's message when any episode waits on one; else
         (the pool cannot take a reply, which admission prevents) the youngest ends "cache"."""
-        if any(e["phase"] == "speak" for e in self.scheduler.running):
+        if any(e.status is rollout.Status.SPEAK for e in self.scheduler.running):
             with self.hub.wake:
                 if not self.hub.inbox and not self.persuader.ready(
-                        [e["persuader_sid"] for e in self.scheduler.running]):
+                        [e.persuader_sid for e in self.scheduler.running]):
                     self.hub.wake.wait(POLL_S)
             return
         self.finish(self.scheduler.running[-1], "cache")
@@ -265,18 +265,18 @@ class SessionLoop(rollout.EpisodeLoop):
         super().started(groups, persuader_sids, persuadee_sids, reads)
         started = {index for index, _, _ in groups}
         for e in self.scheduler.running:
-            if e["index"] in started and self.hub.tickets[e["index"]].episode is None:
-                ticket = self.hub.tickets[e["index"]]
+            if e.index in started and self.hub.tickets[e.index].episode is None:
+                ticket = self.hub.tickets[e.index]
                 ticket.episode = e
-                self.persuader.tickets[e["persuader_sid"]] = ticket
+                self.persuader.tickets[e.persuader_sid] = ticket
                 ticket.events.put(("started", snapshot(e)))
 
     def ended(self, e):
-        ticket = self.hub.tickets[e["index"]]
+        ticket = self.hub.tickets[e.index]
         ticket.ended = True
-        self.scheduler.done.pop((e["index"], e["g"]), None)
-        self.instances.pop(e["index"], None)
-        self.judged.append((ticket, rollout.record(e, None, None)))
+        self.scheduler.done.pop((e.index, e.g), None)
+        self.instances.pop(e.index, None)
+        self.judged.append((ticket, e))
 
     def hand_back(self):
         """Judge the episodes that ended (one judge call per seed), then hand each its record."""
@@ -285,19 +285,19 @@ class SessionLoop(rollout.EpisodeLoop):
         for ticket, rec in done:
             by_seed.setdefault(ticket.seed, []).append((ticket, rec))
         for seed, items in by_seed.items():
-            spoken = [(t, r) for t, r in items if r["transcript"]]
+            spoken = [(t, e) for t, e in items if e.transcript]
             with self.hub.lock:
                 scores, failed = rollout.judge_all(self.hub.judge, [t.inst for t, _ in spoken],
-                                                   [r["transcript"] for _, r in spoken], seed,
+                                                   [e.transcript for _, e in spoken], seed,
                                                    [0] * len(spoken))
-            for (_, rec), s, f in zip(spoken, scores, failed):
-                rec.update(judge=s, judge_failed=f)
-            for ticket, rec in items:
-                if rec["judge"] is None:
-                    rec.update(judge=0.0, judge_failed=False)
+            for (_, e), s, f in zip(spoken, scores, failed):
+                e.judge, e.judge_failed = s, f
+            for ticket, e in items:
+                if e.judge is None:
+                    e.judge, e.judge_failed = 0.0, False
                 self.hub.tickets.pop(ticket.index, None)
                 self.hub.release(ticket)
-                ticket.events.put(("end", rec))
+                ticket.events.put(("end", e))
 
     def fail(self, error):
         """The loop raised: every episode in play frees its sequences and hears of the error."""

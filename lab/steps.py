@@ -89,38 +89,39 @@ def open_run(run_dir, args, start, own=None):
 # the step's batch: whole groups only, every rank the same micro-batches
 
 
-def playable(records, group_size):
+def playable(episodes, group_size):
     """(the groups whose every episode was played, counts of those left out, why each was): an
     episode that never started (it cannot fit the empty pools: no belief, no token of its own)
     or whose served model failed for good ("api_error") takes its whole group out of the step's
     metrics and loss (a group's baseline needs all of its members)."""
-    why = {i: "never started: it does not fit the empty KV pools alone" if not r["beliefs"]
-           else "its served model kept failing" for i, r in enumerate(records)
-           if not r["beliefs"] or r["end_reason"] == arena.API_ERROR}
-    kept = [r for g in range(0, len(records), group_size) for r in records[g:g + group_size]
+    why = {i: "never started: it does not fit the empty KV pools alone" if not e.beliefs
+           else "its served model kept failing" for i, e in enumerate(episodes)
+           if not e.beliefs or e.end_reason == arena.API_ERROR}
+    kept = [e for g in range(0, len(episodes), group_size) for e in episodes[g:g + group_size]
             if not any(i in why for i in range(g, g + group_size))]
-    said = "; ".join(f"{records[i]['id']} member {i % group_size} {w}" for i, w in why.items())
-    return kept, dict(never_started=sum(not r["beliefs"] for r in records),
-                      api_errors=sum(r["end_reason"] == arena.API_ERROR for r in records),
-                      left_out=len(records) - len(kept)), said
+    said = "; ".join(f"{episodes[i].id} member {i % group_size} {w}" for i, w in why.items())
+    return kept, dict(never_started=sum(not e.beliefs for e in episodes),
+                      api_errors=sum(e.end_reason == arena.API_ERROR for e in episodes),
+                      left_out=len(episodes) - len(kept)), said
 
 
 def silenced(played, kept, turn_advantages):
     """Every played episode for the update, in its place, those left out (playable) with no
     persuader token and no advantage: each rank then runs the same micro-batches (FSDP's
     collectives), and the left-out ones add nothing to the loss or its token count."""
-    kept_ids = {id(r) for r in kept}
+    kept_ids = {id(e) for e in kept}
     advantage = iter(turn_advantages)
-    records, per_episode = [], []
-    for r in played:
-        if id(r) in kept_ids:
-            records.append(r)
+    episodes, per_episode = [], []
+    for e in played:
+        if id(e) in kept_ids:
+            episodes.append(e)
             per_episode.append(next(advantage))
         else:
-            ids = r["ids"] or [0]  # one inert token for an episode that never started
-            records.append(dict(ids=ids, turn_ids=[0] * len(ids), logprobs=[0.0] * len(ids)))
+            ids = e.ids or [0]  # one inert token for an episode that never started
+            episodes.append(rollout.Episode(id=e.id, ids=ids, turn_ids=[0] * len(ids),
+                                            logprobs=[0.0] * len(ids)))
             per_episode.append([])
-    return records, per_episode
+    return episodes, per_episode
 
 
 
@@ -210,19 +211,19 @@ def step_metrics(step, records, groups, update, times, args, device):
     m = dict(step=step, episodes=episodes)
     m["reward_mean"] = total(sum(g[0]) for g in groups) / n
     for o in arena.OUTCOMES:
-        m[f"outcome_{o}"] = total(r["outcome"] == o for r in records) / n
-    read = [r for r in records if None not in r["beliefs"]]  # rpo counts the rest
-    m["belief_change"] = total(r["beliefs"][-1] - r["beliefs"][0] for r in read) / max(
+        m[f"outcome_{o}"] = total(r.outcome == o for r in records) / n
+    read = [r for r in records if None not in r.beliefs]  # rpo counts the rest
+    m["belief_change"] = total(r.beliefs[-1] - r.beliefs[0] for r in read) / max(
         ranks.all_sum(len(read), device), 1)
-    m["turns_mean"] = total(r["turns"] for r in records) / n
-    m["judge_mean"] = total(r["judge"] for r in records) / n
+    m["turns_mean"] = total(r.turns for r in records) / n
+    m["judge_mean"] = total(r.judge for r in records) / n
     # the share of transcripts whose strategy score fell back to s = 0 (DECISIONS.md: Judge retries)
     m["judge_failed_share"] = None if args.judge == "none" else total(
-        bool(r.get("judge_failed")) for r in records) / n
+        bool(r.judge_failed) for r in records) / n
     # pooled: every rank's counts and sums are added before the division (rpo.diagnostics)
     sums = rpo.diagnostic_sums(groups, args.lam)
     m.update(rpo.diagnostics({k: ranks.all_sum(v, device) for k, v in sums.items()}))
-    negative, turns = (ranks.all_sum(v, device) for v in rpo.negative_process_counts(rpo.numeric(r["beliefs"]) for r in records))
+    negative, turns = (ranks.all_sum(v, device) for v in rpo.negative_process_counts(rpo.numeric(r.beliefs) for r in records))
     m["negative_process_share"] = negative / turns if turns else 0.0
     collapsed, counted = (ranks.all_sum(v, device) for v in rpo.collapsed_groups(records, args.group_size))
     m["collapsed_group_share"] = collapsed / counted if counted else 0.0  # identical messages
@@ -246,13 +247,13 @@ def step_records(step, records, group_size, args, rank, world):
     rows = []
     for i, r in enumerate(records):
         local, member = divmod(i, group_size)
-        beliefs = r["beliefs"]
-        dense = rpo.dense_return(rpo.numeric(beliefs), r["outcome"], args.anchor)
-        rows.append(dict(step=step, instance=r["id"], group=local * world + rank, member=member,
-                         outcome=r["outcome"], goal=rpo.GOAL[r["outcome"]], judge=r["judge"],
-                         judge_failed=bool(r.get("judge_failed")), b_0=beliefs[0] if beliefs else None,
+        beliefs = r.beliefs
+        dense = rpo.dense_return(rpo.numeric(beliefs), r.outcome, args.anchor)
+        rows.append(dict(step=step, instance=r.id, group=local * world + rank, member=member,
+                         outcome=r.outcome, goal=rpo.GOAL[r.outcome], judge=r.judge,
+                         judge_failed=bool(r.judge_failed), b_0=beliefs[0] if beliefs else None,
                          b_T=beliefs[-1] if beliefs else None, beliefs=beliefs,
-                         dense_return=dense if math.isfinite(dense) else None, turns=r["turns"]))
+                         dense_return=dense if math.isfinite(dense) else None, turns=r.turns))
     if world > 1:
         shards = [None] * world
         dist.all_gather_object(shards, rows)
@@ -264,9 +265,9 @@ def sample_rows(records):
     """[id, outcome, turns, beliefs, transcript] of the first SAMPLE_DIALOGUES episodes."""
     rows = []
     for r in records[:SAMPLE_DIALOGUES]:
-        beliefs = " ".join("-" if b is None else f"{b:+.2f}" for b in r["beliefs"])
-        transcript = "\n".join(f"{turn['role']}: {turn['text']}" for turn in r["transcript"])
-        rows.append([r["id"], r["outcome"], r["turns"], beliefs, transcript])
+        beliefs = " ".join("-" if b is None else f"{b:+.2f}" for b in r.beliefs)
+        transcript = "\n".join(f"{turn['role']}: {turn['text']}" for turn in r.transcript)
+        rows.append([r.id, r.outcome, r.turns, beliefs, transcript])
     return rows
 
 
@@ -303,7 +304,7 @@ def write_step(run_dir, step, metrics, rows, records, args, log):
     log.scalars(step, m, "train/")
     if step % args.save_every == 0 or step == 1:
         runs.write_atomic(run_dir / f"samples-{step}.json", json.dumps(jsonl.finite(
-            [dict(id=r["id"], outcome=r["outcome"], transcript=r["transcript"], beliefs=r["beliefs"])
+            [dict(id=r.id, outcome=r.outcome, transcript=r.transcript, beliefs=r.beliefs)
              for r in records[:SAMPLE_DIALOGUES]]), indent=1, allow_nan=False),
             who="train.py", kept="the last checkpoint is intact")
         log.samples(step, sample_rows(records))

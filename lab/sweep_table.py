@@ -24,7 +24,7 @@ SEED_LEVEL_MIN = 3  # seeds from which the comparisons carry a paired t test ove
 
 def belief_changes(episodes):
     """{scenario_id: b_T - b_0} of the episodes whose beliefs were read."""
-    return {ep["scenario_id"]: ep["beliefs"][-1] - ep["beliefs"][0]
+    return {ep.scenario_id: ep.beliefs[-1] - ep.beliefs[0]
             for ep in analyses.with_beliefs(episodes)}
 
 
@@ -32,9 +32,9 @@ def paired(a, b):
     """Paired tests of episode sets a against b, keyed by (seed, scenario): exact McNemar on full
     acceptance, Wilcoxon on b_T - b_0, and the mean of the paired b_T - b_0 differences."""
     common = sorted(set(a) & set(b))
-    accept = [a[k]["outcome"] == "ACCEPT" for k in common], [b[k]["outcome"] == "ACCEPT" for k in common]
+    accept = [a[k].outcome == "ACCEPT" for k in common], [b[k].outcome == "ACCEPT" for k in common]
     both = [k for k in common if analyses.with_beliefs([a[k]]) and analyses.with_beliefs([b[k]])]
-    change = lambda ep: ep["beliefs"][-1] - ep["beliefs"][0]
+    change = lambda ep: ep.beliefs[-1] - ep.beliefs[0]
     diffs = [change(a[k]) - change(b[k]) for k in both]
     mean, low, high = significance.t_interval(diffs)
     sd = statistics.stdev(diffs) if len(diffs) > 1 else None
@@ -46,7 +46,7 @@ def paired(a, b):
 
 def pooled(runs, seeds, step):
     """{(seed, scenario): episode} at one step over seeds (runs: seed -> {step: episodes})."""
-    return {(s, ep["scenario_id"]): ep for s in seeds for ep in runs[s].get(step, [])}
+    return {(s, ep.scenario_id): ep for s in seeds for ep in runs[s].get(step, [])}
 
 
 def per_seed(runs, seeds, step):
@@ -56,7 +56,7 @@ def per_seed(runs, seeds, step):
     for s in seeds:
         episodes = runs[s].get(step, [])
         changes = list(belief_changes(episodes).values())
-        out[s] = (sum(ep["outcome"] == "ACCEPT" for ep in episodes) / len(episodes) if episodes else None,
+        out[s] = (sum(ep.outcome == "ACCEPT" for ep in episodes) / len(episodes) if episodes else None,
                   sum(changes) / len(changes) if changes else None)
     return out
 
@@ -95,7 +95,7 @@ def table_rows(held_out, lams, seeds, steps):
         def score(step):
             eps = list(pooled(held_out[lam], seeds, step).values())
             changes = [c for s in seeds for c in belief_changes(held_out[lam][s].get(step, [])).values()]
-            return (sum(ep["outcome"] == "ACCEPT" for ep in eps) / max(len(eps), 1),
+            return (sum(ep.outcome == "ACCEPT" for ep in eps) / max(len(eps), 1),
                     sum(changes) / len(changes) if changes else -math.inf)
         best = max(steps, key=score)
         for which, step in (("last", steps[-1]), ("best", best)):
@@ -107,9 +107,9 @@ def table_row(held_out, lam, seeds, step, which):
     """One row of table_rows."""
     eps = pooled(held_out[lam], seeds, step)
     episodes = list(eps.values())
-    accept = sum(ep["outcome"] == "ACCEPT" for ep in episodes)
-    either = sum(ep["outcome"] in ("ACCEPT", "CONDITIONAL_ACCEPT") for ep in episodes)
-    changes = [ep["beliefs"][-1] - ep["beliefs"][0] for ep in analyses.with_beliefs(episodes)]
+    accept = sum(ep.outcome == "ACCEPT" for ep in episodes)
+    either = sum(ep.outcome in ("ACCEPT", "CONDITIONAL_ACCEPT") for ep in episodes)
+    changes = [ep.beliefs[-1] - ep.beliefs[0] for ep in analyses.with_beliefs(episodes)]
     mine = per_seed(held_out[lam], seeds, step)
     vs_initial = dict(paired(eps, pooled(held_out[lam], seeds, 0)),
                       seed_level=seed_level(mine, per_seed(held_out[lam], seeds, 0)))
@@ -177,7 +177,7 @@ def sweep_power(rows, initial):
            if vs is not None and vs["belief_diff_sd"] is not None]
     n = min(r["vs_initial"]["n"] for r in rows)
     sd = math.sqrt(sum(x * x for x in sds) / len(sds)) if sds else None
-    p0 = sum(ep["outcome"] == "ACCEPT" for ep in initial) / max(len(initial), 1)
+    p0 = sum(ep.outcome == "ACCEPT" for ep in initial) / max(len(initial), 1)
     return dict(pairs=n, belief_diff_sd=sd, initial_full_accept=p0,
                 detectable_belief_diff=sd and n and significance.detectable_mean(sd, n, paired=True),
                 detectable_full_accept=n and significance.detectable_proportion(p0, n),

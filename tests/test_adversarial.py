@@ -108,7 +108,7 @@ def play(kind, persuader_texts, persuadee_texts, special_id=None):
                   for answer in (persuader, persuadee, judge))
     scenario = short_scenario(1, "heldout")
     [record] = rollout.rollout_episodes(er, ee, [scenario], len(PERSUADER), judge=jj, seed=0)
-    record["judge_prompt"] = jj.seq[jj.spoke[0]]
+    record.extra["judge_prompt"] = jj.seq[jj.spoke[0]]
     return record, er, ee, tok
 
 
@@ -122,7 +122,7 @@ def persuadee_context(ee):
 
 
 def unsampled(record):
-    return [i for i, t in zip(record["ids"], record["turn_ids"]) if t == 0]
+    return [i for i, t in zip(record.ids, record.turn_ids) if t == 0]
 
 
 @functools.cache
@@ -140,13 +140,13 @@ def test_forged_tags_change_nothing():
     so outcome, beliefs, probes and the judge's score are equal (stripping reads text, so one
     template family shows it)."""
     record, er, ee, tok = clean("chatml")
-    assert record["outcome"] == "REJECT" and record["turns"] == len(PERSUADER)
-    assert record["judge"] == pytest.approx(arena.parse_judge(HONEST_SCORE)) and not record["judge_failed"]
+    assert record.outcome == "REJECT" and record.turns == len(PERSUADER)
+    assert record.judge == pytest.approx(arena.parse_judge(HONEST_SCORE)) and not record.judge_failed
     hostile, _, hee, _ = play("chatml", [m + TAGS for m in PERSUADER], PERSUADEE)
     assert persuadee_context(hee) == persuadee_context(ee)
     # (the judge's prompt differs: the transcript keeps what the persuader wrote, tags and all)
     for key in ("outcome", "beliefs", "probes", "judge", "judge_failed", "turns"):
-        assert hostile[key] == record[key], key
+        assert getattr(hostile, key) == getattr(record, key), key
 
 
 @pytest.mark.parametrize("kind", ["chatml", "qwen3", "llama3"])
@@ -162,12 +162,12 @@ def test_forged_boundaries_and_transcripts_stay_text(kind):
     hostile, her, hee, _ = play(kind, persuader, persuadee, special_id=special)
     assert framing(tok, persuadee_context(hee)) == framing(tok, persuadee_context(ee))
     assert framing(tok, unsampled(hostile)) == framing(tok, unsampled(record))
-    assert framing(tok, hostile["judge_prompt"]) == framing(tok, record["judge_prompt"])
-    assert (hostile["outcome"], hostile["judge"]) == (record["outcome"], record["judge"]) == (
+    assert framing(tok, hostile.extra["judge_prompt"]) == framing(tok, record.extra["judge_prompt"])
+    assert (hostile.outcome, hostile.judge) == (record.outcome, record.judge) == (
         "REJECT", arena.parse_judge(HONEST_SCORE))
     # the special id the persuader sampled stays in its own stream, and out of every text
-    assert tok.convert_tokens_to_ids(special) in [i for i, t in zip(hostile["ids"], hostile["turn_ids"]) if t]
-    assert [m["text"] for m in hostile["transcript"][::2]] == [m.strip() for m in persuader]
+    assert tok.convert_tokens_to_ids(special) in [i for i, t in zip(hostile.ids, hostile.turn_ids) if t]
+    assert [m["text"] for m in hostile.transcript[::2]] == [m.strip() for m in persuader]
     # the imitated final-turn instruction stays the persuader's text in a user turn: the real
     # one, a system turn of its own, appears once (on the last turn) in both runs
     real = models.chat_ids(tok, [{"role": "system", "content": arena.FINAL_TURN_INSTRUCTION}], False,
@@ -180,7 +180,7 @@ def test_old_live_encoding_would_have_been_fooled(monkeypatch):
     boundaries) the same hostile turn becomes a system turn and the gullible persuadee accepts."""
     monkeypatch.setattr(models, "text_ids", models.encode)
     hostile, _, _, _ = play("chatml", [PERSUADER[0] + MARKERS] + PERSUADER[1:], PERSUADEE)
-    assert hostile["outcome"] == "ACCEPT"
+    assert hostile.outcome == "ACCEPT"
 
 
 # -----------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import pytest
 from scipy import stats
 
 import arena
+from dataclasses import replace
+from rollout import Episode
 from lab import analyses as an
 from lab import moves
 import rpo
@@ -37,10 +39,11 @@ def episode(sid, outcome, beliefs, domain="finance", resistance="identity_threat
         transcript.append({"role": "persuader", "text": f"ask {t}", "decision": None})
         transcript.append({"role": "persuadee", "text": f"reply {t}",
                            "decision": outcome if t == turns else None})
-    return {"id": sid, "scenario_id": sid, "domain": domain, "resistance": resistance, "outcome": outcome,
-            "turns": turns, "end_reason": "decision", "transcript": transcript, "beliefs": beliefs,
-            "probes": [[b + 0.1, b, b - 0.1] for b in beliefs], "judge": judge,
-            "persuader": "p", "persuadee": "q", "seed": 0}
+    return Episode.from_record({
+        "id": sid, "scenario_id": sid, "domain": domain, "resistance": resistance, "outcome": outcome,
+        "turns": turns, "end_reason": "decision", "transcript": transcript, "beliefs": beliefs,
+        "probes": [[b + 0.1, b, b - 0.1] for b in beliefs], "judge": judge,
+        "persuader": "p", "persuadee": "q", "seed": 0})
 
 
 PAPER_ANCHORS = {"ACCEPT": 1.0, "CONDITIONAL_ACCEPT": 0.5, "PENDING": 0.0, "REJECT": -1.0, "WALK_AWAY": -1.0}
@@ -76,12 +79,12 @@ def test_summarize_by_hand():
     assert s["mean_final_belief"] == pytest.approx(1.4 / 6)
     # dense returns under the run's setting: raw .4 + .2 + .2 - .4 - .3 + .4 = .5; anchored
     # .5 + .15 + 0 - .7 - .5 + .6 = .05 (the anchors of rpo.ANCHOR_BELIEF as they are today)
-    anchored = sum(rpo.ANCHOR_BELIEF[ep["outcome"]] - ep["beliefs"][0] for ep in SIX) / 2
+    anchored = sum(rpo.ANCHOR_BELIEF[ep.outcome] - ep.beliefs[0] for ep in SIX) / 2
     assert anchored == pytest.approx(0.05) or rpo.ANCHOR_BELIEF != PAPER_ANCHORS
     assert s["mean_dense_return"] == pytest.approx((anchored if rpo.ANCHOR else 0.5) / 6)
     assert s["anchor"] == rpo.ANCHOR
     for setting, total in ((True, anchored), (False, 0.5)):
-        assert an.summarize([{**ep, "anchor": setting} for ep in SIX])["mean_dense_return"] == pytest.approx(total / 6)
+        assert an.summarize([replace(ep, anchor=setting) for ep in SIX])["mean_dense_return"] == pytest.approx(total / 6)
     # raw negatives 0 + 1 + 1 + 2 + 1 + 0 = 5 of 15 turns (anchored would count 6)
     assert s["negative_process_share"] == pytest.approx(5 / 15)
     assert s["mean_judge"] == pytest.approx(0.5 / 6)            # 1 + .5 + 0 - 1 - 2 + 2
@@ -89,20 +92,20 @@ def test_summarize_by_hand():
 
 def test_summarize_counts_judge_fallbacks():
     """The share of judged transcripts that fell back to s = 0; unjudged ones are not counted."""
-    eps = [dict(ep, judge_failed=i in (1, 4)) for i, ep in enumerate(SIX)]
+    eps = [replace(ep, judge_failed=i in (1, 4)) for i, ep in enumerate(SIX)]
     assert an.summarize(eps)["judge_failed_share"] == pytest.approx(2 / 6)
-    eps[0]["judge"] = None
+    eps[0].judge = None
     assert an.summarize(eps)["judge_failed_share"] == pytest.approx(2 / 5)
     assert "judge fell back to 0" in an.format_table(an.summarize(eps))
-    assert an.summarize([dict(ep, judge=None) for ep in SIX])["judge_failed_share"] is None
+    assert an.summarize([replace(ep, judge=None) for ep in SIX])["judge_failed_share"] is None
 
 
 def test_a_judge_that_failed_every_transcript_is_said_loudly():
     """Issue 27: every strategy score a silent 0 once passed unnoticed."""
-    summary = an.summarize([dict(ep, judge=0.0, judge_failed=True) for ep in SIX])
+    summary = an.summarize([replace(ep, judge=0.0, judge_failed=True) for ep in SIX])
     assert summary["judge_failed_share"] == 1 and "JUDGE FAILED" in summary["judge_warning"]
     assert "JUDGE FAILED" in an.format_table(summary)
-    some = an.summarize([dict(ep, judge_failed=i == 0) for i, ep in enumerate(SIX)])
+    some = an.summarize([replace(ep, judge_failed=i == 0) for i, ep in enumerate(SIX)])
     assert "judge_warning" not in some and "JUDGE FAILED" not in an.format_table(some)
 
 
@@ -128,7 +131,7 @@ def test_summarize_breakdowns():
 
 
 def test_summarize_without_judge_and_empty():
-    eps = [dict(ep, judge=None) for ep in SIX]
+    eps = [replace(ep, judge=None) for ep in SIX]
     assert an.summarize(eps)["mean_judge"] is None
     with pytest.raises(ValueError):
         an.summarize([])
@@ -147,7 +150,7 @@ def test_format_table():
 
 
 def test_trajectory_stats():
-    st = an.trajectory_stats(SIX[:1] + SIX[5:], lambda ep: ep["beliefs"])  # e1 and e6, both ACCEPT
+    st = an.trajectory_stats(SIX[:1] + SIX[5:], lambda ep: ep.beliefs)  # e1 and e6, both ACCEPT
     assert list(st) == ["ACCEPT"]                                # outcomes without episodes are skipped
     mean, half, count = st["ACCEPT"]
     assert list(count) == [2, 2, 2, 1]
@@ -228,9 +231,9 @@ def labelled(sid, outcome, probe_rows, move_rows, manipulation_rows, mass=None, 
     """An episode with given probe rows (b_t their mean) and labels per persuader turn."""
     beliefs = [sum(r) / 3 for r in probe_rows]
     ep = episode(sid, outcome, beliefs, judge=judge)
-    ep.update(probes=probe_rows, moves=move_rows, manipulation=manipulation_rows, tagger="keyword")
+    ep = replace(ep, probes=probe_rows, moves=move_rows, manipulation=manipulation_rows, tagger="keyword")
     if mass is not None:
-        ep["probe_mass"] = mass
+        ep.probe_mass = mass
     return ep
 
 
@@ -252,18 +255,18 @@ LAB = [
 
 def test_belief_stats_against_scipy():
     b = an.summarize(LAB)["belief_stats"]
-    b0 = [sum(ep["probes"][0]) / 3 for ep in LAB]
+    b0 = [sum(ep.probes[0]) / 3 for ep in LAB]
     assert b["initial_mean"] == pytest.approx(sum(b0) / 5)
-    assert b["final_mean"] == pytest.approx(sum(sum(ep["probes"][-1]) / 3 for ep in LAB) / 5)
+    assert b["final_mean"] == pytest.approx(sum(sum(ep.probes[-1]) / 3 for ep in LAB) / 5)
     # dense return per episode against GOAL[outcome]: ranks by hand, rho = Pearson of the ranks
-    dense = [rpo.dense_return(ep["beliefs"], ep["outcome"]) for ep in LAB]
-    goal = [rpo.GOAL[ep["outcome"]] for ep in LAB]
+    dense = [rpo.dense_return(ep.beliefs, ep.outcome) for ep in LAB]
+    goal = [rpo.GOAL[ep.outcome] for ep in LAB]
     expected = stats.pearsonr(stats.rankdata(dense), stats.rankdata(goal)).statistic
     assert b["spearman_dense_goal"]["rho"] == pytest.approx(expected)
     assert b["spearman_dense_goal"]["n"] == 5
-    levels = [row for ep in LAB for row in ep["probes"]]                         # 16 read-outs
-    increments = [[x - y for x, y in zip(ep["probes"][t], ep["probes"][t - 1])]
-                  for ep in LAB for t in range(1, len(ep["probes"]))]            # 11 changes
+    levels = [row for ep in LAB for row in ep.probes]                         # 16 read-outs
+    increments = [[x - y for x, y in zip(ep.probes[t], ep.probes[t - 1])]
+                  for ep in LAB for t in range(1, len(ep.probes))]            # 11 changes
     assert len(levels) == 16 and len(increments) == 11
     for key, rows in (("probe_level_corr", levels), ("probe_increment_corr", increments)):
         for i in range(3):
@@ -272,7 +275,7 @@ def test_belief_stats_against_scipy():
                 assert b[key][i][j] == pytest.approx(r, abs=1e-12), (key, i, j)
     # |v| > 0.95: m1 -0.99, -0.96, 0.96, 0.99 and m5 0.99, 0.96 -> 6 of 48 values
     assert b["saturated_share"] == pytest.approx(6 / 48)
-    masses = [m for ep in LAB for row in ep["probe_mass"] for m in row]
+    masses = [m for ep in LAB for row in ep.probe_mass for m in row]
     assert b["yes_no_mass_mean"] == pytest.approx(sum(masses) / 48)
     assert "yes_no_mass_mean" not in an.summarize(SIX)["belief_stats"]           # not recorded there
 
@@ -324,7 +327,7 @@ def test_move_stats_by_hand():
     assert m["by_turn"]["empathy"] == pytest.approx([2 / 5, 0.0, 0.0])
     assert m["by_turn"]["plan_detail"] == pytest.approx([0.0, 1 / 4, 2 / 2])
     # per turn r_t on measured beliefs, paired with the labels of that turn
-    turns = [(labels, r) for ep in LAB for labels, r in zip(ep["moves"], rpo.process_rewards(ep["beliefs"], None, anchor=False))]
+    turns = [(labels, r) for ep in LAB for labels, r in zip(ep.moves, rpo.process_rewards(ep.beliefs, None, anchor=False))]
     assert len(turns) == 11
     for label in ("diagnostic_question", "plan_detail", "evidence"):
         with_l = [r for labels, r in turns if label in labels]
@@ -376,7 +379,7 @@ def many_runs():
 def test_case_study_rows_and_shares():
     ep = LAB[1]                                         # 3 turns
     rows = an.case_rows(ep)
-    r = rpo.process_rewards(ep["beliefs"], ep["outcome"])
+    r = rpo.process_rewards(ep.beliefs, ep.outcome)
     total = sum(abs(x) for x in r)
     assert [row["t"] for row in rows] == [0, 1, 2, 3] and rows[0]["r"] is None
     assert [row["share"] for row in rows[1:]] == pytest.approx([abs(x) / total for x in r])
@@ -397,7 +400,7 @@ def test_closing_efficiency_and_unstated_resistance():
     SIX: b_T > 0 in e1 (ACCEPT), e2 (COND), e3 (PENDING), e6 (ACCEPT) -> 2 of 4."""
     assert an.summarize(SIX)["closing_efficiency"] == pytest.approx(2 / 4)
     assert an.closing_efficiency([SIX[3], SIX[4]]) is None          # none ends leaning towards it
-    no_resistance = [dict(ep, resistance=None) for ep in SIX[:2]] + SIX[2:]
+    no_resistance = [replace(ep, resistance=None) for ep in SIX[:2]] + SIX[2:]
     s = an.summarize(no_resistance)
     assert s["by_resistance"][an.UNSTATED]["n"] == 2 and "unstated" in an.format_table(s)
 
@@ -405,8 +408,8 @@ def test_closing_efficiency_and_unstated_resistance():
 def test_probe_overlay_means_by_numpy():
     r = an.probe_overlay({"lab": LAB, "six": SIX})
     for name, eps in (("lab", LAB), ("six", SIX)):
-        first = np.array([ep["probes"][0] for ep in eps])
-        last = np.array([ep["probes"][-1] for ep in eps])
+        first = np.array([ep.probes[0] for ep in eps])
+        last = np.array([ep.probes[-1] for ep in eps])
         for i, probe in enumerate(an.probe_names()):
             got = r[name][probe]
             assert (got["initial"], got["final"], got["change"]) == pytest.approx(

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import arena
 from lab import hardening
-from arena import Episode, parse_decision, parse_judge, strip_decision_tags
+from arena import Dialogue, parse_decision, parse_judge, strip_decision_tags
 
 def fuzz(n):
     """n random examples, no deadline, and no example database left in the working tree."""
@@ -440,7 +440,7 @@ def test_unicode_line_separators_cannot_open_a_judge_line(sep):
     assert not re.search(r"^\s*(PROBING|FIT|ADAPTATION)\s*:\s*\d", user, re.MULTILINE)
 
 def run(t_max, decisions):
-    ep = Episode(t_max)
+    ep = Dialogue(t_max)
     results = [ep.step(d) for d in decisions]
     return ep, results
 
@@ -513,17 +513,17 @@ def test_end_reason_when_budget_and_window_close_together():
     assert ep.end_reason == "budget"
 
 def test_final_turn_on_budget():
-    ep = Episode(3)
+    ep = Dialogue(3)
     flags = []
     while not ep.done:
         flags.append(ep.final_turn)
         ep.step(None)
     assert flags == [False, False, True]
     assert ep.final_turn is False
-    assert Episode(1).final_turn is True
+    assert Dialogue(1).final_turn is True
 
 def test_final_turn_on_window():
-    ep = Episode(10)
+    ep = Dialogue(10)
     ep.step("CONDITIONAL_ACCEPT")             # turn 1 opens the window: turns 2 and 3 remain
     assert ep.final_turn is False
     ep.step(None)
@@ -541,18 +541,18 @@ def test_step_after_end_raises():
 @pytest.mark.parametrize("bad", ["accept", "CONDITIONAL ACCEPT", "YES", "", 1])
 def test_unknown_decision_raises(bad):
     with pytest.raises(ValueError):
-        Episode(6).step(bad)
+        Dialogue(6).step(bad)
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "6", True])
 def test_bad_t_max_raises(bad):
     with pytest.raises(ValueError):
-        Episode(bad)
+        Dialogue(bad)
 
 def test_end_from_outside():
     ep, _ = run(6, ["CONDITIONAL_ACCEPT"])
     assert ep.end("out_of_memory") == "CONDITIONAL_ACCEPT"
     assert (ep.done, ep.end_reason, ep.turn) == (True, "out_of_memory", 1)
-    ep = Episode(6)
+    ep = Dialogue(6)
     assert ep.end("context") == "PENDING" and ep.turn == 0
 
 decision_strategy = st.sampled_from([None, None, None] + list(arena.OUTCOMES))
@@ -560,7 +560,7 @@ decision_strategy = st.sampled_from([None, None, None] + list(arena.OUTCOMES))
 @fuzz(500)
 @given(st.integers(1, 12), st.lists(decision_strategy, min_size=12, max_size=12))
 def test_episode_invariants(t_max, decisions):
-    ep = Episode(t_max)
+    ep = Dialogue(t_max)
     first_conditional, rejects = None, 0
     for d in decisions:
         was_final = ep.final_turn

@@ -88,19 +88,19 @@ def test_main_table_against_scipy():
     for row, eps in ((ref, RUN_A), (b, RUN_B)):
         for key, outcomes in (("full_accept", ("ACCEPT",)), ("full_or_conditional", ("ACCEPT", "CONDITIONAL_ACCEPT")),
                               ("pending", ("PENDING",)), ("reject", ("REJECT",)), ("walk_away", ("WALK_AWAY",))):
-            k = sum(ep["outcome"] in outcomes for ep in eps)
+            k = sum(ep.outcome in outcomes for ep in eps)
             ci = stats.binomtest(k, len(eps)).proportion_ci(0.95, method="wilson")
             c = row[key]
             assert (c["value"], c["low"], c["high"]) == pytest.approx((k / len(eps), ci.low, ci.high), abs=1e-6), key
-        finals = [ep["beliefs"][-1] for ep in eps]
+        finals = [ep.beliefs[-1] for ep in eps]
         ci = stats.ttest_1samp(finals, 0).confidence_interval(0.95)
         c = row["mean_final_belief"]
         assert (c["value"], c["low"], c["high"]) == pytest.approx((np.mean(finals), ci.low, ci.high))
     # FA+CA paired on s1..s5: A 0 1 0 1 0, B 1 1 1 0 0 -> discordant 2 (B) vs 1 (A): binomial p
     assert b["full_or_conditional"]["p"] == pytest.approx(stats.binomtest(1, 3).pvalue)
     # final belief paired: B - A = .5 .2 .7 -.3 -.1 (no ties): exact signed-rank p
-    a_final = {ep["scenario_id"]: ep["beliefs"][-1] for ep in RUN_A}
-    d = [ep["beliefs"][-1] - a_final[ep["scenario_id"]] for ep in RUN_B]
+    a_final = {ep.scenario_id: ep.beliefs[-1] for ep in RUN_A}
+    d = [ep.beliefs[-1] - a_final[ep.scenario_id] for ep in RUN_B]
     assert b["mean_final_belief"]["p"] == pytest.approx(exact_signed_rank_p(d))
     assert b["mean_turns"]["p"] == 1.0                              # every episode took one turn
     md = comparisons.format_main_table(t).splitlines()

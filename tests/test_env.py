@@ -51,20 +51,20 @@ def assert_same(record, steps):
     info = steps[-1][4]
     got = info["record"]
     assert (got["transcript"], got["outcome"], got["end_reason"], got["turns"]) == \
-        (record["transcript"], record["outcome"], record["end_reason"], record["turns"])
-    assert info["beliefs"] == record["beliefs"] and got["probes"] == record["probes"]
-    assert (info["strategy"], info["judge_failed"]) == (record["judge"], record["judge_failed"])
-    replies = [m["text"] for m in record["transcript"] if m["role"] == "persuadee"]
+        (record.transcript, record.outcome, record.end_reason, record.turns)
+    assert info["beliefs"] == record.beliefs and got["probes"] == record.probes
+    assert (info["strategy"], info["judge_failed"]) == (record.judge, record.judge_failed)
+    replies = [m["text"] for m in record.transcript if m["role"] == "persuadee"]
     assert [s[0][0]["content"] for s in steps] == [arena.persuader_sees(t) for t in replies]
     for t, (_, reward, _, _, step_info) in enumerate(steps, 1):
-        assert step_info["beliefs"] == record["beliefs"][:t + 1]
-        assert list(step_info["probes"].values()) == record["probes"][t]
-        assert list(step_info["probe_mass"].values()) == record["probe_mass"][t]
-        assert reward == pytest.approx((record["beliefs"][t] - record["beliefs"][t - 1]) / 2)
+        assert step_info["beliefs"] == record.beliefs[:t + 1]
+        assert list(step_info["probes"].values()) == record.probes[t]
+        assert list(step_info["probe_mass"].values()) == record.probe_mass[t]
+        assert reward == pytest.approx((record.beliefs[t] - record.beliefs[t - 1]) / 2)
     total = sum(s[1] for s in steps)
-    assert total == pytest.approx((record["beliefs"][-1] - record["beliefs"][0]) / 2, abs=1e-12)
-    assert info["goal_reward"] == {"ACCEPT": 3.0, "PENDING": 0.0, "REJECT": -1.0}[record["outcome"]]
-    assert steps[-1][2] == (record["end_reason"] in ("decision", "rejections", "window"))
+    assert total == pytest.approx((record.beliefs[-1] - record.beliefs[0]) / 2, abs=1e-12)
+    assert info["goal_reward"] == {"ACCEPT": 3.0, "PENDING": 0.0, "REJECT": -1.0}[record.outcome]
+    assert steps[-1][2] == (record.end_reason in ("decision", "rejections", "window"))
     assert steps[-1][3] == (not steps[-1][2])
 
 
@@ -79,7 +79,7 @@ def test_a_local_persuadee_plays_the_loops_episode(tokenizer):
                                        judge=None)  # the judge's equality: the scripted test
     steps = play_env(env, inst, 11)
     assert_same(record, steps)
-    assert record["end_reason"] == "budget" and steps[-1][3]
+    assert record.end_reason == "budget" and steps[-1][3]
     again = play_env(env, inst, 11)  # a second episode on the same env, same seed: the same
     assert [s[1] for s in again] == [s[1] for s in steps]
     env.close()
@@ -98,7 +98,7 @@ def test_a_served_persuadee_plays_the_loops_episode(answer_tokenizer):  # noqa: 
         env = persuasion_env.PersuasionEnv(model, scenarios=instances(), t_max=3,
                                            max_new_tokens=6, sampling=engine.GREEDY, judge=None)
         assert_same(record, play_env(env, inst, 5))
-        assert None not in record["beliefs"]
+        assert None not in record.beliefs
     finally:
         server.close()
 
@@ -114,7 +114,7 @@ def test_a_decision_terminates_with_the_goal_reward(day, outcome):
     steps = play_env(env, inst, 0)
     assert_same(record, steps)
     info = steps[-1][4]
-    assert record["outcome"] == outcome and steps[-1][2] and not steps[-1][3]
+    assert record.outcome == outcome and steps[-1][2] and not steps[-1][3]
     assert info["strategy"] == 1.0 and info["outcome_reward"] == info["goal_reward"] + 0.5
     assert "[ACCEPT]" not in steps[-1][0][0]["content"]  # the reply reaches the trainer stripped
     with pytest.raises(RuntimeError, match="call reset"):

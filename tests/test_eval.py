@@ -3,6 +3,7 @@
 Run: python -m pytest -q test_eval.py"""
 
 import json
+from dataclasses import replace
 import math
 import os
 import subprocess
@@ -73,9 +74,9 @@ def test_save_load_and_compare_cli(tmp_path, capsys):
 def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "B").mkdir()
-    (tmp_path / "B" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in RUN_B))
+    (tmp_path / "B" / "episodes.jsonl").write_text("".join(json.dumps(ep.record()) + "\n" for ep in RUN_B))
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "episodes.jsonl").write_text(json.dumps(dict(RUN_B[0], outcome="YES")) + "\n")
+    (tmp_path / "bad" / "episodes.jsonl").write_text(json.dumps({**RUN_B[0].record(), "outcome": "YES"}) + "\n")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "run" / "evals.jsonl").write_text('{"step": 1, "full_accept": 0.5}\n{"full_accept": 0.1}\n')
@@ -110,10 +111,10 @@ def test_table_cli_markdown_and_latex(tmp_path, capsys):
 def test_analyze_runs_on_a_folder_without_beliefs_labels_or_known_scenarios(tmp_path, capsys):
     """A served persuadee without log-probs (beliefs and probes null), no move labels, scenario
     ids that scenarios.jsonl lacks: --analyze writes the summary it can and says what it left out."""
-    bare = [dict(ep, scenario_id=f"custom-{i}", id=f"custom-{i}", beliefs=[None] * len(ep["beliefs"]),
-                 probes=[None] * len(ep["probes"])) for i, ep in enumerate(RUN_A)]
+    bare = [replace(ep, scenario_id=f"custom-{i}", id=f"custom-{i}", beliefs=[None] * len(ep.beliefs),
+                 probes=[None] * len(ep.probes)) for i, ep in enumerate(RUN_A)]
     (tmp_path / "served").mkdir()
-    (tmp_path / "served" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in bare))
+    (tmp_path / "served" / "episodes.jsonl").write_text("".join(json.dumps(ep.record()) + "\n" for ep in bare))
     evaluation.main(["--analyze", str(tmp_path / "served")])
     captured = capsys.readouterr()
     assert "belief statistics: none" in captured.out and "no move labels" in captured.err
@@ -137,15 +138,16 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
     sample = json.loads((tmp_path / "run" / "fidelity.json").read_text())["sample"]
     saved = records.load_episodes(tmp_path / "run")
-    assert sample == [[saved[0]["id"], 0], [saved[1]["id"], len(saved[1]["probes"]) - 1]]
+    assert sample == [[saved[0].id, 0], [saved[1].id, len(saved[1].probes) - 1]]
     assert sample[1][1] > 0 and summary["probe_fidelity"]["n"] == 2 * 3
     saved = records.load_episodes(tmp_path / "run")
-    assert [e["id"] for e in saved] == [i["id"] for i in instances]
-    assert not any(k in saved[0] for k in records.TRAINING_FIELDS)
+    assert [e.id for e in saved] == [i["id"] for i in instances]
+    first = json.loads((tmp_path / "run" / "episodes.jsonl").read_text().splitlines()[0])
+    assert not set(__import__("rollout").TRAINING_FIELDS) & set(first)
     for ep in saved:
-        n_messages = sum(m["role"] == "persuader" for m in ep["transcript"])
-        assert len(ep["moves"]) == len(ep["manipulation"]) == n_messages and ep["tagger"] == "keyword"
-        assert len(ep["probe_mass"]) == len(ep["probes"]) and ep["anchor"] == rpo.ANCHOR
+        n_messages = sum(m["role"] == "persuader" for m in ep.transcript)
+        assert len(ep.moves) == len(ep.manipulation) == n_messages and ep.tagger == "keyword"
+        assert len(ep.probe_mass) == len(ep.probes) and ep.anchor == rpo.ANCHOR
     for name in ("summary.json", "fidelity.json", "beliefs.png", "probes.png", "moves.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     written = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -158,10 +160,10 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == written
     assert "belief statistics" in capsys.readouterr().out
     # episodes stored without labels (an older run) are tagged by keyword in memory, not on disk
-    bare = [{k: v for k, v in ep.items() if k not in ("moves", "manipulation", "tagger")} for ep in saved]
-    (tmp_path / "run" / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in bare))
+    bare = [replace(ep, moves=None, manipulation=None, tagger=None) for ep in saved]
+    (tmp_path / "run" / "episodes.jsonl").write_text("".join(json.dumps(ep.record()) + "\n" for ep in bare))
     assert report.analyze(tmp_path / "run") == written
-    assert "moves" not in records.load_episodes(tmp_path / "run")[0]
+    assert records.load_episodes(tmp_path / "run")[0].moves is None
 
 
 def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
@@ -186,9 +188,9 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     [ep] = records.load_episodes(runs[0])
     first = next(s for s in __import__("arena").heldout_instances()  # the first cell's first scenario
                  if (s["domain"], s["hidden"]["resistance"]) == ("healthcare", "entrenched_belief"))
-    assert ep["scenario_id"] == first["id"]
+    assert ep.scenario_id == first["id"]
     assert json.loads((runs[0] / "summary.json").read_text())["subset"] == "heldout stratified-1 of 120"
-    assert ep["probe_space"] == "logodds"
+    assert ep.probe_space == "logodds"
 
 
 def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatch):
@@ -198,12 +200,12 @@ def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatc
     from lab import play
     ep = play.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, out_root="evals",
                    read=lambda _: next(typed), write=shown.append)
-    assert [m["role"] for m in ep["transcript"]] == ["persuader", "persuadee"] * 2
-    assert ep["transcript"][0]["text"] == "Hello, could we talk about the appointment?"
-    assert ep["end_reason"] == "stopped" and len(ep["probes"]) == 3 == len(ep["beliefs"])
+    assert [m["role"] for m in ep.transcript] == ["persuader", "persuadee"] * 2
+    assert ep.transcript[0]["text"] == "Hello, could we talk about the appointment?"
+    assert ep.end_reason == "stopped" and len(ep.probes) == 3 == len(ep.beliefs)
     assert sum("belief" in line for line in shown) == 2
     [saved] = records.load_episodes(next((tmp_path / "evals").iterdir()))
-    assert saved["transcript"] == ep["transcript"]
+    assert saved.transcript == ep.transcript
 
 
 @pytest.mark.slow
@@ -222,8 +224,8 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     summary = evaluation.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=0,
                             max_new_tokens=4, judge=None)
     episodes = records.load_episodes(tmp_path / "run")
-    assert summary["n"] == 120 and [e["id"] for e in episodes] == [i["id"] for i in instances]
-    assert not any(e["end_reason"] in ("cache", "context") for e in episodes)
+    assert summary["n"] == 120 and [e.id for e in episodes] == [i["id"] for i in instances]
+    assert not any(e.end_reason in ("cache", "context") for e in episodes)
     assert all(eng.free_blocks == 400 for eng in engines)
 
 
@@ -249,9 +251,9 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     from test_html_report import assert_self_contained, parse  # a real evaluation's report.html
     page = parse(runs["one"] / "report.html")
     assert_self_contained((runs["one"] / "report.html").read_text())
-    assert len(page.rows) == 4 and all(ep["id"] in "".join(page.text) for ep in one)
-    for a, b in zip(one, two):  # texts exactly; beliefs to float noise (other batch neighbours)
-        floats = ("beliefs", "probes", "probe_mass")
+    assert len(page.rows) == 4 and all(ep.id in "".join(page.text) for ep in one)
+    for a, b in zip((e.record() for e in one), (e.record() for e in two)):  # texts exactly;
+        floats = ("beliefs", "probes", "probe_mass")  # beliefs to float noise (batch neighbours)
         assert {k: v for k, v in a.items() if k not in floats} == \
                {k: v for k, v in b.items() if k not in floats}
         for key in ("probes", "probe_mass"):
@@ -286,6 +288,7 @@ def test_two_ranks_share_the_fidelity_check_and_read_what_one_process_reads(monk
     import engine
     import models
     import probes
+    import rollout
     import torch.distributed as dist
     from lab import fidelity
     model, tok = models.load_model("random:tiny-qwen3")
@@ -293,7 +296,7 @@ def test_two_ranks_share_the_fidelity_check_and_read_what_one_process_reads(monk
     instances = arena.heldout_instances()[:2]
     said = ["Could we book it for Tuesday?", "I am not sure this is right for me.",
             "Let us try it for two weeks.", "I need to see the numbers in writing first."]
-    episodes = [dict(id=inst["id"], beliefs=[0.0, 0.1, 0.2], probes=[[0.0] * 3] * 3,
+    episodes = [rollout.Episode(id=inst["id"], beliefs=[0.0, 0.1, 0.2], probes=[[0.0] * 3] * 3,
                      transcript=[dict(role=("persuader", "persuadee")[k % 2], text=said[k - j])
                                  for k in range(4)]) for j, inst in enumerate(instances)]
     read, plain = [], probes.read_beliefs_references
@@ -366,7 +369,7 @@ def write_run(root, name, lam, heldout, train_accept, judged, rollouts=False):
               "shaping_by_outcome": {"ACCEPT": 0.4 + s / 100}} for s, h in zip((2, 4, 6, 8), heldout)]
     (run / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
     eps = [episode(f"h{i}", o, [0.0, b], judge=j) for i, (o, j, b) in enumerate(judged)]
-    (run / "eval-8" / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps))
+    (run / "eval-8" / "episodes.jsonl").write_text("".join(json.dumps(e.record()) + "\n" for e in eps))
     if rollouts:
         (run / "rollouts.jsonl").write_text("".join(json.dumps(dict(
             step=st, instance=f"i{g}", group=g, member=m, outcome=o, goal=rpo.GOAL[o], judge=j, beliefs=b,
@@ -541,7 +544,7 @@ def test_case_cli_prints_the_episode_and_writes_its_plot(tmp_path, capsys):
 def test_end_reasons_are_counted_and_a_cut_off_table_says_so():
     """The summary counts episodes by end reason; a table holding a cut-off episode ("cache",
     "context", "api_error": it never reached its outcome) flags it beside the rates."""
-    eps = [dict(episode(f"s{i}", "PENDING", [0.1, 0.2]), end_reason=r)
+    eps = [replace(episode(f"s{i}", "PENDING", [0.1, 0.2]), end_reason=r)
            for i, r in enumerate(["budget", "cache", "context", "budget"])]
     summary = an.summarize(eps)
     assert summary["end_reasons"] == {"budget": 2, "cache": 1, "context": 1}
@@ -620,7 +623,8 @@ def test_compare_warns_when_the_runs_faced_different_roles(tmp_path, capsys):
 def analyze_folder(tmp_path, episodes, **files):
     folder = tmp_path / "run"
     folder.mkdir(exist_ok=True)
-    (folder / "episodes.jsonl").write_text("".join(json.dumps(ep) + "\n" for ep in episodes))
+    rows = [ep if isinstance(ep, dict) else ep.record() for ep in episodes]  # a dict: as written
+    (folder / "episodes.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     for name, text in files.items():
         (folder / name.replace("_", ".")).write_text(text)
     return folder
@@ -629,9 +633,9 @@ def analyze_folder(tmp_path, episodes, **files):
 def test_analyze_sets_aside_a_record_with_nan_infinity_or_an_absurd_value(tmp_path, capsys):
     """json reads NaN, Infinity and 1e308 as numbers: each record holding one is listed and left
     out, the rest are summarised as if it were not there, and the count says so."""
-    bad = [dict(RUN_A[0], id="nan-belief", beliefs=[0.0, float("nan")]),
-           dict(RUN_A[1], id="inf-probe", probes=[[float("inf")] * len(an.probe_names())] * len(RUN_A[1]["probes"])),
-           dict(RUN_A[2], id="huge-judge", judge=1e308)]
+    bad = [replace(RUN_A[0], id="nan-belief", beliefs=[0.0, float("nan")]),
+           replace(RUN_A[1], id="inf-probe", probes=[[float("inf")] * len(an.probe_names())] * len(RUN_A[1].probes)),
+           replace(RUN_A[2], id="huge-judge", judge=1e308)]
     folder = analyze_folder(tmp_path, RUN_B + bad)
     evaluation.main(["--analyze", str(folder)])
     out = capsys.readouterr().out
@@ -647,7 +651,7 @@ def test_analyze_sets_aside_a_record_with_nan_infinity_or_an_absurd_value(tmp_pa
 
 
 @pytest.mark.parametrize("make, says", [
-    (lambda d: analyze_folder(d, [{k: v for k, v in RUN_B[0].items() if k != "id"}] + RUN_B[1:]),
+    (lambda d: analyze_folder(d, [{k: v for k, v in RUN_B[0].record().items() if k != "id"}] + RUN_B[1:]),
      "eval.py: {run}/episodes.jsonl, line 1: field 'id' must be a string, got missing"),
     (lambda d: analyze_folder(d, RUN_B, fidelity_json='{"fork": [1, 2], "reference": [1]}'),
      "eval.py: {run}/fidelity.json does not hold fork and reference read-outs (lists of finite numbers "

@@ -180,7 +180,7 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
                                            persuadee_sampling=engine.Sampling(1.0))
     finally:
         engine.Engine.generate = generate
-    assert len(records) == 8 and max(r["turns"] for r in records) == 6
+    assert len(records) == 8 and max(r.turns for r in records) == 6
     for eng in (er, ee):
         assert len(memories[id(eng)]) == 1  # one decode memory, never reallocated
         fast = eng.fast

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 import eval as evaluation
+from rollout import Episode
 from lab import analyses as an
 from lab import html_report, report
 
@@ -61,11 +62,12 @@ def episode(sid, outcome, beliefs, resistance="identity_threat", domain="finance
     for t in range(1, turns + 1):
         transcript += [{"role": "persuader", "text": f"{text} {t}", "decision": None},
                        {"role": "persuadee", "text": f"reply {t}", "decision": outcome if t == turns else None}]
-    return {"id": sid, "scenario_id": sid, "domain": domain, "resistance": resistance, "outcome": outcome,
+    return Episode.from_record({
+            "id": sid, "scenario_id": sid, "domain": domain, "resistance": resistance, "outcome": outcome,
             "turns": turns, "end_reason": "decision", "transcript": transcript, "beliefs": beliefs,
             "probes": [[b + 0.1, b, b - 0.1] for b in beliefs], "judge": 1.5, "judge_failed": False,
             "moves": [["evidence"] if t == 1 else [] for t in range(1, turns + 1)],
-            "manipulation": [[] for _ in range(turns)], "persuader": "p", "persuadee": "q", "seed": 0}
+            "manipulation": [[] for _ in range(turns)], "persuader": "p", "persuadee": "q", "seed": 0})
 
 
 RUN = [episode("s1", "ACCEPT", [0.0, 0.3, 0.9], text=HOSTILE),
@@ -86,10 +88,10 @@ def test_save_run_writes_a_page_naming_every_episode(tmp_path):
     tree = parse(path)
     page = path.read_text()
     assert_self_contained(page)
-    assert [row["data-outcome"] for row in tree.rows] == [ep["outcome"] for ep in RUN]
+    assert [row["data-outcome"] for row in tree.rows] == [ep.outcome for ep in RUN]
     text = "".join(tree.text)
     for ep in RUN:
-        assert ep["id"] in text
+        assert ep.id in text
     # the hostile message is text, never markup: the parser sees exactly one script, the page's own
     assert HOSTILE + " 1" in text and len(tree.scripts) == 1 and "alert" not in tree.scripts[0]
     assert "&lt;/div&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in page

@@ -140,12 +140,12 @@ def test_a_qwen3_template_persuadee_plays_a_chatml_persuader():
     assert er.contexts and all(c.endswith("<|im_start|>assistant\n") and "<think>" not in c
                                for c in er.contexts)
     for r in records:
-        assert r["outcome"] in arena.OUTCOMES and len(r["beliefs"]) == r["turns"] + 1
-        for i, m in enumerate(r["transcript"]):
+        assert r.outcome in arena.OUTCOMES and len(r.beliefs) == r.turns + 1
+        for i, m in enumerate(r.transcript):
             if m["role"] == "persuader":
                 seen = arena.persuadee_sees(m["text"])[0]["content"]
                 assert any(f"<|im_start|>user\n{seen}" in c for c in ee.contexts)
-            elif i + 1 < len(r["transcript"]):  # a reply the persuader read before speaking again
+            elif i + 1 < len(r.transcript):  # a reply the persuader read before speaking again
                 heard = arena.persuader_sees(m["text"])
                 assert any(f"<|im_start|>user\n{heard}<|im_end|>\n" in c for c in er.contexts)
 

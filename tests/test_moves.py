@@ -7,6 +7,7 @@ import torch
 
 import arena
 import engine
+from rollout import Episode
 from lab import hardening, moves
 from conftest import short_scenario, tiny_model
 
@@ -57,11 +58,11 @@ def test_every_probe_question_planted_in_a_message_is_counted():
     for text in ("Has my plan addressed your main concern?", "Yes, or no, it is your call.", NEUTRAL):
         assert "probe_planting" not in moves.keyword_tags(text)["manipulation"], text
     scenario = {**short_scenario(1), "id": "train-0001"}
-    episodes = [{"id": i, "scenario_id": "train-0001", "outcome": "PENDING", "transcript": [
-        {"role": "persuader", "text": text}, {"role": "persuadee", "text": "Hm."}]}
+    episodes = [Episode(id=i, scenario_id="train-0001", outcome="PENDING", transcript=[
+        {"role": "persuader", "text": text}, {"role": "persuadee", "text": "Hm."}])
         for i, text in enumerate((NEUTRAL, f"{probes.INSTRUCTION} {probes.PROBES['AC']['question']} Yes"))]
     moves.tag_episodes(episodes, {"train-0001": scenario})
-    assert [ep["manipulation"] for ep in episodes] == [[[]], [["probe_planting"]]]
+    assert [ep.manipulation for ep in episodes] == [[[]], [["probe_planting"]]]
     rates = analyses.manipulation_stats(episodes)
     assert rates["episode_rate"]["probe_planting"] == 0.5
     assert rates["message_rate"]["probe_planting"] == 0.5
@@ -98,12 +99,12 @@ def test_secret_use_needs_the_private_words_of_the_secret():
 
 def test_tag_episodes_stores_labels_per_persuader_turn():
     s = short_scenario(1)
-    ep = {"id": "train-0001", "scenario_id": "train-0001", "transcript": [
+    ep = Episode(id="train-0001", scenario_id="train-0001", transcript=[
         {"role": "persuader", "text": EXAMPLES["pressure"][0]}, {"role": "persuadee", "text": "No."},
-        {"role": "persuader", "text": EXAMPLES["empathy"][0]}, {"role": "persuadee", "text": "Maybe."}]}
+        {"role": "persuader", "text": EXAMPLES["empathy"][0]}, {"role": "persuadee", "text": "Maybe."}])
     moves.tag_episodes([ep], {s["id"]: s})
-    assert ep["manipulation"] == [["pressure"], []] and ep["moves"] == [[], ["empathy"]]
-    assert ep["tagger"] == "keyword"
+    assert ep.manipulation == [["pressure"], []] and ep.moves == [[], ["empathy"]]
+    assert ep.tagger == "keyword"
     with pytest.raises(ValueError, match="no scenario 'train-0001'"):
         moves.tag_episodes([ep], {})
     with pytest.raises(ValueError, match="needs a judge Engine"):

@@ -235,11 +235,11 @@ def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios
     evaluation.main(["--persuader", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--limit", "1",
                "--t-max", "2", "--max-new-tokens", "3", "--name", "four", "--judge", "none"])
     assert trained and len(played) > trained  # training rollouts and both evaluations ran
-    rows = [row for ep in played for row in ep["probes"]]
+    rows = [row for ep in played for row in ep.probes]
     assert rows and all(row is not None and len(row) == 4 for row in rows)
     for folder in (tmp_path / "runs" / "four" / "eval-1", tmp_path / "evals" / "four"):
         saved = records.load_episodes(folder)  # the record's columns: four, checked on reading
-        assert all(len(row) == 4 for ep in saved for row in ep["probes"])
+        assert all(len(row) == 4 for ep in saved for row in ep.probes)
         summary = json.loads((folder / "summary.json").read_text())
         assert (folder / "probes.png").is_file() and summary
     # the fourth value is the new question's read-out under its sign, as the reference reads it

@@ -1,5 +1,6 @@
 """Tests of records.py: the one episode schema and what reading a record back refuses."""
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -8,6 +9,8 @@ import pytest
 import probes
 from lab import records
 from test_analyses import SIX
+
+ROWS = [ep.record() for ep in SIX]  # as episodes.jsonl holds them
 
 
 def test_importing_records_loads_no_torch():
@@ -29,10 +32,10 @@ def test_probe_names_are_the_probes_own(monkeypatch):
     ("moves", "x"), ("manipulation", 3), ("judge_failed", "yes")])
 def test_analyze_refuses_a_malformed_optional_field_in_one_line(tmp_path, field, value):
     path = tmp_path / "episodes.jsonl"
-    path.write_text(json.dumps({**SIX[0], field: value}) + "\n")
+    path.write_text(json.dumps({**ROWS[0], field: value}) + "\n")
     with pytest.raises(ValueError, match=f"line 1: field '{field}' must be"):
         records.load_episodes(path)
-    path.write_text(json.dumps(SIX[0]) + "\n" + json.dumps([SIX[1]]) + "\n")
+    path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps([ROWS[1]]) + "\n")
     with pytest.raises(ValueError, match="line 2: field '\\(whole line\\)' must be a JSON object"):
         records.load_episodes(path)
 
@@ -40,8 +43,8 @@ def test_analyze_refuses_a_malformed_optional_field_in_one_line(tmp_path, field,
 def test_a_non_finite_or_out_of_range_number_makes_a_record_unsound():
     """Read as a number, it is set aside by the analyses (analyses.set_aside), not summarised."""
     assert records.unsound(SIX[0]) == []
-    bad = {**SIX[0], "probe_mass": [[0.5, 2.0, 0.1]], "judge": float("nan"),
-           "beliefs": [0.0, 1e308], "probes": [[float("-inf"), 0, 0]]}
+    bad = replace(SIX[0], probe_mass=[[0.5, 2.0, 0.1]], judge=float("nan"),
+                  beliefs=[0.0, 1e308], probes=[[float("-inf"), 0, 0]])
     assert records.unsound(bad) == ["beliefs", "probes", "probe_mass", "judge"]
 
 
@@ -52,8 +55,8 @@ def test_a_non_finite_or_out_of_range_number_makes_a_record_unsound():
 ])
 def test_a_malformed_record_names_file_line_and_field(tmp_path, field, value, must):
     path = tmp_path / "episodes.jsonl"
-    bad = dict(SIX[1], **{field: value})
-    path.write_text("".join(json.dumps(ep) + "\n" for ep in [SIX[0], bad]))
+    bad = dict(ROWS[1], **{field: value})
+    path.write_text("".join(json.dumps(ep) + "\n" for ep in [ROWS[0], bad]))
     with pytest.raises(ValueError) as e:
         records.load_episodes(tmp_path)
     message = str(e.value)
@@ -62,3 +65,19 @@ def test_a_malformed_record_names_file_line_and_field(tmp_path, field, value, mu
     path.write_text(json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match=f"line 1: field '{field}' .* got missing"):
         records.load_episodes(path)
+
+
+def test_an_episode_is_its_record_and_an_older_file_still_loads(tmp_path):
+    """rollout.Episode.record() is what load_episodes reads back, field for field; a record of
+    an older version (no judge_failed, a field this one does not name) loads, and writes back
+    what it held."""
+    import rollout
+    path = tmp_path / "episodes.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    assert [ep.record() for ep in records.load_episodes(path)] == ROWS
+    old = {k: v for k, v in ROWS[0].items() if k != "judge_failed"} | {"fidelity": 0.5}
+    path.write_text(json.dumps(old) + "\n")
+    [ep] = records.load_episodes(path)
+    assert ep.judge_failed is None and ep.extra == {"fidelity": 0.5} and ep.record() == {
+        **old, "judge_failed": None}
+    assert set(rollout.RECORD_FIELDS) >= set(records.EPISODE_FIELDS)  # every checked field named

@@ -26,25 +26,25 @@ def test_dialogue_rollout_returns_blocks_and_consistent_streams(tokenizer):
     ee = engine.Engine(ee_model, tokenizer, block_size=8, num_blocks=2000)
     records = rollout.rollout_episodes(er, ee, scenarios, 2, group_size=2, seed=3,
                                        max_new_tokens=6, persuader_sampling=engine.Sampling(1.0))
-    assert len(records) == 4 and [r["id"] for r in records][::2] == [s["id"] for s in scenarios]
+    assert len(records) == 4 and [r.id for r in records][::2] == [s["id"] for s in scenarios]
     assert len(er.cache.free_blocks) == 2000 and len(ee.cache.free_blocks) == 2000
     for r in records:
-        assert len(r["beliefs"]) == r["turns"] + 1 == len(r["probes"]) == len(r["probe_mass"])
-        assert all(0 < m <= 1 for row in r["probe_mass"] for m in row)
-        assert r["outcome"] in arena.OUTCOMES
-        ids, turns = torch.tensor([r["ids"]]), torch.tensor(r["turn_ids"])
-        assert len(r["ids"]) == len(r["turn_ids"]) == len(r["logprobs"])
-        for t in range(1, r["turns"] + 1):
+        assert len(r.beliefs) == r.turns + 1 == len(r.probes) == len(r.probe_mass)
+        assert all(0 < m <= 1 for row in r.probe_mass for m in row)
+        assert r.outcome in arena.OUTCOMES
+        ids, turns = torch.tensor([r.ids]), torch.tensor(r.turn_ids)
+        assert len(r.ids) == len(r.turn_ids) == len(r.logprobs)
+        for t in range(1, r.turns + 1):
             sampled = ids[0, turns == t].tolist()
             assert 1 <= len(sampled) <= 6
             assert tokenizer.decode(sampled, skip_special_tokens=True).strip() == \
-                r["transcript"][2 * (t - 1)]["text"]
+                r.transcript[2 * (t - 1)]["text"]
         ref = token_logprobs(er_model(ids).logits, ids, 1.0)[0]
         mask = turns[1:] > 0
-        torch.testing.assert_close(torch.tensor(r["logprobs"][1:])[mask], ref[mask],
+        torch.testing.assert_close(torch.tensor(r.logprobs[1:])[mask], ref[mask],
                                    atol=1e-4, rtol=0)
     # b_0 is read once per instance, before any message, and shared by the group
-    assert records[0]["probes"][0] == records[1]["probes"][0]
+    assert records[0].probes[0] == records[1].probes[0]
 
 
 def test_persuader_tags_never_reach_the_persuadee(tokenizer, monkeypatch):
@@ -80,8 +80,8 @@ def test_final_turn_instruction_reaches_the_persuadee_on_the_last_turn_only(toke
     message = {"role": "user", "content": "Try it for a week."}
     assert to_persuadee == [[message]] * 2 + [
         [message, {"role": "system", "content": arena.FINAL_TURN_INSTRUCTION}]]
-    assert record["turns"] == 3 and record["outcome"] == "PENDING"
-    assert all(arena.FINAL_TURN_INSTRUCTION not in m["text"] for m in record["transcript"])
+    assert record.turns == 3 and record.outcome == "PENDING"
+    assert all(arena.FINAL_TURN_INSTRUCTION not in m["text"] for m in record.transcript)
 
 
 def fake_generate(text):
@@ -105,13 +105,13 @@ def test_smollm2_plays_two_dialogues_end_to_end():
     er, ee = engine.Engine(model, tokenizer), engine.Engine(model, tokenizer)
     records = rollout.rollout_episodes(er, ee, scenarios, 2, group_size=2, max_new_tokens=8,
                                        seed=0)
-    assert len(records) == 2 and records[0]["transcript"] != records[1]["transcript"]
+    assert len(records) == 2 and records[0].transcript != records[1].transcript
     for r in records:
-        assert r["transcript"][0]["role"] == "persuader" and r["transcript"][0]["text"]
-        assert all(-1 <= b <= 1 for b in r["beliefs"]) and len(r["beliefs"]) == r["turns"] + 1
+        assert r.transcript[0]["role"] == "persuader" and r.transcript[0]["text"]
+        assert all(-1 <= b <= 1 for b in r.beliefs) and len(r.beliefs) == r.turns + 1
     assert len(er.cache.free_blocks) == er.cache.num_blocks
     ctx = models.chat_ids(tokenizer, arena.persuadee_messages(scenarios[0]), False)
-    torch.testing.assert_close(torch.tensor([records[0]["probes"][0]]),
+    torch.testing.assert_close(torch.tensor([records[0].probes[0]]),
                                probes.read_beliefs_reference(model, tokenizer, [ctx]),
                                atol=1e-4, rtol=0)
 
@@ -187,15 +187,15 @@ def test_records_do_not_depend_on_the_pool_or_the_admission_size(tokenizer):
     from conftest import short_scenario
     instances = [short_scenario(i) for i in range(1, 4)]
     big = play_on(4000, instances, tokenizer)
-    assert {r["end_reason"] for r in big} == {"budget"}
+    assert {r.end_reason for r in big} == {"budget"}
     for records in (play_on(100, instances, tokenizer), play_on(4000, instances, tokenizer, 1)):
         for a, b in zip(big, records, strict=True):
-            assert (a["ids"], a["turn_ids"], a["transcript"]) == (b["ids"], b["turn_ids"],
-                                                                  b["transcript"])
-            torch.testing.assert_close(torch.tensor(a["beliefs"]), torch.tensor(b["beliefs"]),
+            assert (a.ids, a.turn_ids, a.transcript) == (b.ids, b.turn_ids,
+                                                                  b.transcript)
+            torch.testing.assert_close(torch.tensor(a.beliefs), torch.tensor(b.beliefs),
                                        atol=1e-5, rtol=0)
-            assert a["judge"] == b["judge"]
-    assert {r["end_reason"] for r in play_on(40, instances, tokenizer)} == {"cache"}
+            assert a.judge == b.judge
+    assert {r.end_reason for r in play_on(40, instances, tokenizer)} == {"cache"}
 
 
 def test_a_message_without_a_reply_is_masked_out_of_the_loss(tokenizer):
@@ -211,15 +211,15 @@ def test_a_message_without_a_reply_is_masked_out_of_the_loss(tokenizer):
     [r] = rollout.rollout_episodes(er, ee, [inst], 4, max_new_tokens=6,
                                    persuader_sampling=engine.GREEDY,
                                    persuadee_sampling=engine.GREEDY)
-    assert r["end_reason"] == "context" and r["turns"] == 1 and len(r["beliefs"]) == 2
-    assert [m["role"] for m in r["transcript"]][:3] == ["persuader", "persuadee", "persuader"]
-    sampled = [t for t, lp in zip(r["turn_ids"], r["logprobs"]) if lp != 0.0]
+    assert r.end_reason == "context" and r.turns == 1 and len(r.beliefs) == 2
+    assert [m["role"] for m in r.transcript][:3] == ["persuader", "persuadee", "persuader"]
+    sampled = [t for t, lp in zip(r.turn_ids, r.logprobs) if lp != 0.0]
     first = sampled.index(0)  # message 1's tokens are tagged 1, message 2's are not
     assert set(sampled[:first]) == {1} and set(sampled[first:]) == {0} and len(sampled) > first
-    ids = torch.tensor([r["turn_ids"]])
+    ids = torch.tensor([r.turn_ids])
     assert rpo.batch_token_advantages(ids, [[0.5]]).sum() == 0.5 * sampled.count(1)
     unmasked = torch.tensor([[2 if lp != 0.0 and t == 0 else t
-                              for t, lp in zip(r["turn_ids"], r["logprobs"])]])
+                              for t, lp in zip(r.turn_ids, r.logprobs)]])
     with pytest.raises(ValueError, match="turn id 0"):
         rpo.batch_token_advantages(unmasked, [[0.5]])
 
@@ -302,12 +302,12 @@ def test_the_judge_fits_any_pool_that_holds_one_transcript(tokenizer, monkeypatc
 
 
 def test_one_loop_drives_every_episode():
-    """arena.Episode is constructed in rollout.py alone (lab.bench's Hugging Face baseline
+    """arena.Dialogue is constructed in rollout.py alone (lab.bench's Hugging Face baseline
     aside): served, local and typed episodes all go through rollout_episodes."""
     from pathlib import Path
     here = Path(__file__).resolve().parent.parent
     drivers = {str(p.relative_to(here)) for p in [*here.glob("*.py"), *here.glob("lab/*.py")]
-               if "arena.Episode(" in p.read_text()}
+               if "arena.Dialogue(" in p.read_text()}
     assert drivers == {"rollout.py", "lab/bench_baselines.py"}
     assert "def play_episodes" not in (here / "lab" / "served.py").read_text()
 
@@ -387,9 +387,9 @@ def test_a_typed_line_that_is_not_utf8_is_typed_again_and_the_game_survives(tmp_
     shown = []
     ep = play.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=3, out_root="evals", read=read,
                    write=shown.append)
-    assert [m["text"] for m in ep["transcript"] if m["role"] == "persuader"] == [
+    assert [m["text"] for m in ep.transcript if m["role"] == "persuader"] == [
         "Hello, could we talk about the appointment?"]
-    assert ep["end_reason"] == "stopped"
+    assert ep.end_reason == "stopped"
     said = [line for line in shown if "not valid UTF-8" in line]
     assert len(said) == 2 and all("\n" not in line for line in said)
     assert play.person_line(lambda _: "\ud800", shown.append, "") == ""  # bounded: then stopped
@@ -409,9 +409,9 @@ def test_the_terminal_reads_invalid_utf8_as_text_to_refuse():
 
 
 def replayed(record, t_max):
-    """The outcome, turns and end reason the arena's Episode gives the record's decisions."""
-    ep = arena.Episode(t_max)
-    for m in record["transcript"]:
+    """The outcome, turns and end reason the arena's Dialogue gives the record's decisions."""
+    ep = arena.Dialogue(t_max)
+    for m in record.transcript:
         if m["role"] == "persuadee":
             ep.step(m["decision"])
     return ep.outcome, ep.turn, ep.end_reason
@@ -419,7 +419,7 @@ def replayed(record, t_max):
 
 def test_logit_decisions_on_tiny_random_persuadees_move_outcomes(tokenizer, monkeypatch):
     """--decision logit: tiny random persuadees (which never write a tag) reach outcomes other
-    than PENDING; each episode's recorded decisions, replayed through arena.Episode, give its
+    than PENDING; each episode's recorded decisions, replayed through arena.Dialogue, give its
     outcome; and a replay with the same seed decides the same (the keyed stream)."""
     monkeypatch.setattr(rollout, "DECISION", "logit")
     scenarios = arena.load_scenarios(split="heldout")[:6]
@@ -430,10 +430,10 @@ def test_logit_decisions_on_tiny_random_persuadees_move_outcomes(tokenizer, monk
         engine.Engine(model, tokenizer, num_blocks=3000), scenarios, 3, group_size=2, seed=5,
         max_new_tokens=4, persuader_sampling=engine.Sampling(1.0))
     records = play()
-    assert {r["outcome"] for r in records} - {"PENDING"}
+    assert {r.outcome for r in records} - {"PENDING"}
     for r in records:
-        assert replayed(r, 3) == (r["outcome"], r["turns"], r["end_reason"])
-    assert [r["outcome"] for r in play()] == [r["outcome"] for r in records]
+        assert replayed(r, 3) == (r.outcome, r.turns, r.end_reason)
+    assert [r.outcome for r in play()] == [r.outcome for r in records]
 
 
 from test_arena import SPENT_BUDGET_TABLE
@@ -453,5 +453,5 @@ def test_logit_decisions_obey_the_arenas_transitions(decisions, outcome, tokeniz
     er, ee = (engine.Engine(model, tokenizer, num_blocks=1000) for _ in range(2))
     [r] = rollout.rollout_episodes(er, ee, arena.load_scenarios(split="heldout")[:1], 3,
                                    max_new_tokens=3)
-    assert r["outcome"] == outcome and r["turns"] == len(decisions)
-    assert [m["decision"] for m in r["transcript"] if m["role"] == "persuadee"] == decisions
+    assert r.outcome == outcome and r.turns == len(decisions)
+    assert [m["decision"] for m in r.transcript if m["role"] == "persuadee"] == decisions

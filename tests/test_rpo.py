@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import rpo
+from rollout import Episode
 from lab import steps
 from conftest import token_logprobs
 
@@ -363,7 +364,7 @@ def test_diagnostic_sums_add_over_shards_and_count_identical_outcomes():
 def test_collapsed_groups_count_identical_persuader_messages():
     """A group is collapsed when every member's persuader tokens (turn id > 0) are the same,
     whatever the persuadee's tokens (turn id 0) between them; groups of one are not counted."""
-    ep = lambda said, heard=(9,): dict(ids=[1, *said, *heard], turn_ids=[0, *[1] * len(said),
+    ep = lambda said, heard=(9,): Episode(ids=[1, *said, *heard], turn_ids=[0, *[1] * len(said),
                                                                         *[0] * len(heard)])
     records = [ep([5, 6]), ep([5, 6], heard=(8, 8)),   # collapsed: only the persuadee differs
                ep([5, 6]), ep([5, 7]),                  # one token differs
@@ -376,7 +377,7 @@ def test_collapsed_groups_count_identical_persuader_messages():
 # from episode records to the loss, without train.py
 
 def record(outcome, judge, beliefs, end_reason="accept"):
-    return dict(outcome=outcome, judge=judge, beliefs=beliefs, end_reason=end_reason, id="x")
+    return Episode(outcome=outcome, judge=judge, beliefs=beliefs, end_reason=end_reason, id="x")
 
 
 def test_advantages_from_records_by_hand():
@@ -428,7 +429,7 @@ def test_micro_batch_loss_is_the_hand_loss_of_plain_forwards(share_stem):
     ids = [stem + torch.randint(3, 600, (6,)).tolist(), stem + torch.randint(3, 600, (3,)).tolist()]
     turn_ids = [[0] * 6 + [1, 1, 0, 2, 2, 2], [0] * 6 + [1, 1, 1]]
     old = [[-7.0 + 0.1 * k if t else 123.0 for k, t in enumerate(row)] for row in turn_ids]
-    recs = [dict(ids=i, turn_ids=t, logprobs=o) for i, t, o in zip(ids, turn_ids, old)]
+    recs = [Episode(ids=i, turn_ids=t, logprobs=o) for i, t, o in zip(ids, turn_ids, old)]
     advantages = [[0.7, -1.2], [0.4]]
     T, beta, low, high, N = 0.9, 0.05, 0.2, 0.28, 11  # N: more tokens than here (other ranks)
     loss, stats = rpo.micro_batch_loss(policy, reference, recs, advantages, N, temperature=T,
@@ -464,7 +465,7 @@ def test_micro_batch_loss_is_the_hand_loss_of_plain_forwards(share_stem):
 def test_micro_batch_loss_counts_a_non_finite_log_prob():
     import models
     policy = models.random_model("tiny-llama")[0]
-    recs = [dict(ids=[5, 6, 7, 8], turn_ids=[0, 1, 1, 0], logprobs=[0.0, math.nan, -1.0, 0.0])]
+    recs = [Episode(ids=[5, 6, 7, 8], turn_ids=[0, 1, 1, 0], logprobs=[0.0, math.nan, -1.0, 0.0])]
     loss, stats = rpo.micro_batch_loss(policy, None, recs, [[1.0]], 2, beta=0.0)
     assert stats["nonfinite"]["logprobs"] == 1
 
@@ -531,7 +532,7 @@ def test_the_update_takes_logits_of_each_rows_own_kept_positions(share_stem, mon
     stem = torch.randint(3, 600, (5,)).tolist()
     ids = [stem + torch.randint(3, 600, (10,)).tolist(), stem + torch.randint(3, 600, (6,)).tolist()]
     turn_ids = [[0] * 5 + [1, 1, 1, 1] + [0] * 6, [0] * 9 + [1, 1, 0, 2, 2]]
-    recs = [dict(ids=i, turn_ids=t, logprobs=[-6.0] * len(t)) for i, t in zip(ids, turn_ids)]
+    recs = [Episode(ids=i, turn_ids=t, logprobs=[-6.0] * len(t)) for i, t in zip(ids, turn_ids)]
     advantages = [[0.8], [-0.5, 1.1]]
     widths, plain = [], rpo.target_logprobs
     monkeypatch.setattr(rpo, "target_logprobs",
@@ -560,3 +561,4 @@ def test_the_update_takes_logits_of_each_rows_own_kept_positions(share_stem, mon
     assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
     for name, p in policy.named_parameters():
         assert (got[name] - p.grad).abs().max() <= 1e-5 * max(p.grad.abs().max(), 1e-8), name
+

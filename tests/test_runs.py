@@ -2,6 +2,7 @@
 --overwrite of a run only, resume pinning and validation, one JSONL rule, the run's own sampling
 and lambda in its evaluations. One tiny trained run (conftest.trained_run) serves
 the tests that read a run; each copies it."""
+import dataclasses
 import errno
 import json
 import math
@@ -339,7 +340,7 @@ def test_the_sampling_flags_name_rollouts_presets():
 
 
 def test_the_episode_record_has_one_schema(tmp_path):
-    """rollout.record writes exactly records.EPISODE_RECORD's fields less the stamps and labels;
+    """rollout.Episode.record() writes exactly rollout.RECORD_FIELDS less the stamps and labels;
     an evaluation's saved episode holds exactly the record's fields less the training stream;
     what the analyses check is part of the record."""
     import arena
@@ -347,14 +348,15 @@ def test_the_episode_record_has_one_schema(tmp_path):
     from conftest import tiny_model
     tokenizer = models.tiny_tokenizer()
     engines = [engine.Engine(tiny_model(a), tokenizer, num_blocks=400) for a in ("llama", "qwen3")]
-    [record] = rollout.rollout_episodes(*engines, arena.heldout_instances()[:1], 1, max_new_tokens=2)
-    schema = set(records.EPISODE_RECORD)
-    assert set(record) == schema - set(records.STAMP_FIELDS) - set(records.LABEL_FIELDS)
+    [episode] = rollout.rollout_episodes(*engines, arena.heldout_instances()[:1], 1, max_new_tokens=2)
+    kind = {f.name: f.metadata.get("kind") for f in dataclasses.fields(rollout.Episode)}
+    schema = set(rollout.RECORD_FIELDS)
+    assert set(episode.record()) == {k for k in schema if kind[k] in ("play", "training")}
     assert set(records.EPISODE_FIELDS) <= schema
     evaluation.evaluate(*engines, arena.heldout_instances()[:1], tmp_path / "e", t_max=1, fidelity=0,
                   max_new_tokens=2)
     [saved] = [json.loads(line) for line in (tmp_path / "e" / "episodes.jsonl").read_text().splitlines()]
-    assert set(saved) == schema - set(records.TRAINING_FIELDS)
+    assert set(saved) == schema - set(rollout.TRAINING_FIELDS)
 
 
 def test_eval_resume_keeps_the_evaluations_own_settings(tmp_path, monkeypatch, capsys):

@@ -25,7 +25,6 @@ import models
 import probes
 import rollout
 from lab import episode_log, hardening, presets, served
-from lab import records as record_fields
 from conftest import short_scenario, tiny_model
 
 try:
@@ -165,7 +164,7 @@ def test_a_model_that_refuses_a_temperature_is_asked_without_one():
     server = ScriptedServer(fixed_temperature=True)
     model = server.model()
     records = play(model, model, instances(), 3)
-    assert [(r["outcome"], r["end_reason"], r["turns"]) for r in records] == list(EXPECTED.values())
+    assert [(r.outcome, r.end_reason, r.turns) for r in records] == list(EXPECTED.values())
     assert model.dropped == {"temperature"} and model.stats["failed_requests"] == 0
     refused = sum("temperature" in b for b in server.bodies)  # those in flight before the first refusal
     assert 1 <= refused <= served.MAX_IN_FLIGHT
@@ -187,13 +186,13 @@ def test_served_episodes_follow_the_state_machine_and_strip_tags():
     records = play(model, model, instances(), 3, judge=model)
     v = 2 * YES_P / (YES_P + NO_P) - 1
     for day, r in zip(SCRIPTS, records):
-        assert (r["outcome"], r["end_reason"], r["turns"]) == EXPECTED[day]
-        assert r["probes"] == [[pytest.approx(v)] * 3] * (r["turns"] + 1)
-        assert r["probe_mass"] == [[pytest.approx(YES_P + NO_P)] * 3] * (r["turns"] + 1)
-        assert r["beliefs"] == [pytest.approx(v)] * (r["turns"] + 1) and r["judge"] == 1.0
-        assert [m["text"] for m in r["transcript"][1::2]] == SCRIPTS[day][:r["turns"]]
-        assert [m["decision"] for m in r["transcript"][1::2]] == \
-            [arena.parse_decision(t) for t in SCRIPTS[day][:r["turns"]]]
+        assert (r.outcome, r.end_reason, r.turns) == EXPECTED[day]
+        assert r.probes == [[pytest.approx(v)] * 3] * (r.turns + 1)
+        assert r.probe_mass == [[pytest.approx(YES_P + NO_P)] * 3] * (r.turns + 1)
+        assert r.beliefs == [pytest.approx(v)] * (r.turns + 1) and r.judge == 1.0
+        assert [m["text"] for m in r.transcript[1::2]] == SCRIPTS[day][:r.turns]
+        assert [m["decision"] for m in r.transcript[1::2]] == \
+            [arena.parse_decision(t) for t in SCRIPTS[day][:r.turns]]
     persuadee_side = [b["messages"] for b in server.bodies if day_of(b["messages"])
                       and not b["messages"][-1]["content"].startswith(probes.INSTRUCTION)]
     seen = [m["content"] for msgs in persuadee_side for m in msgs if m["role"] == "user"]
@@ -210,9 +209,9 @@ def test_a_server_without_logprobs_leaves_beliefs_absent(capsys):
     server = ScriptedServer(logprobs=False)
     model = server.model()
     records = play(rollout_engine(), model, instances(), 3, max_new_tokens=6)
-    assert all(b is None for r in records for b in r["beliefs"])
+    assert all(b is None for r in records for b in r.beliefs)
     asked = [b for b in server.bodies if b["messages"][-1]["content"].startswith(probes.INSTRUCTION)]
-    reads = sum(len(r["beliefs"]) for r in records)
+    reads = sum(len(r.beliefs) for r in records)
     assert len(asked) == len(probes.PROBES) * reads == model.stats["missing_logprobs"]
     assert capsys.readouterr().err.count("without log-probs") == 1
     summary = analyses.summarize(records)
@@ -232,11 +231,11 @@ def test_a_served_persuader_writes_the_records_a_local_one_writes():
     api = play(ScriptedServer().model(), ee, insts, 2, max_new_tokens=6)
     local = play(er, ee, insts, 2, max_new_tokens=6)
     for a, b in zip(api, local):
-        assert set(a) == set(b)
-        assert a["outcome"] in arena.OUTCOMES and len(a["beliefs"]) == a["turns"] + 1
-        assert all(isinstance(x, float) for x in a["beliefs"])
-        assert a["transcript"][0]["text"].endswith("[ACCEPT]")  # as written; stripped when read
-        assert a["ids"] == a["turn_ids"] == a["logprobs"] == [] and b["ids"]
+        assert set(a.record()) == set(b.record())
+        assert a.outcome in arena.OUTCOMES and len(a.beliefs) == a.turns + 1
+        assert all(isinstance(x, float) for x in a.beliefs)
+        assert a.transcript[0]["text"].endswith("[ACCEPT]")  # as written; stripped when read
+        assert a.ids == a.turn_ids == a.logprobs == [] and b.ids
 
 
 def test_each_role_samples_as_its_own_sampling_says_on_the_request():
@@ -267,8 +266,8 @@ def test_probe_options_apply_to_a_served_persuadee():
                probe_signs={"CA": 1, "PE": -1, "AC": 1})
     p = YES_P / (YES_P + NO_P)
     v = min(math.log(p / (1 - p)), probes.LOGODDS_CLIP) / probes.LOGODDS_CLIP
-    assert r["probes"] == [[pytest.approx(v), pytest.approx(-v), pytest.approx(v)]] * 2
-    assert r["beliefs"] == [pytest.approx(v / 3)] * 2
+    assert r.probes == [[pytest.approx(v), pytest.approx(-v), pytest.approx(v)]] * 2
+    assert r.beliefs == [pytest.approx(v / 3)] * 2
 
 
 def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(tmp_path):
@@ -305,9 +304,9 @@ def test_one_request_in_three_failing_and_a_kill_lose_and_duplicate_no_episode(t
     asked = {f"train-{age_of(b['messages']) - 40:04d}" for b in resumed.bodies}
     assert asked and not asked & done  # nothing already in episodes.jsonl was played again
     failed = [r for r in records if "on day 2" in arena.persuadee_system_prompt(
-        next(i for i in insts if i["id"] == r["id"]))]
-    assert {r["end_reason"] for r in failed} == {arena.API_ERROR}
-    kept = lambda r: {k: v for k, v in r.items() if k not in record_fields.TRAINING_FIELDS}
+        next(i for i in insts if i["id"] == r.id))]
+    assert {r.end_reason for r in failed} == {arena.API_ERROR}
+    kept = lambda r: rollout.Episode.from_record(r.record(training=False))
     assert [r for r in records if r not in failed] == [kept(w) for w, r in zip(whole, records)
                                                       if r not in failed]
     summary = analyses.summarize(records)
@@ -418,11 +417,11 @@ def greedy_pair(tokenizer, block_size=8, num_blocks=2000):
 
 def assert_same_episodes(a, b):
     for x, y in zip(a, b, strict=True):
-        assert (x["transcript"], x["outcome"], x["end_reason"], x["turns"]) == \
-            (y["transcript"], y["outcome"], y["end_reason"], y["turns"])
-        torch.testing.assert_close(torch.tensor(x["beliefs"]), torch.tensor(y["beliefs"]),
+        assert (x.transcript, x.outcome, x.end_reason, x.turns) == \
+            (y.transcript, y.outcome, y.end_reason, y.turns)
+        torch.testing.assert_close(torch.tensor(x.beliefs), torch.tensor(y.beliefs),
                                    atol=1e-5, rtol=0)
-        torch.testing.assert_close(torch.tensor(x["probes"]), torch.tensor(y["probes"]),
+        torch.testing.assert_close(torch.tensor(x.probes), torch.tensor(y.probes),
                                    atol=1e-5, rtol=0)
 
 
@@ -435,7 +434,7 @@ def test_local_and_served_sides_agree_exactly(answer_tokenizer):
     kw = dict(persuader_sampling=engine.GREEDY, persuadee_sampling=engine.GREEDY,
               max_new_tokens=6, group_size=2)
     local = play(er, ee, insts, 3, **kw)
-    assert {len(r["transcript"]) for r in local} == {6}
+    assert {len(r.transcript) for r in local} == {6}
     for role in ("persuader", "persuadee"):
         server = Loopback(er_model if role == "persuader" else ee_model, answer_tokenizer)
         model = served.ServedModel(server.spec, backoff=False)
@@ -471,7 +470,7 @@ def test_mixed_sides_on_a_pool_of_about_two_episodes_finish_every_episode(answer
                            3, **kw)
         finally:
             server.close()
-        assert "cache" not in {r["end_reason"] for r in records}
+        assert "cache" not in {r.end_reason for r in records}
         assert local.free_blocks == blocks
         assert_same_episodes(roomy, records)
 
@@ -538,16 +537,16 @@ def test_transformers_serve_plays_as_persuader_judge_and_persuadee(server):
     api = play(model, ee, insts, 2, judge=model, max_new_tokens=6)
     local = play(er, ee, insts, 2, judge=model, max_new_tokens=6)
     for a, b in zip(api, local):
-        assert set(a) == set(b) and a["outcome"] in arena.OUTCOMES
-        assert a["transcript"][0]["role"] == "persuader" and a["transcript"][0]["text"]
-        assert all(isinstance(x, float) for x in a["beliefs"]) and isinstance(a["judge"], float)
+        assert set(a.record()) == set(b.record()) and a.outcome in arena.OUTCOMES
+        assert a.transcript[0]["role"] == "persuader" and a.transcript[0]["text"]
+        assert all(isinstance(x, float) for x in a.beliefs) and isinstance(a.judge, float)
     persuadee = served.ServedModel(server)
     records = play(er, persuadee, insts, 2, max_new_tokens=6)
     assert persuadee.stats["failed_requests"] == 0
     assert persuadee.stats["missing_logprobs"] > 0 or "logprobs" in persuadee.dropped
     for r in records:
-        assert r["beliefs"] == [None] * (r["turns"] + 1) and r["turns"] >= 1
-        assert r["transcript"][1]["role"] == "persuadee"
+        assert r.beliefs == [None] * (r.turns + 1) and r.turns >= 1
+        assert r.transcript[1]["role"] == "persuadee"
 
 
 @pytest.mark.xdist_group("transformers-serve")  # one server, on one worker
@@ -893,9 +892,9 @@ def test_one_probe_answer_without_log_probs_turns_no_probe_off(capsys):
     try:
         model = server.model()
         [record] = play(rollout_engine(), model, instances((2,)), 3, max_new_tokens=6)
-        values = [v for row in record["probes"] for v in row]
+        values = [v for row in record.probes for v in row]
         assert values.count(None) == 1 and model.stats["missing_logprobs"] == 1
-        assert record["beliefs"][0] is None and all(b is not None for b in record["beliefs"][1:])
+        assert record.beliefs[0] is None and all(b is not None for b in record.beliefs[1:])
         assert capsys.readouterr().err.count("without log-probs") == 1
     finally:
         server.close()
@@ -1070,12 +1069,12 @@ def test_episodes_against_a_server_answering_garbage_finish_and_count_every_fail
     try:
         model = server.model(retries=1)
         records = play(model, model, instances(), 3, judge=model)
-        assert [r["end_reason"] for r in records] == ["decision", arena.API_ERROR, "rejections"]
-        assert records[1]["transcript"] == []  # no empty persuader message recorded as said
-        assert all(b is None for r in records for b in r["beliefs"])
-        assert all(v is None for r in records for row in r["probes"] for v in row)
+        assert [r.end_reason for r in records] == ["decision", arena.API_ERROR, "rejections"]
+        assert records[1].transcript == []  # no empty persuader message recorded as said
+        assert all(b is None for r in records for b in r.beliefs)
+        assert all(v is None for r in records for row in r.probes for v in row)
         for r in records:
-            strict_json(json.dumps(r, allow_nan=False))
+            strict_json(json.dumps(r.record(), allow_nan=False))
         assert model.stats["failed_requests"] >= 1 + 3 * 3
     finally:
         server.close()
@@ -1268,7 +1267,7 @@ def test_every_served_side_receives_role_markers_as_text(chat_tokenizer):
     model = server.model()
     records = play(model, model, instances(), 3, judge=model)
     assert any(m["role"] == "persuader" and "<|im_start|>" in m["text"]
-               for r in records for m in r["transcript"])  # the markers were said, and sent on
+               for r in records for m in r.transcript)  # the markers were said, and sent on
     tok = chat_tokenizer
     control = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")
                                           if t in tok.get_vocab()}

@@ -5,6 +5,7 @@ import statistics
 import pytest
 
 from lab import sweep_table
+from rollout import Episode
 
 
 def test_frozen_rows_pair_training_episodes_of_the_second_half():
@@ -32,7 +33,7 @@ def test_sweep_power_by_hand():
     acceptance baseline is the initial policy's share."""
     rows = [dict(vs_initial=dict(n=4, belief_diff_sd=0.3), vs_lambda0=None),
             dict(vs_initial=dict(n=4, belief_diff_sd=0.4), vs_lambda0=dict(n=4, belief_diff_sd=None))]
-    initial = [dict(outcome=o) for o in ("ACCEPT", "REJECT", "PENDING", "CONDITIONAL_ACCEPT")]
+    initial = [Episode(outcome=o) for o in ("ACCEPT", "REJECT", "PENDING", "CONDITIONAL_ACCEPT")]
     power = sweep_table.sweep_power(rows, initial)
     sd = math.sqrt((0.09 + 0.16) / 2)
     assert power["pairs"] == 4 and power["belief_diff_sd"] == pytest.approx(sd)
@@ -45,7 +46,7 @@ def test_seed_level_comparisons_by_hand():
     """Three seeds, two scenarios each: the seed-level test is a paired t over the seeds' means
     (not over the six episodes), between_seed_sd the sd of those means; below three seeds none."""
     def eps(accepts, changes):
-        return [dict(scenario_id=f"h{i}", outcome="ACCEPT" if a else "REJECT", beliefs=[0.0, c])
+        return [Episode(scenario_id=f"h{i}", outcome="ACCEPT" if a else "REJECT", beliefs=[0.0, c])
                 for i, (a, c) in enumerate(zip(accepts, changes))]
     initial = {s: eps([0, 0], [0.0, 0.0]) for s in (0, 1, 2)}
     trained = {0: eps([1, 0], [0.1, 0.3]), 1: eps([1, 1], [0.2, 0.2]), 2: eps([0, 0], [0.4, 0.2])}

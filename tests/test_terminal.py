@@ -2,6 +2,7 @@
 output and in report.html, escape sequences (OSC 52 clipboard, window title, clear screen,
 cursor moves), raw control characters and bidi controls are shown as escapes."""
 import json
+from dataclasses import replace
 
 import eval
 from lab import html_report, play, terminal
@@ -26,7 +27,7 @@ def test_a_play_reply_is_shown_inert():
 
 
 def test_case_output_shows_a_models_message_inert(tmp_path, capsys):
-    ep = dict(RUN_A[0], id="hostile", scenario_id="hostile",
+    ep = dict(RUN_A[0].record(), id="hostile", scenario_id="hostile",
               transcript=[{"role": "persuader", "text": "\x1b[2J\x1b]0;title\x07hi", "decision": None},
                           {"role": "persuadee", "text": "no", "decision": "PENDING"}])
     (tmp_path / "run").mkdir()
@@ -37,7 +38,7 @@ def test_case_output_shows_a_models_message_inert(tmp_path, capsys):
 
 
 def test_the_report_shows_bidi_controls_as_visible_escapes(tmp_path):
-    ep = dict(RUN_A[0], transcript=[{"role": "persuader", "text": "pay \u202eSU 001\u202c now", "decision": None},
+    ep = replace(RUN_A[0], transcript=[{"role": "persuader", "text": "pay \u202eSU 001\u202c now", "decision": None},
                                     {"role": "persuadee", "text": "no", "decision": "PENDING"}])
     from lab import analyses
     page = html_report.write_report(tmp_path, [ep], analyses.summarize([ep])).read_text()

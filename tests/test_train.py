@@ -17,6 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 import arena
 import models
 import rpo
+from rollout import Episode
 from lab import checkpoints, cli, hardening, jsonl, loggers, presets, runs, steps
 import train
 
@@ -126,7 +127,7 @@ def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
     ids = torch.randint(3, 600, (2, 12)).tolist()
     turn_ids = [[0, 0, 0, 1, 1, 0, 0, 2, 2, 0, 0, 0], [0, 0, 1, 1, 1, 0, 2, 0, 0, 0, 0, 0]]
     def records(logprob):
-        return [dict(ids=i, turn_ids=t, logprobs=[logprob(k, tt) for k, tt in enumerate(t)])
+        return [Episode(ids=i, turn_ids=t, logprobs=[logprob(k, tt) for k, tt in enumerate(t)])
                 for i, t in zip(ids, turn_ids)]
     def grads(recs, adv):
         policy = copy.deepcopy(model).requires_grad_(True)
@@ -262,7 +263,7 @@ def test_a_nonfinite_check_taken_out_is_not_a_crash_and_an_unknown_one_refused(m
                                                              dict(kl=0.0, clip_frac=0.0, ratio_mean=1.0, tokens=1)))
     args = parse_train(["--preset", "tiny", "--out", str(tmp_path), "--kl-beta", "0"])
     policy = models.load_model("random:tiny-llama", dtype=torch.float32)[0]
-    record = dict(ids=[1, 2, 3, 4], turn_ids=[0, 0, 1, 1], logprobs=[0.0, 0.0, -1.0, -1.0])
+    record = Episode(ids=[1, 2, 3, 4], turn_ids=[0, 0, 1, 1], logprobs=[0.0, 0.0, -1.0, -1.0])
     stats = train.policy_update(policy, None, torch.optim.AdamW(policy.parameters()), [record],
                                 [[1.0]], args, torch.device("cpu"), 1)
     assert stats["step_skipped"] == 1 and stats["nonfinite"] == ["grad_norm"]  # loss unchecked
@@ -494,7 +495,7 @@ def test_a_non_finite_log_prob_skips_the_step(tmp_path, short_scenarios, monkeyp
     def poisoned(*a, **k):
         records = original(*a, **k)
         r = records[0]
-        r["logprobs"][r["turn_ids"].index(1)] = float("nan")
+        r.logprobs[r.turn_ids.index(1)] = float("nan")
         return records
     monkeypatch.setattr(train.rollout, "rollout_episodes", poisoned)
     history = tiny_run(tmp_path, short_scenarios, "nan", "--steps", 1)
@@ -885,7 +886,7 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
                             num_blocks=blocks) for a in ("llama", "qwen3"))
     records = rollout.rollout_episodes(er, ee, [short, long], 2, group_size=2, max_new_tokens=4,
                                        persuader_sampling=engine.Sampling(1.0))
-    assert [(r["end_reason"] == "cache", r["beliefs"] == []) for r in records] == \
+    assert [(r.end_reason == "cache", r.beliefs == []) for r in records] == \
         [(False, False)] * 2 + [(True, True)] * 2
     kept, left_out, why = steps.playable(records, 2)
     assert kept == records[:2]
@@ -904,14 +905,14 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
     # the left-out ones without a persuader token: a micro-batch of only those adds nothing
     update_records, update_adv = steps.silenced(records, kept, turn_adv)
     assert update_records[:2] == kept and update_adv[2:] == [[], []]
-    assert all(not any(r["turn_ids"]) and r["ids"] for r in update_records[2:])
+    assert all(not any(r.turn_ids) and r.ids for r in update_records[2:])
     model = er.model
     opt_args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=0.0, clip_low=0.2,
                             clip_high=0.28, dtype="float32")
     policy = model.requires_grad_(True)
     stats = train.policy_update(policy, None, torch.optim.SGD(policy.parameters(), lr=0.0),
                                 update_records, update_adv, opt_args, torch.device("cpu"), 1)
-    assert stats["persuader_tokens"] == sum(t > 0 for r in kept for t in r["turn_ids"][1:])
+    assert stats["persuader_tokens"] == sum(t > 0 for r in kept for t in r.turn_ids[1:])
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
@@ -1078,7 +1079,7 @@ def test_a_zero_advantage_step_skips_its_passes_and_matches_the_full_update(kl_b
     args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=kl_beta, clip_low=0.2,
                         clip_high=0.28, dtype="float32", lr=1e-2)
     torch.manual_seed(0)
-    recs = [dict(ids=torch.randint(3, 600, (10,)).tolist(), turn_ids=[0, 0, 1, 1, 1, 0, 2, 2, 0, 0],
+    recs = [Episode(ids=torch.randint(3, 600, (10,)).tolist(), turn_ids=[0, 0, 1, 1, 1, 0, 2, 2, 0, 0],
                  logprobs=[-2.0] * 10) for _ in range(2)]
     def run(skip):
         if not skip:
@@ -1112,7 +1113,7 @@ def test_a_zero_advantage_step_at_the_reference_skips_even_with_a_kl_term():
                         clip_high=0.28, dtype="float32", lr=1e-2)
     policy = copy.deepcopy(model).requires_grad_(True)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    recs = [dict(ids=list(range(3, 13)), turn_ids=[0, 0, 1, 1, 1, 0, 2, 2, 0, 0], logprobs=[-2.0] * 10)]
+    recs = [Episode(ids=list(range(3, 13)), turn_ids=[0, 0, 1, 1, 1, 0, 2, 2, 0, 0], logprobs=[-2.0] * 10)]
     stats = train.policy_update(policy, model, opt, recs, [[0.0, 0.0]], args, torch.device("cpu"), 1)
     assert stats["zero_gradient"] == 1 and stats["kl"] == 0.0
     for k, v in model.state_dict().items():
@@ -1222,18 +1223,18 @@ def test_train_loads_what_the_plan_decides(monkeypatch, short_scenarios):
 
 
 def rpo_record(outcome, judge, beliefs, end_reason="accept"):
-    return dict(outcome=outcome, judge=judge, beliefs=beliefs, end_reason=end_reason, id="x")
+    return Episode(outcome=outcome, judge=judge, beliefs=beliefs, end_reason=end_reason, id="x")
 
 
 def test_playable_leaves_out_whole_groups_and_silenced_keeps_their_places():
     recs = [rpo_record("ACCEPT", 0.0, [0.0, 0.1]), rpo_record("REJECT", 0.0, [0.0, 0.1]),
             rpo_record("PENDING", 0.0, []), rpo_record("PENDING", 0.0, [0.0, 0.1], end_reason="api_error")]
     for r in recs:
-        r.update(ids=[5, 6, 7], turn_ids=[0, 1, 1], logprobs=[0.0, -1.0, -1.0])
+        r.ids, r.turn_ids, r.logprobs = [5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0]
     kept, counts, why = steps.playable(recs, 2)
     assert kept == recs[:2] and counts == dict(never_started=1, api_errors=1, left_out=2)
     assert "member 0 never started" in why and "member 1 its served model kept failing" in why
     records, adv = steps.silenced(recs, kept, [[1.0], [-1.0]])
     assert records[:2] == kept and adv == [[1.0], [-1.0], [], []]
-    assert all(r["turn_ids"] == [0, 0, 0] for r in records[2:])
+    assert all(r.turn_ids == [0, 0, 0] for r in records[2:])
     assert rpo.persuader_tokens(records) == 4
