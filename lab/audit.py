@@ -36,6 +36,7 @@ only (warm, no ask, not degenerate), or make an ask (ASK).
     python -m lab.audit --messages evals/NAME/episodes.jsonl runs/NAME/samples-50.json
     python -m pytest -q tests/test_audit.py
 """
+import copy
 import json
 import random
 import re
@@ -45,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 import arena
+import engine
 import rollout
 from lab import cli, jsonl, runs, significance
 
@@ -157,14 +159,16 @@ def message(family, inst, turn=1):
 
 
 class ScriptedSide:
-    """The persuader side (rollout.Side) that speaks the scripted messages: each episode's
-    instance carries its family ("audit_family"); after `turns` messages the episode stops
-    ("stopped"), before the final-turn instruction would reach the persuadee."""
+    """The persuader side (rollout.Side) that speaks the scripted messages. The families are a
+    group's members: member g of an instance speaks families[g], known from the stream key the
+    loop passes (engine.stream_key(seed, id, g, "persuader")). After `turns` messages the
+    episode stops ("stopped"), before the final-turn instruction would reach the persuadee."""
     tokenizer = max_len = None
 
-    def __init__(self, turns=TURNS):
-        self.turns, self.next_sid = turns, 0
-        self.roots, self.episodes = {}, {}  # root -> instance; sid -> [instance, turns spoken]
+    def __init__(self, instances, families, seed, turns=TURNS):
+        self.turns, self.next_sid, self.spoken = turns, 0, {}
+        self.family = {engine.stream_key(seed, inst["id"], g, "persuader"): (family, inst)
+                       for inst in instances for g, family in enumerate(families)}
 
     def prompt(self, instance):
         return []
@@ -173,16 +177,10 @@ class ScriptedSide:
         return True
 
     def prefill(self, instance):
-        root = ("root", len(self.roots))
-        self.roots[root] = instance
-        return root
+        return None
 
     def start(self, roots, counts):
         sids, self.next_sid = rollout.numbered(self.next_sid, counts)
-        for root, group in zip(roots, sids):
-            for sid in group:
-                self.episodes[sid] = [self.roots[root], 0]
-            del self.roots[root]
         return sids, [None] * len(roots)
 
     def ready(self, sids):
@@ -190,15 +188,13 @@ class ScriptedSide:
 
     def speak(self, sids, keys):
         said = []
-        for sid in sids:
-            episode = self.episodes[sid]
-            episode[1] += 1
-            if episode[1] > self.turns:
+        for sid, key in zip(sids, keys):
+            turn = self.spoken[sid] = self.spoken.get(sid, 0) + 1
+            if turn > self.turns:
                 said.append(dict(text="", ids=[], logprobs=[], reason=rollout.STOPPED))
                 continue
-            inst = episode[0]
-            said.append(dict(text=message(inst["audit_family"], inst, episode[1]), ids=[],
-                             logprobs=[], reason="stop"))
+            family, inst = self.family[key]
+            said.append(dict(text=message(family, inst, turn), ids=[], logprobs=[], reason="stop"))
         return said
 
     def reply(self, sids, keys, timings=None):
@@ -208,27 +204,50 @@ class ScriptedSide:
         return [], None
 
     def free(self, sid):
-        self.episodes.pop(sid, None)
+        self.spoken.pop(sid, None)
+
+
+def paired(persuadee_side, instances, n_families, seed):
+    """The persuadee side with its streams paired over the families: every member g of an
+    instance replies (and, with logit decisions, decides) on member 0's stream, so that the
+    families differ only in what was said. A shallow copy of the side with its reply wrapped;
+    all else is its own."""
+    same = {engine.stream_key(seed, inst["id"], g, "persuadee"):
+            engine.stream_key(seed, inst["id"], 0, "persuadee")
+            for inst in instances for g in range(n_families)}
+    side = copy.copy(persuadee_side)
+    side.reply = lambda sids, keys, timings=None: persuadee_side.reply(sids, [same[k] for k in keys],
+                                                                       timings)
+    return side
+
+
+def persuadee_side(persuadee, sampling, max_new_tokens, decision):
+    """The persuadee as a rollout side: a local engine's EngineSide, or a side as given."""
+    if hasattr(persuadee, "room"):
+        return persuadee
+    return rollout.EngineSide(persuadee, "persuadee", sampling, max_new_tokens, decision=decision)
 
 
 def play_families(persuadee, instances, seeds=SEEDS, families=FAMILIES, turns=TURNS,
                   max_new_tokens=MAX_NEW_TOKENS, sampling=None, decision=None, progress=False):
-    """Every family's messages to every instance under every seed, through rollout_episodes
-    (the persuadee an engine.Engine or any rollout side): one row per episode with its family,
-    seed, scenario, beliefs b_0..b_T and first message and reply. progress: a bar a seed."""
+    """Every family's messages to every instance under every seed, through rollout_episodes: a
+    group a scenario, its members the families (the prompt prefilled once and forked), their
+    persuadee streams paired (paired). persuadee: an engine.Engine or any rollout side. One row
+    per episode: family, seed, scenario, beliefs b_0..b_T, first message and reply."""
     from tqdm import tqdm
     rows = []
     for seed in seeds:
-        copies = [dict(inst, audit_family=f) for f in families for inst in instances]
+        side = paired(persuadee_side(persuadee, sampling or rollout.FROZEN_SAMPLING, max_new_tokens,
+                                     decision), instances, len(families), seed)
         records = rollout.rollout_episodes(
-            ScriptedSide(turns), persuadee, copies, turns + 1, seed=seed,
-            persuadee_sampling=sampling or rollout.FROZEN_SAMPLING, max_new_tokens=max_new_tokens,
-            decision=decision,
-            progress=tqdm(total=len(copies), desc=f"audit seed {seed}") if progress else None)
-        for copy, rec in zip(copies, records):
+            ScriptedSide(instances, families, seed, turns), side, instances, turns + 1,
+            group_size=len(families), seed=seed, max_new_tokens=max_new_tokens, decision=decision,
+            progress=tqdm(total=len(instances) * len(families), desc=f"audit seed {seed}")
+            if progress else None)
+        for i, rec in enumerate(records):  # instance-major, a member a family
             said = [m["text"] for m in rec["transcript"] if m["role"] == "persuader"]
             heard = [m["text"] for m in rec["transcript"] if m["role"] == "persuadee"]
-            rows.append(dict(family=copy["audit_family"], seed=seed, scenario=copy["id"],
+            rows.append(dict(family=families[i % len(families)], seed=seed, scenario=rec["id"],
                              beliefs=rec["beliefs"], message=said[0] if said else "",
                              reply=heard[0] if heard else ""))
     return rows
@@ -418,7 +437,6 @@ def run(args):
     """Load the persuadee, play the families, write OUT/NAME/summary.json, table.md, replies.jsonl."""
     import torch
 
-    import engine
     import train
     name = args.name or "audit-" + args.persuadee.replace("random:", "").replace("/", "-")
     folder = Path(args.out) / name
