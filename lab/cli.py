@@ -302,7 +302,8 @@ def model_problem(name, _seen=()):
         return None
     if name.startswith("random:"):
         known = models.RANDOM_CONFIGS
-        return None if name[7:] in known else f"names no random shape (one of {', '.join(known)})"
+        return None if models.random_spec(name) else (f"names no random shape (random:NAME or "
+                                                      f"random:NAME@SEED, NAME one of {', '.join(known)})")
     path = Path(name).expanduser()
     if lora.is_adapter(path):
         return adapter_chain_problem(path, _seen)

@@ -21,7 +21,7 @@ def model_config(name):
     paper's plan needs no download), else the hub's config.json."""
     from transformers import AutoConfig
     if name.startswith("random:"):
-        return models.random_config(name.split(":", 1)[1])
+        return models.random_config(name.split(":", 1)[1].partition("@")[0])
     if lora.is_adapter(name):
         return model_config(lora.adapter_base(name))
     path = gguf.smollm2_folder() if name == "smollm2" else Path(name).expanduser()

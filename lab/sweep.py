@@ -35,8 +35,9 @@ Arms already trained are reused; a killed arm resumes from its checkpoint (train
 A re-run keeps the settings sweep.json recorded (cli.pin_settings, as train.py --resume keeps
 config.json): a changed one is refused in one line, --overwrite starts the sweep again. Arguments
 sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4), except the
-flags the sweep sets itself (SWEEP_SETS), which are refused; every arm's values are checked as
-train.py checks them before the first arm trains.
+flags the sweep sets itself (SWEEP_SETS), which are refused; "{seed}" in one of them becomes the
+arm's seed (--persuader random:tiny-llama@{seed}: distinct initial weights a seed); every arm's
+values are checked as train.py checks them before the first arm trains.
 
     python -m lab.sweep --preset tiny --lams 0 1 --seeds 0 --steps 4 --eval-every 2 --eval-limit 2 --name smoke
     python -m lab.sweep --preset cpu --lams 0 0.5 1 --seeds 0 1 --steps 60 --eval-every 20 \\
@@ -65,6 +66,8 @@ LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
 SEEDS = (0, 1)
 SWEEPS_DIR = "sweeps"
 FROZEN = "frozen"  # the control arm's label: the same seed trained at lr 0
+SEED_FIELD = "{seed}"  # in an argument after --, the arm's seed (random:tiny-llama@{seed}: each
+# seed's own initial weights, the frozen control's the same as its arm's)
 SWEEP_ARMS_MAX = 64  # lambdas x seeds at most: each arm is a training run with its own folder
 SWEEP_FILES = re.compile(r"sweep\.json|summary\.json|table\.md|\w+\.png|runs|initial_s-?\d+")  # what a sweep writes
 SWEEP_SETS = ("preset", "lam", "seed", "steps", "eval_every", "eval_limit", "decision", "save_every",
@@ -176,7 +179,7 @@ def arm_argv(args, extra, lam, seed, runs_dir, check_fidelity=False):
             "--save-every", str(args.steps if frozen else args.eval_every),
             "--out", str(runs_dir), "--name", arm_name(lam, seed),
             *([] if check_fidelity else ["--eval-fidelity", "0"]),
-            *extra, *(["--lr", "0"] if frozen else [])]
+            *(a.replace(SEED_FIELD, str(seed)) for a in extra), *(["--lr", "0"] if frozen else [])]
 
 
 def _steps_in(path, key="step"):

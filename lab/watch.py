@@ -7,7 +7,13 @@ random streams, only the weights differ), then lab/sweep.py writes its summary, 
 training.png: the training episodes' b_T - b_0 step by step, trained against the control, the
 difference with a 95% band over the seeds. The objective is the dense term alone wherever the
 persuadee writes no decision tag (every group is then dead for the outcome term, Fig. 7's case),
-so what rises is exactly what Probe-RPO rewards: sum_t r_t = (b_T - b_0) / 2.
+so what rises is exactly what Probe-RPO rewards: sum_t r_t = (b_T - b_0) / 2. On random models
+each seed starts from its own initial weights (random:NAME@SEED), its control from the same.
+
+Beside the curve, what the policy says (lab/audit.py's message scores): the share of its held-out
+messages that are degenerate (a repeated unit, invalid tokens), warm only, or make an ask, at the
+initial policy and at the last checkpoint, seed by seed, with the first messages quoted; written
+to sweeps/NAME/messages.json and appended to table.md.
 
     python -m lab.watch                       # tiny random models, three seeds (BENCHMARKS.md: Watch it learn)
     python -m lab.watch --preset cpu          # SmolLM2-135M on both sides (WATCH_CPU: hours on 2 cores)
@@ -15,15 +21,18 @@ so what rises is exactly what Probe-RPO rewards: sum_t r_t = (b_T - b_0) / 2.
 The settings are the constants below (WATCH_TINY, WATCH_CPU); the figure is
 sweeps/NAME/training.png, and the run resumes like any sweep (its arms are kept).
 """
+import json
 import sys
+from pathlib import Path
 
-from lab import cli, sweep
+from lab import audit, cli, runs, sweep
 
 LAM = 0.5  # rpo.LAMBDA, the paper's weight
 SEEDS = (0, 1, 2)
 # tiny: the suite's learning configuration (tests/test_train.py): three-turn episodes, 8-token
 # messages, a greedy persuadee, dense reward alone, no KL, lr 1.5e-2
-WATCH_TINY = dict(steps=60, eval_limit=4, train=["--group-size", "4", "--instances", "2", "--t-max", "3",
+WATCH_TINY = dict(steps=60, eval_limit=4, train=["--persuader", "random:tiny-llama@" + sweep.SEED_FIELD,
+                                                 "--group-size", "4", "--instances", "2", "--t-max", "3",
                                                  "--max-new-tokens", "8", "--persuadee-temperature", "0",
                                                  "--kl-beta", "0", "--no-anchor", "--lr", "1.5e-2"])
 # cpu: the SmolLM2 tag sweep's settings (BENCHMARKS.md: The mechanism where outcomes tie)
@@ -31,23 +40,75 @@ WATCH_CPU = dict(steps=50, eval_limit=20, train=["--max-new-tokens", "16", "--kl
 WATCHES = {"tiny": WATCH_TINY, "cpu": WATCH_CPU}
 
 
-def sweep_argv(preset, name=None):
+def sweep_argv(preset, name=None, out=None, overwrite=False):
     """lab.sweep's arguments for one watch."""
     watch = WATCHES[preset]
     return ["--preset", preset, "--lams", str(LAM), "--seeds", *map(str, SEEDS),
             "--steps", str(watch["steps"]), "--eval-every", str(watch["steps"]),
             "--eval-limit", str(watch["eval_limit"]), "--frozen-control",
-            "--name", name or f"watch-{preset}", "--", "--judge", "none", *watch["train"]]
+            "--name", name or f"watch-{preset}", *(["--out", str(out)] if out else []),
+            *(["--overwrite"] if overwrite else []), "--", "--judge", "none", *watch["train"]]
+
+
+QUOTED = 3  # held-out messages quoted a seed and checkpoint in messages.json
+
+
+def heldout_episodes(root, seed, step, lam=LAM):
+    """The episodes.jsonl of a seed's held-out evaluation at a step (0: the initial policy)."""
+    if step == 0:
+        return root / f"initial_s{seed}" / "eval-0" / "episodes.jsonl"
+    return root / "runs" / sweep.arm_name(lam, seed) / f"eval-{step}" / "episodes.jsonl"
+
+
+def message_report(root, seeds, steps):
+    """messages.json: per seed, the held-out messages' scores (audit.score_texts) at step 0 and
+    at the last checkpoint, and the first QUOTED messages of each, as written; with every seed's
+    together. Returns it, and the lines appended to table.md."""
+    report, every = {"seeds": {}}, {0: [], steps: []}
+    for seed in seeds:
+        report["seeds"][str(seed)] = {}
+        for step in (0, steps):
+            path = heldout_episodes(root, seed, step)
+            texts = audit.persuader_texts(path) if path.is_file() else []
+            every[step] += texts
+            report["seeds"][str(seed)][str(step)] = dict(audit.score_texts(texts), quoted=texts[:QUOTED])
+    report["all"] = {str(step): audit.score_texts(texts) for step, texts in every.items()}
+    share = lambda x: "–" if x is None else f"{x:.0%}"
+    lines = ["", "Held-out persuader messages (lab.audit's scores), initial policy -> last checkpoint:", "",
+             "| seed | messages | degenerate | warm only | ask |", "| --- | --- | --- | --- | --- |"]
+    for seed, by_step in [*report["seeds"].items(), ("all", report["all"])]:
+        a, b = by_step["0"], by_step[str(steps)]
+        lines.append(f"| {seed} | {a['messages']} -> {b['messages']} | {share(a['degenerate'])} -> "
+                     f"{share(b['degenerate'])} | {share(a['warm_only'])} -> {share(b['warm_only'])} | "
+                     f"{share(a['ask'])} -> {share(b['ask'])} |")
+    return report, lines
+
+
+def write_message_report(root, seeds, steps):
+    """messages.json and table.md's section (message_report) in the watch's folder root."""
+    root = Path(root)
+    report, lines = message_report(root, seeds, steps)
+    runs.write_in(root, "messages.json", json.dumps(report, indent=1, ensure_ascii=False) + "\n",
+                  who="lab.watch")
+    table = (root / "table.md").read_text() if (root / "table.md").is_file() else ""
+    marker = "\n" + lines[1]
+    table = table.split(marker)[0].rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+    runs.write_in(root, "table.md", table, who="lab.watch")
+    print("\n".join(lines[1:]))
+    return report
 
 
 def main(argv=None):
     p = cli.new_parser("python -m lab.watch", __doc__)
     p.add_argument("--preset", choices=sorted(WATCHES), default="tiny")
-    p.add_argument("--name", default=None, help="the sweep's folder, sweeps/NAME (default watch-PRESET)")
+    p.add_argument("--name", default=None, help="the sweep's folder, OUT/NAME (default watch-PRESET)")
+    p.add_argument("--out", default=sweep.SWEEPS_DIR)
+    p.add_argument("--overwrite", action="store_true", help="start the watch's sweep again")
     args = p.parse_args(argv)
-    summary = sweep.main(sweep_argv(args.preset, args.name))
-    name = args.name or f"watch-{args.preset}"
-    print(f"figure: {sweep.SWEEPS_DIR}/{name}/training.png (trained against the frozen control)")
+    summary = sweep.main(sweep_argv(args.preset, args.name, args.out, args.overwrite))
+    root = Path(args.out) / (args.name or f"watch-{args.preset}")
+    summary["messages"] = write_message_report(root, SEEDS, WATCHES[args.preset]["steps"])
+    print(f"figure: {root}/training.png (trained against the frozen control)")
     return summary
 
 

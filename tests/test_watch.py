@@ -5,7 +5,7 @@ from lab import cli, sweep, watch
 
 def test_each_watch_is_a_sweep_with_a_frozen_control_that_train_py_accepts(tmp_path):
     for preset in watch.WATCHES:
-        args, extra = sweep.parse_args(watch.sweep_argv(preset) + [])
+        args, extra = sweep.parse_args(watch.sweep_argv(preset, out=tmp_path))
         assert args.frozen_control and args.lams == [watch.LAM] and args.seeds == list(watch.SEEDS)
         assert args.steps == watch.WATCHES[preset]["steps"] and args.name == f"watch-{preset}"
         for lam in (watch.LAM, sweep.FROZEN):
@@ -17,6 +17,44 @@ def test_each_watch_is_a_sweep_with_a_frozen_control_that_train_py_accepts(tmp_p
 def test_the_tiny_watch_is_the_suites_learning_configuration():
     """What the README's watch command trains is what tests/test_train.py's learning test checks
     (three turns, 8 tokens, greedy persuadee, no KL, no anchor, lr 1.5e-2, G 4, 2 instances)."""
-    a = cli.train_args(["--preset", "tiny", *watch.WATCH_TINY["train"]], train)
+    a = cli.train_args(["--preset", "tiny", *(x.replace(sweep.SEED_FIELD, "0") for x in watch.WATCH_TINY["train"])], train)
     assert (a.group_size, a.instances, a.t_max, a.max_new_tokens) == (4, 2, 3, 8)
     assert (a.persuadee_temperature, a.kl_beta, a.anchor, a.lr) == (0.0, 0.0, False, 1.5e-2)
+
+
+def test_each_seed_starts_from_its_own_weights_and_its_control_from_the_same(tmp_path):
+    """The tiny watch's arms name random:tiny-llama@SEED: seed 1's arm and its frozen control load
+    the same initial weights, seed 0's others (random:NAME is @0); a bad seed is refused."""
+    import torch
+
+    import models
+    args, extra = sweep.parse_args(watch.sweep_argv("tiny", out=tmp_path))
+    names = {(lam, s): cli.train_args(sweep.arm_argv(args, extra, lam, s, tmp_path), train).persuader
+             for lam in (watch.LAM, sweep.FROZEN) for s in (0, 1)}
+    assert names[watch.LAM, 1] == names[sweep.FROZEN, 1] == "random:tiny-llama@1"
+    first = lambda name: next(models.load_model(name, device="cpu")[0].parameters()).detach()
+    assert torch.equal(first(names[watch.LAM, 0]), first("random:tiny-llama"))
+    assert not torch.equal(first(names[watch.LAM, 0]), first(names[watch.LAM, 1]))
+    assert cli.model_problem("random:tiny-llama@x") and models.random_spec("random:tiny-llama@2") == ("tiny-llama", 2)
+
+
+def test_message_report_scores_each_seeds_heldout_messages(tmp_path):
+    """messages.json and table.md's section from the evaluations' episodes.jsonl (step 0 and the
+    last), the degenerate share counted as lab.audit scores it; a second report replaces the first."""
+    import json
+    root = tmp_path / "w"
+    texts = {0: ["Would you come on Thursday?", "Hello there."], 60: ["\ufffd" * 8, "ex ex ex ex"]}
+    for seed in (0, 1):
+        for step, said in texts.items():
+            path = watch.heldout_episodes(root, seed, step)
+            path.parent.mkdir(parents=True)
+            path.write_text("".join(json.dumps(dict(transcript=[dict(role="persuader", text=t)])) + "\n"
+                                    for t in said))
+    (root / "table.md").write_text("the sweep's table\n")
+    for _ in range(2):
+        report = watch.write_message_report(root, (0, 1), 60)
+    assert report["all"]["0"]["degenerate"] == 0 and report["all"]["60"]["degenerate"] == 1
+    assert report["seeds"]["1"]["0"]["ask"] == 0.5 and report["seeds"]["0"]["60"]["quoted"][1] == "ex ex ex ex"
+    table = (root / "table.md").read_text()
+    assert table.startswith("the sweep's table\n") and table.count("Held-out persuader") == 1
+    assert "| all | 4 -> 4 | 0% -> 100% |" in table
