@@ -46,8 +46,6 @@ from pathlib import Path
 import numpy as np
 
 import arena
-import engine
-import rollout
 from lab import cli, jsonl, runs, significance
 
 FAMILIES = ("argument", "no_request", "warmth", "word_salad", "repeated_token", "off_topic", "pushy",
@@ -166,6 +164,7 @@ class ScriptedSide:
     tokenizer = max_len = None
 
     def __init__(self, instances, families, seed, turns=TURNS):
+        import engine
         self.turns, self.next_sid, self.spoken = turns, 0, {}
         self.family = {engine.stream_key(seed, inst["id"], g, "persuader"): (family, inst)
                        for inst in instances for g, family in enumerate(families)}
@@ -180,6 +179,7 @@ class ScriptedSide:
         return None
 
     def start(self, roots, counts):
+        import rollout
         sids, self.next_sid = rollout.numbered(self.next_sid, counts)
         return sids, [None] * len(roots)
 
@@ -187,6 +187,7 @@ class ScriptedSide:
         return list(sids)
 
     def speak(self, sids, keys):
+        import rollout
         said = []
         for sid, key in zip(sids, keys):
             turn = self.spoken[sid] = self.spoken.get(sid, 0) + 1
@@ -212,6 +213,7 @@ def paired(persuadee_side, instances, n_families, seed):
     instance replies (and, with logit decisions, decides) on member 0's stream, so that the
     families differ only in what was said. A shallow copy of the side with its reply wrapped;
     all else is its own."""
+    import engine
     same = {engine.stream_key(seed, inst["id"], g, "persuadee"):
             engine.stream_key(seed, inst["id"], 0, "persuadee")
             for inst in instances for g in range(n_families)}
@@ -223,6 +225,7 @@ def paired(persuadee_side, instances, n_families, seed):
 
 def persuadee_side(persuadee, sampling, max_new_tokens, decision):
     """The persuadee as a rollout side: a local engine's EngineSide, or a side as given."""
+    import rollout
     if hasattr(persuadee, "room"):
         return persuadee
     return rollout.EngineSide(persuadee, "persuadee", sampling, max_new_tokens, decision=decision)
@@ -235,6 +238,8 @@ def play_families(persuadee, instances, seeds=SEEDS, families=FAMILIES, turns=TU
     persuadee streams paired (paired). persuadee: an engine.Engine or any rollout side. One row
     per episode: family, seed, scenario, beliefs b_0..b_T, first message and reply."""
     from tqdm import tqdm
+
+    import rollout
     rows = []
     for seed in seeds:
         side = paired(persuadee_side(persuadee, sampling or rollout.FROZEN_SAMPLING, max_new_tokens,
@@ -437,6 +442,8 @@ def run(args):
     """Load the persuadee, play the families, write OUT/NAME/summary.json, table.md, replies.jsonl."""
     import torch
 
+    import engine
+    import rollout
     import train
     name = args.name or "audit-" + args.persuadee.replace("random:", "").replace("/", "-")
     folder = Path(args.out) / name

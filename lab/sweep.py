@@ -53,7 +53,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lab import analyses, run_selection
+from lab import analyses, audit, run_selection
 from lab import cli
 from lab import jsonl
 from lab import records
@@ -266,7 +266,9 @@ def rescued_window(metrics, step, every):
 
 
 def arm_entries(lam, seed, run, initial, every):
-    """summary.json's entries of one arm: the initial policy (step 0) and each checkpoint."""
+    """summary.json's entries of one arm: the initial policy (step 0) and each checkpoint, with
+    the shares of its held-out persuader messages that are degenerate, warm only or ask
+    (lab/audit.py's message scores)."""
     entries = []
     for step, episodes in [(0, initial)] + sorted(run["episodes"].items()):
         summary = analyses.summarize(episodes, lam)
@@ -279,7 +281,9 @@ def arm_entries(lam, seed, run, initial, every):
             dead_group_share=step_window(run["metrics"], step, every, "dead_group_share"),
             rescued_share=rescued_window(run["metrics"], step, every),
             collapsed_group_share=step_window(run["metrics"], step, every,
-                                              "collapsed_group_share")))
+                                              "collapsed_group_share"),
+            messages=audit.score_texts([t["text"] for e in episodes for t in e["transcript"]
+                                        if t["role"] == "persuader"])))  # what the policy says
     return entries
 
 

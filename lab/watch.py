@@ -31,7 +31,7 @@ LAM = 0.5  # rpo.LAMBDA, the paper's weight
 SEEDS = (0, 1, 2)
 # tiny: the suite's learning configuration (tests/test_train.py): three-turn episodes, 8-token
 # messages, a greedy persuadee, dense reward alone, no KL, lr 1.5e-2
-WATCH_TINY = dict(steps=60, eval_limit=4, train=["--persuader", "random:tiny-llama@" + sweep.SEED_FIELD,
+WATCH_TINY = dict(steps=60, eval_limit=4, train=["--persuader", "random:tiny-llama@{seed}",
                                                  "--group-size", "4", "--instances", "2", "--t-max", "3",
                                                  "--max-new-tokens", "8", "--persuadee-temperature", "0",
                                                  "--kl-beta", "0", "--no-anchor", "--lr", "1.5e-2"])
