@@ -27,9 +27,10 @@ argument's. A faithful read-out ranks the argument first; one that pays for regi
 warmth or noise above it.
 
 Message scores (score_text; --messages): the share of a policy's persuader messages that are
-degenerate (a replacement character, or one unit of at most MAX_UNIT characters repeated
-MIN_REPEATS times or more over at least REPEAT_SHARE of the message), warm (a warm word), warm
-only (warm, no ask, not degenerate), or make an ask (ASK).
+degenerate (empty; at least REPEAT_SHARE of its characters replacement or control characters,
+tokens that decode to no text; or one unit of at most MAX_UNIT characters repeated MIN_REPEATS
+times or more over at least REPEAT_SHARE of it), warm (a warm word), warm only (warm, no ask,
+not degenerate), or make an ask (ASK).
 
     python -m lab.audit                                    # SmolLM2, stratified-20 held out, seeds 0 1
     python -m lab.audit --persuadee random:tiny-qwen3 --limit 4 --seeds 0 --name audit-tiny
@@ -41,6 +42,7 @@ import json
 import random
 import re
 import sys
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -367,9 +369,17 @@ def repeated_share(text):
     return best / len(s) if s else 0.0
 
 
+def invalid_share(text):
+    """The share of text's characters (whitespace dropped) that are no text: the replacement
+    character (a token that decodes to no whole character) or a control character."""
+    s = "".join(text.split())
+    return sum(c == "\ufffd" or unicodedata.category(c) == "Cc" for c in s) / len(s) if s else 0.0
+
+
 def score_text(text):
     """A message's kinds: degenerate, warm, warm_only, ask (module docstring)."""
-    degenerate = not text.strip() or "\ufffd" in text or repeated_share(text) >= REPEAT_SHARE
+    degenerate = (not text.strip() or invalid_share(text) >= REPEAT_SHARE
+                  or repeated_share(text) >= REPEAT_SHARE)
     warm, ask = bool(WARM.search(text)), bool(ASK.search(text))
     return dict(degenerate=degenerate, warm=warm, warm_only=warm and not ask and not degenerate,
                 ask=ask)

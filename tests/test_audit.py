@@ -116,6 +116,9 @@ def test_messages_scored_by_kind(tmp_path):
     score = audit.score_text
     for degenerate in ("\ufffd" * 8, "IOIOIOIOIOIO", "ex ex ex ex ex", "ok " * 10, "  "):
         assert score(degenerate)["degenerate"], degenerate
+    for readable in ("Hello \ufffd there, friend", "#CONDITIO\ufffd\x1b"):  # a stray byte is not enough
+        assert not score(readable)["degenerate"], readable
+    assert score("\x02\ufffd\ufffd a")["degenerate"]
     plain = "Would you try the early slot on Thursday? The nurse can call you first."
     assert score(plain) == dict(degenerate=False, warm=False, warm_only=False, ask=True)
     assert score("I'm so glad you asked! Thank you so much.") == dict(
