@@ -59,6 +59,8 @@ SEEDS = (0, 1)  # persuadee seeds: each its own random streams for every family 
 TURNS = 1  # scripted messages an episode; the episode's t_max is one more, so no reply is final
 MAX_NEW_TOKENS = 16  # the persuadee's reply (the SmolLM2 sweeps' message length)
 OUT = "sweeps"  # the audit's folder is OUT/NAME (default audit-PERSUADEE)
+MAX_ACTIVE = 48  # episodes in play at once (6 scenarios' families): a persuadee's decode memory
+# grows with the rows it decodes together (160 SmolLM2 rows at once took 5 GB)
 MAX_UNIT = 40  # characters (spaces dropped) of a unit a degenerate message repeats
 MIN_REPEATS = 3
 REPEAT_SHARE = 0.5  # of the message's characters (spaces dropped) the repetition covers
@@ -234,11 +236,13 @@ def persuadee_side(persuadee, sampling, max_new_tokens, decision):
 
 
 def play_families(persuadee, instances, seeds=SEEDS, families=FAMILIES, turns=TURNS,
-                  max_new_tokens=MAX_NEW_TOKENS, sampling=None, decision=None, progress=False):
+                  max_new_tokens=MAX_NEW_TOKENS, sampling=None, decision=None, progress=False,
+                  on_seed=None):
     """Every family's messages to every instance under every seed, through rollout_episodes: a
     group a scenario, its members the families (the prompt prefilled once and forked), their
     persuadee streams paired (paired). persuadee: an engine.Engine or any rollout side. One row
-    per episode: family, seed, scenario, beliefs b_0..b_T, first message and reply."""
+    per episode: family, seed, scenario, beliefs b_0..b_T, first message and reply. on_seed, when
+    given, receives the rows so far after each seed."""
     from tqdm import tqdm
 
     import rollout
@@ -249,6 +253,7 @@ def play_families(persuadee, instances, seeds=SEEDS, families=FAMILIES, turns=TU
         records = rollout.rollout_episodes(
             ScriptedSide(instances, families, seed, turns), side, instances, turns + 1,
             group_size=len(families), seed=seed, max_new_tokens=max_new_tokens, decision=decision,
+            max_active=MAX_ACTIVE,
             progress=tqdm(total=len(instances) * len(families), desc=f"audit seed {seed}")
             if progress else None)
         for i, rec in enumerate(records):  # instance-major, a member a family
@@ -257,6 +262,8 @@ def play_families(persuadee, instances, seeds=SEEDS, families=FAMILIES, turns=TU
             rows.append(dict(family=families[i % len(families)], seed=seed, scenario=rec["id"],
                              beliefs=rec["beliefs"], message=said[0] if said else "",
                              reply=heard[0] if heard else ""))
+        if on_seed is not None:
+            on_seed(rows)
     return rows
 
 # -----------------------------------------------------------------------------
@@ -448,29 +455,59 @@ def parse_args(argv=None):
     return args
 
 
+def settings_of(args):
+    return dict(persuadee=args.persuadee, dtype=args.dtype, limit=args.limit, turns=args.turns,
+                max_new_tokens=args.max_new_tokens, decision=args.decision, families=args.families)
+
+
+def done_rows(folder, args):
+    """The rows of the seeds an earlier run of the same settings finished (replies.jsonl beside
+    its summary.json), to be kept; none when the settings differ or nothing was written."""
+    summary, replies = folder / "summary.json", folder / "replies.jsonl"
+    if not (summary.is_file() and replies.is_file()):
+        return []
+    recorded = json.loads(summary.read_text()).get("settings", {})
+    if {k: recorded.get(k) for k in settings_of(args)} != settings_of(args):
+        raise runs.say_error("lab.audit", f"{folder} holds an audit of other settings; pass another "
+                                          "--name or delete that folder")
+    return [row for _, row in jsonl.read_jsonl(replies, what=str(replies)) if row["seed"] in args.seeds]
+
+
+def write_audit(folder, rows, args):
+    """summary.json, table.md and replies.jsonl of the rows so far (every seed played yet)."""
+    import rollout
+    seeds = sorted({r["seed"] for r in rows})
+    summary = summarize(rows, args.families, args.turns)
+    summary["settings"] = dict(settings_of(args), seeds=seeds,
+                               sampling=rollout.FROZEN_SAMPLING._asdict(), max_active=MAX_ACTIVE)
+    folder.mkdir(parents=True, exist_ok=True)
+    runs.write_in(folder, "replies.jsonl", "".join(map(jsonl.json_line, rows)), "lab.audit")
+    runs.write_in(folder, "summary.json", json.dumps(jsonl.finite(summary), indent=1) + "\n", "lab.audit")
+    table = "\n".join(format_table(summary, t) for t in range(1, args.turns + 1))
+    runs.write_in(folder, "table.md", f"Persuadee {args.persuadee}, seeds {seeds}, stratified "
+                  f"{args.limit} held-out scenarios (lab.audit)\n\n" + table, "lab.audit")
+    return summary, table
+
+
 def run(args):
-    """Load the persuadee, play the families, write OUT/NAME/summary.json, table.md, replies.jsonl."""
+    """Load the persuadee, play the families seed by seed, writing OUT/NAME/summary.json, table.md
+    and replies.jsonl after each (a killed audit keeps its finished seeds, and a second run of
+    the same settings plays only the seeds missing)."""
     import torch
 
     import engine
-    import rollout
     import train
     name = args.name or "audit-" + args.persuadee.replace("random:", "").replace("/", "-")
     folder = Path(args.out) / name
+    kept = done_rows(folder, args)
+    todo = [s for s in args.seeds if s not in {r["seed"] for r in kept}]
     instances = arena.stratified(arena.heldout_instances(), args.limit)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    persuadee = engine.Engine(*train.load(args.persuadee, args.dtype, device))
-    rows = play_families(persuadee, instances, args.seeds, args.families, args.turns,
-                         args.max_new_tokens, decision=args.decision, progress=True)
-    summary = summarize(rows, args.families, args.turns)
-    summary["settings"] = dict(persuadee=args.persuadee, dtype=args.dtype, limit=args.limit,
-                               seeds=args.seeds, turns=args.turns, max_new_tokens=args.max_new_tokens,
-                               decision=args.decision, sampling=rollout.FROZEN_SAMPLING._asdict())
-    folder.mkdir(parents=True, exist_ok=True)
-    runs.write_in(folder, "summary.json", json.dumps(jsonl.finite(summary), indent=1) + "\n", "lab.audit")
-    table = "\n".join(format_table(summary, t) for t in range(1, args.turns + 1))
-    runs.write_in(folder, "table.md", table, "lab.audit")
-    runs.write_in(folder, "replies.jsonl", "".join(map(jsonl.json_line, rows)), "lab.audit")
+    persuadee = engine.Engine(*train.load(args.persuadee, args.dtype, device)) if todo else None
+    rows = kept + play_families(persuadee, instances, todo, args.families, args.turns,
+                                args.max_new_tokens, decision=args.decision, progress=True,
+                                on_seed=lambda new: write_audit(folder, kept + new, args)) if todo else kept
+    summary, table = write_audit(folder, rows, args)
     print(table)
     return summary
 

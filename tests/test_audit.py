@@ -152,3 +152,16 @@ def test_every_family_builds_for_every_heldout_scenario():
         assert fields["request_lc"][-20:] not in audit.message("no_request", inst)
     with pytest.raises(ValueError, match="unknown family"):
         audit.message("flattery", INSTANCES[0])
+
+
+def test_a_killed_audit_keeps_its_finished_seeds(tmp_path):
+    """After each seed the audit's files hold the seeds so far; a second run of the same settings
+    keeps them (and plays only the missing seeds), one of other settings is refused in one line."""
+    args = audit.parse_args(["--persuadee", "random:tiny-qwen3", "--limit", "6", "--seeds", "0", "1"])
+    rows = audit.play_families(Planted([(REQUEST_WORDS, 0.4)]), INSTANCES, seeds=(0,))
+    audit.write_audit(tmp_path, rows, args)
+    assert json.loads((tmp_path / "summary.json").read_text())["settings"]["seeds"] == [0]
+    assert audit.done_rows(tmp_path, args) == json.loads(json.dumps(rows))
+    other = audit.parse_args(["--persuadee", "random:tiny-qwen3", "--limit", "5"])
+    with pytest.raises(SystemExit, match="other settings"):
+        audit.done_rows(tmp_path, other)
