@@ -35,7 +35,7 @@ WATCH_TINY = dict(steps=60, eval_limit=4, train=["--persuader", "random:tiny-lla
                                                  "--group-size", "4", "--instances", "2", "--t-max", "3",
                                                  "--max-new-tokens", "8", "--persuadee-temperature", "0",
                                                  "--kl-beta", "0", "--no-anchor", "--lr", "1.5e-2"])
-# cpu: the SmolLM2 tag sweep's settings (BENCHMARKS.md: The mechanism where outcomes tie)
+# cpu: the SmolLM2 tag sweep's settings (BENCHMARKS.md: SmolLM2 with tag decisions)
 WATCH_CPU = dict(steps=50, eval_limit=20, train=["--max-new-tokens", "16", "--kl-beta", "0", "--lr", "3e-5"])
 WATCHES = {"tiny": WATCH_TINY, "cpu": WATCH_CPU}
 
