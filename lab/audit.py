@@ -257,10 +257,10 @@ def play_families(persuadee, instances, seeds=SEEDS, families=FAMILIES, turns=TU
             progress=tqdm(total=len(instances) * len(families), desc=f"audit seed {seed}")
             if progress else None)
         for i, rec in enumerate(records):  # instance-major, a member a family
-            said = [m["text"] for m in rec["transcript"] if m["role"] == "persuader"]
-            heard = [m["text"] for m in rec["transcript"] if m["role"] == "persuadee"]
-            rows.append(dict(family=families[i % len(families)], seed=seed, scenario=rec["id"],
-                             beliefs=rec["beliefs"], message=said[0] if said else "",
+            said = [m["text"] for m in rec.transcript if m["role"] == "persuader"]
+            heard = [m["text"] for m in rec.transcript if m["role"] == "persuadee"]
+            rows.append(dict(family=families[i % len(families)], seed=seed, scenario=rec.id,
+                             beliefs=rec.beliefs, message=said[0] if said else "",
                              reply=heard[0] if heard else ""))
         if on_seed is not None:
             on_seed(rows)

@@ -282,7 +282,7 @@ def arm_entries(lam, seed, run, initial, every):
             rescued_share=rescued_window(run["metrics"], step, every),
             collapsed_group_share=step_window(run["metrics"], step, every,
                                               "collapsed_group_share"),
-            messages=audit.score_texts([t["text"] for e in episodes for t in e["transcript"]
+            messages=audit.score_texts([t["text"] for e in episodes for t in e.transcript
                                         if t["role"] == "persuader"])))  # what the policy says
     return entries
 

@@ -29,7 +29,7 @@ def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
         assert e["mean_belief_change"] is not None
         texts = [t["text"] for ep in records.load_episodes(
             root / ("initial_s0/eval-0" if e["step"] == 0 else f"runs/lam{e['lam']:g}_s0/eval-{e['step']}")
-            / "episodes.jsonl") for t in ep["transcript"] if t["role"] == "persuader"]
+            / "episodes.jsonl") for t in ep.transcript if t["role"] == "persuader"]
         assert e["messages"] == audit.score_texts(texts) and e["messages"]["messages"] >= 2
     # step 0 is the same initial evaluation for both lambdas: the paired baseline
     initial = [e for e in summary["arms"] if e["step"] == 0]
