@@ -233,7 +233,7 @@ def evaluate_initial(argv, folder):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = plan.device_plan(args, 1, device)["sizes"] if device.type == "cuda" else {}
     import models
-    persuader_model, tokenizer = train.load(args.persuader, args.dtype, device)
+    persuader_model, tokenizer = train.load(args.persuader, args.dtype, device, args.seed)  # as train.py
     persuadee_loaded = ((models.copied(persuader_model, getattr(torch, args.dtype)), tokenizer)
                         if args.persuadee == args.persuader else  # read once, as train.py does
                         train.load(args.persuadee, args.dtype, device))
