@@ -402,7 +402,7 @@ def plot_fig7(fig7, folder, window=TRAINING_WINDOW):
     """fig7.png: the paper's Fig. 7 quantities by training step (sweep_table.fig7_rows), one line
     per lambda, each a running mean over `window` steps of the seeds' pooled step values; the
     paper's dense share (about 15% at lambda 0.5) dotted."""
-    from lab.sweep_table import PAPER_DENSE_SHARE
+    from lab import sweep_table
     fig, axes = plt.subplots(1, 4, figsize=(SWEEP_FIGSIZE[0] * 4 / 3, SWEEP_FIGSIZE[1]))
     for r in fig7:
         steps = sorted(r["by_step"], key=int)
@@ -418,7 +418,7 @@ def plot_fig7(fig7, folder, window=TRAINING_WINDOW):
                         if r["by_step"][s]["clip_frac"] is not None]
                 ax.plot([s for s, _ in clip], running_mean([v for _, v in clip], window), ls="--",
                         color=line.get_color())
-    axes[2].axhline(PAPER_DENSE_SHARE, color="black", ls=":", lw=1, label="paper, lambda 0.5")
+    axes[2].axhline(sweep_table.PAPER_DENSE_SHARE, color="black", ls=":", lw=1, label="paper, lambda 0.5")
     for ax, (_, title) in zip(axes, FIG7_KEYS):
         ax.set(title=title, xlabel=f"training step ({window}-step running mean)", ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
