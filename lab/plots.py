@@ -395,7 +395,7 @@ def plot_training(arms, control, folder, window=TRAINING_WINDOW):
 FIG7_KEYS = (("dead_group_share", "dead groups (all R equal)"),
              ("rescued_share", "dead groups the dense term rescues"),
              ("dense_share", "dense term's share of |A|"),
-             ("grad_clipped_share", "steps grad-norm clipped (solid), tokens ratio-clipped (dashed)"))
+             ("grad_clipped_share", "clipped: steps by grad norm (solid),\ntokens by ratio (dashed)"))
 
 
 def plot_fig7(fig7, folder, window=TRAINING_WINDOW):
