@@ -567,7 +567,7 @@ DECISION_QUESTION = (
     "resolved), Conditional (you agree once your condition is met), Pending (no progress, you want "
     "to stop here), Reject (they trampled a value), Walk (you are leaving), or Undecided (you want "
     "to keep talking).")
-DECISION_SOURCES = ("tag", "logit")  # --decision: the reply's tag (the paper's), or the fork read
+DECISION_SOURCES = ("tag", "logit", "belief")  # --decision: the tag (the paper's), a fork read, the belief
 
 
 # -----------------------------------------------------------------------------

@@ -154,10 +154,11 @@ def set_cpu_threads(device=None):
     torch.set_num_threads(engine.free_cores())
 
 
-def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
+def load_model(name_or_path="smollm2", dtype=torch.float32, device=None, seed=0):
     """(model, tokenizer) from a local folder or hub name; "smollm2" is the CPU default model and
-    "random:NAME" an untrained one of a RANDOM_CONFIGS shape. An architecture the engine cannot run
-    is refused before any weight is read (check_supported)."""
+    "random:NAME" an untrained one of a RANDOM_CONFIGS shape, its weights drawn with seed (train.py
+    passes --seed: each seed of a sweep starts from its own weights). An architecture the engine
+    cannot run is refused before any weight is read (check_supported)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if lora.is_adapter(name_or_path):
@@ -167,8 +168,8 @@ def load_model(name_or_path="smollm2", dtype=torch.float32, device=None):
         if random_spec(name_or_path) is None:
             raise SystemExit(f"models.py: unknown random model '{name_or_path}'; random:NAME or "
                              f"random:NAME@SEED, NAME one of {list(RANDOM_CONFIGS)}")
-        shape, seed = random_spec(name_or_path)
-        return random_model(shape, dtype, device, seed=seed)
+        shape, named_seed = random_spec(name_or_path)  # an @SEED in the name wins over seed
+        return random_model(shape, dtype, device, named_seed if "@" in name_or_path else seed)
     path = gguf.smollm2_path() if name_or_path == "smollm2" else name_or_path
     try:
         config = AutoConfig.from_pretrained(path)

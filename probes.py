@@ -21,6 +21,9 @@ the same values by a plain full forward of each context plus question (read_beli
 the answer words' and the whole vocabulary's from the same forwards); the tests hold fork and
 reference within 1e-4 on every path. The logit decision (rollout.DECISION "logit") reuses the fork:
 read_decisions returns the probabilities of arena.DECISION_WORDS after arena.DECISION_QUESTION.
+The belief decision (rollout.DECISION "belief") reads nothing more: after turn t the persuadee
+accepts with p_t = sigmoid((b_t - BELIEF_THRESHOLD) / BELIEF_TEMPERATURE), drawn with u < p_t
+from the episode's keyed stream (belief_decisions), so its outcome follows its own belief.
 
     python -m pytest -q tests/test_probes.py
 """
@@ -49,6 +52,10 @@ LOGODDS_CLIP = 4.0  # log-odds read as saturated (v = +-1) beyond this, i.e. p b
 PROBE_SPACES = ("prob", "logodds")
 YES_WORDS = ("Yes", " Yes", "yes", " yes")
 NO_WORDS = ("No", " No", "no", " no")
+# the belief decision (DECISIONS.md: Belief decision): acceptance rare where the initial tiny
+# policy leaves the belief (BENCHMARKS.md: Belief-decided persuadee, the pilot that set them)
+BELIEF_THRESHOLD = 0.10  # b_t at which the persuadee accepts half the time
+BELIEF_TEMPERATURE = 0.02  # how sharply p_t rises with b_t around the threshold
 
 
 @functools.cache  # encoded once per tokenizer, not on every read
@@ -331,3 +338,30 @@ def read_decisions_reference(model, tokenizer, contexts):
     logits = [model(torch.tensor([c + turn], device=device), logits_to_keep=1).logits[0, -1]
               for c in contexts]
     return decision_probs(torch.stack(logits), tokenizer).cpu()
+
+
+# -----------------------------------------------------------------------------
+# the belief decision (rollout.DECISION "belief"): the persuadee accepts as its own belief says
+
+
+def belief_accept_prob(b, threshold=None, temperature=None):
+    """p = sigmoid((b - BELIEF_THRESHOLD) / BELIEF_TEMPERATURE); 0 for an absent belief (None)."""
+    if b is None:
+        return 0.0
+    threshold = BELIEF_THRESHOLD if threshold is None else threshold
+    temperature = BELIEF_TEMPERATURE if temperature is None else temperature
+    z = (b - threshold) / temperature
+    return 1 / (1 + math.exp(-z)) if z >= 0 else math.exp(z) / (1 + math.exp(z))
+
+
+def belief_decisions(beliefs, keys, positions):
+    """(decisions, probabilities): per reply "ACCEPT" where u < belief_accept_prob(b), else None
+    (no decision: the talk goes on), u the uniform noise of the episode's stream key at the
+    context's position (engine.uniform_noise), so a replayed episode decides the same whatever
+    rows run beside it."""
+    if not beliefs:
+        return [], []
+    streams = torch.tensor([engine.stream_key(k, "belief") for k in keys], dtype=torch.long)
+    u = engine.uniform_noise(streams, torch.tensor(positions, dtype=torch.long), 1)[:, 0].tolist()
+    p = [belief_accept_prob(b) for b in beliefs]
+    return ["ACCEPT" if ui < pi else None for ui, pi in zip(u, p)], p

@@ -16,7 +16,8 @@ read in forks of its context (probes.py); once all have ended a frozen judge sco
 transcript (judge_episodes, under the one retry policy judge_attempts; lab/judge.py and
 lab/served.py answer each attempt). With decision "logit" (--decision logit) the
 persuadee's decision is read in such a fork too (probes.read_decisions) and sampled with its
-episode's keyed stream, instead of parsed from its tag.
+episode's keyed stream, instead of parsed from its tag; with decision "belief" it accepts with a
+probability its probe belief sets (probes.belief_decisions), drawn with the same keyed stream.
 
 Scheduling (lab/scheduling.py), so that any number of episodes completes on any pools that
 hold one of them:
@@ -59,7 +60,8 @@ CLOSING_ROOM = 8  # tokens kept for the template's tail that closes a reply
 PROMPT_ROOM_SHARE = 4  # a prompt must leave max_new_tokens // PROMPT_ROOM_SHARE of the context
 # free: room for a short exchange
 DECISION = "tag"  # "logit": the persuadee's decision read in a fork after each reply (DECISIONS.md:
-# Logit decision), for persuadees too small to write tags; --decision's default
+# Logit decision), for persuadees too small to write tags; "belief": accepted as its probe belief
+# says (DECISIONS.md: Belief decision); --decision's default
 
 
 clock = scheduling.clock  # (timings, key): a block's wall time added to timings[key]
@@ -422,9 +424,9 @@ def sides(persuader, persuadee, instances, persuader_sampling, persuadee_samplin
     persuader_side = side(persuader, "persuader", persuader_sampling or paper[0], max_new_tokens)
     persuadee_side = side(persuadee, "persuadee", persuadee_sampling or paper[1], max_new_tokens,
                           probe_space, probe_signs, decision)
-    if decision == "logit" and not isinstance(persuadee_side, EngineSide):
-        raise ValueError("rollout.py: --decision logit reads the persuadee's logits in a fork of "
-                         "its cache, which only a local persuadee has; use --decision tag")
+    if decision in ("logit", "belief") and not isinstance(persuadee_side, EngineSide):
+        raise ValueError(f"rollout.py: --decision {decision} reads the persuadee's logits in a "
+                         "fork of its cache, which only a local persuadee has; use --decision tag")
     problems = prompt_problems(persuader_side, persuadee_side, instances, max_new_tokens)
     if problems:
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
@@ -636,7 +638,8 @@ class EngineSide:
         """The persuadee's replies (the message it heard pending: persuadee_heard), each closed and
         its beliefs read in forks (probes.read_engine): per sequence dict(text, decision, reason,
         probes, probe_mass: the Yes+No mass of each read-out); a reply cut off ("context",
-        "cache") has no probes. decision "logit": read in a fork instead (read_logit_decisions)."""
+        "cache") has no probes. decision "logit": read in a fork instead (read_logit_decisions);
+        "belief": drawn from the belief just read (probes.belief_decisions)."""
         with clock(timings, "persuadee_s"):
             outs = self.eng.generate(sids, self.max_new_tokens, self.sampling, keys)
             replies, closed = close_replies(self.eng, sids, outs)
@@ -648,9 +651,15 @@ class EngineSide:
                                                   with_mass=True, space=self.space, signs=self.signs)
             for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
                 reply["probes"], reply["probe_mass"] = v, m
+            by_sid = dict(zip(sids, keys or [0] * len(sids)))
             if self.decision == "logit":
-                by_sid = dict(zip(sids, keys or [0] * len(sids)))
                 read_logit_decisions(self.eng, [(sid, r, by_sid[sid]) for sid, r in closed], timings)
+            if self.decision == "belief":
+                drawn = probes.belief_decisions([probes.belief(r["probes"]) for _, r in closed],
+                                                [by_sid[sid] for sid, _ in closed],
+                                                [self.eng.length(sid) for sid, _ in closed])
+                for (_, reply), decision, p in zip(closed, *drawn):
+                    reply["decision"], reply["accept_prob"] = decision, p
         return replies
 
     def free(self, sid):

@@ -78,8 +78,8 @@ MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps tha
 # models and engines: the actor (sharded, trained), its rollout copy, reference, persuadee, judge
 
 
-def load(name, dtype, device):
-    model, tokenizer = models.load_model(name, dtype=getattr(torch, dtype), device=device)
+def load(name, dtype, device, seed=0):  # seed: a random model's weights (the policy's: --seed)
+    model, tokenizer = models.load_model(name, dtype=getattr(torch, dtype), device=device, seed=seed)
     return model.requires_grad_(False), tokenizer
 
 
@@ -135,7 +135,7 @@ def build_models(args, world, device):
     fp32, sharded, its rollout copy, the frozen reference and persuadee in --dtype, the AdamW."""
     held = plan.run_models(args, world)
     served_persuadee, served_judge = steps.served_roles(args)
-    policy, tokenizer = load(args.persuader, args.dtype if args.lora else "float32", device)
+    policy, tokenizer = load(args.persuader, args.dtype if args.lora else "float32", device, args.seed)
     if bad := checkpoints.nonfinite_weight(policy.state_dict()):
         sys.exit(f"train.py: --persuader {args.persuader} holds non-finite weights ({bad}); pass "
                  "a model with finite weights (an earlier checkpoint of the run that wrote it)")

@@ -390,3 +390,37 @@ def plot_training(arms, control, folder, window=TRAINING_WINDOW):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     _save_fig(fig, Path(folder) / "training.png")
+
+
+FIG7_KEYS = (("dead_group_share", "dead groups (all R equal)"),
+             ("rescued_share", "dead groups the dense term rescues"),
+             ("dense_share", "dense term's share of |A|"),
+             ("grad_clipped_share", "clipped: steps by grad norm (solid),\ntokens by ratio (dashed)"))
+
+
+def plot_fig7(fig7, folder, window=TRAINING_WINDOW):
+    """fig7.png: the paper's Fig. 7 quantities by training step (sweep_table.fig7_rows), one line
+    per lambda, each a running mean over `window` steps of the seeds' pooled step values; the
+    paper's dense share (about 15% at lambda 0.5) dotted."""
+    from lab import sweep_table
+    fig, axes = plt.subplots(1, 4, figsize=(SWEEP_FIGSIZE[0] * 4 / 3, SWEEP_FIGSIZE[1]))
+    for r in fig7:
+        steps = sorted(r["by_step"], key=int)
+        for ax, (key, _) in zip(axes, FIG7_KEYS):
+            values = [r["by_step"][s][key] for s in steps]
+            kept = [(int(s), v) for s, v in zip(steps, values) if v is not None]
+            if not kept:
+                continue
+            line, = ax.plot([s for s, _ in kept], running_mean([v for _, v in kept], window),
+                            label=f"lambda {r['lam']:g}")
+            if key == "grad_clipped_share":
+                clip = [(int(s), r["by_step"][s]["clip_frac"]) for s in steps
+                        if r["by_step"][s]["clip_frac"] is not None]
+                ax.plot([s for s, _ in clip], running_mean([v for _, v in clip], window), ls="--",
+                        color=line.get_color())
+    axes[2].axhline(sweep_table.PAPER_DENSE_SHARE, color="black", ls=":", lw=1, label="paper, lambda 0.5")
+    for ax, (_, title) in zip(axes, FIG7_KEYS):
+        ax.set(title=title, xlabel=f"training step ({window}-step running mean)", ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    _save_fig(fig, Path(folder) / "fig7.png")

@@ -205,6 +205,26 @@ def detectable_mean(sd, n, alpha=0.05, power=0.8, paired=False):
     return math.sqrt((1 if paired else 2) / n) * _t_sum(n, alpha, power, paired) * sd
 
 
+def paired_t_power(diff, sd, n, alpha=0.05):
+    """The exact power of a two-sided paired t test over n pairs whose differences have mean diff
+    and sd: P(|T| > t_{1-alpha/2, n-1}) with T noncentral t (df n - 1, noncentrality
+    diff sqrt(n) / sd). What a pre-registration states for seeds as the unit."""
+    df, nc = n - 1, diff * math.sqrt(n) / sd
+    t = stats.t.ppf(1 - alpha / 2, df)
+    power = float(stats.nct.sf(t, df, nc) + stats.nct.cdf(-t, df, nc))
+    return power if math.isfinite(power) else 1.0  # scipy's nct gives NaN far out (|nc| > ~37)
+
+
+def detectable_paired(sd, n, alpha=0.05, power=0.8):
+    """The smallest mean difference a paired t test over n pairs detects with the given power,
+    exactly (paired_t_power solved for diff; detectable_mean is its normal-quantile shortcut)."""
+    from scipy.optimize import brentq
+    high = sd
+    while paired_t_power(high, sd, n, alpha) < power:  # doubled until it brackets the root
+        high *= 2
+    return brentq(lambda d: paired_t_power(d, sd, n, alpha) - power, 0.0, high)
+
+
 def detectable_proportion(p0, n, alpha=0.05, power=0.8):
     """The smallest rise from p0 that n episodes per arm detect (episodes_for_proportions at most
     n), to 1e-4; None when not even p0 to 1 is detectable."""

@@ -27,7 +27,11 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
                    (paired by step, group and member): a t test over the seeds' mean
                    differences (seed_level), and beside it a group as one cluster; and how
                    many tests the table holds, none corrected
+                   fig7: per lambda the paper's Fig. 7 from the training steps (by step and
+                   over the run): dead-group share, the share of dead groups the dense term
+                   rescues, the dense term's share of |A|, the clipped steps and tokens
     curves.png     held-out b_T - b_0 and full acceptance by step, per lambda, seed bands
+    fig7.png       the Fig. 7 quantities by training step, per lambda (running means)
     effect.png     each lambda's last checkpoint minus the initial policy, 95% intervals
     training.png   with --frozen-control, every arm's training episodes against its control
 
@@ -58,8 +62,8 @@ from lab import cli
 from lab import jsonl
 from lab import records
 from lab import runs
-from lab.sweep_table import (belief_changes, count_tests, format_table, frozen_rows, sweep_power,
-                              table_rows)
+from lab.sweep_table import (belief_changes, count_tests, fig7_rows, format_table, frozen_rows,
+                              sweep_power, table_rows)
 from lab.jsonl import read_jsonl
 
 LAMS = (0.0, 0.5, 1.0)  # the paper's three arms
@@ -89,6 +93,8 @@ def parse_args(argv=None):
                    "kept checkpoint) every K steps; --steps must be a multiple of it")
     p.add_argument("--eval-limit", type=int, required=True, help="held-out scenarios per "
                    "evaluation, stratified over domain x resistance (arena.stratified)")
+    p.add_argument("--save-every", type=int, help="a resumable checkpoint every K steps (default "
+                   "--eval-every): a killed arm resumes from its last one, losing less")
     p.add_argument("--name", required=True, help=f"the sweep's folder, {SWEEPS_DIR}/NAME")
     p.add_argument("--out", default=SWEEPS_DIR)
     p.add_argument("--overwrite", action="store_true", help="delete the sweep's folder and start "
@@ -112,7 +118,8 @@ def argument_problems(args):
     """What is wrong with the sweep's own values and with the flags it passes on (train.py's
     own checks of every arm come later, in check_arms, still before any arm trains)."""
     problems = [f"--{k.replace('_', '-')} {getattr(args, k)} must be at least 1"
-                for k in ("steps", "eval_every", "eval_limit") if getattr(args, k) < 1]
+                for k in ("steps", "eval_every", "eval_limit", "save_every")
+                if getattr(args, k) is not None and getattr(args, k) < 1]
     if not problems and args.steps % args.eval_every:
         problems.append(f"--steps {args.steps} is not a multiple of --eval-every {args.eval_every}")
     if Path(args.name).name != args.name or args.name in ("", ".", ".."):
@@ -158,7 +165,7 @@ def pin_recorded(args, parser, argv):
     explicit = cli.explicit_settings(parser, argv, known=True) | ({"train_args"} if args.train_args else set())
     cli.pin_settings(args, recorded, explicit, "lab.sweep", not_settings=("name", "out", "overwrite"),
                      record=str(path), again="a re-run of a sweep", parser=parser,
-                     keys=set(vars(args)) - {"overwrite"},
+                     keys=set(vars(args)) - {"overwrite", "save_every"}, optional=("save_every",),
                      restart="pass --overwrite to start the sweep again (or another --name)")
 
 
@@ -176,7 +183,7 @@ def arm_argv(args, extra, lam, seed, runs_dir, check_fidelity=False):
     return ["--preset", args.preset, "--lam", str(0.0 if frozen else lam), "--seed", str(seed),
             "--steps", str(args.steps), "--eval-every", "0" if frozen else str(args.eval_every),
             "--eval-limit", str(args.eval_limit), "--decision", args.decision,
-            "--save-every", str(args.steps if frozen else args.eval_every),
+            "--save-every", str(args.steps if frozen else getattr(args, "save_every", None) or args.eval_every),
             "--out", str(runs_dir), "--name", arm_name(lam, seed),
             *([] if check_fidelity else ["--eval-fidelity", "0"]),
             *(a.replace(SEED_FIELD, str(seed)) for a in extra), *(["--lr", "0"] if frozen else [])]
@@ -236,7 +243,7 @@ def evaluate_initial(argv, folder):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = plan.device_plan(args, 1, device)["sizes"] if device.type == "cuda" else {}
     import models
-    persuader_model, tokenizer = train.load(args.persuader, args.dtype, device)
+    persuader_model, tokenizer = train.load(args.persuader, args.dtype, device, args.seed)  # as train.py
     persuadee_loaded = ((models.copied(persuader_model, getattr(torch, args.dtype)), tokenizer)
                         if args.persuadee == args.persuader else  # read once, as train.py does
                         train.load(args.persuadee, args.dtype, device))
@@ -416,16 +423,20 @@ def summarize_sweep(root, args):
     first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
     subset = read_arm(lambda p: json.loads(p.read_text()).get("subset"), first) if first.is_file() else None
     import train
+    fig7 = fig7_rows({lam: {s: runs[lam][s]["metrics"] for s in args.seeds} for lam in args.lams},
+                     args.lams, args.seeds, train.GRAD_CLIP)
     summary = dict(settings=json.loads((root / "sweep.json").read_text()),
-                   clipped_steps=clipped_steps(runs, train.GRAD_CLIP),
+                   clipped_steps=clipped_steps(runs, train.GRAD_CLIP), fig7=fig7,
                    subset=(subset or f"{args.eval_limit} scenarios").removeprefix("heldout "), arms=entries,
                    table=rows, frozen_control=frozen, power=power, tests=count_tests(rows, frozen))
     summary = write_summary(root, summary)
     header = (f"# sweep {args.name}: preset {args.preset}, lambdas {args.lams}, seeds {args.seeds}, "
               f"{args.steps} steps, held-out {summary['subset']} (arena.stratified), decision {args.decision}")
-    table = format_table(summary["table"], summary["frozen_control"], header, summary["power"])
+    table = format_table(summary["table"], summary["frozen_control"], header, summary["power"],
+                         summary["fig7"])
     write_table(root, table)
     plots.plot_sweep(entries, summary["table"], root)
+    plots.plot_fig7(summary["fig7"], root)
     print(table)
     return summary
 

@@ -20,6 +20,7 @@ from lab import analyses
 from lab import significance
 
 SEED_LEVEL_MIN = 3  # seeds from which the comparisons carry a paired t test over seeds (seed_level)
+PAPER_DENSE_SHARE = 0.15  # the paper's dense share of |A| at lambda 0.5 (its Fig. 7), beside ours
 
 
 def belief_changes(episodes):
@@ -203,6 +204,50 @@ def seed_power(rows):
     return out
 
 
+def fig7_rows(metrics, lams, seeds, grad_clip):
+    """The paper's Fig. 7 per lambda, from its arms' training metrics ({lam: {seed: [metrics.jsonl
+    rows]}}): by step (seeds averaged) and over the whole run (every step of every seed), the
+    dead-group share (all R equal), the share of dead groups the dense term gives a nonzero
+    advantage (pooled: a step's share weighted by its dead groups), the dense term's share of
+    sum |A| (the mean of the steps' shares), and the clipping: the share of steps whose gradient
+    norm exceeded grad_clip (the update rescaled: train.GRAD_CLIP) and the mean share of tokens
+    whose ratio the PPO clip held (clip_frac)."""
+    def pooled_stats(rows):
+        rows = [m for m in rows if m.get("dead_group_share") is not None]
+        dead = sum(m["dead_group_share"] for m in rows)
+        mean = lambda key: (sum(m[key] for m in rows if m.get(key) is not None)
+                            / max(sum(m.get(key) is not None for m in rows), 1)) if rows else None
+        return dict(dead_group_share=mean("dead_group_share"),
+                    rescued_share=(sum(m["dead_group_share"] * (m.get("dead_rescued_share") or 0.0)
+                                       for m in rows) / dead) if dead else None,
+                    dense_share=mean("dense_share"), clip_frac=mean("clip_frac"),
+                    grad_clipped_share=(sum(m.get("grad_norm") is not None and m["grad_norm"] > grad_clip
+                                            for m in rows) / len(rows)) if rows else None)
+    out = []
+    for lam in lams:
+        by_seed = [metrics[lam][s] for s in seeds if s in metrics.get(lam, {})]
+        steps = sorted({m["step"] for rows in by_seed for m in rows})
+        at = {step: [m for rows in by_seed for m in rows if m["step"] == step] for step in steps}
+        out.append(dict(lam=lam, seeds=len(by_seed), run=pooled_stats([m for rows in by_seed for m in rows]),
+                        by_step={str(step): pooled_stats(at[step]) for step in steps}))
+    return out
+
+
+def fig7_lines(fig7):
+    """table.md's Fig. 7 section: each lambda's run-level shares (fig7_rows)."""
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
+    lines = ["", f"Fig. 7 (training steps, every step of every seed; the paper's dense share of |A| at "
+             f"lambda 0.5 is about {100 * PAPER_DENSE_SHARE:.0f}%; fig7.png by step):", "",
+             "| lambda | seeds | dead groups % | dead groups the dense term rescues % | dense share of "
+             "\\|A\\| % | steps grad-norm clipped % | tokens ratio-clipped % |", "|" + "---|" * 7]
+    for r in fig7:
+        run = r["run"]
+        lines.append(f"| {r['lam']:g} | {r['seeds']} | {pct(run['dead_group_share'])} | "
+                     f"{pct(run['rescued_share'])} | {pct(run['dense_share'])} | "
+                     f"{pct(run['grad_clipped_share'])} | {pct(run['clip_frac'])} |")
+    return lines
+
+
 def _f(x, fmt="+.4f"):
     return "-" if x is None else format(x, fmt)
 
@@ -248,8 +293,8 @@ def seed_table(rows):
     return lines
 
 
-def format_table(rows, frozen=None, header="", power=None):
-    """table.md: the rows of table_rows (and frozen_rows, and sweep_power) as markdown."""
+def format_table(rows, frozen=None, header="", power=None, fig7=None):
+    """table.md: the rows of table_rows (and frozen_rows, sweep_power and fig7_rows) as markdown."""
     pct = lambda v, iv: f"{100 * v:.1f} [{_f(iv[0] and 100 * iv[0], '.1f')}, {_f(iv[1] and 100 * iv[1], '.1f')}]"
     lines = [header, "", "| lambda | checkpoint | n | full accept % [95%] | FA+CA % [95%] | "
              "b_T - b_0 [95%] | vs initial: McNemar p | Wilcoxon p | paired diff | "
@@ -282,6 +327,8 @@ def format_table(rows, frozen=None, header="", power=None):
         lines += seed_power_lines(power.get("seed_level"))
     if frozen:
         lines += frozen_lines(frozen)
+    if fig7:
+        lines += fig7_lines(fig7)
     lines += ["", f"This table holds {count_tests(rows, frozen)} tests (p-values), none corrected "
               "for multiplicity: at alpha 0.05, one in twenty falls below it by chance when nothing differs."]
     return "\n".join(lines) + "\n"

@@ -1,4 +1,6 @@
 """Probe tests: the fork read-out against a plain full forward of context plus question."""
+import math
+
 import pytest
 import torch
 
@@ -267,3 +269,34 @@ def test_reference_and_vocabulary_read_outs_come_from_one_forward_each(tokenizer
     torch.testing.assert_close(vocabulary, probes.read_beliefs_reference(
         model, tokenizer, contexts, vocabulary=True), atol=0, rtol=0)
     assert not torch.equal(words, vocabulary)  # the two read-outs differ: both were computed
+
+
+def test_belief_acceptance_probability_against_hand_computed_values():
+    """p = sigmoid((b - threshold) / temperature): b 0.13 at threshold 0.10, temperature 0.02 is
+    sigmoid(1.5) = 0.8175744761936437 (by hand); symmetric about the threshold; no overflow far
+    from it; an absent belief never accepts."""
+    assert probes.belief_accept_prob(0.13, 0.10, 0.02) == pytest.approx(0.8175744761936437, abs=1e-12)
+    assert probes.belief_accept_prob(0.07, 0.10, 0.02) == pytest.approx(1 - 0.8175744761936437, abs=1e-12)
+    assert probes.belief_accept_prob(0.10, 0.10, 0.02) == 0.5
+    assert probes.belief_accept_prob(-1.0, 0.5, 1e-4) == 0.0 and probes.belief_accept_prob(1.0, -0.5, 1e-4) == 1.0
+    assert probes.belief_accept_prob(None) == 0.0
+    z = (0.05 - probes.BELIEF_THRESHOLD) / probes.BELIEF_TEMPERATURE  # the constants are the defaults
+    assert probes.belief_accept_prob(0.05) == pytest.approx(1 / (1 + math.exp(-z)))
+
+
+def test_belief_decisions_are_keyed_draws_at_the_acceptance_probability(monkeypatch):
+    """The draw is a pure function of (stream key, position): the same rows give the same
+    decisions, alone or beside others (batch-invariant); over many streams ACCEPT comes at the
+    rate p sets (b at threshold + temperature * logit(0.3): p 0.3), and p 0 or 1 never / always."""
+    monkeypatch.setattr(probes, "BELIEF_THRESHOLD", 0.1)
+    monkeypatch.setattr(probes, "BELIEF_TEMPERATURE", 0.02)
+    n, b = 4000, 0.1 + 0.02 * math.log(0.3 / 0.7)
+    keys, positions = [(7, f"inst-{i}", i % 8) for i in range(n)], [40 + i % 13 for i in range(n)]
+    decisions, p = probes.belief_decisions([b] * n, keys, positions)
+    assert p[0] == pytest.approx(0.3) and set(decisions) == {"ACCEPT", None}
+    assert abs(decisions.count("ACCEPT") / n - 0.3) < 0.03  # 4.1 binomial sd
+    assert probes.belief_decisions([b] * n, keys, positions)[0] == decisions
+    assert [probes.belief_decisions([b], [k], [q])[0][0] for k, q in
+            zip(keys[:50], positions[:50])] == decisions[:50]
+    assert probes.belief_decisions([1.0, -1.0, None], keys[:3], positions[:3])[0] == ["ACCEPT", None, None]
+    assert probes.belief_decisions([], [], []) == ([], [])

@@ -455,3 +455,30 @@ def test_logit_decisions_obey_the_arenas_transitions(decisions, outcome, tokeniz
                                    max_new_tokens=3)
     assert r.outcome == outcome and r.turns == len(decisions)
     assert [m["decision"] for m in r.transcript if m["role"] == "persuadee"] == decisions
+
+
+
+def test_belief_decisions_follow_the_persuadees_belief(tokenizer, monkeypatch):
+    """--decision belief: an episode's decisions are ACCEPT or none and replay through
+    arena.Episode to its outcome; a replay with the same seed decides the same; at a threshold
+    far below every belief each episode accepts after its first reply, far above none does."""
+    monkeypatch.setattr(rollout, "DECISION", "belief")
+    scenarios = arena.load_scenarios(split="heldout")[:3]
+    persuader = tiny_model("llama", seed=1, max_position_embeddings=8192)
+    persuadee = tiny_model("qwen3", seed=2, max_position_embeddings=8192)
+    play = lambda: rollout.rollout_episodes(
+        engine.Engine(persuader, tokenizer, num_blocks=2000),
+        engine.Engine(persuadee, tokenizer, num_blocks=2000), scenarios, 3, group_size=2, seed=5,
+        max_new_tokens=3, persuader_sampling=engine.Sampling(1.0))
+    beliefs = [b for r in play() for b in r.beliefs[1:]]
+    monkeypatch.setattr(probes, "BELIEF_THRESHOLD", sorted(beliefs)[len(beliefs) // 2])
+    records = play()
+    assert {r.outcome for r in records} == {"ACCEPT", "PENDING"}
+    for r in records:
+        assert {m["decision"] for m in r.transcript if m["role"] == "persuadee"} <= {"ACCEPT", None}
+        assert replayed(r, 3) == (r.outcome, r.turns, r.end_reason)
+    assert [r.beliefs for r in play()] == [r.beliefs for r in records]
+    monkeypatch.setattr(probes, "BELIEF_THRESHOLD", -10.0)
+    assert {(r.outcome, r.turns) for r in play()} == {("ACCEPT", 1)}
+    monkeypatch.setattr(probes, "BELIEF_THRESHOLD", 10.0)
+    assert {(r.outcome, r.end_reason) for r in play()} == {("PENDING", "budget")}

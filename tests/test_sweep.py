@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from lab import audit, cli, records, significance, sweep
 import train
@@ -41,7 +42,10 @@ def test_sweep_end_to_end_and_reused(tmp_path, short_scenarios, monkeypatch):
     if power["belief_diff_sd"]:  # two pairs: what they detect is the inverse of what they need
         assert significance.episodes_for_mean(
             power["belief_diff_sd"], power["detectable_belief_diff"] * 1.001, paired=True) <= 2
-    assert all((root / name).stat().st_size for name in ("curves.png", "effect.png", "training.png"))
+    assert all((root / name).stat().st_size for name in ("curves.png", "effect.png", "training.png",
+                                                          "fig7.png"))
+    assert [r["lam"] for r in summary["fig7"]] == [0.0, 1.0] and "Fig. 7 (training steps" in table
+    assert set(summary["fig7"][1]["by_step"]) == {"1", "2"}
     # the frozen persuadee's probe fidelity is checked once, in the initial evaluation
     assert json.loads((root / "initial_s0" / "eval-0" / "fidelity.json").read_text())["sample"]
     assert not list((root / "runs").glob("*/eval-*/fidelity.json"))
@@ -90,6 +94,31 @@ def test_lr_after_the_separator_trains_the_learning_arms_and_the_control_stays_a
     rates = {lam: cli.train_args(sweep.arm_argv(args, extra, lam, 0, tmp_path), train).lr
              for lam in (0.5, sweep.FROZEN)}
     assert rates == {0.5: 1e-4, sweep.FROZEN: 0.0}
+    saves = lambda a: cli.train_args(sweep.arm_argv(a, extra, 0.5, 0, tmp_path), train).save_every
+    assert saves(args) == args.eval_every  # --save-every's default
+    args.save_every = 1
+    assert saves(args) == 1
+
+
+def test_each_seed_draws_its_own_random_initial_weights(tmp_path, monkeypatch):
+    """A random policy's weights are drawn with --seed (train.build_models and the sweep's
+    initial evaluation load it so): two seeds differ, one seed repeats; the persuadee keeps 0."""
+    import models
+    import train
+    weights = lambda seed: models.load_model("random:tiny-llama", seed=seed)[0].model.embed_tokens.weight
+    assert torch.equal(weights(3), weights(3)) and not torch.equal(weights(3), weights(4))
+    loads = []
+    def fake_load(name, dtype, device, seed=0):
+        loads.append((name, seed))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "load", fake_load)
+    args, extra = sweep.parse_args(BASE + ["--out", str(tmp_path), "--", "--judge", "none"])
+    with pytest.raises(KeyboardInterrupt):
+        sweep.evaluate_initial(sweep.arm_argv(args, extra, 0.0, 7, tmp_path), tmp_path / "i")
+    argv = sweep.arm_argv(args, extra, 0.0, 7, tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        train.build_models(cli.train_args(argv, train), 1, torch.device("cpu"))
+    assert loads == [("random:tiny-llama", 7)] * 2
 
 
 @pytest.mark.parametrize("extra, says", [

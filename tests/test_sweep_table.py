@@ -84,3 +84,27 @@ def test_frozen_control_at_the_seed_level_by_hand():
     flipped = sweep_table.frozen_seed_level({k: [-x for x in v] for k, v in clusters.items()}, [0, 1, 2])
     assert flipped["diff"] == pytest.approx(-level["diff"])
     assert sweep_table.frozen_seed_level(clusters, [0, 1]) is None  # below SEED_LEVEL_MIN
+
+
+def test_fig7_rows_by_hand(tmp_path):
+    """Fig. 7 from training metrics: dead share the mean of the steps', the rescued share pooled
+    by dead groups (0.5 * 1 + 1.0 * 0.5) / 1.5, the dense share the steps' mean, a step clipped
+    when its gradient norm exceeded the clip; by step, the seeds pooled; the table's line and
+    the figure follow."""
+    step = lambda n, dead, rescued, dense, norm, clip: dict(
+        step=n, dead_group_share=dead, dead_rescued_share=rescued, dense_share=dense,
+        grad_norm=norm, clip_frac=clip)
+    metrics = {0.5: {0: [step(1, 0.5, 1.0, 0.2, 2.0, 0.1), step(2, 1.0, 0.5, 0.6, 0.5, 0.0)],
+                     1: [step(1, 0.0, 0.0, 0.1, 0.9, 0.3)]}}
+    [row] = sweep_table.fig7_rows(metrics, [0.5], [0, 1], grad_clip=1.0)
+    run = row["run"]
+    assert run["dead_group_share"] == pytest.approx(0.5) and run["rescued_share"] == pytest.approx(1 / 1.5)
+    assert run["dense_share"] == pytest.approx(0.3) and run["grad_clipped_share"] == pytest.approx(1 / 3)
+    assert run["clip_frac"] == pytest.approx(0.4 / 3) and row["seeds"] == 2
+    assert row["by_step"]["1"]["dead_group_share"] == pytest.approx(0.25)
+    assert row["by_step"]["1"]["rescued_share"] == pytest.approx(1.0)
+    assert row["by_step"]["2"]["grad_clipped_share"] == 0.0
+    assert "| 0.5 | 2 | 50.0 | 66.7 | 30.0 | 33.3 | 13.3 |" in sweep_table.fig7_lines([row])
+    from lab import plots
+    plots.plot_fig7([row], tmp_path)
+    assert (tmp_path / "fig7.png").stat().st_size > 0
