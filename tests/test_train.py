@@ -682,7 +682,7 @@ def test_a_bf16_step_at_lr_1e6_moves_the_weights_as_fp32_adamw_does(tmp_path, sh
     moved = {}
     for dtype in ("bfloat16", "float32"):
         tiny_run(tmp_path, short_scenarios, dtype, "--dtype", dtype, "--lr", 1e-6, "--steps", 1,
-                 "--save-every", 1)
+                 "--save-every", 1, "--updates-per-batch", 1)  # one AdamW step
         saved = projections(checkpoint_weights(tmp_path / dtype))
         assert all(v.dtype == torch.float32 for v in saved.values())
         delta = torch.cat([(saved[k] - initial[k]).flatten() for k in initial]).abs()
