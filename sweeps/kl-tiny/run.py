@@ -9,6 +9,9 @@ from the same ones), so the seeds replicate the initialisation as well as the sa
 persuadee (random:tiny-qwen3) is the same frozen model for all.
 
     python sweeps/kl-tiny/run.py        # from the repository root; the sweep's files land here
+    python sweeps/kl-tiny/run.py --name kl-tiny-beta0 --kl-beta 0    # the same with beta 0
+
+Flags after the name go to every arm's train.py, after (so over) the ones below.
 """
 import sys
 from pathlib import Path
@@ -42,6 +45,8 @@ def seeded_model(name, *a, seed=0, **kw):
 
 cli.train_args, models.random_model = parse_recording_seed, seeded_model
 if __name__ == "__main__":
+    argv = sys.argv[1:]
+    name, extra = (argv[1], argv[2:]) if argv[:1] == ["--name"] else ("kl-tiny", argv)
     sweep.main(["--preset", "tiny", "--lams", "0.5", "--seeds", *map(str, SEEDS),
                 "--steps", str(STEPS), "--eval-every", str(STEPS), "--eval-limit", "4",
-                "--frozen-control", "--name", "kl-tiny", "--", *TRAIN, *sys.argv[1:]])
+                "--frozen-control", "--name", name, "--", *TRAIN, *extra])
