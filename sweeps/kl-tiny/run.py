@@ -11,8 +11,12 @@ persuadee (random:tiny-qwen3) is the same frozen model for all.
     python sweeps/kl-tiny/run.py        # from the repository root; the sweep's files land here
     python sweeps/kl-tiny/run.py --name kl-tiny-beta0 --kl-beta 0    # the same with beta 0
 
-Flags after the name go to every arm's train.py, after (so over) the ones below.
+Flags after the name go to every arm's train.py, after (so over) the ones below. Beside the
+sweep's own files (its arms' runs are not kept in git) it writes objective.jsonl, the trained
+arms' update figures step by step, and samples-60_sSEED.json, each trained arm's last samples.
 """
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -43,6 +47,22 @@ def seeded_model(name, *a, seed=0, **kw):
     return build(name, *a, seed=arm["seed"] if name == SEEDED else seed, **kw)
 
 
+OBJECTIVE = ("kl", "clip_frac", "ratio_mean", "grad_norm", "updates", "loss", "belief_change",
+             "collapsed_group_share")  # what objective.jsonl keeps of each step's metrics
+
+
+def collect(folder):
+    """objective.jsonl and samples-STEPS_sSEED.json from the trained arms' runs."""
+    rows = []
+    for seed in SEEDS:
+        run = folder / "runs" / sweep.arm_name(0.5, seed)
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            m = json.loads(line)
+            rows.append(dict(seed=seed, step=m["step"], **{k: m.get(k) for k in OBJECTIVE}))
+        shutil.copyfile(run / f"samples-{STEPS}.json", folder / f"samples-{STEPS}_s{seed}.json")
+    (folder / "objective.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 cli.train_args, models.random_model = parse_recording_seed, seeded_model
 if __name__ == "__main__":
     argv = sys.argv[1:]
@@ -50,3 +70,4 @@ if __name__ == "__main__":
     sweep.main(["--preset", "tiny", "--lams", "0.5", "--seeds", *map(str, SEEDS),
                 "--steps", str(STEPS), "--eval-every", str(STEPS), "--eval-limit", "4",
                 "--frozen-control", "--name", name, "--", *TRAIN, *extra])
+    collect(Path(sweep.SWEEPS_DIR) / name)

@@ -7,6 +7,7 @@ timed in wall and process CPU seconds (all threads), into result.json beside thi
 
     python sweeps/updates-cost/run.py      # from the repository root
 """
+import gc
 import json
 import sys
 import tempfile
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+import engine  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import rpo  # noqa: E402
@@ -27,6 +29,7 @@ ORDER = (1, 2, 4, 4, 2, 1)
 
 
 def main():
+    engine.CACHE_GB_CPU = 0.5  # each engine's KV pool (2 GB by default): 8 short episodes fit
     out = tempfile.mkdtemp()
     args = cli.train_args(["--preset", "cpu", "--out", out, "--name", "cost"], train)
     device = torch.device("cpu")
@@ -42,6 +45,8 @@ def main():
     records, _, _ = steps.playable(played, args.group_size)
     advantages = rpo.advantages(rpo.rewards(records, args.group_size, args.anchor), args.lam)
     batch, batch_advantages = steps.silenced(played, records, advantages)
+    del engines, played  # the engines' KV pools (2 GB each) are not needed by the update
+    gc.collect()
     initial = {k: v.clone() for k, v in loaded.policy.state_dict().items()}
     rows = []
     for updates in (1,) + ORDER:  # the first: warm-up, not kept
