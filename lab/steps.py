@@ -328,8 +328,10 @@ def write_step(run_dir, step, metrics, rows, records, args, log):
                                             "the last checkpoint is intact",
                                             resumable=(run_dir / "latest").is_file())) from None
     m = metrics
-    if m["step_skipped"]:
-        log.say(f"step {step}: skipped, non-finite {m['nonfinite']} (weights and optimizer unchanged)")
+    if m["step_skipped"]:  # the updates before the non-finite one stand
+        kept = (f"its {m['updates']} update(s) before it stand" if m["updates"]
+                else "weights and optimizer unchanged")
+        log.say(f"step {step}: skipped, non-finite {m['nonfinite']} ({kept})")
     clip = "-" if m["clip_frac"] is None else f"{m['clip_frac']:.1%}"  # None: no update measured it
     kl = f"{m['kl']:.4f}" if args.kl_beta else "off"  # beta 0: no reference forward, unmeasured
     log.say(f"step {step}: reward {m['reward_mean']:+.3f}  accept "
