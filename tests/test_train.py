@@ -1252,7 +1252,7 @@ def on_policy_records(policy, count=4, length=12):
     from conftest import token_logprobs
     with torch.no_grad():
         logprobs = token_logprobs(policy(ids).logits, ids)
-    return [dict(ids=row.tolist(), turn_ids=turn_ids, logprobs=[0.0] + lp.tolist())
+    return [Episode(ids=row.tolist(), turn_ids=turn_ids, logprobs=[0.0] + lp.tolist())
             for row, lp in zip(ids, logprobs)]
 
 
