@@ -22,7 +22,10 @@ file turns beliefs, outcomes and strategy scores into per-token advantages and t
                        k3  = exp(d) - d - 1   (>= 0, unbiased KL(pi || pi_ref) estimator)
                        l   = -min(rho A, clip(rho, 1 - CLIP_LOW, 1 + CLIP_HIGH) A) + KL_BETA k3
                        L   = sum over persuader tokens of l / N,  N = persuader tokens in the global
-                             batch (all ranks, all micro-batches): summed micro-batch losses = mean.
+                             mini-batch (all ranks, all micro-batches): summed micro-batch losses = mean.
+  updates            the step's episodes split into UPDATES_PER_BATCH mini-batches, one AdamW step
+                     each, in order (mini_batches); old_logp is always the rollout's, so from the
+                     second update on rho != 1 and the clip acts (DECISIONS.md: Updates per batch).
 
 From episodes (rollout.Episode) of whole groups to the loss: rewards gives each group's R
 and r_t, advantages each episode's A_{i,t} (a belief that could not be read counted and left out
@@ -52,6 +55,8 @@ STRATEGY_WEIGHT = 0.5  # weight of the judge's strategy score s in the outcome r
 CLIP_LOW = 0.2  # ratio clipped below at 1 - CLIP_LOW
 CLIP_HIGH = 0.28  # ratio clipped above at 1 + CLIP_HIGH (asymmetric, "clip-higher")
 KL_BETA = 0.01  # weight of the k3 penalty against the frozen initial policy
+UPDATES_PER_BATCH = 4  # AdamW steps a rollout batch, one a mini-batch of its episodes (verl's
+# default, 1024 / 256; 1: on-policy, rho = 1 and the clip inert; DECISIONS.md: Updates per batch)
 STD_EPS = 1e-6  # added to the group std, as in TRL and verl
 DENSE_BASELINE = "turn"  # the dense term's baseline: per turn index; "pooled", one over all turns (DECISIONS.md: Dense baseline)
 DIAG_EPS = 1e-9  # |A| above this counts as a nonzero advantage in diagnostic_sums
@@ -257,6 +262,20 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
             "tokens": n,
         }
     return loss, stats
+
+
+def mini_batches(episodes, updates=UPDATES_PER_BATCH):
+    """The slices of a rank's `episodes` (in order, whole groups first) that its `updates`
+    optimizer steps take, one each: contiguous, sizes within one of each other, the larger
+    first. Every rank holds as many episodes, so every rank splits alike (FSDP's collectives
+    meet); one process and W ranks take the same global mini-batches when each rank's groups
+    divide by `updates` (the split then falls between groups, the ranks' instances interleaved)."""
+    if not 1 <= updates <= episodes:
+        raise ValueError(f"rpo.py: {updates} updates cannot split {episodes} episodes (1 to "
+                         f"{episodes}: at least one episode a mini-batch)")
+    size, extra = divmod(episodes, updates)
+    starts = [k * size + min(k, extra) for k in range(updates + 1)]
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
 
 
 def persuader_tokens(episodes):

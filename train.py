@@ -9,7 +9,7 @@ One step, in the order of the loop at the bottom of this file (rpo.py has the eq
   3. advantages: A_{i,t} = A_out_i + LAMBDA * (D_{i,t} - mean D), on every token of message t;
   4. loss and update: rpo.micro_batch_loss (clipped surrogate + k3 KL over the persuader's own
      tokens, divided by the global persuader-token count), summed over micro-batches and ranks;
-     grad clipping at GRAD_CLIP; AdamW;
+     grad clipping at GRAD_CLIP; AdamW; --updates-per-batch such steps, one a mini-batch;
   5. weight refresh: the rollout engine's weights are written from the updated policy;
   6. log, evaluate (eval.py on held-out scenarios, every --eval-every steps), save.
 Groups are sharded across ranks (torchrun). The actor's master weights, gradients and AdamW
@@ -244,8 +244,8 @@ def shares_prompts(policy, world):
 
 
 def policy_update(policy, reference, optimizer, records, turn_advantages, args, device, world):
-    """One AdamW step on the persuader tokens of this rank's episodes: the loss of each
-    micro-batch (rpo.micro_batch_loss), its backward, the gradient clipped. A non-finite
+    """One AdamW step on the persuader tokens of a mini-batch of this rank's episodes: the loss of
+    each micro-batch (rpo.micro_batch_loss), its backward, the gradient clipped. A non-finite
     log-prob, advantage, loss or gradient norm on any rank skips the step (weights and optimizer
     state untouched; stats say so: step_skipped, nonfinite)."""
     num_tokens = ranks.all_sum(rpo.persuader_tokens(records), device)
@@ -340,8 +340,8 @@ def train(args, run_dir, rank, world, device, sizes, say):
         rewards = rpo.rewards(records, args.group_size, args.anchor)  # 3. R and r_t, per group
         turn_advantages = rpo.advantages(rewards, args.lam)  # 4. A_{i,t}
         batch, batch_advantages = steps.silenced(played, records, turn_advantages)  # every rank alike
-        update = policy_update(loaded.policy, loaded.reference, loaded.optimizer, batch, batch_advantages, args,
-                               device, world)  # 5. loss and AdamW step
+        update = steps.mini_batch_updates(batch, batch_advantages, args.updates_per_batch, lambda *mini:  # 5. updates
+            policy_update(loaded.policy, loaded.reference, loaded.optimizer, *mini, args, device, world))
         refresh(loaded, engines)  # 6. the rollout copy takes the updated weights
         times["update_s"], times["step_s"] = time.perf_counter() - t1, time.perf_counter() - t0
         metrics = steps.step_metrics(step, records, rewards, update, times, args, device)

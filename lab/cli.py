@@ -44,7 +44,7 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_limit", "eval_fidelity", "save
 NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resumed", "plan",
                 "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
-            "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
+            "micro_batch", "eval_limit", "save_every", "updates_per_batch")  # integers >= 1
 TEMPERATURE_RANGE = (1e-2, 1e2)  # a sampling temperature other than 0 (greedy) lies here: below,
 # sampling is greedy in all but name; above, it is uniform over the vocabulary
 NONFINITE_NAMES = ("logprobs", "advantages", "loss", "grad_norm")  # what a step can find non-finite
@@ -386,8 +386,8 @@ def train_parser(own):
         p.add_argument(f"--{key}")
     p.add_argument("--judge", help="judge model (default: the persuadee's); 'none' gives s = 0")
     for key in ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
-                "micro_batch", "eval_every", "eval_limit", "save_every", "lr"):
-        # the default: the constant that owns it (presets.OWNERS; train.py's paper numbers)
+                "micro_batch", "eval_every", "eval_limit", "save_every", "lr", "updates_per_batch"):
+        # the default: the constant that owns it (presets.OWNERS; train.py's paper numbers, rpo's)
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, default=presets.owned(key),
                        type=float if key == "lr" else int, help=f"default {presets.OWNERS[key]}")
     p.add_argument("--eval-fidelity", type=int, help="read-outs of each held-out evaluation checked "

@@ -374,13 +374,19 @@ def plan_refusal(plan):
 
 
 def ranks_refusal(args, world):
-    """The one line that refuses --instances the ranks cannot share out in whole groups, or None:
+    """The one line that refuses --instances the ranks cannot share out in whole groups, or more
+    --updates-per-batch than each rank has episodes to split into mini-batches, or None:
     the run's check (steps.plan_run), which --plan makes for its --plan-ranks too."""
-    if args.instances % world == 0:
-        return None
-    return (f"train.py: --instances {args.instances} must be a multiple of the number of ranks "
-            f"({world}) so that every rank rolls out whole groups; pass e.g. --instances "
-            f"{world * max(args.instances // world, 1)}")
+    if args.instances % world:
+        return (f"train.py: --instances {args.instances} must be a multiple of the number of ranks "
+                f"({world}) so that every rank rolls out whole groups; pass e.g. --instances "
+                f"{world * max(args.instances // world, 1)}")
+    episodes = args.instances // world * args.group_size  # each rank's, split into mini-batches
+    if args.updates_per_batch > episodes:
+        return (f"train.py: --updates-per-batch {args.updates_per_batch} exceeds the {episodes} "
+                f"episodes each of {world} rank(s) updates on (one at least a mini-batch); pass "
+                f"e.g. --updates-per-batch {episodes}")
+    return None
 
 
 def device_plan(args, world, device):

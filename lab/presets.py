@@ -26,13 +26,13 @@ PRESETS = {  # the models, their dtype and sampling, and what differs from the o
     # cpu: SmolLM2-135M as judge wrote a verdict for 1 transcript in 56, a copy of the answer
     # template, at 30% of the step (DECISIONS.md: Small presets' judge): no judge, s = 0
     "cpu": dict(persuader="smollm2", persuadee="smollm2", judge="none", dtype="float32", steps=3,
-                instances=2, group_size=4, lr=1e-5, eval_every=0, eval_limit=4, save_every=1,
-                sampling="cpu", t_max=2, eval_t_max=3, max_new_tokens=32),  # a CPU step in ~40 s
+                instances=2, group_size=4, lr=1e-5, updates_per_batch=2, eval_every=0, eval_limit=4,
+                save_every=1, sampling="cpu", t_max=2, eval_t_max=3, max_new_tokens=32),  # ~40 s a step
     # tiny: a random judge never writes a verdict (s falls back to 0 on every transcript, after
     # four attempts): no judge gives the same s = 0 at no cost (DECISIONS.md: Small presets' judge)
     "tiny": dict(persuader="random:tiny-llama", persuadee="random:tiny-qwen3", judge="none",
                  dtype="float32", steps=4, instances=2, group_size=2, lr=1e-3, micro_batch=2,
-                 eval_every=0, eval_limit=2, save_every=2, sampling="paper",
+                 updates_per_batch=2, eval_every=0, eval_limit=2, save_every=2, sampling="paper",
                  t_max=2, eval_t_max=2, max_new_tokens=4),  # tiny random models
 }
 # one-gpu's evaluation: 16 of the 20 domain x resistance cells (arena.stratified); 20 would
@@ -42,7 +42,8 @@ PRESETS["one-gpu"] = dict(  # the paper's models and sampling on one H200, LoRA 
     plan_ranks=1)
 # the settings a constant owns (its flag's default): setting -> "module.CONSTANT"
 OWNERS = {"steps": "train.STEPS", "instances": "train.INSTANCES", "group_size": "train.GROUP_SIZE",
-          "lr": "train.LR", "micro_batch": "train.MICRO_BATCH", "eval_every": "train.EVAL_EVERY",
+          "lr": "train.LR", "micro_batch": "train.MICRO_BATCH",
+          "updates_per_batch": "rpo.UPDATES_PER_BATCH", "eval_every": "train.EVAL_EVERY",
           "eval_limit": "train.EVAL_LIMIT", "save_every": "train.SAVE_EVERY",
           "t_max": "arena.T_MAX_TRAIN", "eval_t_max": "arena.T_MAX_EVAL",
           "max_new_tokens": "engine.MAX_NEW_TOKENS"}

@@ -58,7 +58,8 @@ def plan_run(args, world, device, say):
         say(f"no CUDA device: cpu preset ({args.persuader} as persuader and persuadee, judge "
             f"{args.judge or args.persuadee})")
     say(f"run {Path(args.out) / args.name}  preset {args.preset}  ranks {world}  lambda {args.lam}  "
-        f"anchor {args.anchor}  G {args.group_size}  instances/step {args.instances}")
+        f"anchor {args.anchor}  G {args.group_size}  instances/step {args.instances}  "
+        f"updates/step {args.updates_per_batch}  kl-beta {args.kl_beta}")
     if refusal := plan.ranks_refusal(args, world):
         sys.exit(refusal)
     return rank_plan["sizes"] if device.type == "cuda" else {}
@@ -123,6 +124,39 @@ def silenced(played, kept, turn_advantages):
             per_episode.append([])
     return episodes, per_episode
 
+
+
+def mini_batch_updates(records, turn_advantages, updates, update):
+    """The step's `updates` optimizer steps: update(records, turn_advantages) (train.policy_update)
+    on each mini-batch of this rank's episodes in turn (rpo.mini_batches, the same split on every
+    rank), each against the rollout's log-probs; a step that finds a non-finite value ends the
+    batch's updates (those before it stand). Returns their stats merged (merged_updates)."""
+    done = []
+    for part in rpo.mini_batches(len(records), updates):
+        done.append(update(records[part], turn_advantages[part]))
+        if done[-1]["step_skipped"]:
+            break
+    return merged_updates(done)
+
+
+def merged_updates(done):
+    """One step's stats from its updates' (each already pooled over ranks): loss, kl, clip_frac
+    and ratio_mean as means over every update's tokens (None where no update measured them: a
+    zero-advantage update), grad_norm the largest (a step counts as clipped if any update was),
+    persuader_tokens the batch's, zero_gradient the updates that skipped their passes, updates
+    the AdamW steps taken (a non-finite one and those after it not), step_skipped and nonfinite
+    as the last update left them."""
+    tokens = [u["persuader_tokens"] for u in done]
+    merged = dict(persuader_tokens=sum(tokens), grad_norm=max(u["grad_norm"] for u in done),
+                  zero_gradient=sum(u["zero_gradient"] for u in done),
+                  step_skipped=done[-1]["step_skipped"], nonfinite=done[-1]["nonfinite"],
+                  updates=len(done) - done[-1]["step_skipped"])
+    for key in ("loss", "kl", "clip_frac", "ratio_mean"):
+        measured = [(u[key], n) for u, n in zip(done, tokens) if u[key] is not None]
+        weight = sum(n for _, n in measured)
+        merged[key] = (sum(v * n for v, n in measured) / weight if weight else
+                       measured[0][0] if measured else None)
+    return merged
 
 
 def kept_logits(model, ids, keep, rows=None, share_stem=False):
@@ -294,11 +328,15 @@ def write_step(run_dir, step, metrics, rows, records, args, log):
                                             "the last checkpoint is intact",
                                             resumable=(run_dir / "latest").is_file())) from None
     m = metrics
-    if m["step_skipped"]:
-        log.say(f"step {step}: skipped, non-finite {m['nonfinite']} (weights and optimizer unchanged)")
+    if m["step_skipped"]:  # the updates before the non-finite one stand
+        kept = (f"its {m['updates']} update(s) before it stand" if m["updates"]
+                else "weights and optimizer unchanged")
+        log.say(f"step {step}: skipped, non-finite {m['nonfinite']} ({kept})")
+    clip = "-" if m["clip_frac"] is None else f"{m['clip_frac']:.1%}"  # None: no update measured it
+    kl = f"{m['kl']:.4f}" if args.kl_beta else "off"  # beta 0: no reference forward, unmeasured
     log.say(f"step {step}: reward {m['reward_mean']:+.3f}  accept "
             f"{m['outcome_ACCEPT']:.0%}  belief change {m['belief_change']:+.3f}  loss "
-            f"{m['loss']:+.4f}  kl {m['kl']:.4f}  dead {m['dead_group_share']:.0%}  "
+            f"{m['loss']:+.4f}  kl {kl}  clip {clip}  dead {m['dead_group_share']:.0%}  "
             f"{m['step_s']:.1f}s (rollout {m['rollout_s']:.1f}, probes {m['probe_s']:.1f}, "
             f"judge {m['judge_s']:.1f}, update {m['update_s']:.1f})")
     log.scalars(step, m, "train/")

@@ -544,6 +544,9 @@ def test_a_resumed_run_whose_choices_hold_passes_validation(tmp_path):
                               "at most 1048576 (a PiB); pass e.g. --plan-gib 80"),
     (["--plan-ranks", "3"], "train.py: --instances 2 must be a multiple of the number of ranks (3) "
                             "so that every rank rolls out whole groups; pass e.g. --instances 3"),
+    (["--plan-ranks", "1", "--updates-per-batch", "5"], "train.py: --updates-per-batch 5 exceeds "
+     "the 4 episodes each of 1 rank(s) updates on (one at least a mini-batch); pass e.g. "
+     "--updates-per-batch 4"),
     (["--persuader-temperature", "1e30"], "--persuader-temperature 1e+30 must be 0 (greedy)"),
     (["--name", "run\u202e"], "holds U+202E"),
 ])

@@ -562,3 +562,29 @@ def test_the_update_takes_logits_of_each_rows_own_kept_positions(share_stem, mon
     for name, p in policy.named_parameters():
         assert (got[name] - p.grad).abs().max() <= 1e-5 * max(p.grad.abs().max(), 1e-8), name
 
+
+@given(st.integers(1, 40), st.integers(1, 40))
+@settings(max_examples=60, deadline=None)
+def test_mini_batches_split_every_episode_once_in_order(episodes, updates):
+    """rpo.mini_batches: `updates` contiguous slices covering 0..episodes-1 once, in order, sizes
+    within one of each other (the larger first); more updates than episodes is refused."""
+    if updates > episodes:
+        with pytest.raises(ValueError, match="cannot split"):
+            rpo.mini_batches(episodes, updates)
+        return
+    parts = rpo.mini_batches(episodes, updates)
+    assert len(parts) == updates
+    assert [i for p in parts for i in range(episodes)[p]] == list(range(episodes))
+    sizes = [p.stop - p.start for p in parts]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] - sizes[-1] <= 1 and sizes[-1] >= 1
+
+
+def test_mini_batches_of_whole_groups_are_the_same_in_one_process_and_on_ranks():
+    """The ranks' k-th mini-batches together are one process's k-th when each rank's groups divide
+    by the updates (instances dealt to the ranks in turn, as train.step_instances does)."""
+    instances, group, world, updates = 8, 3, 2, 2
+    episodes = [(i, m) for i in range(instances) for m in range(group)]  # one process, in order
+    one = [set(episodes[p]) for p in rpo.mini_batches(len(episodes), updates)]
+    ranks = [[(i, m) for i in range(instances)[r::world] for m in range(group)] for r in range(world)]
+    split = [[mine[p] for p in rpo.mini_batches(len(mine), updates)] for mine in ranks]
+    assert one == [set(split[0][k]) | set(split[1][k]) for k in range(updates)]

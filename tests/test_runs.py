@@ -237,7 +237,7 @@ def test_resume_refuses_a_config_with_missing_or_foreign_keys_in_one_line(run_co
                             "or start a new run (another --name)")
     if not config:  # the exact line, as a user sees it
         assert message == (f"train.py: --resume: {run / 'config.json'} lacks activation_checkpointing, "
-                           "allow_insecure_key, anchor, clip_high, clip_low, constants and 37 more; it is "
+                           "allow_insecure_key, anchor, clip_high, clip_low, constants and 38 more; it is "
                            "the run's whole record, read as it is: restore it from a copy, or start a "
                            "new run (another --name)")
 

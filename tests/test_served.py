@@ -633,7 +633,8 @@ def test_training_against_a_served_persuadee_starts_at_ratio_one(tmp_path, short
     import train
     server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer())
     try:
-        [m] = train_against(server, tmp_path, short_scenarios, "--max-new-tokens", "8")
+        [m] = train_against(server, tmp_path, short_scenarios, "--max-new-tokens", "8",
+                            "--updates-per-batch", "1")  # the one update is the first
     finally:
         server.close()
     assert m["persuader_tokens"] > 0 and m["ratio_mean"] == pytest.approx(1.0, abs=1e-3)

@@ -192,19 +192,22 @@ def test_a_missing_logger_package_is_a_one_line_exit(monkeypatch):
 
 def test_rpo_owns_the_defaults(monkeypatch):
     """train.py re-exports none of rpo's constants; its defaults read them when parsing."""
-    for name in ("LAMBDA", "ANCHOR", "KL_BETA", "CLIP_LOW", "CLIP_HIGH"):
+    for name in ("LAMBDA", "ANCHOR", "KL_BETA", "CLIP_LOW", "CLIP_HIGH", "UPDATES_PER_BATCH"):
         assert not hasattr(train, name)
-    edited = dict(LAMBDA=0.25, ANCHOR=not rpo.ANCHOR, KL_BETA=0.5, CLIP_LOW=0.1, CLIP_HIGH=0.4)
+    edited = dict(LAMBDA=0.25, ANCHOR=not rpo.ANCHOR, KL_BETA=0.5, CLIP_LOW=0.1, CLIP_HIGH=0.4,
+                  UPDATES_PER_BATCH=3)
     for name, value in edited.items():
         monkeypatch.setattr(rpo, name, value)
-    args = parse_train(["--preset", "tiny", "--out", "/nonexistent-runs"])
-    assert (args.lam, args.anchor, args.kl_beta, args.clip_low, args.clip_high) == tuple(edited.values())
+    args = parse_train(["--preset", "paper", "--plan", "--out", "/nonexistent-runs"])
+    assert (args.lam, args.anchor, args.kl_beta, args.clip_low, args.clip_high,
+            args.updates_per_batch) == tuple(edited.values())
 
 
 def test_defaults():
     """The paper's values and this project's defaults (DECISIONS.md), gathered here: the one
     test an edited default breaks; every other test derives from the constants."""
     assert (rpo.LAMBDA, rpo.KL_BETA, rpo.CLIP_LOW, rpo.CLIP_HIGH) == (0.5, 0.01, 0.2, 0.28)
+    assert rpo.UPDATES_PER_BATCH == 4  # verl's default: 1024 prompts a batch, 256 a mini-batch
     assert rpo.ANCHOR is False and (rpo.STD_EPS, rpo.STRATEGY_WEIGHT) == (1e-6, 0.5)
     assert rpo.GOAL == {"ACCEPT": 3.0, "CONDITIONAL_ACCEPT": 1.0, "PENDING": 0.0, "REJECT": -1.0,
                         "WALK_AWAY": -2.0}  # the paper's accept - conditional gap: 2.0
@@ -606,7 +609,7 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
     env = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).parent.parent), str(Path(__file__).parent)))}
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3", "--instances", "4",
                      "--group-size", "2", "--lam", "0.5", "--max-new-tokens", "3",
-                     "--persuader", "random:tiny-qwen3-tied"]
+                     "--persuader", "random:tiny-qwen3-tied", "--updates-per-batch", "2"]
     def hashed(argv):  # what the script does, in this process, on to step 4 (the unbroken run)
         with pytest.MonkeyPatch.context() as m:
             m.setattr(arena, "parse_decision", hashed_decision)
@@ -679,7 +682,7 @@ def test_a_bf16_step_at_lr_1e6_moves_the_weights_as_fp32_adamw_does(tmp_path, sh
     moved = {}
     for dtype in ("bfloat16", "float32"):
         tiny_run(tmp_path, short_scenarios, dtype, "--dtype", dtype, "--lr", 1e-6, "--steps", 1,
-                 "--save-every", 1)
+                 "--save-every", 1, "--updates-per-batch", 1)  # one AdamW step
         saved = projections(checkpoint_weights(tmp_path / dtype))
         assert all(v.dtype == torch.float32 for v in saved.values())
         delta = torch.cat([(saved[k] - initial[k]).flatten() for k in initial]).abs()
@@ -736,7 +739,7 @@ def test_two_bf16_ranks_with_activation_checkpointing_match_one_process(tmp_path
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2",
                      "--instances", "2", "--group-size", "2", "--dtype", "bfloat16", "--lr",
                      "1e-6", "--save-every", "1", "--max-new-tokens", "6",
-                     "--activation-checkpointing", "on"]
+                     "--activation-checkpointing", "on", "--updates-per-batch", "1"]
     script = tmp_path / "torch_2_11_recompute.py"
     script.write_text(TORCH_2_11_RECOMPUTE)
     root = str(Path(__file__).parent.parent)
@@ -946,7 +949,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     import eval as evaluation
     from peft import PeftModel
     history = tiny_run(tmp_path, short_scenarios, "lora", "--lora", 4, "--steps", 2, "--lr", 3e-2,
-                       "--save-every", 1, "--kl-beta", 0.01)
+                       "--save-every", 1, "--kl-beta", 0.01, "--updates-per-batch", 1)
     assert history[1]["kl"] > 1e-4 and abs(history[1]["ratio_mean"] - 1) < 1e-4
     folder = tmp_path / "lora" / "checkpoint-2"
     assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
@@ -1054,7 +1057,7 @@ def test_two_lora_ranks_match_one_process(tmp_path, short_scenarios):
     and, after the AdamW step, at step 2."""
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2",
                      "--instances", "2", "--group-size", "2", "--persuader-temperature", "1",
-                     "--max-new-tokens", "6", "--lora", "4", "--lr", "3e-2"]
+                     "--max-new-tokens", "6", "--lora", "4", "--lr", "3e-2", "--updates-per-batch", "1"]
     one_and_two_ranks("train.py", common)
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         for key in COMPARED:
@@ -1238,3 +1241,66 @@ def test_playable_leaves_out_whole_groups_and_silenced_keeps_their_places():
     assert records[:2] == kept and adv == [[1.0], [-1.0], [], []]
     assert all(r.turn_ids == [0, 0, 0] for r in records[2:])
     assert rpo.persuader_tokens(records) == 4
+
+
+def on_policy_records(policy, count=4, length=12):
+    """`count` episodes of `length` random tokens whose persuader tokens (two messages) carry the
+    policy's own log-probs at T 1, as the rollout records them: the first update's ratio is 1."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 600, (count, length))
+    turn_ids = [0, 0, 1, 1, 1, 0, 0, 2, 2, 2, 0, 0][:length]
+    from conftest import token_logprobs
+    with torch.no_grad():
+        logprobs = token_logprobs(policy(ids).logits, ids)
+    return [Episode(ids=row.tolist(), turn_ids=turn_ids, logprobs=[0.0] + lp.tolist())
+            for row, lp in zip(ids, logprobs)]
+
+
+@pytest.mark.parametrize("updates", [1, 4])
+def test_updates_after_the_first_see_a_ratio_off_one_and_the_clip_acts(updates):
+    """--updates-per-batch U: U AdamW steps, one a mini-batch of the episodes, each against the
+    rollout's log-probs. With one, the policy that sampled is the one updated: the ratio is 1,
+    nothing is clipped and the KL to the reference (the initial weights) is 0. With four, the
+    mini-batches after the first meet a moved policy: the ratio leaves 1, the clip fraction is
+    nonzero and so is the KL, as a policy that took the old log-probs from itself would not."""
+    import argparse as ap
+    import copy
+    model = models.random_model("tiny-llama")[0]
+    records = on_policy_records(model)
+    policy = copy.deepcopy(model).requires_grad_(True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=2e-2, weight_decay=0.0)
+    args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=0.01, clip_low=0.2,
+                        clip_high=0.28, dtype="float32", lr=2e-2, updates_per_batch=updates)
+    seen = []
+    def update(*mini):
+        seen.append(len(mini[0]))
+        return train.policy_update(policy, model, optimizer, *mini, args, torch.device("cpu"), 1)
+    stats = steps.mini_batch_updates(records, [[1.0, -0.5], [-1.0, 0.5], [0.5, 1.0], [-0.5, -1.0]],
+                                     updates, update)
+    assert seen == [4 // updates] * updates and stats["updates"] == updates
+    assert next(iter(optimizer.state.values()))["step"] == updates
+    assert stats["persuader_tokens"] == 4 * 6 and stats["grad_norm"] > 0
+    if updates == 1:
+        assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert stats["clip_frac"] == 0.0 and stats["kl"] < 1e-9
+    else:
+        assert abs(stats["ratio_mean"] - 1) > 1e-2 and stats["clip_frac"] > 0.05 and stats["kl"] > 1e-3
+
+
+def test_merged_updates_weigh_by_tokens_and_a_non_finite_update_ends_the_batch():
+    """The step's stats: token-weighted means (an update that measured nothing left out), the
+    largest gradient norm; an update that finds a non-finite value is the batch's last."""
+    def update_stats(tokens, clip, skipped=0, grad_norm=1.0):
+        return dict(loss=clip, kl=clip, clip_frac=clip, ratio_mean=clip, grad_norm=grad_norm,
+                    persuader_tokens=tokens, step_skipped=skipped, nonfinite=["loss"] if skipped else [],
+                    zero_gradient=int(clip is None))
+    merged = steps.merged_updates([update_stats(10, 0.0), update_stats(30, 0.4, grad_norm=2.0),
+                                   update_stats(5, None)])
+    assert merged["clip_frac"] == pytest.approx(0.3) and merged["grad_norm"] == 2.0
+    assert (merged["persuader_tokens"], merged["zero_gradient"], merged["updates"]) == (45, 1, 3)
+    planned = iter([update_stats(10, 0.1), update_stats(10, 0.1, skipped=1), update_stats(10, 0.1)])
+    calls = []
+    stats = steps.mini_batch_updates(list(range(6)), [[]] * 6, 3,
+                                     lambda r, a: calls.append(r) or next(planned))
+    assert calls == [[0, 1], [2, 3]] and stats["step_skipped"] == 1 and stats["updates"] == 1
+    assert stats["nonfinite"] == ["loss"]
