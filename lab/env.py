@@ -283,9 +283,10 @@ class PersuasionEnv(gym.Env):
     def _step(self, action):
         if self.episode is None or self.episode["done"]:
             raise RuntimeError("env.py: no episode in play; call reset() first")
+        prepared = self.hub.prepare(self.ticket, action.strip())  # its cost on this thread
         self.episode["turn"] += 1
         self.episode["shown"].append({"role": "assistant", "content": action.strip()})
-        self.hub.say(self.ticket, action.strip())
+        self.hub.say(self.ticket, action.strip(), prepared)
         kind, seen = self._next_event()
         inst = self.episode["instance"]
         if kind == "speak":  # the episode goes on: the loop waits for the next message
