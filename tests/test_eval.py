@@ -674,3 +674,37 @@ def test_analyze_names_a_malformed_record_or_file_in_one_line(tmp_path, make, sa
         evaluation.main(["--analyze", str(tmp_path / "run")])
     assert e.value.code == says.format(run=tmp_path / "run")
     assert (tmp_path / "elsewhere.json").read_text() == '{"roles": "not this run"}'
+
+
+def test_an_episode_that_ended_context_leaves_the_run_finishable(tmp_path, monkeypatch, capsys):
+    """A sampled read-out whose context with a probe question passes the persuadee's context (an
+    episode that ended "context", its text tokenized again) is skipped, and the count said; the
+    evaluation then writes its summary and report.html, --resume finishes a run cut off before
+    its judge, and --analyze reads the folder (an unjudged record's judge_failed is null)."""
+    import arena
+    import engine
+    import models
+    from lab import fidelity
+    model, tok = models.load_model("random:tiny-qwen3")
+    instances = arena.heldout_instances()[:2]
+    eng = engine.Engine(model, tok, num_blocks=3000)
+    built = fidelity.fidelity_contexts
+    long_last = lambda t, i, e, sample: [c + [c[-1]] * (eng.max_len if k == len(sample) - 1 else 0)
+                                         for k, c in enumerate(built(t, i, e, sample))]
+    monkeypatch.setattr(fidelity, "fidelity_contexts", long_last)
+    summary = evaluation.evaluate(eng, eng, instances, tmp_path / "run", t_max=2, fidelity=3,
+                                  max_new_tokens=6, judge=None)
+    assert "1 of 3 sampled read-outs skipped" in capsys.readouterr().err
+    reads = json.loads((tmp_path / "run" / "fidelity.json").read_text())
+    assert len(reads["sample"]) == len(reads["fork"]) == 2 and reads["skipped"] == 1
+    assert summary["probe_fidelity"]["n"] == 2 * 3 and eng.free_blocks == 3000
+    for name in ("summary.json", "report.html"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+    cut = [{**ep, "judge": None, "judge_failed": None}  # killed before the judge scored them
+           for ep in records.load_episodes(tmp_path / "run")]
+    (tmp_path / "run" / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in cut))
+    assert report.analyze(tmp_path / "run")["n"] == 2
+    again = evaluation.evaluate(eng, eng, instances, tmp_path / "run", t_max=2, fidelity=3,
+                                max_new_tokens=6, judge=None, resume=True)
+    assert again["n"] == 2 and all(ep["judge_failed"] is False
+                                   for ep in records.load_episodes(tmp_path / "run"))
