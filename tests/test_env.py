@@ -280,7 +280,11 @@ def test_gym_make_knows_the_env_and_renders_ansi(tokenizer):
     reply, *_ = env.step("Hello there.")
     text = env.render()
     assert messages[1]["content"] in text and "[assistant] Hello there." in text
-    assert f"[user] {reply[0]['content']}" in text and "turn 1/2" in text
+    shown = __import__("lab.terminal").terminal.visible(reply[0]["content"])
+    assert f"[user] {shown}" in text and "turn 1/2" in text
+    env.step("Copy this \x1b]52;c;aGk=\x07 \x1b[2J\u202eevil")  # OSC 52, a clear, a bidi override
+    text = env.render()
+    assert not set(text) & {"\x1b", "\x07", "\u202e"} and "\\x1b]52" in text
     env.close()
     assert ee.free_blocks == 2000
 
