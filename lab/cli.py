@@ -45,6 +45,9 @@ NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resu
                 "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
             "micro_batch", "eval_limit", "save_every")  # integer arguments that must be >= 1
+UPPER = {"group_size": 1024, "micro_batch": 4096}  # at most (a group of 1e9 filled 16 GB of RAM
+# on a CPU whose plan said 3 GiB fit; the paper's group is 8)
+SEED_MAX = 2**63 - 1  # --seed at most (torch's generators take 64 bits; lab/env.py's SEED_MAX)
 TEMPERATURE_RANGE = (1e-2, 1e2)  # a sampling temperature other than 0 (greedy) lies here: below,
 # sampling is greedy in all but name; above, it is uniform over the vocabulary
 NONFINITE_NAMES = ("logprobs", "advantages", "loss", "grad_norm")  # what a step can find non-finite
@@ -464,6 +467,13 @@ def validate(args):
         if getattr(args, key) < 1:
             fail(f"--{key.replace('_', '-')} {getattr(args, key)}", "must be at least 1",
                  f"pass a positive number, e.g. --{key.replace('_', '-')} {presets.preset_values('tiny')[key]}")
+    for key, most in UPPER.items():
+        if getattr(args, key) > most:
+            fail(f"--{key.replace('_', '-')} {getattr(args, key)}", f"is above {most} "
+                 "(cli.UPPER)", f"pass e.g. --{key.replace('_', '-')} "
+                                f"{presets.preset_values('paper')[key]}")
+    if not 0 <= args.seed <= SEED_MAX:
+        fail(f"--seed {args.seed}", f"must lie in 0..{SEED_MAX}", "pass e.g. --seed 0")
     if args.instances > arena.N_TRAIN_INSTANCES:
         fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training "
              "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")

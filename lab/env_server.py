@@ -442,6 +442,8 @@ def pool_problem(flag, name, args, instances, judging):
         return f"env.py: {flag} {name} cannot be read ({str(e).splitlines()[0]}); {cli.MODEL_FIX}"
     if args.kv_blocks is None:
         return None
+    if too_large := pools.memory_problem(name, args.dtype, args.kv_blocks, shape):
+        return f"env.py: {too_large}"
     need = pools.episode_blocks(shape, instances, args.t_max, args.max_new_tokens)
     if judging:
         need = max(need, pools.judge_blocks(shape, instances, args.t_max, args.max_new_tokens))
@@ -477,7 +479,10 @@ def checked_models(args, instances):
 def main(argv=None):
     import uvicorn
     args = parse_args(argv)
-    instances = load_instances(args.scenarios)  # a bad path is named before any model loads
+    try:  # a bad path is named before any model loads
+        instances = load_instances(args.scenarios)
+    except ValueError as e:
+        sys.exit(str(e))
     import models
     models.set_cpu_threads()  # one thread per core the machine's load leaves free
     persuadee, judge = checked_models(args, instances)

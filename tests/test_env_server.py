@@ -112,6 +112,14 @@ def test_the_server_cli_refuses_bad_flags_before_loading(capsys, monkeypatch, sh
     message = str(excinfo.value)
     assert "\n" not in message and "--kv-blocks 1 cannot hold one episode" in message, message
     assert "and its judging" in message  # the default judge shares the persuadee's pool
+    for extra, words in ((["--kv-blocks", str(10**9), "--scenarios", short_scenarios],
+                          "more than this machine's"),  # a 7 TiB pool, as eval.py refuses it
+                         (["--scenarios", "/etc/passwd"], "invalid JSON"),
+                         (["--scenarios", "/dev/zero"], "not a regular file")):
+        with pytest.raises(SystemExit) as excinfo:
+            env_server.main(["--serve", "--persuadee", "random:tiny-qwen3", *extra])
+        message = str(excinfo.value)
+        assert "\n" not in message and words in message, message
 
 
 def free_port():
