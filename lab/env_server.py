@@ -38,6 +38,7 @@ SESSION_IDLE_S = 60.0  # an OpenEnv session idle this long is closed, its episod
 SHUTDOWN_S = 3.0  # on SIGTERM, open connections get this long before the server stops
 REQUEST_TIMEOUT_S = 10.0  # an HTTP request not received whole by then is dropped
 MAX_FRAME_CHARS = 64_000  # the longest text frame taken (a step's message is at most 16,000)
+MAX_BODY_BYTES = 4 * MAX_FRAME_CHARS  # the largest HTTP request body read (413 past it)
 MAX_DEPTH = 8  # the deepest nesting of a frame's JSON (a step is 3 deep)
 MAX_DIGITS = 40  # the most digits of a number in a frame (a seed is at most 19)
 
@@ -217,15 +218,53 @@ async def mcp_session_refusal(receive):
         "closed when its client goes or idles")}}, messages
 
 
+async def bounded_body(receive):
+    """An HTTP request's body messages, read whole up to MAX_BODY_BYTES (a 200 MB POST once
+    raised the server's memory by 1.2 GB, and a 422 echoed it back); None past it."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        size += len(message.get("body", b""))
+        if size > MAX_BODY_BYTES:
+            return None
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return messages
+
+
+def replay(messages, receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
+async def too_large(send):
+    """413 in one line, the body neither kept nor echoed."""
+    body = json.dumps({"detail": f"env_server.py: a request body of more than {MAX_BODY_BYTES} "
+                       "bytes; the routes take small JSON bodies (a session's steps go over "
+                       "the WebSocket /ws)"}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def guarded(app, idle_s=SESSION_IDLE_S):
     """The ASGI app, save that: on a WebSocket a malformed frame (frame_problem) is answered with
     an error message of the protocol and never reaches openenv's handler (which ends the session
     on it); a session that sends nothing for idle_s while no answer is owed (no step in flight)
     is told so in one line and closed (openenv's handler then closes its env: the episode ends
     and frees its blocks); closing a gone client again is a no-op and a handler that fails
-    because its answer could not be sent logs one line; POST /mcp refuses MCP sessions. `.app`
+    because its answer could not be sent logs one line; POST /mcp refuses MCP sessions; an HTTP
+    body past MAX_BODY_BYTES is refused (413) unread and unechoed. `.app`
     is app."""
     async def asgi(scope, receive, send):
+        if scope["type"] == "http":
+            messages = await bounded_body(receive)
+            if messages is None:
+                return await too_large(send)
+            receive = replay(messages, receive)
         if scope["type"] == "http" and scope["path"] == "/mcp" and scope["method"] == "POST":
             return await mcp(scope, receive, send)
         if scope["type"] != "websocket":
@@ -274,9 +313,7 @@ def guarded(app, idle_s=SESSION_IDLE_S):
                                     (b"content-length", str(len(body)).encode())]})
             return await send({"type": "http.response.body", "body": body})
 
-        async def replayed():
-            return messages.pop(0) if messages else await receive()
-        return await app(scope, replayed, send)
+        return await app(scope, replay(messages, receive), send)
     asgi.app = app
     return asgi
 

@@ -564,3 +564,20 @@ def test_a_frame_that_is_not_utf8_is_one_line(openenv_server):
     env_server.OneLineUTF8().filter(record)
     line = logging.Formatter().format(record)
     assert "a text frame that is not UTF-8" in line and "\n" not in line, line
+
+
+def test_a_huge_http_body_is_refused_unread_and_not_echoed(openenv_server):
+    """A request body past MAX_BODY_BYTES (sent whole or in chunks) is answered 413 in one line,
+    never echoed (a 422 once sent a 400 MB body back), and the server answers on; a small body
+    still reaches its route."""
+    import httpx
+    url, _, _ = openenv_server
+    huge = b'{"jsonrpc": "2.0", "id": 1, "method": "' + b"x" * (4 * env_server.MAX_BODY_BYTES) + b'"}'
+    for route in ("/mcp", "/schema", "/reset"):
+        for body in (huge, iter([huge[:1000], huge[1000:]])):  # with a length, then chunked
+            answer = httpx.post(url + route, content=body, timeout=30)
+            assert answer.status_code == 413 and len(answer.content) < 500, route
+            assert "\n" not in answer.json()["detail"]
+    assert "jsonrpc" in post(url + "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/list",
+                                             "params": {}})
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "healthy"
