@@ -420,3 +420,26 @@ def test_ctrl_c_with_a_step_in_flight_ends_the_run_at_once_in_one_line(tmp_path,
     assert proc.returncode == 130 and "Traceback" not in err  # (the progress bars are stderr's too)
     assert err.endswith(f"\ntrain.py: interrupted (Ctrl-C); {tmp_path / 'r'} keeps its last checkpoint: "
                         "continue with --resume\n")
+
+
+def test_overwrite_and_resume_refuse_another_programs_folder(tmp_path, short_scenarios, monkeypatch,
+                                                            no_model_loads):
+    """--overwrite (or --resume) of a folder another program of the project wrote (its marker
+    names it) is refused in one line, nothing deleted, both ways: train.py on an evaluation's
+    folder, eval.py on a training run's (each once deleted the other's)."""
+    from lab import runs
+    evals, trained = tmp_path / "f" / "an-eval", tmp_path / "f" / "a-run"
+    for folder, who, kept in ((evals, "eval.py", "summary.json"), (trained, "train.py", "metrics.jsonl")):
+        folder.mkdir(parents=True)
+        (folder / runs.MARKER).write_text(f"a PersuArena run folder, written by {who}\n")
+        (folder / kept).write_text("{}\n")
+    for flag in ("--overwrite", "--resume"):
+        with pytest.raises(SystemExit) as e:
+            train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out",
+                        str(tmp_path / "f"), "--name", "an-eval", flag])
+        assert "is a folder of eval.py, not of train.py" in str(e.value.code)
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path / "f"))
+    with pytest.raises(SystemExit, match="is a folder of train.py, not of eval.py"):
+        evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+                         "--limit", "1", "--name", "a-run", "--overwrite"])
+    assert (evals / "summary.json").is_file() and (trained / "metrics.jsonl").is_file()
