@@ -36,6 +36,8 @@ from lab.env import PersuasionEnv, load_instances, shown
 HOST = "127.0.0.1"  # the OpenEnv server listens on loopback only
 SESSION_IDLE_S = 60.0  # an OpenEnv session idle this long is closed, its episode abandoned
 SHUTDOWN_S = 3.0  # on SIGTERM, open connections get this long before the server stops
+MESSAGE_TIMEOUT_S = 360.0  # a client waits this long for an answer: past the server's own
+# deadlines (sessions.ADMIT_WAIT_S for room, served.DEADLINE_S for a served persuadee's call)
 REQUEST_TIMEOUT_S = 10.0  # an HTTP request not received whole by then is dropped
 MAX_FRAME_CHARS = 64_000  # the longest text frame taken (a step's message is at most 16,000)
 MAX_BODY_BYTES = 4 * MAX_FRAME_CHARS  # the largest HTTP request body read (413 past it)
@@ -410,7 +412,8 @@ class ServerSession:
     def __init__(self, url, who="env_server.py"):
         from openenv.core import GenericEnvClient
         try:
-            self.client = GenericEnvClient(base_url=url).sync().connect()
+            self.client = GenericEnvClient(base_url=url, message_timeout_s=MESSAGE_TIMEOUT_S
+                                           ).sync().connect()
         except Exception as e:
             why = (str(e).splitlines() or [type(e).__name__])[0][:120]
             raise SystemExit(f"{who}: cannot reach the arena server at {url} ({why}); "

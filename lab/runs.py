@@ -143,11 +143,15 @@ def write_failure(who, what, run_dir, error, kept, needed=0, resumable=True):
         free = 0
     cause = error.strerror if isinstance(error, OSError) and error.strerror else \
         (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    full = "the disk is full: " if free < needed or getattr(error, "errno", None) == errno.ENOSPC else ""
+    code = getattr(error, "errno", None)
+    full = "the disk is full: " if free < needed or code in (errno.ENOSPC, errno.EDQUOT) else ""
     again = ("rerun with --resume" if resumable else
              "rerun with --overwrite (no checkpoint was saved to resume from)")
+    # an OSError that names another cause (a permission, a read-only disk) is not the disk's room
+    fix = "fix that" if isinstance(error, OSError) and code is not None and not full else \
+        "free space there"
     return (f"{who}: could not write {what} into {run_dir} ({full}{free / 2**20:.1f} MiB free, "
-            f"{needed / 2**20:.1f} MiB needed; {cause}); {kept}: free space there and {again}")
+            f"{needed / 2**20:.1f} MiB needed; {cause}); {kept}: {fix} and {again}")
 
 # -----------------------------------------------------------------------------
 # the folder: one name rule, links refused, one lock, --overwrite of a run only
@@ -238,9 +242,9 @@ def check_folder(out, name, who, resume, overwrite, flag="--name", first=True):
         raise say_error(who, "--resume with --overwrite contradict each other; pass one of them")
     own = _own_files(run_dir) if first else []
     if (resume or overwrite) and (other := writer(run_dir)) not in (None, who):
-        raise say_error(who, f"{'--resume' if resume else '--overwrite'}: {run_dir} is a folder "
-                             f"of {other}, not of {who}; nothing was touched: pass another {flag} "
-                             "or --out")
+        raise say_error(who, f"{'--resume' if resume else '--overwrite'}: {run_dir} is a run of "
+                             f"another program ({other}), not of {who}; nothing was touched: pass "
+                             f"another {flag} or --out")
     if own and overwrite and not is_project_run(run_dir):
         foreign = [e.name for e in own if not RUN_FILES.fullmatch(e.name)]
         raise say_error(who, f"--overwrite would delete {run_dir}, which is not a run this "

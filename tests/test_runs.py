@@ -437,9 +437,21 @@ def test_overwrite_and_resume_refuse_another_programs_folder(tmp_path, short_sce
         with pytest.raises(SystemExit) as e:
             train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out",
                         str(tmp_path / "f"), "--name", "an-eval", flag])
-        assert "is a folder of eval.py, not of train.py" in str(e.value.code)
+        assert "another program (eval.py), not of train.py" in str(e.value.code)
     monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path / "f"))
-    with pytest.raises(SystemExit, match="is a folder of train.py, not of eval.py"):
+    with pytest.raises(SystemExit, match="another program \(train.py\), not of eval.py"):
         evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
                          "--limit", "1", "--name", "a-run", "--overwrite"])
     assert (evals / "summary.json").is_file() and (trained / "metrics.jsonl").is_file()
+
+
+def test_a_failed_write_blames_the_disk_only_when_it_is_full(tmp_path):
+    """runs.write_failure advises freeing space for a full disk (ENOSPC, or less free than
+    needed) and for a library's own words, but names the cause of any other OSError instead."""
+    import errno
+    from lab import runs
+    full = runs.write_failure("x", "a file", tmp_path, OSError(errno.ENOSPC, "No space left"), "kept")
+    denied = runs.write_failure("x", "a file", tmp_path, OSError(errno.EACCES, "Permission denied"),
+                                "kept")
+    assert "the disk is full" in full and "free space there" in full
+    assert "Permission denied" in denied and "fix that" in denied and "free space" not in denied
