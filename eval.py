@@ -268,7 +268,7 @@ def pin_settings(args, parser, argv):
             or runs.links_in(path.parent) or not path.is_file()):
         return  # open_folder refuses what is wrong with the folder, in one line
     try:
-        recorded = json.loads(path.read_text())
+        recorded = jsonl.loads(path.read_text())
     except (OSError, ValueError):
         return  # settings_mismatch names the unreadable record
     if not isinstance(recorded, dict):

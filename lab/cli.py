@@ -35,7 +35,7 @@ import models
 import probes
 import rollout
 import rpo
-from lab import checkpoints, gguf, loggers, lora, plan, presets, runs, served, shapes
+from lab import checkpoints, gguf, jsonl, loggers, lora, plan, presets, runs, served, shapes
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
@@ -95,7 +95,7 @@ def read_config(run_dir, who):
     """A run's config.json as a dict, or a one-line exit."""
     path = Path(run_dir) / "config.json"
     try:
-        recorded = json.loads(path.read_text())
+        recorded = jsonl.loads(path.read_text())
         problem = None if isinstance(recorded, dict) else "not a JSON object"
     except (OSError, ValueError) as e:
         problem = type(e).__name__
@@ -557,7 +557,7 @@ def record_config(run_dir, args, start, own=None):
         return runs.write_atomic(path, json.dumps({**config, "constants": pinned_constants(own)},
                                                   indent=2), who="train.py",
                                  kept="nothing was trained yet")
-    config = json.loads(path.read_text())
+    config = jsonl.loads(path.read_text())
     changes = {k: [config.get(k), getattr(args, k)] for k in RESUME_MAY_CHANGE
                if json.dumps(config.get(k)) != json.dumps(getattr(args, k))}
     if changes:

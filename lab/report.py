@@ -78,7 +78,7 @@ def analyze(run_dir, shaping_lambda=None):
     untagged = [ep for ep in episodes if ep.moves is None]
     if untagged:
         config = run_dir.parent / "config.json"
-        path = (json.loads(config.read_text()).get("scenarios") if config.is_file() else None) or arena.SCENARIOS_PATH
+        path = (jsonl.loads(config.read_text()).get("scenarios") if config.is_file() else None) or arena.SCENARIOS_PATH
         scenarios = scenarios_by_id(path)
         unknown = sorted({ep.scenario_id for ep in untagged} - set(scenarios))
         if unknown:
@@ -101,7 +101,7 @@ def analyze(run_dir, shaping_lambda=None):
 def read_json(path, fix):
     """A JSON file an evaluation wrote, or a ValueError naming it and fix (one line)."""
     try:
-        return json.loads(Path(path).read_text())
+        return jsonl.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         why = e.msg if isinstance(e, json.JSONDecodeError) else (getattr(e, "strerror", None) or type(e).__name__)
         raise ValueError(f"{path} cannot be read ({why}); {fix}") from None
@@ -137,7 +137,7 @@ def run_config(persuader):
     """The config.json of the training run a checkpoint folder belongs to, else {}."""
     config = Path(persuader).parent / "config.json"
     if Path(persuader).is_dir() and config.is_file():
-        recorded = json.loads(config.read_text())
+        recorded = jsonl.loads(config.read_text())
         return recorded if isinstance(recorded, dict) else {}
     return {}
 
@@ -160,7 +160,7 @@ def folder_lambda(run_dir):
     for path, key in ((run_dir / "settings.json", "shaping_lambda"),
                       (run_dir.parent / "config.json", "lam")):
         if path.is_file():
-            recorded = json.loads(path.read_text())
+            recorded = jsonl.loads(path.read_text())
             if isinstance(recorded, dict) and jsonl.is_number(recorded.get(key)):
                 return float(recorded[key])
     return rpo.LAMBDA
@@ -188,7 +188,7 @@ def role_differences(a, b):
     summary.json "roles"): their rates then measure more than the persuader."""
     def roles(folder):
         path = Path(folder) / "summary.json"
-        return json.loads(path.read_text()).get("roles", {}) if path.is_file() else {}
+        return jsonl.loads(path.read_text()).get("roles", {}) if path.is_file() else {}
     ra, rb = roles(a), roles(b)
     out = []
     for role in ("persuader", "persuadee", "judge"):

@@ -151,7 +151,7 @@ def pin_recorded(args, parser, argv):
     if not path.is_file():
         return
     try:
-        recorded = json.loads(path.read_text())
+        recorded = jsonl.loads(path.read_text())
         assert isinstance(recorded, dict)
     except (OSError, ValueError, AssertionError):
         raise runs.say_error("lab.sweep", f"{path} cannot be read; restore it, or pass --overwrite "
@@ -417,9 +417,9 @@ def summarize_sweep(root, args):
         plot_training(root, runs, args)
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
     first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
-    subset = read_arm(lambda p: json.loads(p.read_text()).get("subset"), first) if first.is_file() else None
+    subset = read_arm(lambda p: jsonl.loads(p.read_text()).get("subset"), first) if first.is_file() else None
     import train
-    summary = dict(settings=json.loads((root / "sweep.json").read_text()),
+    summary = dict(settings=jsonl.loads((root / "sweep.json").read_text()),
                    clipped_steps=clipped_steps(runs, train.GRAD_CLIP),
                    subset=(subset or f"{args.eval_limit} scenarios").removeprefix("heldout "), arms=entries,
                    table=rows, frozen_control=frozen, power=power, tests=count_tests(rows, frozen))

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 import arena
 import models
 import rpo
-from lab import env_server
+from lab import env_server, jsonl
 
 NUM_GENERATIONS = 4  # episodes per instance: GRPO's group
 NUM_GENERATIONS_MAX = 64  # --num-generations at most: with --server, each a session and a thread at once
@@ -330,7 +330,7 @@ def pin_resumed(args, config, explicit):
     one the command line leaves out takes the recorded value, one it names with another is
     refused in one line (only RESUME_MAY_CHANGE may change); config.json stays as written."""
     from lab import cli
-    recorded = json.loads(config.read_text())
+    recorded = jsonl.loads(config.read_text())
     cli.pin_settings(args, recorded, explicit, WHO, RESUME_MAY_CHANGE,
                      ("who", "out", "resume", "overwrite"), record=str(config),
                      restart="start a new run (another --out)")
@@ -341,7 +341,7 @@ def pin_resumed(args, config, explicit):
 def ours(config):
     """Whether config.json is one this program wrote."""
     try:
-        return json.loads(config.read_text()).get("who") == WHO
+        return jsonl.loads(config.read_text()).get("who") == WHO
     except (OSError, ValueError, AttributeError):
         return False
 

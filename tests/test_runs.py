@@ -455,3 +455,21 @@ def test_a_failed_write_blames_the_disk_only_when_it_is_full(tmp_path):
                                 "kept")
     assert "the disk is full" in full and "free space there" in full
     assert "Permission denied" in denied and "fix that" in denied and "free space" not in denied
+
+
+def test_deeply_nested_json_in_a_run_file_is_one_line(tmp_path, capsys):
+    """A line or a config nested too deep for Python's parser (a RecursionError, past every
+    except ValueError) is refused in one line: an evaluation's episodes.jsonl under --analyze,
+    a sweep's sweep.json, a LoRA adapter's config."""
+    from lab import jsonl, lora
+    deep = "[" * 100_000 + "]" * 100_000
+    folder = tmp_path / "ev"
+    folder.mkdir()
+    (folder / "episodes.jsonl").write_text(deep + "\n{}\n")
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(["--analyze", str(folder)])
+    assert "nested too deep" in str(e.value.code) and "\n" not in str(e.value.code)
+    with pytest.raises(ValueError, match="nested too deep"):
+        jsonl.loads(deep)
+    (tmp_path / lora.ADAPTER_CONFIG).write_text(deep)
+    assert "nested too deep" in lora.read_adapter_config(tmp_path)[1]
