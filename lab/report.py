@@ -33,12 +33,17 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     """Write episodes.jsonl, summary.json, fidelity.json (the fork and reference read-outs, when
     given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runs.write_atomic(out_dir / "episodes.jsonl", "".join(jsonl.json_line(ep.record(training=False)) for ep in episodes))
-    if fidelity is not None:
-        runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
-    runs.write_atomic(out_dir / "summary.json", json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
-    save_plots(out_dir, episodes, summary)
+    try:  # a full disk (or any failed write) is one line; what was written whole stays
+        out_dir.mkdir(parents=True, exist_ok=True)
+        runs.write_atomic(out_dir / "episodes.jsonl", "".join(jsonl.json_line(ep.record(training=False)) for ep in episodes))
+        if fidelity is not None:
+            runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
+        runs.write_atomic(out_dir / "summary.json", json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
+        save_plots(out_dir, episodes, summary)
+    except OSError as e:
+        raise SystemExit(runs.write_failure(
+            "eval.py", "the summary, figures and report", out_dir, e, "every episode played is "
+            "in episodes.jsonl (eval.py --analyze FOLDER writes the rest)")) from None
 
 
 def save_plots(out_dir, episodes, summary):

@@ -708,3 +708,19 @@ def test_an_episode_that_ended_context_leaves_the_run_finishable(tmp_path, monke
                                 max_new_tokens=6, judge=None, resume=True)
     assert again["n"] == 2 and all(ep["judge_failed"] is False
                                    for ep in records.load_episodes(tmp_path / "run"))
+
+
+def test_a_full_disk_while_writing_the_figures_is_one_line(tmp_path, monkeypatch):
+    """A figure or report.html cut by a full disk ends eval.py in one line naming the folder
+    and the free space (it was a traceback), the episodes already on disk."""
+    import errno
+    from lab import html_report
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(html_report, "write_report", full)
+    with pytest.raises(SystemExit) as e:
+        report.save_run(tmp_path / "run", [], {}, None)
+    message = str(e.value.code)
+    assert message.startswith("eval.py: could not write") and "the disk is full" in message
+    assert "\n" not in message and (tmp_path / "run" / "summary.json").is_file()
