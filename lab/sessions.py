@@ -443,12 +443,17 @@ class Hub:
         if self.eng is None or ticket.episode is None:
             return None
         final_turn = ticket.episode["state"].final_turn
-        ids = rollout.persuadee_heard(self.eng.tokenizer, text, final_turn)
-        if len(ids) > self.message_tokens:
-            raise ValueError(f"sessions.py: a persuader message of {len(ids)} tokens as the "
-                             f"persuadee hears it; at most {self.message_tokens} "
-                             "(sessions.MAX_MESSAGE_TOKENS): send a shorter message; the episode "
-                             "goes on")
+        # counted first, so a message refused anyway costs no text work; as a batch of one,
+        # which the fast tokenizer encodes without holding the GIL the loop's thread needs
+        raw = self.eng.tokenizer([text], add_special_tokens=False)["input_ids"][0]
+        for n in (len(raw), None):
+            if n is None:
+                n = len(ids := rollout.persuadee_heard(self.eng.tokenizer, text, final_turn))
+            if n > self.message_tokens:
+                raise ValueError(f"sessions.py: a persuader message of {n} tokens as the "
+                                 f"persuadee hears it; at most {self.message_tokens} "
+                                 "(sessions.MAX_MESSAGE_TOKENS): send a shorter message; the "
+                                 "episode goes on")
         return final_turn, ids
 
     def say(self, ticket, text, prepared=None):
