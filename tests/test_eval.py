@@ -653,6 +653,12 @@ def test_analyze_sets_aside_a_record_with_nan_infinity_or_an_absurd_value(tmp_pa
 @pytest.mark.parametrize("make, says", [
     (lambda d: analyze_folder(d, [{k: v for k, v in RUN_B[0].record().items() if k != "id"}] + RUN_B[1:]),
      "eval.py: {run}/episodes.jsonl, line 1: field 'id' must be a string, got missing"),
+    (lambda d: analyze_folder(d, RUN_B + RUN_B[:1]),
+     "eval.py: {run}/episodes.jsonl: episode '" + RUN_B[0]["id"] + "' is recorded twice (records 1 "
+     "and " + str(len(RUN_B) + 1) + "); delete one of them (each counts once)"),
+    (lambda d: analyze_folder(d, [dict(RUN_B[0], turns=10**18)] + RUN_B[1:]),
+     "eval.py: {run}/episodes.jsonl, line 1: field 'turns' must be a whole number in 0..1000, got "
+     "1000000000000000000"),
     (lambda d: analyze_folder(d, RUN_B, fidelity_json='{"fork": [1, 2], "reference": [1]}'),
      "eval.py: {run}/fidelity.json does not hold fork and reference read-outs (lists of finite numbers "
      "of one shape, as eval.py writes them); delete it (the summary then leaves the probe fidelity "
