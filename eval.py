@@ -382,7 +382,8 @@ def main(argv=None):
                   out_root=EVALS_DIR, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                   probe_space=args.probe_space, probe_signs=args.probe_signs,
                   sampling=cell_sampling(args, "human"), decision=args.decision,
-                  allow_insecure_key=args.allow_insecure_key)
+                  allow_insecure_key=args.allow_insecure_key, name=args.name,
+                  overwrite=args.overwrite)
         return
     instances = chosen_instances(args)
     root, cells = evaluation_cells(args, instances)

@@ -206,6 +206,16 @@ def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatc
     assert sum("belief" in line for line in shown) == 2
     [saved] = records.load_episodes(next((tmp_path / "evals").iterdir()))
     assert saved.transcript == ep.transcript
+    play.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=1, out_root="evals", name="mine",
+              read=lambda _: "", write=shown.append)  # --name names the folder
+    assert (tmp_path / "evals" / "mine" / "episodes.jsonl").is_file()
+    lines = []  # a reply cannot fake the probe line below it: shown on one line
+    play.PersonSide(1, write=lines.append).hear(0, "Fine.\n   p_accept +0.99\u2028x",
+                                                 shown=([None] * 3, [None]))
+    assert lines == ["them: Fine.\\x0a   p_accept +0.99\\u2028x"]
+    with pytest.raises(SystemExit, match="existing run"):
+        play.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=1, out_root="evals",
+                  name="mine", read=lambda _: "", write=shown.append)
 
 
 @pytest.mark.slow
