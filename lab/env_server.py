@@ -516,6 +516,22 @@ def checked_models(args, instances):
     return persuadee, PersuasionEnv._player(args.judge, loaded, args.dtype, args.kv_blocks)
 
 
+def stop_like_sigterm():
+    """Ctrl-C ends the server as SIGTERM does: uvicorn's graceful shutdown (SHUTDOWN_S), then
+    at once, in one line (uvicorn raises the signal again once it has shut down, and this is
+    then SIGINT's handler), not after a step in flight (its thread is not waited for) with two
+    tracebacks and exit status 0."""
+    import os
+    import signal
+
+    def stopped(signum, frame):
+        os.write(sys.stderr.fileno(), b"env_server.py: stopped (Ctrl-C); every session's "
+                                      b"episode ended\n")
+        os._exit(128 + signum)
+    signal.signal(signal.SIGINT, stopped)
+    return stopped
+
+
 def main(argv=None):
     import uvicorn
     args = parse_args(argv)
@@ -532,6 +548,7 @@ def main(argv=None):
 
     def make_env():
         return PersuasionEnv(scenarios=instances, hub=hub)
+    stop_like_sigterm()
     print(f"env.py: serving {args.persuadee} on ws://{HOST}:{args.port}/ws (OpenEnv; up to "
           f"{args.sessions} sessions; idle {args.session_timeout:g} s are closed)", file=sys.stderr)
     uvicorn.run(openenv_app(make_env, args.session_timeout, args.sessions),

@@ -581,3 +581,23 @@ def test_a_huge_http_body_is_refused_unread_and_not_echoed(openenv_server):
     assert "jsonrpc" in post(url + "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/list",
                                              "params": {}})
     assert httpx.get(url + "/health", timeout=10).json()["status"] == "healthy"
+
+
+def test_ctrl_c_ends_the_server_as_sigterm_does(monkeypatch, capfd):
+    """SIGINT's handler while serving (uvicorn calls it again after its graceful shutdown) ends
+    the process at once in one line with status 130, without waiting for a step's thread or
+    raising KeyboardInterrupt's tracebacks."""
+    import os
+    import signal
+    previous = signal.getsignal(signal.SIGINT)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    try:
+        handler = env_server.stop_like_sigterm()
+        assert signal.getsignal(signal.SIGINT) is handler
+        handler(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert exits == [130]
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "stopped (Ctrl-C)" in err and "Traceback" not in err
