@@ -258,7 +258,8 @@ def guarded(app, idle_s=SESSION_IDLE_S):
     on it); a session that sends nothing for idle_s while no answer is owed (no step in flight)
     is told so in one line and closed (openenv's handler then closes its env: the episode ends
     and frees its blocks); closing a gone client again is a no-op and a handler that fails
-    because its answer could not be sent logs one line; POST /mcp refuses MCP sessions; an HTTP
+    because its answer could not be sent logs one line; POST /mcp refuses MCP sessions, and a
+    WebSocket anywhere but /ws is refused (MCP's /mcp would attach envs outside --sessions); an HTTP
     body past MAX_BODY_BYTES is refused (413) unread and unechoed. `.app`
     is app."""
     async def asgi(scope, receive, send):
@@ -271,6 +272,9 @@ def guarded(app, idle_s=SESSION_IDLE_S):
             return await mcp(scope, receive, send)
         if scope["type"] != "websocket":
             return await app(scope, receive, send)
+        if scope["path"] != "/ws":  # an MCP session over WebSocket would hold an env outside
+            await receive()  # --sessions: refused (403) before it is accepted
+            return await send({"type": "websocket.close", "code": 1008})
 
         async def sent(message):
             try:

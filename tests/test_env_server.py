@@ -601,3 +601,17 @@ def test_ctrl_c_ends_the_server_as_sigterm_does(monkeypatch, capfd):
     assert exits == [130]
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "stopped (Ctrl-C)" in err and "Traceback" not in err
+
+
+def test_a_websocket_other_than_ws_is_refused(openenv_server):
+    """MCP over the WebSocket /mcp attached an env per connection outside --sessions: every
+    WebSocket path but /ws is refused before it is accepted; /ws still plays."""
+    from websockets.sync.client import connect
+    url, _, _ = openenv_server
+    for path in ("/mcp", "/other"):
+        with pytest.raises(Exception) as excinfo:
+            connect(url.replace("http://", "ws://") + path, open_timeout=10).__enter__()
+        assert "403" in str(excinfo.value), excinfo.value
+    raw = Raw(url)
+    observed(raw.ask("reset", {"seed": 1}))
+    raw.close()
