@@ -15,7 +15,8 @@ keyed by the seed). A session's message never waits for another session's episod
 
 A message's own cost is paid in its session's thread, before it joins the shared round
 (Hub.prepare): its tags stripped and its ids built there, and a message whose ids exceed
-MAX_MESSAGE_TOKENS (a few of a trainer's messages' length) is refused in one line. So one
+MAX_MESSAGE_TOKENS (a few of a trainer's messages' length) is refused in one line, after
+REFUSED_WAIT_S on the sender's clock. So one
 session's text (tags nested deep, a 9,000-token message the judge then reads) cannot hold the
 engine for the others.
 
@@ -45,6 +46,8 @@ HUB_IDLE_S = 5.0  # the loop's thread ends after this long without an episode (s
 ADMIT_WAIT_S = 30.0  # a session whose episode does not fit the pool waits this long, then is refused
 POLL_S = 0.5  # how often a waiting loop or session checks that the other side still lives
 MAX_MESSAGE_TOKENS = 1024  # ids a local persuadee hears of one message at most (4x a trainer's 256)
+REFUSED_WAIT_S = 0.25  # a refused message's session waits this long for its refusal: one
+# session sending refused text in a loop cannot take the CPU the others' rounds need
 MAX_SESSIONS = 64  # episodes in play at once on one hub (the server's --sessions)
 GATHER_S = 0.02  # a round waits this long for the messages of sessions answered in the last one,
 GATHER_FRACTION = 0.1  # or this fraction of the last round's time when longer,
@@ -450,6 +453,7 @@ class Hub:
             if n is None:
                 n = len(ids := rollout.persuadee_heard(self.eng.tokenizer, text, final_turn))
             if n > self.message_tokens:
+                time.sleep(REFUSED_WAIT_S)  # on the sender's clock, not the others' CPU
                 raise ValueError(f"sessions.py: a persuader message of {n} tokens as the "
                                  f"persuadee hears it; at most {self.message_tokens} "
                                  "(sessions.MAX_MESSAGE_TOKENS): send a shorter message; the "
