@@ -252,6 +252,23 @@ async def too_large(send):
     await send({"type": "http.response.body", "body": body})
 
 
+async def screened(scope, receive, send):
+    """(handled, the receive to pass on): an HTTP body past MAX_BODY_BYTES answered 413, and a
+    WebSocket on any path but /ws refused (403) before it is accepted (an MCP session over /mcp
+    would hold an env outside --sessions), both handled; else an HTTP body is replayed."""
+    if scope["type"] == "http":
+        messages = await bounded_body(receive)
+        if messages is None:
+            await too_large(send)
+            return True, receive
+        return False, replay(messages, receive)
+    if scope["type"] == "websocket" and scope["path"] != "/ws":
+        await receive()
+        await send({"type": "websocket.close", "code": 1008})
+        return True, receive
+    return False, receive
+
+
 def guarded(app, idle_s=SESSION_IDLE_S):
     """The ASGI app, save that: on a WebSocket a malformed frame (frame_problem) is answered with
     an error message of the protocol and never reaches openenv's handler (which ends the session
@@ -263,18 +280,13 @@ def guarded(app, idle_s=SESSION_IDLE_S):
     body past MAX_BODY_BYTES is refused (413) unread and unechoed. `.app`
     is app."""
     async def asgi(scope, receive, send):
-        if scope["type"] == "http":
-            messages = await bounded_body(receive)
-            if messages is None:
-                return await too_large(send)
-            receive = replay(messages, receive)
+        handled, receive = await screened(scope, receive, send)
+        if handled:
+            return
         if scope["type"] == "http" and scope["path"] == "/mcp" and scope["method"] == "POST":
             return await mcp(scope, receive, send)
         if scope["type"] != "websocket":
             return await app(scope, receive, send)
-        if scope["path"] != "/ws":  # an MCP session over WebSocket would hold an env outside
-            await receive()  # --sessions: refused (403) before it is accepted
-            return await send({"type": "websocket.close", "code": 1008})
 
         async def sent(message):
             try:
