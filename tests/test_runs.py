@@ -195,6 +195,8 @@ def test_a_failed_first_checkpoint_advises_overwrite_which_then_runs(tmp_path, s
 
 @pytest.mark.parametrize("key, value, says", [
     ("group_size", 0, "--group-size 0 must be at least 1"),
+    ("group_size", 10**9, "--group-size 1000000000 is above"),
+    ("seed", 10**23, "--seed 100000000000000000000000 must lie in"),
     ("lam", math.nan, "--lam nan"),
     ("lr", -1, "--lr -1"),
     ("scenarios", "/moved/scenarios.jsonl", "--scenarios /moved/scenarios.jsonl"),

@@ -242,6 +242,13 @@ def test_a_linked_sweep_folder_is_refused_in_one_line(tmp_path):
     assert str(e.value.code) == (f"lab.sweep: {tmp_path / 'x'} is a link (-> {elsewhere}), not a sweep "
                                  "folder; pass another --name or --out")
     assert not list(elsewhere.iterdir())
+    (tmp_path / "x").unlink()  # runs/ a link: refused without reading through it
+    (tmp_path / "x" / "runs").parent.mkdir()
+    (elsewhere / "planted").symlink_to(tmp_path)
+    (tmp_path / "x" / "runs").symlink_to(elsewhere)
+    with pytest.raises(SystemExit) as e:
+        sweep.main(BASE + ["--out", str(tmp_path)])
+    assert "holds links (runs)," in str(e.value.code)
 
 
 def test_a_running_sweep_is_never_deleted_and_names_follow_the_one_rule(tmp_path, capsys):
