@@ -118,7 +118,7 @@ class OutsideSide:
         for s in sids:
             text, prepared = self.tickets[s].mailbox.popleft()
             if prepared is not None:  # built in the session's thread (Hub.prepare): heard as is
-                sid = self.tickets[s].episode["persuadee_sid"]
+                sid = self.tickets[s].episode.persuadee_sid
                 self.loop.hub.persuadee_side.prepared[sid] = prepared
             said.append(dict(text=text or "", ids=[], logprobs=[],
                              reason=rollout.STOPPED if text is None else "stop"))
@@ -445,7 +445,7 @@ class Hub:
         a served one (its server tokenizes)."""
         if self.eng is None or ticket.episode is None:
             return None
-        final_turn = ticket.episode["state"].final_turn
+        final_turn = ticket.episode.dialogue.final_turn
         # counted first, so a message refused anyway costs no text work; as a batch of one,
         # which the fast tokenizer encodes without holding the GIL the loop's thread needs
         raw = self.eng.tokenizer([text], add_special_tokens=False)["input_ids"][0]

@@ -664,9 +664,9 @@ def test_analyze_sets_aside_a_record_with_nan_infinity_or_an_absurd_value(tmp_pa
     (lambda d: analyze_folder(d, [{k: v for k, v in RUN_B[0].record().items() if k != "id"}] + RUN_B[1:]),
      "eval.py: {run}/episodes.jsonl, line 1: field 'id' must be a string, got missing"),
     (lambda d: analyze_folder(d, RUN_B + RUN_B[:1]),
-     "eval.py: {run}/episodes.jsonl: episode '" + RUN_B[0]["id"] + "' is recorded twice (records 1 "
+     "eval.py: {run}/episodes.jsonl: episode '" + RUN_B[0].id + "' is recorded twice (records 1 "
      "and " + str(len(RUN_B) + 1) + "); delete one of them (each counts once)"),
-    (lambda d: analyze_folder(d, [dict(RUN_B[0], turns=10**18)] + RUN_B[1:]),
+    (lambda d: analyze_folder(d, [dict(RUN_B[0].record(), turns=10**18)] + RUN_B[1:]),
      "eval.py: {run}/episodes.jsonl, line 1: field 'turns' must be a whole number in 0..1000, got "
      "1000000000000000000"),
     (lambda d: analyze_folder(d, RUN_B, fidelity_json='{"fork": [1, 2], "reference": [1]}'),
@@ -716,13 +716,13 @@ def test_an_episode_that_ended_context_leaves_the_run_finishable(tmp_path, monke
     assert summary["probe_fidelity"]["n"] == 2 * 3 and eng.free_blocks == 3000
     for name in ("summary.json", "report.html"):
         assert (tmp_path / "run" / name).stat().st_size > 0
-    cut = [{**ep, "judge": None, "judge_failed": None}  # killed before the judge scored them
+    cut = [{**ep.record(training=False), "judge": None, "judge_failed": None}  # killed before the judge scored them
            for ep in records.load_episodes(tmp_path / "run")]
     (tmp_path / "run" / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in cut))
     assert report.analyze(tmp_path / "run")["n"] == 2
     again = evaluation.evaluate(eng, eng, instances, tmp_path / "run", t_max=2, fidelity=3,
                                 max_new_tokens=6, judge=None, resume=True)
-    assert again["n"] == 2 and all(ep["judge_failed"] is False
+    assert again["n"] == 2 and all(ep.judge_failed is False
                                    for ep in records.load_episodes(tmp_path / "run"))
 
 
