@@ -424,12 +424,10 @@ def parse_decision(text):
 
 def strip_decision_tags(text):
     """text without any decision tag (or the emphasis and blanks that only served the tag); text
-    without tags comes back unchanged. Repeated until none is left, as removing "[ACCEPT]" from
-    "[ACC[ACCEPT]EPT]" leaves a tag behind."""
-    out = text
-    while (new := hardening.strip_once(out, _STRIP_RE, _normalised)) != out:
-        out = new
-    return out if out == text else out.strip()
+    without tags comes back unchanged. In linear time (lab/hardening.strip_tags): removing
+    "[ACCEPT]" from "[ACC[ACCEPT]EPT]" leaves a tag behind, so a few passes run, and text that
+    still forms one after them loses its brackets."""
+    return hardening.strip_tags(text, _STRIP_RE, _normalised)
 
 def persuadee_sees(persuader_text, final_turn=False):
     """The persuader's message as the messages the persuadee's context receives: its text, tags

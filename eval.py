@@ -268,7 +268,7 @@ def pin_settings(args, parser, argv):
             or runs.links_in(path.parent) or not path.is_file()):
         return  # open_folder refuses what is wrong with the folder, in one line
     try:
-        recorded = json.loads(path.read_text())
+        recorded = jsonl.loads(path.read_text())
     except (OSError, ValueError):
         return  # settings_mismatch names the unreadable record
     if not isinstance(recorded, dict):
@@ -382,7 +382,8 @@ def main(argv=None):
                   out_root=EVALS_DIR, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                   probe_space=args.probe_space, probe_signs=args.probe_signs,
                   sampling=cell_sampling(args, "human"), decision=args.decision,
-                  allow_insecure_key=args.allow_insecure_key)
+                  allow_insecure_key=args.allow_insecure_key, name=args.name,
+                  overwrite=args.overwrite)
         return
     instances = chosen_instances(args)
     root, cells = evaluation_cells(args, instances)

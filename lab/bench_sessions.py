@@ -22,6 +22,11 @@ persuadee's replies, probe reads and decisions.
     python -m lab.bench_sessions --persuadee random:tiny-qwen3 --over inprocess
     python -m lab.bench_sessions --persuadee smollm2 --over loopback --sessions 1,16 --repeats 1
     python -m lab.bench_sessions --persuadee smollm2 --sessions 1,4,16 --rounds 3   # medians
+
+--attacker S: HONEST clients step for S seconds, then again beside one client that sends
+ATTACK (tags nested 1,998 deep, 15,992 characters) as each of its messages, then beside a fifth
+honest client instead (the control); the honest steps' median and count each time, in-process (a session's text must not cost the others
+their turn: lab/sessions.py). Nothing is asserted about time; the table reports it.
 """
 import argparse
 import os
@@ -41,6 +46,9 @@ T_MAX = 3  # turns an episode may last
 MAX_NEW_TOKENS = 8  # tokens of a persuadee reply
 SCRIPT = ("Hello, may I ask about your week?", "Would a leaflet help?", "We could go together.",
           "What would make it easier?")
+SESSIONS_MAX = 1024  # --sessions at most (sessions.MAX_SESSIONS is the server's default)
+HONEST = 4  # honest clients of the --attacker table
+ATTACK = "[ACC" * 1998 + "[ACCEPT]" + "EPT]" * 1998  # the attacker's message (under 16,000 chars)
 SERVER_START_S = 600  # a SmolLM2 server on a busy 2-core machine takes a while to load
 
 
@@ -146,6 +154,46 @@ def play_counts(args, target, steps, instances):
     return rates
 
 
+def stepping(env, c, instances, stop, times, refused, text=None):
+    """Client c's episodes on env until stop is set: each step's seconds in times (text: the
+    same message every step, its one-line refusals counted in refused)."""
+    while not stop.is_set():
+        env.reset(seed=c, options={"instance": instances[c % len(instances)]})
+        for message in client_messages(c) if text is None else [text] * 64:
+            start = time.perf_counter()
+            try:
+                *_, terminated, truncated, _ = env.step(message)
+            except ValueError:
+                refused.append(1)
+                continue
+            times.append(time.perf_counter() - start)
+            if terminated or truncated or stop.is_set():
+                break
+
+
+def attacked(target, instances, seconds):
+    """The honest clients' step times for `seconds`, without the attacker, with it, and with a
+    fifth honest client in its place (the control: what any fifth client costs them): {label:
+    (median step s, steps)}, and the attacker's refused messages."""
+    table, refused = {}, []
+    for label in ("without", "with", "with a fifth honest client instead of"):
+        stop, times, spent = threading.Event(), [], []  # spent: the fifth client's own steps
+        envs = [target(c) for c in range(HONEST + (label != "without"))]
+        threads = [threading.Thread(target=stepping, args=(
+            env, c, instances, stop, spent if c == HONEST else times, refused,
+            ATTACK if c == HONEST and label == "with" else None)) for c, env in enumerate(envs)]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        for env in envs:
+            env.close()
+        table[label] = (statistics.median(times) if times else float("nan"), len(times))
+    return table, len(refused)
+
+
 def print_medians(counts, rates):
     """Each count's median episodes/s over the rounds, and its ratio to the first count's."""
     medians = {count: statistics.median(rates[count]) for count in counts}
@@ -172,10 +220,16 @@ def main(argv=None):
     ap.add_argument("--kv-blocks", type=int)
     ap.add_argument("--scenarios", default="heldout")
     ap.add_argument("--instances", type=int, default=INSTANCES, help="distinct instances played")
+    ap.add_argument("--attacker", type=float, metavar="S", help="the attacker table: S seconds "
+                    "of honest steps without, then with, one client sending ATTACK")
     args = ap.parse_args(argv)
     args.sessions = [int(n) for n in args.sessions.split(",")]
     if min(args.sessions) < 1 or min(args.repeats, args.instances, args.rounds) < 1:
         ap.error("--sessions are positive counts, --repeats, --instances and --rounds at least 1")
+    if max(args.sessions) > SESSIONS_MAX:  # a thread, an env and a session each
+        ap.error(f"--sessions at most {SESSIONS_MAX} each, got {max(args.sessions)}")
+    if args.attacker is not None and not 0 < args.attacker <= 3600:
+        ap.error(f"--attacker takes seconds in (0, 3600], got {args.attacker}")
     from lab.env import load_instances
     loaded = load_instances(args.scenarios)
     instances = [i["id"] for i in loaded][:args.instances]
@@ -191,6 +245,14 @@ def main(argv=None):
         target = lambda c: ServerSession(f"http://127.0.0.1:{port}", who="bench_sessions.py")
     try:
         timed(target, 1, 1, instances)  # warm-up
+        if args.attacker:
+            table, refused = attacked(target, instances, args.attacker)
+            print(f"| {HONEST} honest sessions | median step (s) | steps in {args.attacker:g} s |")
+            print("|---|---:|---:|")
+            for label, (median, n) in table.items():
+                print(f"| {label} the attacker | {median:.3f} | {n} |")
+            print(f"\nthe attacker's messages refused: {refused}")
+            return table
         rates = play_counts(args, target, steps, instances)
         if args.rounds > 1:
             print_medians(args.sessions, rates)

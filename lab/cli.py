@@ -35,7 +35,7 @@ import models
 import probes
 import rollout
 import rpo
-from lab import checkpoints, gguf, loggers, lora, plan, presets, runs, served, shapes
+from lab import checkpoints, gguf, jsonl, loggers, lora, plan, presets, runs, served, shapes
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
 MODEL_FIX = "pass a model folder, a hub name, smollm2 or random:NAME"  # after a model_problem
@@ -45,6 +45,9 @@ NOT_SETTINGS = ("name", "out", "resume", "overwrite", "skipped_instances", "resu
                 "plan_ranks", "plan_gib", "allow_insecure_key")  # (where the key may go is no setting)
 POSITIVE = ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
             "micro_batch", "eval_limit", "save_every", "updates_per_batch")  # integers >= 1
+UPPER = {"group_size": 1024, "micro_batch": 4096}  # at most (a group of 1e9 filled 16 GB of RAM
+# on a CPU whose plan said 3 GiB fit; the paper's group is 8)
+SEED_MAX = 2**63 - 1  # --seed at most (torch's generators take 64 bits; lab/env.py's SEED_MAX)
 TEMPERATURE_RANGE = (1e-2, 1e2)  # a sampling temperature other than 0 (greedy) lies here: below,
 # sampling is greedy in all but name; above, it is uniform over the vocabulary
 NONFINITE_NAMES = ("logprobs", "advantages", "loss", "grad_norm")  # what a step can find non-finite
@@ -92,7 +95,7 @@ def read_config(run_dir, who):
     """A run's config.json as a dict, or a one-line exit."""
     path = Path(run_dir) / "config.json"
     try:
-        recorded = json.loads(path.read_text())
+        recorded = jsonl.loads(path.read_text())
         problem = None if isinstance(recorded, dict) else "not a JSON object"
     except (OSError, ValueError) as e:
         problem = type(e).__name__
@@ -464,6 +467,13 @@ def validate(args):
         if getattr(args, key) < 1:
             fail(f"--{key.replace('_', '-')} {getattr(args, key)}", "must be at least 1",
                  f"pass a positive number, e.g. --{key.replace('_', '-')} {presets.preset_values('tiny')[key]}")
+    for key, most in UPPER.items():
+        if getattr(args, key) > most:
+            fail(f"--{key.replace('_', '-')} {getattr(args, key)}", f"is above {most} "
+                 "(cli.UPPER)", f"pass e.g. --{key.replace('_', '-')} "
+                                f"{presets.preset_values('paper')[key]}")
+    if not 0 <= args.seed <= SEED_MAX:
+        fail(f"--seed {args.seed}", f"must lie in 0..{SEED_MAX}", "pass e.g. --seed 0")
     if args.instances > arena.N_TRAIN_INSTANCES:
         fail(f"--instances {args.instances}", f"exceeds the {arena.N_TRAIN_INSTANCES} training "
              "instances", f"pass at most --instances {arena.N_TRAIN_INSTANCES}")
@@ -547,7 +557,7 @@ def record_config(run_dir, args, start, own=None):
         return runs.write_atomic(path, json.dumps({**config, "constants": pinned_constants(own)},
                                                   indent=2), who="train.py",
                                  kept="nothing was trained yet")
-    config = json.loads(path.read_text())
+    config = jsonl.loads(path.read_text())
     changes = {k: [config.get(k), getattr(args, k)] for k in RESUME_MAY_CHANGE
                if json.dumps(config.get(k)) != json.dumps(getattr(args, k))}
     if changes:

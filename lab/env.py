@@ -46,13 +46,14 @@ import engine
 import probes
 import rollout
 import rpo
-from lab import hardening, sessions
+from lab import hardening, sessions, terminal
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
 JUDGE_DEFAULT = "persuadee"  # the paper's frozen judge: the persuadee's model in a fresh context
 DECISION_ENDS = ("decision", "rejections", "window")  # end reasons that terminate; others truncate
 ROLES = ("system", "user", "assistant")
 SEED_MAX = 2**63 - 1  # the largest seed reset takes (numpy takes any size: bounded here)
+SAMPLE_CHARS = 256  # longest message the action space samples (ASCII: at most a token a character)
 SHOWN_CHARS = 60  # the longest repr of a client's bad value an error line quotes
 ENV_ID = "PersuArena-v0"  # gym.make's name, registered when this module is imported
 
@@ -67,6 +68,14 @@ class Utterance(spaces.Text):
 
     def contains(self, x):
         return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+    def sample(self, mask=None, probability=None):
+        """Printable ASCII of at most SAMPLE_CHARS characters unless mask sets a length: a
+        message the hub takes (its ids are bounded too, sessions.MAX_MESSAGE_TOKENS)."""
+        if mask is None and probability is None:
+            top = min(self.max_length, SAMPLE_CHARS)
+            mask = (int(self.np_random.integers(self.min_length, top + 1)), None)
+        return super().sample(mask, probability)
 
 
 def message_space():
@@ -283,9 +292,10 @@ class PersuasionEnv(gym.Env):
     def _step(self, action):
         if self.episode is None or self.episode["done"]:
             raise RuntimeError("env.py: no episode in play; call reset() first")
+        prepared = self.hub.prepare(self.ticket, action.strip())  # its cost on this thread
         self.episode["turn"] += 1
         self.episode["shown"].append({"role": "assistant", "content": action.strip()})
-        self.hub.say(self.ticket, action.strip())
+        self.hub.say(self.ticket, action.strip(), prepared)
         kind, seen = self._next_event()
         inst = self.episode["instance"]
         if kind == "speak":  # the episode goes on: the loop waits for the next message
@@ -322,7 +332,9 @@ class PersuasionEnv(gym.Env):
 
     def render(self):
         """render_mode "ansi": the conversation so far as the persuader saw it, one message a
-        paragraph, with the turn and beliefs; None without a render mode."""
+        paragraph, with the turn and beliefs; None without a render mode. Model text goes
+        through lab/terminal.visible (escapes and bidi controls shown, never obeyed), so the
+        text is safe to print."""
         if self.render_mode != "ansi":
             return None
         if self.episode is None:
@@ -331,7 +343,7 @@ class PersuasionEnv(gym.Env):
         lines = [f"== {ep['instance']['id']} (seed {ep['seed']}), turn {ep['turn']}/{self.t_max}"
                  f"{', ended' if ep['done'] else ''}"]
         lines += [f"[{m['role']}] {m['content']}" for m in ep["shown"]]
-        return "\n\n".join(lines) + "\n"
+        return terminal.visible("\n\n".join(lines) + "\n")
 
     def close(self):
         """Stop the episode in play; its blocks are free on return. Never waits on the engine

@@ -36,8 +36,11 @@ from lab.env import PersuasionEnv, load_instances, shown
 HOST = "127.0.0.1"  # the OpenEnv server listens on loopback only
 SESSION_IDLE_S = 60.0  # an OpenEnv session idle this long is closed, its episode abandoned
 SHUTDOWN_S = 3.0  # on SIGTERM, open connections get this long before the server stops
+MESSAGE_TIMEOUT_S = 360.0  # a client waits this long for an answer: past the server's own
+# deadlines (sessions.ADMIT_WAIT_S for room, served.DEADLINE_S for a served persuadee's call)
 REQUEST_TIMEOUT_S = 10.0  # an HTTP request not received whole by then is dropped
 MAX_FRAME_CHARS = 64_000  # the longest text frame taken (a step's message is at most 16,000)
+MAX_BODY_BYTES = 4 * MAX_FRAME_CHARS  # the largest HTTP request body read (413 past it)
 MAX_DEPTH = 8  # the deepest nesting of a frame's JSON (a step is 3 deep)
 MAX_DIGITS = 40  # the most digits of a number in a frame (a seed is at most 19)
 
@@ -217,15 +220,69 @@ async def mcp_session_refusal(receive):
         "closed when its client goes or idles")}}, messages
 
 
+async def bounded_body(receive):
+    """An HTTP request's body messages, read whole up to MAX_BODY_BYTES (a 200 MB POST once
+    raised the server's memory by 1.2 GB, and a 422 echoed it back); None past it."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        size += len(message.get("body", b""))
+        if size > MAX_BODY_BYTES:
+            return None
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return messages
+
+
+def replay(messages, receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
+async def too_large(send):
+    """413 in one line, the body neither kept nor echoed."""
+    body = json.dumps({"detail": f"env_server.py: a request body of more than {MAX_BODY_BYTES} "
+                       "bytes; the routes take small JSON bodies (a session's steps go over "
+                       "the WebSocket /ws)"}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def screened(scope, receive, send):
+    """(handled, the receive to pass on): an HTTP body past MAX_BODY_BYTES answered 413, and a
+    WebSocket on any path but /ws refused (403) before it is accepted (an MCP session over /mcp
+    would hold an env outside --sessions), both handled; else an HTTP body is replayed."""
+    if scope["type"] == "http":
+        messages = await bounded_body(receive)
+        if messages is None:
+            await too_large(send)
+            return True, receive
+        return False, replay(messages, receive)
+    if scope["type"] == "websocket" and scope["path"] != "/ws":
+        await receive()
+        await send({"type": "websocket.close", "code": 1008})
+        return True, receive
+    return False, receive
+
+
 def guarded(app, idle_s=SESSION_IDLE_S):
     """The ASGI app, save that: on a WebSocket a malformed frame (frame_problem) is answered with
     an error message of the protocol and never reaches openenv's handler (which ends the session
     on it); a session that sends nothing for idle_s while no answer is owed (no step in flight)
     is told so in one line and closed (openenv's handler then closes its env: the episode ends
     and frees its blocks); closing a gone client again is a no-op and a handler that fails
-    because its answer could not be sent logs one line; POST /mcp refuses MCP sessions. `.app`
+    because its answer could not be sent logs one line; POST /mcp refuses MCP sessions, and a
+    WebSocket anywhere but /ws is refused (MCP's /mcp would attach envs outside --sessions); an HTTP
+    body past MAX_BODY_BYTES is refused (413) unread and unechoed. `.app`
     is app."""
     async def asgi(scope, receive, send):
+        handled, receive = await screened(scope, receive, send)
+        if handled:
+            return
         if scope["type"] == "http" and scope["path"] == "/mcp" and scope["method"] == "POST":
             return await mcp(scope, receive, send)
         if scope["type"] != "websocket":
@@ -274,9 +331,7 @@ def guarded(app, idle_s=SESSION_IDLE_S):
                                     (b"content-length", str(len(body)).encode())]})
             return await send({"type": "http.response.body", "body": body})
 
-        async def replayed():
-            return messages.pop(0) if messages else await receive()
-        return await app(scope, replayed, send)
+        return await app(scope, replay(messages, receive), send)
     asgi.app = app
     return asgi
 
@@ -373,7 +428,8 @@ class ServerSession:
     def __init__(self, url, who="env_server.py"):
         from openenv.core import GenericEnvClient
         try:
-            self.client = GenericEnvClient(base_url=url).sync().connect()
+            self.client = GenericEnvClient(base_url=url, message_timeout_s=MESSAGE_TIMEOUT_S
+                                           ).sync().connect()
         except Exception as e:
             why = (str(e).splitlines() or [type(e).__name__])[0][:120]
             raise SystemExit(f"{who}: cannot reach the arena server at {url} ({why}); "
@@ -442,6 +498,8 @@ def pool_problem(flag, name, args, instances, judging):
         return f"env.py: {flag} {name} cannot be read ({str(e).splitlines()[0]}); {cli.MODEL_FIX}"
     if args.kv_blocks is None:
         return None
+    if too_large := pools.memory_problem(name, args.dtype, args.kv_blocks, shape):
+        return f"env.py: {too_large}"
     need = pools.episode_blocks(shape, instances, args.t_max, args.max_new_tokens)
     if judging:
         need = max(need, pools.judge_blocks(shape, instances, args.t_max, args.max_new_tokens))
@@ -474,10 +532,29 @@ def checked_models(args, instances):
     return persuadee, PersuasionEnv._player(args.judge, loaded, args.dtype, args.kv_blocks)
 
 
+def stop_like_sigterm():
+    """Ctrl-C ends the server as SIGTERM does: uvicorn's graceful shutdown (SHUTDOWN_S), then
+    at once, in one line (uvicorn raises the signal again once it has shut down, and this is
+    then SIGINT's handler), not after a step in flight (its thread is not waited for) with two
+    tracebacks and exit status 0."""
+    import os
+    import signal
+
+    def stopped(signum, frame):
+        os.write(sys.stderr.fileno(), b"env_server.py: stopped (Ctrl-C); every session's "
+                                      b"episode ended\n")
+        os._exit(128 + signum)
+    signal.signal(signal.SIGINT, stopped)
+    return stopped
+
+
 def main(argv=None):
     import uvicorn
     args = parse_args(argv)
-    instances = load_instances(args.scenarios)  # a bad path is named before any model loads
+    try:  # a bad path is named before any model loads
+        instances = load_instances(args.scenarios)
+    except ValueError as e:
+        sys.exit(str(e))
     import models
     models.set_cpu_threads()  # one thread per core the machine's load leaves free
     persuadee, judge = checked_models(args, instances)
@@ -487,6 +564,7 @@ def main(argv=None):
 
     def make_env():
         return PersuasionEnv(scenarios=instances, hub=hub)
+    stop_like_sigterm()
     print(f"env.py: serving {args.persuadee} on ws://{HOST}:{args.port}/ws (OpenEnv; up to "
           f"{args.sessions} sessions; idle {args.session_timeout:g} s are closed)", file=sys.stderr)
     uvicorn.run(openenv_app(make_env, args.session_timeout, args.sessions),

@@ -74,7 +74,7 @@ def settings_mismatch(out_dir, settings, own=None):
     path = Path(out_dir) / "settings.json"
     if not path.exists():
         return []
-    before = json.loads(path.read_text())
+    before = jsonl.loads(path.read_text())
     return cli.changed_constants(before, own) + [
         f"{k} {before.get(k)!r} there, {settings.get(k)!r} now"
         for k in sorted(set(before) | set(settings)) if k != "constants" and before.get(k) != settings.get(k)]

@@ -26,22 +26,45 @@ def fidelity_reads(persuadee, instances, episodes, n, probe_space=None, probe_si
         return None
     sample = fidelity_sample(episodes, n)
     contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, sample[rank::world])
+    fits = [fits_read(persuadee, c) for c in contexts]
+    contexts = [c for c, ok in zip(contexts, fits) if ok]
     opts = (probe_space, probe_signs)
     mine = []
     if contexts:
         fork = probes.read_beliefs(persuadee, contexts, False, *opts).tolist()
         reference, vocabulary = probes.read_beliefs_references(persuadee.model,
                                                                persuadee.tokenizer, contexts, *opts)
-        mine = list(zip(fork, reference.tolist(), vocabulary.tolist()))
+        mine = iter(zip(fork, reference.tolist(), vocabulary.tolist()))
+    mine = [next(mine) if ok else None for ok in fits]  # None: a read-out that does not fit
     shards = [mine]
     if world > 1:
         import torch.distributed as dist
         shards = [None] * world
         dist.all_gather_object(shards, mine)
     reads = [shards[j % world][j // world] for j in range(len(sample))]  # back in sample order
-    return {"sample": [[episodes[i].id, t] for i, t in sample],
-            **{key: [r[k] for r in reads] for k, key in enumerate(("fork", "reference",
-                                                                   "vocabulary"))}}
+    kept = [j for j, r in enumerate(reads) if r is not None]
+    if len(kept) < len(sample) and rank == 0:
+        print(f"eval.py: probe fidelity: {len(sample) - len(kept)} of {len(sample)} sampled "
+              f"read-outs skipped: their context with a probe question passes the persuadee's "
+              f"context of {persuadee.max_len} tokens or its KV pool (an episode that ended "
+              "\"context\")", file=sys.stderr)
+    if not kept:
+        return None
+    return {"sample": [[episodes[sample[j][0]].id, sample[j][1]] for j in kept],
+            "skipped": len(sample) - len(kept),
+            **{key: [reads[j][k] for j in kept] for k, key in enumerate(("fork", "reference",
+                                                                        "vocabulary"))}}
+
+
+def fits_read(persuadee, context):
+    """Whether a context and its probe turns fit the persuadee's context and its pool (the
+    reference forward takes the same length); one rebuilt from an episode that ended "context"
+    may not."""
+    turns, _ = probes.probe_ids(persuadee.tokenizer)
+    longest = max(map(len, turns))
+    return (len(context) + longest <= persuadee.max_len and
+            persuadee.blocks_for(len(context)) + probes.read_blocks(persuadee)
+            <= persuadee.free_blocks)
 
 
 def fidelity_sample(episodes, n):

@@ -4,7 +4,8 @@ quoted and negated tags): invalid_text (a lone surrogate no tokenizer can encode
 hidden_character (a control, format (zero-width, bidi), line-separator or surrogate character:
 what a name shown to a person must not hold, as it hides or reorders what is shown; lab/runs.py's
 name rule) quoted (text as one JSON string on one line, for prompts that quote a speaker) and
-strip_once (arena.strip_decision_tags's pass: the tags the grammar reads cut out of the original text).
+strip_once (one pass of arena.strip_decision_tags: the tags the grammar reads cut out of the
+original text) and strip_tags (the passes, linear in the text however deep tags nest).
 Standard library only.
 
 Tests: python -m pytest -q tests/test_arena.py tests/test_adversarial.py
@@ -14,6 +15,7 @@ import json
 import re
 import unicodedata
 
+STRIP_PASSES = 4  # strip_once passes before text that still forms a tag loses its brackets
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def invalid_text(text):
@@ -76,3 +78,22 @@ def strip_once(text, strip_re, normalised):
         out += [text[last:origin[start]], _replacement(norm, start, m)]
         last, floor = origin[m.end() - 1] + 1, m.end()
     return "".join(out) + text[last:]
+
+
+def strip_tags(text, strip_re, normalised):
+    """text with no tag left (arena.strip_decision_tags): strip_once until nothing changes, at
+    most STRIP_PASSES times. Each pass can uncover a tag that nests ("[AC[ACCEPT]CEPT]" k deep
+    needs k passes: quadratic, 10 s for 16,000 characters), so text still changing after them
+    loses every character that normalises to a bracket, and no tag can remain (a tag needs
+    one). Linear: at most STRIP_PASSES + 1 passes over the text."""
+    out = text
+    for _ in range(STRIP_PASSES):
+        new = strip_once(out, strip_re, normalised)
+        if new == out:
+            return out if out == text else out.strip()
+        out = new
+    if strip_once(out, strip_re, normalised) == out:
+        return out.strip()
+    norm, origin = normalised(out)
+    brackets = {origin[i] for i, c in enumerate(norm) if c in "[]"}
+    return "".join(c for i, c in enumerate(out) if i not in brackets).strip()

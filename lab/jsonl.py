@@ -35,6 +35,15 @@ def finite(value):
     return value
 
 
+def loads(text):
+    """json.loads for a run's files, where a nesting too deep for Python's parser (a
+    RecursionError, not a ValueError: a traceback past every caller's except) is a ValueError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep to read (a RecursionError)") from None
+
+
 def json_line(row):
     """One JSONL line of a record (non-finite numbers as null)."""
     return json.dumps(finite(row), allow_nan=False) + "\n"
@@ -59,8 +68,9 @@ def read_jsonl(path, skip_bad=False, repair=False, what=None):
         if not line.strip():
             continue
         try:
-            rows.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as e:
+            rows.append((lineno, loads(line)))
+        except ValueError as e:  # json.JSONDecodeError, or nested too deep
+            e.msg = getattr(e, "msg", str(e))
             if lineno == len(lines):
                 print(f"warning: dropping the partial last line {lineno} of {path}", file=sys.stderr)
                 if repair:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from lab import jsonl
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # attention and MLP
 LORA_ALPHA_PER_RANK = 2  # alpha = 2 r: the adapter's update B A is scaled by alpha / r = 2
 LORA_SEED = 0  # A's initialisation (B starts at 0), the same on every rank
@@ -122,7 +124,7 @@ def read_adapter_config(folder):
     alpha / sqrt r under rsLoRA) lies in ADAPTER_SCALE_RANGE."""
     path = Path(folder).expanduser() / ADAPTER_CONFIG
     try:
-        record = json.loads(path.read_text())
+        record = jsonl.loads(path.read_text())
     except (OSError, ValueError) as e:
         return None, f"{ADAPTER_CONFIG} cannot be read ({_one_line(e)})"
     if not isinstance(record, dict):

@@ -14,7 +14,7 @@ from pathlib import Path
 import arena
 import probes
 import rollout
-from lab import analyses, hardening, pools, report, terminal
+from lab import analyses, hardening, pools, report, runs, terminal
 
 TYPING_TRIES = 5  # lines a person may type that are not valid text before the message is ""
 
@@ -45,15 +45,33 @@ def person_line(read, write, prompt):
 
 def play(scenario_id, persuadee, *, seed, t_max, out_root, read=input, write=print,
          max_new_tokens=None, dtype="float32", probe_space=None, probe_signs=None, sampling=None,
-         decision=None, allow_insecure_key=None):
+         decision=None, allow_insecure_key=None, name=None, overwrite=False):
     """You are the persuader (PersonSide): type each message; the persuadee (a local model or
     openai:MODEL@URL) answers and you see its probe values and the belief change of the turn.
-    The episode is saved under out_root/play-SCENARIO_ID-TIME like any other."""
+    The episode is saved under out_root/NAME (name: checked and locked as any run folder,
+    before the model loads), by default out_root/play-SCENARIO_ID-TIME, like any other."""
     found = [inst for split in arena.SPLITS for inst in arena.written_instances(split)
              if inst["id"] == scenario_id]
     if not found:
         sys.exit(f"eval.py: unknown scenario id {scenario_id!r}; use an id from scenarios.jsonl, e.g. heldout-017")
-    you = PersonSide(t_max, read, write)
+    name = name or f"play-{scenario_id}-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs.check_folder(out_root, name, "eval.py", False, overwrite)
+    out_dir = Path(out_root) / name
+    runs.lock(out_dir, "eval.py")
+    if overwrite:
+        runs.clear(out_dir)
+    try:
+        return played(scenario_id, found, persuadee, out_dir, PersonSide(t_max, read, write),
+                      seed=seed, t_max=t_max, write=write, max_new_tokens=max_new_tokens,
+                      dtype=dtype, probe_space=probe_space, probe_signs=probe_signs,
+                      sampling=sampling, decision=decision, allow_insecure_key=allow_insecure_key)
+    finally:
+        runs.unlock(out_dir)
+
+
+def played(scenario_id, found, persuadee, out_dir, you, *, seed, t_max, write, max_new_tokens,
+           dtype, probe_space, probe_signs, sampling, decision, allow_insecure_key):
+    """The episode a person played, saved into out_dir."""
     [ep] = rollout.rollout_episodes(
         you, pools.player(persuadee, {}, dtype, None, allow_insecure_key), found[:1], t_max, seed=seed,
         persuadee_sampling=(sampling or rollout.SAMPLING["paper"])[1],
@@ -61,7 +79,6 @@ def play(scenario_id, persuadee, *, seed, t_max, out_root, read=input, write=pri
         probe_signs=probe_signs, decision=decision)
     ep = rollout.Episode.from_record(dict(ep.record(training=False), judge=None,
                                           persuader="human", persuadee=persuadee, seed=seed))
-    out_dir = Path(out_root) / f"play-{scenario_id}-{time.strftime('%Y%m%d-%H%M%S')}"
     report.save_run(out_dir, [ep], analyses.summarize([ep]))
     write(f"outcome {ep.outcome} after {ep.turns} turns; saved to {out_dir}")
     return ep
@@ -114,7 +131,8 @@ class PersonSide:
 
     def hear(self, sid, text, final_turn=False, shown=None):
         """The reply, its probe values, the belief and its change this turn."""
-        self.write(f"them: {terminal.visible(text)}")  # a model's text: shown, never obeyed
+        self.write(f"them: {terminal.visible(text, one_line=True)}")  # shown, never obeyed,
+        # on its own line: a reply cannot print a fake probe line below it
         values, beliefs = shown
         if None not in values and None not in beliefs[-2:]:
             self.write("   " + "  ".join(f"{k} {v:+.2f}" for k, v in zip(probes.PROBES, values))

@@ -89,6 +89,18 @@ def judge_blocks(shape, instances, t_max, max_new_tokens):
             + rollout.message_blocks(shape, rollout.JUDGE_MAX_NEW_TOKENS))
 
 
+def memory_problem(name, dtype, kv_blocks, shape=None):
+    """One line (no prefix) when a --kv-blocks pool of local model `name` is larger than this
+    machine's memory, else None (eval.py and the env server refuse it before any weight loads)."""
+    shape = shape or pool_shape(name, dtype)
+    block, memory = block_bytes(name, dtype, shape.block_size), machine_bytes(shape.device)
+    if kv_blocks and kv_blocks * block > memory:
+        return (f"--kv-blocks {kv_blocks} needs {kv_blocks * block / 2**30:.1f} GiB for one pool "
+                f"of {name}, more than this machine's {memory / 2**30:.1f} GiB; pass --kv-blocks "
+                f"{memory // block // 4} or fewer")
+    return None
+
+
 def pool_problem(args, instances):
     """One line refusing, before any weight loads (issue 27): a --kv-blocks pool larger than the
     machine's memory; a --max-new-tokens that lets one episode outgrow the default pool; a pool
@@ -99,10 +111,8 @@ def pool_problem(args, instances):
             continue
         shape = pool_shape(name, args.dtype)
         block, memory = block_bytes(name, args.dtype, shape.block_size), machine_bytes(shape.device)
-        if args.kv_blocks and args.kv_blocks * block > memory:
-            return (f"eval.py: --kv-blocks {args.kv_blocks} needs {args.kv_blocks * block / 2**30:.1f} "
-                    f"GiB for one pool of {name}, more than this machine's {memory / 2**30:.1f} GiB; "
-                    f"pass --kv-blocks {memory // block // 4} or fewer")
+        if too_large := memory_problem(name, args.dtype, args.kv_blocks, shape):
+            return f"eval.py: {too_large}"
         budget = (memory * engine.CACHE_FRACTION_GPU if shape.device.type == "cuda"
                   else engine.CACHE_GB_CPU * 2**30)
         pool = args.kv_blocks or min(int(budget // block), engine.MAX_BLOCKS)

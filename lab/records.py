@@ -40,11 +40,13 @@ def _label_rows(v):
     return isinstance(v, list) and all(isinstance(r, list) and all(isinstance(x, str) for x in r) for r in v)
 
 
+MAX_TURNS = 1000  # an episode's turns at most (a run's --t-max is a handful; 10**18 is no episode)
 EPISODE_FIELDS = {  # what the analyses read of an episode record, and what it must be
     "id": ("a string", lambda v: isinstance(v, str)),
     "scenario_id": ("a string", lambda v: isinstance(v, str)),
     "outcome": (lambda: "one of " + ", ".join(arena.OUTCOMES), lambda v: v in arena.OUTCOMES),
-    "turns": ("a whole number >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "turns": (f"a whole number in 0..{MAX_TURNS}",
+              lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TURNS),
     "beliefs": ("a list of numbers (null where unread)", lambda v: isinstance(v, list) and all(map(_number_or_none, v))),
     "probes": ("a list of rows, one value per probe of probes.PROBES (null where unread)",
                lambda v: isinstance(v, list) and all(r is None or (isinstance(r, list) and len(r) == len(probe_names())
@@ -140,4 +142,9 @@ def load_episodes(dir_or_file):
                             EPISODE_FIELDS, OPTIONAL_EPISODE_FIELDS)
     if not episodes:
         raise ValueError(f"{path} holds no episodes; rerun the evaluation that wrote it")
+    seen = {}
+    for number, ep in enumerate(episodes, 1):
+        if (first := seen.setdefault(ep["id"], number)) != number:
+            raise ValueError(f"{path}: episode {ep['id']!r} is recorded twice (records {first} and "
+                             f"{number}); delete one of them (each counts once)")
     return [rollout.Episode.from_record(row) for row in episodes]

@@ -33,12 +33,17 @@ def save_run(out_dir, episodes, summary, fidelity=None):
     """Write episodes.jsonl, summary.json, fidelity.json (the fork and reference read-outs, when
     given), beliefs.png, probes.png and moves.png (when labelled), each atomically."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runs.write_atomic(out_dir / "episodes.jsonl", "".join(jsonl.json_line(ep.record(training=False)) for ep in episodes))
-    if fidelity is not None:
-        runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
-    runs.write_atomic(out_dir / "summary.json", json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
-    save_plots(out_dir, episodes, summary)
+    try:  # a full disk (or any failed write) is one line; what was written whole stays
+        out_dir.mkdir(parents=True, exist_ok=True)
+        runs.write_atomic(out_dir / "episodes.jsonl", "".join(jsonl.json_line(ep.record(training=False)) for ep in episodes))
+        if fidelity is not None:
+            runs.write_atomic(out_dir / "fidelity.json", json.dumps(fidelity) + "\n")
+        runs.write_atomic(out_dir / "summary.json", json.dumps(jsonl.finite(summary), indent=2, allow_nan=False) + "\n")
+        save_plots(out_dir, episodes, summary)
+    except OSError as e:
+        raise SystemExit(runs.write_failure(
+            "eval.py", "the summary, figures and report", out_dir, e, "every episode played is "
+            "in episodes.jsonl (eval.py --analyze FOLDER writes the rest)")) from None
 
 
 def save_plots(out_dir, episodes, summary):
@@ -78,7 +83,7 @@ def analyze(run_dir, shaping_lambda=None):
     untagged = [ep for ep in episodes if ep.moves is None]
     if untagged:
         config = run_dir.parent / "config.json"
-        path = (json.loads(config.read_text()).get("scenarios") if config.is_file() else None) or arena.SCENARIOS_PATH
+        path = (jsonl.loads(config.read_text()).get("scenarios") if config.is_file() else None) or arena.SCENARIOS_PATH
         scenarios = scenarios_by_id(path)
         unknown = sorted({ep.scenario_id for ep in untagged} - set(scenarios))
         if unknown:
@@ -101,7 +106,7 @@ def analyze(run_dir, shaping_lambda=None):
 def read_json(path, fix):
     """A JSON file an evaluation wrote, or a ValueError naming it and fix (one line)."""
     try:
-        return json.loads(Path(path).read_text())
+        return jsonl.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         why = e.msg if isinstance(e, json.JSONDecodeError) else (getattr(e, "strerror", None) or type(e).__name__)
         raise ValueError(f"{path} cannot be read ({why}); {fix}") from None
@@ -137,7 +142,7 @@ def run_config(persuader):
     """The config.json of the training run a checkpoint folder belongs to, else {}."""
     config = Path(persuader).parent / "config.json"
     if Path(persuader).is_dir() and config.is_file():
-        recorded = json.loads(config.read_text())
+        recorded = jsonl.loads(config.read_text())
         return recorded if isinstance(recorded, dict) else {}
     return {}
 
@@ -160,7 +165,7 @@ def folder_lambda(run_dir):
     for path, key in ((run_dir / "settings.json", "shaping_lambda"),
                       (run_dir.parent / "config.json", "lam")):
         if path.is_file():
-            recorded = json.loads(path.read_text())
+            recorded = jsonl.loads(path.read_text())
             if isinstance(recorded, dict) and jsonl.is_number(recorded.get(key)):
                 return float(recorded[key])
     return rpo.LAMBDA
@@ -188,7 +193,7 @@ def role_differences(a, b):
     summary.json "roles"): their rates then measure more than the persuader."""
     def roles(folder):
         path = Path(folder) / "summary.json"
-        return json.loads(path.read_text()).get("roles", {}) if path.is_file() else {}
+        return jsonl.loads(path.read_text()).get("roles", {}) if path.is_file() else {}
     ra, rb = roles(a), roles(b)
     out = []
     for role in ("persuader", "persuadee", "judge"):

@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import rpo
-from lab import records
+from lab import jsonl, records
 from lab import analyses
 from lab.analyses import closing_efficiency, corr, mean, num, pct, pearson_text
 from lab.jsonl import is_number
@@ -42,7 +42,7 @@ def read_run(run_dir):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory; pass a training run such as runs/NAME")
-    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    config = jsonl.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     evals = read_records(run_dir / "evals.jsonl", "a run trained with --eval-every N (train.py writes evals.jsonl)",
                          records.RUN_FIELDS["evals.jsonl"])
     if not evals:

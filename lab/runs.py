@@ -143,11 +143,15 @@ def write_failure(who, what, run_dir, error, kept, needed=0, resumable=True):
         free = 0
     cause = error.strerror if isinstance(error, OSError) and error.strerror else \
         (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    full = "the disk is full: " if free < needed or getattr(error, "errno", None) == errno.ENOSPC else ""
+    code = getattr(error, "errno", None)
+    full = "the disk is full: " if free < needed or code in (errno.ENOSPC, errno.EDQUOT) else ""
     again = ("rerun with --resume" if resumable else
              "rerun with --overwrite (no checkpoint was saved to resume from)")
+    # an OSError that names another cause (a permission, a read-only disk) is not the disk's room
+    fix = "fix that" if isinstance(error, OSError) and code is not None and not full else \
+        "free space there"
     return (f"{who}: could not write {what} into {run_dir} ({full}{free / 2**20:.1f} MiB free, "
-            f"{needed / 2**20:.1f} MiB needed; {cause}); {kept}: free space there and {again}")
+            f"{needed / 2**20:.1f} MiB needed; {cause}); {kept}: {fix} and {again}")
 
 # -----------------------------------------------------------------------------
 # the folder: one name rule, links refused, one lock, --overwrite of a run only
@@ -182,6 +186,16 @@ def links_in(run_dir):
     return found
 
 
+def writer(run_dir):
+    """The program whose marker run_dir holds (lock: "written by WHO"), or None (no marker, or
+    one of an earlier version that named none)."""
+    try:
+        text = (Path(run_dir) / MARKER).read_text(errors="replace")
+    except OSError:
+        return None
+    return text.rpartition("written by ")[2].strip() or None
+
+
 def is_project_run(run_dir):
     """A folder holding the project's marker, or only files a run writes (an older run)."""
     return (run_dir / MARKER).is_file() or all(RUN_FILES.fullmatch(e.name) for e in run_dir.iterdir())
@@ -203,7 +217,9 @@ def check_folder(out, name, who, resume, overwrite, flag="--name", first=True):
     """Everything about run_dir that can refuse a run, before any model loads: the name, a link,
     links inside, a file where a folder belongs, a folder that cannot be written, an existing
     run without --resume or --overwrite, --overwrite of a folder no run of this project wrote
-    (those two by the first process only: under torchrun rank 0, which may have begun the run).
+    (those two by the first process only: under torchrun rank 0, which may have begun the run),
+    --resume or --overwrite of another program's folder (its marker: writer). A folder another
+    process runs in is refused by lock(), which every program takes before it deletes anything.
     The run folder is out/name."""
     if problem := name_problem(name):
         raise say_error(who, f"{flag} {name!r} {problem}; pass e.g. {flag} my-run "
@@ -225,6 +241,10 @@ def check_folder(out, name, who, resume, overwrite, flag="--name", first=True):
     if resume and overwrite:
         raise say_error(who, "--resume with --overwrite contradict each other; pass one of them")
     own = _own_files(run_dir) if first else []
+    if (resume or overwrite) and (other := writer(run_dir)) not in (None, who):
+        raise say_error(who, f"{'--resume' if resume else '--overwrite'}: {run_dir} is a run of "
+                             f"another program ({other}), not of {who}; nothing was touched: pass "
+                             f"another {flag} or --out")
     if own and overwrite and not is_project_run(run_dir):
         foreign = [e.name for e in own if not RUN_FILES.fullmatch(e.name)]
         raise say_error(who, f"--overwrite would delete {run_dir}, which is not a run this "

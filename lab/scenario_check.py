@@ -12,6 +12,8 @@ Tests: python -m pytest -q tests/test_scenarios.py tests/test_arena.py
 
 import difflib
 import json
+import os
+import stat
 import unicodedata
 
 from lab import hardening
@@ -73,6 +75,7 @@ def schema(vocabulary):
                    "values": _values, "trust": _one_of(v["trust"]), "relationship": _text,
                    "secret": _text, "condition": _text},
     }
+MAX_FILE_BYTES = 64 * 2**20  # the largest scenario file read (the project's 200 scenarios: ~0.5 MB)
 OPTIONAL = {"persuadee.pronouns"}                                       # in every split
 TRAIN_OPTIONAL = {"hidden.resistance", "hidden.motivation", "hidden.relationship",
                   "hidden.secret"}  # training may omit these (the paper's B.2); held-out keeps every field
@@ -117,12 +120,26 @@ def _scenario_id(value, where):
                          "write ids in letters, digits and punctuation")
     return value
 
+def read_bounded(path, most=MAX_FILE_BYTES):
+    """A file's bytes, refused in one line (ValueError) when it is no regular file (a FIFO would
+    hang the read, /dev/zero fill memory) or holds more than `most` bytes."""
+    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+        kind = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(kind):
+            raise ValueError(f"{path} is not a regular file (a directory, FIFO or device); pass a "
+                             "scenarios.jsonl file")
+        data = f.read(most + 1)
+    if len(data) > most:
+        raise ValueError(f"{path} holds more than {most // 2**20} MiB "
+                         "(scenario_check.MAX_FILE_BYTES); pass a scenarios.jsonl file")
+    return data
+
+
 def read_scenarios(path, vocabulary):
     """Every scenario of a JSONL file, each line checked against schema(vocabulary): the first
     problem raises a one-line ValueError naming the file, line and field, and the fix."""
     rules = schema(vocabulary)
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    lines = read_bounded(path).split(b"\n")
     scenarios, first_line = [], {}
     for lineno, raw in enumerate(lines, 1):
         where = f"{path}, line {lineno}"

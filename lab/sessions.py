@@ -11,8 +11,14 @@ messages of the sessions answered together in the last round, so that they stay 
 hub's first episodes wait for others opening at the same moment, and episodes of one instance
 admitted together share their prompt's prefill, SharedPrompts), and the judge scores the
 episodes that ended in the same round together (those of one seed in one call: its retries are
-keyed by the seed). A session's
-message never waits for another session's episode to end.
+keyed by the seed). A session's message never waits for another session's episode to end.
+
+A message's own cost is paid in its session's thread, before it joins the shared round
+(Hub.prepare): its tags stripped and its ids built there, and a message whose ids exceed
+MAX_MESSAGE_TOKENS (a few of a trainer's messages' length) is refused in one line, after
+REFUSED_WAIT_S on the sender's clock. So one
+session's text (tags nested deep, a 9,000-token message the judge then reads) cannot hold the
+engine for the others.
 
 Admission: an episode of a local persuadee is admitted only while its worst case fits the pool
 beside the worst cases of those in play (pools.episode_blocks, and pools.judge_blocks when the
@@ -39,6 +45,9 @@ from lab import pools
 HUB_IDLE_S = 5.0  # the loop's thread ends after this long without an episode (started again)
 ADMIT_WAIT_S = 30.0  # a session whose episode does not fit the pool waits this long, then is refused
 POLL_S = 0.5  # how often a waiting loop or session checks that the other side still lives
+MAX_MESSAGE_TOKENS = 1024  # ids a local persuadee hears of one message at most (4x a trainer's 256)
+REFUSED_WAIT_S = 0.25  # a refused message's session waits this long for its refusal: one
+# session sending refused text in a loop cannot take the CPU the others' rounds need
 MAX_SESSIONS = 64  # episodes in play at once on one hub (the server's --sessions)
 GATHER_S = 0.02  # a round waits this long for the messages of sessions answered in the last one,
 GATHER_FRACTION = 0.1  # or this fraction of the last round's time when longer,
@@ -107,7 +116,10 @@ class OutsideSide:
     def speak(self, sids, keys):
         said = []
         for s in sids:
-            text = self.tickets[s].mailbox.popleft()
+            text, prepared = self.tickets[s].mailbox.popleft()
+            if prepared is not None:  # built in the session's thread (Hub.prepare): heard as is
+                sid = self.tickets[s].episode.persuadee_sid
+                self.loop.hub.persuadee_side.prepared[sid] = prepared
             said.append(dict(text=text or "", ids=[], logprobs=[],
                              reason=rollout.STOPPED if text is None else "stop"))
         return said
@@ -134,6 +146,15 @@ class SharedPrompts:
 
     def __init__(self, side):
         self.side, self.roots = side, {}
+        self.prepared = {}  # persuadee sid -> (final_turn, ids) of the message it hears next
+
+    def hear(self, sid, text, final_turn=False, shown=None):
+        """The message's ids as its session built them (Hub.prepare), else built here."""
+        done, ids = self.prepared.pop(sid, (None, None))
+        if ids is None or done != final_turn:
+            return self.side.hear(sid, text, final_turn, shown)
+        self.eng.append(sid, ids)
+        return [], None
 
     def __getattr__(self, name):
         return getattr(self.side, name)
@@ -245,7 +266,7 @@ class SessionLoop(rollout.EpisodeLoop):
         arrived, self.hub.inbox = self.hub.inbox, []
         joined = False
         for ticket in arrived:
-            if ticket.mailbox and ticket.mailbox[-1] is None and ticket.episode is None:
+            if ticket.mailbox and ticket.mailbox[-1][0] is None and ticket.episode is None:
                 self.scheduler.waiting = deque(w for w in self.scheduler.waiting
                                                if w[0] != ticket.index)
                 self.hub.tickets.pop(ticket.index, None)
@@ -320,10 +341,11 @@ class Hub:
 
     def __init__(self, persuadee, judge=None, *, t_max, max_new_tokens, sampling=None,
                  probe_space=None, probe_signs=None, max_sessions=MAX_SESSIONS,
-                 admit_wait_s=ADMIT_WAIT_S):
+                 admit_wait_s=ADMIT_WAIT_S, message_tokens=MAX_MESSAGE_TOKENS):
         self.persuadee, self.judge, self.t_max = persuadee, judge, t_max
         self.max_new_tokens, self.max_sessions, self.admit_wait_s = (max_new_tokens, max_sessions,
                                                                     admit_wait_s)
+        self.message_tokens = message_tokens
         self.persuadee_side = rollout.side(persuadee, "persuadee",
                                            sampling or rollout.SAMPLING["paper"][1],
                                            max_new_tokens, probe_space, probe_signs)
@@ -416,10 +438,32 @@ class Hub:
                 ticket.need = None
                 self.wake.notify_all()
 
-    def say(self, ticket, text):
-        """The session's next message (None: stop the episode)."""
+    def prepare(self, ticket, text):
+        """What the loop needs of a session's message, built in the session's own thread: for a
+        local persuadee the ids it hears (rollout.persuadee_heard: tags stripped, its turn's
+        markers, the final-turn instruction), refused in one line past message_tokens; None for
+        a served one (its server tokenizes)."""
+        if self.eng is None or ticket.episode is None:
+            return None
+        final_turn = ticket.episode.dialogue.final_turn
+        # counted first, so a message refused anyway costs no text work; as a batch of one,
+        # which the fast tokenizer encodes without holding the GIL the loop's thread needs
+        raw = self.eng.tokenizer([text], add_special_tokens=False)["input_ids"][0]
+        for n in (len(raw), None):
+            if n is None:
+                n = len(ids := rollout.persuadee_heard(self.eng.tokenizer, text, final_turn))
+            if n > self.message_tokens:
+                time.sleep(REFUSED_WAIT_S)  # on the sender's clock, not the others' CPU
+                raise ValueError(f"sessions.py: a persuader message of {n} tokens as the "
+                                 f"persuadee hears it; at most {self.message_tokens} "
+                                 "(sessions.MAX_MESSAGE_TOKENS): send a shorter message; the "
+                                 "episode goes on")
+        return final_turn, ids
+
+    def say(self, ticket, text, prepared=None):
+        """The session's next message (None: stop the episode), with what prepare built of it."""
         with self.wake:
-            ticket.mailbox.append(text)
+            ticket.mailbox.append((text, prepared))
             if ticket.episode is None and text is None:
                 self.inbox.append(ticket)
             self.wake.notify_all()

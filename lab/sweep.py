@@ -73,7 +73,8 @@ FROZEN = "frozen"  # the control arm's label: the same seed trained at lr 0
 SEED_FIELD = "{seed}"  # in an argument after --, the arm's seed (random:tiny-llama@{seed}: each
 # seed's own initial weights, the frozen control's the same as its arm's)
 SWEEP_ARMS_MAX = 64  # lambdas x seeds at most: each arm is a training run with its own folder
-SWEEP_FILES = re.compile(r"sweep\.json|summary\.json|table\.md|\w+\.png|runs|initial_s-?\d+")  # what a sweep writes
+SWEEP_FILES = re.compile(r"sweep\.json|summary\.json|table\.md|\w+\.png|runs|initial_s-?\d+"
+                         r"|\.lock|\.persuarena-run|\..*\.tmp")  # what a sweep writes
 SWEEP_SETS = ("preset", "lam", "seed", "steps", "eval_every", "eval_limit", "decision", "save_every",
               "out", "name", "eval_fidelity", "resume", "overwrite")  # train.py flags the sweep sets per arm
 
@@ -122,8 +123,8 @@ def argument_problems(args):
                 if getattr(args, k) is not None and getattr(args, k) < 1]
     if not problems and args.steps % args.eval_every:
         problems.append(f"--steps {args.steps} is not a multiple of --eval-every {args.eval_every}")
-    if Path(args.name).name != args.name or args.name in ("", ".", ".."):
-        problems.append(f"--name {args.name!r} must be one folder name")
+    if problem := runs.name_problem(args.name):  # the one name rule (lab/runs.py)
+        problems.append(f"--name {args.name!r} {problem}")
     for flag, values in (("--lams", args.lams), ("--seeds", args.seeds)):
         if dupes := sorted({v for v in values if values.count(v) > 1}):
             problems.append(f"{flag} names {', '.join(f'{v:g}' for v in dupes)} more than once")
@@ -157,7 +158,7 @@ def pin_recorded(args, parser, argv):
     if not path.is_file():
         return
     try:
-        recorded = json.loads(path.read_text())
+        recorded = jsonl.loads(path.read_text())
         assert isinstance(recorded, dict)
     except (OSError, ValueError, AssertionError):
         raise runs.say_error("lab.sweep", f"{path} cannot be read; restore it, or pass --overwrite "
@@ -313,7 +314,7 @@ def start_folder(root, args):
             raise runs.say_error("lab.sweep", f"--overwrite would delete {root}, which holds "
                                  f"{', '.join(sorted(foreign)[:4])}, not a sweep's files; nothing "
                                  "was deleted: pass another --name or --out")
-        shutil.rmtree(root)
+        runs.clear(root)  # its lock and marker kept: the lock is held on that file
     root.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("overwrite",)}
     runs.write_in(root, "sweep.json", json.dumps(settings, indent=2) + "\n", who="lab.sweep")
@@ -326,6 +327,7 @@ def main(argv=None):
     arms = [(lam, seed) for seed in args.seeds for lam in args.lams]
     arms += [(FROZEN, seed) for seed in args.seeds] if args.frozen_control else []
     check_sweep_folder(root)
+    runs.lock(root, "lab.sweep")  # before anything is deleted: a running sweep is refused
     if args.overwrite and root.is_dir():
         start_folder(root, args)  # emptied before the arms are checked: none of them resumes
     try:
@@ -385,7 +387,8 @@ def check_sweep_folder(root):
     if root.exists() and not root.is_dir():
         raise runs.say_error("lab.sweep", f"{root} is a file, not a sweep folder; pass another --name")
     if root.is_dir() and (links := [e.name for e in sorted(root.iterdir()) if e.is_symlink()]
-                          + [f"runs/{n}" for n in runs.links_in(root / "runs")]):
+                          or [f"runs/{n}" for n in runs.links_in(root / "runs")]):  # not read
+        # through a link: runs/ is looked into only once it is no link itself
         raise runs.say_error("lab.sweep", f"{root} holds links ({', '.join(links[:4])}), which a "
                              "sweep never writes through; remove them, or pass another --name")
 
@@ -421,11 +424,11 @@ def summarize_sweep(root, args):
         plot_training(root, runs, args)
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
     first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
-    subset = read_arm(lambda p: json.loads(p.read_text()).get("subset"), first) if first.is_file() else None
+    subset = read_arm(lambda p: jsonl.loads(p.read_text()).get("subset"), first) if first.is_file() else None
     import train
     fig7 = fig7_rows({lam: {s: runs[lam][s]["metrics"] for s in args.seeds} for lam in args.lams},
                      args.lams, args.seeds, train.GRAD_CLIP)
-    summary = dict(settings=json.loads((root / "sweep.json").read_text()),
+    summary = dict(settings=jsonl.loads((root / "sweep.json").read_text()),
                    clipped_steps=clipped_steps(runs, train.GRAD_CLIP), fig7=fig7,
                    subset=(subset or f"{args.eval_limit} scenarios").removeprefix("heldout "), arms=entries,
                    table=rows, frozen_control=frozen, power=power, tests=count_tests(rows, frozen))

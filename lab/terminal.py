@@ -24,7 +24,12 @@ def _escape(match):
     return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
 
 
-def visible(text):
+_LINE = re.compile("[" + re.escape(CONTROLS + BIDI_CONTROLS + "\u0085\u2028\u2029") + "]")
+
+
+def visible(text, one_line=False):
     """text with every control character but newline and tab, and every bidi control, written as
-    its escape (ESC as \\x1b, RLO as \\u202e): shown, never obeyed."""
-    return _SHOWN.sub(_escape, str(text))
+    its escape (ESC as \\x1b, RLO as \\u202e): shown, never obeyed. one_line: newlines, tabs
+    and Unicode line separators escaped too, so the text cannot start a line of its own (a
+    reply that would fake the line printed after it)."""
+    return (_LINE if one_line else _SHOWN).sub(_escape, str(text))

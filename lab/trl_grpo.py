@@ -36,13 +36,14 @@ from transformers import DynamicCache
 import arena
 import models
 import rpo
-from lab import env_server
+from lab import env_server, jsonl
 
 NUM_GENERATIONS = 4  # episodes per instance: GRPO's group
 NUM_GENERATIONS_MAX = 64  # --num-generations at most: with --server, each a session and a thread at once
 TURN_TOKENS = 128  # the most tokens the persuader generates in one message
 LEARNING_RATE = 1e-6
 REWARD_NAMES = ("arena_outcome", "arena_dense")  # TRL logs rewards/<name>/mean per step
+RESUME_MAY_CHANGE = ("steps", "save_every", "server")  # what --resume may set anew (config.json)
 SAVE_EVERY = 1  # steps between checkpoints (a run killed mid-way resumes from the last)
 WHO = "trl_grpo.py"
 PERSUADER = "persuader"  # the run folder's trained persuader, a folder eval.py takes
@@ -127,12 +128,12 @@ def play_episode(env, model, tokenizer, instance_id, seed, gen_kwargs):
 
 def make_rollout(env, by_prompt, turn_tokens=TURN_TOKENS, seed=0, on_episode=None):
     """GRPOTrainer's rollout_func: one env episode per prompt it is handed (the trainer repeats
-    each prompt NUM_GENERATIONS times), episode seeds seed, seed + 1, ... in order of the prompts.
+    each prompt NUM_GENERATIONS times), episode seeds seed + step * n, seed + step * n + 1, ...
+    for the n prompts of the trainer's step (its global_step: a resumed run plays the seeds an
+    uninterrupted one would).
     An env with `sessions(n)` (ServerEnv) plays the step's episodes at once, one session each,
     so the server batches their persuadee replies; a PersuasionEnv plays them in turn.
     on_episode(instance id, episode) sees each episode (tests, logs), in order of the prompts."""
-    played = [0]
-
     def rollout_func(prompts, trainer):
         instance_ids = [by_prompt.get(prompt_key(prompt)) for prompt in prompts]
         if None in instance_ids:
@@ -142,8 +143,8 @@ def make_rollout(env, by_prompt, turn_tokens=TURN_TOKENS, seed=0, on_episode=Non
         gen_kwargs = generation_kwargs(trainer, turn_tokens)
         was_training = model.training
         model.eval()
-        seeds = [seed + played[0] + k for k in range(len(instance_ids))]
-        played[0] += len(instance_ids)
+        step = trainer.state.global_step  # restored on --resume: the streams go on from it
+        seeds = [seed + step * len(instance_ids) + k for k in range(len(instance_ids))]
         tokenizer = trainer.processing_class
         if hasattr(env, "sessions"):
             from concurrent.futures import ThreadPoolExecutor
@@ -213,9 +214,10 @@ class ServerEnv(env_server.ServerSession):
         self.url, self.by_id, self.pool = url, {inst["id"]: inst for inst in instances}, []
 
     def sessions(self, n):
-        while len(self.pool) < n:
+        """n sessions, this one the first (n episodes at once take n of the server's slots)."""
+        while len(self.pool) < n - 1:
             self.pool.append(env_server.ServerSession(self.url, who=WHO))
-        return self.pool[:n]
+        return [self] + self.pool[:n - 1]
 
     def close(self):
         for session in self.pool:
@@ -282,7 +284,7 @@ def flag_problem(args):
     return None
 
 
-def prepare_run(args):
+def prepare_run(args, explicit=()):
     """The run folder --out, checked and locked before any model loads (lab/runs.py's rules:
     no link, an existing run refused without --resume or --overwrite, --overwrite of a folder
     this project wrote only, never inside another run; --resume only of a run of this program),
@@ -306,33 +308,61 @@ def prepare_run(args):
     if args.overwrite:
         runs.clear(run_dir)
     latest = run_dir / "latest"
-    resume = None
-    if args.resume:
-        if not latest.is_file():
-            raise runs.say_error(WHO, f"--resume: no checkpoint in {run_dir} yet; pass "
-                                      "--overwrite to start it again")
-        resume = run_dir / latest.read_text().strip()
-    runs.write_atomic(config, json.dumps({"who": WHO, **vars(args)}, indent=1), who=WHO)
-    return run_dir, resume
+    if not args.resume:
+        runs.write_atomic(config, json.dumps({"who": WHO, **vars(args)}, indent=1), who=WHO)
+        return run_dir, None
+    if not latest.is_file():
+        raise runs.say_error(WHO, f"--resume: no checkpoint in {run_dir} yet; pass "
+                                  "--overwrite to start it again")
+    pin_resumed(args, config, explicit)
+    return run_dir, run_dir / latest.read_text().strip()
+
+
+def given(argv):
+    """The settings a command line names (--flag or --flag=value), by their dest."""
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    return {a[2:].partition("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+def pin_resumed(args, config, explicit):
+    """--resume keeps every setting config.json recorded (lab/cli.pin_settings, as train.py's):
+    one the command line leaves out takes the recorded value, one it names with another is
+    refused in one line (only RESUME_MAY_CHANGE may change); config.json stays as written."""
+    from lab import cli
+    recorded = jsonl.loads(config.read_text())
+    cli.pin_settings(args, recorded, explicit, WHO, RESUME_MAY_CHANGE,
+                     ("who", "out", "resume", "overwrite"), record=str(config),
+                     restart="start a new run (another --out)")
+    if problem := flag_problem(args):
+        raise SystemExit(f"{WHO}: --resume: {problem} (the value read from {config})")
 
 
 def ours(config):
     """Whether config.json is one this program wrote."""
     try:
-        return json.loads(config.read_text()).get("who") == WHO
+        return jsonl.loads(config.read_text()).get("who") == WHO
     except (OSError, ValueError, AttributeError):
         return False
 
 
 def latest_callback(run_dir):
     """A TrainerCallback that, once the Trainer has written checkpoint-STEP whole, names it in
-    run_dir/latest (written atomically): a checkpoint cut by a kill is never resumed from."""
+    run_dir/latest (written atomically): a checkpoint cut by a kill is never resumed from, nor
+    one whose weights hold a NaN or an infinity (the run stops in one line instead)."""
     from transformers import TrainerCallback
     from lab import runs
 
+    from lab import checkpoints
+
     class Latest(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
+        def on_save(self, args, state, control, model=None, **kwargs):
             folder = run_dir / f"checkpoint-{state.global_step}"
+            if model is not None and (bad := checkpoints.nonfinite_weight(model.state_dict())):
+                raise runs.say_error(WHO, f"the persuader's {bad} is not finite at step "
+                                     f"{state.global_step}; latest still names the last finite "
+                                     "checkpoint: lower --learning-rate, then --resume (or "
+                                     "--overwrite)")
             if folder.is_dir():
                 runs.write_atomic(run_dir / "latest", folder.name, who=WHO)
     return Latest()
@@ -356,7 +386,20 @@ def main(argv=None):
         instances = persuasion_env.load_instances(args.scenarios)[:args.instances]
     except ValueError as e:
         raise SystemExit(f"{WHO}: --scenarios: {e}") from None
-    run_dir, resume = prepare_run(args)
+    run_dir, resume = prepare_run(args, given(argv))
+    if resume:  # the run's own scenarios and instances (pinned)
+        instances = persuasion_env.load_instances(args.scenarios)[:args.instances]
+    restore = runs.exit_on_interrupt(WHO, run_dir)  # Ctrl-C: at once, in one line
+    try:
+        train_run(args, instances, run_dir, resume)
+    finally:
+        restore()
+        runs.unlock(run_dir)
+
+
+def train_run(args, instances, run_dir, resume):
+    """The run in run_dir (prepared and locked): trained, its persuader saved."""
+    from lab import checkpoints, runs
     env = arena_env(args, instances)
     model, tokenizer = models.load_model(args.policy)
     config = grpo_config(str(run_dir), args.steps, args.lam, args.num_generations,
@@ -366,23 +409,29 @@ def main(argv=None):
     trainer.add_callback(latest_callback(run_dir))
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    except (ConnectionError, OSError) as e:
-        raise SystemExit(f"{WHO}: the arena went away mid-run ({type(e).__name__}: "
+    except (ConnectionError, TimeoutError) as e:
+        why = "did not answer in time" if isinstance(e, TimeoutError) else "went away mid-run"
+        raise SystemExit(f"{WHO}: the arena {why} ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:120] if str(e) else ''}); the run keeps its "
                          f"last checkpoint: rerun with --resume") from None
+    except OSError as e:  # a checkpoint's write: a full disk, most often
+        raise SystemExit(runs.write_failure(WHO, "a checkpoint", run_dir, e, "latest names the "
+                                            "last whole one")) from None
     finally:
         env.close()
-    from lab import checkpoints
     if bad := checkpoints.nonfinite_weight(model.state_dict()):
         raise runs.say_error(WHO, f"the persuader's {bad} is not finite after training; not "
                                   "saving it: lower --learning-rate and rerun with --overwrite")
-    runs.write_folder_atomic(run_dir / PERSUADER, trainer.save_model)
+    try:
+        runs.write_folder_atomic(run_dir / PERSUADER, trainer.save_model)
+    except OSError as e:
+        raise SystemExit(runs.write_failure(WHO, PERSUADER, run_dir, e, "the checkpoints are "
+                                            "intact")) from None
     for row in trainer.state.log_history:
         if "reward" in row:
             print(f"step {row['step']}: reward {row['reward']:.4f}  outcome "
                   f"{row['rewards/arena_outcome/mean']:.4f}  dense "
                   f"{row['rewards/arena_dense/mean']:.4f}")
-    runs.unlock(run_dir)
 
 
 if __name__ == "__main__":

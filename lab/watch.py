@@ -46,7 +46,7 @@ def sweep_argv(preset, name=None, out=None, overwrite=False):
     return ["--preset", preset, "--lams", str(LAM), "--seeds", *map(str, SEEDS),
             "--steps", str(watch["steps"]), "--eval-every", str(watch["steps"]),
             "--eval-limit", str(watch["eval_limit"]), "--frozen-control",
-            "--name", name or f"watch-{preset}", *(["--out", str(out)] if out else []),
+            "--name", f"watch-{preset}" if name is None else name, *(["--out", str(out)] if out else []),
             *(["--overwrite"] if overwrite else []), "--", "--judge", "none", *watch["train"]]
 
 
@@ -106,7 +106,7 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="start the watch's sweep again")
     args = p.parse_args(argv)
     summary = sweep.main(sweep_argv(args.preset, args.name, args.out, args.overwrite))
-    root = Path(args.out) / (args.name or f"watch-{args.preset}")
+    root = Path(args.out) / (f"watch-{args.preset}" if args.name is None else args.name)
     summary["messages"] = write_message_report(root, SEEDS, WATCHES[args.preset]["steps"])
     print(f"figure: {root}/training.png (trained against the frozen control)")
     return summary

@@ -246,6 +246,29 @@ def test_stripping_is_linear_in_blank_runs():
     assert strip_decision_tags("a" + " " * 1000 + "[ACCEPT] b") == "a b"
 
 
+
+def test_stripping_nested_tags_is_linear(monkeypatch):
+    """Tags nested k deep ("[ACC" * k + "[ACCEPT]" + "EPT]" * k) once took k passes over the
+    text (10 s at 16,000 characters, in the hub's loop under the engine lock). The work counted:
+    characters the passes read, and normalisations, within a small multiple of the text's length
+    however deep the nesting; no tag is left, and text that needs few passes keeps its
+    brackets."""
+    read = []
+    real_once, real_norm = hardening.strip_once, arena._normalised
+    monkeypatch.setattr(hardening, "strip_once",
+                        lambda text, *a: (read.append(len(text)), real_once(text, *a))[1])
+    monkeypatch.setattr(arena, "_normalised",
+                        lambda text: (read.append(len(text)), real_norm(text))[1])
+    for depth in (10, 100, 1998):
+        text = "[ACC" * depth + "[ACCEPT]" + "EPT]" * depth
+        read.clear()
+        stripped = strip_decision_tags(text)
+        assert sum(read) <= 12 * len(text), depth  # STRIP_PASSES + 1 passes, each read twice
+        assert arena.TAG_RE.search(arena.normalise(stripped)) is None
+        assert parse_decision(stripped) is None
+    assert strip_decision_tags("[see [AC[ACCEPT]CEPT] here]") == "[see here]"
+    assert strip_decision_tags("Fine [ok] [ACCEPT]") == "Fine [ok]"
+
 def test_the_negation_table_holds_both_kinds():
     voided = sum(e is None for _, e in NEGATION_TABLE)
     assert voided >= 15 and len(NEGATION_TABLE) - voided >= 15

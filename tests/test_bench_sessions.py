@@ -46,3 +46,8 @@ def test_bad_counts_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench_sessions.main(["--rounds", "0"])
     assert "--rounds at least 1" in capsys.readouterr().err
+    for argv, says in ((["--sessions", "4,1000000"], "--sessions at most"),
+                       (["--attacker", "-1"], "--attacker takes seconds")):
+        with pytest.raises(SystemExit):
+            bench_sessions.main(argv)
+        assert says in capsys.readouterr().err

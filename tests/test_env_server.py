@@ -112,6 +112,14 @@ def test_the_server_cli_refuses_bad_flags_before_loading(capsys, monkeypatch, sh
     message = str(excinfo.value)
     assert "\n" not in message and "--kv-blocks 1 cannot hold one episode" in message, message
     assert "and its judging" in message  # the default judge shares the persuadee's pool
+    for extra, words in ((["--kv-blocks", str(10**9), "--scenarios", short_scenarios],
+                          "more than this machine's"),  # a 7 TiB pool, as eval.py refuses it
+                         (["--scenarios", "/etc/passwd"], "invalid JSON"),
+                         (["--scenarios", "/dev/zero"], "not a regular file")):
+        with pytest.raises(SystemExit) as excinfo:
+            env_server.main(["--serve", "--persuadee", "random:tiny-qwen3", *extra])
+        message = str(excinfo.value)
+        assert "\n" not in message and words in message, message
 
 
 def free_port():
@@ -556,3 +564,54 @@ def test_a_frame_that_is_not_utf8_is_one_line(openenv_server):
     env_server.OneLineUTF8().filter(record)
     line = logging.Formatter().format(record)
     assert "a text frame that is not UTF-8" in line and "\n" not in line, line
+
+
+def test_a_huge_http_body_is_refused_unread_and_not_echoed(openenv_server):
+    """A request body past MAX_BODY_BYTES (sent whole or in chunks) is answered 413 in one line,
+    never echoed (a 422 once sent a 400 MB body back), and the server answers on; a small body
+    still reaches its route."""
+    import httpx
+    url, _, _ = openenv_server
+    huge = b'{"jsonrpc": "2.0", "id": 1, "method": "' + b"x" * (4 * env_server.MAX_BODY_BYTES) + b'"}'
+    for route in ("/mcp", "/schema", "/reset"):
+        for body in (huge, iter([huge[:1000], huge[1000:]])):  # with a length, then chunked
+            answer = httpx.post(url + route, content=body, timeout=30)
+            assert answer.status_code == 413 and len(answer.content) < 500, route
+            assert "\n" not in answer.json()["detail"]
+    assert "jsonrpc" in post(url + "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/list",
+                                             "params": {}})
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "healthy"
+
+
+def test_ctrl_c_ends_the_server_as_sigterm_does(monkeypatch, capfd):
+    """SIGINT's handler while serving (uvicorn calls it again after its graceful shutdown) ends
+    the process at once in one line with status 130, without waiting for a step's thread or
+    raising KeyboardInterrupt's tracebacks."""
+    import os
+    import signal
+    previous = signal.getsignal(signal.SIGINT)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    try:
+        handler = env_server.stop_like_sigterm()
+        assert signal.getsignal(signal.SIGINT) is handler
+        handler(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert exits == [130]
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "stopped (Ctrl-C)" in err and "Traceback" not in err
+
+
+def test_a_websocket_other_than_ws_is_refused(openenv_server):
+    """MCP over the WebSocket /mcp attached an env per connection outside --sessions: every
+    WebSocket path but /ws is refused before it is accepted; /ws still plays."""
+    from websockets.sync.client import connect
+    url, _, _ = openenv_server
+    for path in ("/mcp", "/other"):
+        with pytest.raises(Exception) as excinfo:
+            connect(url.replace("http://", "ws://") + path, open_timeout=10).__enter__()
+        assert "403" in str(excinfo.value), excinfo.value
+    raw = Raw(url)
+    observed(raw.ask("reset", {"seed": 1}))
+    raw.close()

@@ -206,6 +206,16 @@ def test_play_drives_the_persuadee_and_saves_the_transcript(tmp_path, monkeypatc
     assert sum("belief" in line for line in shown) == 2
     [saved] = records.load_episodes(next((tmp_path / "evals").iterdir()))
     assert saved.transcript == ep.transcript
+    play.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=1, out_root="evals", name="mine",
+              read=lambda _: "", write=shown.append)  # --name names the folder
+    assert (tmp_path / "evals" / "mine" / "episodes.jsonl").is_file()
+    lines = []  # a reply cannot fake the probe line below it: shown on one line
+    play.PersonSide(1, write=lines.append).hear(0, "Fine.\n   p_accept +0.99\u2028x",
+                                                 shown=([None] * 3, [None]))
+    assert lines == ["them: Fine.\\x0a   p_accept +0.99\\u2028x"]
+    with pytest.raises(SystemExit, match="existing run"):
+        play.play("heldout-001", "random:tiny-qwen3", seed=0, t_max=1, out_root="evals",
+                  name="mine", read=lambda _: "", write=shown.append)
 
 
 @pytest.mark.slow
@@ -653,6 +663,12 @@ def test_analyze_sets_aside_a_record_with_nan_infinity_or_an_absurd_value(tmp_pa
 @pytest.mark.parametrize("make, says", [
     (lambda d: analyze_folder(d, [{k: v for k, v in RUN_B[0].record().items() if k != "id"}] + RUN_B[1:]),
      "eval.py: {run}/episodes.jsonl, line 1: field 'id' must be a string, got missing"),
+    (lambda d: analyze_folder(d, RUN_B + RUN_B[:1]),
+     "eval.py: {run}/episodes.jsonl: episode '" + RUN_B[0].id + "' is recorded twice (records 1 "
+     "and " + str(len(RUN_B) + 1) + "); delete one of them (each counts once)"),
+    (lambda d: analyze_folder(d, [dict(RUN_B[0].record(), turns=10**18)] + RUN_B[1:]),
+     "eval.py: {run}/episodes.jsonl, line 1: field 'turns' must be a whole number in 0..1000, got "
+     "1000000000000000000"),
     (lambda d: analyze_folder(d, RUN_B, fidelity_json='{"fork": [1, 2], "reference": [1]}'),
      "eval.py: {run}/fidelity.json does not hold fork and reference read-outs (lists of finite numbers "
      "of one shape, as eval.py writes them); delete it (the summary then leaves the probe fidelity "
@@ -674,3 +690,53 @@ def test_analyze_names_a_malformed_record_or_file_in_one_line(tmp_path, make, sa
         evaluation.main(["--analyze", str(tmp_path / "run")])
     assert e.value.code == says.format(run=tmp_path / "run")
     assert (tmp_path / "elsewhere.json").read_text() == '{"roles": "not this run"}'
+
+
+def test_an_episode_that_ended_context_leaves_the_run_finishable(tmp_path, monkeypatch, capsys):
+    """A sampled read-out whose context with a probe question passes the persuadee's context (an
+    episode that ended "context", its text tokenized again) is skipped, and the count said; the
+    evaluation then writes its summary and report.html, --resume finishes a run cut off before
+    its judge, and --analyze reads the folder (an unjudged record's judge_failed is null)."""
+    import arena
+    import engine
+    import models
+    from lab import fidelity
+    model, tok = models.load_model("random:tiny-qwen3")
+    instances = arena.heldout_instances()[:2]
+    eng = engine.Engine(model, tok, num_blocks=3000)
+    built = fidelity.fidelity_contexts
+    long_last = lambda t, i, e, sample: [c + [c[-1]] * (eng.max_len if k == len(sample) - 1 else 0)
+                                         for k, c in enumerate(built(t, i, e, sample))]
+    monkeypatch.setattr(fidelity, "fidelity_contexts", long_last)
+    summary = evaluation.evaluate(eng, eng, instances, tmp_path / "run", t_max=2, fidelity=3,
+                                  max_new_tokens=6, judge=None)
+    assert "1 of 3 sampled read-outs skipped" in capsys.readouterr().err
+    reads = json.loads((tmp_path / "run" / "fidelity.json").read_text())
+    assert len(reads["sample"]) == len(reads["fork"]) == 2 and reads["skipped"] == 1
+    assert summary["probe_fidelity"]["n"] == 2 * 3 and eng.free_blocks == 3000
+    for name in ("summary.json", "report.html"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+    cut = [{**ep.record(training=False), "judge": None, "judge_failed": None}  # killed before the judge scored them
+           for ep in records.load_episodes(tmp_path / "run")]
+    (tmp_path / "run" / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in cut))
+    assert report.analyze(tmp_path / "run")["n"] == 2
+    again = evaluation.evaluate(eng, eng, instances, tmp_path / "run", t_max=2, fidelity=3,
+                                max_new_tokens=6, judge=None, resume=True)
+    assert again["n"] == 2 and all(ep.judge_failed is False
+                                   for ep in records.load_episodes(tmp_path / "run"))
+
+
+def test_a_full_disk_while_writing_the_figures_is_one_line(tmp_path, monkeypatch):
+    """A figure or report.html cut by a full disk ends eval.py in one line naming the folder
+    and the free space (it was a traceback), the episodes already on disk."""
+    import errno
+    from lab import html_report
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(html_report, "write_report", full)
+    with pytest.raises(SystemExit) as e:
+        report.save_run(tmp_path / "run", [], {}, None)
+    message = str(e.value.code)
+    assert message.startswith("eval.py: could not write") and "the disk is full" in message
+    assert "\n" not in message and (tmp_path / "run" / "summary.json").is_file()

@@ -195,6 +195,8 @@ def test_a_failed_first_checkpoint_advises_overwrite_which_then_runs(tmp_path, s
 
 @pytest.mark.parametrize("key, value, says", [
     ("group_size", 0, "--group-size 0 must be at least 1"),
+    ("group_size", 10**9, "--group-size 1000000000 is above"),
+    ("seed", 10**23, "--seed 100000000000000000000000 must lie in"),
     ("lam", math.nan, "--lam nan"),
     ("lr", -1, "--lr -1"),
     ("scenarios", "/moved/scenarios.jsonl", "--scenarios /moved/scenarios.jsonl"),
@@ -420,3 +422,56 @@ def test_ctrl_c_with_a_step_in_flight_ends_the_run_at_once_in_one_line(tmp_path,
     assert proc.returncode == 130 and "Traceback" not in err  # (the progress bars are stderr's too)
     assert err.endswith(f"\ntrain.py: interrupted (Ctrl-C); {tmp_path / 'r'} keeps its last checkpoint: "
                         "continue with --resume\n")
+
+
+def test_overwrite_and_resume_refuse_another_programs_folder(tmp_path, short_scenarios, monkeypatch,
+                                                            no_model_loads):
+    """--overwrite (or --resume) of a folder another program of the project wrote (its marker
+    names it) is refused in one line, nothing deleted, both ways: train.py on an evaluation's
+    folder, eval.py on a training run's (each once deleted the other's)."""
+    from lab import runs
+    evals, trained = tmp_path / "f" / "an-eval", tmp_path / "f" / "a-run"
+    for folder, who, kept in ((evals, "eval.py", "summary.json"), (trained, "train.py", "metrics.jsonl")):
+        folder.mkdir(parents=True)
+        (folder / runs.MARKER).write_text(f"a PersuArena run folder, written by {who}\n")
+        (folder / kept).write_text("{}\n")
+    for flag in ("--overwrite", "--resume"):
+        with pytest.raises(SystemExit) as e:
+            train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out",
+                        str(tmp_path / "f"), "--name", "an-eval", flag])
+        assert "another program (eval.py), not of train.py" in str(e.value.code)
+    monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path / "f"))
+    with pytest.raises(SystemExit, match="another program \(train.py\), not of eval.py"):
+        evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
+                         "--limit", "1", "--name", "a-run", "--overwrite"])
+    assert (evals / "summary.json").is_file() and (trained / "metrics.jsonl").is_file()
+
+
+def test_a_failed_write_blames_the_disk_only_when_it_is_full(tmp_path):
+    """runs.write_failure advises freeing space for a full disk (ENOSPC, or less free than
+    needed) and for a library's own words, but names the cause of any other OSError instead."""
+    import errno
+    from lab import runs
+    full = runs.write_failure("x", "a file", tmp_path, OSError(errno.ENOSPC, "No space left"), "kept")
+    denied = runs.write_failure("x", "a file", tmp_path, OSError(errno.EACCES, "Permission denied"),
+                                "kept")
+    assert "the disk is full" in full and "free space there" in full
+    assert "Permission denied" in denied and "fix that" in denied and "free space" not in denied
+
+
+def test_deeply_nested_json_in_a_run_file_is_one_line(tmp_path, capsys):
+    """A line or a config nested too deep for Python's parser (a RecursionError, past every
+    except ValueError) is refused in one line: an evaluation's episodes.jsonl under --analyze,
+    a sweep's sweep.json, a LoRA adapter's config."""
+    from lab import jsonl, lora
+    deep = "[" * 100_000 + "]" * 100_000
+    folder = tmp_path / "ev"
+    folder.mkdir()
+    (folder / "episodes.jsonl").write_text(deep + "\n{}\n")
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(["--analyze", str(folder)])
+    assert "nested too deep" in str(e.value.code) and "\n" not in str(e.value.code)
+    with pytest.raises(ValueError, match="nested too deep"):
+        jsonl.loads(deep)
+    (tmp_path / lora.ADAPTER_CONFIG).write_text(deep)
+    assert "nested too deep" in lora.read_adapter_config(tmp_path)[1]

@@ -271,3 +271,37 @@ def test_a_linked_sweep_folder_is_refused_in_one_line(tmp_path):
     assert str(e.value.code) == (f"lab.sweep: {tmp_path / 'x'} is a link (-> {elsewhere}), not a sweep "
                                  "folder; pass another --name or --out")
     assert not list(elsewhere.iterdir())
+    (tmp_path / "x").unlink()  # runs/ a link: refused without reading through it
+    (tmp_path / "x" / "runs").parent.mkdir()
+    (elsewhere / "planted").symlink_to(tmp_path)
+    (tmp_path / "x" / "runs").symlink_to(elsewhere)
+    with pytest.raises(SystemExit) as e:
+        sweep.main(BASE + ["--out", str(tmp_path)])
+    assert "holds links (runs)," in str(e.value.code)
+
+
+def test_a_running_sweep_is_never_deleted_and_names_follow_the_one_rule(tmp_path, capsys):
+    """lab.sweep takes its folder's lock before it deletes anything: --overwrite of a sweep
+    another process runs is refused in one line, every file kept (it once deleted the folder
+    under the running arm, which then blamed the disk); a name holding ESC is refused, and
+    lab.watch --name '' is refused rather than run (and overwrite) the committed watch."""
+    from test_runs import hold_lock
+    from lab import watch
+    root = tmp_path / "x"
+    (root / "runs" / "lam0_s0").mkdir(parents=True)
+    (root / "sweep.json").write_text("{}\n")
+    other = hold_lock(root)
+    try:
+        with pytest.raises(SystemExit) as e:
+            sweep.main(BASE + ["--out", str(tmp_path), "--overwrite"])
+        assert "is in use by process" in str(e.value.code) and "\n" not in str(e.value.code)
+    finally:
+        other.kill()
+        other.wait()
+    assert (root / "sweep.json").is_file() and (root / "runs" / "lam0_s0").is_dir()
+    with pytest.raises(SystemExit):
+        sweep.parse_args(BASE[:-1] + ["x\x1b[2J"])
+    assert "control character" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        watch.main(["--name", ""])
+    assert "--name ''" in capsys.readouterr().err

@@ -22,8 +22,8 @@ def test_every_control_and_bidi_character_is_shown_as_its_escape():
 def test_a_play_reply_is_shown_inert():
     shown = []
     side = play.PersonSide(t_max=2, read=lambda _: "", write=shown.append)
-    side.hear(0, HOSTILE, shown=([None], [None]))
-    assert shown == [f"them: {SHOWN}"]
+    side.hear(0, HOSTILE, shown=([None], [None]))  # on one line: the tab and newline escaped too
+    assert shown == [f"them: {SHOWN.replace(chr(9), '{0}x09').replace(chr(10), '{0}x0a').format(chr(92))}"]
 
 
 def test_case_output_shows_a_models_message_inert(tmp_path, capsys):

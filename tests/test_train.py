@@ -296,6 +296,9 @@ def no_model_loads(monkeypatch):
     (["--scenarios", "/nonexistent"], "--scenarios /nonexistent"),
     (["--judge", "/no/such/judge"], "--judge /no/such/judge"),
     (["--max-new-tokens", "-3"], "--max-new-tokens -3"), (["--eval-fidelity", "-1"], "--eval-fidelity -1"),
+    (["--group-size", "1000000000"], "--group-size 1000000000 is above"),
+    (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999"),
+    (["--seed", "-1"], "--seed -1"), (["--scenarios", "/dev/zero"], "not a regular file"),
 ])
 def test_bad_arguments_fail_before_any_model_loads(tmp_path, short_scenarios, no_model_loads, extra, says):
     with pytest.raises(SystemExit) as e:

@@ -110,6 +110,7 @@ def test_grpo_trainer_drives_the_openenv_server_concurrently(openenv_server, tmp
     trainer = trl_grpo.trainer_for(env, policy, policy_tokenizer, config, turn_tokens=TURN_TOKENS,
                                    on_episode=lambda i, e: episodes.append((i, e)))
     trainer.train()
+    assert len(env.pool) == SERVER_GROUP - 1  # the env's own session is one of the group's
     env.close()
     persuadee.generate = generate
     (row,) = [row for row in trainer.state.log_history if "reward" in row]
@@ -192,7 +193,7 @@ def test_out_is_a_protected_run_folder(tmp_path, monkeypatch, short_scenarios):
     (train_run / "config.json").write_text(json.dumps({"name": "train-run", "lr": 1e-5}))
     base = TINY + ["--scenarios", short_scenarios, "--steps", "1"]
     for extra, says in (([], "is an existing run"), (["--overwrite"], "another program"),
-                        (["--resume"], "is not a run of trl_grpo.py")):
+                        (["--resume"], "another program (train.py)")):
         with pytest.raises(SystemExit) as excinfo:
             trl_grpo.main(base + ["--out", str(train_run)] + extra)
         assert says in str(excinfo.value) and "\n" not in str(excinfo.value)
@@ -215,8 +216,47 @@ def test_training_is_saved_as_it_goes_and_resumes(tmp_path, short_scenarios):
     argv = TINY + ["--scenarios", short_scenarios, "--out", str(out)]
     trl_grpo.main(argv + ["--steps", "1"])
     assert (out / "latest").read_text() == "checkpoint-1" and (out / "persuader").is_dir()
-    trl_grpo.main(argv + ["--steps", "2", "--resume"])
+    config = (out / "config.json").read_text()
+    for changed in (["--lam", "2"], ["--persuadee", "random:tiny-llama"], ["--t-max", "2"]):
+        with pytest.raises(SystemExit) as excinfo:
+            trl_grpo.main(argv + ["--steps", "2", "--resume"] + changed)
+        assert "--resume keeps the run's settings" in str(excinfo.value) and changed[0] in \
+            str(excinfo.value) and "\n" not in str(excinfo.value)
+    assert (out / "config.json").read_text() == config and (out / "latest").read_text() == \
+        "checkpoint-1"
+    trl_grpo.main(["--out", str(out), "--steps", "2", "--resume"])  # every other setting pinned
     assert (out / "latest").read_text() == "checkpoint-2"
+    assert json.loads((out / "config.json").read_text()) == json.loads(config)
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
     assert [row["step"] for row in state["log_history"] if "reward" in row] == [1, 2]
+
+
+def test_a_resumed_rollout_plays_the_seeds_of_an_uninterrupted_one(monkeypatch, tmp_path):
+    """The episode seeds follow the trainer's step (restored on --resume), not a count that
+    restarts with the process; `latest` never names a checkpoint whose weights are not finite
+    (the run stops in one line, latest left on the last finite one)."""
+    from types import SimpleNamespace
+    played = []
+    monkeypatch.setattr(trl_grpo, "play_episode", lambda env, m, t, i, seed, g: played.append(seed)
+                        or dict(prompt_ids=[], completion_ids=[], logprobs=[], env_mask=[],
+                                arena_outcome=0.0, arena_dense=0.0))
+    prompt = [{"role": "user", "content": "hi"}]
+    rollout = trl_grpo.make_rollout(object(), {trl_grpo.prompt_key(prompt): "a"}, seed=5)
+    model = torch.nn.Linear(1, 1)
+    for step in (0, 3):  # a fresh process resumed at step 3 plays step 3's seeds
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+                                  model=model, generation_kwargs={"eos_token_id": 0},
+                                  processing_class=None, state=SimpleNamespace(global_step=step))
+        rollout([prompt] * 2, trainer)
+    assert played == [5, 6, 11, 12]
+    (tmp_path / "checkpoint-1").mkdir()
+    (tmp_path / "checkpoint-2").mkdir()
+    latest = trl_grpo.latest_callback(tmp_path)
+    latest.on_save(None, SimpleNamespace(global_step=1), None, model=model)
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))
+    with pytest.raises(SystemExit) as excinfo:
+        latest.on_save(None, SimpleNamespace(global_step=2), None, model=model)
+    assert "not finite at step 2" in str(excinfo.value) and "\n" not in str(excinfo.value)
+    assert (tmp_path / "latest").read_text() == "checkpoint-1"
