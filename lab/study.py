@@ -32,6 +32,7 @@ ended and its slot freed, and nothing of it is kept. A restart on the same folde
 """
 import asyncio
 import json
+import queue
 import secrets
 import string
 import sys
@@ -252,6 +253,7 @@ class Study:
                                 outside=mode)
         self.lock = threading.Lock()
         self.participants, self.lines = {}, []
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / "episodes.jsonl"
         self.played = {inst["id"]: 0 for inst in instances}
         for _, rec in jsonl.read_jsonl(self.path, repair=True) if self.path.exists() else ():
@@ -338,6 +340,8 @@ class Study:
     def abandon(self, p):
         if p.phase != "ended" and not p.left:
             p.left = True
+            if p.changed is not None:  # its page's poll, if one is open, ends now
+                p.changed.set()
             if p.ticket is not None:
                 self.hub.say(p.ticket, None)
             else:
@@ -358,9 +362,16 @@ class Study:
             while p.ticket is not None:
                 try:
                     kind, data = p.ticket.events.get_nowait()
-                except Exception:
+                except queue.Empty:
                     break
-                self.event(p, kind, data)
+                try:
+                    self.event(p, kind, data)
+                except Exception as e:  # one participant's failure never stops the others'
+                    why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                    print(f"study.py: participant {p.code}'s episode failed ({why})",
+                          file=sys.stderr)
+                    p.post(dict(kind="error", text="the study server failed to keep this "
+                                "conversation; please tell the researcher"), "ended")
             if p.phase == "ended" and now - p.seen > KEEP_ENDED_S:
                 with self.lock:
                     self.participants.pop(p.token, None)

@@ -34,7 +34,8 @@ def serving(the_study):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(study.study_app(the_study), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+                                           port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started and thread.is_alive():
