@@ -134,3 +134,125 @@ def test_sixteen_participants_at_once_finish_with_the_pool_whole(tmp_path, token
         assert seen[-1]["kind"] == "end" and code in " ".join(seen[-1]["debrief"])
     summary = report.analyze(tmp_path)
     assert summary["n"] == CLIENTS
+
+
+def test_every_input_is_bounded_and_a_wrong_one_refused_in_one_line(tmp_path, tokenizer):
+    """Oversized, malformed, out-of-scale, out-of-turn and unknown requests are refused with a
+    status and one line; the participant's episode goes on and finishes; the page is served
+    with a policy that runs only its own code, and sets every text as text."""
+    the_study, ee = make_study(tmp_path, tokenizer, t_max=1)
+    with serving(the_study) as url:
+        with urllib.request.urlopen(url + "/", timeout=30) as r:
+            page, policy = r.read().decode(), r.headers["content-security-policy"]
+        assert "default-src 'none'" in policy and "innerHTML" not in page
+        assert post(url, "/api/start", None, raw=b"x" * (study.MAX_BODY_BYTES + 1))[0] == 413
+        assert post(url, "/api/start", None, raw=b"[" * 5000)[0] == 400
+        assert post(url, "/api/turn", {"token": "nobody"})[0] == 410
+        token = post(url, "/api/start", {})[1]["token"]
+        bad = [({"probes": [1.0]}, 422), ({"probes": [0.3] * len(probes.PROBES)}, 422),
+               ({"probes": [True] * len(probes.PROBES)}, 422)]
+        for body, status in bad:
+            code, r = post(url, "/api/begin", {"token": token, **body})
+            assert code == status and "\n" not in r["error"], r
+        assert post(url, "/api/turn", {"token": token})[0] == 409  # not begun
+        assert post(url, "/api/begin", {"token": token, "probes": answers(0, 0)})[0] == 200
+        assert post(url, "/api/begin", {"token": token, "probes": answers(0, 0)})[0] == 409
+        news_until(url, token, 0, ("answer",))
+        turn = {"token": token, "probes": answers(0, 1), "reply": "Fine.", "decision": "PENDING"}
+        for change in ({"reply": "x" * (study.MAX_TEXT_CHARS + 1)}, {"reply": " "},
+                       {"reply": "\ud800"}, {"decision": "MAYBE"}, {"reply": 7}):
+            code, r = post(url, "/api/turn", {**turn, **change})
+            assert code == 422 and "\n" not in r["error"], (change, r)
+        assert post(url, "/api/news", {"token": token, "after": -1})[0] == 422
+        assert post(url, "/api/turn", turn)[0] == 200
+        news_until(url, token, 0, ("ended",))
+    [rec] = [r for _, r in jsonl.read_jsonl(tmp_path / "episodes.jsonl")]
+    assert rec["outcome"] == "PENDING" and rec["transcript"][-1]["text"] == "Fine."
+    assert ee.free_blocks == 6000
+
+
+def test_a_closed_tab_or_a_silent_page_frees_its_slot_and_keeps_nothing(tmp_path, tokenizer):
+    """With one slot: a second participant is told to come back; the first leaves (the page's
+    beacon) mid-episode and the second gets the slot; the second falls silent and is ended after
+    the idle time; nothing of either is recorded, and the pool is whole."""
+    the_study, ee = make_study(tmp_path, tokenizer, slots=1, idle_s=0.5)
+    with serving(the_study) as url:
+        first = post(url, "/api/start", {})[1]["token"]
+        assert post(url, "/api/begin", {"token": first, "probes": answers(0, 0)})[0] == 200
+        code, r = post(url, "/api/start", {})
+        assert code == 503 and "try again" in r["error"]
+        news_until(url, first, 0, ("answer",))
+        assert post(url, "/api/leave", None, raw=json.dumps({"token": first}).encode())[0] == 200
+        assert post(url, "/api/news", {"token": first})[0] == 410
+        second = post(url, "/api/start", {})[1]["token"]
+        assert post(url, "/api/begin", {"token": second, "probes": answers(1, 0)})[0] == 200
+        deadline = time.monotonic() + 30
+        while the_study.participants or the_study.hub.reserved:  # silent: ended when idle
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert not (tmp_path / "episodes.jsonl").exists() and ee.free_blocks == 6000
+    assert set(the_study.played.values()) == {0}
+
+
+def test_the_pages_questions_are_probes_dict_a_fourth_included(monkeypatch, tmp_path, tokenizer):
+    """A fourth probe in probes.PROBES is a fourth question on the page, and its answer a fourth
+    value in the record (with its own sign)."""
+    extra = dict(question="Do you feel the other person respects your choice?", sign=-1,
+                 title="respect (RS)")
+    monkeypatch.setitem(probes.PROBES, "RS", extra)
+    the_study, _ = make_study(tmp_path, tokenizer)
+    config = study.page_config(the_study)
+    assert [p["question"] for p in config["probes"]] == probes.questions()
+    assert len(config["probes"]) == 4 and config["probes"][-1]["name"] == "RS"
+    assert study.probe_answers({"probes": [1.0, 0.5, 0.0, 1.0]}) == [1.0, 0.5, 0.0, -1.0]
+    with pytest.raises(study.Refused):
+        study.probe_answers({"probes": [1.0, 0.5, 0.0]})
+
+
+def test_a_killed_server_keeps_every_finished_episode_and_a_restart_continues(tmp_path):
+    """python -m lab.study on a tiny model: one episode finished, the server killed (SIGKILL)
+    mid-way through a second: episodes.jsonl holds the first whole and nothing of the second;
+    started again on the same folder it says so, refuses other settings in one line, and gives
+    the next participant the scenario not yet played."""
+    scenarios = write_short_scenarios(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--persuader", "random:tiny-qwen3", "--scenarios", scenarios, "--limit", "2",
+            "--t-max", "1", "--max-new-tokens", "4", "--out", str(tmp_path), "--name", "s",
+            "--kv-blocks", "1000"]
+    server = subprocess.Popen([sys.executable, "-m", "lab.study", *argv, "--port", str(port)],
+                              stderr=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        server.stderr.readline()  # "open http://..." once it is about to listen
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/api/config", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.1)
+        out = {}
+        participate(url, 0, out, decisions=("PENDING",))
+        token = post(url, "/api/start", {})[1]["token"]
+        assert post(url, "/api/begin", {"token": token, "probes": answers(1, 0)})[0] == 200
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait(30)
+    folder = tmp_path / "s"
+    [first] = [r for _, r in jsonl.read_jsonl(folder / "episodes.jsonl")]
+    assert first["participant"] == out[0][0] and not list(folder.glob(".*.tmp"))
+    args = study.parse_args(argv)
+    assert study.open_folder(args) == folder
+    from lab import runs
+    runs.unlock(folder)
+    with pytest.raises(SystemExit, match="other settings.*t_max 1 there, 2 now"):
+        study.open_folder(study.parse_args(argv + ["--t-max", "2"]))
+    import models
+    from lab.env import load_instances
+    ee = engine.Engine(*models.load_model("random:tiny-qwen3"), num_blocks=1000)
+    again = study.Study(folder, "persuadee", ee, "random:tiny-qwen3",
+                        load_instances(scenarios)[:2], t_max=1)
+    assert len(again.lines) == 1 and again.start()["title"] != first["transcript"] and \
+        again.played == {i: 1 for i in again.played}
