@@ -256,3 +256,40 @@ def test_a_killed_server_keeps_every_finished_episode_and_a_restart_continues(tm
                         load_instances(scenarios)[:2], t_max=1)
     assert len(again.lines) == 1 and again.start()["title"] != first["transcript"] and \
         again.played == {i: 1 for i in again.played}
+
+
+def test_people_beside_a_model_persuadee_in_one_command(tmp_path, tokenizer, capsys):
+    """lab.study_pair on a study of 3 participants: the model plays each scenario they played
+    against the same persuader (an evaluation folder), reads their conversations (its b_0
+    read-out on the bare prompt is its own episode's b_0; each later context extends the one
+    before with the person's reply as its own), and pairs trajectories, b_T - b_0, outcomes and
+    the self-report/read-out correlation."""
+    from lab import study_pair
+    scenarios = write_short_scenarios(tmp_path)
+    folder = tmp_path / "pilot"
+    the_study, _ = make_study(folder, tokenizer, t_max=2)
+    out = {}
+    with serving(the_study) as url:
+        for i in range(3):
+            participate(url, i, out, decisions=("REJECT", "KEEP_TALKING"))
+    (folder / "settings.json").write_text(json.dumps(dict(
+        mode="persuadee", model="random:tiny-qwen3", scenarios=scenarios, t_max=2,
+        max_new_tokens=6)))
+    study_pair.main([str(folder), "--persuadee", "random:tiny-qwen3", "--kv-blocks", "2000"])
+    printed = capsys.readouterr().out
+    result = json.loads((folder / "model-random_tiny-qwen3" / "pair.json").read_text())
+    assert result["n_people"] == 3 and result["n_scenarios"] == 3 and "b_T - b_0" in printed
+    assert result["self_report_vs_readout"]["points"] == 3 * 3
+    assert sum(result["people_outcomes"].values()) == 3 and result["people_outcomes"]["REJECT"] == 3  # recorded, the budget ends it
+    assert (folder / "model-random_tiny-qwen3" / "report.html").is_file()  # an eval folder
+    import models
+    eng = engine.Engine(*models.load_model("random:tiny-qwen3"), num_blocks=2000)
+    people = [r for _, r in jsonl.read_jsonl(folder / "episodes.jsonl")]
+    inst = {i["id"]: i for i in instances()}
+    contexts = study_pair.shadow_contexts(eng.tokenizer, inst[people[0]["scenario_id"]],
+                                          people[0]["transcript"], 2, eng.max_len)
+    assert all(later[:len(earlier)] == earlier for earlier, later in zip(contexts, contexts[1:]))
+    model_eps = {r["scenario_id"]: r for _, r in jsonl.read_jsonl(
+        folder / "model-random_tiny-qwen3" / "episodes.jsonl")}
+    read = study_pair.shadow_reads(eng, people[:1], inst, 2)[0][0]
+    assert read == pytest.approx(model_eps[people[0]["scenario_id"]]["probes"][0], abs=1e-5)
