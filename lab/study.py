@@ -510,10 +510,11 @@ def study_app(study, pump_s=0.05):
             deadline = time.monotonic() + WAIT_S
             while not result["news"] and result["phase"] != "ended" and time.monotonic() < deadline:
                 p.changed = asyncio.Event()
-                try:
-                    await asyncio.wait_for(p.changed.wait(), deadline - time.monotonic())
+                try:  # a second at a time: a page gone (a closed tab) ends its poll
+                    await asyncio.wait_for(p.changed.wait(), min(1.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
-                    pass
+                    if await request.is_disconnected():
+                        return answered({"error": "the page is gone"}, 499)
                 p, result = study.news(body, body.get("after", 0))
         except Refused as e:
             return answered({"error": str(e)}, e.status)
