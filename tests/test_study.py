@@ -293,3 +293,18 @@ def test_people_beside_a_model_persuadee_in_one_command(tmp_path, tokenizer, cap
         folder / "model-random_tiny-qwen3" / "episodes.jsonl")}
     read = study_pair.shadow_reads(eng, people[:1], inst, 2)[0][0]
     assert read == pytest.approx(model_eps[people[0]["scenario_id"]]["probes"][0], abs=1e-5)
+
+
+def test_the_texts_file_fills_the_debrief_and_a_missing_section_is_named(tmp_path):
+    """lab/study_texts.md as shipped has every section, and the debrief names the persuader as
+    an AI with its goal and the participant's code; a file without a section is refused in one
+    line naming it."""
+    texts = study.load_texts()
+    inst = instances()[0]
+    text = " ".join(study.debrief(texts, "persuadee", inst, "P-TEST1234"))
+    assert "AI language model" in text and inst["persuader"]["goal"] in text and "P-TEST1234" in text
+    bad = tmp_path / "texts.md"
+    bad.write_text(study.TEXTS_PATH.read_text().replace("## debrief-persuader", "## other"))
+    with pytest.raises(SystemExit, match="lacks the section.*debrief-persuader") as e:
+        study.load_texts(bad)
+    assert "\n" not in str(e.value)
