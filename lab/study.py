@@ -452,14 +452,47 @@ SECURITY_HEADERS = {  # the page runs only its own inline code, talks only to th
     "cache-control": "no-store"}
 
 
+async def body_of(request):
+    """A request's body, read no further than MAX_BODY_BYTES, as parse_body takes it."""
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            break
+    return parse_body(raw)
+
+
+def answered(result, status=200):
+    from fastapi.responses import JSONResponse
+    return JSONResponse(result, status_code=status, headers=SECURITY_HEADERS)
+
+
+async def held_news(study, request):
+    """The page's news after index `after`, held open until some arrives or WAIT_S passes;
+    checked each second that the page is still there (a closed tab's poll ends then)."""
+    body = await body_of(request)
+    p, result = study.news(body, body.get("after", 0))
+    deadline = time.monotonic() + WAIT_S
+    while not result["news"] and result["phase"] != "ended" and time.monotonic() < deadline:
+        p.changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(p.changed.wait(), min(1.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return {"error": "the page is gone"}
+        p, result = study.news(body, body.get("after", 0))
+    return result
+
+
 def study_app(study, pump_s=0.05):
     """The FastAPI app: GET / (the page), GET /api/config, and POST /api/start, /api/begin,
-    /api/turn, /api/news (held open up to WAIT_S until there is news), /api/leave, each a JSON
-    object of at most MAX_BODY_BYTES; a refusal is {"error": one line} with its status."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse
-    from starlette.concurrency import run_in_threadpool
+    /api/turn, /api/news (held_news), /api/leave, each a JSON object of at most MAX_BODY_BYTES;
+    a refusal is {"error": one line} with its status. Study.pump runs every pump_s."""
     from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import HTMLResponse
+    from starlette.concurrency import run_in_threadpool
     page = PAGE_PATH.read_text(encoding="utf-8")
 
     async def pump_forever():
@@ -475,20 +508,11 @@ def study_app(study, pump_s=0.05):
     app = FastAPI(title="PersuArena study", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
 
-    async def body_of(request):
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                break
-        return parse_body(raw)
-
-    def answered(result, status=200):
-        return JSONResponse(result, status_code=status, headers=SECURITY_HEADERS)
-
     def route(path, handler, blocking=False):
         async def endpoint(request: Request):
             try:
+                if handler is None:
+                    return answered(await held_news(study, request))
                 body = await body_of(request)
                 result = await run_in_threadpool(handler, body) if blocking else handler(body)
             except Refused as e:
@@ -500,33 +524,9 @@ def study_app(study, pump_s=0.05):
     route("/api/begin", study.begin, blocking=True)  # may wait for room in the hub
     route("/api/turn", study.turn)
     route("/api/leave", study.leave)
-
-    @app.post("/api/news")
-    async def news(request: Request):
-        """The page's news after index `after`, held open until some arrives (or WAIT_S)."""
-        try:
-            body = await body_of(request)
-            p, result = study.news(body, body.get("after", 0))
-            deadline = time.monotonic() + WAIT_S
-            while not result["news"] and result["phase"] != "ended" and time.monotonic() < deadline:
-                p.changed = asyncio.Event()
-                try:  # a second at a time: a page gone (a closed tab) ends its poll
-                    await asyncio.wait_for(p.changed.wait(), min(1.0, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return answered({"error": "the page is gone"}, 499)
-                p, result = study.news(body, body.get("after", 0))
-        except Refused as e:
-            return answered({"error": str(e)}, e.status)
-        return answered(result)
-
-    @app.get("/api/config")
-    async def config():
-        return answered(page_config(study))
-
-    @app.get("/")
-    async def index():
-        return HTMLResponse(page, headers=SECURITY_HEADERS)
+    route("/api/news", None)
+    app.add_api_route("/api/config", lambda: answered(page_config(study)), methods=["GET"])
+    app.add_api_route("/", lambda: HTMLResponse(page, headers=SECURITY_HEADERS), methods=["GET"])
     return app
 
 # -----------------------------------------------------------------------------
