@@ -282,6 +282,9 @@ def test_people_beside_a_model_persuadee_in_one_command(tmp_path, tokenizer, cap
     assert result["self_report_vs_readout"]["points"] == 3 * 3
     assert sum(result["people_outcomes"].values()) == 3 and result["people_outcomes"]["REJECT"] == 3  # recorded, the budget ends it
     assert (folder / "model-random_tiny-qwen3" / "report.html").is_file()  # an eval folder
+    import eval as evaluation  # one participant a scenario (the rotation): --compare pairs them
+    evaluation.main(["--compare", str(folder / "model-random_tiny-qwen3"), str(folder)])
+    assert "paired scenarios: 3" in capsys.readouterr().out
     import models
     eng = engine.Engine(*models.load_model("random:tiny-qwen3"), num_blocks=2000)
     people = [r for _, r in jsonl.read_jsonl(folder / "episodes.jsonl")]
