@@ -11,7 +11,7 @@ and turn budget (rollout.py's one loop).
              the questions of probes.PROBES (whatever it holds) on SCALE, a yes/no scale whose
              answer a in [-1, 1] is stored as the probe value v = sign * a, where the model's
              read-out v = sign * (2 P(Yes) - 1) goes (probe_mass 1); then a reply and a decision
-             (keep talking, or one of the five terminal states) step arena.Episode.
+             (keep talking, or one of the five terminal states) step arena.Dialogue.
   persuader  (the demo) a person persuades a model persuadee and sees after every reply its
              probe values, its belief b_t and r_t = (b_t - b_{t-1}) / 2 (rpo.process_rewards).
 
@@ -45,7 +45,7 @@ import engine
 import probes
 import rollout
 import rpo
-from lab import cli, hardening, jsonl, records, runs, sessions
+from lab import cli, hardening, jsonl, runs, sessions
 
 HOST = "127.0.0.1"  # loopback unless --host says otherwise
 PORT = 8700
@@ -411,25 +411,25 @@ class Study:
                     reward=rpo.process_rewards(beliefs[-2:], None)[0]
                     if have and len(beliefs) > 1 else None)
 
-    def ended(self, p, rec):
-        """The episode's end: recorded unless the participant left; the debrief shown."""
-        if rec is None or p.left:
+    def ended(self, p, e):
+        """The episode's end (a rollout.Episode): recorded unless the participant left; the
+        debrief shown."""
+        if e is None or p.left:
             p.phase = "ended"
             return
-        if self.mode == "persuader" and len(rec["beliefs"]) - 1 > p.replies:
-            last = rec["transcript"][-1]
+        if self.mode == "persuader" and len(e.beliefs) - 1 > p.replies:
+            last = e.transcript[-1]
             p.post(dict(kind="reply", text=arena.strip_decision_tags(last["text"]),
-                        decision=last["decision"], turn=len(rec["beliefs"]) - 1,
-                        **self.readout(rec["probes"][-1], rec["beliefs"])))
-        self.write_record(p, rec)
-        p.post(dict(kind="end", outcome=rec["outcome"], end_reason=rec["end_reason"],
-                    turns=rec["turns"], debrief=debrief(self.texts, self.mode, p.inst, p.code)),
-               "ended")
+                        decision=last["decision"], turn=len(e.beliefs) - 1,
+                        **self.readout(e.probes[-1], e.beliefs)))
+        self.write_record(p, e)
+        p.post(dict(kind="end", outcome=e.outcome, end_reason=e.end_reason, turns=e.turns,
+                    debrief=debrief(self.texts, self.mode, p.inst, p.code)), "ended")
 
-    def write_record(self, p, rec):
-        """rollout.record's fields as an evaluation stamps them, the participant's code, mode and
+    def write_record(self, p, e):
+        """The episode's record as an evaluation stamps it, with the participant's code, mode and
         whether the probes are self-reports; the whole episodes.jsonl rewritten atomically."""
-        rec = {k: v for k, v in rec.items() if k not in records.TRAINING_FIELDS}
+        rec = e.record(training=False)
         person = self.mode == "persuadee"
         rec.update(id=f"{p.inst['id']}@{p.code}", participant=p.code, mode=self.mode,
                    self_report=person, persuader="person" if not person else self.model_name,

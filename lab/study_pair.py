@@ -39,7 +39,7 @@ def shadow_contexts(tokenizer, inst, transcript, t_max, max_len):
     person's transcript (the persuader's message as persuadee_heard gives it, the reply's text as
     the model's own message, closed): token ids, None where the context would exceed max_len."""
     ids = list(rollout.prompt_ids(tokenizer, tokenizer, inst)[1])
-    contexts, state = [list(ids)], arena.Episode(t_max)
+    contexts, state = [list(ids)], arena.Dialogue(t_max)
     for said, reply in zip(transcript[::2], transcript[1::2]):
         ids += rollout.persuadee_heard(tokenizer, said["text"], state.final_turn)
         text = models.text_ids(tokenizer, reply["text"])
@@ -53,8 +53,8 @@ def shadow_contexts(tokenizer, inst, transcript, t_max, max_len):
 def shadow_reads(eng, people, instances, t_max):
     """Per person's episode, the model's probe values in each shadow context (None where it did
     not fit its context), read on eng."""
-    contexts = [shadow_contexts(eng.tokenizer, instances[ep["id"].rsplit("@", 1)[0]],
-                                ep["transcript"], t_max, eng.max_len) for ep in people]
+    contexts = [shadow_contexts(eng.tokenizer, instances[ep.id.rsplit("@", 1)[0]],
+                                ep.transcript, t_max, eng.max_len) for ep in people]
     flat = [c for cs in contexts for c in cs if c is not None]
     values = iter(probes.read_beliefs(eng, flat).tolist() if flat else [])
     return [[None if c is None else next(values) for c in cs] for cs in contexts]
@@ -62,13 +62,13 @@ def shadow_reads(eng, people, instances, t_max):
 
 def trajectory(episodes):
     """The mean belief at each turn over episodes (those still going at that turn)."""
-    longest = max(len(ep["beliefs"]) for ep in episodes)
-    return [analyses.mean([ep["beliefs"][t] for ep in episodes if len(ep["beliefs"]) > t
-                           and ep["beliefs"][t] is not None]) for t in range(longest)]
+    longest = max(len(ep.beliefs) for ep in episodes)
+    return [analyses.mean([ep.beliefs[t] for ep in episodes if len(ep.beliefs) > t
+                           and ep.beliefs[t] is not None]) for t in range(longest)]
 
 
 def change(ep):
-    b = ep["beliefs"]
+    b = ep.beliefs
     return None if len(b) < 2 or None in (b[0], b[-1]) else b[-1] - b[0]
 
 
@@ -76,22 +76,22 @@ def pairing(people, model_episodes, shadows):
     """pair.json's content (module docstring, 3): per scenario the people's mean trajectory and
     b_T - b_0 beside the model's, the paired test over scenarios, both sides' outcomes, and the
     correlations of self-report with shadow read-out."""
-    model = {ep["scenario_id"]: ep for ep in model_episodes}
+    model = {ep.scenario_id: ep for ep in model_episodes}
     by_scenario = {}
     for ep in people:
-        by_scenario.setdefault(ep["scenario_id"], []).append(ep)
+        by_scenario.setdefault(ep.scenario_id, []).append(ep)
     common = sorted(set(by_scenario) & set(model))
     scenarios = {s: dict(people=len(by_scenario[s]), people_trajectory=trajectory(by_scenario[s]),
-                         model_trajectory=model[s]["beliefs"],
+                         model_trajectory=model[s].beliefs,
                          people_change=analyses.mean([change(e) for e in by_scenario[s]
                                                       if change(e) is not None]),
                          model_change=change(model[s]),
-                         people_outcomes=[e["outcome"] for e in by_scenario[s]],
-                         model_outcome=model[s]["outcome"]) for s in common}
+                         people_outcomes=[e.outcome for e in by_scenario[s]],
+                         model_outcome=model[s].outcome) for s in common}
     paired = [(v["people_change"], v["model_change"]) for v in scenarios.values()
               if None not in (v["people_change"], v["model_change"])]
     points = [(own, read) for ep, reads in zip(people, shadows)
-              for own, read in zip(ep["probes"], reads) if own is not None and read is not None]
+              for own, read in zip(ep.probes, reads) if own is not None and read is not None]
     beliefs = [(probes.belief(own), probes.belief(read)) for own, read in points]
     per_probe = {name: dict(pearson=pearson(*zip(*[(o[k], r[k]) for o, r in points])) if points
                             else None,
@@ -142,7 +142,7 @@ def study_episodes(folder):
     if not settings or settings.get("mode") != "persuadee":
         raise SystemExit(f"study_pair.py: {folder} is no persuadee-mode study folder (its "
                          "settings.json names the mode); pass one python -m lab.study wrote")
-    people = [ep for ep in records.load_episodes(folder) if ep.get("self_report")]
+    people = [ep for ep in records.load_episodes(folder) if ep.extra.get("self_report")]
     return people, settings
 
 
@@ -152,7 +152,7 @@ def run(folder, persuadee, model_run=None, seed=SEED, dtype="float32", kv_blocks
     from lab.env import load_instances
     people, settings = study_episodes(folder)
     instances = {i["id"]: i for i in load_instances(settings["scenarios"])}
-    played = [instances[i] for i in dict.fromkeys(ep["id"].rsplit("@", 1)[0] for ep in people)
+    played = [instances[i] for i in dict.fromkeys(ep.id.rsplit("@", 1)[0] for ep in people)
               if i in instances]
     loaded = {}
     reader = pools.player(persuadee, loaded, dtype, kv_blocks)

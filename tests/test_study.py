@@ -287,15 +287,16 @@ def test_people_beside_a_model_persuadee_in_one_command(tmp_path, tokenizer, cap
     assert "paired scenarios: 3" in capsys.readouterr().out
     import models
     eng = engine.Engine(*models.load_model("random:tiny-qwen3"), num_blocks=2000)
-    people = [r for _, r in jsonl.read_jsonl(folder / "episodes.jsonl")]
+    from lab import records
+    people = records.load_episodes(folder)
     inst = {i["id"]: i for i in instances()}
-    contexts = study_pair.shadow_contexts(eng.tokenizer, inst[people[0]["scenario_id"]],
-                                          people[0]["transcript"], 2, eng.max_len)
+    contexts = study_pair.shadow_contexts(eng.tokenizer, inst[people[0].scenario_id],
+                                          people[0].transcript, 2, eng.max_len)
     assert all(later[:len(earlier)] == earlier for earlier, later in zip(contexts, contexts[1:]))
     model_eps = {r["scenario_id"]: r for _, r in jsonl.read_jsonl(
         folder / "model-random_tiny-qwen3" / "episodes.jsonl")}
     read = study_pair.shadow_reads(eng, people[:1], inst, 2)[0][0]
-    assert read == pytest.approx(model_eps[people[0]["scenario_id"]]["probes"][0], abs=1e-5)
+    assert read == pytest.approx(model_eps[people[0].scenario_id]["probes"][0], abs=1e-5)
 
 
 def test_the_texts_file_fills_the_debrief_and_a_missing_section_is_named(tmp_path):
