@@ -20,6 +20,11 @@ REFUSED_WAIT_S on the sender's clock. So one
 session's text (tags nested deep, a 9,000-token message the judge then reads) cannot hold the
 engine for the others.
 
+The outside may play either role (Hub's outside): the persuader (the default, OutsideSide: the
+model persuadee answers) or the persuadee (OutsidePersuadee: a person of lab/study.py, who
+answers the model persuader's messages with a reply, a decision and the probes' self-reported
+values, the first of them, b_0, given when the episode opens).
+
 Admission: an episode of a local persuadee is admitted only while its worst case fits the pool
 beside the worst cases of those in play (pools.episode_blocks, and pools.judge_blocks when the
 persuadee judges), so no episode in play ever has to be preempted; a session that does not fit
@@ -39,6 +44,7 @@ import time
 import weakref
 from collections import deque
 
+import probes
 import rollout
 from lab import pools
 
@@ -72,8 +78,8 @@ class Ticket:
     stop) and the events the loop posts to it: ("started", snapshot), ("speak", snapshot) when the
     episode waits for the next message, ("end", the judged rollout.Episode), ("error", exception)."""
 
-    def __init__(self, inst, seed, need):
-        self.inst, self.seed, self.need = inst, seed, need
+    def __init__(self, inst, seed, need, b0=None):
+        self.inst, self.seed, self.need, self.b0 = inst, seed, need, b0
         self.mailbox, self.events = deque(), queue.Queue()
         self.episode, self.index, self.ended = None, None, False
 
@@ -136,6 +142,54 @@ class OutsideSide:
         self.tickets.pop(sid, None)
 
 
+class OutsidePersuadee:
+    """The persuadee of every session when the sessions play that role (Hub(outside="persuadee")):
+    no prompt, no pool; an episode is ready once its session's answer is in the mailbox, a dict
+    (text, decision: one of arena.OUTCOMES or None, probes: one value per probe), whose values
+    stand where a model's read-out would (probe_mass 1: the whole answer is on the yes/no
+    scale); hearing the persuader's message tells the session that the episode waits for it."""
+    tokenizer = max_len = None
+
+    def __init__(self, loop):
+        self.loop, self.tickets, self.next_sid = loop, {}, 0
+
+    def prompt(self, instance):
+        return []
+
+    def room(self, instance, n):
+        return True
+
+    def prefill(self, instance):
+        return None
+
+    def start(self, roots, counts):  # b_0 is the ticket's, set by SessionLoop.started
+        sids, self.next_sid = rollout.numbered(self.next_sid, counts)
+        return sids, [(None, None)] * len(roots)
+
+    def ready(self, sids):
+        return [s for s in sids if s in self.tickets and self.tickets[s].mailbox
+                and self.tickets[s].mailbox[0] is not None]
+
+    def speak(self, sids, keys):
+        raise TypeError("sessions.py: the sessions play the persuadee; a persuader speaks")
+
+    def reply(self, sids, keys, timings=None):
+        replies = []
+        for s in sids:
+            answer = self.tickets[s].mailbox.popleft()
+            replies.append(dict(text=answer["text"], decision=answer["decision"], reason="stop",
+                                probes=list(answer["probes"]),
+                                probe_mass=[1.0] * len(answer["probes"])))
+        return replies
+
+    def hear(self, sid, text, final_turn=False, shown=None):
+        self.tickets[sid].events.put(("hear", dict(text=text, final_turn=final_turn)))
+        return [], None
+
+    def free(self, sid):
+        self.tickets.pop(sid, None)
+
+
 class SharedPrompts:
     """A local persuadee's side (rollout.EngineSide) whose episodes of one instance admitted
     in the same round share one prefill and one b_0 read, as a rollout group's members do: the
@@ -183,9 +237,16 @@ class SessionLoop(rollout.EpisodeLoop):
     persuadee's engine lock."""
 
     def __init__(self, hub):
-        self.hub, self.persuader = hub, OutsideSide(self)
-        super().__init__(self.persuader, hub.persuadee_side, {}, hub.t_max, None, 1, None, None,
-                         None)
+        self.hub = hub
+        if hub.outside == "persuader":
+            self.outside, self.sid_key = OutsideSide(self), "persuader_sid"
+            self.phase = rollout.Status.SPEAK  # what an episode waiting on its session is in
+            self.persuader, self.persuadee = self.outside, hub.persuadee_side
+        else:  # the model persuades (hub.persuader_side); the sessions answer
+            self.outside, self.sid_key = OutsidePersuadee(self), "persuadee_sid"
+            self.phase = rollout.Status.REPLY
+            self.persuader, self.persuadee = hub.persuader_side, self.outside
+        super().__init__(self.persuader, self.persuadee, {}, hub.t_max, None, 1, None, None, None)
         self.judged = []  # (ticket, record) ended this round, judged at the next hand_back
         self.round_s = 0.0  # how long the last round took (gather's wait scales with it)
 
@@ -199,7 +260,8 @@ class SessionLoop(rollout.EpisodeLoop):
             self.gather()
             start = time.monotonic()
             with self.hub.lock:
-                moved = rollout.play_round(self, self.persuader, self.hub.persuadee_side)
+                self.stop_left()
+                moved = rollout.play_round(self, self.persuader, self.persuadee)
             self.round_s = time.monotonic() - start
             if not moved and self.scheduler.running:
                 self.stuck()
@@ -215,9 +277,9 @@ class SessionLoop(rollout.EpisodeLoop):
         deadline = time.monotonic() + wait
         with self.hub.wake:
             while (left := deadline - time.monotonic()) > 0:
-                waiting = [e.persuader_sid for e in self.scheduler.running
-                           if e.status is rollout.Status.SPEAK]
-                arrived = len(self.persuader.ready(waiting))
+                waiting = [getattr(e, self.sid_key) for e in self.scheduler.running
+                           if e.status is self.phase]
+                arrived = len(self.outside.ready(waiting))
                 if arrived in (0, len(waiting)):
                     return
                 self.hub.wake.wait(left)
@@ -249,10 +311,10 @@ class SessionLoop(rollout.EpisodeLoop):
     def stuck(self):
         """No episode moved: wait for a session's message when any episode waits on one; else
         (the pool cannot take a reply, which admission prevents) the youngest ends "cache"."""
-        if any(e.status is rollout.Status.SPEAK for e in self.scheduler.running):
+        if any(e.status is self.phase for e in self.scheduler.running):
             with self.hub.wake:
-                if not self.hub.inbox and not self.persuader.ready(
-                        [e.persuader_sid for e in self.scheduler.running]):
+                if not self.hub.inbox and not self.outside.ready(
+                        [getattr(e, self.sid_key) for e in self.scheduler.running]):
                     self.hub.wake.wait(POLL_S)
             return
         self.finish(self.scheduler.running[-1], "cache")
@@ -289,8 +351,26 @@ class SessionLoop(rollout.EpisodeLoop):
             if e.index in started and self.hub.tickets[e.index].episode is None:
                 ticket = self.hub.tickets[e.index]
                 ticket.episode = e
-                self.persuader.tickets[e.persuader_sid] = ticket
+                self.outside.tickets[getattr(e, self.sid_key)] = ticket
+                if ticket.b0 is not None:  # a person's own b_0 (OutsidePersuadee)
+                    e.probes[0], e.probe_mass[0] = list(ticket.b0), [1.0] * len(ticket.b0)
+                    e.beliefs[0] = probes.belief(ticket.b0)
                 ticket.events.put(("started", snapshot(e)))
+
+    def stop_left(self):
+        """Sessions playing the persuadee that left (a None in the mailbox: reset, close, a
+        dropped client) end their episodes "stopped" at once, their blocks freed; the last
+        persuader message, which no reply answers, stays out of the loss (cut_off)."""
+        if self.phase is not rollout.Status.REPLY:
+            return  # a persuader's stop is its own message (OutsideSide.speak)
+        for e in list(self.scheduler.running):
+            ticket = self.outside.tickets.get(getattr(e, self.sid_key))
+            if ticket is not None and ticket.mailbox and ticket.mailbox[0] is None:
+                ticket.mailbox.popleft()
+                if e.status is rollout.Status.REPLY:
+                    self.cut_off(e, rollout.STOPPED)
+                else:
+                    self.finish(e, rollout.STOPPED)
 
     def ended(self, e):
         ticket = self.hub.tickets[e.index]
@@ -337,22 +417,30 @@ class SessionLoop(rollout.EpisodeLoop):
 class Hub:
     """Episodes of many sessions on one persuadee (module docstring). persuadee and judge as
     PersuasionEnv takes them once built (an engine.Engine, a served.ServedModel, a side);
-    max_sessions caps the episodes in play; admit_wait_s bounds a session's wait for room."""
+    max_sessions caps the episodes in play; admit_wait_s bounds a session's wait for room.
+    outside: the role the sessions play, "persuader" (the default) or "persuadee", where the
+    model `persuadee` plays the persuader instead (persuader_side), sampled with `sampling`."""
 
     def __init__(self, persuadee, judge=None, *, t_max, max_new_tokens, sampling=None,
                  probe_space=None, probe_signs=None, max_sessions=MAX_SESSIONS,
-                 admit_wait_s=ADMIT_WAIT_S, message_tokens=MAX_MESSAGE_TOKENS):
-        self.persuadee, self.judge, self.t_max = persuadee, judge, t_max
+                 admit_wait_s=ADMIT_WAIT_S, message_tokens=MAX_MESSAGE_TOKENS,
+                 outside="persuader"):
+        if outside not in ("persuader", "persuadee"):
+            raise ValueError(f"sessions.py: outside is 'persuader' or 'persuadee', got {outside!r}")
+        self.persuadee, self.judge, self.t_max, self.outside = persuadee, judge, t_max, outside
         self.max_new_tokens, self.max_sessions, self.admit_wait_s = (max_new_tokens, max_sessions,
                                                                     admit_wait_s)
         self.message_tokens = message_tokens
-        self.persuadee_side = rollout.side(persuadee, "persuadee",
-                                           sampling or rollout.SAMPLING["paper"][1],
-                                           max_new_tokens, probe_space, probe_signs)
-        if isinstance(self.persuadee_side, rollout.EngineSide):
-            self.persuadee_side = SharedPrompts(self.persuadee_side)
+        role = "persuadee" if outside == "persuader" else "persuader"
+        model_side = rollout.side(persuadee, role, sampling or
+                                  rollout.SAMPLING["paper"][role == "persuadee"],
+                                  max_new_tokens, probe_space, probe_signs)
+        if isinstance(model_side, rollout.EngineSide):
+            model_side = SharedPrompts(model_side)
+        self.persuadee_side = model_side if role == "persuadee" else None
+        self.persuader_side = model_side if role == "persuader" else None
         self.lock = engine_lock(persuadee)
-        self.eng = getattr(self.persuadee_side, "eng", None)
+        self.eng = getattr(model_side, "eng", None)
         self.wake = threading.Condition()
         self.inbox, self.tickets, self.next_index = [], {}, 0
         self.reserved, self.open_count, self.thread, self.loop = 0, 0, None, None
@@ -374,12 +462,13 @@ class Hub:
     def capacity(self):
         return self.eng.cache.num_blocks if self.eng is not None else 0
 
-    def open(self, inst, seed):
+    def open(self, inst, seed, b0=None):
         """A new episode of inst keyed by seed, once admitted (module docstring): its Ticket.
-        Refused in one line when it can never fit, or does not within admit_wait_s."""
+        Refused in one line when it can never fit, or does not within admit_wait_s. b0: the
+        probe values of a person playing the persuadee, before the first message."""
         need = self.need(inst)
         if need > self.capacity() and self.eng is not None:
-            return self._never_fits(inst, seed, need)
+            return self._never_fits(inst, seed, need, b0)
         with self.wake:
             fits = lambda: (self.open_count < self.max_sessions
                             and self.reserved + need <= max(self.capacity(), need))
@@ -389,7 +478,7 @@ class Hub:
                     f"{self.reserved} of {self.capacity()} KV blocks reserved; one of "
                     f"{inst['id']} needs {need}) and none ended within {self.admit_wait_s:g} s; "
                     "try again later, or serve with more --kv-blocks")
-            ticket = Ticket(inst, seed, need)
+            ticket = Ticket(inst, seed, need, b0)
             self.reserved += need
             self.open_count += 1
             self.inbox.append(ticket)
@@ -397,7 +486,7 @@ class Hub:
             self.wake.notify_all()
         return ticket
 
-    def _never_fits(self, inst, seed, need):
+    def _never_fits(self, inst, seed, need, b0=None):
         """An episode whose worst case exceeds the whole pool is still played (the loop ends it
         "cache" if it must, as rollout.py would): admitted alone."""
         with self.wake:
@@ -405,7 +494,7 @@ class Hub:
                 raise RuntimeError(f"sessions.py: an episode of {inst['id']} needs the whole "
                                    f"pool ({need} KV blocks of {self.capacity()}) and other "
                                    "episodes kept it; try again later")
-            ticket = Ticket(inst, seed, self.capacity())
+            ticket = Ticket(inst, seed, self.capacity(), b0)
             self.reserved += ticket.need
             self.open_count += 1
             self.inbox.append(ticket)
