@@ -63,7 +63,7 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
     (one Triton kernel each on CUDA; the dispatch mode sees the operator, not the composite a
     CPU runs inside it): RoPE with the q/k norms and the store into the decode copy, the
     attention, silu * up. With lab.fastpath.FUSED_KERNELS off, the composites' ops are counted
-    (the attention's six: two casts to float32, baddbmm, softmax, a cast, bmm)."""
+    (the attention's six: on a CPU in bf16 bmm, a cast to float32, add, softmax, a cast, bmm)."""
     import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,7 +102,8 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
             out = step(self, extent, sampling)
         counts.setdefault(len(self.engine.w["layers"]), counter.ops)
         return out
-    fastpath.DecodeBatch.step = counted
+    fastpath.DecodeBatch.step, packing = counted, fastpath.PACK_CPU_WEIGHTS
+    fastpath.PACK_CPU_WEIGHTS = False  # the GPU's products: unpacked (mm, addmm_)
     try:
         for n_layers in (2, 3):
             model, tok = models.random_model(shape, torch.bfloat16, num_hidden_layers=n_layers)
@@ -110,7 +111,7 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
             eng.generate([eng.new(list(range(10, 40))) for _ in range(4)], 2, sampling,
                          [1, 2, 3, 4], [])
     finally:
-        fastpath.DecodeBatch.step = step
+        fastpath.DecodeBatch.step, fastpath.PACK_CPU_WEIGHTS = step, packing
     layer = counts[3] - counts[2]
     issued = {k: n for k, n in layer.items() if k not in VIEW_OPS}
     outside = sum(counts[2].values()) - 2 * sum(layer.values())
