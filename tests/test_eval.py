@@ -674,3 +674,14 @@ def test_analyze_names_a_malformed_record_or_file_in_one_line(tmp_path, make, sa
         evaluation.main(["--analyze", str(tmp_path / "run")])
     assert e.value.code == says.format(run=tmp_path / "run")
     assert (tmp_path / "elsewhere.json").read_text() == '{"roles": "not this run"}'
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU's default")
+def test_eval_on_a_cpu_takes_the_machines_dtype_and_says_why(monkeypatch, capsys):
+    """eval.py on a CPU: bfloat16 where lab.presets finds bf16 units (here CPU_BF16 True), else
+    float32, printed with why."""
+    from lab import presets
+    for units, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(presets, "CPU_BF16", units)
+        assert evaluation.default_dtype() == dtype
+        assert f"dtype {dtype} (lab.presets.CPU_BF16 {units}" in capsys.readouterr().out
