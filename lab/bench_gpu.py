@@ -32,6 +32,7 @@ import time
 import torch
 
 import engine
+import layers
 import models
 import probes
 import rollout
@@ -102,16 +103,16 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
             out = step(self, extent, sampling)
         counts.setdefault(len(self.engine.w["layers"]), counter.ops)
         return out
-    fastpath.DecodeBatch.step, packing = counted, fastpath.PACK_CPU_WEIGHTS
-    fastpath.PACK_CPU_WEIGHTS = False  # the GPU's products: unpacked (mm, addmm_)
+    fastpath.DecodeBatch.step = counted
     try:
         for n_layers in (2, 3):
             model, tok = models.random_model(shape, torch.bfloat16, num_hidden_layers=n_layers)
             eng = engine.Engine(model, tok, block_size=16, num_blocks=64, fast_path=True)
+            eng.w = layers.fused_weights(model)  # the GPU's products: unpacked (mm, addmm_)
             eng.generate([eng.new(list(range(10, 40))) for _ in range(4)], 2, sampling,
                          [1, 2, 3, 4], [])
     finally:
-        fastpath.DecodeBatch.step, fastpath.PACK_CPU_WEIGHTS = step, packing
+        fastpath.DecodeBatch.step = step
     layer = counts[3] - counts[2]
     issued = {k: n for k, n in layer.items() if k not in VIEW_OPS}
     outside = sum(counts[2].values()) - 2 * sum(layer.values())

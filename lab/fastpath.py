@@ -500,7 +500,6 @@ class Batch:
         return padded.view(B, self.q_max, H, D)
 
 
-
 class DecodeBatch:
     """Fixed-shape decode steps for one batch bucket: every tensor a step reads lives here or in
     the engine's decode memory on the device and keeps its shape and address, so that on CUDA a
