@@ -71,9 +71,14 @@ def chosen_instances(args):
 
 
 def default_dtype():
-    """As train.py's presets: bfloat16 with CUDA, float32 on a CPU (DECISIONS.md: Precision)."""
+    """As train.py's presets: bfloat16 with CUDA; on a CPU the machine's (lab.presets.cpu_dtype:
+    bfloat16 where it has bf16 units, else float32), printed with why (DECISIONS.md: Precision)."""
     import torch
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    if torch.cuda.is_available():
+        return "bfloat16"
+    dtype = presets.cpu_dtype()[0]
+    print(presets.dtype_note(dtype))
+    return dtype
 
 
 def distributed():
@@ -212,7 +217,8 @@ def build_parser():
     ap.add_argument("--overwrite", action="store_true",
                     help="delete that evaluation's folder and start again")
     ap.add_argument("--dtype", choices=cli.DTYPES,
-                    help="of every local model (default bfloat16 with CUDA, float32 on a CPU)")
+                    help="of every local model (default bfloat16 with CUDA; on a CPU bfloat16 where it "
+                    "has bf16 units, else float32: lab.presets.cpu_dtype)")
     ap.add_argument("--t-max", type=int, default=arena.T_MAX_EVAL, help="turn budget per episode")
     served.add_key_flag(ap)
     ap.add_argument("--kv-blocks", type=int, help="KV pool size of each engine, in blocks "

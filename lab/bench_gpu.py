@@ -32,6 +32,7 @@ import time
 import torch
 
 import engine
+import layers
 import models
 import probes
 import rollout
@@ -63,7 +64,7 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
     (one Triton kernel each on CUDA; the dispatch mode sees the operator, not the composite a
     CPU runs inside it): RoPE with the q/k norms and the store into the decode copy, the
     attention, silu * up. With lab.fastpath.FUSED_KERNELS off, the composites' ops are counted
-    (the attention's six: two casts to float32, baddbmm, softmax, a cast, bmm)."""
+    (the attention's six: on a CPU in bf16 bmm, a cast to float32, add, softmax, a cast, bmm)."""
     import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,6 +108,7 @@ def decode_layer_ops(shape="tiny-qwen3", sampling=rollout.FROZEN_SAMPLING):
         for n_layers in (2, 3):
             model, tok = models.random_model(shape, torch.bfloat16, num_hidden_layers=n_layers)
             eng = engine.Engine(model, tok, block_size=16, num_blocks=64, fast_path=True)
+            eng.w = layers.fused_weights(model)  # the GPU's products: unpacked (mm, addmm_)
             eng.generate([eng.new(list(range(10, 40))) for _ in range(4)], 2, sampling,
                          [1, 2, 3, 4], [])
     finally:

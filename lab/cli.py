@@ -436,8 +436,11 @@ def train_args(argv, own):
     line's are."""
     p = train_parser(own)
     preset = p.parse_args(argv).preset or ("paper" if torch.cuda.is_available() else "cpu")
-    p.set_defaults(**presets.PRESETS[preset], preset=preset)  # the preset's over the constants'
+    p.set_defaults(**presets.preset(preset), preset=preset)  # the preset's over the constants'
     args = p.parse_args(argv)
+    if (presets.PRESETS[preset].get("dtype") == "machine" and "dtype" not in explicit_settings(p, argv)
+            and not args.resume and os.environ.get("RANK", "0") == "0"):
+        print(presets.dtype_note(args.dtype))  # the machine's dtype, and why
     if unknown := set(own.NONFINITE_CHECKS) - set(NONFINITE_NAMES):
         raise SystemExit(f"train.py: train.NONFINITE_CHECKS names {', '.join(sorted(unknown))}, "
                          f"which no step measures; keep only names of {', '.join(NONFINITE_NAMES)}")

@@ -65,6 +65,7 @@ DECODE_PAD = 16           # columns after a row's capacity: its scratch column, 
 ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
 # a forward past it runs in several calls (whole sequences, or windows of one's queries)
 PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # ... in these dtypes (bf16: oneDNN's bf16 kernels)
 FUSED_KERNELS = True      # a decode step's RoPE + store, attention and silu * up as lab.kernels'
 # custom ops (one Triton kernel each on CUDA; the same composites elsewhere), else the composites
 
@@ -120,7 +121,7 @@ def pack_weights(w):
     copy in a layout of its own, PACK_CPU_WEIGHTS), else w itself. layers.linear calls a packed
     weight (Packed) in place of F.linear."""
     usable = (PACK_CPU_WEIGHTS and w["embed"].device.type == "cpu"
-              and w["embed"].dtype == torch.float32 and torch.backends.mkldnn.is_available()
+              and w["embed"].dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
               and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
     if not usable:
         return w
@@ -497,7 +498,6 @@ class Batch:
         B, (H, D) = len(self.kv_lens), q.shape[1:]
         padded = q.new_zeros(B * self.q_max, H, D).index_copy_(0, self.pad_index, q)
         return padded.view(B, self.q_max, H, D)
-
 
 
 class DecodeBatch:

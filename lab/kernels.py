@@ -57,9 +57,10 @@ def decode_attention(q, keys_t, values, key_bias):
     floats, ~25% faster on a CPU than reading keys across), values [B, kv_heads, K, D], key_bias
     float32 [B * kv_heads, 1, K] (0 where a key is visible, else -inf). Query head h*G + g reads
     kv head h (grouped-query attention), so each kv head meets its G queries in one product; on
-    a CPU two batched products beat SDPA's kernel at one query. The scores and the softmax are
-    float32 whatever the model's dtype (as in flash-attn and SDPA): pi_old recorded here then
-    differs from the trainer's recomputation by the weights' rounding, not the scores'. Not one
+    a CPU two batched products beat SDPA's kernel at one query. The softmax is float32 whatever
+    the model's dtype, and so are the scores on CUDA (as in flash-attn and SDPA); a CPU's bf16
+    score product sums in float32 and rounds each score once to bf16 (no float32 copy of the
+    keys a layer: DECISIONS.md, The CPU's dtype). Not one
     SDPA call: the CPU's flash kernel rounds a row's output differently with the number of
     (masked) keys, which the batch's longest sequence sets, so an episode's numbers would depend
     on its batch neighbours (DECISIONS.md: Decode fusion)."""
@@ -70,6 +71,9 @@ def decode_attention(q, keys_t, values, key_bias):
         scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
     elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
         scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
+    elif not q.is_cuda and q.dtype == torch.bfloat16:  # a CPU's bf16 product (float32 sums,
+        # the scores rounded once to bf16: no float32 copy of the keys a layer), float32 softmax
+        scores = torch.add(key_bias, torch.bmm(q, keys_t).float(), alpha=D ** -0.5)
     else:
         scores = torch.baddbmm(key_bias, q.float(), keys_t.float(), alpha=D ** -0.5)
     probs = torch.softmax(scores, -1).to(values.dtype)

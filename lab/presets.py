@@ -13,19 +13,28 @@ a run takes from its preset over a constant, and train.py prints them before its
 eval.py on a CPU takes the cpu preset's message length and judge (laptop_settings), so training
 and evaluation on a laptop agree.
 
+The cpu preset's dtype follows the machine (cpu_dtype): bfloat16 where the CPU has bf16 product
+units (AVX512_BF16 or AMX on x86, bf16 on Arm, read from /proc/cpuinfo's flags; CPU_BF16
+overrides the detection), else float32; train.py and eval.py print which and why, and
+`--dtype float32` runs the float32 path (DECISIONS.md: The CPU's dtype).
+
     python train.py --preset tiny      # tiny random models, seconds a step
 """
 import importlib
 import sys
 from pathlib import Path
 
+CPU_BF16 = None                     # None: detect the CPU's bf16 units; True / False: as if found / not
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo flags of bf16 product units:
+# x86's AVX512_BF16 and AMX, Arm's FEAT_BF16 (its "Features" line); a name is no evidence
+CPUINFO_PATH = "/proc/cpuinfo"
 LORA_RANK = 64                      # --preset one-gpu's adapter rank (train.py --lora)
 PRESETS = {  # the models, their dtype and sampling, and what differs from the owning constants
     "paper": dict(persuader="Qwen/Qwen3-4B-Instruct-2507", persuadee="Qwen/Qwen3-14B",
                   dtype="bfloat16", sampling="paper"),
     # cpu: SmolLM2-135M as judge wrote a verdict for 1 transcript in 56, a copy of the answer
     # template, at 30% of the step (DECISIONS.md: Small presets' judge): no judge, s = 0
-    "cpu": dict(persuader="smollm2", persuadee="smollm2", judge="none", dtype="float32", steps=3,
+    "cpu": dict(persuader="smollm2", persuadee="smollm2", judge="none", dtype="machine", steps=3,
                 instances=2, group_size=4, lr=1e-5, updates_per_batch=2, eval_every=0, eval_limit=4,
                 save_every=1, sampling="cpu", t_max=2, eval_t_max=3, max_new_tokens=32),  # ~40 s a step
     # tiny: a random judge never writes a verdict (s falls back to 0 on every transcript, after
@@ -49,6 +58,36 @@ OWNERS = {"steps": "train.STEPS", "instances": "train.INSTANCES", "group_size": 
           "max_new_tokens": "engine.MAX_NEW_TOKENS"}
 
 
+def bf16_units(path=None):
+    """The bf16 product flags this CPU lists (BF16_FLAGS found in /proc/cpuinfo's flags or
+    Features lines), () where it lists none or the file is missing (not Linux)."""
+    try:
+        with open(path or CPUINFO_PATH) as f:
+            lines = [line for line in f if line.split(":")[0].strip() in ("flags", "Features")]
+    except OSError:
+        return ()
+    found = {flag for line in lines for flag in line.split(":", 1)[-1].split()}
+    return tuple(flag for flag in BF16_FLAGS if flag in found)
+
+
+def cpu_dtype():
+    """(dtype, why) a CPU run takes by default: bfloat16 where the CPU has bf16 product units
+    (bf16_units, or CPU_BF16 True), else float32."""
+    if CPU_BF16 is not None:
+        return ("bfloat16" if CPU_BF16 else "float32"), f"lab.presets.CPU_BF16 {CPU_BF16}"
+    units = bf16_units()
+    if units:
+        return "bfloat16", f"this CPU has bf16 product units: {', '.join(units)}"
+    return "float32", "this CPU lists no bf16 product units (avx512_bf16, amx_bf16, bf16)"
+
+
+def dtype_note(dtype):
+    """The line a CPU run prints when it takes the machine's dtype, e.g. "dtype bfloat16 (this CPU
+    has bf16 product units: avx512_bf16; --dtype float32 for the float32 path)"."""
+    other = "float32" if dtype == "bfloat16" else "bfloat16"
+    return f"dtype {dtype} ({cpu_dtype()[1]}; --dtype {other} for the {other} path)"
+
+
 def _module(name):
     """A module by name; train.py run as a script is __main__ (not imported twice)."""
     main = sys.modules.get("__main__")
@@ -63,9 +102,15 @@ def owned(setting):
     return getattr(_module(module), name)
 
 
+def preset(name):
+    """A preset's table, its dtype "machine" read as this CPU's (cpu_dtype)."""
+    table = PRESETS[name]
+    return {**table, "dtype": cpu_dtype()[0]} if table.get("dtype") == "machine" else table
+
+
 def preset_values(name):
     """Every value of a preset: the owned defaults, then the preset's own (its overrides)."""
-    return {**{k: owned(k) for k in OWNERS}, **PRESETS[name]}
+    return {**{k: owned(k) for k in OWNERS}, **preset(name)}
 
 
 def repeats():

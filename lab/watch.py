@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from lab import audit, cli, runs, sweep
+from lab import audit, cli, presets, runs, sweep
 
 LAM = 0.5  # rpo.LAMBDA, the paper's weight
 SEEDS = (0, 1, 2)
@@ -41,13 +41,15 @@ WATCHES = {"tiny": WATCH_TINY, "cpu": WATCH_CPU}
 
 
 def sweep_argv(preset, name=None, out=None, overwrite=False):
-    """lab.sweep's arguments for one watch."""
+    """lab.sweep's arguments for one watch; the cpu watch in the machine's dtype
+    (lab.presets.cpu_dtype), named on the command line so that every arm runs it."""
     watch = WATCHES[preset]
+    dtype = ["--dtype", presets.cpu_dtype()[0]] if presets.PRESETS[preset].get("dtype") == "machine" else []
     return ["--preset", preset, "--lams", str(LAM), "--seeds", *map(str, SEEDS),
             "--steps", str(watch["steps"]), "--eval-every", str(watch["steps"]),
             "--eval-limit", str(watch["eval_limit"]), "--frozen-control",
             "--name", f"watch-{preset}" if name is None else name, *(["--out", str(out)] if out else []),
-            *(["--overwrite"] if overwrite else []), "--", "--judge", "none", *watch["train"]]
+            *(["--overwrite"] if overwrite else []), "--", "--judge", "none", *watch["train"], *dtype]
 
 
 QUOTED = 3  # held-out messages quoted a seed and checkpoint in messages.json
@@ -105,6 +107,8 @@ def main(argv=None):
     p.add_argument("--out", default=sweep.SWEEPS_DIR)
     p.add_argument("--overwrite", action="store_true", help="start the watch's sweep again")
     args = p.parse_args(argv)
+    if presets.PRESETS[args.preset].get("dtype") == "machine":
+        print(presets.dtype_note(presets.cpu_dtype()[0]))
     summary = sweep.main(sweep_argv(args.preset, args.name, args.out, args.overwrite))
     root = Path(args.out) / (f"watch-{args.preset}" if args.name is None else args.name)
     summary["messages"] = write_message_report(root, SEEDS, WATCHES[args.preset]["steps"])

@@ -6,8 +6,10 @@ import torch
 
 import engine
 import models
-from lab import fastpath
+from lab import fastpath, presets
 
+presets.CPU_BF16 = False  # the suite runs the cpu preset's float32 path on any machine, with or
+# without bf16 units; tests of the machine's dtype set CPU_BF16 or CPUINFO_PATH themselves
 
 
 def token_logprobs(logits, ids, temperature=1.0):

@@ -740,3 +740,14 @@ def test_a_full_disk_while_writing_the_figures_is_one_line(tmp_path, monkeypatch
     message = str(e.value.code)
     assert message.startswith("eval.py: could not write") and "the disk is full" in message
     assert "\n" not in message and (tmp_path / "run" / "summary.json").is_file()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU's default")
+def test_eval_on_a_cpu_takes_the_machines_dtype_and_says_why(monkeypatch, capsys):
+    """eval.py on a CPU: bfloat16 where lab.presets finds bf16 units (here CPU_BF16 True), else
+    float32, printed with why."""
+    from lab import presets
+    for units, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(presets, "CPU_BF16", units)
+        assert evaluation.default_dtype() == dtype
+        assert f"dtype {dtype} (lab.presets.CPU_BF16 {units}" in capsys.readouterr().out

@@ -233,6 +233,33 @@ def test_the_paper_numbers_are_train_constants_and_their_flags_defaults(monkeypa
     assert parse_train(["--preset", "cpu", "--group-size", "5", "--out", str(tmp_path)]).group_size == 5
 
 
+def test_the_cpu_preset_takes_bf16_where_the_cpu_has_its_units(tmp_path, monkeypatch, capsys):
+    """The cpu preset's dtype follows the CPU's flags (/proc/cpuinfo): bfloat16 with x86's
+    avx512_bf16 or amx_bf16 or Arm's bf16, float32 without (a name is no evidence), printed with
+    why; --dtype float32 is the user's and prints nothing; CPU_BF16 overrides the detection."""
+    monkeypatch.setattr(presets, "CPU_BF16", None)
+    info = tmp_path / "cpuinfo"
+    monkeypatch.setattr(presets, "CPUINFO_PATH", str(info))
+    for text, dtype in (("flags\t: fpu avx512f avx512_bf16 avx512_vnni\n", "bfloat16"),
+                        ("flags\t: fpu amx_tile amx_bf16\n", "bfloat16"),
+                        ("Features\t: fp asimd bf16 i8mm\n", "bfloat16"),
+                        ("model name\t: bf16 Lake\nflags\t: fpu avx512f avx2\n", "float32"),
+                        ("Features\t: fp asimd sve\n", "float32")):
+        info.write_text(text)
+        capsys.readouterr()
+        assert parse_train(["--preset", "cpu", "--out", str(tmp_path)]).dtype == dtype, text
+        out = capsys.readouterr().out
+        assert f"dtype {dtype} (this CPU" in out and "--dtype" in out, out
+    assert parse_train(["--preset", "cpu", "--dtype", "float32", "--out",
+                        str(tmp_path)]).dtype == "float32"
+    assert "dtype" not in capsys.readouterr().out
+    monkeypatch.setattr(presets, "CPUINFO_PATH", str(tmp_path / "missing"))
+    assert presets.cpu_dtype()[0] == "float32" and presets.bf16_units() == ()
+    monkeypatch.setattr(presets, "CPU_BF16", True)
+    assert presets.cpu_dtype()[0] == "bfloat16"
+    assert parse_train(["--preset", "tiny", "--out", str(tmp_path)]).dtype == "float32"
+
+
 def test_no_preset_repeats_a_constants_own_value(monkeypatch):
     """A preset holds only what differs from the owning constants; a repeated value (here the
     tiny preset given train.py's own MICRO_BATCH) is caught."""
