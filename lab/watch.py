@@ -2,7 +2,7 @@
 watch.py: Probe-RPO seen to learn, on a laptop: a small λ sweep with a frozen control whose
 figure shows the persuadee's belief rising under training against the same seeds untrained.
 
-Each seed trains one arm at lambda LAM and a frozen control at lr 0 (the same instances and
+Each seed trains one arm at lambda rpo.LAMBDA and a frozen control at lr 0 (the same instances and
 random streams, only the weights differ), then lab/sweep.py writes its summary, table and
 training.png: the training episodes' b_T - b_0 step by step, trained against the control, the
 difference with a 95% band over the seeds. The objective is the dense term alone wherever the
@@ -17,9 +17,9 @@ sweeps/NAME/training.png, and the run resumes like any sweep (its arms are kept)
 """
 import sys
 
+import rpo
 from lab import cli, sweep
 
-LAM = 0.5  # rpo.LAMBDA, the paper's weight
 SEEDS = (0, 1, 2)
 # tiny: the suite's learning configuration (tests/test_train.py): three-turn episodes, 8-token
 # messages, a greedy persuadee, dense reward alone, no KL, lr 1.5e-2
@@ -32,9 +32,10 @@ WATCHES = {"tiny": WATCH_TINY, "cpu": WATCH_CPU}
 
 
 def sweep_argv(preset, name=None):
-    """lab.sweep's arguments for one watch."""
+    """lab.sweep's arguments for one watch: its arm at rpo.LAMBDA, read when called (one lambda,
+    the method's)."""
     watch = WATCHES[preset]
-    return ["--preset", preset, "--lams", str(LAM), "--seeds", *map(str, SEEDS),
+    return ["--preset", preset, "--lams", str(rpo.LAMBDA), "--seeds", *map(str, SEEDS),
             "--steps", str(watch["steps"]), "--eval-every", str(watch["steps"]),
             "--eval-limit", str(watch["eval_limit"]), "--frozen-control",
             "--name", name or f"watch-{preset}", "--", "--judge", "none", *watch["train"]]
