@@ -657,3 +657,22 @@ def test_the_per_turn_baseline_shrinks_turns_but_never_tilts_them_when_messages_
     assert pooled[0] / exact[0] > 1 - 1 / G + 0.04  # no leave-in share gives more than 1 - 1/G
     verl = mean_gradient(G, normalised_per_turn_index)
     assert verl[1] * exact[1] < 0 and abs(verl[1]) > abs(exact[1])
+
+
+def test_every_function_reads_its_constants_when_called(monkeypatch):
+    """An edit of rpo's constants in a running process (a notebook) acts as an edit of the file:
+    lambda, the anchor and the loss's clips and beta are read when a function is called."""
+    R, P = [1.0, 0.0], [[0.2], [-0.2]]
+    monkeypatch.setattr(rpo, "LAMBDA", 0.0)
+    plain = rpo.group_advantages(R, P)
+    assert plain[0][0] == -plain[1][0] == pytest.approx(0.5 / (math.sqrt(0.5) + EPS))
+    assert rpo.diagnostic_sums([(R, P)])["abs_dense"] == 0.0
+    monkeypatch.setattr(rpo, "LAMBDA", 1.0)
+    assert rpo.group_advantages(R, P)[0][0] == pytest.approx(plain[0][0] + 0.2)
+    monkeypatch.setattr(rpo, "ANCHOR", True)
+    assert rpo.process_rewards([0.0, 0.2], "ACCEPT") == [pytest.approx(0.5)]
+    ones = torch.ones(1, 2)
+    monkeypatch.setattr(rpo, "CLIP_HIGH", 0.0)
+    monkeypatch.setattr(rpo, "KL_BETA", 0.0)
+    loss, stats = rpo.policy_loss(ones.log() + 0.5, ones.log(), ones.log(), ones, ones, 2)
+    assert stats["clip_frac"] == 1.0 and loss.item() == pytest.approx(-1.0)  # clipped at 1 + 0, no k3
