@@ -411,7 +411,7 @@ def _decision(word):
         if word.startswith(prefix):
             return decision
 
-def parse_decision(text):
+def parse_decision(text: str) -> str | None:
     """The decision of the last tag in text that is neither quoted nor negated, or None."""
     norm, decision = normalise(text), None
     marks = find_marks(norm)
@@ -619,7 +619,7 @@ def judge_messages(scenario, transcript):
 _SCORE_RE = {key: re.compile(rf"^[ \t>#*_-]*{key}[ \t*_]*[:=][ \t*_]*(\d+(?:\.\d+)?)(?!\.?\d)(?![ \t]*[-–][ \t]*\d)",
                              re.IGNORECASE | re.MULTILINE) for key in JUDGE_KEYS}
 
-def parse_judge(text):
+def parse_judge(text: str) -> float | None:
     """s = mean of the three scores - 3, in [-2, 2]; None unless each key's last score is an integer 1-5."""
     scores = []
     for key in JUDGE_KEYS:
@@ -640,7 +640,7 @@ class Dialogue:
     """The decision state machine of one conversation (its outcome bookkeeping); the caller runs the models and calls step()
     with parse_decision(persuadee reply) after each turn."""
 
-    def __init__(self, t_max):
+    def __init__(self, t_max: int):
         if type(t_max) is not int or t_max < 1:
             raise ValueError(f"t_max must be a positive integer, got {t_max!r}")
         self.t_max = t_max
@@ -652,16 +652,16 @@ class Dialogue:
         self.end_reason = None   # "decision", "rejections", "window", "budget", or the caller's reason
 
     @property
-    def done(self):
+    def done(self) -> bool:
         return self.outcome is not None
 
     @property
-    def final_turn(self):
+    def final_turn(self) -> bool:
         """True when the coming turn is certainly the last: the caller adds FINAL_TURN_INSTRUCTION."""
         coming = self.turn + 1
         return not self.done and (coming == self.t_max or coming == self.window_end)
 
-    def step(self, decision):
+    def step(self, decision: str | None) -> str | None:
         """Apply the decision of the turn just played; returns the outcome if the episode ended."""
         if self.done:
             raise RuntimeError(f"episode already ended ({self.outcome}, {self.end_reason})")
@@ -684,12 +684,12 @@ class Dialogue:
             return self._finish(self.recorded or "PENDING", "budget")
         return None
 
-    def end(self, reason):
+    def end(self, reason: str) -> str:
         """End early from outside (e.g. the engine ran out of memory or context)."""
         if self.done:
             raise RuntimeError(f"episode already ended ({self.outcome}, {self.end_reason})")
         return self._finish(self.recorded or "PENDING", reason)
 
-    def _finish(self, outcome, reason):
+    def _finish(self, outcome: str, reason: str) -> str:
         self.outcome, self.end_reason = outcome, reason
         return outcome

@@ -333,8 +333,24 @@ def cell_sampling(args, persuader):
     config = report.run_config(persuader) if args.sampling is None else {}
     values = {k: getattr(args, k) if getattr(args, k) is not None else config.get(k)
               for k in SAMPLING_FLAGS}
-    values["sampling"] = values["sampling"] or ("cpu" if persuader in CPU_SAMPLING_MODELS else "paper")
+    values["sampling"] = values["sampling"] or picked_sampling(persuader)
     return rollout.role_sampling(types.SimpleNamespace(**values))
+
+
+def picked_sampling(persuader):
+    """The rollout.SAMPLING entry eval.py picks when neither the command line nor the
+    persuader's training run names one: "cpu" for CPU_SAMPLING_MODELS, else the default."""
+    return "cpu" if persuader in CPU_SAMPLING_MODELS else presets.DEFAULT_SAMPLING
+
+
+def sampling_line(args, persuader):
+    """The line that says which sampling entry eval.py picked over the default, or None (printed
+    like a preset's overrides)."""
+    if args.sampling is not None or report.run_config(persuader).get("sampling"):
+        return None
+    entry = picked_sampling(persuader)
+    return None if entry == presets.DEFAULT_SAMPLING else presets.sampling_note(
+        entry, f"eval.CPU_SAMPLING_MODELS: {persuader}")
 
 
 def run_settings(args, persuader, persuadee):
@@ -435,6 +451,8 @@ def run_cells(args, instances, cells):
     a grid's table."""
     loaded, results, rank = {}, {}, distributed()[0]  # under torchrun rank 0 prints
     for p, q, out_dir, settings in cells:
+        if rank == 0 and (line := sampling_line(args, p)):
+            print(line)
         try:
             results[(p, q)] = run_eval(
                 p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,

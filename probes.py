@@ -59,11 +59,11 @@ BELIEF_TEMPERATURE = 0.02  # how sharply p_t rises with b_t around the threshold
 
 
 @functools.cache  # encoded once per tokenizer, not on every read
-def answer_ids(tokenizer, words):
+def answer_ids(tokenizer, words) -> list[int]:
     return sorted({models.encode(tokenizer, w)[0] for w in words})
 
 
-def probe_ids(tokenizer):
+def probe_ids(tokenizer) -> tuple:
     """The probe turns (one per PROBES question) as ids appended to a closed context, and their
     shared prefix length."""
     return _probe_turns(tokenizer, INSTRUCTION, tuple(questions()))
@@ -76,7 +76,7 @@ def _probe_turns(tokenizer, instruction, asked):
 
 
 @functools.cache  # the whole vocabulary decoded once per tokenizer
-def vocabulary_answer_ids(tokenizer):
+def vocabulary_answer_ids(tokenizer) -> tuple:
     """Every token id whose text, stripped and lower-cased, is "yes" or "no" ("YES", " No",
     "no", ...): the answers over the full vocabulary, not only the four spellings' first tokens."""
     words = [w.strip().lower() for w in tokenizer.batch_decode([[i] for i in range(len(tokenizer))])]
@@ -92,17 +92,17 @@ def _answer_logprobs(logits, tokenizer, answers=None):
     return logp[..., list(yes_ids)].logsumexp(-1), logp[..., list(no_ids)].logsumexp(-1)
 
 
-def questions():
+def questions() -> list[str]:
     """The probes' questions, in PROBES order."""
     return [probe["question"] for probe in PROBES.values()]
 
 
-def probe_signs():
+def probe_signs() -> dict[str, int]:
     """{name: valence sign} of every probe, from PROBES."""
     return {name: probe["sign"] for name, probe in PROBES.items()}
 
 
-def parse_signs(text):
+def parse_signs(text: str) -> dict[str, int]:
     """Probe signs from "CA=1,PE=-1,AC=1", each probe not named keeping its PROBES sign (the
     --probe-signs flag's type: its error is the line argparse prints)."""
     signs = probe_signs()
@@ -124,7 +124,8 @@ def add_flags(parser):
                              "(logodds)")
 
 
-def values_from_logits(logits, tokenizer, space=None, answers=None):
+def values_from_logits(logits: "torch.Tensor", tokenizer, space: str | None = None,
+                       answers=None) -> "torch.Tensor":
     """Probe values from next-token logits [..., V]: 2p - 1 ("prob") or the clipped, rescaled
     log-odds ("logodds"); space defaults to PROBE_SPACE. No valence sign applied. A read from
     logits that overflowed (a non-finite one) or collapsed (all equal, which would read as
@@ -142,13 +143,13 @@ def values_from_logits(logits, tokenizer, space=None, answers=None):
     return torch.where(readable, value, float("nan"))
 
 
-def yes_no_mass(logits, tokenizer):
+def yes_no_mass(logits: "torch.Tensor", tokenizer) -> "torch.Tensor":
     """sum P(yes ids) + sum P(no ids) under the full next-token distribution of logits [..., V]."""
     yes, no = _answer_logprobs(logits, tokenizer)
     return yes.exp() + no.exp()
 
 
-def belief(values):
+def belief(values: list[float] | None) -> float | None:
     """b = mean of the probe values of one read-out; None when any is absent (a served persuadee
     that gives no log-probs) or not finite."""
     if values is None or not all(v is not None and math.isfinite(v) for v in values):
@@ -156,7 +157,7 @@ def belief(values):
     return sum(values) / len(values)
 
 
-def from_prob_value(v, space=None, sign=1):
+def from_prob_value(v: float | None, space: str | None = None, sign: int = 1) -> float | None:
     """A probe value read as 2p - 1 (what a served persuadee's top log-probs give), in `space`
     with the valence `sign`, as values_from_logits and _readout would give it; None stays None."""
     if v is None:
@@ -177,7 +178,8 @@ def _readout(logits, tokenizer, n, answers=None, space=None, signs=None):
     return values, yes_no_mass(logits, tokenizer).view(n, len(PROBES))
 
 
-def read_engine(eng, sids, with_mass=False, space=None, signs=None):
+def read_engine(eng, sids: list[int], with_mass: bool = False, space: str | None = None,
+                signs: dict[str, int] | None = None):
     """Probe values [n, k] (k = len(PROBES)) for sequences whose context is closed and fully
     cached; with_mass: (values, Yes+No mass), both [n, k].
 
@@ -211,7 +213,7 @@ def read_engine(eng, sids, with_mass=False, space=None, signs=None):
     return (values, torch.cat(mass).cpu()) if with_mass else values
 
 
-def read_blocks(eng):
+def read_blocks(eng) -> int:
     """KV blocks one sequence's probe read can take at most: a fork writing n tokens may copy the
     block it starts in and takes ceil(n / block_size) more."""
     turns, shared = probe_ids(eng.tokenizer)
@@ -310,12 +312,12 @@ def decision_probs(logits, tokenizer):
     return per_choice.softmax(-1)
 
 
-def decision_blocks(eng):
+def decision_blocks(eng) -> int:
     """KV blocks one sequence's decision read can take at most (read_blocks' rule)."""
     return eng.blocks_for(len(decision_ids(eng.tokenizer)[0]), copy_on_write=True)
 
 
-def read_decisions(eng, sids):
+def read_decisions(eng, sids: list[int]) -> "torch.Tensor":
     """Decision probabilities [n, choices] for sequences whose context is closed and fully cached:
     one fork per sequence with the question, one forward, every fork freed."""
     turn, need = decision_ids(eng.tokenizer)[0], decision_blocks(eng)

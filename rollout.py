@@ -69,21 +69,27 @@ clock = scheduling.clock  # (timings, key): a block's wall time added to timings
 
 @runtime_checkable
 class Side(Protocol):
-    """What plays a role, whatever it is (module docstring): EngineSide (a local engine),
-    served.ServedSide (an OpenAI-compatible API), play.PersonSide (a person), env.TrainerSide
-    (a trainer outside) and env.Watched (a side whose reads are kept)."""
+    """What plays a role, whatever it is (module docstring). The sides that exist: EngineSide (a
+    local engine.Engine, either role), served.ServedSide (a model behind an OpenAI-compatible
+    API, either role), play.PersonSide (the person at the terminal, persuader) and
+    sessions.OutsideSide (the persuader of every session of a hub: env.py's, a trainer's)."""
     tokenizer: object  # None where text crosses (served or typed)
     max_len: int | None  # the context, None where a server checks its own
 
-    def prompt(self, instance): ...  # the prompt's ids ([] where text crosses)
-    def room(self, instance, n): ...  # can n episodes of instance open now?
-    def prefill(self, instance): ...  # the prompt once; its root
-    def start(self, roots, counts): ...  # (sids per root, b_0 read per root or None); roots freed
-    def ready(self, sids): ...  # those whose next message fits now
-    def speak(self, sids, keys): ...  # the persuader's messages: dict(text, ids, logprobs, reason)
-    def reply(self, sids, keys, timings=None): ...  # the persuadee's, probes read after each
-    def hear(self, sid, text, final_turn=False, shown=None): ...  # (ids added, "context" or None)
-    def free(self, sid): ...
+    def prompt(self, instance: dict) -> list[int]: ...  # the prompt's ids ([] where text crosses)
+    def room(self, instance: dict, n: int) -> bool: ...  # can n episodes of instance open now?
+    def prefill(self, instance: dict) -> int: ...  # the prompt once; its root
+    def start(self, roots: list[int], counts: list[int]) -> tuple[list[list[int]], list]: ...
+    # (sids per root, (b_0 probe values, masses) per root or None); the roots are freed
+    def ready(self, sids: list[int]) -> list[int]: ...  # those whose next message fits now
+    def speak(self, sids: list[int], keys: list[int]) -> list[dict]: ...
+    # the persuader's messages: dict(text, ids, logprobs, reason) each
+    def reply(self, sids: list[int], keys: list[int], timings: dict | None = None) -> list[dict]: ...
+    # the persuadee's: dict(text, decision, reason, probes, probe_mass), probes read after each
+    def hear(self, sid: int, text: str, final_turn: bool = False,
+             shown: tuple | None = None) -> tuple[list[int], str | None]: ...
+    # (the ids it added to a persuader's stream, "context" when they did not fit, else None)
+    def free(self, sid: int) -> None: ...
 
 
 def role_sampling(args):
@@ -580,16 +586,16 @@ class EngineSide:
         self.step = message_blocks(eng, max_new_tokens) + self.reserve
         self.prompts, self.tails, self.last = {}, {}, {}
 
-    def prompt(self, instance):
+    def prompt(self, instance: dict) -> list[int]:
         if instance["id"] not in self.prompts:  # built once per instance
             self.prompts[instance["id"]] = prompt_ids(self.tokenizer, self.tokenizer,
                                                       instance)[self.persuadee]
         return self.prompts[instance["id"]]
 
-    def room(self, instance, n):
+    def room(self, instance: dict, n: int) -> bool:
         return self.eng.can_fit(len(self.prompt(instance)), n * self.step)
 
-    def prefill(self, instance):
+    def prefill(self, instance: dict) -> int:
         """The prompt once; a persuader's last prompt token starts each episode's first message."""
         ids = self.prompt(instance)
         root = self.eng.new(ids if self.persuadee else ids[:-1])
@@ -597,7 +603,7 @@ class EngineSide:
         self.eng.forward([root])
         return root
 
-    def start(self, roots, counts):
+    def start(self, roots: list[int], counts: list[int]) -> tuple[list[list[int]], list]:
         reads = [None] * len(roots)
         if self.persuadee:
             values, mass = probes.read_engine(self.eng, roots, with_mass=True, space=self.space,
@@ -609,12 +615,12 @@ class EngineSide:
             del self.tails[r]
         return sids, reads
 
-    def ready(self, sids):
+    def ready(self, sids: list[int]) -> list[int]:
         extra = self.max_new_tokens + (CLOSING_ROOM if self.persuadee else 0)
         counts = [self.eng.length(s) - self.eng.cached(s) + extra for s in sids]
         return self.eng.admit(sids, counts, reserve=self.reserve)
 
-    def speak(self, sids, keys):
+    def speak(self, sids: list[int], keys: list[int]) -> list[dict]:
         outs = self.eng.generate(sids, self.max_new_tokens, self.sampling, keys)
         said = []
         for s, (ids, logprobs, reason) in zip(sids, outs):
@@ -623,7 +629,8 @@ class EngineSide:
                              ids=ids, logprobs=logprobs, reason=reason))
         return said
 
-    def hear(self, sid, text, final_turn=False, shown=None):
+    def hear(self, sid: int, text: str, final_turn: bool = False,
+             shown: tuple | None = None) -> tuple[list[int], str | None]:
         """The other side's text enters the context (a persuader is shown the reply's probe
         values and the beliefs so far, which only a person reads); returns (the ids it added to
         a persuader's stream, "context" when the context cannot take them, else None)."""
@@ -634,7 +641,8 @@ class EngineSide:
         self.eng.append(sid, ids)
         return ids, "context" if self.eng.overflow(sid) == "context" else None
 
-    def reply(self, sids, keys, timings=None):
+    def reply(self, sids: list[int], keys: list[int] | None,
+              timings: dict | None = None) -> list[dict]:
         """The persuadee's replies (the message it heard pending: persuadee_heard), each closed and
         its beliefs read in forks (probes.read_engine): per sequence dict(text, decision, reason,
         probes, probe_mass: the Yes+No mass of each read-out); a reply cut off ("context",
@@ -662,6 +670,6 @@ class EngineSide:
                     reply["decision"], reply["accept_prob"] = decision, p
         return replies
 
-    def free(self, sid):
+    def free(self, sid: int) -> None:
         self.eng.free(sid)
         self.last.pop(sid, None)

@@ -15,7 +15,9 @@ file turns beliefs, outcomes and strategy scores into per-token advantages and t
                        A_out_i  = (R_i - mean_j R_j) / (std_j R_j + STD_EPS)   (std with ddof = 1;
                                   0 for a dead group, all R equal, and for a group of one)
                        D_{i,t}  = sum_{k >= t} r_{i,k}                          (dense return-to-go)
-                       D~_{i,t} = D_{i,t} - mean over every (j, k) of the group of D_{j,k}
+                       D~_{i,t} = D_{i,t} - mean of D_{j,t} over the group's episodes that
+                                  reached turn t  (DENSE_BASELINE "turn"; the ablation "pooled":
+                                  one mean over every (j, k) of the group)
                        A_{i,t}  = A_out_i + LAMBDA * D~_{i,t}          (LAMBDA = 0: plain GRPO)
   token loss         every token the persuader generated in message t carries A_{i,t}; with
                        rho = exp(logp - old_logp),  d = ref_logp - logp,
@@ -37,6 +39,10 @@ train.py keeps the backward, its scale over ranks, clipping and the optimizer.
 Alignment: the logits at position p predict ids[:, p + 1], so micro_batch_loss keeps the positions
 p where turn_ids[:, p + 1] > 0 and reads the targets, old log-probs and advantages (built over the
 L input positions by batch_token_advantages) at p + 1 before target_logprobs and policy_loss.
+
+Constants: every function reads the constants above when it is called, never when it was
+defined: an argument a constant owns (anchor, lam, clip_low, clip_high, beta) defaults to None,
+which means "the constant, now", so `rpo.LAMBDA = 0` in a notebook acts as an edit of the file.
 
 torch is imported inside the functions that make tensors, so that the reward math (process_rewards,
 dense_return, GOAL) serves lab/analyses.py without loading torch.
@@ -65,29 +71,32 @@ DIAG_EPS = 1e-9  # |A| above this counts as a nonzero advantage in diagnostic_su
 # -----------------------------------------------------------------------------
 # rewards
 
-def process_rewards(beliefs, outcome, anchor=ANCHOR):
-    """[b_0..b_T] -> [r_1..r_T], r_t = (b_t - b_{t-1}) / 2; b_T anchored to the outcome if asked."""
+def process_rewards(beliefs: list[float], outcome: str | None,
+                    anchor: bool | None = None) -> list[float]:
+    """[b_0..b_T] -> [r_1..r_T], r_t = (b_t - b_{t-1}) / 2; b_T anchored to the outcome if asked
+    (anchor None: ANCHOR)."""
     b = [float(x) for x in beliefs]
     if len(b) < 2:
         return []
-    if anchor:
+    if ANCHOR if anchor is None else anchor:
         b[-1] = ANCHOR_BELIEF[outcome]
     return [(b[t] - b[t - 1]) / 2 for t in range(1, len(b))]
 
 
-def dense_return(beliefs, outcome, anchor=ANCHOR, lam=1.0):
+def dense_return(beliefs: list[float], outcome: str | None, anchor: bool | None = None,
+                 lam: float = 1.0) -> float:
     """lam * sum_t r_t: the shaping return of an episode (lam = 1: the lambda-free dense return)."""
     return lam * sum(process_rewards(beliefs, outcome, anchor))
 
 
-def negative_process_counts(beliefs_per_episode):
+def negative_process_counts(beliefs_per_episode) -> tuple[int, int]:
     """(turns whose process reward is negative, turns), on the measured beliefs (never the anchor);
     counts add over ranks before negative_process_share's division."""
     rewards = [r for beliefs in beliefs_per_episode for r in process_rewards(beliefs, None, anchor=False)]
     return sum(r < 0 for r in rewards), len(rewards)
 
 
-def collapsed_groups(episodes, group_size):
+def collapsed_groups(episodes: list, group_size: int) -> tuple[int, int]:
     """(groups whose members all sent the identical persuader messages, groups of two or more):
     a collapsed group's advantages sum to zero over one and the same token sequence, so its
     gradient is exactly 0 in both terms, whatever the persuadee did. Counts add over ranks."""
@@ -101,14 +110,14 @@ def collapsed_groups(episodes, group_size):
     return collapsed, groups
 
 
-def negative_process_share(beliefs_per_episode):
+def negative_process_share(beliefs_per_episode) -> float:
     """Share of turns whose process reward is negative, on the measured beliefs (never the anchor):
     how often a persuader turn lowers the persuadee's belief. The one definition train and eval log."""
     negative, turns = negative_process_counts(beliefs_per_episode)
     return negative / turns if turns else 0.0
 
 
-def outcome_reward(outcome, strategy):
+def outcome_reward(outcome: str, strategy: float) -> float:
     return GOAL[outcome] + STRATEGY_WEIGHT * float(strategy)
 
 
@@ -165,13 +174,16 @@ def _dense_baseline(kept):
     return [sum(v) / len(v) for v in at]
 
 
-def group_advantages(outcome_rewards, process_rewards, lam=LAMBDA):
-    """G outcome rewards and G lists of process rewards (ragged) -> A_{i,t} as G lists."""
+def group_advantages(outcome_rewards: list[float], process_rewards: list[list[float]],
+                     lam: float | None = None) -> list[list[float]]:
+    """G outcome rewards and G lists of process rewards (ragged) -> A_{i,t} as G lists (lam
+    None: LAMBDA)."""
+    lam = LAMBDA if lam is None else lam
     a_out, dense = _group_terms(outcome_rewards, process_rewards)
     return [[a + lam * x for x in d] for a, d in zip(a_out, dense)]
 
 
-def batch_token_advantages(turn_ids, advantages):
+def batch_token_advantages(turn_ids: "torch.Tensor", advantages: list[list[float]]) -> "torch.Tensor":
     """turn_ids [B, L] (t >= 1 on persuader tokens of message t, else 0), advantages a list of B
     (ragged) lists -> float [B, L]: A_t on the tokens of message t, 0 elsewhere."""
     import torch
@@ -188,13 +200,13 @@ def batch_token_advantages(turn_ids, advantages):
     return table.gather(1, turn_ids)
 
 
-def numeric(beliefs):
+def numeric(beliefs: list[float | None]) -> list[float]:
     """A record's beliefs as the reward arithmetic takes them: NaN where none was read (a served
     persuadee without log-probs), which _readable counts. A record itself holds None."""
     return [math.nan if b is None else b for b in beliefs]
 
 
-def rewards(episodes, group_size, anchor=ANCHOR):
+def rewards(episodes: list, group_size: int, anchor: bool | None = None) -> list[tuple]:
     """The rewards of whole groups of episodes (rollout.Episode), per group (outcome rewards R_i =
     GOAL[outcome] + STRATEGY_WEIGHT * s_i, process rewards r_{i,t} from the beliefs, goals
     GOAL[outcome]): what advantages turns into A_{i,t} and diagnostic_sums reads."""
@@ -207,7 +219,7 @@ def rewards(episodes, group_size, anchor=ANCHOR):
     return groups
 
 
-def advantages(groups, lam=LAMBDA):
+def advantages(groups: list[tuple], lam: float | None = None) -> list[list[float]]:
     """The Probe-RPO turn advantages A_{i,t} of each episode, in order, from its group's
     rewards (rewards)."""
     return [a for outcome, process, _ in groups for a in group_advantages(outcome, process, lam)]
@@ -216,7 +228,14 @@ def advantages(groups, lam=LAMBDA):
 # -----------------------------------------------------------------------------
 # log-probs and loss
 
-def target_logprobs(logits, targets, temperature=1.0):
+def _clips(clip_low, clip_high, beta):
+    """The loss's constants as called: each None is CLIP_LOW, CLIP_HIGH, KL_BETA now."""
+    return (CLIP_LOW if clip_low is None else clip_low, CLIP_HIGH if clip_high is None else clip_high,
+            KL_BETA if beta is None else beta)
+
+
+def target_logprobs(logits: "torch.Tensor", targets: "torch.Tensor",
+                    temperature: float = 1.0) -> "torch.Tensor":
     """log softmax(logits / temperature) at targets: [B, K, V] and [B, K] -> float32 [B, K].
 
     One row at a time, via logsumexp + gather, so at most one [K, V] float32 copy is made per row
@@ -233,11 +252,14 @@ def target_logprobs(logits, targets, temperature=1.0):
     return torch.stack(out)
 
 
-def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens,
-                clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA):
+def policy_loss(logp, old_logp, ref_logp, advantages, mask, num_tokens: float,
+                clip_low: float | None = None, clip_high: float | None = None,
+                beta: float | None = None) -> tuple["torch.Tensor", dict]:
     """Clipped token-level surrogate + beta * k3 over masked tokens, summed and divided by the
-    GLOBAL persuader-token count num_tokens. All tensors share one shape; ref_logp may be None."""
+    GLOBAL persuader-token count num_tokens. All tensors share one shape; ref_logp may be None.
+    clip_low, clip_high, beta None: CLIP_LOW, CLIP_HIGH, KL_BETA."""
     import torch
+    clip_low, clip_high, beta = _clips(clip_low, clip_high, beta)
     mask = mask.bool()
     # zero the log-ratio off the mask before exp: unmasked positions may hold anything (padding),
     # and exp(inf) * 0 would turn their exactly-zero gradient into nan
@@ -278,7 +300,7 @@ def mini_batches(episodes, updates=UPDATES_PER_BATCH):
     return [slice(a, b) for a, b in zip(starts, starts[1:])]
 
 
-def persuader_tokens(episodes):
+def persuader_tokens(episodes: list) -> int:
     """The tokens the loss is taken over: every predicted token of a persuader message."""
     return sum(sum(1 for t in e.turn_ids[1:] if t) for e in episodes)
 
@@ -291,9 +313,10 @@ def plain_logits(model, ids, keep, rows):
     return kept.gather(1, rows[..., None].expand(-1, -1, kept.shape[-1]))
 
 
-def micro_batch_loss(policy, reference, episodes, turn_advantages, num_tokens, *, temperature=1.0,
-                     clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=KL_BETA, logits=None,
-                     context=None):
+def micro_batch_loss(policy, reference, episodes: list, turn_advantages: list[list[float]],
+                     num_tokens: float, *, temperature: float = 1.0, clip_low: float | None = None,
+                     clip_high: float | None = None, beta: float | None = None, logits=None,
+                     context=None) -> tuple["torch.Tensor", dict]:
     """The loss of one micro-batch of episodes (rollout.Episode: ids, turn_ids, the sampled
     logprobs) and
     their turn advantages: the policy's and the frozen reference's log-probs of the persuader's
@@ -307,6 +330,7 @@ def micro_batch_loss(policy, reference, episodes, turn_advantages, num_tokens, *
     import contextlib
 
     import torch
+    clip_low, clip_high, beta = _clips(clip_low, clip_high, beta)
     context = context or (lambda model: contextlib.nullcontext())
     device = next(policy.parameters()).device
     width = max(len(e.ids) for e in episodes)
@@ -351,12 +375,13 @@ DIAGNOSTIC_SUMS = ("groups", "dead", "rescued", "goal_groups", "dead_goal", "abs
                    "abs_total", "turns", "episodes", "unreadable")  # what diagnostic_sums adds up
 
 
-def diagnostic_sums(groups, lam=LAMBDA):
+def diagnostic_sums(groups: list[tuple], lam: float | None = None) -> dict:
     """groups: list of (outcome_rewards, process_rewards[, goals]) -> the counts and sums whose
     ratios are the diagnostics. Sums add: over the ranks of a step (all-reduced before dividing,
     so torchrun gives one process's figure) and over the steps of a run (the run-level figure).
     dead: all R equal (no outcome advantage); dead_goal, over the groups that carry their goals
     (GOAL[outcome] per episode): identical outcomes, the paper's words."""
+    lam = LAMBDA if lam is None else lam
     sums = dict.fromkeys(DIAGNOSTIC_SUMS, 0.0)
     for R, P, *goals in groups:
         sums["groups"] += 1
@@ -377,7 +402,7 @@ def diagnostic_sums(groups, lam=LAMBDA):
     return sums
 
 
-def diagnostics(sums):
+def diagnostics(sums: dict) -> dict:
     """diagnostic_sums (of one rank, all ranks, or a whole run) -> dead-group share (all R equal),
     dead_goal_share (identical outcomes), share of dead groups rescued by the dense term, the dense
     term's share of sum |A|, and the two terms' mean |.| per turn (outcome_term_abs = |A_out|,

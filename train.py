@@ -6,7 +6,8 @@ One step, in the order of the loop at the bottom of this file (rpo.py has the eq
      current policy against the frozen persuadee (rollout.py), probes read after every reply
      (probes.py);
   2. rewards: the strategy judge scores each transcript; R = GOAL[outcome] + STRATEGY_WEIGHT * s;
-  3. advantages: A_{i,t} = A_out_i + LAMBDA * (D_{i,t} - mean D), on every token of message t;
+  3. advantages: A_{i,t} = A_out_i + LAMBDA * (D_{i,t} - mean of D_{j,t} over the group's
+     episodes that reached turn t), on every token of message t (rpo.DENSE_BASELINE);
   4. loss and update: rpo.micro_batch_loss (clipped surrogate + k3 KL over the persuader's own
      tokens, divided by the global persuader-token count), summed over micro-batches and ranks;
      grad clipping at GRAD_CLIP; AdamW; --updates-per-batch such steps, one a mini-batch;

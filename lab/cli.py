@@ -421,7 +421,8 @@ def train_parser(own):
     p.add_argument("--plan", action="store_true", help="print the per-rank memory plan for "
                    "--plan-ranks GPUs of --plan-gib and exit; no model loads")
     p.add_argument("--plan-ranks", type=int, default=None,
-                   help=f"default: WORLD_SIZE under torchrun, else {plan.PLAN_NODE[0]}")
+                   help=f"default: WORLD_SIZE under torchrun, this node's GPUs, else the preset's "
+                   f"(this CPU for cpu and tiny, else {plan.PLAN_NODE[0]}; plan.print_plan)")
     p.add_argument("--plan-gib", type=float, default=None,
                    help=f"default: this GPU's memory, else {plan.PLAN_NODE[1]} (an H200)")
     served.add_key_flag(p)

@@ -33,6 +33,7 @@ from lab import checkpoints, fastpath, lora, served, shapes
 
 ACTIVATION_CHECKPOINTING = "auto"  # --activation-checkpointing: auto (on for CUDA), on, off
 PLAN_NODE = (8, 139.0)     # --plan's default target: ranks, GiB a GPU (an H200 as torch counts it)
+LAPTOP_PRESETS = ("cpu", "tiny")  # planned for this machine's CPU when it has no GPU
 PLAN_RESERVED_GIB = 3.0    # a GPU's share outside tensors: CUDA context, NCCL, cuBLAS, allocator slack
 PLAN_PROMPT_TOKENS = 1024  # a context's opening (the longest persuadee prompt: 3,426 characters)
 PLAN_TURN_TOKENS = 32      # what a turn adds beside its two messages: framing, the final-turn instruction
@@ -399,17 +400,28 @@ def device_plan(args, world, device):
 
 
 def print_plan(args):
-    """--plan: the plan for --plan-ranks GPUs of --plan-gib (by default this node's GPUs, else
-    PLAN_NODE), printed; a plan the run would refuse (it does not fit, or its --instances do not
+    """--plan: the plan for --plan-ranks GPUs of --plan-gib (by default this node's GPUs; on a
+    machine with none, the node the preset is for: this CPU for LAPTOP_PRESETS, the run
+    `python train.py` would start, PLAN_NODE for the others, said), printed; a plan the run would refuse (it does not fit, or its --instances do not
     share out over the ranks) exits with the run's one line. The arguments were validated as the
     run's are (cli.train_args); a disk here that cannot hold the run is a warning (the plan may
     be for another machine)."""
     cuda = torch.cuda.is_available()
-    world = args.plan_ranks or int(os.environ.get("WORLD_SIZE", 0)) or (
-        torch.cuda.device_count() if cuda else PLAN_NODE[0])
-    gib = args.plan_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda
-                            else PLAN_NODE[1])
-    plan = memory_plan(args, world, gib, True)
+    here = not (cuda or args.plan_ranks or args.plan_gib or os.environ.get("WORLD_SIZE"))
+    if here and args.preset in LAPTOP_PRESETS:  # the run `python train.py` would start here
+        print(f"planning the {args.preset} preset on this machine (its CPU, one process); "
+              "--plan-ranks and --plan-gib plan a GPU node")
+        plan = device_plan(args, 1, torch.device("cpu"))
+        world = 1
+    else:
+        world = args.plan_ranks or int(os.environ.get("WORLD_SIZE", 0)) or (
+            torch.cuda.device_count() if cuda else PLAN_NODE[0])
+        gib = args.plan_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda
+                                else PLAN_NODE[1])
+        if here:
+            print(f"no GPU here: planning the {args.preset} preset on {world} GPU(s) of {gib:g} GiB, "
+                  "the node it is for (--plan-ranks, --plan-gib to plan another)")
+        plan = memory_plan(args, world, gib, True)
     disk, run_dir = disk_plan(args), Path(args.out) / args.name
     print("\n".join(plan_lines(plan) + disk_lines(disk, run_dir)))
     if refusal := plan_refusal(plan) or ranks_refusal(args, world):

@@ -28,6 +28,7 @@ CPU_BF16 = None                     # None: detect the CPU's bf16 units; True / 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo flags of bf16 product units:
 # x86's AVX512_BF16 and AMX, Arm's FEAT_BF16 (its "Features" line); a name is no evidence
 CPUINFO_PATH = "/proc/cpuinfo"
+DEFAULT_SAMPLING = "paper"  # the rollout.SAMPLING entry a run samples with unless one is picked
 LORA_RANK = 64                      # --preset one-gpu's adapter rank (train.py --lora)
 PRESETS = {  # the models, their dtype and sampling, and what differs from the owning constants
     "paper": dict(persuader="Qwen/Qwen3-4B-Instruct-2507", persuadee="Qwen/Qwen3-14B",
@@ -125,9 +126,24 @@ def preset_notes(args, explicit=()):
     that owns it, e.g. "t_max 2 (cpu preset; arena.T_MAX_TRAIN 6)"; values the command line
     names (explicit) are the user's own and not listed."""
     preset = PRESETS[args.preset]
-    return [f"{k} {preset[k]} ({args.preset} preset; {OWNERS[k]} {owned(k)})"
-            for k in OWNERS if k in preset and k not in explicit and preset[k] != owned(k)
-            and getattr(args, k, None) == preset[k]]
+    notes = [f"{k} {preset[k]} ({args.preset} preset; {OWNERS[k]} {owned(k)})"
+             for k in OWNERS if k in preset and k not in explicit and preset[k] != owned(k)
+             and getattr(args, k, None) == preset[k]]
+    picked = preset.get("sampling", DEFAULT_SAMPLING)
+    if picked != DEFAULT_SAMPLING and "sampling" not in explicit and args.sampling == picked:
+        notes.append(sampling_note(picked, f"{args.preset} preset"))
+    return notes
+
+
+def sampling_note(entry, why):
+    """The line that names a rollout.SAMPLING entry a preset or eval.py picks over the default
+    one, with the values that differ."""
+    table = _module("rollout").SAMPLING
+    differ = [f"{role} {field} {mine} ({theirs})" for role, a, b in zip(
+        ("persuader", "persuadee"), table[entry], table[DEFAULT_SAMPLING])
+        for field, mine, theirs in zip(a._fields, a, b) if mine != theirs]
+    return (f"sampling {entry} ({why}; rollout.SAMPLING[{DEFAULT_SAMPLING!r}] by default): "
+            + (", ".join(differ) or "the same values"))
 
 
 def laptop_settings():

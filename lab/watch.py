@@ -2,7 +2,7 @@
 watch.py: Probe-RPO seen to learn, on a laptop: a small λ sweep with a frozen control whose
 figure shows the persuadee's belief rising under training against the same seeds untrained.
 
-Each seed trains one arm at lambda LAM and a frozen control at lr 0 (the same instances and
+Each seed trains one arm at lambda rpo.LAMBDA and a frozen control at lr 0 (the same instances and
 random streams, only the weights differ), then lab/sweep.py writes its summary, table and
 training.png: the training episodes' b_T - b_0 step by step, trained against the control, the
 difference with a 95% band over the seeds. The objective is the dense term alone wherever the
@@ -25,9 +25,9 @@ import json
 import sys
 from pathlib import Path
 
+import rpo
 from lab import audit, cli, presets, runs, sweep
 
-LAM = 0.5  # rpo.LAMBDA, the paper's weight
 SEEDS = (0, 1, 2)
 # tiny: the suite's learning configuration (tests/test_train.py): three-turn episodes, 8-token
 # messages, a greedy persuadee, dense reward alone, no KL, lr 1.5e-2
@@ -45,7 +45,7 @@ def sweep_argv(preset, name=None, out=None, overwrite=False):
     (lab.presets.cpu_dtype), named on the command line so that every arm runs it."""
     watch = WATCHES[preset]
     dtype = ["--dtype", presets.cpu_dtype()[0]] if presets.PRESETS[preset].get("dtype") == "machine" else []
-    return ["--preset", preset, "--lams", str(LAM), "--seeds", *map(str, SEEDS),
+    return ["--preset", preset, "--lams", str(rpo.LAMBDA), "--seeds", *map(str, SEEDS),
             "--steps", str(watch["steps"]), "--eval-every", str(watch["steps"]),
             "--eval-limit", str(watch["eval_limit"]), "--frozen-control",
             "--name", f"watch-{preset}" if name is None else name, *(["--out", str(out)] if out else []),
@@ -55,8 +55,10 @@ def sweep_argv(preset, name=None, out=None, overwrite=False):
 QUOTED = 3  # held-out messages quoted a seed and checkpoint in messages.json
 
 
-def heldout_episodes(root, seed, step, lam=LAM):
-    """The episodes.jsonl of a seed's held-out evaluation at a step (0: the initial policy)."""
+def heldout_episodes(root, seed, step, lam=None):
+    """The episodes.jsonl of a seed's held-out evaluation at a step (0: the initial policy); lam:
+    the arm's, rpo.LAMBDA unless given."""
+    lam = rpo.LAMBDA if lam is None else lam
     if step == 0:
         return root / f"initial_s{seed}" / "eval-0" / "episodes.jsonl"
     return root / "runs" / sweep.arm_name(lam, seed) / f"eval-{step}" / "episodes.jsonl"

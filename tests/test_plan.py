@@ -194,3 +194,17 @@ def test_the_decode_memory_says_what_the_heldout_evaluation_gives_up():
     small = plan.memory_plan(parse_train(["--preset", "paper", "--plan", "--out", "/nonexistent",
                                           "--eval-every", "0"]), 8, 139, True)["items"]
     assert "persuader decode memory" in dict(small)  # no evaluation: nothing given up
+
+
+def test_the_plan_on_a_machine_without_a_gpu_is_the_run_it_would_start(capsys, monkeypatch):
+    """`python train.py --plan` (the cpu preset, no GPU here) plans this machine's one process
+    and exits 0; the paper preset is planned on the node it is for, said; one-gpu on its one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert train.main(["--plan", "--out", "/nonexistent"]) == []
+    shown = capsys.readouterr().out
+    assert "on this machine" in shown and "1 CPU rank(s)" in shown
+    train.main(["--preset", "paper", "--plan", "--out", "/nonexistent"])
+    assert f"planning the paper preset on {plan.PLAN_NODE[0]} GPU(s)" in capsys.readouterr().out
+    train.main(["--preset", "one-gpu", "--plan", "--out", "/nonexistent"])
+    assert "for 1 GPU(s) of 139.0 GiB" in capsys.readouterr().out

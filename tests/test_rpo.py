@@ -588,3 +588,118 @@ def test_mini_batches_of_whole_groups_are_the_same_in_one_process_and_on_ranks()
     ranks = [[(i, m) for i in range(instances)[r::world] for m in range(group)] for r in range(world)]
     split = [[mine[p] for p in rpo.mini_batches(len(mine), updates)] for mine in ranks]
     assert one == [set(split[0][k]) | set(split[1][k]) for k in range(updates)]
+
+
+
+# -----------------------------------------------------------------------------
+# the dense baseline when the policy's own messages decide when an episode ends (verl #7244)
+
+# A toy persuader, one parameter a turn: at turn t it closes with p_t = sigmoid(theta_t), which
+# moves the belief by CLOSE[t] and ends the episode (a decision), or builds, which moves it by
+# BUILD[t] and goes on, up to a budget of three turns: its action both moves the belief and sets
+# the episode's length. Its dense return J(theta) = E[sum_t r_t], r_t = (b_t - b_{t-1}) / 2.
+THETA = (0.3, -0.4, 0.8)
+CLOSE, BUILD = (0.1, 0.6, 0.9), (0.2, 0.1, -0.3)
+
+
+def toy_trajectories(theta):
+    """(p_t, every trajectory as (its probability, its process rewards, the closing indicator
+    a_t of each turn it played))."""
+    p = [1 / (1 + math.exp(-x)) for x in theta]
+    out = []
+    for close in (0, 1, 2, None):  # the turn it closes at, or None: the budget ends it
+        a = [int(t == close) for t in range(3 if close is None else close + 1)]
+        prob = math.prod(p[t] if a_t else 1 - p[t] for t, a_t in enumerate(a))
+        out.append((prob, [(CLOSE if a_t else BUILD)[t] / 2 for t, a_t in enumerate(a)], a))
+    return p, out
+
+
+def toy_return(theta):
+    return sum(prob * sum(r) for prob, r, _ in toy_trajectories(theta)[1])
+
+
+def mean_gradient(group_size, advantages):
+    """The exact mean, over every group of group_size episodes weighted by its probability, of
+    the policy gradient (1 / G) sum_i sum_t d log pi(a_{i,t}) / d theta * A_{i,t}, with
+    advantages(process rewards of a group) giving A (the score of a sigmoid: a - p)."""
+    import itertools
+    p, trajectories = toy_trajectories(THETA)
+    mean = [0.0] * 3
+    for group in itertools.product(trajectories, repeat=group_size):
+        weight = math.prod(prob for prob, _, _ in group)
+        for (_, _, a), adv in zip(group, advantages([r for _, r, _ in group])):
+            for t, (a_t, adv_t) in enumerate(zip(a, adv)):
+                mean[t] += weight * (a_t - p[t]) * adv_t / group_size
+    return mean
+
+
+def rpo_dense(baseline, monkeypatch):
+    """rpo's dense advantage lam * D~ (lam = 1; equal outcome rewards: no outcome term)."""
+    monkeypatch.setattr(rpo, "DENSE_BASELINE", baseline)
+    return lambda rewards: rpo.group_advantages([0.0] * len(rewards), rewards, lam=1.0)
+
+
+def leave_one_out(rewards):
+    """D_{i,t} minus the mean of D_{j,t} over the other episodes that reached t (0: none)."""
+    D = [[sum(r[t:]) for t in range(len(r))] for r in rewards]
+    others = lambda i, t: [d[t] for j, d in enumerate(D) if j != i and len(d) > t]
+    return [[d[t] - (sum(others(i, t)) / len(others(i, t)) if others(i, t) else 0.0)
+             for t in range(len(d))] for i, d in enumerate(D)]
+
+
+def normalised_per_turn_index(rewards):
+    """verl #7244's construction: each r_{i,k} less the mean of r_{j,k} over the episodes that
+    reached k, summed from t to the episode's own end (as many terms as it played)."""
+    reached = lambda k: [r[k] for r in rewards if len(r) > k]
+    mean = [sum(reached(k)) / len(reached(k)) for k in range(max(map(len, rewards)))]
+    return [[sum(r[k] - mean[k] for k in range(t, len(r))) for t in range(len(r))] for r in rewards]
+
+
+def test_the_per_turn_baseline_shrinks_turns_but_never_tilts_them_when_messages_end_episodes(
+        monkeypatch):
+    """Against the exact gradient of J (J in closed form, differentiated numerically: no
+    estimator in it), the exact mean of each estimator over every group of four:
+    - leave-one-out per turn index: the exact gradient (the harness can tell);
+    - rpo "turn" (the mean of D_{j,t} over the n_t members that reached t, i included): the exact
+      gradient turn by turn times c_t = E[1 - 1/n_t] (n_t - 1 ~ Binomial(G - 1, q_t), q_t the
+      chance of reaching t): episode i's own share of its baseline, never of the wrong sign, but
+      smaller at turns fewer members reach (0.75, 0.48, 0.32 here);
+    - rpo "pooled" (one mean over every (j, k)): off by more than any such share (turn 1 at 0.79
+      > 1 - 1/G): its baseline holds i's own turns, as many as i played;
+    - verl #7244's per-turn normalisation summed to the episode's end: turn 2's gradient
+      reversed. DECISIONS.md: Dense baseline."""
+    G, h = 4, 1e-6
+    exact = [(toy_return([x + h * (k == t) for k, x in enumerate(THETA)])
+              - toy_return([x - h * (k == t) for k, x in enumerate(THETA)])) / (2 * h)
+             for t in range(3)]
+    assert mean_gradient(G, leave_one_out) == pytest.approx(exact, abs=1e-9)
+    p, _ = toy_trajectories(THETA)
+    reach = [1.0, 1 - p[0], (1 - p[0]) * (1 - p[1])]
+    share = [sum(math.comb(G - 1, m) * q ** m * (1 - q) ** (G - 1 - m) * (1 - 1 / (1 + m))
+                 for m in range(G)) for q in reach]
+    per_turn = mean_gradient(G, rpo_dense("turn", monkeypatch))
+    assert per_turn == pytest.approx([c * g for c, g in zip(share, exact)], abs=1e-9)
+    assert share[0] == pytest.approx(1 - 1 / G) and share[2] < share[1] < share[0]
+    pooled = mean_gradient(G, rpo_dense("pooled", monkeypatch))
+    assert pooled[0] / exact[0] > 1 - 1 / G + 0.04  # no leave-in share gives more than 1 - 1/G
+    verl = mean_gradient(G, normalised_per_turn_index)
+    assert verl[1] * exact[1] < 0 and abs(verl[1]) > abs(exact[1])
+
+
+def test_every_function_reads_its_constants_when_called(monkeypatch):
+    """An edit of rpo's constants in a running process (a notebook) acts as an edit of the file:
+    lambda, the anchor and the loss's clips and beta are read when a function is called."""
+    R, P = [1.0, 0.0], [[0.2], [-0.2]]
+    monkeypatch.setattr(rpo, "LAMBDA", 0.0)
+    plain = rpo.group_advantages(R, P)
+    assert plain[0][0] == -plain[1][0] == pytest.approx(0.5 / (math.sqrt(0.5) + EPS))
+    assert rpo.diagnostic_sums([(R, P)])["abs_dense"] == 0.0
+    monkeypatch.setattr(rpo, "LAMBDA", 1.0)
+    assert rpo.group_advantages(R, P)[0][0] == pytest.approx(plain[0][0] + 0.2)
+    monkeypatch.setattr(rpo, "ANCHOR", True)
+    assert rpo.process_rewards([0.0, 0.2], "ACCEPT") == [pytest.approx(0.5)]
+    ones = torch.ones(1, 2)
+    monkeypatch.setattr(rpo, "CLIP_HIGH", 0.0)
+    monkeypatch.setattr(rpo, "KL_BETA", 0.0)
+    loss, stats = rpo.policy_loss(ones.log() + 0.5, ones.log(), ones.log(), ones, ones, 2)
+    assert stats["clip_frac"] == 1.0 and loss.item() == pytest.approx(-1.0)  # clipped at 1 + 0, no k3

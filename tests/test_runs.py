@@ -292,6 +292,25 @@ def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch
     assert [n.split()[0] for n in presets.preset_notes(given)] == [k for k in owned if k != "t_max"]
     assert presets.preset_notes(parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])) == []
 
+
+
+def test_the_sampling_entry_a_preset_or_eval_picks_is_said(tmp_path):
+    """The cpu preset's rollout.SAMPLING["cpu"], and eval.py's pick of it for SmolLM2, are named
+    like every other override, with the values that differ from the default entry."""
+    import argparse
+    import rollout
+    cpu, paper = rollout.SAMPLING["cpu"][0], rollout.SAMPLING["paper"][0]
+    line = (f"sampling cpu (cpu preset; rollout.SAMPLING['paper'] by default): persuader "
+            f"temperature {cpu.temperature} ({paper.temperature})")
+    assert presets.preset_notes(parse_train(["--preset", "cpu", "--out", str(tmp_path)]))[-1] == line
+    assert not any(n.startswith("sampling") for n in presets.preset_notes(
+        parse_train(["--preset", "cpu", "--sampling", "cpu", "--out", str(tmp_path)]), ["sampling"]))
+    args = argparse.Namespace(sampling=None)
+    assert evaluation.sampling_line(args, evaluation.DEFAULT_MODEL).startswith(
+        f"sampling cpu (eval.CPU_SAMPLING_MODELS: {evaluation.DEFAULT_MODEL};")
+    assert evaluation.sampling_line(args, "random:tiny-qwen3") is None
+    assert evaluation.sampling_line(argparse.Namespace(sampling="cpu"), evaluation.DEFAULT_MODEL) is None
+
 # -----------------------------------------------------------------------------
 # a run's evaluations: its own sampling, lambda and anchor
 

@@ -203,6 +203,10 @@ def test_rpo_owns_the_defaults(monkeypatch):
             args.updates_per_batch) == tuple(edited.values())
 
 
+SHIPPED = dict(steps=200, instances=16, group_size=8, lr=1e-6, micro_batch=4, eval_every=20,
+               eval_limit=120, save_every=20, t_max=6, eval_t_max=10, max_new_tokens=256)  # as shipped
+
+
 def test_defaults():
     """The paper's values and this project's defaults (DECISIONS.md), gathered here: the one
     test an edited default breaks; every other test derives from the constants."""
@@ -217,8 +221,7 @@ def test_defaults():
     assert (arena.UPGRADE_WINDOW, arena.MAX_REJECTIONS, arena.NEGATION_WINDOW) == (2, 2, 3)
     paper = presets.preset_values("paper")
     assert (paper["group_size"], paper["instances"], paper["lr"], paper["max_new_tokens"]) == (8, 16, 1e-6, 256)
-    assert (train.GROUP_SIZE, train.INSTANCES, train.LR, train.STEPS, train.MICRO_BATCH,
-            train.EVAL_EVERY, train.EVAL_LIMIT, train.SAVE_EVERY) == (8, 16, 1e-6, 200, 4, 20, 120, 20)
+    assert {k: presets.owned(k) for k in presets.OWNERS} == SHIPPED
 
 
 def test_the_paper_numbers_are_train_constants_and_their_flags_defaults(monkeypatch, tmp_path):
@@ -261,12 +264,18 @@ def test_the_cpu_preset_takes_bf16_where_the_cpu_has_its_units(tmp_path, monkeyp
 
 
 def test_no_preset_repeats_a_constants_own_value(monkeypatch):
-    """A preset holds only what differs from the owning constants; a repeated value (here the
-    tiny preset given train.py's own MICRO_BATCH) is caught."""
+    """A preset holds only what differs from the owning constants as shipped (a fork's edit of
+    a constant, say train.LR to one-gpu's 1e-5, is its own and breaks only test_defaults); a
+    repeated value (here the tiny preset given train.py's own MICRO_BATCH) is caught."""
+    monkeypatch.setattr(presets, "owned", SHIPPED.get)
     assert presets.repeats() == []
     monkeypatch.setitem(presets.PRESETS, "tiny", dict(presets.PRESETS["tiny"],
-                                                       micro_batch=train.MICRO_BATCH))
-    assert presets.repeats() == [f"tiny.micro_batch {train.MICRO_BATCH} (= train.MICRO_BATCH)"]
+                                                       micro_batch=SHIPPED["micro_batch"]))
+    assert presets.repeats() == [f"tiny.micro_batch {SHIPPED['micro_batch']} (= train.MICRO_BATCH)"]
+    monkeypatch.undo()
+    monkeypatch.setattr(train, "LR", presets.PRESETS["one-gpu"]["lr"])  # a fork's edit
+    monkeypatch.setattr(presets, "owned", SHIPPED.get)
+    assert presets.repeats() == []
 
 
 def test_a_truncating_persuader_sampling_is_refused_in_one_line(monkeypatch, tmp_path):
