@@ -121,7 +121,8 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
         persuader, persuadee, mine, path, t_max=arena.T_MAX_EVAL if t_max is None else t_max,
         judge=judge, seed=seed, stamp=stamp, played=played, max_new_tokens=max_new_tokens,
         persuader_sampling=persuader_sampling, persuadee_sampling=persuadee_sampling,
-        probe_space=probe_space, probe_signs=probe_signs, decision=decision)
+        probe_space=probe_space, probe_signs=probe_signs, decision=decision,
+        say=None if rank == 0 else (lambda line: None))
     episodes = episode_log.gathered(episodes, instances, world)
     local_persuadee = persuadee if isinstance(persuadee, engine.Engine) else None
     reads = probe_fidelity.fidelity_reads(  # every rank reads its share of the sample
@@ -444,6 +445,8 @@ def run_cells(args, instances, cells):
                   f"{analyses.format_table(results[(p, q)])}")
     if len(cells) > 1 and rank == 0:
         print("\n" + comparisons.grid_table(results))
+    if rank == 0:
+        print("\n" + "\n".join(f"report: {out_dir / 'report.html'}" for *_, out_dir, _ in cells))
 
 
 if __name__ == "__main__":

@@ -135,6 +135,9 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     engines = [engine.Engine(model, tok, num_blocks=3000) for _ in range(2)]
     summary = evaluation.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2, max_new_tokens=8)
     assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
+    said = capsys.readouterr().err  # progress: the episodes as they end, then the fidelity check
+    assert "episode 1/2" in said and "episode 2/2" in said and said.index("episode 2/2") < said.index(
+        "probe fidelity check: 2 read-outs") and "full forward" in said
     # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
     sample = json.loads((tmp_path / "run" / "fidelity.json").read_text())["sample"]
     saved = records.load_episodes(tmp_path / "run")

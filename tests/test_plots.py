@@ -52,6 +52,12 @@ def test_overlay_and_moves_plots(tmp_path, monkeypatch):
         tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)
 
 
+def test_run_panels_keep_advantage_magnitudes_out_of_the_outcome_shares():
+    panels = plots.run_panels(["outcome_ACCEPT", "outcome_term_abs", "outcome_WALK_AWAY", "kl"])
+    assert panels == [("outcome shares", ["outcome_ACCEPT", "outcome_WALK_AWAY"]),
+                      ("outcome_term_abs", ["outcome_term_abs"]), ("kl", ["kl"])]
+
+
 def test_system_labels_are_the_shortest_distinct_tails():
     assert plots.system_labels(["evals/A", "evals/B"]) == ["A", "B"]
     assert plots.system_labels(["runs/x/eval-8", "runs/y/eval-8"]) == ["x/eval-8", "y/eval-8"]

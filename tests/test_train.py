@@ -190,6 +190,17 @@ def test_a_missing_logger_package_is_a_one_line_exit(monkeypatch):
 # arguments, run folders, checkpoints, non-finite values
 
 
+def test_a_smollm2_run_says_once_why_outcomes_stay_still_and_what_next():
+    from lab import steps
+    args = parse_train(["--preset", "cpu", "--out", "/nonexistent-runs", "--name", "r"])
+    note, = steps.small_persuadee_note(args)
+    assert "writes no decision tag" in note and "--plot-run /nonexistent-runs/r" in note
+    assert "--persuader /nonexistent-runs/r/checkpoint-3" in note
+    assert steps.small_persuadee_note(parse_train(["--preset", "tiny", "--out", "/x"])) == []
+    args = parse_train(["--preset", "cpu", "--out", "/x", "--decision", "logit"])
+    assert steps.small_persuadee_note(args) == []
+
+
 def test_rpo_owns_the_defaults(monkeypatch):
     """train.py re-exports none of rpo's constants; its defaults read them when parsing."""
     for name in ("LAMBDA", "ANCHOR", "KL_BETA", "CLIP_LOW", "CLIP_HIGH"):
