@@ -246,8 +246,42 @@ def test_over_openenv_a_bad_reset_or_a_surrogate_mid_episode_is_one_line(openenv
     assert "no episode in play" in other.error("step", {"message": "After the end."})
     other.close()
     assert ee.free_blocks == 2000
-    assert httpx.post(url + "/step", json={"action": {"message": "hi"}}).status_code == 404
+    for answer in (httpx.post(url + "/step", json={"action": {"message": "hi"}}),
+                   httpx.post(url + "/reset", json={}), httpx.get(url + "/state")):
+        assert answer.status_code == 404 and "WebSocket at /ws" in answer.json()["detail"]
     assert httpx.get(url + "/health").json()["status"] == "healthy"
+    meta = httpx.get(url + "/metadata").json()
+    assert meta["name"] == "PersuArena" and '{"message": str}' in meta["description"]
+
+
+def test_the_typed_client_plays_an_episode(openenv_server):
+    from lab.openenv_client import ArenaObservation, PersuaderAction, PersuArenaClient
+    url, make_env, ee = openenv_server
+    with PersuArenaClient(base_url=url).sync() as client:
+        result = client.reset(seed=1, instance=instances()[0]["id"])
+        assert isinstance(result.observation, ArenaObservation)
+        assert [m["role"] for m in result.observation.messages] == ["system", "user"]
+        while not result.done:
+            result = client.step(PersuaderAction(message="Hello."))
+        assert result.observation.info["record"]["turns"] >= 1
+        assert client.state().instance == instances()[0]["id"]
+
+
+def test_the_repository_is_an_openenv_package_that_validates():
+    """`openenv validate .` at the repository root: openenv.yaml naming server/app.py, whose
+    app builds lab/env_server.py's on its first event (importing it loads no model)."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cli = pathlib.Path(sys.executable).parent / "openenv"
+    done = subprocess.run([str(cli), "validate", ".", "--level", "static"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "PASS  static.manifest" in done.stdout, done.stdout + done.stderr
+    for name in ("Dockerfile", "server/__init__.py", "server/app.py"):
+        assert (root / name).is_file()
+    from server import app as package_app
+    assert package_app.app.app is None and callable(package_app.main)
 
 
 def session(url, tries=400):
