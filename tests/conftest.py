@@ -1,5 +1,17 @@
 """Shared test fixtures: tiny random models and a tokenizer built in code, nothing downloaded."""
+import importlib.util
 import os
+import sys
+from pathlib import Path
+
+# `persuarena` is this checkout's root, whatever an installed copy maps it to (the tests test
+# these files): the package the method imports itself under (DECISIONS.md: One package name)
+_ROOT = Path(__file__).resolve().parent.parent
+if getattr(sys.modules.get("persuarena"), "__path__", [None])[0] != str(_ROOT):
+    _spec = importlib.util.spec_from_file_location("persuarena", _ROOT / "__init__.py",
+                                                   submodule_search_locations=[str(_ROOT)])
+    sys.modules["persuarena"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["persuarena"])
 
 import pytest
 import torch
