@@ -2,7 +2,10 @@
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
+
+os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trackio-"))  # not ~/.cache
 
 # `persuarena` is this checkout's root, whatever an installed copy maps it to (the tests test
 # these files): the package the method imports itself under (DECISIONS.md: One package name)

@@ -179,6 +179,19 @@ def test_wandb_runs_offline(tmp_path, short_scenarios, monkeypatch):
     assert list(offline.glob("*.wandb"))
 
 
+def test_trackio_logs_each_steps_metrics(tmp_path, short_scenarios):
+    """--log trackio: a trackio run named as the run (in the session's TRACKIO_DIR, conftest.py),
+    holding each step's metrics as metrics.jsonl has them."""
+    sqlite = pytest.importorskip("trackio.sqlite_storage")
+    name = f"tk-{tmp_path.name}"
+    tiny_run(tmp_path, short_scenarios, name, "--steps", 1, "--log", "trackio")
+    logs = sqlite.SQLiteStorage.get_logs("persuarena", name)
+    logged = {k: v for row in logs for k, v in row.items()}  # the rows of step 1
+    [step] = metrics(tmp_path / name)
+    assert logged["train/reward_mean"] == pytest.approx(step["reward_mean"])
+    assert logged["train/belief_change"] == pytest.approx(step["belief_change"])
+
+
 def test_a_missing_logger_package_is_a_one_line_exit(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
     with pytest.raises(SystemExit) as e:
