@@ -539,6 +539,27 @@ def test_malformed_frames_are_one_line_and_the_episode_goes_on(openenv_server):
     raw.close()
 
 
+def test_the_request_timeout_reads_uvicorns_internals_as_pinned():
+    """request_timeout_protocol subclasses uvicorn's H11Protocol (uvicorn has no public
+    whole-request deadline): uvicorn is pinned in requirements.txt, the installed one is that
+    version, and the internals the subclass reads are still there."""
+    import inspect
+    import pathlib
+    from importlib import metadata
+
+    from uvicorn.protocols.http import h11_impl
+    pins = [line.split("#")[0].strip() for line in
+            (pathlib.Path(__file__).resolve().parent.parent / "requirements.txt").read_text().splitlines()
+            if line.startswith("uvicorn==")]
+    assert pins == [f"uvicorn=={metadata.version('uvicorn')}"]
+    for hook in ("connection_made", "on_response_complete", "handle_websocket_upgrade",
+                 "connection_lost"):
+        assert callable(getattr(h11_impl.H11Protocol, hook))
+    source = inspect.getsource(h11_impl.H11Protocol)
+    assert "self.cycle" in source and "self.loop" in source and "self.transport" in source
+    assert "more_body" in inspect.getsource(h11_impl.RequestResponseCycle)
+
+
 def test_a_half_sent_request_is_dropped(tokenizer):
     """An HTTP request whose headers never end (or whose body never comes) is dropped after the
     request timeout: the connection is closed by the server (the old server held it forever);
