@@ -201,11 +201,12 @@ def build_parser():
                          "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
     probes.add_flags(ap)
     cli.add_sampling_flags(ap)
-    ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
+    ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout",
+                    help="the split played (train: the training scenarios as written)")
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell (arena.stratified)")
     ap.add_argument("--limit", type=int, help="evaluate N scenarios, stratified over domain x resistance "
                     "(arena.stratified: 5 = one a domain, 8 = every domain and type, 20 = one a cell)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the episodes' random streams")
     cli.add_decision_flag(ap)
     ap.add_argument("--name", help=f"run name, one folder name; output goes to {EVALS_DIR}/NAME")
     ap.add_argument("--resume", action="store_true",

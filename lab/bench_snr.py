@@ -89,11 +89,13 @@ def snr_main(argv):
     """--snr PRESET [--instances N --messages M --resamples R --seed S]: the share of r_1's
     variance that the persuader's message decides, and r_1's spread."""
     p = cli.new_parser("python -m lab.bench", "the signal to noise of the dense reward (--snr)")
-    p.add_argument("--snr", required=True, metavar="PRESET")
-    p.add_argument("--instances", type=int, default=4)
-    p.add_argument("--messages", type=int, default=4)
-    p.add_argument("--resamples", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--snr", required=True, metavar="PRESET", help="the train.py preset whose "
+                   "persuader and persuadee are measured")
+    p.add_argument("--instances", type=int, default=4, help="training instances measured")
+    p.add_argument("--messages", type=int, default=4, help="persuader messages an instance")
+    p.add_argument("--resamples", type=int, default=4,
+                   help="persuadee replies resampled a message")
+    p.add_argument("--seed", type=int, default=0, help="the random streams")
     args = p.parse_args(argv)
     snr_problem(args)
     models.set_cpu_threads()  # one thread per core the machine's load leaves free

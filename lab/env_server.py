@@ -378,9 +378,12 @@ def parse_args(argv=None):
                     "rule: none for a local persuadee on a CPU, else the persuadee's model), "
                     "'persuadee' (its model), 'none' (s = 0) or a model name")
     ap.add_argument("--scenarios", default="train", help="train, heldout or a scenarios.jsonl")
-    ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN)
-    ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS)
-    ap.add_argument("--dtype", default="float32", choices=cli.DTYPES)
+    ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN,
+                    help="the turn budget of an episode (arena.T_MAX_TRAIN)")
+    ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS,
+                    help="the persuadee's reply, in tokens (engine.MAX_NEW_TOKENS)")
+    ap.add_argument("--dtype", default="float32", choices=cli.DTYPES,
+                    help="the persuadee's weights")
     ap.add_argument("--kv-blocks", type=int, help="the persuadee's KV pool, in blocks")
     ap.add_argument("--session-timeout", type=float, default=SESSION_IDLE_S, help="seconds "
                     "after which an idle session is closed and its slot freed")

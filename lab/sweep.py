@@ -82,15 +82,17 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = cli.new_parser("python -m lab.sweep", __doc__)
     p.add_argument("--preset", default="tiny", help="train.py preset of every arm")
-    p.add_argument("--lams", type=float, nargs="+", default=list(LAMS))
-    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--lams", type=float, nargs="+", default=list(LAMS),
+                   help="the lambda of each arm (sweep.LAMS)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                   help="the seeds of each lambda (sweep.SEEDS)")
+    p.add_argument("--steps", type=int, required=True, help="training steps of every arm")
     p.add_argument("--eval-every", type=int, required=True, help="held-out evaluation (and a "
                    "kept checkpoint) every K steps; --steps must be a multiple of it")
     p.add_argument("--eval-limit", type=int, required=True, help="held-out scenarios per "
                    "evaluation, stratified over domain x resistance (arena.stratified)")
     p.add_argument("--name", required=True, help=f"the sweep's folder, {SWEEPS_DIR}/NAME")
-    p.add_argument("--out", default=SWEEPS_DIR)
+    p.add_argument("--out", default=SWEEPS_DIR, help="the folder of sweep folders")
     p.add_argument("--overwrite", action="store_true", help="delete the sweep's folder and start "
                    "again (a re-run otherwise keeps its recorded settings and trained arms)")
     p.add_argument("--frozen-control", action="store_true",

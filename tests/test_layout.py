@@ -204,3 +204,40 @@ def test_pyproject_installs_every_top_level_module_and_lab():
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert sorted(setup["py-modules"]) == [p.stem for p in core_files()]
     assert setup["packages"] == [PACKAGE]
+
+
+ENTRY_POINTS = {  # each command's parser, built as its command line builds it
+    "train.py": lambda: __import__("lab.cli", fromlist=["cli"]).train_args([], __import__("train")),
+    "eval.py": lambda: __import__("eval").main([]),
+    "lab.env_server": lambda: __import__("lab.env_server", fromlist=["x"]).parse_args([]),
+    "lab.bench": lambda: __import__("lab.bench", fromlist=["x"]).parse_args([]),
+    "lab.bench --snr": lambda: __import__("lab.bench_snr", fromlist=["x"]).snr_main([]),
+    "lab.watch": lambda: __import__("lab.watch", fromlist=["x"]).main([]),
+    "lab.sweep": lambda: __import__("lab.sweep", fromlist=["x"]).main([]),
+    "lab.bench_sessions": lambda: __import__("lab.bench_sessions", fromlist=["x"]).main([]),
+    "lab.vllm_worker": lambda: __import__("lab.vllm_worker", fromlist=["x"]).main([]),
+}
+
+
+@pytest.mark.parametrize("command", ENTRY_POINTS)
+def test_every_commands_help_explains_each_option_and_shows_its_default(command, monkeypatch):
+    """Each option of each command has help text, and the help shows its default
+    (lab/cli.py HelpFormatter: argparse's defaults formatter); lab.trl_grpo's is TRL's parser
+    (tests/test_trl_grpo.py)."""
+    import argparse
+
+    class Built(Exception):
+        pass
+    built = []
+
+    def caught(self, args=None, namespace=None):
+        built.append(self)
+        raise Built
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+    with pytest.raises(Built):
+        ENTRY_POINTS[command]()
+    parser = built[-1]
+    assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
+    bare = [a.option_strings[0] for a in parser._actions
+            if a.option_strings and a.dest != "help" and not (a.help or "").strip()]
+    assert bare == [], f"{command}: options without help: {bare}"
