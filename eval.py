@@ -430,6 +430,9 @@ def run_cells(args, instances, cells):
     a grid's table."""
     loaded, results, rank = {}, {}, distributed()[0]  # under torchrun rank 0 prints
     for p, q, out_dir, settings in cells:
+        if rank == 0:
+            print(f"eval.py: {len(instances)} {args.scenarios} scenario(s), persuader {p}, "
+                  f"persuadee {q} -> {out_dir} (loading the models)", file=sys.stderr, flush=True)
         try:
             results[(p, q)] = run_eval(
                 p, q, instances, out_dir, seed=args.seed, t_max=args.t_max, loaded=loaded,

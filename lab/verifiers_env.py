@@ -92,8 +92,9 @@ def arena_tasks(instances, seed=SEED, config=None):
 
 
 class PersuArenaEnvConfig(vf.EnvConfig):
-    persuader: vf.AgentConfig = vf.AgentConfig(harness={"id": "null"})
-    """The policy: a chat model, no tools (verifiers' null harness)."""
+    persuader: vf.AgentConfig = vf.AgentConfig(harness={"id": "null"},
+                                               runtime=vf.SubprocessConfig())
+    """The policy: a chat model, no tools (verifiers' null harness), run on this machine."""
 
 
 def shared_env(settings):
