@@ -50,6 +50,25 @@ def progress_line(done, total, record, elapsed_s):
             f"{record.turns} turn(s) ({elapsed_s:.0f} s)")
 
 
+class RoundProgress:
+    """rollout_episodes' progress (updated once a round of turns): a line every EVERY_S seconds
+    while no episode ends, so a long evaluation is never silent."""
+    EVERY_S = 20.0
+
+    def __init__(self, say, total, start):
+        self.say, self.total, self.start, self.n, self.rounds = say, total, start, 0, 0
+        self.last = start
+
+    def update(self, ended):
+        self.n += ended
+        self.rounds += 1
+        now = time.perf_counter()
+        if now - self.last >= self.EVERY_S:
+            self.last = now
+            self.say(f"eval.py: turn {self.rounds} played, {self.n}/{self.total} episode(s) "
+                     f"ended ({now - self.start:.0f} s)")
+
+
 def play_resumable(persuader, persuadee, instances, path, *, t_max, judge=None, seed=0,
                    stamp=None, played=None, say=None, **rollout_kw):
     """rollout.rollout_episodes over the instances not yet in `played` (read from path unless
@@ -73,6 +92,7 @@ def play_resumable(persuader, persuadee, instances, path, *, t_max, judge=None, 
     if todo:
         say(f"eval.py: playing {len(todo)} episode(s) at once, up to {t_max} turns each; a line "
             "as each ends")
+    rollout_kw.setdefault("progress", RoundProgress(say, len(todo), start))
     for e in rollout.rollout_episodes(persuader, persuadee, todo, t_max, judge=judge, seed=seed,
                                       on_record=on_record, **rollout_kw):
         played[e.id] = rollout.Episode.from_record(clean(e))

@@ -124,7 +124,7 @@ def test_analyze_runs_on_a_folder_without_beliefs_labels_or_known_scenarios(tmp_
     assert not (tmp_path / "served" / "beliefs.png").exists()
 
 
-def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
+def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys, monkeypatch):
     """A tiny-model run stores labels per persuader turn and the probe mass; --analyze recomputes
     its summary.json exactly from episodes.jsonl and fidelity.json, with no model."""
     import arena
@@ -133,9 +133,12 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     model, tok = models.load_model("random:tiny-qwen3")
     instances = arena.heldout_instances()[:2]
     engines = [engine.Engine(model, tok, num_blocks=3000) for _ in range(2)]
+    from lab import episode_log
+    monkeypatch.setattr(episode_log.RoundProgress, "EVERY_S", 0.0)  # a line each round
     summary = evaluation.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2, max_new_tokens=8)
     assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
     said = capsys.readouterr().err  # progress: the episodes as they end, then the fidelity check
+    assert "turn 1 played, 0/2 episode(s) ended" in said
     assert "episode 1/2" in said and "episode 2/2" in said and said.index("episode 2/2") < said.index(
         "probe fidelity check: 2 read-outs") and "full forward" in said
     # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
