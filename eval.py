@@ -29,9 +29,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import arena
-import probes
-import rpo
+from persuarena import arena
+from persuarena import probes
+from persuarena import rpo
 from lab import analyses, cli, comparisons, episode_log, jsonl, moves, pools, presets, ranks, report, runs, served, terminal
 
 EVALS_DIR = "evals"
@@ -100,8 +100,8 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
     records do not depend on the rank (rollout's keyed random streams), so the summary equals
     one process's. `subset` names the scenarios played in the summary (arena.subset_name), by
     default their count."""
-    import engine
-    import rollout
+    from persuarena import engine
+    from persuarena import rollout
     from lab import fidelity as probe_fidelity
     out_dir, anchor = Path(out_dir), rpo.ANCHOR if anchor is None else anchor
     judge = persuadee if judge == SAME_AS_PERSUADEE else judge
@@ -325,7 +325,7 @@ def cell_sampling(args, persuader):
     preset by default "cpu" for CPU_SAMPLING_MODELS (SmolLM2), else "paper"."""
     import types
 
-    import rollout
+    from persuarena import rollout
     config = report.run_config(persuader) if args.sampling is None else {}
     values = {k: getattr(args, k) if getattr(args, k) is not None else config.get(k)
               for k in SAMPLING_FLAGS}
@@ -352,7 +352,7 @@ def cpu_defaults(args):
     one still judges); else engine.MAX_NEW_TOKENS and the persuadee's own model."""
     import torch
 
-    import engine
+    from persuarena import engine
     cpu = {} if torch.cuda.is_available() else presets.laptop_settings()
     if args.max_new_tokens is None:
         remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
@@ -374,7 +374,7 @@ def main(argv=None):
         return
     cpu_defaults(args)  # the model-driven modes only
     args.dtype = args.dtype or default_dtype()
-    import models
+    from persuarena import models
     models.set_cpu_threads()  # one thread per core the machine's load leaves free
     if args.play:
         if len(args.persuadee) > 1:

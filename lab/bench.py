@@ -53,10 +53,10 @@ import sys
 
 import torch
 
-import engine
-import layers
-import models
-import rollout
+from persuarena import engine
+from persuarena import layers
+from persuarena import models
+from persuarena import rollout
 from lab import (bench_baselines as baselines, bench_gpu as gpu_bench, bench_load as load_runs,
                  bench_snr as snr, bench_vllm as vllm, bench_workload as workload, cli)
 

@@ -88,7 +88,7 @@ def timed(target, count, repeats, instances):
 
 def inprocess_hub(args, instances):
     """A hub over the persuadee, its engine's decode calls counted: (hub, steps list)."""
-    import models
+    from persuarena import models
     from lab import env as persuasion_env, pools, sessions
     from lab.bench_workload import touch_memory
     models.set_cpu_threads()

@@ -14,10 +14,10 @@ import time
 import numpy as np
 import torch
 
-import engine
-import models
-import probes
-import rollout
+from persuarena import engine
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
 from lab import bench_workload as workload, cli, presets, significance
 
 
@@ -27,7 +27,7 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
     that one message (each with its own random stream, the probes read after each): the input
     of significance.message_variance_share. Settings (models, dtype, sampling, message length) are
     presets.PRESETS[preset]'s; the persuadee's decision rule (rollout.DECISION) plays no part."""
-    import train
+    from persuarena import train
     cfg = presets.preset_values(preset)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     persuader_model, persuader_tok = train.load(cfg["persuader"], cfg["dtype"], device)

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-import arena
-import models
-import probes
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
+from persuarena import rpo
 from lab import checkpoints, gguf, loggers, lora, plan, presets, runs, served, shapes
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
@@ -76,7 +76,8 @@ def _as_json(value):
 def pinned_constants(own=None):
     """{"module.NAME": value} of every CAPS constant of PINNED_MODULES and of the module own
     (the entry point's: train.py, eval.py), as JSON holds it."""
-    modules = {name: importlib.import_module(name) for name in PINNED_MODULES}
+    modules = {name: importlib.import_module(name if name.startswith("lab.") else
+                                             f"persuarena.{name}") for name in PINNED_MODULES}
     if own is not None:
         modules[Path(own.__file__).stem] = own
     pinned = {}

@@ -43,11 +43,11 @@ import threading
 import gymnasium as gym
 from gymnasium import spaces
 
-import arena
-import engine
-import probes
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import probes
+from persuarena import rollout
+from persuarena import rpo
 from lab import hardening, sessions
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)

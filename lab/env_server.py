@@ -27,8 +27,8 @@ import logging
 import math
 import sys
 
-import arena
-import engine
+from persuarena import arena
+from persuarena import engine
 from lab import cli, served, sessions
 from lab import env as persuasion_env
 from lab.env import PersuasionEnv, load_instances, shown
@@ -508,7 +508,7 @@ def checked_models(args, instances):
 def serving_app(args):
     """The app `--serve` runs (args: parse_args'), every model checked and loaded first."""
     instances = load_instances(args.scenarios)  # a bad path is named before any model loads
-    import models
+    from persuarena import models
     models.set_cpu_threads()  # one thread per core the machine's load leaves free
     persuadee, judge = checked_models(args, instances)
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import rollout
+from persuarena import rollout
 from lab import cli, jsonl, runs
 
 

@@ -11,9 +11,9 @@ import sys
 
 from tqdm import tqdm
 
-import arena
-import models
-import probes
+from persuarena import arena
+from persuarena import models
+from persuarena import probes
 from lab import analyses
 
 CHUNK = 4  # read-outs checked at a time (the progress bar's step)

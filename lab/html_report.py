@@ -32,8 +32,8 @@ import html
 from collections import defaultdict
 from pathlib import Path
 
-import arena
-import rpo
+from persuarena import arena
+from persuarena import rpo
 from lab import analyses, records, runs, significance, terminal
 
 TRACE_SIZE = (140, 34)  # the belief trace's plot area in pixels (b in [-1, 1])

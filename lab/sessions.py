@@ -33,7 +33,7 @@ import time
 import weakref
 from collections import deque
 
-import rollout
+from persuarena import rollout
 from lab import pools
 
 HUB_IDLE_S = 5.0  # the loop's thread ends after this long without an episode (started again)

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import arena
-import engine
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import rollout
+from persuarena import rpo
 from lab import cli, jsonl, plan, presets, ranks, runs, served
 
 SAMPLE_DIALOGUES = 2                # episodes a step kept in samples-STEP.json and the loggers' table

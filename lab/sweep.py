@@ -136,7 +136,7 @@ def argument_problems(args):
 def sweep_owned(args):
     """The flags among train.py's extra arguments that the sweep sets itself (read as train.py's
     parser reads them: abbreviations and --flag=value count)."""
-    import train
+    from persuarena import train
     owned = set(SWEEP_SETS)
     try:
         named = cli.explicit_settings(cli.train_parser(train), args.train_args, known=True)
@@ -206,7 +206,7 @@ def arm_command(argv, run_dir):
 
 def train_arm(argv, run_dir):
     """train.py on one arm: fresh, or resumed from its last checkpoint."""
-    import train
+    from persuarena import train
     train.main(arm_command(argv, run_dir))
 
 
@@ -214,7 +214,7 @@ def check_arms(args, extra, arms, runs_dir):
     """Every arm's train.py arguments checked as train.py checks them (cli.train_args: values,
     models' names, scenarios, a resumed arm's config.json), before the first arm trains; the
     first problem is one line naming the arm."""
-    import train
+    from persuarena import train
     for lam, seed in arms:
         run_dir = runs_dir / arm_name(lam, seed)
         if run_dir.exists() and arm_finished(run_dir, args, lam == FROZEN):
@@ -231,13 +231,13 @@ def evaluate_initial(argv, folder):
     own settings), into folder/eval-0 and folder/evals.jsonl."""
     import torch
 
-    import engine
+    from persuarena import engine
     from lab import plan
-    import train
+    from persuarena import train
     args = cli.train_args(argv, train)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = plan.device_plan(args, 1, device)["sizes"] if device.type == "cuda" else {}
-    import models
+    from persuarena import models
     persuader_model, tokenizer = train.load(args.persuader, args.dtype, device)
     persuadee_loaded = ((models.copied(persuader_model, getattr(torch, args.dtype)), tokenizer)
                         if args.persuadee == args.persuader else  # read once, as train.py does
@@ -417,7 +417,7 @@ def summarize_sweep(root, args):
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
     first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
     subset = read_arm(lambda p: json.loads(p.read_text()).get("subset"), first) if first.is_file() else None
-    import train
+    from persuarena import train
     summary = dict(settings=json.loads((root / "sweep.json").read_text()),
                    clipped_steps=clipped_steps(runs, train.GRAD_CLIP),
                    subset=(subset or f"{args.eval_limit} scenarios").removeprefix("heldout "), arms=entries,

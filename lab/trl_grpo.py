@@ -43,10 +43,10 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-import arena
-import engine
-import models
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
+from persuarena import rpo
 from lab import env as persuasion_env
 from lab import env_server
 

@@ -34,9 +34,9 @@ from collections.abc import Iterator
 
 import verifiers.v1 as vf
 
-import arena
-import engine
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import rpo
 from lab import env as persuasion_env
 
 ENV_ID = "persuarena"  # verifiers' id: the installed package that exports these classes

@@ -19,8 +19,8 @@ if getattr(sys.modules.get("persuarena"), "__path__", [None])[0] != str(_ROOT):
 import pytest
 import torch
 
-import engine
-import models
+from persuarena import engine
+from persuarena import models
 from lab import fastpath
 
 
@@ -28,7 +28,7 @@ from lab import fastpath
 def token_logprobs(logits, ids, temperature=1.0):
     """log softmax(logits[:, :-1] / temperature) at ids[:, 1:], float32 [B, L-1]: the reference
     the tests compare the engine's and the update's log-probs with (rpo.target_logprobs)."""
-    import rpo
+    from persuarena import rpo
     return rpo.target_logprobs(logits[:, :-1], ids[:, 1:], temperature)
 
 
@@ -127,8 +127,8 @@ def trained_run(tmp_path_factory):
     and in the evaluation. Returns (folder, its flags)."""
     import json
 
-    import rollout
-    import train
+    from persuarena import rollout
+    from persuarena import train
     root = tmp_path_factory.mktemp("trained")
     played = {}
     real = rollout.rollout_episodes

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-import arena
-import engine
+from persuarena import arena
+from persuarena import engine
 from lab import env as persuasion_env
-import rollout
+from persuarena import rollout
 from lab import served
 from lab.play import PersonSide
 from conftest import tiny_model

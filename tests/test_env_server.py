@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-import arena
-import engine
+from persuarena import arena
+from persuarena import engine
 from lab import env as persuasion_env
 from lab import env_server, sessions
 from conftest import tiny_model
@@ -90,7 +90,7 @@ def test_the_server_cli_refuses_bad_flags_before_loading(capsys, monkeypatch, sh
     """Each bad flag is one line before any weight loads: a served judge's malformed spec, a
     random shape that does not exist, a --session-timeout that is not a positive number, and a
     --kv-blocks pool that cannot hold one episode (sized from the tokenizer and config)."""
-    import models
+    from persuarena import models
     for argv, words in ((["--port", "1"], "pass --serve"), (["--serve", "--port", "0"], "--port"),
                         (["--serve", "--t-max", "0"], "--t-max must be at least 1"),
                         (["--serve", "--sessions", str(10**9)], "--sessions must be at most"),

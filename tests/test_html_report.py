@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 
-import eval as evaluation
-from rollout import Episode
+from persuarena import eval as evaluation
+from persuarena.rollout import Episode
 from lab import analyses as an
 from lab import html_report, report
 
@@ -106,7 +106,7 @@ def test_save_run_writes_a_page_naming_every_episode(tmp_path):
 
 
 def test_the_page_shows_each_scenario_its_scale_and_its_figures(tmp_path):
-    import arena
+    from persuarena import arena
     held = [dict(episode(s["id"], "PENDING", [0.0, 0.2]), domain=s["domain"])
             for s in arena.load_scenarios(split="heldout")[:2]]
     report.save_run(tmp_path, held, an.summarize(held))

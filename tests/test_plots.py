@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from lab import analyses
-import eval as evaluation
+from persuarena import eval as evaluation
 from lab import plots
 from lab import report
 from test_analyses import LAB, SIX

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import arena
+from persuarena import arena
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
 TINY = "random:tiny-qwen3"
@@ -55,7 +55,7 @@ def test_the_in_process_snippets_run(which, capsys):
 
 
 def test_the_openenv_client_snippet_runs_against_a_server(tokenizer):
-    import engine
+    from persuarena import engine
     from conftest import tiny_model
     from lab import env as persuasion_env
     from lab import sessions

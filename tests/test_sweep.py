@@ -6,7 +6,7 @@ import math
 import pytest
 
 from lab import audit, cli, records, significance, sweep
-import train
+from persuarena import train
 
 
 @pytest.mark.slow
@@ -83,7 +83,7 @@ def test_flags_the_sweep_sets_are_refused_after_the_separator(after, names, caps
 def test_lr_after_the_separator_trains_the_learning_arms_and_the_control_stays_at_lr_0(tmp_path):
     """--lr after -- sets the learning arms' rate; the frozen control's lr 0 comes after it, so
     the control stays frozen (argparse: the last value wins)."""
-    import train
+    from persuarena import train
     args, extra = sweep.parse_args(BASE + ["--out", str(tmp_path), "--frozen-control", "--",
                                            "--lr", "1e-4"])
     assert extra == ["--lr", "1e-4"]

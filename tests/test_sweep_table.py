@@ -5,7 +5,7 @@ import statistics
 import pytest
 
 from lab import significance, sweep_table
-from rollout import Episode
+from persuarena.rollout import Episode
 
 
 def test_frozen_rows_pair_training_episodes_of_the_second_half():

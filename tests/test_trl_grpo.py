@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-import engine
-import models
-import rpo
+from persuarena import engine
+from persuarena import models
+from persuarena import rpo
 from conftest import tiny_model
 from lab import env as persuasion_env
 from lab import trl_grpo

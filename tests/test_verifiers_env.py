@@ -13,8 +13,8 @@ import pytest
 
 vf = pytest.importorskip("verifiers.v1")
 
-import engine  # noqa: E402
-import rpo  # noqa: E402
+from persuarena import engine  # noqa: E402
+from persuarena import rpo  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from lab import env as persuasion_env  # noqa: E402
 from lab import sessions  # noqa: E402
