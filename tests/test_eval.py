@@ -288,7 +288,7 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
 def test_two_ranks_share_the_fidelity_check_and_read_what_one_process_reads(monkeypatch):
     """lab/fidelity.fidelity_reads at world 2 (the all-gather played in this process, rank 1
     first): each rank reads its share of the sampled contexts, one forward set for the reference
-    and vocabulary read-outs (counted), and both ranks get one process's reads back in the
+    and vocabulary read-outs of each CHUNK of them (counted), and both ranks get one process's reads back in the
     sample's order (reference and vocabulary exactly, the fork to float noise)."""
     from persuarena import arena
     from persuarena import engine
@@ -323,7 +323,7 @@ def test_two_ranks_share_the_fidelity_check_and_read_what_one_process_reads(monk
     with pytest.raises(Gathered):
         fidelity.fidelity_reads(eng, instances, episodes, 5, rank=1, world=2)
     two = fidelity.fidelity_reads(eng, instances, episodes, 5, rank=0, world=2)
-    assert read == [5, 2, 3] and len(one["sample"]) == 5
+    assert read == [4, 1, 2, 3] and len(one["sample"]) == 5  # forward sets of fidelity.CHUNK
     assert two["sample"] == one["sample"]
     assert two["reference"] == one["reference"] and two["vocabulary"] == one["vocabulary"]
     assert sum(two["fork"], []) == pytest.approx(sum(one["fork"], []), abs=1e-5)
