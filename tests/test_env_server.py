@@ -274,8 +274,8 @@ def test_the_repository_is_an_openenv_package_that_validates():
     import subprocess
     import sys
     root = pathlib.Path(__file__).resolve().parent.parent
-    cli = pathlib.Path(sys.executable).parent / "openenv"
-    done = subprocess.run([str(cli), "validate", ".", "--level", "static"], cwd=root,
+    done = subprocess.run([sys.executable, "-m", "openenv.cli", "validate", ".", "--level",
+                           "static"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "PASS  static.manifest" in done.stdout, done.stdout + done.stderr
     for name in ("Dockerfile", "server/__init__.py", "server/app.py"):
