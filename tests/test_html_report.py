@@ -107,7 +107,7 @@ def test_save_run_writes_a_page_naming_every_episode(tmp_path):
 
 def test_the_page_shows_each_scenario_its_scale_and_its_figures(tmp_path):
     from persuarena import arena
-    held = [dict(episode(s["id"], "PENDING", [0.0, 0.2]), domain=s["domain"])
+    held = [episode(s["id"], "PENDING", [0.0, 0.2], domain=s["domain"])
             for s in arena.load_scenarios(split="heldout")[:2]]
     report.save_run(tmp_path, held, an.summarize(held))
     page = (tmp_path / "report.html").read_text()
