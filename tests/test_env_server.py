@@ -108,10 +108,10 @@ def test_the_server_cli_refuses_bad_flags_before_loading(capsys, monkeypatch, sh
     monkeypatch.setattr(models, "load_model", no_weights)
     with pytest.raises(SystemExit) as excinfo:
         env_server.main(["--serve", "--persuadee", "random:tiny-qwen3", "--kv-blocks", "1",
-                             "--scenarios", short_scenarios])
+                         "--scenarios", short_scenarios, "--judge", "persuadee"])
     message = str(excinfo.value)
     assert "\n" not in message and "--kv-blocks 1 cannot hold one episode" in message, message
-    assert "and its judging" in message  # the default judge shares the persuadee's pool
+    assert "and its judging" in message  # a judge of the persuadee's model shares its pool
 
 
 def free_port():
