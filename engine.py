@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-import layers
+from persuarena import layers
 from lab import fastpath
 
 FAST_PATH = True          # the forward's attention and the decode steps on lab/fastpath.py

@@ -29,9 +29,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import arena
-import probes
-import rpo
+from persuarena import arena
+from persuarena import probes
+from persuarena import rpo
 from lab import analyses, cli, comparisons, episode_log, jsonl, moves, pools, presets, ranks, report, runs, served, terminal
 
 EVALS_DIR = "evals"
@@ -105,8 +105,8 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
     records do not depend on the rank (rollout's keyed random streams), so the summary equals
     one process's. `subset` names the scenarios played in the summary (arena.subset_name), by
     default their count."""
-    import engine
-    import rollout
+    from persuarena import engine
+    from persuarena import rollout
     from lab import fidelity as probe_fidelity
     out_dir, anchor = Path(out_dir), rpo.ANCHOR if anchor is None else anchor
     judge = persuadee if judge == SAME_AS_PERSUADEE else judge
@@ -126,7 +126,8 @@ def evaluate(persuader, persuadee, instances, out_dir, *, t_max=None, seed=0, na
         persuader, persuadee, mine, path, t_max=arena.T_MAX_EVAL if t_max is None else t_max,
         judge=judge, seed=seed, stamp=stamp, played=played, max_new_tokens=max_new_tokens,
         persuader_sampling=persuader_sampling, persuadee_sampling=persuadee_sampling,
-        probe_space=probe_space, probe_signs=probe_signs, decision=decision)
+        probe_space=probe_space, probe_signs=probe_signs, decision=decision,
+        say=None if rank == 0 else (lambda line: None))
     episodes = episode_log.gathered(episodes, instances, world)
     local_persuadee = persuadee if isinstance(persuadee, engine.Engine) else None
     reads = probe_fidelity.fidelity_reads(  # every rank reads its share of the sample
@@ -205,11 +206,12 @@ def build_parser():
                          "run's, read from the checkpoint's run folder, else rpo.ANCHOR)")
     probes.add_flags(ap)
     cli.add_sampling_flags(ap)
-    ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout")
+    ap.add_argument("--scenarios", choices=("heldout", "train"), default="heldout",
+                    help="the split played (train: the training scenarios as written)")
     ap.add_argument("--subset", choices=SUBSETS, help="balanced60: 3 scenarios per domain x resistance cell (arena.stratified)")
     ap.add_argument("--limit", type=int, help="evaluate N scenarios, stratified over domain x resistance "
                     "(arena.stratified: 5 = one a domain, 8 = every domain and type, 20 = one a cell)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the episodes' random streams")
     cli.add_decision_flag(ap)
     ap.add_argument("--name", help=f"run name, one folder name; output goes to {EVALS_DIR}/NAME")
     ap.add_argument("--resume", action="store_true",
@@ -329,7 +331,7 @@ def cell_sampling(args, persuader):
     preset by default "cpu" for CPU_SAMPLING_MODELS (SmolLM2), else "paper"."""
     import types
 
-    import rollout
+    from persuarena import rollout
     config = report.run_config(persuader) if args.sampling is None else {}
     values = {k: getattr(args, k) if getattr(args, k) is not None else config.get(k)
               for k in SAMPLING_FLAGS}
@@ -372,7 +374,7 @@ def cpu_defaults(args):
     one still judges); else engine.MAX_NEW_TOKENS and the persuadee's own model."""
     import torch
 
-    import engine
+    from persuarena import engine
     cpu = {} if torch.cuda.is_available() else presets.laptop_settings()
     if args.max_new_tokens is None:
         remote = all(served.is_served(n) for n in args.persuader + args.persuadee)
@@ -394,7 +396,7 @@ def main(argv=None):
         return
     cpu_defaults(args)  # the model-driven modes only
     args.dtype = args.dtype or default_dtype()
-    import models
+    from persuarena import models
     models.set_cpu_threads()  # one thread per core the machine's load leaves free
     if args.play:
         if len(args.persuadee) > 1:
@@ -451,6 +453,9 @@ def run_cells(args, instances, cells):
     a grid's table."""
     loaded, results, rank = {}, {}, distributed()[0]  # under torchrun rank 0 prints
     for p, q, out_dir, settings in cells:
+        if rank == 0:
+            print(f"eval.py: {len(instances)} {args.scenarios} scenario(s), persuader {p}, "
+                  f"persuadee {q} -> {out_dir} (loading the models)", file=sys.stderr, flush=True)
         if rank == 0 and (line := sampling_line(args, p)):
             print(line)
         try:
@@ -469,6 +474,8 @@ def run_cells(args, instances, cells):
                   f"{analyses.format_table(results[(p, q)])}")
     if len(cells) > 1 and rank == 0:
         print("\n" + comparisons.grid_table(results))
+    if rank == 0:
+        print("\n" + "\n".join(f"report: {out_dir / 'report.html'}" for *_, out_dir, _ in cells))
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def set_cpu_threads(device=None):
     Every entry point (train.py, eval.py, lab.bench, lab.env) calls it before its models run, and
     each engine forward or decode window follows the free cores again, up or down
     (engine.cpu_threads); OMP_NUM_THREADS, when set, wins. device: default CUDA if present."""
-    import engine
+    from persuarena import engine
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return

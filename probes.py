@@ -33,8 +33,8 @@ import math
 
 import torch
 
-import engine
-import models
+from persuarena import engine
+from persuarena import models
 
 INSTRUCTION = "Answer only Yes or No."  # goes first so the questions share a longer prefix
 PROBES = {  # name: the question, its valence sign (+1 where Yes favours the persuader, -1 flips
@@ -292,7 +292,7 @@ def decision_ids(tokenizer):
     """The decision question's turn ids, and per choice (arena.DECISION_WORDS order) the first
     tokens of its word's spellings ("Accept", " Accept", "accept", " accept") that no other
     choice shares. A tokenizer that leaves a choice no token of its own is refused in one line."""
-    import arena
+    from persuarena import arena
     firsts = [set(answer_ids(tokenizer, (w, " " + w, w.lower(), " " + w.lower())))
               for w in arena.DECISION_WORDS.values()]
     own = [tuple(sorted(f - set().union(*(g for g in firsts if g is not f)))) for f in firsts]

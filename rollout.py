@@ -39,10 +39,10 @@ import dataclasses
 import enum
 from typing import Protocol, runtime_checkable
 
-import arena
-import engine
-import models
-import probes
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
+from persuarena import probes
 from lab import judge as local_judge, scheduling, served
 
 JUDGE_MAX_NEW_TOKENS = 32  # the judge answers three short lines (~15 tokens)

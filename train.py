@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import arena
-import engine
-import layers
-import models
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import layers
+from persuarena import models
+from persuarena import rollout
+from persuarena import rpo
 from lab import checkpoints, cli, loggers, lora, plan, ranks, runs, steps
 
 # the paper's numbers, each its flag's default (a preset sets only what differs: lab/presets.py,
@@ -288,7 +288,7 @@ def evaluate_heldout(persuader, persuadee, judge, args, step, rank, run_dir):
     """Held-out evaluation through eval.py, the scenarios sharded over the ranks, with the run's
     own sampling, lambda and anchor; rank 0 writes runs/NAME/eval-STEP and appends its summary to
     runs/NAME/evals.jsonl under its step (what eval.py --runs reads)."""
-    import eval as evaluation  # eval.py (not the builtin)
+    from persuarena import eval as evaluation  # eval.py (not the builtin)
     heldout = arena.heldout_instances(arena.load_scenarios(args.scenarios))
     instances = arena.stratified(heldout, args.eval_limit)  # every domain x resistance cell as evenly as N allows
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -33,8 +33,8 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-import arena
-import rpo
+from persuarena import arena
+from persuarena import rpo
 from lab import moves, records
 from lab.records import probe_names
 from lab.significance import (finite_or_none, mean_band, pearson, proportion_difference, spearman,

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-import arena
+from persuarena import arena
 from lab import cli, jsonl, runs, significance
 
 FAMILIES = ("argument", "no_request", "warmth", "word_salad", "repeated_token", "off_topic", "pushy",
@@ -168,7 +168,7 @@ class ScriptedSide:
     tokenizer = max_len = None
 
     def __init__(self, instances, families, seed, turns=TURNS):
-        import engine
+        from persuarena import engine
         self.turns, self.next_sid, self.spoken = turns, 0, {}
         self.family = {engine.stream_key(seed, inst["id"], g, "persuader"): (family, inst)
                        for inst in instances for g, family in enumerate(families)}
@@ -183,7 +183,7 @@ class ScriptedSide:
         return None
 
     def start(self, roots, counts):
-        import rollout
+        from persuarena import rollout
         sids, self.next_sid = rollout.numbered(self.next_sid, counts)
         return sids, [None] * len(roots)
 
@@ -191,7 +191,7 @@ class ScriptedSide:
         return list(sids)
 
     def speak(self, sids, keys):
-        import rollout
+        from persuarena import rollout
         said = []
         for sid, key in zip(sids, keys):
             turn = self.spoken[sid] = self.spoken.get(sid, 0) + 1
@@ -217,7 +217,7 @@ def paired(persuadee_side, instances, n_families, seed):
     instance replies (and, with logit decisions, decides) on member 0's stream, so that the
     families differ only in what was said. A shallow copy of the side with its reply wrapped;
     all else is its own."""
-    import engine
+    from persuarena import engine
     same = {engine.stream_key(seed, inst["id"], g, "persuadee"):
             engine.stream_key(seed, inst["id"], 0, "persuadee")
             for inst in instances for g in range(n_families)}
@@ -229,7 +229,7 @@ def paired(persuadee_side, instances, n_families, seed):
 
 def persuadee_side(persuadee, sampling, max_new_tokens, decision):
     """The persuadee as a rollout side: a local engine's EngineSide, or a side as given."""
-    import rollout
+    from persuarena import rollout
     if hasattr(persuadee, "room"):
         return persuadee
     return rollout.EngineSide(persuadee, "persuadee", sampling, max_new_tokens, decision=decision)
@@ -245,7 +245,7 @@ def play_families(persuadee, instances, seeds=SEEDS, families=FAMILIES, turns=TU
     given, receives the rows so far after each seed."""
     from tqdm import tqdm
 
-    import rollout
+    from persuarena import rollout
     rows = []
     for seed in seeds:
         side = paired(persuadee_side(persuadee, sampling or rollout.FROZEN_SAMPLING, max_new_tokens,
@@ -475,7 +475,7 @@ def done_rows(folder, args):
 
 def write_audit(folder, rows, args):
     """summary.json, table.md and replies.jsonl of the rows so far (every seed played yet)."""
-    import rollout
+    from persuarena import rollout
     seeds = sorted({r["seed"] for r in rows})
     summary = summarize(rows, args.families, args.turns)
     summary["settings"] = dict(settings_of(args), seeds=seeds,
@@ -495,8 +495,8 @@ def run(args):
     the same settings plays only the seeds missing)."""
     import torch
 
-    import engine
-    import train
+    from persuarena import engine
+    from persuarena import train
     name = args.name or "audit-" + args.persuadee.replace("random:", "").replace("/", "-")
     folder = Path(args.out) / name
     kept = done_rows(folder, args)

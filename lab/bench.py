@@ -53,27 +53,32 @@ import sys
 
 import torch
 
-import engine
-import layers
-import models
-import rollout
+from persuarena import engine
+from persuarena import layers
+from persuarena import models
+from persuarena import rollout
 from lab import (bench_baselines as baselines, bench_gpu as gpu_bench, bench_load as load_runs,
                  bench_snr as snr, bench_vllm as vllm, bench_workload as workload, cli)
 
 def parse_args(argv=None):
     p = cli.new_parser("python -m lab.bench", __doc__)
-    p.add_argument("--model", default=workload.MODEL)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default=workload.MODEL, help="the model of both sides of the workload")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the engine and the baselines run")
     p.add_argument("--dtype", default=None, help="float32 (default on cpu) or bfloat16 (on gpu)")
-    p.add_argument("--dialogues", type=int, default=workload.DIALOGUES)
-    p.add_argument("--turns", type=int, default=workload.TURNS)
-    p.add_argument("--max-new-tokens", type=int, default=workload.MAX_NEW_TOKENS)
+    p.add_argument("--dialogues", type=int, default=workload.DIALOGUES,
+                   help="dialogues played at once")
+    p.add_argument("--turns", type=int, default=workload.TURNS, help="turns of each dialogue")
+    p.add_argument("--max-new-tokens", type=int, default=workload.MAX_NEW_TOKENS,
+                   help="tokens of each message")
     p.add_argument("--load", type=int, default=0, metavar="N", help="time the comparison again "
                    "with N busy-loop processes running beside it (one a core: a loaded machine; at most "
                    "the machine's cores)")
-    p.add_argument("--skip-baselines", action="store_true")
-    p.add_argument("--random-init", choices=sorted(models.RANDOM_CONFIGS), default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--skip-baselines", action="store_true",
+                   help="time the engine only (no Hugging Face generate / generate_batch)")
+    p.add_argument("--random-init", choices=sorted(models.RANDOM_CONFIGS), default=None,
+                   help="random weights of this shape instead of --model's (no download)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--probe-vs-judge", action="store_true", help="only time a probe read against an "
                    "equal-sized judge call on the same persuadee after the dialogues (Table 4)")
     p.add_argument("--profile", metavar="TRACE", help="profile the engine's run: print the operations "

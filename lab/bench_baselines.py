@@ -23,11 +23,11 @@ import time
 
 import torch
 
-import arena
-import engine
-import models
-import probes
-import rollout
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
 from lab import bench_workload as workload
 
 PAGE_SIZE = 256     # tokens a continuous-batching block holds (ContinuousBatchingConfig default)

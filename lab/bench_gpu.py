@@ -31,11 +31,11 @@ import time
 
 import torch
 
-import engine
-import layers
-import models
-import probes
-import rollout
+from persuarena import engine
+from persuarena import layers
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
 from lab import bench_workload as workload, cli, fastpath, gguf, kernels
 
 H200 = dict(bandwidth=4.8e12, sms=132, registers=65536, chunk_s=0.7e-6, kernel_gap_s=1e-6)
@@ -310,7 +310,7 @@ def gpu_check(args):
     Returns the figures as a dict."""
     import tempfile
     from lab import plan
-    import train
+    from persuarena import train
     gpu = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     shapes = args.check_models.split(",")

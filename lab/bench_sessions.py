@@ -96,7 +96,7 @@ def timed(target, count, repeats, instances):
 
 def inprocess_hub(args, instances):
     """A hub over the persuadee, its engine's decode calls counted: (hub, steps list)."""
-    import models
+    from persuarena import models
     from lab import env as persuasion_env, pools, sessions
     from lab.bench_workload import touch_memory
     models.set_cpu_threads()
@@ -206,19 +206,27 @@ def print_medians(counts, rates):
 
 
 def main(argv=None):
+    from lab import cli
     ap = argparse.ArgumentParser(prog="python -m lab.bench_sessions", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--persuadee", default="random:tiny-qwen3")
-    ap.add_argument("--over", choices=("inprocess", "loopback"), default="inprocess")
-    ap.add_argument("--sessions", default=",".join(map(str, SESSIONS)))
-    ap.add_argument("--repeats", type=int, default=REPEATS)
+                                 formatter_class=cli.HelpFormatter)
+    ap.add_argument("--persuadee", default="random:tiny-qwen3", help="the one persuadee every "
+                    "session shares: random:NAME, smollm2 or a model folder")
+    ap.add_argument("--over", choices=("inprocess", "loopback"), default="inprocess",
+                    help="the sessions as PersuasionEnvs in this process, or as OpenEnv clients "
+                         "of the server on loopback")
+    ap.add_argument("--sessions", default=",".join(map(str, SESSIONS)),
+                    help="the counts of concurrent sessions timed, comma-separated")
+    ap.add_argument("--repeats", type=int, default=REPEATS,
+                    help="episodes each session plays a count")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="play the counts this many times, "
                     "in order then reversed, alternately (a machine whose speed drifts then weighs "
                     "on every count alike); a second table gives each count's median")
-    ap.add_argument("--t-max", type=int, default=T_MAX)
-    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
-    ap.add_argument("--kv-blocks", type=int)
-    ap.add_argument("--scenarios", default="heldout")
+    ap.add_argument("--t-max", type=int, default=T_MAX, help="the turn budget of an episode")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                    help="the persuadee's reply and the scripted persuader's message, in tokens")
+    ap.add_argument("--kv-blocks", type=int, help="the persuadee's KV pool in blocks (default: "
+                    "the engine's)")
+    ap.add_argument("--scenarios", default="heldout", help="train, heldout or a scenarios.jsonl")
     ap.add_argument("--instances", type=int, default=INSTANCES, help="distinct instances played")
     ap.add_argument("--attacker", type=float, metavar="S", help="the attacker table: S seconds "
                     "of honest steps without, then with, one client sending ATTACK")

@@ -14,10 +14,10 @@ import time
 import numpy as np
 import torch
 
-import engine
-import models
-import probes
-import rollout
+from persuarena import engine
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
 from lab import bench_workload as workload, cli, presets, significance
 
 
@@ -27,7 +27,7 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
     that one message (each with its own random stream, the probes read after each): the input
     of significance.message_variance_share. Settings (models, dtype, sampling, message length) are
     presets.PRESETS[preset]'s; the persuadee's decision rule (rollout.DECISION) plays no part."""
-    import train
+    from persuarena import train
     cfg = presets.preset_values(preset)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     persuader_model, persuader_tok = train.load(cfg["persuader"], cfg["dtype"], device)
@@ -89,11 +89,13 @@ def snr_main(argv):
     """--snr PRESET [--instances N --messages M --resamples R --seed S]: the share of r_1's
     variance that the persuader's message decides, and r_1's spread."""
     p = cli.new_parser("python -m lab.bench", "the signal to noise of the dense reward (--snr)")
-    p.add_argument("--snr", required=True, metavar="PRESET")
-    p.add_argument("--instances", type=int, default=4)
-    p.add_argument("--messages", type=int, default=4)
-    p.add_argument("--resamples", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--snr", required=True, metavar="PRESET", help="the train.py preset whose "
+                   "persuader and persuadee are measured")
+    p.add_argument("--instances", type=int, default=4, help="training instances measured")
+    p.add_argument("--messages", type=int, default=4, help="persuader messages an instance")
+    p.add_argument("--resamples", type=int, default=4,
+                   help="persuadee replies resampled a message")
+    p.add_argument("--seed", type=int, default=0, help="the random streams")
     args = p.parse_args(argv)
     snr_problem(args)
     models.set_cpu_threads()  # one thread per core the machine's load leaves free

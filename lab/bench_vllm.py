@@ -49,8 +49,8 @@ from pathlib import Path
 
 import torch
 
-import engine
-import probes
+from persuarena import engine
+from persuarena import probes
 from lab import bench_baselines as baselines, bench_workload as workload, gguf
 
 VLLM_PYTHON = None      # --vllm-python: the Python of vLLM's own environment (None: vLLM not run)

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-import arena
-import models
-import probes
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
+from persuarena import rpo
 from lab import checkpoints, gguf, jsonl, loggers, lora, plan, presets, runs, served, shapes
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices
@@ -79,7 +79,8 @@ def _as_json(value):
 def pinned_constants(own=None):
     """{"module.NAME": value} of every CAPS constant of PINNED_MODULES and of the module own
     (the entry point's: train.py, eval.py), as JSON holds it."""
-    modules = {name: importlib.import_module(name) for name in PINNED_MODULES}
+    modules = {name: importlib.import_module(name if name.startswith("lab.") else
+                                             f"persuarena.{name}") for name in PINNED_MODULES}
     if own is not None:
         modules[Path(own.__file__).stem] = own
     pinned = {}
@@ -376,7 +377,17 @@ def new_parser(prog, doc):
     """The parser of an entry point, named as it is run (python -m lab.NAME for the package's),
     described by the first paragraph of its docstring."""
     return argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=HelpFormatter)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every entry point's help: the description as written, each option's default shown
+    (where there is one and its help does not already say it)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def train_parser(own):
@@ -385,8 +396,11 @@ def train_parser(own):
     p = new_parser("train.py", own.__doc__)
     p.add_argument("--preset", choices=presets.PRESETS, default=None,
                    help="paper on CUDA, cpu otherwise; every value below overrides it")
-    for key in ("persuader", "persuadee", "dtype"):
-        p.add_argument(f"--{key}")
+    for key, what in (("persuader", "the policy trained: random:NAME, smollm2, Qwen/..., a folder"),
+                      ("persuadee", "the frozen persuadee: a model name as --persuader, or "
+                                    "openai:MODEL@URL"),
+                      ("dtype", "the weights' dtype: float32 or bfloat16")):
+        p.add_argument(f"--{key}", help=f"{what} (default: the preset's)")
     p.add_argument("--judge", help="judge model (default: the persuadee's); 'none' gives s = 0")
     for key in ("steps", "instances", "group_size", "t_max", "eval_t_max", "max_new_tokens",
                 "micro_batch", "eval_every", "eval_limit", "save_every", "lr", "updates_per_batch"):
@@ -402,22 +416,30 @@ def train_parser(own):
     p.add_argument("--lora", type=int, help="train rank-RANK LoRA adapters on a frozen base "
                    "(models.py, LoRA) instead of every weight; 0: full fine-tuning")
     # rpo.py owns these; read at parse time, so an edited constant changes the run
-    p.add_argument("--lam", type=float, default=rpo.LAMBDA)
-    p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR)
+    p.add_argument("--lam", type=float, default=rpo.LAMBDA, help="the dense term's weight "
+                   "lambda in A = A_out + lambda (D - mean D) (rpo.LAMBDA); 0: plain GRPO")
+    p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=rpo.ANCHOR,
+                   help="the terminal anchor on the dense return (rpo.ANCHOR; DECISIONS.md)")
     probes.add_flags(p)
-    p.add_argument("--kl-beta", type=float, default=rpo.KL_BETA)
-    p.add_argument("--clip-low", type=float, default=rpo.CLIP_LOW)
-    p.add_argument("--clip-high", type=float, default=rpo.CLIP_HIGH)
+    p.add_argument("--kl-beta", type=float, default=rpo.KL_BETA,
+                   help="the k3 KL penalty's weight (rpo.KL_BETA)")
+    p.add_argument("--clip-low", type=float, default=rpo.CLIP_LOW,
+                   help="the surrogate's lower clip, 1 - eps_low (rpo.CLIP_LOW)")
+    p.add_argument("--clip-high", type=float, default=rpo.CLIP_HIGH,
+                   help="the surrogate's upper clip, 1 + eps_high (rpo.CLIP_HIGH)")
     add_sampling_flags(p)
-    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--seed", type=int, default=seed, help="the run's seed (train.SEED): weights' "
+                   "initial draws, instance order and every sampling stream")
     add_decision_flag(p)
     p.add_argument("--name", default=None, help="run folder runs/NAME (default: preset and time)")
-    p.add_argument("--out", default="runs")
+    p.add_argument("--out", default="runs", help="the folder of run folders")
     p.add_argument("--resume", action="store_true", help="continue runs/NAME from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing runs/NAME")
-    p.add_argument("--scenarios", default=arena.SCENARIOS_PATH)
+    p.add_argument("--scenarios", default=arena.SCENARIOS_PATH, help="the scenarios file "
+                   "(its training split is expanded into instances)")
     p.add_argument("--log", action="append", choices=loggers.LOGGERS, default=[],
-                   help="also log to TensorBoard (runs/NAME) or Weights & Biases; repeatable")
+                   help="also log to TensorBoard (runs/NAME), Weights & Biases or trackio; "
+                        "repeatable")
     p.add_argument("--plan", action="store_true", help="print the per-rank memory plan for "
                    "--plan-ranks GPUs of --plan-gib and exit; no model loads")
     p.add_argument("--plan-ranks", type=int, default=None,

@@ -16,8 +16,8 @@ import sys
 
 from scipy import stats
 
-import arena
-import rpo
+from persuarena import arena
+from persuarena import rpo
 from lab import moves
 from lab import analyses
 from lab.analyses import corr, mean, num, pct, summarize, with_beliefs

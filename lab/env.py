@@ -22,6 +22,8 @@ from its top log-probs).
 
     import lab.env, gymnasium as gym       # importing the module registers "PersuArena-v0"
     env = gym.make("PersuArena-v0", persuadee="random:tiny-qwen3", scenarios="heldout", t_max=6)
+    # gym.make's TimeLimit: max_episode_steps arena.T_MAX_TRAIN (6); a longer t_max passes its own
+    # max_episode_steps. observation="conversation": step returns every message so far
     messages, info = env.reset(seed=0, options={"instance": "heldout-001"})
     reply, r, terminated, truncated, info = env.step("Hello Rafael, ...")
     print(env.render())                    # render_mode="ansi": the conversation so far
@@ -41,15 +43,16 @@ import threading
 import gymnasium as gym
 from gymnasium import spaces
 
-import arena
-import engine
-import probes
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import probes
+from persuarena import rollout
+from persuarena import rpo
 from lab import hardening, sessions, terminal
 
 MAX_MESSAGE_CHARS = 16_000  # longest persuader message taken (a 256-token message is ~1,500)
-JUDGE_DEFAULT = "persuadee"  # the paper's frozen judge: the persuadee's model in a fresh context
+JUDGE_DEFAULT = "auto"  # the presets' rule (preset_judge): the persuadee's model, none on a laptop
+OBSERVATIONS = ("new", "conversation")  # what step returns: the new messages, or all of them
 DECISION_ENDS = ("decision", "rejections", "window")  # end reasons that terminate; others truncate
 ROLES = ("system", "user", "assistant")
 SEED_MAX = 2**63 - 1  # the largest seed reset takes (numpy takes any size: bounded here)
@@ -142,6 +145,22 @@ def named(values):
 
 
 
+def preset_judge(persuadee, judge=JUDGE_DEFAULT):
+    """The judge a name resolves to: "auto" follows the presets' rule (lab/presets.py
+    laptop_settings): on a machine without CUDA a local persuadee (SmolLM2 writes no verdict)
+    gets no judge (s = 0, "none"); otherwise the paper's frozen judge, the persuadee's model in
+    a fresh context ("persuadee"). Any other name is kept."""
+    if judge != "auto":
+        return judge
+    import torch
+    from lab import presets, served
+    local = not (isinstance(persuadee, served.ServedModel)
+                 or isinstance(persuadee, str) and served.is_served(persuadee))
+    if local and not torch.cuda.is_available():
+        return presets.laptop_settings()["judge"] or "none"
+    return "persuadee"
+
+
 def checked_seed(seed):
     """reset's seed: None or an int in 0..SEED_MAX (not a bool, not a float), else one line."""
     if seed is None or (type(seed) is int and 0 <= seed <= SEED_MAX):
@@ -154,7 +173,10 @@ class PersuasionEnv(gym.Env):
     """PersuArena for a persuader driven from outside (module docstring). `persuadee` and `judge`
     are model names as eval.py takes them (random:NAME, smollm2, a folder, openai:MODEL@URL) or
     an engine.Engine / served.ServedModel already built; judge "persuadee" is the persuadee's
-    model, None scores s = 0. A name is loaded once, at construction. `hub`: a sessions.Hub
+    model, None (or "none") scores s = 0, "auto" (the default) follows the presets' rule
+    (preset_judge). A name is loaded once, at construction. `observation`: "new" (step returns
+    the messages the persuader's context appends) or "conversation" (every message so far, the
+    opening ones included, for a policy that keeps no history). `hub`: a sessions.Hub
     shared with other envs (the server's sessions), whose persuadee, judge, t_max and sampling
     are then this env's."""
     metadata = {"render_modes": ["ansi"], "render_fps": 1}  # fps: a turn a frame
@@ -162,21 +184,26 @@ class PersuasionEnv(gym.Env):
     def __init__(self, persuadee="smollm2", scenarios="train", t_max=arena.T_MAX_TRAIN, *,
                  judge=JUDGE_DEFAULT, dtype="float32", kv_blocks=None,
                  max_new_tokens=engine.MAX_NEW_TOKENS, sampling=None,
-                 probe_space=None, probe_signs=None, hub=None, render_mode=None):
+                 probe_space=None, probe_signs=None, hub=None, render_mode=None,
+                 observation="new"):
         for name, value in (("t_max", t_max), ("max_new_tokens", max_new_tokens)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"env.py: {name} must be a positive integer, got {value!r}")
         if render_mode not in (None, "ansi"):
             raise ValueError(f"env.py: render_mode {shown(render_mode)}; the one mode is 'ansi'")
-        self.render_mode = render_mode
+        if observation not in OBSERVATIONS:
+            raise ValueError(f"env.py: observation {shown(observation)}; one of {OBSERVATIONS}")
+        self.render_mode, self.observation = render_mode, observation
         self.instances = load_instances(scenarios)
         if not self.instances:
             raise ValueError(f"env.py: no instance in {scenarios!r}")
         self.by_id = {inst["id"]: inst for inst in self.instances}
+        judge = preset_judge(persuadee, judge)
+        judge = None if judge == "none" else judge
         if hub is None:
             loaded = {}
             player = self._player(persuadee, loaded, dtype, kv_blocks)
-            hub = sessions.Hub(player, player if judge == JUDGE_DEFAULT else
+            hub = sessions.Hub(player, player if judge == "persuadee" else
                                self._player(judge, loaded, dtype, kv_blocks), t_max=t_max,
                                max_new_tokens=max_new_tokens,
                                sampling=sampling or rollout.SAMPLING["paper"][1],
@@ -245,6 +272,10 @@ class PersuasionEnv(gym.Env):
         instance, seed, turn 0 and b_0's read-out)."""
         wanted = requested_instance(options, self.by_id)  # before the running episode ends
         checked_seed(seed)
+        limit = getattr(self.spec, "max_episode_steps", None)  # gym.make's TimeLimit
+        if limit is not None and limit < self.t_max:
+            raise ValueError(f"env.py: gym.make's max_episode_steps {limit} would cut episodes "
+                             f"of t_max {self.t_max}; pass max_episode_steps={self.t_max} too")
         self._one_at_a_time("reset")
         try:
             return self._reset(seed, wanted)
@@ -301,6 +332,7 @@ class PersuasionEnv(gym.Env):
         if kind == "speak":  # the episode goes on: the loop waits for the next message
             observation = ({"role": "user", "content": arena.persuader_sees(seen["text"])},)
             self.episode["shown"].append(observation[0])
+            observation = self._observed(observation)
             info = dict(instance=inst["id"], turn=self.episode["turn"], decision=seen["decision"],
                         outcome=None, end_reason=None, beliefs=seen["beliefs"],
                         probes=named(seen["probes"]), probe_mass=named(seen["probe_mass"]))
@@ -326,9 +358,16 @@ class PersuasionEnv(gym.Env):
         observation = (({"role": "user", "content": arena.persuader_sees(last["text"])},)
                        if replied else ())
         self.episode["shown"].extend(observation)
+        observation = self._observed(observation)
         terminated = ended.end_reason in DECISION_ENDS
         return (observation, turn_reward(ended.beliefs) if read else 0.0, terminated,
                 not terminated, info)
+
+    def _observed(self, new):
+        """step's observation: the new messages, or the whole conversation so far."""
+        if self.observation == "new":
+            return new
+        return tuple(dict(m) for m in self.episode["shown"])
 
     def render(self):
         """render_mode "ansi": the conversation so far as the persuader saw it, one message a
@@ -360,5 +399,5 @@ class PersuasionEnv(gym.Env):
             self.calling.release()
 
 
-if ENV_ID not in gym.registry:
-    gym.register(ENV_ID, entry_point="lab.env:PersuasionEnv", disable_env_checker=True)
+if ENV_ID not in gym.registry:  # Gymnasium's checker on; TimeLimit at the default turn budget
+    gym.register(ENV_ID, entry_point="lab.env:PersuasionEnv", max_episode_steps=arena.T_MAX_TRAIN)

@@ -27,8 +27,8 @@ import logging
 import math
 import sys
 
-import arena
-import engine
+from persuarena import arena
+from persuarena import engine
 from lab import cli, served, sessions
 from lab import env as persuasion_env
 from lab.env import PersuasionEnv, load_instances, shown
@@ -46,29 +46,33 @@ MAX_DIGITS = 40  # the most digits of a number in a frame (a seed is at most 19)
 
 
 def openenv_models():
-    """The action, observation and state of the OpenEnv contract (pydantic models on
-    openenv's bases): a step is {"message": str}; an observation carries the messages,
-    terminated, truncated and info beside openenv's reward and done."""
-    from typing import Any, Optional
-
-    from openenv.core.env_server import Action, Observation, State
-    from pydantic import ConfigDict, Field
-
-    class PersuaderAction(Action):
-        model_config = ConfigDict(extra="allow")  # a wrong field gets env.py's own error (step)
-        message: Any = Field(None, description="the persuader's next message, a string")
-
-    class ArenaObservation(Observation):
-        messages: list = Field(default_factory=list, description="chat messages to append")
-        terminated: bool = False
-        truncated: bool = False
-        info: dict = Field(default_factory=dict)
-
-    class ArenaState(State):
-        instance: Optional[str] = None
-        seed: Optional[int] = None
-        done: bool = True
+    """The action, observation and state of the OpenEnv contract (lab/openenv_client.py's
+    pydantic models on openenv's bases): a step is {"message": str}; an observation carries the
+    messages, terminated, truncated and info beside openenv's reward and done."""
+    from lab.openenv_client import ArenaObservation, ArenaState, PersuaderAction
     return PersuaderAction, ArenaObservation, ArenaState
+
+
+def arena_metadata():
+    """/metadata: the arena's name, what it is and its version, the README's opening."""
+    from importlib import metadata
+    from pathlib import Path
+
+    from openenv.core.env_server.types import EnvironmentMetadata
+    try:
+        version = metadata.version("persuarena")
+    except metadata.PackageNotFoundError:
+        version = None
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    return EnvironmentMetadata(
+        name="PersuArena", version=version, author="the PersuArena authors",
+        description="A persuasion arena: the persuader (your policy) sends {\"message\": str} "
+                    "each turn to a persuadee playing a hidden psychological profile under a "
+                    "deterministic decision state machine; each step returns the reply, r_t = "
+                    "(b_t - b_{t-1}) / 2 read from three yes/no probes of the persuadee's "
+                    "logits, and at the end the outcome (ACCEPT, CONDITIONAL_ACCEPT, PENDING, "
+                    "REJECT, WALK_AWAY) and its reward. Sessions at /ws.",
+        readme_content=readme.read_text(encoding="utf-8") if readme.is_file() else None)
 
 
 def arena_environment(make_env):
@@ -113,6 +117,9 @@ def arena_environment(make_env):
             return ArenaState(episode_id=self.episode_id, step_count=self.steps,
                               instance=inst and inst["id"], seed=episode.get("seed"),
                               done=episode.get("done", True))
+
+        def get_metadata(self):
+            return arena_metadata()
 
         def close(self):
             self.env.close()  # stops the episode; never waits on the engine without one
@@ -285,6 +292,8 @@ def guarded(app, idle_s=SESSION_IDLE_S):
             return
         if scope["type"] == "http" and scope["path"] == "/mcp" and scope["method"] == "POST":
             return await mcp(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] in STATELESS:
+            return await not_here(send)
         if scope["type"] != "websocket":
             return await app(scope, receive, send)
 
@@ -334,6 +343,21 @@ def guarded(app, idle_s=SESSION_IDLE_S):
         return await app(scope, replay(messages, receive), send)
     asgi.app = app
     return asgi
+
+
+STATELESS = ("/reset", "/step", "/state")  # openenv's stateless routes, not served here
+NOT_HERE = ("PersuArena plays episodes over the WebSocket at /ws (one session, one episode: "
+            "openenv's EnvClient, lab.openenv_client.PersuArenaClient); the stateless /reset, "
+            "/step and /state would play each call on a fresh env and are not served")
+
+
+async def not_here(send):
+    """The stateless routes' 404, saying where to go instead."""
+    body = json.dumps({"detail": NOT_HERE}).encode()
+    await send({"type": "http.response.start", "status": 404,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class OneLineUTF8(logging.Filter):
@@ -400,15 +424,21 @@ def request_timeout_protocol(timeout_s=REQUEST_TIMEOUT_S):
 def parse_args(argv=None):
     ap = cli.new_parser("python -m lab.env_server", __doc__)
     ap.add_argument("--serve", action="store_true", help="run the OpenEnv server on 127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    ap.add_argument("--host", default=HOST, help="the address to listen on (a container's "
+                    "server/app.py passes 0.0.0.0; outside one, keep loopback)")
     ap.add_argument("--persuadee", default="smollm2", help="random:NAME, smollm2, a model "
                     "folder or openai:MODEL@URL")
-    ap.add_argument("--judge", default=persuasion_env.JUDGE_DEFAULT, help="'persuadee' (its "
-                    "model), 'none' (s = 0) or a model name")
+    ap.add_argument("--judge", default=persuasion_env.JUDGE_DEFAULT, help="'auto' (the presets' "
+                    "rule: none for a local persuadee on a CPU, else the persuadee's model), "
+                    "'persuadee' (its model), 'none' (s = 0) or a model name")
     ap.add_argument("--scenarios", default="train", help="train, heldout or a scenarios.jsonl")
-    ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN)
-    ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS)
-    ap.add_argument("--dtype", default="float32", choices=cli.DTYPES)
+    ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN,
+                    help="the turn budget of an episode (arena.T_MAX_TRAIN)")
+    ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS,
+                    help="the persuadee's reply, in tokens (engine.MAX_NEW_TOKENS)")
+    ap.add_argument("--dtype", default="float32", choices=cli.DTYPES,
+                    help="the persuadee's weights")
     ap.add_argument("--kv-blocks", type=int, help="the persuadee's KV pool, in blocks")
     ap.add_argument("--session-timeout", type=float, default=SESSION_IDLE_S, help="seconds "
                     "after which an idle session is closed and its slot freed")
@@ -417,6 +447,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if problem := flag_problem(args):
         ap.error(problem)
+    args.judge = persuasion_env.preset_judge(args.persuadee, args.judge)
     return args
 
 
@@ -548,14 +579,13 @@ def stop_like_sigterm():
     return stopped
 
 
-def main(argv=None):
-    import uvicorn
-    args = parse_args(argv)
+def serving_app(args):
+    """The app `--serve` runs (args: parse_args'), every model checked and loaded first."""
     try:  # a bad path is named before any model loads
         instances = load_instances(args.scenarios)
     except ValueError as e:
         sys.exit(str(e))
-    import models
+    from persuarena import models
     models.set_cpu_threads()  # one thread per core the machine's load leaves free
     persuadee, judge = checked_models(args, instances)
 
@@ -564,12 +594,18 @@ def main(argv=None):
 
     def make_env():
         return PersuasionEnv(scenarios=instances, hub=hub)
+    return openenv_app(make_env, args.session_timeout, args.sessions)
+
+
+def main(argv=None):
+    import uvicorn
+    args = parse_args(argv)
+    app = serving_app(args)
     stop_like_sigterm()
-    print(f"env.py: serving {args.persuadee} on ws://{HOST}:{args.port}/ws (OpenEnv; up to "
+    print(f"env.py: serving {args.persuadee} on ws://{args.host}:{args.port}/ws (OpenEnv; up to "
           f"{args.sessions} sessions; idle {args.session_timeout:g} s are closed)", file=sys.stderr)
-    uvicorn.run(openenv_app(make_env, args.session_timeout, args.sessions),
-                host=HOST, port=args.port, log_level="warning", http=request_timeout_protocol(),
-                timeout_graceful_shutdown=SHUTDOWN_S)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                http=request_timeout_protocol(), timeout_graceful_shutdown=SHUTDOWN_S)
 
 
 if __name__ == "__main__":

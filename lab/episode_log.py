@@ -7,9 +7,11 @@ gathered by rank 0.
     python -m pytest -q tests/test_eval.py -k resume
 """
 import json
+import sys
+import time
 from pathlib import Path
 
-import rollout
+from persuarena import rollout
 from lab import cli, jsonl, runs
 
 
@@ -42,23 +44,61 @@ def part_paths(out_dir):
     return [out_dir / "episodes.jsonl"] + sorted(out_dir.glob("episodes.rank*.jsonl"))
 
 
+def progress_line(done, total, record, elapsed_s):
+    """One episode's line of an evaluation's progress: its count, id, outcome and turns."""
+    return (f"eval.py: episode {done}/{total} {record.id}: {record.outcome} after "
+            f"{record.turns} turn(s) ({elapsed_s:.0f} s)")
+
+
+class RoundProgress:
+    """rollout_episodes' progress (updated once a round of turns): a line every EVERY_S seconds
+    while no episode ends, so a long evaluation is never silent."""
+    EVERY_S = 20.0
+
+    def __init__(self, say, total, start):
+        self.say, self.total, self.start, self.n, self.rounds = say, total, start, 0, 0
+        self.last = start
+
+    def update(self, ended):
+        self.n += ended
+        self.rounds += 1
+        now = time.perf_counter()
+        if now - self.last >= self.EVERY_S:
+            self.last = now
+            self.say(f"eval.py: turn {self.rounds} played, {self.n}/{self.total} episode(s) "
+                     f"ended ({now - self.start:.0f} s)")
+
+
 def play_resumable(persuader, persuadee, instances, path, *, t_max, judge=None, seed=0,
-                   stamp=None, played=None, **rollout_kw):
+                   stamp=None, played=None, say=None, **rollout_kw):
     """rollout.rollout_episodes over the instances not yet in `played` (read from path unless
     given), each record appended to path (an episodes.jsonl) as its episode ends, without the
-    training stream and with `stamp` (the run's settings) added; the judge scores them at the end
-    with those resumed unscored (judge None). Returns the Episodes of all instances, in order."""
+    training stream and with `stamp` (the run's settings) added, and a progress line said
+    (`say`, default stderr; rank 0's evaluation); the judge scores them at the end with those
+    resumed unscored (judge None). Returns the Episodes of all instances, in order."""
     played = read_played(path) if played is None else played
     stamp = stamp or {}
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
 
     def clean(e):  # the record without its training stream, stamped
         return {**e.record(training=False), **stamp}
     todo = [inst for inst in instances if inst["id"] not in played]
+    start, done = time.perf_counter(), [len(instances) - len(todo)]
+
+    def on_record(e):
+        append_record(path, clean(e))
+        done[0] += 1
+        say(progress_line(done[0], len(instances), e, time.perf_counter() - start))
+    if todo:
+        say(f"eval.py: playing {len(todo)} episode(s) at once, up to {t_max} turns each; a line "
+            "as each ends")
+    rollout_kw.setdefault("progress", RoundProgress(say, len(todo), start))
     for e in rollout.rollout_episodes(persuader, persuadee, todo, t_max, judge=judge, seed=seed,
-                                      on_record=lambda e: append_record(path, clean(e)),
-                                      **rollout_kw):
+                                      on_record=on_record, **rollout_kw):
         played[e.id] = rollout.Episode.from_record(clean(e))
     pending = [inst for inst in instances if played[inst["id"]].judge is None]
+    if pending and judge is not None:
+        say(f"eval.py: the judge scores {len(pending)} transcript(s)")
     if pending:  # killed before the judge scored them
         scores, failed = rollout.judge_all(judge, pending,
                                            [played[i["id"]].transcript for i in pending],

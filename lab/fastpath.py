@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-import layers
+from persuarena import layers
 from lab import kernels
 
 FLASH_BLOCK_SIZE = 256    # tokens per KV block with flash-attn's paged kernels (divisible by 256)

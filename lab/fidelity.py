@@ -9,10 +9,14 @@ vocabulary, both from the same forwards. Under torchrun the ranks share the samp
 """
 import sys
 
-import arena
-import models
-import probes
+from tqdm import tqdm
+
+from persuarena import arena
+from persuarena import models
+from persuarena import probes
 from lab import analyses
+
+CHUNK = 4  # read-outs checked at a time (the progress bar's step)
 
 
 def fidelity_reads(persuadee, instances, episodes, n, probe_space=None, probe_signs=None,
@@ -30,11 +34,18 @@ def fidelity_reads(persuadee, instances, episodes, n, probe_space=None, probe_si
     contexts = [c for c, ok in zip(contexts, fits) if ok]
     opts = (probe_space, probe_signs)
     mine = []
-    if contexts:
-        fork = probes.read_beliefs(persuadee, contexts, False, *opts).tolist()
+    if contexts and rank == 0:
+        print(f"eval.py: probe fidelity check: {len(sample)} read-outs, each probe read in a fork "
+              "of the persuadee's cache (what the episodes recorded) against a plain full forward "
+              f"of the same ids ({len(sample) * len(probes.PROBES)} forwards)", file=sys.stderr)
+    for start in tqdm(range(0, len(contexts), CHUNK), desc="probe fidelity", unit="chunk",
+                      disable=rank != 0 or not contexts, file=sys.stderr):
+        chunk = contexts[start:start + CHUNK]
+        fork = probes.read_beliefs(persuadee, chunk, False, *opts).tolist()
         reference, vocabulary = probes.read_beliefs_references(persuadee.model,
-                                                               persuadee.tokenizer, contexts, *opts)
-        mine = iter(zip(fork, reference.tolist(), vocabulary.tolist()))
+                                                               persuadee.tokenizer, chunk, *opts)
+        mine += list(zip(fork, reference.tolist(), vocabulary.tolist()))
+    mine = iter(mine)
     mine = [next(mine) if ok else None for ok in fits]  # None: a read-out that does not fit
     shards = [mine]
     if world > 1:

@@ -14,24 +14,34 @@ run's reward setting, rpo.process_rewards) and the probe values, and the judge's
 A --compare A B page pairs the two runs scenario by scenario, each pair's outcome transition
 (A -> B) marked up (B's goal reward higher), down or same, both transcripts side by side.
 
-The page loads nothing from elsewhere (inline CSS, one small inline script) and every text a model
+Each episode opens to its scenario as written (title, the persuader's role, goal and request,
+the persuadee, the context, and the hidden profile, marked as the persuadee's alone) above the
+transcript; beliefs.png, probes.png and moves.png are written into the page (data: URIs).
+The page loads nothing from elsewhere (inline CSS, figures and one small inline script) and every text a model
 wrote goes through html.escape: a message is shown, never interpreted. Filters can be set in the
-URL fragment too: report.html#outcome=ACCEPT&domain=health (keys outcome, resistance,
+URL fragment too: report.html#outcome=ACCEPT&domain=healthcare (keys outcome, resistance,
 domain, endreason; transition on the compare page).
 
     python eval.py --analyze evals/NAME          # rewrites summary.json, the plots and report.html
     python eval.py --compare evals/A evals/B     # compare.json and report-compare.html in evals/B
     python -m pytest -q tests/test_html_report.py
 """
+import base64
+import functools
 import html
 from collections import defaultdict
 from pathlib import Path
 
-import arena
-import rpo
+from persuarena import arena
+from persuarena import rpo
 from lab import analyses, records, runs, significance, terminal
 
-TRACE_SIZE = (140, 34)  # the belief trace's width and height in pixels (b in [-1, 1])
+TRACE_SIZE = (140, 34)  # the belief trace's plot area in pixels (b in [-1, 1])
+TRACE_MARGINS = (18, 34)  # pixels left of it (the +1 / -1 scale) and right of it (b_T's value)
+FIGURES = {"beliefs.png": "beliefs b_t by outcome", "probes.png": "each probe by outcome",
+           "moves.png": "persuader moves by turn"}  # save_plots' figures, embedded when present
+PROFILE = ("resistance", "motivation", "concerns", "values", "trust", "relationship", "secret",
+           "condition")  # the hidden profile's fields, in the page's order
 FILTERS = ("outcome", "resistance", "domain", "end_reason")  # the columns the page filters by
 COMPARE_NAME = "report-compare.html"  # a --compare page, beside compare.json in B's folder
 
@@ -42,6 +52,8 @@ th{background:#f2f2f2}th.sort{cursor:pointer}.num{text-align:right;font-variant-
 .ci{color:#777;font-size:85%}details>summary{cursor:pointer}.msg{white-space:pre-wrap;margin:4px 0;padding:4px 8px;border-radius:4px}
 .persuader{background:#eef4ff}.persuadee{background:#f4f4f4}.meta{color:#555;font-size:85%}
 .up{background:#dff5df}.down{background:#fbe0e0}.same{}.filters select{margin-right:1em}
+.scenario{background:#fffbea;padding:4px 8px;margin:4px 0}.hidden summary{color:#8a5a00}
+figure{display:inline-block;margin:0 1em 1em 0}figure img{max-width:100%}
 .ACCEPT{color:#0a6b0a;font-weight:bold}.REJECT,.WALK_AWAY{color:#a30000}.side{display:inline-block;width:49%;vertical-align:top}
 """
 
@@ -73,15 +85,62 @@ def number(x, fmt="+.3f"):
 
 
 def trace_svg(beliefs):
-    """b_0..b_T as an inline SVG polyline on [-1, 1] (unread beliefs skipped), zero line dashed."""
-    w, h = TRACE_SIZE
+    """b_0..b_T as an inline SVG polyline on its scale: -1 to +1 labelled on the left, the zero
+    line dashed, the last read value written on the right (unread beliefs skipped)."""
+    (w, h), (left, right) = TRACE_SIZE, TRACE_MARGINS
     read = [(t, b) for t, b in enumerate(beliefs) if b is not None]
     span = max(len(beliefs) - 1, 1)
-    points = " ".join(f"{2 + t * (w - 4) / span:.1f},{(1 - b) * (h - 4) / 2 + 2:.1f}" for t, b in read)
+    y = lambda b: (1 - b) * (h - 4) / 2 + 2
+    points = " ".join(f"{left + 2 + t * (w - 4) / span:.1f},{y(b):.1f}" for t, b in read)
     line = f'<polyline fill="none" stroke="#2a5db0" stroke-width="1.5" points="{points}"/>' if read else ""
-    return (f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img">'
-            f'<title>{esc(" ".join(number(b, "+.2f") for b in beliefs))}</title>'
-            f'<line x1="0" x2="{w}" y1="{h / 2}" y2="{h / 2}" stroke="#bbb" stroke-dasharray="3,3"/>{line}</svg>')
+    scale = (f'<text x="0" y="8" font-size="8" fill="#777">+1</text>'
+             f'<text x="0" y="{h - 1}" font-size="8" fill="#777">-1</text>'
+             f'<line x1="{left}" x2="{left}" y1="2" y2="{h - 2}" stroke="#bbb"/>')
+    last = (f'<text x="{left + w + 2}" y="{min(max(y(read[-1][1]) + 3, 8), h - 1):.1f}" font-size="9" '
+            f'fill="#2a5db0">{number(read[-1][1], "+.2f")}</text>') if read else ""
+    return (f'<svg width="{left + w + right}" height="{h}" viewBox="0 0 {left + w + right} {h}" role="img">'
+            f'<title>{esc(" ".join(number(b, "+.2f") for b in beliefs))}</title>{scale}'
+            f'<line x1="{left}" x2="{left + w}" y1="{h / 2}" y2="{h / 2}" stroke="#bbb" '
+            f'stroke-dasharray="3,3"/>{line}{last}</svg>')
+
+
+@functools.cache
+def known_scenarios(path=None):
+    """The scenarios of a scenarios file (default arena.SCENARIOS_PATH) by id; none when it
+    cannot be read (the page then says so for each episode)."""
+    try:
+        return {s["id"]: s for s in arena.load_scenarios(path or arena.SCENARIOS_PATH)}
+    except (OSError, ValueError):
+        return {}
+
+
+def scenario_html(ep, scenarios):
+    """The episode's scenario as written: title, the persuader's role, goal and request, the
+    persuadee and the context, then the hidden profile, marked as hidden from the persuader."""
+    sc = scenarios.get(ep.scenario_id or ep.id)
+    if sc is None:
+        return f"<p class='meta'>scenario {esc(ep.scenario_id or ep.id)} is not in the scenarios file</p>"
+    who, them = sc["persuader"], sc["persuadee"]
+    hidden = "".join(f"<dt>{esc(k)}</dt><dd>{esc('; '.join(v) if isinstance(v, list) else v)}</dd>"
+                     for k in PROFILE if (v := sc["hidden"].get(k)) is not None)
+    return (f"<div class='scenario'><b>{esc(sc['title'])}</b> <span class='meta'>({esc(sc['domain'])})</span>"
+            f"<p><b>persuader</b>: {esc(who['role'])}. <b>goal</b>: {esc(who['goal'])}. "
+            f"<b>request</b>: {esc(who['request'])}</p><p><b>persuadee</b>: {esc(them['name'])} "
+            f"({esc(them.get('pronouns'))}, {esc(them.get('age'))}), {esc(them.get('occupation'))}. "
+            f"{esc(them.get('background'))}</p><p><b>context</b>: {esc(sc.get('context'))}</p>"
+            f"<details class='hidden'><summary>hidden profile (the persuadee plays it; the persuader "
+            f"never sees it)</summary><dl>{hidden}</dl></details></div>")
+
+
+def figures_html(out_dir):
+    """save_plots' figures written into the page as data: URIs (the page stays one file)."""
+    parts = []
+    for name, caption in FIGURES.items():
+        if (path := Path(out_dir) / name).is_file():
+            data = base64.b64encode(path.read_bytes()).decode("ascii")
+            parts.append(f"<figure><img alt='{esc(caption)}' src='data:image/png;base64,{data}'>"
+                         f"<figcaption>{esc(name)}: {esc(caption)}</figcaption></figure>")
+    return f"<h2>Figures</h2>{''.join(parts)}" if parts else ""
 
 
 def share_cell(fraction, n):
@@ -165,13 +224,15 @@ def transcript_html(ep):
     return "".join(parts)
 
 
-def episode_cells(ep):
-    """An episode's row cells: id, outcome, resistance, domain, end reason, turns, trace, probes."""
+def episode_cells(ep, scenarios):
+    """An episode's row cells: id, scenario title, outcome, resistance, domain, end reason, turns,
+    trace, probes."""
     last = (ep.probes or [[]])[-1] or []
     probes = "".join(f'<td class="num" data-v="{number(v)}">{number(v)}</td>'
                      for v in list(last) + [None] * (len(records.probe_names()) - len(last)))
     final = (ep.beliefs or [None])[-1]
-    return (f"<td>{esc(ep.id)}</td><td class='{esc(ep.outcome)}'>{esc(ep.outcome)}</td>"
+    title = (scenarios.get(ep.scenario_id or ep.id) or {}).get("title")
+    return (f"<td>{esc(ep.id)}</td><td>{esc(title)}</td><td class='{esc(ep.outcome)}'>{esc(ep.outcome)}</td>"
             f"<td>{esc(ep.resistance)}</td><td>{esc(ep.domain)}</td><td>{esc(ep.end_reason)}</td>"
             f"<td class='num'>{ep.turns}</td><td data-v='{number(final)}'>{trace_svg(ep.beliefs or [])}</td>{probes}")
 
@@ -192,13 +253,14 @@ def filters_html(episodes):
     return f"<p class='filters'>{''.join(out)}</p>"
 
 
-def episodes_table(episodes):
-    columns = ["id", "outcome", "resistance", "domain", "end reason", "turns", "belief b_0..b_T (sort: b_T)",
+def episodes_table(episodes, scenarios):
+    columns = ["id", "scenario", "outcome", "resistance", "domain", "end reason", "turns", "belief b_0..b_T (sort: b_T)",
                *records.probe_names()]
     head = "".join(f"<th class='sort'>{esc(c)}</th>" for c in columns)
-    rows = [f"<tr class='episode' {row_data(ep)}>{episode_cells(ep)}</tr>"
-            f"<tr class='detail' {row_data(ep)}><td colspan='{len(columns)}'><details><summary>transcript of "
-            f"{esc(ep.id)}</summary>{transcript_html(ep)}</details></td></tr>" for ep in episodes]
+    rows = [f"<tr class='episode' {row_data(ep)}>{episode_cells(ep, scenarios)}</tr>"
+            f"<tr class='detail' {row_data(ep)}><td colspan='{len(columns)}'><details><summary>scenario and "
+            f"transcript of {esc(ep.id)}</summary>{scenario_html(ep, scenarios)}{transcript_html(ep)}"
+            "</details></td></tr>" for ep in episodes]
     return f"{filters_html(episodes)}<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
@@ -207,12 +269,16 @@ def page(title, body):
             f"<style>{STYLE}</style></head><body><h1>{esc(title)}</h1>{body}<script>{SCRIPT}</script></body></html>\n")
 
 
-def write_report(out_dir, episodes, summary):
-    """report.html beside summary.json: the main table, then one row and transcript an episode."""
+def write_report(out_dir, episodes, summary, scenarios=None):
+    """report.html beside summary.json: the main table, the figures, then one row an episode that
+    opens to its scenario and transcript. scenarios: {id: scenario}, default scenarios.jsonl's."""
     out_dir = Path(out_dir)
-    body = (f"<h2>Main table</h2>{main_table(summary, episodes)}"
-            f"<h2>Episodes ({len(episodes)})</h2><p class='meta'>click a column to sort; open a row for its transcript; "
-            f"probe columns are the last read-out's values</p>{episodes_table(episodes)}")
+    scenarios = known_scenarios() if scenarios is None else scenarios
+    body = (f"<h2>Main table</h2>{main_table(summary, episodes)}{figures_html(out_dir)}"
+            f"<h2>Episodes ({len(episodes)})</h2><p class='meta'>click a column to sort; open a row for its "
+            "scenario and transcript; belief traces run from b_0 to b_T on a scale of -1 to +1 "
+            "(dashed: 0), b_T written at the end; probe columns are the last read-out's values</p>"
+            f"{episodes_table(episodes, scenarios)}")
     path = out_dir / "report.html"
     runs.write_atomic(path, page(f"evaluation {out_dir.name}", body))
     return path

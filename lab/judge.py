@@ -9,9 +9,9 @@ shares prefilled once.
 
 Tests: python -m pytest -q tests/test_rollout.py -k judge
 """
-import arena
-import engine
-import models
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
 
 
 def judge_scores(judge, instances, transcripts, seed=0, group_indices=None, *, max_tokens,

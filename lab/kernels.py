@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 import torch
 
-import layers
+from persuarena import layers
 
 ATTENTION_BLOCK = 32   # keys a chunk of the Triton attention (fixed: batch invariance); fewer
 # registers a thread than 64 on an H200, so more programs in flight (BENCHMARKS.md)

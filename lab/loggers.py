@@ -1,7 +1,9 @@
 """
-loggers.py: a run's scalars and samples to stdout (rank 0), TensorBoard and W&B, as one Loggers
-object (--log tensorboard wandb; each an optional package, asked for in one line when missing).
+loggers.py: a run's scalars and samples to stdout (rank 0), TensorBoard, W&B and trackio, as one
+Loggers object (--log tensorboard wandb trackio; each an optional package, asked for in one line
+when missing).
     python train.py --name my-run --log tensorboard && tensorboard --logdir runs
+    python train.py --name my-run --log trackio && trackio show --project persuarena
 Tests: python -m pytest -q tests/test_loggers.py
 """
 import importlib
@@ -10,8 +12,8 @@ import os
 from lab.jsonl import is_number
 from lab.runs import say_error
 
-WANDB_PROJECT = "persuarena"  # W&B project of every run
-LOGGERS = ("tensorboard", "wandb")  # --log choices, each an optional package
+WANDB_PROJECT = "persuarena"  # the W&B and trackio project of every run
+LOGGERS = ("tensorboard", "wandb", "trackio")  # --log choices, each an optional package
 
 
 def require(kind, who="train.py"):
@@ -78,14 +80,40 @@ class WandbLog:
         self.run.finish()
 
 
+class TrackioLog:
+    """A trackio run, named as the run folder, in trackio's local store (TRACKIO_DIR, by default
+    ~/.cache/huggingface/trackio; `trackio show --project persuarena` opens its dashboard)."""
+
+    def __init__(self, run_dir, args):
+        self.trackio = require("trackio")
+        self.run = self.trackio.init(project=WANDB_PROJECT, name=args.name, resume="allow",
+                                     config={k: v for k, v in vars(args).items() if k != "log"},
+                                     auto_log_cpu=False, auto_log_gpu=False)
+
+    def scalars(self, step, values):
+        self.trackio.log(values, step=step)
+
+    def samples(self, step, rows):
+        table = self.trackio.Table(columns=["id", "outcome", "turns", "beliefs", "transcript"],
+                                   data=[[str(v) for v in row] for row in rows])
+        self.trackio.log({"samples": table}, step=step)
+
+    def close(self):
+        self.trackio.finish()
+
+
+SINKS = {"tensorboard": lambda run_dir, args, start: TensorBoardLog(run_dir, start),
+         "wandb": lambda run_dir, args, start: WandbLog(run_dir, args),
+         "trackio": lambda run_dir, args, start: TrackioLog(run_dir, args)}
+
+
 class Loggers:
     """Every output of a run's scalars: stdout (rank 0) and one logger per --log choice (rank 0
     only), written through one object."""
 
     def __init__(self, args, run_dir, start, rank):
         self.rank = rank
-        self.sinks = [TensorBoardLog(run_dir, start) if kind == "tensorboard" else WandbLog(run_dir, args)
-                      for kind in args.log] if rank == 0 else []
+        self.sinks = [SINKS[kind](run_dir, args, start) for kind in args.log] if rank == 0 else []
 
     def say(self, *text, **kw):
         if self.rank == 0:

@@ -28,7 +28,7 @@ label lists, turn 1 first) and `tagger`.
 """
 import re
 
-import arena
+from persuarena import arena
 from lab import hardening
 
 MOVES = {  # label -> the question the logit tagger asks about a message
@@ -180,13 +180,13 @@ def tagger_messages(scenario, message):
 
 
 def question_ids(tokenizer):
-    import models
-    import probes  # owns the instruction that opens every yes/no question
+    from persuarena import models
+    from persuarena import probes  # owns the instruction that opens every yes/no question
     return [models.turn_ids(tokenizer, f"{probes.INSTRUCTION} {q}") for q in {**MOVES, **MANIPULATION}.values()]
 
 
 def _contexts(tokenizer, scenario, messages):
-    import models
+    from persuarena import models
     return [models.chat_ids(tokenizer, tagger_messages(scenario, m), False) for m in messages]
 
 
@@ -197,8 +197,8 @@ def logit_probabilities(eng, scenario, messages):
     each question forked from the message; every fork is freed, the engine is left as it was."""
     import torch
 
-    import engine
-    import probes
+    from persuarena import engine
+    from persuarena import probes
     if not messages:
         return torch.zeros(0, len(labels()))
     contexts = _contexts(eng.tokenizer, scenario, messages)
@@ -224,7 +224,7 @@ def logit_probabilities_reference(model, tokenizer, scenario, messages):
     """The same P(yes) by one plain full forward of each context plus question, no cache."""
     import torch
 
-    import probes
+    from persuarena import probes
     device = next(model.parameters()).device
     rows = []
     with torch.no_grad():

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import engine
+from persuarena import engine
 from lab import checkpoints, fastpath, lora, served, shapes
 
 ACTIVATION_CHECKPOINTING = "auto"  # --activation-checkpointing: auto (on for CUDA), on, off

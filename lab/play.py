@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import arena
-import probes
-import rollout
+from persuarena import arena
+from persuarena import probes
+from persuarena import rollout
 from lab import analyses, hardening, pools, report, runs, terminal
 
 TYPING_TRIES = 5  # lines a person may type that are not valid text before the message is ""

@@ -47,7 +47,8 @@ RUNS_FIGSIZE = (12.0, 4.5)
 RUN_PANEL_SIZE = (4.5, 3.2)
 RUN_COLS = 3
 RUN_TITLES = {"reward_mean": "mean outcome reward R", "dead_group_share": "share of dead groups", "dense_share": "dense term's share of sum |A|",
-              "kl": "KL to the initial policy (k3)", "clip_frac": "share of clipped tokens",
+              "kl": "KL to the initial policy (k3)",
+              "outcome_term_abs": "outcome term's mean |A_out| a turn", "dense_term_abs": "dense term's mean |λ D| a turn", "clip_frac": "share of clipped tokens",
               "loss": "policy loss"}
 OUTCOME_COLORS = {"ACCEPT": "tab:green", "CONDITIONAL_ACCEPT": "tab:olive", "PENDING": "tab:gray",
                   "REJECT": "tab:orange", "WALK_AWAY": "tab:red"}
@@ -247,6 +248,14 @@ def plot_dynamics(runs, path):
     _save_fig(fig, path)
 
 
+def run_panels(keys):
+    """plot_run's panels, (title, keys): the outcome shares (outcome_ACCEPT, ..., one per
+    arena outcome) together, every other metric alone (outcome_term_abs is an advantage
+    magnitude, not a share)."""
+    shares = [k for k in keys if k.startswith("outcome_") and k.removeprefix("outcome_") in OUTCOME_COLORS]
+    return ([("outcome shares", shares)] if shares else []) + [(k, [k]) for k in keys if k not in shares]
+
+
 def plot_run(run_dir):
     """Training curves from run_dir/metrics.jsonl into run_dir/curves.png: one panel per numeric
     metric, the outcome_* shares together in one panel. Returns the PNG path."""
@@ -259,9 +268,7 @@ def plot_run(run_dir):
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is empty; let train.py log at least one step")
     steps = [row.get("step", i) for i, row in enumerate(rows)]
     keys = list(dict.fromkeys(k for row in rows for k, v in row.items() if k != "step" and is_number(v)))
-    outcome_keys = [k for k in keys if k.startswith("outcome_")]
-    panels = ([("outcome shares", outcome_keys)] if outcome_keys else []) + \
-        [(k, [k]) for k in keys if k not in outcome_keys]
+    panels = run_panels(keys)
     if not panels:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no numeric metrics to plot")
     nrows = math.ceil(len(panels) / RUN_COLS)

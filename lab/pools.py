@@ -12,11 +12,11 @@ import sys
 
 import torch
 
-import arena
-import engine
-import models
-import probes
-import rollout
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
 from lab import checkpoints, served, shapes
 
 

@@ -90,11 +90,12 @@ def dtype_note(dtype):
 
 
 def _module(name):
-    """A module by name; train.py run as a script is __main__ (not imported twice)."""
+    """A method's module by name (the package persuarena's); train.py run as a script is
+    __main__ (not imported twice)."""
     main = sys.modules.get("__main__")
     if main is not None and Path(getattr(main, "__file__", None) or "").stem == name:
         return main
-    return importlib.import_module(name)
+    return importlib.import_module(f"persuarena.{name}")
 
 
 def owned(setting):

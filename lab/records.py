@@ -15,20 +15,20 @@ import json
 import math
 from pathlib import Path
 
-import arena
+from persuarena import arena
 from lab.jsonl import read_jsonl
 
 
 def probe_names():
     """The column order of an episode's "probes" rows: the names in probes.PROBES, read when
     called (probes, and torch with it, loads then, not when this module is imported)."""
-    import probes
+    from persuarena import probes
     return tuple(probes.PROBES)
 
 
 def probe_title(name):
     """A probe's figure title (probes.PROBES)."""
-    import probes
+    from persuarena import probes
     return probes.PROBES[name]["title"]
 
 
@@ -132,7 +132,7 @@ def read_records(path, what, fields, optional=()):
 def load_episodes(dir_or_file):
     """Episodes (rollout.Episode) of a run directory (its episodes.jsonl) or of a .jsonl file; a
     record the analyses cannot read is refused with its file, line and field."""
-    import rollout
+    from persuarena import rollout
     path = Path(dir_or_file)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass an eval directory such as evals/NAME")

@@ -22,8 +22,8 @@ import re
 import sys
 from pathlib import Path
 
-import arena
-import rpo
+from persuarena import arena
+from persuarena import rpo
 from lab import analyses, comparisons, html_report, jsonl, moves, plots, records, run_selection, runs, served
 
 RUN_KEYS = ("roles", "settings", "requests", "subset")  # summary.json's record of how the run was played
@@ -174,8 +174,8 @@ def folder_lambda(run_dir):
 def roles_record(names, players, sampling):
     """summary.json's record of each role: its model, sampling, dtype (a local one) and what a
     server would not take."""
-    import engine
-    import rollout
+    from persuarena import engine
+    from persuarena import rollout
     roles = dict(persuader=dict(model=names[0], sampling=list(sampling[0])),
                  persuadee=dict(model=names[1], sampling=list(sampling[1])),
                  judge=dict(model=names[2] if len(names) > 2 else None,

@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-import rpo
+from persuarena import rpo
 from lab import jsonl, records
 from lab import analyses
 from lab.analyses import closing_efficiency, corr, mean, num, pct, pearson_text

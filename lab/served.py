@@ -50,9 +50,9 @@ import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
-import arena
-import engine
-import probes
+from persuarena import arena
+from persuarena import engine
+from persuarena import probes
 from lab import hardening
 from lab.jsonl import is_number as finite_number
 

@@ -44,8 +44,8 @@ import time
 import weakref
 from collections import deque
 
-import probes
-import rollout
+from persuarena import probes
+from persuarena import rollout
 from lab import pools
 
 HUB_IDLE_S = 5.0  # the loop's thread ends after this long without an episode (started again)

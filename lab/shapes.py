@@ -7,7 +7,7 @@ Tests: python -m pytest -q tests/test_models.py -k config
 """
 from pathlib import Path
 
-import models
+from persuarena import models
 from lab import gguf, lora
 
 KNOWN_SHAPES = {  # models whose shapes (and context) a memory plan knows with no download

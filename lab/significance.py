@@ -2,7 +2,7 @@
 significance.py: intervals, paired tests, correlations and sample sizes: the statistics that the
 paper's comparisons rest on (scipy and numpy; no torch, no episode records).
 
-  wilson_interval          a proportion's Wilson score interval (the main table's acceptance)
+  wilson_interval          a proportion's Wilson score interval (the main table's acceptance; scipy)
   t_interval               a mean's Student-t interval (belief changes, the sweep's differences)
   mean_band                means by index over ragged rows with 95% Student-t half-widths (figures)
   welch_difference         a difference of means with its Welch interval (move effects)
@@ -11,7 +11,8 @@ paper's comparisons rest on (scipy and numpy; no torch, no episode records).
   wilcoxon                 Wilcoxon signed-rank on paired numbers (goal reward, b_T - b_0)
   spearman, pearson        correlations, None where undefined
   message_variance_share   the share of r_t's variance the persuader's message decides
-  episodes_for_proportions, episodes_for_mean   episodes a comparison needs (power; t for means)
+  episodes_for_proportions, episodes_for_mean   episodes a comparison needs (power; exact
+                           noncentral t for means: t_test_power, detectable_mean)
   paired_t                 a paired t test over few units (the sweep's seed-level comparisons)
 
 analyses.py applies these to episode records; sweep.py and bench.py call them directly.
@@ -34,14 +35,13 @@ def finite_or_none(x):
     return None if x is None else finite(float(x))
 
 
-def wilson_interval(k, n, z=Z95):
-    """The Wilson score interval of a proportion k / n (DECISIONS.md: Main table)."""
+def wilson_interval(k, n, level=CONFIDENCE):
+    """The Wilson score interval of a proportion k / n (DECISIONS.md: Main table), scipy's
+    binomtest(k, n).proportion_ci(method="wilson")."""
     if n == 0:
         return None, None
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
+    ci = stats.binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def t_interval(values, level=CONFIDENCE):
@@ -179,30 +179,38 @@ def episodes_for_proportions(p0, p1, alpha=0.05, power=0.8):
     return math.ceil(n / (p1 - p0) ** 2)
 
 
-def _t_sum(n, alpha, power, paired):
-    """t_{1-alpha/2, df} + t_{power, df} with df = n - 1 (pairs) or 2 (n - 1) (two arms of n)."""
-    df = (n - 1) * (1 if paired else 2)
-    return stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(power, df)
+def t_test_power(effect, n, alpha=0.05, paired=False):
+    """The exact power of a two-sided t test of a standardised mean difference `effect`
+    (delta / sd) with n pairs (paired, df n - 1) or n a group (df 2 (n - 1)): under the
+    alternative the statistic is noncentral t with nc = effect sqrt(n / k), k 1 paired, 2 not,
+    and the power is P(T > t_{1-alpha/2}) + P(T < -t_{1-alpha/2}) (scipy's nct)."""
+    df, k = (n - 1) * (1 if paired else 2), 1 if paired else 2
+    nc, critical = effect * math.sqrt(n / k), stats.t.ppf(1 - alpha / 2, df)
+    power = float(stats.nct.sf(critical, df, nc) + stats.nct.cdf(-critical, df, nc))
+    return power if math.isfinite(power) else float(abs(nc) > critical)  # far tails: 0 or 1
 
 
 def episodes_for_mean(sd, delta, alpha=0.05, power=0.8, paired=False):
     """Episodes per arm (pairs when paired, sd then the sd of the paired differences) for a
-    two-sided t test of a mean difference delta: the least n with
-    k (t_{1-alpha/2, df} + t_{power, df})^2 sd^2 / delta^2 <= n, k = 2 unpaired (the
-    t approximation; d = 0.5 needs 34 pairs or 64 a group, as the exact noncentral t)."""
-    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
-    n = max(2, math.ceil((1 if paired else 2) * (za + zb) ** 2 * sd ** 2 / delta ** 2))
-    while (1 if paired else 2) * _t_sum(n, alpha, power, paired) ** 2 * sd ** 2 / delta ** 2 > n:
+    two-sided t test of a mean difference delta: the least n whose exact power (t_test_power)
+    reaches `power` (d = 0.5 needs 34 pairs or 64 a group)."""
+    n = 2
+    while t_test_power(abs(delta) / sd, n, alpha, paired) < power:
         n += 1
     return n
 
 
 def detectable_mean(sd, n, alpha=0.05, power=0.8, paired=False):
-    """The smallest mean difference n episodes per arm (pairs when paired) detect with a t test:
-    sqrt(k / n) (t_{1-alpha/2, df} + t_{power, df}) sd; None below two."""
+    """The smallest mean difference n episodes per arm (pairs when paired) detect with a t test
+    at `power`, exactly (t_test_power solved for the effect); None below two."""
     if n < 2:
         return None
-    return math.sqrt((1 if paired else 2) / n) * _t_sum(n, alpha, power, paired) * sd
+    from scipy.optimize import brentq
+    high = 1.0
+    while t_test_power(high, n, alpha, paired) < power:
+        high *= 2
+    effect = brentq(lambda d: t_test_power(d, n, alpha, paired) - power, 1e-9, high, xtol=1e-12)
+    return effect * sd
 
 
 def paired_t_power(diff, sd, n, alpha=0.05):

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import arena
-import engine
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import rollout
+from persuarena import rpo
 from lab import cli, jsonl, plan, presets, ranks, runs, served
 
 SAMPLE_DIALOGUES = 2                # episodes a step kept in samples-STEP.json and the loggers' table
@@ -57,12 +57,28 @@ def plan_run(args, world, device, say):
     if args.preset == "cpu" and not torch.cuda.is_available():
         say(f"no CUDA device: cpu preset ({args.persuader} as persuader and persuadee, judge "
             f"{args.judge or args.persuadee})")
+    for line in small_persuadee_note(args):
+        say(line)
     say(f"run {Path(args.out) / args.name}  preset {args.preset}  ranks {world}  lambda {args.lam}  "
         f"anchor {args.anchor}  G {args.group_size}  instances/step {args.instances}  "
         f"updates/step {args.updates_per_batch}  kl-beta {args.kl_beta}")
     if refusal := plan.ranks_refusal(args, world):
         sys.exit(refusal)
     return rank_plan["sizes"] if device.type == "cuda" else {}
+
+
+def small_persuadee_note(args):
+    """Said once at the start of a run whose persuadee writes no decision tag (SmolLM2-135M):
+    why the outcome columns stay still and what to run next."""
+    if args.decision != "tag" or "smollm2" not in str(args.persuadee).lower():
+        return []
+    run = Path(args.out) / args.name
+    return [f"note: {args.persuadee} writes no decision tag, so every episode ends undecided: "
+            "expect 'reward +0.000 accept 0% dead 100%' on every step. Only the dense belief term "
+            f"(lambda {args.lam} x sum r_t) moves the persuader: watch belief_change. Next: "
+            f"`python eval.py --plot-run {run}` (the curves), `python eval.py --persuader "
+            f"{run}/checkpoint-{args.steps} --limit 4` (held-out), or --decision logit "
+            "(the decision read from the persuadee's logits; DECISIONS.md: Logit decision)"]
 
 
 def training_set(args, engines, say):

@@ -40,11 +40,11 @@ import threading
 import time
 from pathlib import Path
 
-import arena
-import engine
-import probes
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import probes
+from persuarena import rollout
+from persuarena import rpo
 from lab import cli, hardening, jsonl, runs, sessions
 
 HOST = "127.0.0.1"  # loopback unless --host says otherwise
@@ -602,7 +602,7 @@ def open_folder(args):
 def main(argv=None):
     import uvicorn
 
-    import models
+    from persuarena import models
     from lab import env_server, pools
     from lab.env import load_instances
     args = parse_args(argv)

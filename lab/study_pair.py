@@ -24,10 +24,10 @@ import json
 import sys
 from pathlib import Path
 
-import arena
-import models
-import probes
-import rollout
+from persuarena import arena
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
 from lab import analyses, cli, episode_log, records, report, runs
 from lab.significance import pearson, spearman, wilcoxon
 

@@ -87,9 +87,11 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = cli.new_parser("python -m lab.sweep", __doc__)
     p.add_argument("--preset", default="tiny", help="train.py preset of every arm")
-    p.add_argument("--lams", type=float, nargs="+", default=list(LAMS))
-    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--lams", type=float, nargs="+", default=list(LAMS),
+                   help="the lambda of each arm (sweep.LAMS)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                   help="the seeds of each lambda (sweep.SEEDS)")
+    p.add_argument("--steps", type=int, required=True, help="training steps of every arm")
     p.add_argument("--eval-every", type=int, required=True, help="held-out evaluation (and a "
                    "kept checkpoint) every K steps; --steps must be a multiple of it")
     p.add_argument("--eval-limit", type=int, required=True, help="held-out scenarios per "
@@ -97,7 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, help="a resumable checkpoint every K steps (default "
                    "--eval-every): a killed arm resumes from its last one, losing less")
     p.add_argument("--name", required=True, help=f"the sweep's folder, {SWEEPS_DIR}/NAME")
-    p.add_argument("--out", default=SWEEPS_DIR)
+    p.add_argument("--out", default=SWEEPS_DIR, help="the folder of sweep folders")
     p.add_argument("--overwrite", action="store_true", help="delete the sweep's folder and start "
                    "again (a re-run otherwise keeps its recorded settings and trained arms)")
     p.add_argument("--frozen-control", action="store_true",
@@ -142,7 +144,7 @@ def argument_problems(args):
 def sweep_owned(args):
     """The flags among train.py's extra arguments that the sweep sets itself (read as train.py's
     parser reads them: abbreviations and --flag=value count)."""
-    import train
+    from persuarena import train
     owned = set(SWEEP_SETS)
     try:
         named = cli.explicit_settings(cli.train_parser(train), args.train_args, known=True)
@@ -212,7 +214,7 @@ def arm_command(argv, run_dir):
 
 def train_arm(argv, run_dir):
     """train.py on one arm: fresh, or resumed from its last checkpoint."""
-    import train
+    from persuarena import train
     train.main(arm_command(argv, run_dir))
 
 
@@ -220,7 +222,7 @@ def check_arms(args, extra, arms, runs_dir):
     """Every arm's train.py arguments checked as train.py checks them (cli.train_args: values,
     models' names, scenarios, a resumed arm's config.json), before the first arm trains; the
     first problem is one line naming the arm."""
-    import train
+    from persuarena import train
     for lam, seed in arms:
         run_dir = runs_dir / arm_name(lam, seed)
         if run_dir.exists() and arm_finished(run_dir, args, lam == FROZEN):
@@ -237,13 +239,13 @@ def evaluate_initial(argv, folder):
     own settings), into folder/eval-0 and folder/evals.jsonl."""
     import torch
 
-    import engine
+    from persuarena import engine
     from lab import plan
-    import train
+    from persuarena import train
     args = cli.train_args(argv, train)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = plan.device_plan(args, 1, device)["sizes"] if device.type == "cuda" else {}
-    import models
+    from persuarena import models
     persuader_model, tokenizer = train.load(args.persuader, args.dtype, device, args.seed)  # as train.py
     persuadee_loaded = ((models.copied(persuader_model, getattr(torch, args.dtype)), tokenizer)
                         if args.persuadee == args.persuader else  # read once, as train.py does
@@ -425,7 +427,7 @@ def summarize_sweep(root, args):
     power = sweep_power(rows, [ep for s in args.seeds for ep in initial[s]])
     first = root / f"initial_s{args.seeds[0]}" / "eval-0" / "summary.json"
     subset = read_arm(lambda p: jsonl.loads(p.read_text()).get("subset"), first) if first.is_file() else None
-    import train
+    from persuarena import train
     fig7 = fig7_rows({lam: {s: runs[lam][s]["metrics"] for s in args.seeds} for lam in args.lams},
                      args.lams, args.seeds, train.GRAD_CLIP)
     summary = dict(settings=jsonl.loads((root / "sweep.json").read_text()),

@@ -21,27 +21,43 @@ The context is token ids that only append (models.py's chat edge): the persuader
 as generated, then the template's closing and the reply's user turn (models.closing_ids,
 models.turn_ids), as rollout.py builds the persuader's context.
 
+TRL's own command line (TrlParser over GRPOConfig and the arena's ArenaArguments): every
+GRPOConfig flag as TRL names it, `--config recipe.yaml` (the flags override it), TRL's progress
+bar, and its loggers with --report_to (tensorboard, wandb, trackio...).
+
     python -m lab.trl_grpo --policy random:tiny-qwen3 --persuadee random:tiny-qwen3 \\
-        --judge none --steps 2 --t-max 2 --turn-tokens 8 --out runs/trl-smoke
+        --judge none --max_steps 2 --t_max 2 --turn_tokens 8 --output_dir runs/trl-smoke
+    python -m lab.trl_grpo --config recipe.yaml --report_to tensorboard
     python -m pytest -q tests/test_trl_grpo.py
 """
+import argparse
+import dataclasses
 import json
 import math
 import os
+import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
+import transformers
 from transformers import DynamicCache
 
-import arena
-import models
-import rpo
-from lab import env_server, jsonl
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
+from persuarena import rpo
+from lab import env as persuasion_env
+from lab import env_server
+from lab import jsonl
 
 NUM_GENERATIONS = 4  # episodes per instance: GRPO's group
 NUM_GENERATIONS_MAX = 64  # --num-generations at most: with --server, each a session and a thread at once
 TURN_TOKENS = 128  # the most tokens the persuader generates in one message
 LEARNING_RATE = 1e-6
+# generate's cache argument: `cache` where transformers has renamed it, past_key_values before
+CACHE_KWARG = ("cache" if "cache" in getattr(transformers.generation.utils, "ALL_CACHE_NAMES", ())
+               else "past_key_values")
 REWARD_NAMES = ("arena_outcome", "arena_dense")  # TRL logs rewards/<name>/mean per step
 RESUME_MAY_CHANGE = ("steps", "save_every", "server")  # what --resume may set anew (config.json)
 SAVE_EVERY = 1  # steps between checkpoints (a run killed mid-way resumes from the last)
@@ -92,7 +108,7 @@ def persuader_message(model, context_ids, gen_kwargs, cache=None):
     `cache` (a transformers DynamicCache) holds the episode's context so far: generate runs only
     the ids past it, so each turn prefills its new ids, not the whole conversation again."""
     inputs = torch.tensor([context_ids], device=model.device)
-    out = model.generate(inputs, attention_mask=torch.ones_like(inputs), past_key_values=cache,
+    out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **{CACHE_KWARG: cache},
                          **gen_kwargs)
     ids = out.sequences[0, len(context_ids):].tolist()
     ends = [k for k, i in enumerate(ids) if i in gen_kwargs["eos_token_id"]]
@@ -177,17 +193,14 @@ def arena_dense(completions, arena_dense, **kwargs):
 
 def grpo_config(out, steps, lam=rpo.LAMBDA, num_generations=NUM_GENERATIONS,
                 learning_rate=LEARNING_RATE, seed=0, **overrides):
-    """A GRPOConfig for the arena: one instance per step (a group of num_generations episodes),
-    rewards weighted (1, lam) in REWARD_NAMES' order, fp32, nothing saved (main saves every
-    --save-every steps: save_strategy "steps"), logged every step."""
+    """A GRPOConfig for the arena in Python (the command line's is parse_args'): one instance
+    per step (a group of num_generations episodes), rewards weighted (1, lam) in REWARD_NAMES'
+    order, GRPO_DEFAULTS, nothing saved; overrides are GRPOConfig's fields."""
     from trl import GRPOConfig
-    return GRPOConfig(**{**dict(
+    return GRPOConfig(**{**GRPO_DEFAULTS, **dict(
         output_dir=out, max_steps=steps, per_device_train_batch_size=num_generations,
-        num_generations=num_generations, gradient_accumulation_steps=1,
-        learning_rate=learning_rate, reward_weights=[1.0, lam], logging_steps=1,
-        save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
-        pad_to_multiple_of=None, seed=seed, dataloader_num_workers=0, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available()), **overrides})
+        num_generations=num_generations, learning_rate=learning_rate,
+        reward_weights=[1.0, lam], save_strategy="no", seed=seed), **overrides})
 
 
 def trainer_for(env, model, tokenizer, config, *, instance_ids=None, turn_tokens=TURN_TOKENS,
@@ -225,58 +238,117 @@ class ServerEnv(env_server.ServerSession):
         super().close()
 
 
+@dataclasses.dataclass
+class ArenaArguments:
+    """The arena's flags, beside GRPOConfig's own (TrlParser parses both, and --config FILE)."""
+    policy: str = dataclasses.field(default="smollm2", metadata={"help": "the persuader TRL "
+                                    "trains: random:NAME, smollm2 or a model folder"})
+    persuadee: str = dataclasses.field(default="smollm2", metadata={
+        "help": "random:NAME, smollm2, a model folder or openai:MODEL@URL"})
+    judge: str = dataclasses.field(default="auto", metadata={
+        "help": "'auto' (the presets' rule: none for a local persuadee on a CPU, else the "
+                "persuadee's model), 'persuadee', 'none' (s = 0) or a model name"})
+    server: Optional[str] = dataclasses.field(default=None, metadata={
+        "help": "train against `python -m lab.env_server --serve` at this URL "
+                "(http://127.0.0.1:PORT, started with the same --scenarios) instead of an env in "
+                "this process, a step's episodes played at once as sessions; --persuadee, "
+                "--judge, --t_max, --max_new_tokens are then the server's"})
+    scenarios: str = dataclasses.field(default="train", metadata={
+        "help": "train, heldout or a scenarios.jsonl"})
+    instances: int = dataclasses.field(default=8, metadata={
+        "help": "train on the first N instances"})
+    lam: float = dataclasses.field(default=rpo.LAMBDA, metadata={
+        "help": "the dense term's weight: reward = outcome + lam * sum_t r_t (rpo.LAMBDA)"})
+    t_max: int = dataclasses.field(default=arena.T_MAX_TRAIN, metadata={
+        "help": "the turn budget of an episode (arena.T_MAX_TRAIN)"})
+    turn_tokens: int = dataclasses.field(default=TURN_TOKENS, metadata={
+        "help": "the most tokens the persuader writes in one message"})
+    max_new_tokens: int = dataclasses.field(default=engine.MAX_NEW_TOKENS, metadata={
+        "help": "the persuadee's reply, in tokens (engine.MAX_NEW_TOKENS)"})
+    resume: bool = dataclasses.field(default=False, metadata={
+        "help": "continue the run in --output_dir from its last checkpoint"})
+    overwrite: bool = dataclasses.field(default=False, metadata={
+        "help": "replace the run in --output_dir (a folder this program wrote)"})
+
+
+# TRL's GRPOConfig turns activation checkpointing on; the arena's tiny and CPU runs keep it off,
+# by the name the installed transformers reads (activation_checkpointing, once gradient_*)
+CHECKPOINTING = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                     if name in transformers.TrainingArguments.__dataclass_fields__)
+GRPO_DEFAULTS = dict(  # GRPOConfig's defaults for the arena (a --config file or a flag overrides)
+    output_dir="runs/trl-grpo", max_steps=2, num_generations=NUM_GENERATIONS,
+    per_device_train_batch_size=NUM_GENERATIONS, gradient_accumulation_steps=1,
+    learning_rate=LEARNING_RATE, logging_steps=1, save_strategy="steps", save_steps=SAVE_EVERY,
+    save_total_limit=2, bf16=False, pad_to_multiple_of=None, **{CHECKPOINTING: False},
+    dataloader_num_workers=0, use_cpu=not torch.cuda.is_available())
+
+
 def parse_args(argv=None):
-    import engine
+    """TRL's own command line: TrlParser over (ArenaArguments, GRPOConfig), `--config
+    recipe.yaml` read first and the flags over it; GRPOConfig's flags as TRL names them
+    (--output_dir, --max_steps, --learning_rate, --num_generations, --report_to ...). Returns
+    the arena's arguments with `grpo`, the GRPOConfig (its reward weights (1, lam))."""
+    from trl import GRPOConfig, TrlParser
     from lab import cli
-    ap = cli.new_parser("python -m lab.trl_grpo", __doc__)
-    ap.add_argument("--policy", default="smollm2", help="the persuader TRL trains: random:NAME, "
-                    "smollm2 or a model folder")
-    ap.add_argument("--persuadee", default="smollm2", help="random:NAME, smollm2, a model "
-                    "folder or openai:MODEL@URL")
-    ap.add_argument("--judge", default="persuadee", help="'persuadee' (its model), 'none' "
-                    "(s = 0) or a model name")
-    ap.add_argument("--server", help="train against `python -m lab.env_server --serve` at this "
-                    "URL (http://127.0.0.1:PORT, started with the same --scenarios) instead of "
-                    "an env in this process, a step's episodes played at once as sessions; "
-                    "--persuadee, --judge, --t-max, --max-new-tokens are the server's")
-    ap.add_argument("--scenarios", default="train", help="train, heldout or a scenarios.jsonl")
-    ap.add_argument("--instances", type=int, default=8, help="train on the first N instances")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--num-generations", type=int, default=NUM_GENERATIONS)
-    ap.add_argument("--lam", type=float, default=rpo.LAMBDA)
-    ap.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
-    ap.add_argument("--t-max", type=int, default=arena.T_MAX_TRAIN)
-    ap.add_argument("--turn-tokens", type=int, default=TURN_TOKENS)
-    ap.add_argument("--max-new-tokens", type=int, default=engine.MAX_NEW_TOKENS,
-                    help="the persuadee's reply, in tokens")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/trl-grpo", help="the run folder (a run of this "
-                    "program: refused if it exists, unless --resume or --overwrite)")
-    ap.add_argument("--save-every", type=int, default=SAVE_EVERY, help="steps between "
-                    "checkpoints")
-    ap.add_argument("--resume", action="store_true", help="continue the run in --out from its "
-                    "last checkpoint")
-    ap.add_argument("--overwrite", action="store_true", help="replace the run in --out")
-    args = ap.parse_args(argv)
+    parser = TrlParser((ArenaArguments, GRPOConfig), prog="python -m lab.trl_grpo",
+                       description=__doc__.strip().split("\n\n")[0])
+    parser.set_defaults(**GRPO_DEFAULTS)
+    parser.add_argument("--config", help="a YAML recipe of any of these fields (TrlParser's), "
+                        "read first: the flags override it")  # consumed before the parse
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if not batch_given(argv):  # one instance a step: the batch is the group's episodes
+            group = parser.parse_args_and_config(list(argv))[1].num_generations
+            parser.set_defaults(per_device_train_batch_size=group)
+        arena_args, config, *_ = parser.parse_args_and_config(list(argv))
+    except (ValueError, OSError) as e:  # GRPOConfig's own checks, a --config file
+        parser.error(str(e).splitlines()[0])
+    config.reward_weights = [1.0, arena_args.lam]
+    args = argparse.Namespace(**vars(arena_args), grpo=config, out=config.output_dir,
+                              steps=config.max_steps, seed=config.seed,
+                              num_generations=config.num_generations,
+                              learning_rate=config.learning_rate, save_every=config.save_steps)
+    args.judge = persuasion_env.preset_judge(args.persuadee, args.judge)
     if problem := flag_problem(args):
-        ap.error(problem)
+        parser.error(problem)
     if (found := cli.model_problem(args.policy)):  # before any model loads
-        ap.error(f"--policy {args.policy} {found}; {cli.MODEL_FIX}")
+        parser.error(f"--policy {args.policy} {found}; {cli.MODEL_FIX}")
     return args
+
+
+def batch_given(argv):
+    """Whether the flags or the --config recipe set per_device_train_batch_size."""
+    flags = ("--per_device_train_batch_size", "--per-device-train-batch-size")
+    if any(a.split("=")[0] in flags for a in argv):
+        return True
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return False
+    import yaml
+    try:
+        recipe = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # TrlParser names the file's problem
+    return isinstance(recipe, dict) and "per_device_train_batch_size" in recipe
+
+
+FLAGS = dict(steps="--max_steps", t_max="--t_max", turn_tokens="--turn_tokens",
+             max_new_tokens="--max_new_tokens", save_every="--save_steps",
+             instances="--instances")  # the flag that sets each checked value
 
 
 def flag_problem(args):
     """What is wrong with the numbers and the --server URL, in one line, or None."""
-    for name in ("instances", "steps", "t_max", "turn_tokens", "max_new_tokens", "save_every"):
+    for name, flag in FLAGS.items():
         if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            return f"{flag} must be at least 1, got {getattr(args, name)}"
     if not 2 <= args.num_generations <= NUM_GENERATIONS_MAX:
-        return (f"--num-generations must be in 2..{NUM_GENERATIONS_MAX} (GRPO's group; with --server "
-                f"each episode is a session and a thread at once), got {args.num_generations}")
+        return (f"--num_generations must be in 2..{NUM_GENERATIONS_MAX} (GRPO's group; with "
+                f"--server each episode is a session and a thread at once), got "
+                f"{args.num_generations}")
     if not (math.isfinite(args.lam) and args.lam >= 0):
         return f"--lam must be >= 0 and finite, got {args.lam}"
     if not (math.isfinite(args.learning_rate) and 0 < args.learning_rate <= 1):
-        return f"--learning-rate must be in (0, 1], got {args.learning_rate}"
+        return f"--learning_rate must be in (0, 1], got {args.learning_rate}"
     if not 0 <= args.seed < 2**32:
         return f"--seed must be in 0..{2**32 - 1}, got {args.seed}"
     if args.server and not args.server.startswith(("http://", "https://", "ws://", "wss://")):
@@ -309,7 +381,9 @@ def prepare_run(args, explicit=()):
         runs.clear(run_dir)
     latest = run_dir / "latest"
     if not args.resume:
-        runs.write_atomic(config, json.dumps({"who": WHO, **vars(args)}, indent=1), who=WHO)
+        settings = {k: v for k, v in vars(args).items() if k != "grpo"}
+        runs.write_atomic(config, json.dumps({"who": WHO, **settings, "grpo": args.grpo.to_dict()},
+                                             indent=1, default=str), who=WHO)
         return run_dir, None
     if not latest.is_file():
         raise runs.say_error(WHO, f"--resume: no checkpoint in {run_dir} yet; pass "
@@ -322,7 +396,12 @@ def given(argv):
     """The settings a command line names (--flag or --flag=value), by their dest."""
     import sys
     argv = sys.argv[1:] if argv is None else argv
-    return {a[2:].partition("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    names = {a[2:].partition("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    return {TRL_NAMES.get(n, n) for n in names}
+
+
+TRL_NAMES = dict(max_steps="steps", output_dir="out", save_steps="save_every")  # GRPOConfig's
+# flags under the names parse_args gives them on args
 
 
 def pin_resumed(args, config, explicit):
@@ -332,8 +411,12 @@ def pin_resumed(args, config, explicit):
     from lab import cli
     recorded = jsonl.loads(config.read_text())
     cli.pin_settings(args, recorded, explicit, WHO, RESUME_MAY_CHANGE,
-                     ("who", "out", "resume", "overwrite"), record=str(config),
-                     restart="start a new run (another --out)")
+                     ("who", "out", "resume", "overwrite", "grpo"), record=str(config),
+                     restart="start a new run (another --output_dir)")
+    grpo = args.grpo  # the trainer's config follows the pinned settings
+    grpo.reward_weights, grpo.learning_rate, grpo.seed = [1.0, args.lam], args.learning_rate, args.seed
+    grpo.num_generations, grpo.max_steps, grpo.save_steps = (args.num_generations, args.steps,
+                                                             args.save_every)
     if problem := flag_problem(args):
         raise SystemExit(f"{WHO}: --resume: {problem} (the value read from {config})")
 
@@ -375,7 +458,7 @@ def arena_env(args, instances):
         return ServerEnv(args.server, instances)
     return persuasion_env.PersuasionEnv(
         args.persuadee, scenarios=instances, t_max=args.t_max, max_new_tokens=args.max_new_tokens,
-        judge=None if args.judge == "none" else args.judge)
+        judge=args.judge)
 
 
 def main(argv=None):
@@ -402,9 +485,8 @@ def train_run(args, instances, run_dir, resume):
     from lab import checkpoints, runs
     env = arena_env(args, instances)
     model, tokenizer = models.load_model(args.policy)
-    config = grpo_config(str(run_dir), args.steps, args.lam, args.num_generations,
-                         args.learning_rate, args.seed, save_strategy="steps",
-                         save_steps=args.save_every, save_total_limit=2)
+    config = args.grpo
+    config.output_dir = str(run_dir)
     trainer = trainer_for(env, model, tokenizer, config, turn_tokens=args.turn_tokens)
     trainer.add_callback(latest_callback(run_dir))
     try:

@@ -1,120 +1,168 @@
 """
-verifiers_env.py: PersuArena as a verifiers multi-turn environment (`load_environment`, the
-convention prime-rl and the environment hubs load), its rollouts carrying the per-turn rewards.
+verifiers_env.py: PersuArena as a verifiers environment on its current API (verifiers.v1), the
+environment id `persuarena`: a Taskset of arena instances and an Env whose run() steps the arena
+host-side, as verifiers' TextArena environment steps its game. The persuader is the policy under
+training or evaluation (the `persuader` agent, any model verifiers' client reaches); the arena
+keeps the persuadee, the hidden profile, the decision state machine and the probes.
 
-verifiers' own rollout loop drives the policy (any model behind the OpenAI API): each rollout
-opens a PersuasionEnv over one shared sessions.Hub (lab/env.py, lab/sessions.py), so the
-persuadee's replies, probe reads and decisions of rollouts in flight at once run in the same
-engine steps; the policy's message is the env's step, the persuadee's reply (tags stripped) the
-environment's response. Each turn's
+One task is one instance and a seed (the persuadee's random streams). Its prompt is the
+persuader's opening messages; the persuader speaks first, each reply is the persuadee's (tags
+stripped), and each turn's
 
     r_t = (b_t - b_{t-1}) / 2                        (env.turn_reward; sum_t r_t = (b_T - b_0) / 2)
 
-is written on that turn's trajectory step (`state["trajectory"][t-1]["reward"]`, which verifiers
-keeps as set), with the beliefs in state["beliefs"] and the episode's end in state["arena"]. The
-rubric scores a rollout as TRL's run does (lab/trl_grpo.py): arena_outcome, G(outcome) + 0.5 s,
-plus lam (rpo.LAMBDA) times arena_dense, the sum of the r_t. A dataset row is an instance and a
-seed (the persuadee's random streams); its prompt is the persuader's opening messages. The
-policy's text reaches the persuadee only through PersuasionEnv.step, so it stays as inert as
-there.
+is kept on the trace (trace.info["turn_rewards"], with the beliefs and the episode's end in
+trace.info["arena"]). The trace is scored as TRL's run does (lab/trl_grpo.py): arena_outcome,
+G(outcome) + 0.5 s, weight 1, plus arena_dense, the sum of the r_t, weight lam (rpo.LAMBDA).
+Rollouts in flight at once share one sessions.Hub (lab/env.py, lab/sessions.py): the persuadee's
+replies, probe reads and decisions of every episode run in the same engine steps. The policy's
+text reaches the persuadee only through PersuasionEnv.step, so it stays as inert as there.
 
-Needs verifiers 0.3.1 (requirements.txt; DECISIONS.md: verifiers):
+verifiers resolves the id `persuarena` to the installed package of that name, which exports
+these classes (pyproject.toml; DECISIONS.md: verifiers), so its own command line runs it:
 
-    from lab.verifiers_env import load_environment
+    eval persuarena --env.taskset.persuadee smollm2 --env.taskset.scenarios heldout \\
+        --env.persuader.model MODEL --env.persuader.client.base-url URL -n 4
+    from lab.verifiers_env import load_environment          # in Python: a verifiers.v1 Env
     env = load_environment(persuadee="smollm2", scenarios="heldout", t_max=6)
-    out = env.evaluate_sync(client=vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=URL,
-                            api_key="none")), model="policy", num_examples=4)
     python -m pytest -q tests/test_verifiers_env.py
+
+Nothing here imports verifiers.legacy (the deprecated v0 stack).
 """
 import asyncio
+from collections.abc import Iterator
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
 
-import arena
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import rpo
 from lab import env as persuasion_env
 
-SEED = 0  # row i's episode is keyed by seed SEED + i
+ENV_ID = "persuarena"  # verifiers' id: the installed package that exports these classes
+SEED = 0  # task i's episode is keyed by seed SEED + i
+HUBS = {}  # the shared persuadee of each (persuadee, scenarios, t_max, judge, tokens) setting
 
 
-def arena_rows(instances, seed):
-    """One dataset row an instance: the persuader's opening messages, the instance and seed."""
-    return [dict(prompt=[dict(m) for m in arena.persuader_messages(inst)],
-                 info=dict(instance=inst["id"], seed=seed + i),
-                 example_id=i) for i, inst in enumerate(instances)]
+class PersuArenaConfig(vf.TasksetConfig):
+    """The arena's settings, under `--env.taskset.*`."""
+    id: str = ENV_ID
+    persuadee: str = "smollm2"
+    """random:NAME, smollm2, a model folder or openai:MODEL@URL."""
+    scenarios: str = "heldout"
+    """train, heldout or a scenarios.jsonl path."""
+    t_max: int = arena.T_MAX_TRAIN
+    """The turn budget of an episode."""
+    judge: str = persuasion_env.JUDGE_DEFAULT
+    """auto (the presets' rule), persuadee, none or a model name."""
+    max_new_tokens: int = engine.MAX_NEW_TOKENS
+    """The persuadee's reply, in tokens."""
+    seed: int = SEED
+    """Task i's episode is keyed by seed + i."""
+    lam: float = rpo.LAMBDA
+    """arena_dense's weight: the reward is G + 0.5 s + lam * sum_t r_t."""
 
 
-async def arena_outcome(state) -> float:
-    """G(outcome) + 0.5 s of the episode (its last info), 0 when it never ended."""
-    return float((state.get("arena") or {}).get("outcome_reward") or 0.0)
+class PersuArenaData(vf.TaskData):
+    info: dict
+    """The instance id and the seed the arena reproduces the episode from."""
 
 
-async def arena_dense(state) -> float:
-    """The episode's sum of r_t, (b_T - b_0) / 2."""
-    return float(sum(state.get("turn_rewards") or []))
+class PersuArenaTask(vf.Task[PersuArenaData, vf.State, vf.TaskConfig]):
+    pass
 
 
-class PersuArenaEnv(vf.MultiTurnEnv):
-    """A verifiers MultiTurnEnv whose environment response is PersuasionEnv.step (module
-    docstring). make_env() builds one PersuasionEnv per rollout over a shared hub."""
+class PersuArenaTaskset(vf.Taskset[PersuArenaTask, PersuArenaConfig]):
+    """One task an instance of --env.taskset.scenarios, in file order."""
 
-    def __init__(self, make_env, instances, seed=SEED, lam=rpo.LAMBDA, **kwargs):
-        rows = arena_rows(instances, seed)
-        rubric = vf.Rubric(funcs=[arena_outcome, arena_dense], weights=[1.0, lam])
-        rows = Dataset.from_list(rows)
-        super().__init__(dataset=rows, eval_dataset=rows, rubric=rubric, **kwargs)
-        self.make_env, self.envs = make_env, {}
+    def load(self) -> Iterator[PersuArenaTask]:
+        yield from arena_tasks(persuasion_env.load_instances(self.config.scenarios),
+                               self.config.seed, self.config.task)
 
-    async def setup_state(self, state):
-        """A PersuasionEnv for this rollout, reset to its row's instance and seed."""
-        env = self.make_env()
-        self.envs[state["trajectory_id"]] = env
-        info = state["info"]
-        _, seen = await asyncio.to_thread(env.reset, seed=int(info["seed"]),
-                                          options={"instance": info["instance"]})
-        state.update(beliefs=seen["beliefs"], turn_rewards=[], arena=None)
-        return state
 
-    async def env_response(self, messages, state, **kwargs):
-        """The policy's last message stepped into the arena; the reply back, r_t on its step."""
-        env = self.envs[state["trajectory_id"]]
-        text = messages[-1]["content"] if messages else ""
+def arena_tasks(instances, seed=SEED, config=None):
+    """One task an instance: the persuader's opening (system prompt and first user message),
+    the instance id and seed + i."""
+    for i, inst in enumerate(instances):
+        system, user = arena.persuader_messages(inst)
+        yield PersuArenaTask(PersuArenaData(
+            idx=i, name=inst["id"], description=inst.get("title"), prompt=user["content"],
+            system_prompt=system["content"], info=dict(instance=inst["id"], seed=seed + i)),
+            config)
+
+
+class PersuArenaEnvConfig(vf.EnvConfig):
+    persuader: vf.AgentConfig = vf.AgentConfig(harness={"id": "null"},
+                                               runtime=vf.SubprocessConfig())
+    """The policy: a chat model, no tools (verifiers' null harness), run on this machine."""
+
+
+def shared_env(settings):
+    """A PersuasionEnv over the hub of these settings (a PersuArenaConfig), loaded once."""
+    key = (settings.persuadee, settings.scenarios, settings.t_max, settings.judge,
+           settings.max_new_tokens)
+    if key not in HUBS:
+        HUBS[key] = persuasion_env.PersuasionEnv(
+            settings.persuadee, settings.scenarios, settings.t_max, judge=settings.judge,
+            max_new_tokens=settings.max_new_tokens)
+    base = HUBS[key]
+    return persuasion_env.PersuasionEnv(scenarios=base.instances, hub=base.hub)
+
+
+class PersuArenaEnv(vf.Env[PersuArenaEnvConfig]):
+    """The arena stepped host-side: each persuader reply is a PersuasionEnv.step, the
+    persuadee's answer the next user turn, until a decision or the turn budget."""
+    make_env = None  # a callable returning a PersuasionEnv (load_environment(env=...)); else shared_env
+
+    async def run(self, task, agents):
+        settings = self.config.taskset
+        env = self.make_env() if self.make_env is not None else shared_env(settings)
+        info = task.data.info
         try:
-            reply, reward, terminated, truncated, info = await asyncio.to_thread(
-                env.step, text if isinstance(text, str) else "")
-        except (ValueError, RuntimeError, TypeError) as e:  # env.py's one-line refusals
-            raise vf.Error(str(e)) from None
-        state["trajectory"][-1]["reward"] = reward
-        state["turn_rewards"].append(reward)
-        state["beliefs"] = info["beliefs"]
-        response = [vf.UserMessage(content=m["content"]) for m in reply]
-        if terminated or truncated:
-            state["arena"] = {k: v for k, v in info.items() if k != "record"}
-            state["final_env_response"] = response
-        return response
-
-    @vf.cleanup
-    async def close_arena(self, state):
-        """The rollout's episode stopped (its blocks freed) however the rollout ended."""
-        env = self.envs.pop(state["trajectory_id"], None)
-        if env is not None:
+            _, seen = await asyncio.to_thread(env.reset, seed=int(info["seed"]),
+                                              options={"instance": info["instance"]})
+            beliefs, turn_rewards, end = seen["beliefs"], [], None
+            async with agents.persuader.interaction(task) as interaction:
+                segment = await interaction.turn()  # the task's prompt opens: the first message
+                while not segment.terminated:
+                    reply, reward, terminated, truncated, step = await asyncio.to_thread(
+                        env.step, segment.last_reply)
+                    turn_rewards.append(reward)
+                    beliefs = step["beliefs"]
+                    if terminated or truncated:
+                        end = {k: v for k, v in step.items() if k != "record"}
+                        break
+                    segment = await interaction.turn(reply[0]["content"])
+            score(interaction.trace, turn_rewards, beliefs, end,
+                  getattr(settings, "lam", rpo.LAMBDA))
+        finally:
             await asyncio.to_thread(env.close)
 
 
-def load_environment(persuadee="smollm2", scenarios="heldout", t_max=arena.T_MAX_TRAIN, *,
-                     judge=persuasion_env.JUDGE_DEFAULT, max_new_tokens=None, num_examples=-1,
-                     seed=SEED, lam=rpo.LAMBDA, env=None, **kwargs):
-    """A PersuArenaEnv over `scenarios` (the first num_examples instances, all when -1), the
-    persuadee and judge loaded once (PersuasionEnv's names) or taken from `env`, a PersuasionEnv
-    whose hub the rollouts share. kwargs go to verifiers' MultiTurnEnv."""
-    if env is None:
-        options = {} if max_new_tokens is None else dict(max_new_tokens=max_new_tokens)
-        env = persuasion_env.PersuasionEnv(persuadee, scenarios, t_max, judge=judge, **options)
-    instances = env.instances if num_examples < 0 else env.instances[:num_examples]
-    hub = env.hub
+def score(trace, turn_rewards, beliefs, end, lam):
+    """The trace's rewards (arena_outcome weight 1, arena_dense weight lam) and the arena's
+    record: the per-turn rewards, the beliefs, the episode's end (None: cut off before one)."""
+    trace.info.update(turn_rewards=turn_rewards, beliefs=beliefs, arena=end)
+    trace.record_reward("arena_outcome", float((end or {}).get("outcome_reward") or 0.0), 1.0)
+    trace.record_reward("arena_dense", float(sum(turn_rewards)), lam)
 
-    def make_env():
-        return persuasion_env.PersuasionEnv(scenarios=env.instances, hub=hub)
-    return PersuArenaEnv(make_env, instances, seed=seed, lam=lam, max_turns=hub.t_max + 1,
-                         **kwargs)
+
+def load_environment(persuadee="smollm2", scenarios="heldout", t_max=arena.T_MAX_TRAIN, *,
+                     judge=persuasion_env.JUDGE_DEFAULT, max_new_tokens=engine.MAX_NEW_TOKENS,
+                     seed=SEED, lam=rpo.LAMBDA, env=None, persuader=None):
+    """A PersuArenaEnv (verifiers.v1) over these settings, as `eval persuarena --env.taskset.*`
+    builds it; `env`: a PersuasionEnv whose hub (persuadee, judge, t_max) the episodes share
+    and whose instances are the tasks; `persuader`: the policy's vf.AgentConfig."""
+    settings = PersuArenaConfig(persuadee=persuadee if isinstance(persuadee, str) else "",
+                                scenarios=scenarios if isinstance(scenarios, str) else "",
+                                t_max=env.t_max if env is not None else t_max, judge=judge,
+                                max_new_tokens=max_new_tokens, seed=seed, lam=lam)
+    config = PersuArenaEnvConfig(taskset=settings, **({} if persuader is None
+                                                      else {"persuader": persuader}))
+    built = PersuArenaEnv(config)
+    if env is not None:
+        built.make_env = lambda: persuasion_env.PersuasionEnv(scenarios=env.instances, hub=env.hub)
+    return built
+
+
+__all__ = ["PersuArenaTaskset", "PersuArenaEnv"]

@@ -65,11 +65,13 @@ def cut(ids, stop):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--threads", type=int, required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
+        "HelpFormatter", (argparse.RawDescriptionHelpFormatter,
+                          argparse.ArgumentDefaultsHelpFormatter), {}))  # vLLM's Python: no lab
+    p.add_argument("--model", required=True, help="the model folder vLLM loads")
+    p.add_argument("--threads", type=int, required=True, help="CPU threads vLLM's worker takes")
+    p.add_argument("--dtype", default="float32", help="the weights' dtype")
+    p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's context length")
     p.add_argument("--profile", metavar="PATH", help="cProfile the requests' handling: its stats "
                    "written to PATH at the end and the calls that cost most printed to stderr")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-import rpo
+from persuarena import rpo
 from lab import audit, cli, presets, runs, sweep
 
 SEEDS = (0, 1, 2)
@@ -104,9 +104,10 @@ def write_message_report(root, seeds, steps):
 
 def main(argv=None):
     p = cli.new_parser("python -m lab.watch", __doc__)
-    p.add_argument("--preset", choices=sorted(WATCHES), default="tiny")
+    p.add_argument("--preset", choices=sorted(WATCHES), default="tiny", help="tiny: random "
+                   "models, minutes; cpu: SmolLM2, hours on 2 cores")
     p.add_argument("--name", default=None, help="the sweep's folder, OUT/NAME (default watch-PRESET)")
-    p.add_argument("--out", default=sweep.SWEEPS_DIR)
+    p.add_argument("--out", default=sweep.SWEEPS_DIR, help="the folder of sweep folders")
     p.add_argument("--overwrite", action="store_true", help="start the watch's sweep again")
     args = p.parse_args(argv)
     if presets.PRESETS[args.preset].get("dtype") == "machine":

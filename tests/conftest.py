@@ -1,11 +1,26 @@
 """Shared test fixtures: tiny random models and a tokenizer built in code, nothing downloaded."""
+import importlib.util
 import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trackio-"))  # not ~/.cache
+
+# `persuarena` is this checkout's root, whatever an installed copy maps it to (the tests test
+# these files): the package the method imports itself under (DECISIONS.md: One package name)
+_ROOT = Path(__file__).resolve().parent.parent
+if getattr(sys.modules.get("persuarena"), "__path__", [None])[0] != str(_ROOT):
+    _spec = importlib.util.spec_from_file_location("persuarena", _ROOT / "__init__.py",
+                                                   submodule_search_locations=[str(_ROOT)])
+    sys.modules["persuarena"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["persuarena"])
 
 import pytest
 import torch
 
-import engine
-import models
+from persuarena import engine
+from persuarena import models
 from lab import fastpath, presets
 
 presets.CPU_BF16 = False  # the suite runs the cpu preset's float32 path on any machine, with or
@@ -15,7 +30,7 @@ presets.CPU_BF16 = False  # the suite runs the cpu preset's float32 path on any 
 def token_logprobs(logits, ids, temperature=1.0):
     """log softmax(logits[:, :-1] / temperature) at ids[:, 1:], float32 [B, L-1]: the reference
     the tests compare the engine's and the update's log-probs with (rpo.target_logprobs)."""
-    import rpo
+    from persuarena import rpo
     return rpo.target_logprobs(logits[:, :-1], ids[:, 1:], temperature)
 
 
@@ -114,8 +129,8 @@ def trained_run(tmp_path_factory):
     and in the evaluation. Returns (folder, its flags)."""
     import json
 
-    import rollout
-    import train
+    from persuarena import rollout
+    from persuarena import train
     root = tmp_path_factory.mktemp("trained")
     played = {}
     real = rollout.rollout_episodes

@@ -21,10 +21,10 @@ import re
 
 import pytest
 
-import arena
-import engine
-import models
-import rollout
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
+from persuarena import rollout
 from lab import pools, presets
 from conftest import control_ids, short_scenario, template_tokenizer
 
@@ -213,7 +213,7 @@ TINY_EVAL = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwe
      r"--kv-blocks 400 cannot hold the judge's prompt .*pass --kv-blocks (\d+) or more"),
 ])
 def test_eval_refuses_a_pool_it_cannot_use_in_one_line(tmp_path, monkeypatch, extra, says):
-    import eval as evaluation
+    from persuarena import eval as evaluation
     no_loading(monkeypatch)
     monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     monkeypatch.setattr(presets, "laptop_settings", dict)  # as on a GPU: the persuadee's model judges
@@ -224,7 +224,7 @@ def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, mo
     """The default judge shares the persuadee's pool: at the smallest --kv-blocks eval accepts,
     every transcript's prompt fits (a judge that always answers stands in for the random model,
     which never writes a score)."""
-    import eval as evaluation
+    from persuarena import eval as evaluation
     monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     monkeypatch.setattr(presets, "laptop_settings", dict)  # as on a GPU: the persuadee's model judges
     args = TINY_EVAL[:-1] + ["1", "--t-max", "4", "--max-new-tokens", "128", "--name", "j"]
@@ -247,14 +247,14 @@ def test_eval_at_the_smallest_accepted_pool_judges_every_transcript(tmp_path, mo
     (["--plan-ranks", "0"], "--plan-ranks 0 must be at least 1"),
 ])
 def test_train_refuses_a_plan_that_is_no_size_in_one_line(extra, says, tmp_path):
-    import train
+    from persuarena import train
     assert says in one_line_exit(lambda: train.main(["--preset", "tiny", "--plan", "--out", str(tmp_path)] + extra))
 
 
 def test_train_refuses_a_training_file_that_cannot_give_its_instances(tmp_path, monkeypatch):
     """One training scenario whose persona can change little (a one-word name, its age in the
     prose, low trust, one concern): refused before loading, not a ValueError after it."""
-    import train
+    from persuarena import train
     from conftest import short_scenario
     no_loading(monkeypatch)
     one = short_scenario(1)
@@ -276,7 +276,7 @@ def test_an_evaluation_with_no_belief_still_writes_its_summary(tmp_path, capsys)
     summary is written. eval refuses such weights when it loads them."""
     import torch
 
-    import eval as evaluation
+    from persuarena import eval as evaluation
     from conftest import tiny_model
     broken = tiny_model("qwen3", seed=2)
     with torch.no_grad():
@@ -303,8 +303,8 @@ def test_a_temperature_that_trains_nothing_is_refused_in_one_line(flag, value, t
                                                                   capsys):
     """0 is greedy; otherwise [1e-2, 1e2]: 1e-30 samples greedily and 1e30 uniformly, KL 0 every
     step. train.py and eval.py share the check (cli.sampling_problem)."""
-    import eval as evaluation
-    import train
+    from persuarena import eval as evaluation
+    from persuarena import train
     no_loading(monkeypatch)
     said = one_line_exit(lambda: train.main(TINY_TRAIN + ["--out", str(tmp_path), flag, value]))
     assert said == (f"train.py: {flag} {float(value)} must be 0 (greedy) or lie in [0.01, 100] "
@@ -323,7 +323,7 @@ def test_a_temperature_that_trains_nothing_is_refused_in_one_line(flag, value, t
 def test_an_evaluations_resumed_choice_is_validated_as_a_fresh_flag(key, value, choices, tmp_path,
                                                                     monkeypatch, capsys):
     """eval.py --resume reads settings.json back through the same check as train.py's config.json."""
-    import eval as evaluation
+    from persuarena import eval as evaluation
     monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path))
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "settings.json").write_text(json.dumps({key: value}))
@@ -334,7 +334,7 @@ def test_an_evaluations_resumed_choice_is_validated_as_a_fresh_flag(key, value, 
 
 @pytest.mark.parametrize("value", ["0", "0.01", "100", "1.3"])
 def test_a_temperature_that_trains_is_accepted(value, tmp_path):
-    import train
+    from persuarena import train
     from lab import cli
     args = cli.train_args(TINY_TRAIN + ["--out", str(tmp_path), "--persuader-temperature", value,
                                         "--persuadee-temperature", value], train)
@@ -356,8 +356,8 @@ def test_a_name_is_checked_as_bytes_and_characters(name, says, tmp_path, monkeyp
     (no invisible, reordering or line-breaking character): refused in one line naming the code
     point, by train.py and eval.py, before the first checkpoint (the non-UTF-8 name used to train,
     then fail at its first save with disk-full advice; 100 emoji gave ENAMETOOLONG)."""
-    import eval as evaluation
-    import train
+    from persuarena import eval as evaluation
+    from persuarena import train
     no_loading(monkeypatch)
     said = one_line_exit(lambda: train.main(TINY_TRAIN + ["--out", str(tmp_path), "--name", name]))
     assert said == (f"train.py: --name {name!r} {says}" + ("; use visible characters" if "holds" in
@@ -368,7 +368,7 @@ def test_a_name_is_checked_as_bytes_and_characters(name, says, tmp_path, monkeyp
 
 
 def test_a_name_of_visible_characters_is_accepted(tmp_path):
-    import train
+    from persuarena import train
     from lab import cli, runs
     for name in ("caf\u00e9-\u65e5\u672c", "\U0001f600" * 50, "a b", "x" * runs.NAME_MAX):
         assert cli.train_args(TINY_TRAIN + ["--out", str(tmp_path), "--name", name], train).name == name
@@ -446,8 +446,8 @@ def test_a_tampered_adapter_folder_is_refused_in_one_line(adapter, config, weigh
     and lab.env share (cli.model_problem) before any weight loads: before, a null or
     self-pointing base, bad JSON and wrong shapes gave tracebacks, and an empty adapter or one
     scaled by lora_alpha 1e30 evaluated silently."""
-    import eval as evaluation
-    import train
+    from persuarena import eval as evaluation
+    from persuarena import train
     if config == "SELF":
         config = {"base_model_name_or_path": str(tmp_path / "tampered")}
     folder = tampered(adapter, tmp_path, config, weights)
@@ -496,7 +496,7 @@ def test_an_adapter_that_changes_nothing_is_warned_about(adapter, tmp_path, caps
 def resumable_run(tmp_path, **recorded):
     """A run folder train.py --resume accepts up to its config.json (the tiny preset's, recorded
     as train.py records it, with `recorded` written over), with a checkpoint's files in place."""
-    import train
+    from persuarena import train
     from lab import cli
     args = cli.train_args(TINY_TRAIN + ["--out", str(tmp_path), "--name", "r"], train)
     run_dir = tmp_path / "r"
@@ -522,7 +522,7 @@ def test_a_resumed_choice_is_validated_as_a_fresh_flag(key, value, choices, tmp_
     """A choice read back from config.json is held to its flag's choices (argparse's, for a
     fresh command line): before, "decision" or "preset" "bogus" resumed silently, and
     "probe_space" or "sampling" gave tracebacks."""
-    import train
+    from persuarena import train
     path = resumable_run(tmp_path, **{key: value})
     no_loading(monkeypatch)
     bad = value[-1] if isinstance(value, list) else value
@@ -532,7 +532,7 @@ def test_a_resumed_choice_is_validated_as_a_fresh_flag(key, value, choices, tmp_
 
 
 def test_a_resumed_run_whose_choices_hold_passes_validation(tmp_path):
-    import train
+    from persuarena import train
     from lab import cli
     resumable_run(tmp_path, decision="logit", probe_space="logodds")
     args = cli.train_args(["--out", str(tmp_path), "--name", "r", "--resume"], train)
@@ -554,7 +554,7 @@ def test_the_plan_refuses_what_the_run_refuses(extra, says, tmp_path, monkeypatc
     """--plan validates as the run does (cli.train_args), and its --plan-ranks are held to the
     run's own check that the instances share out (plan.ranks_refusal): it used to say the plan
     fits for settings the run then refused, and --plan-gib 1e308 overflowed into a traceback."""
-    import train
+    from persuarena import train
     no_loading(monkeypatch)
     said = one_line_exit(lambda: train.main(["--preset", "tiny", "--plan", "--out", str(tmp_path)] + extra))
     assert said.startswith(says) if says.startswith("train.py") else says in said

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import arena
+from persuarena import arena
 from dataclasses import replace
-from rollout import Episode
+from persuarena.rollout import Episode
 from lab import analyses as an
 from lab import moves
-import rpo
+from persuarena import rpo
 from lab import significance
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root

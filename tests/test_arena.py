@@ -11,9 +11,9 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import arena
+from persuarena import arena
 from lab import hardening
-from arena import Dialogue, parse_decision, parse_judge, strip_decision_tags
+from persuarena.arena import Dialogue, parse_decision, parse_judge, strip_decision_tags
 
 def fuzz(n):
     """n random examples, no deadline, and no example database left in the working tree."""

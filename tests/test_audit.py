@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-import arena
-import engine
-import rollout
+from persuarena import arena
+from persuarena import engine
+from persuarena import rollout
 from conftest import short_scenario, tiny_model
 from lab import audit
 

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-import engine
-import models
-import probes
+from persuarena import engine
+from persuarena import models
+from persuarena import probes
 from conftest import tiny_model
 from lab import bench, bench_baselines, bench_gpu, bench_vllm, bench_workload, kernels, vllm_worker
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-import engine
-import rpo
+from persuarena import engine
+from persuarena import rpo
 from conftest import tiny_model, token_logprobs
 from lab import fastpath
 

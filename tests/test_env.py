@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-import arena
-import engine
+from persuarena import arena
+from persuarena import engine
 from lab import env as persuasion_env
-import rollout
+from persuarena import rollout
 from lab import served
 from lab.play import PersonSide
 from conftest import tiny_model
@@ -267,6 +267,22 @@ def test_seeds_are_checked_and_a_second_thread_is_refused(tokenizer):
     assert ee.free_blocks == 2000
 
 
+def test_the_whole_conversation_observation_and_the_judge_by_the_presets_rule(tokenizer):
+    ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
+    env = persuasion_env.PersuasionEnv(ee, scenarios=instances(), t_max=2, max_new_tokens=4,
+                                       observation="conversation")
+    opening, _ = env.reset(seed=0, options={"instance": instances()[0]["id"]})
+    seen, *_ = env.step("Hello there.")
+    assert seen[:2] == opening and seen[2] == {"role": "assistant", "content": "Hello there."}
+    assert len(seen) == 4 and seen[3]["role"] == "user"
+    env.close()
+    assert env.judge is None  # a local persuadee on a CPU: no judge (the presets' laptop rule)
+    assert persuasion_env.preset_judge("openai:m@http://127.0.0.1:1/v1") == "persuadee"
+    assert persuasion_env.preset_judge("smollm2", "persuadee") == "persuadee"
+    with pytest.raises(ValueError, match="observation 'all'"):
+        persuasion_env.PersuasionEnv(ee, scenarios=instances(), observation="all")
+
+
 def test_gym_make_knows_the_env_and_renders_ansi(tokenizer):
     """gym.make("PersuArena-v0") after importing lab.env, gymnasium's check_env passes; the ansi
     render is the conversation as the persuader saw it."""
@@ -275,6 +291,11 @@ def test_gym_make_knows_the_env_and_renders_ansi(tokenizer):
     env = gym.make("PersuArena-v0", persuadee="random:tiny-qwen3", scenarios=instances(),
                    t_max=2, max_new_tokens=4, judge=None, kv_blocks=2000, render_mode="ansi")
     ee = env.unwrapped.persuadee  # gym.make copies its arguments: a model by name
+    assert not env.spec.disable_env_checker and env.spec.max_episode_steps == arena.T_MAX_TRAIN
+    wrappers, inner = [], env
+    while hasattr(inner, "env"):  # gym.make's wrappers, outermost first
+        wrappers, inner = wrappers + [type(inner).__name__], inner.env
+    assert {"PassiveEnvChecker", "TimeLimit"} <= set(wrappers)
     check_env(env.unwrapped)
     messages, _ = env.reset(seed=3, options={"instance": instances()[0]["id"]})
     reply, *_ = env.step("Hello there.")

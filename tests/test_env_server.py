@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-import arena
-import engine
+from persuarena import arena
+from persuarena import engine
 from lab import env as persuasion_env
 from lab import env_server, sessions
 from conftest import tiny_model
@@ -90,7 +90,7 @@ def test_the_server_cli_refuses_bad_flags_before_loading(capsys, monkeypatch, sh
     """Each bad flag is one line before any weight loads: a served judge's malformed spec, a
     random shape that does not exist, a --session-timeout that is not a positive number, and a
     --kv-blocks pool that cannot hold one episode (sized from the tokenizer and config)."""
-    import models
+    from persuarena import models
     for argv, words in ((["--port", "1"], "pass --serve"), (["--serve", "--port", "0"], "--port"),
                         (["--serve", "--t-max", "0"], "--t-max must be at least 1"),
                         (["--serve", "--sessions", str(10**9)], "--sessions must be at most"),
@@ -108,10 +108,10 @@ def test_the_server_cli_refuses_bad_flags_before_loading(capsys, monkeypatch, sh
     monkeypatch.setattr(models, "load_model", no_weights)
     with pytest.raises(SystemExit) as excinfo:
         env_server.main(["--serve", "--persuadee", "random:tiny-qwen3", "--kv-blocks", "1",
-                             "--scenarios", short_scenarios])
+                         "--scenarios", short_scenarios, "--judge", "persuadee"])
     message = str(excinfo.value)
     assert "\n" not in message and "--kv-blocks 1 cannot hold one episode" in message, message
-    assert "and its judging" in message  # the default judge shares the persuadee's pool
+    assert "and its judging" in message  # a judge of the persuadee's model shares its pool
     for extra, words in ((["--kv-blocks", str(10**9), "--scenarios", short_scenarios],
                           "more than this machine's"),  # a 7 TiB pool, as eval.py refuses it
                          (["--scenarios", "/etc/passwd"], "invalid JSON"),
@@ -254,8 +254,42 @@ def test_over_openenv_a_bad_reset_or_a_surrogate_mid_episode_is_one_line(openenv
     assert "no episode in play" in other.error("step", {"message": "After the end."})
     other.close()
     assert ee.free_blocks == 2000
-    assert httpx.post(url + "/step", json={"action": {"message": "hi"}}).status_code == 404
+    for answer in (httpx.post(url + "/step", json={"action": {"message": "hi"}}),
+                   httpx.post(url + "/reset", json={}), httpx.get(url + "/state")):
+        assert answer.status_code == 404 and "WebSocket at /ws" in answer.json()["detail"]
     assert httpx.get(url + "/health").json()["status"] == "healthy"
+    meta = httpx.get(url + "/metadata").json()
+    assert meta["name"] == "PersuArena" and '{"message": str}' in meta["description"]
+
+
+def test_the_typed_client_plays_an_episode(openenv_server):
+    from lab.openenv_client import ArenaObservation, PersuaderAction, PersuArenaClient
+    url, make_env, ee = openenv_server
+    with PersuArenaClient(base_url=url).sync() as client:
+        result = client.reset(seed=1, instance=instances()[0]["id"])
+        assert isinstance(result.observation, ArenaObservation)
+        assert [m["role"] for m in result.observation.messages] == ["system", "user"]
+        while not result.done:
+            result = client.step(PersuaderAction(message="Hello."))
+        assert result.observation.info["record"]["turns"] >= 1
+        assert client.state().instance == instances()[0]["id"]
+
+
+def test_the_repository_is_an_openenv_package_that_validates():
+    """`openenv validate .` at the repository root: openenv.yaml naming server/app.py, whose
+    app builds lab/env_server.py's on its first event (importing it loads no model)."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "openenv.cli", "validate", ".", "--level",
+                           "static"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "PASS  static.manifest" in done.stdout, done.stdout + done.stderr
+    for name in ("Dockerfile", "server/__init__.py", "server/app.py"):
+        assert (root / name).is_file()
+    from server import app as package_app
+    assert package_app.app.app is None and callable(package_app.main)
 
 
 def session(url, tries=400):
@@ -511,6 +545,27 @@ def test_malformed_frames_are_one_line_and_the_episode_goes_on(openenv_server):
         assert "a seed is an integer" in raw.error("reset", {"seed": seed}), seed
     assert observed(raw.ask("step", {"message": "Go on."}))["observation"]["info"]["turn"] == 2
     raw.close()
+
+
+def test_the_request_timeout_reads_uvicorns_internals_as_pinned():
+    """request_timeout_protocol subclasses uvicorn's H11Protocol (uvicorn has no public
+    whole-request deadline): uvicorn is pinned in requirements.txt, the installed one is that
+    version, and the internals the subclass reads are still there."""
+    import inspect
+    import pathlib
+    from importlib import metadata
+
+    from uvicorn.protocols.http import h11_impl
+    pins = [line.split("#")[0].strip() for line in
+            (pathlib.Path(__file__).resolve().parent.parent / "requirements.txt").read_text().splitlines()
+            if line.startswith("uvicorn==")]
+    assert pins == [f"uvicorn=={metadata.version('uvicorn')}"]
+    for hook in ("connection_made", "on_response_complete", "handle_websocket_upgrade",
+                 "connection_lost"):
+        assert callable(getattr(h11_impl.H11Protocol, hook))
+    source = inspect.getsource(h11_impl.H11Protocol)
+    assert "self.cycle" in source and "self.loop" in source and "self.transport" in source
+    assert "more_body" in inspect.getsource(h11_impl.RequestResponseCycle)
 
 
 def test_a_half_sent_request_is_dropped(tokenizer):

@@ -15,11 +15,11 @@ import pytest
 from scipy import stats
 
 from lab import analyses as an, comparisons
-import eval as evaluation
+from persuarena import eval as evaluation
 from lab import plots
 from lab import records
 from lab import report
-import rpo
+from persuarena import rpo
 from test_analyses import LAB, RUN_B, RUN_A, check_compare, episode, many_runs
 from test_plots import png_size
 
@@ -124,17 +124,23 @@ def test_analyze_runs_on_a_folder_without_beliefs_labels_or_known_scenarios(tmp_
     assert not (tmp_path / "served" / "beliefs.png").exists()
 
 
-def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
+def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys, monkeypatch):
     """A tiny-model run stores labels per persuader turn and the probe mass; --analyze recomputes
     its summary.json exactly from episodes.jsonl and fidelity.json, with no model."""
-    import arena
-    import engine
-    import models
+    from persuarena import arena
+    from persuarena import engine
+    from persuarena import models
     model, tok = models.load_model("random:tiny-qwen3")
     instances = arena.heldout_instances()[:2]
     engines = [engine.Engine(model, tok, num_blocks=3000) for _ in range(2)]
+    from lab import episode_log
+    monkeypatch.setattr(episode_log.RoundProgress, "EVERY_S", 0.0)  # a line each round
     summary = evaluation.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=2, max_new_tokens=8)
     assert summary["n"] == 2 and summary["probe_fidelity"]["max_abs_diff"] < 1e-4
+    said = capsys.readouterr().err  # progress: the episodes as they end, then the fidelity check
+    assert "turn 1 played, 0/2 episode(s) ended" in said
+    assert "episode 1/2" in said and "episode 2/2" in said and said.index("episode 2/2") < said.index(
+        "probe fidelity check: 2 read-outs") and "full forward" in said
     # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
     sample = json.loads((tmp_path / "run" / "fidelity.json").read_text())["sample"]
     saved = records.load_episodes(tmp_path / "run")
@@ -143,7 +149,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     saved = records.load_episodes(tmp_path / "run")
     assert [e.id for e in saved] == [i["id"] for i in instances]
     first = json.loads((tmp_path / "run" / "episodes.jsonl").read_text().splitlines()[0])
-    assert not set(__import__("rollout").TRAINING_FIELDS) & set(first)
+    assert not set(__import__("persuarena.rollout", fromlist=["rollout"]).TRAINING_FIELDS) & set(first)
     for ep in saved:
         n_messages = sum(m["role"] == "persuader" for m in ep.transcript)
         assert len(ep.moves) == len(ep.manipulation) == n_messages and ep.tagger == "keyword"
@@ -153,7 +159,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
     written = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert written["belief_stats"]["yes_no_mass_mean"] > 0 and "manipulation" in written
     assert written["roles"]["persuadee"]["dtype"] == "float32"
-    assert written["roles"]["persuadee"]["sampling"] == list(__import__("rollout").SAMPLING["cpu"][1])
+    assert written["roles"]["persuadee"]["sampling"] == list(__import__("persuarena.rollout", fromlist=["rollout"]).SAMPLING["cpu"][1])
     written = {k: v for k, v in written.items() if k not in report.RUN_KEYS}
     (tmp_path / "run" / "summary.json").unlink()
     evaluation.main(["--analyze", str(tmp_path / "run")])
@@ -169,8 +175,8 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys):
 def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     """--judge: one judge model for every persuadee of a grid; --subset balanced60 then --limit;
     --probe-space reaches the read-outs and is recorded."""
-    import probes
-    import rollout
+    from persuarena import probes
+    from persuarena import rollout
     monkeypatch.chdir(tmp_path)
     judged_by = []
     from lab import judge as local_judge
@@ -186,7 +192,7 @@ def test_grid_holds_the_judge_fixed_and_subset_cli(tmp_path, monkeypatch):
     runs = sorted(p for p in (tmp_path / "evals" / "g").iterdir() if not p.name.startswith("."))  # the lock and marker aside
     assert len(runs) == 2 and all((r / "summary.json").exists() for r in runs)
     [ep] = records.load_episodes(runs[0])
-    first = next(s for s in __import__("arena").heldout_instances()  # the first cell's first scenario
+    first = next(s for s in __import__("persuarena.arena", fromlist=["arena"]).heldout_instances()  # the first cell's first scenario
                  if (s["domain"], s["hidden"]["resistance"]) == ("healthcare", "entrenched_belief"))
     assert ep.scenario_id == first["id"]
     assert json.loads((runs[0] / "summary.json").read_text())["subset"] == "heldout stratified-1 of 120"
@@ -224,9 +230,9 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     of 400 blocks of 16 tokens (a few episodes at a time): no episode ends "cache". (No judge:
     a random one fails every transcript four times over; the judge on the smallest pool is
     test_adversarial's.)"""
-    import arena
-    import engine
-    import models
+    from persuarena import arena
+    from persuarena import engine
+    from persuarena import models
     model, tok = models.load_model("random:tiny-qwen3")
     instances = arena.heldout_instances()
     assert len(instances) == 120
@@ -292,13 +298,13 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
 def test_two_ranks_share_the_fidelity_check_and_read_what_one_process_reads(monkeypatch):
     """lab/fidelity.fidelity_reads at world 2 (the all-gather played in this process, rank 1
     first): each rank reads its share of the sampled contexts, one forward set for the reference
-    and vocabulary read-outs (counted), and both ranks get one process's reads back in the
+    and vocabulary read-outs of each CHUNK of them (counted), and both ranks get one process's reads back in the
     sample's order (reference and vocabulary exactly, the fork to float noise)."""
-    import arena
-    import engine
-    import models
-    import probes
-    import rollout
+    from persuarena import arena
+    from persuarena import engine
+    from persuarena import models
+    from persuarena import probes
+    from persuarena import rollout
     import torch.distributed as dist
     from lab import fidelity
     model, tok = models.load_model("random:tiny-qwen3")
@@ -327,7 +333,7 @@ def test_two_ranks_share_the_fidelity_check_and_read_what_one_process_reads(monk
     with pytest.raises(Gathered):
         fidelity.fidelity_reads(eng, instances, episodes, 5, rank=1, world=2)
     two = fidelity.fidelity_reads(eng, instances, episodes, 5, rank=0, world=2)
-    assert read == [5, 2, 3] and len(one["sample"]) == 5
+    assert read == [4, 1, 2, 3] and len(one["sample"]) == 5  # forward sets of fidelity.CHUNK
     assert two["sample"] == one["sample"]
     assert two["reference"] == one["reference"] and two["vocabulary"] == one["vocabulary"]
     assert sum(two["fork"], []) == pytest.approx(sum(one["fork"], []), abs=1e-5)
@@ -337,7 +343,7 @@ def test_two_ranks_share_the_fidelity_check_and_read_what_one_process_reads(monk
 def test_limit_and_subset_are_stratified():
     """issue 35: --limit 8 plays all 5 domains and all 4 resistance types; balanced60 is three a
     cell; --subset then --limit keeps the smaller; the name the summary carries says which."""
-    import arena
+    from persuarena import arena
     def cells(kept):
         return {(inst["domain"], inst["hidden"]["resistance"]) for inst in kept}
     eight = evaluation.chosen_instances(evaluation.parse_args(["--limit", "8"]))
@@ -450,7 +456,7 @@ def test_runs_checkpoint_selection_by_hand(tmp_path, capsys, monkeypatch):
 def test_training_keeps_evaluated_checkpoints_and_joins_summaries(tmp_path, short_scenarios, capsys, monkeypatch):
     """train.py: every periodic evaluation keeps its checkpoint and appends its summary to
     evals.jsonl under its step; eval.py --runs reads the run."""
-    import train
+    from persuarena import train
     monkeypatch.chdir(tmp_path)
     train.main(["--preset", "tiny", "--judge", "none", "--scenarios", short_scenarios, "--out", str(tmp_path),
                 "--name", "r", "--steps", "4", "--eval-every", "2", "--save-every", "1", "--eval-limit", "1",
@@ -484,9 +490,9 @@ def test_every_new_table_and_figure_from_tiny_model_evaluations(tmp_path, monkey
     paper's tables and figures on them: --table (Markdown, LaTeX), --compare (compare.json),
     --compare-many (the belief ranking), --overlay (overlay.png, overlay_probes.png), --case,
     --analyze (probe fidelity by |v|)."""
-    import arena
-    import engine
-    import models
+    from persuarena import arena
+    from persuarena import engine
+    from persuarena import models
     monkeypatch.chdir(tmp_path)
     qwen, llama = models.load_model("random:tiny-qwen3"), models.load_model("random:tiny-llama")
     instances = arena.heldout_instances()[:3]
@@ -596,7 +602,7 @@ def test_a_name_is_resumed_only_with_its_own_settings(tmp_path, monkeypatch, cap
 
 def test_kv_blocks_too_few_for_one_episode_say_how_many(tmp_path, monkeypatch):
     """Found from the tokenizers and configs before any weight loads, with the number needed."""
-    import models
+    from persuarena import models
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before --kv-blocks was checked")
@@ -697,9 +703,9 @@ def test_an_episode_that_ended_context_leaves_the_run_finishable(tmp_path, monke
     episode that ended "context", its text tokenized again) is skipped, and the count said; the
     evaluation then writes its summary and report.html, --resume finishes a run cut off before
     its judge, and --analyze reads the folder (an unjudged record's judge_failed is null)."""
-    import arena
-    import engine
-    import models
+    from persuarena import arena
+    from persuarena import engine
+    from persuarena import models
     from lab import fidelity
     model, tok = models.load_model("random:tiny-qwen3")
     instances = arena.heldout_instances()[:2]

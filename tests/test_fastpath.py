@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine
-import layers
-import models
-import rpo
+from persuarena import engine
+from persuarena import layers
+from persuarena import models
+from persuarena import rpo
 from conftest import tiny_model, token_logprobs
 from lab import fastpath, kernels
 from test_engine import ARCHS, PROMPTS, hf_greedy, storages
@@ -142,7 +142,7 @@ def test_six_turns_of_shrinking_batches_hold_one_decode_memory(tokenizer):
     while the contexts grow: each engine holds one decode memory, allocated once, of the stated
     size; every DecodeBatch views it; the batch cache is keyed by bucket alone, each batch at
     its bucket's fixed capacity; and every episode completes."""
-    import rollout
+    from persuarena import rollout
     from conftest import short_scenario
     decode_bytes = 3 << 20
     er, ee = (engine.Engine(tiny_model(arch, max_position_embeddings=4096), tokenizer,

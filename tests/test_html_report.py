@@ -3,6 +3,7 @@ through report.save_run, parsed back with html.parser (balanced tags, every epis
 loaded from elsewhere, a hostile message shown as text), the --compare page pairing scenarios, the
 size of a 120-episode page, and (where Chromium is installed) filtering in a real browser.
 Run: python -m pytest -q tests/test_html_report.py"""
+import html
 import html.parser
 import json
 import os
@@ -12,8 +13,8 @@ import subprocess
 
 import pytest
 
-import eval as evaluation
-from rollout import Episode
+from persuarena import eval as evaluation
+from persuarena.rollout import Episode
 from lab import analyses as an
 from lab import html_report, report
 
@@ -78,7 +79,8 @@ RUN = [episode("s1", "ACCEPT", [0.0, 0.3, 0.9], text=HOSTILE),
 
 def assert_self_contained(page):
     assert not re.search(r"https?://", page), "the page names a URL"
-    assert not re.search(r"\b(src|href)\s*=", page), "the page loads or links something"
+    for target in re.findall(r"\b(?:src|href)\s*=\s*['\"]?([^'\" >]*)", page):  # figures inline
+        assert target.startswith("data:image/png;base64,"), f"the page loads {target[:40]}"
     assert "@import" not in page and "url(" not in page
 
 
@@ -101,6 +103,24 @@ def test_save_run_writes_a_page_naming_every_episode(tmp_path):
     # the transcript of s1: moves of message 1, the parsed decision and b_2 = +0.900 with its probes
     assert "moves: evidence" in text and "decision read: ACCEPT" in text
     assert "b_2 +0.900, r_2 " in text and "b_0 +0.000; CA" in text and "CA +1.000" in text and "strategy score s = +1.50" in text
+
+
+def test_the_page_shows_each_scenario_its_scale_and_its_figures(tmp_path):
+    from persuarena import arena
+    held = [episode(s["id"], "PENDING", [0.0, 0.2], domain=s["domain"])
+            for s in arena.load_scenarios(split="heldout")[:2]]
+    report.save_run(tmp_path, held, an.summarize(held))
+    page = (tmp_path / "report.html").read_text()
+    tree = parse(tmp_path / "report.html")
+    assert_self_contained(page)
+    text = " ".join(tree.text)
+    for s in arena.load_scenarios(split="heldout")[:2]:
+        for shown in (s["title"], s["persuader"]["goal"], s["persuader"]["request"],
+                      s["persuadee"]["name"], s["hidden"]["secret"]):
+            assert html.unescape(html.escape(shown)) in text
+    assert text.count("the persuader never sees it") == 2
+    assert "+1" in text and "-1" in text and "+0.20" in text  # the sparkline's scale and b_T
+    assert page.count("src='data:image/png;base64,") == 3  # beliefs, probes and moves .png, inside
 
 
 def test_analyze_rewrites_the_page(tmp_path):

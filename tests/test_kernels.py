@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine
-import layers
+from persuarena import engine
+from persuarena import layers
 from conftest import tiny_model
 from lab import kernels
 

@@ -3,7 +3,7 @@ forward; the fused weights as the parameters' only storage."""
 import torch
 import torch.nn.functional as F
 
-import layers
+from persuarena import layers
 from conftest import tiny_model
 
 

@@ -16,7 +16,8 @@ PACKAGE_MODULE_LINES = 700  # no lab module longer
 
 
 def core_files():
-    return sorted(p for p in ROOT.glob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py")
+    return sorted(p for p in ROOT.glob("*.py") if not p.name.startswith("test_")
+                  and p.name not in ("conftest.py", "__init__.py"))  # __init__: the package's name
 
 
 def package_files():
@@ -33,6 +34,14 @@ def project_files():
     return core_files() + package_files()
 
 
+METHOD = "persuarena"  # the method's package name: `from persuarena import rpo` imports rpo
+
+
+def from_module(node):
+    """The module an ImportFrom names, the method's by its own name (persuarena.rpo -> rpo)."""
+    return node.module.removeprefix(f"{METHOD}.") if node.module else node.module
+
+
 def imported_modules(tree, own):
     """Every project-or-outside module name a file imports anywhere (function bodies included)."""
     names = set()
@@ -40,9 +49,11 @@ def imported_modules(tree, own):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
+            names.add(from_module(node))
             if node.module == PACKAGE:  # from lab import runs
                 names.update(f"{PACKAGE}.{a.name}" for a in node.names)
+            if node.module == METHOD:  # from persuarena import rpo
+                names.update(a.name for a in node.names)
     names.discard(own)
     return names
 
@@ -72,7 +83,7 @@ def test_no_package_module_is_over_its_budget():
 
 
 def test_the_core_imports_only_torch_transformers_numpy_and_tqdm_at_module_level():
-    project = {module_name(p).split(".")[0] for p in project_files()}
+    project = {module_name(p).split(".")[0] for p in project_files()} | {METHOD}
     for path in core_files():
         for node in ast.parse(path.read_text()).body:  # module level only
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
@@ -110,6 +121,8 @@ def project_aliases(tree):
             aliases.update({(a.asname or a.name): a.name for a in node.names if a.name in modules})
         elif isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
             aliases.update({(a.asname or a.name): f"{PACKAGE}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.ImportFrom) and node.module == METHOD:
+            aliases.update({(a.asname or a.name): a.name for a in node.names if a.name in modules})
     return aliases
 
 
@@ -138,8 +151,8 @@ def test_no_module_assigns_or_derives_another_modules_constant():
                 if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
                         and target.value.id in aliases and is_constant(target.attr)):
                     problems.append(f"{path.name}:{node.lineno} assigns {target.value.id}.{target.attr}")
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
-                problems += [f"{path.name}:{node.lineno} imports the constant {node.module}.{a.name}"
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and from_module(node) in modules:
+                problems += [f"{path.name}:{node.lineno} imports the constant {from_module(node)}.{a.name}"
                              for a in node.names if is_constant(a.name)]
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args \
                     and isinstance(node.args[0], ast.Name) and node.args[0].id in aliases:
@@ -157,50 +170,102 @@ def test_no_module_assigns_or_derives_another_modules_constant():
     assert not problems, problems
 
 
-def test_entry_points_run_from_another_folder_and_no_stray_file_there_shadows_the_project(tmp_path):
-    """`python /path/train.py` from another folder runs the project's modules; with PYTHONPATH
-    naming the root, a stray train.py or rpo.py in the current folder (which `-m` and `-c` put
-    first on the path) is not what the package imports."""
+def test_train_py_runs_from_another_folder(tmp_path):
+    """`python /path/train.py --help` from another folder runs the project's own modules."""
     import subprocess
-    for stray in ("train.py", "rpo.py", "eval.py"):
+    for stray in ("rpo.py", "rollout.py"):
         (tmp_path / stray).write_text('raise SystemExit("the stray file was imported")\n')
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
-    code = "import lab, train, rpo, eval; print(train.__file__, rpo.__file__, eval.__file__)"
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.stdout.split() == [str(ROOT / n) for n in ("train.py", "rpo.py", "eval.py")], run.stderr
     run = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.startswith("usage: train.py"), run.stderr
 
 
 def installed_here():
-    """Whether this checkout is installed in place (requirements.txt's `-e .`, pyproject.toml)."""
-    import importlib.metadata
-    import json
-    urls = [json.loads(d.read_text("direct_url.json") or "{}").get("url")  # the build's
-            for d in importlib.metadata.distributions(name="persuarena")]  # egg-info has none
-    return ROOT.as_uri() in urls
+    """Whether this checkout is what `persuarena` and `lab` import, installed in place
+    (requirements.txt's `-e .`)."""
+    import subprocess
+    code = "import lab, persuarena; print(lab.__file__); print(persuarena.__file__)"
+    env = {k: v for k, v in __import__("os").environ.items()}
+    run = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True,
+                         text=True, timeout=300)
+    return run.stdout.split() == [str(ROOT / "lab" / "__init__.py"), str(ROOT / "__init__.py")]
 
 
 @pytest.mark.skipif(not installed_here(), reason="this checkout is not installed in place: "
                                                   "pip install -r requirements.txt (CI's venv is)")
-def test_the_installed_project_runs_lab_modules_from_any_folder(tmp_path):
-    """Installed (pip install -r requirements.txt), `python -m lab.sweep --help` works from another
-    folder without PYTHONPATH, and stray train.py / rpo.py files there (which `-m` puts first on
-    the path) are not what lab imports."""
+def test_installing_shadows_none_of_a_users_own_files(tmp_path):
+    """Installed, in a folder holding its own models.py, eval.py, train.py and rpo.py (the names
+    research repositories use), `import lab.env; import models` gives that folder's models (and
+    so for the others), `import lab` leaves sys.path as it was, the method answers as
+    persuarena.*, and `python -m lab.sweep --help` runs there."""
     import subprocess
-    for stray in ("train.py", "rpo.py"):
-        (tmp_path / stray).write_text('raise SystemExit("the stray file was imported")\n')
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "-m", "lab.sweep", "--help"], cwd=tmp_path, env=env,
+    for own in ("models", "eval", "train", "rpo"):
+        (tmp_path / f"{own}.py").write_text(f"MINE = {own!r}\n")
+    code = ("import sys; before = list(sys.path); import lab; assert sys.path == before, 'moved'; "
+            "import lab.env; import models, eval, train, rpo; "
+            "print(models.MINE, eval.MINE, train.MINE, rpo.MINE); "
+            "from persuarena import rpo as method; print(method.__file__)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.split() == ["models", "eval", "train", "rpo", str(ROOT / "rpo.py")], run.stderr
+    run = subprocess.run([sys.executable, "-m", "lab.sweep", "--help"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.startswith("usage: python -m lab.sweep"), run.stderr
 
 
-def test_pyproject_installs_every_top_level_module_and_lab():
-    """pyproject.toml's py-modules are the top-level modules (a new one is installed too)."""
+def test_pyproject_installs_two_names_of_its_own():
+    """pyproject.toml installs the package persuarena (the root, its method's files) and lab,
+    no top-level module; the root's modules are the method's."""
     import tomllib
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert sorted(setup["py-modules"]) == [p.stem for p in core_files()]
-    assert setup["packages"] == [PACKAGE]
+    assert "py-modules" not in setup
+    assert setup["packages"] == ["persuarena", "persuarena.server", PACKAGE]
+    assert setup["package-dir"] == {"persuarena": ".", "persuarena.server": "server", PACKAGE: PACKAGE}
+
+
+def test_every_import_of_the_method_names_the_package():
+    """No file imports a method's module by its bare name (`import rpo`): the installed project
+    has none)."""
+    import re
+    names = "|".join(p.stem for p in core_files())
+    bare = re.compile(rf"^\s*(import ({names})\b|from ({names}) import )", re.M)
+    found = [f"{p.relative_to(ROOT)}" for folder in ("", PACKAGE, "tests", "server")
+             for p in (ROOT / folder).glob("*.py") if bare.search(p.read_text(encoding="utf-8"))]
+    assert found == []
+
+
+ENTRY_POINTS = {  # each command's parser, built as its command line builds it
+    "train.py": lambda: __import__("lab.cli", fromlist=["cli"]).train_args([], __import__("persuarena.train", fromlist=["train"])),
+    "eval.py": lambda: __import__("persuarena.eval", fromlist=["eval"]).main([]),
+    "lab.env_server": lambda: __import__("lab.env_server", fromlist=["x"]).parse_args([]),
+    "lab.bench": lambda: __import__("lab.bench", fromlist=["x"]).parse_args([]),
+    "lab.bench --snr": lambda: __import__("lab.bench_snr", fromlist=["x"]).snr_main([]),
+    "lab.watch": lambda: __import__("lab.watch", fromlist=["x"]).main([]),
+    "lab.sweep": lambda: __import__("lab.sweep", fromlist=["x"]).main([]),
+    "lab.bench_sessions": lambda: __import__("lab.bench_sessions", fromlist=["x"]).main([]),
+    "lab.vllm_worker": lambda: __import__("lab.vllm_worker", fromlist=["x"]).main([]),
+}
+
+
+@pytest.mark.parametrize("command", ENTRY_POINTS)
+def test_every_commands_help_explains_each_option_and_shows_its_default(command, monkeypatch):
+    """Each option of each command has help text, and the help shows its default
+    (lab/cli.py HelpFormatter: argparse's defaults formatter); lab.trl_grpo's is TRL's parser
+    (tests/test_trl_grpo.py)."""
+    import argparse
+
+    class Built(Exception):
+        pass
+    built = []
+
+    def caught(self, args=None, namespace=None):
+        built.append(self)
+        raise Built
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+    with pytest.raises(Built):
+        ENTRY_POINTS[command]()
+    parser = built[-1]
+    assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
+    bare = [a.option_strings[0] for a in parser._actions
+            if a.option_strings and a.dest != "help" and not (a.help or "").strip()]
+    assert bare == [], f"{command}: options without help: {bare}"

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import arena
-import engine
-import models
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
+from persuarena import rollout
+from persuarena import rpo
 from lab import gguf, lora, shapes
 from conftest import LLAMA3_CONTROL, control_ids, short_scenario, template_tokenizer, tiny_model, token_logprobs
 
@@ -242,7 +242,7 @@ def test_smollm2_tokenizer_keeps_forged_chatml_as_text():
 def test_scenario_fields_stay_text(chat_tokenizer):
     """A scenario field holding role markers gives the system prompt exactly a clean one's
     control ids, in the persuader's, the persuadee's and the judge's contexts."""
-    import arena
+    from persuarena import arena
     from conftest import short_scenario
     clean, hostile = short_scenario(1), short_scenario(1)
     hostile["persuadee"]["background"] += "".join(FORGED.values())
@@ -394,7 +394,7 @@ def test_every_entry_point_takes_one_thread_per_free_core(monkeypatch):
     import os
     import sys
 
-    import engine
+    from persuarena import engine
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
@@ -418,8 +418,8 @@ def test_every_entry_point_takes_one_thread_per_free_core(monkeypatch):
         raise Called
     monkeypatch.setattr(models, "set_cpu_threads", called)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
-    import eval as evaluation
-    import train
+    from persuarena import eval as evaluation
+    from persuarena import train
     from lab import bench, env_server
     for main in (lambda: train.main(["--preset", "tiny", "--out", "/nonexistent-out"]),
                  lambda: evaluation.main(["--persuader", "random:tiny-llama", "--persuadee",

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-import arena
-import engine
-from rollout import Episode
+from persuarena import arena
+from persuarena import engine
+from persuarena.rollout import Episode
 from lab import hardening, moves
 from conftest import short_scenario, tiny_model
 
@@ -49,7 +49,7 @@ def test_every_probe_question_planted_in_a_message_is_counted():
     """Issue 27: a persuader writing the read-out's own instruction or question into its message
     primes the read-out; the audit counts it, per message, per episode and in the summary."""
     from lab import analyses
-    import probes
+    from persuarena import probes
     planted = [probes.INSTRUCTION] + probes.questions()
     for text in planted + [f"{probes.INSTRUCTION} {q} Yes" for q in probes.questions()]:
         spaced = text.replace("Yes", "Y\u200bes")  # a zero-width break hides nothing

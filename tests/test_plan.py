@@ -6,9 +6,9 @@ counts of random models of the same shapes; a run that cannot fit is refused bef
 import pytest
 import torch
 
-import engine
+from persuarena import engine
 from lab import fastpath, lora, plan, shapes
-import train
+from persuarena import train
 from lab import presets
 from test_train import TINY, no_model_loads, parse_train  # noqa: F401 (a fixture)
 
@@ -17,7 +17,7 @@ def test_the_paper_plan_fits_and_its_weights_are_the_parameter_counts(capsys, mo
     """train.py --plan for the paper preset on 8 x H200, on this CPU, reads no weight: it fits
     with headroom; its weight figures are the parameter counts of random models of the same
     shapes (built on the meta device), in the bytes of each role's dtype and share."""
-    import models
+    from persuarena import models
 
     def no_weights(*a, **k):
         raise AssertionError("the plan read a model")
@@ -95,7 +95,7 @@ def test_the_one_gpu_preset_fits_one_h200_and_counts_adapters_base_and_reference
     adapters are counted as peft builds them (16 bytes a parameter: fp32 weights, gradients,
     moments), the frozen base once in bf16 (no reference copy: the base with the adapter off),
     the rollout copy once, nothing sharded."""
-    import models
+    from persuarena import models
     from conftest import tiny_model
     for shape in ("qwen3", "llama"):
         adapted = lora.attach_lora(tiny_model(shape), 4, f"random:tiny-{shape}")
@@ -121,7 +121,7 @@ def test_the_one_gpu_preset_fits_one_h200_and_counts_adapters_base_and_reference
 def test_the_paper_plan_says_the_disk_it_keeps(capsys):
     """--plan prints the disk at the run's fullest: the fp32 weights of the evaluated steps and
     of the latest two checkpoints, AdamW's state (8 bytes a parameter) of those two only."""
-    import models
+    from persuarena import models
     args = parse_train(["--preset", "paper", "--plan", "--plan-ranks", "8", "--plan-gib", "139",
                         "--out", "/nonexistent"])
     plan.print_plan(args)
@@ -153,8 +153,8 @@ def test_the_plan_lists_the_forward_transients_and_the_lora_merge():
     most a forward runs: the judge's prompts and the fidelity forks are chunked), and under LoRA
     the merge of the largest projection (fp32 weight, delta, sum, and the bf16 cast), measured
     against the parameters of a random model of the paper's shape."""
-    import engine
-    import models
+    from persuarena import engine
+    from persuarena import models
     paper = dict(plan.memory_plan(parse_train(["--preset", "paper", "--plan", "--out",
                                                 "/nonexistent"]), 8, 139, True)["items"])
     label = f"forward transient ({engine.FORWARD_TOKENS} tokens at most)"

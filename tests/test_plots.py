@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from lab import analyses
-import eval as evaluation
+from persuarena import eval as evaluation
 from lab import plots
 from lab import report
 from test_analyses import LAB, SIX
@@ -50,6 +50,12 @@ def test_overlay_and_moves_plots(tmp_path, monkeypatch):
     assert png_size(tmp_path / "evals" / "ov" / "overlay.png") == tuple(round(v * plots.DPI) for v in plots.OVERLAY_FIGSIZE)
     assert png_size(tmp_path / "evals" / "ov" / "overlay_probes.png") == \
         tuple(round(v * plots.DPI) for v in plots.PROBE_FIGSIZE)
+
+
+def test_run_panels_keep_advantage_magnitudes_out_of_the_outcome_shares():
+    panels = plots.run_panels(["outcome_ACCEPT", "outcome_term_abs", "outcome_WALK_AWAY", "kl"])
+    assert panels == [("outcome shares", ["outcome_ACCEPT", "outcome_WALK_AWAY"]),
+                      ("outcome_term_abs", ["outcome_term_abs"]), ("kl", ["kl"])]
 
 
 def test_system_labels_are_the_shortest_distinct_tails():

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-import engine
-import models
-import probes
+from persuarena import engine
+from persuarena import models
+from persuarena import probes
 from conftest import tiny_model
 from test_engine import PROMPTS
 
@@ -170,8 +170,8 @@ def test_evaluation_fidelity_reads_on_the_persuadees_pool(tmp_path, monkeypatch)
     """The evaluation's fidelity check when a fresh default pool would hold about two contexts
     (engine.CACHE_GB_CPU made small): it reads on the persuadee's own engine, finishes, and
     equals the reference."""
-    import arena
-    import eval as evaluation
+    from persuarena import arena
+    from persuarena import eval as evaluation
     model, tok = models.load_model("random:tiny-qwen3")
     engines = [engine.Engine(model, tok, num_blocks=600) for _ in range(2)]
     context = len(models.chat_ids(tok, arena.persuadee_messages(arena.heldout_instances()[0]),
@@ -216,9 +216,9 @@ def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios
     fourth signed by the new probe's own sign; the records, summaries and figures follow."""
     import json
 
-    import eval as evaluation
-    import rollout
-    import train
+    from persuarena import eval as evaluation
+    from persuarena import rollout
+    from persuarena import train
     from lab import records
     monkeypatch.setitem(probes.PROBES, "XT", dict(
         question="Would you rather end this conversation now?", sign=-1, title="wants out (XT)"))

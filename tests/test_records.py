@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import probes
+from persuarena import probes
 from lab import records
 from test_analyses import SIX
 
@@ -71,7 +71,7 @@ def test_an_episode_is_its_record_and_an_older_file_still_loads(tmp_path):
     """rollout.Episode.record() is what load_episodes reads back, field for field; a record of
     an older version (no judge_failed, a field this one does not name) loads, and writes back
     what it held."""
-    import rollout
+    from persuarena import rollout
     path = tmp_path / "episodes.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     assert [ep.record() for ep in records.load_episodes(path)] == ROWS

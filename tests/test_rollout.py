@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import arena
-import engine
-import models
-import probes
-import rollout
-import rpo
+from persuarena import arena
+from persuarena import engine
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
+from persuarena import rpo
 from lab import judge as local_judge
 from conftest import tiny_model, token_logprobs
 
@@ -344,7 +344,7 @@ def calls_in(function):
 def test_the_probe_reads_are_three_calls_from_the_training_loop():
     """train.train calls rollout_episodes, which calls the persuadee side's start (b_0) and reply
     (b_t), which call probes.read_engine: three hops, the judge a line of the loop of its own."""
-    import train
+    from persuarena import train
     loop = calls_in(train.train)
     assert {"rollout.rollout_episodes", "rollout.judge_episodes", "rpo.rewards",
             "rpo.advantages", "policy_update"} <= loop

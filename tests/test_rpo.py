@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import rpo
-from rollout import Episode
+from persuarena import rpo
+from persuarena.rollout import Episode
 from lab import steps
 from conftest import token_logprobs
 
@@ -402,7 +402,7 @@ def policy_and_reference(seed):
     """A tiny trainable policy and a frozen reference 0.02 noise away from it."""
     import copy
 
-    import models
+    from persuarena import models
     torch.manual_seed(seed)
     policy = models.random_model("tiny-llama")[0].requires_grad_(True)
     reference = copy.deepcopy(policy).requires_grad_(False)
@@ -463,7 +463,7 @@ def test_micro_batch_loss_is_the_hand_loss_of_plain_forwards(share_stem):
 
 
 def test_micro_batch_loss_counts_a_non_finite_log_prob():
-    import models
+    from persuarena import models
     policy = models.random_model("tiny-llama")[0]
     recs = [Episode(ids=[5, 6, 7, 8], turn_ids=[0, 1, 1, 0], logprobs=[0.0, math.nan, -1.0, 0.0])]
     loss, stats = rpo.micro_batch_loss(policy, None, recs, [[1.0]], 2, beta=0.0)
@@ -480,7 +480,7 @@ def test_a_shared_prompt_runs_once_with_the_plain_forwards_logits_and_gradients(
 
     import torch
 
-    import models
+    from persuarena import models
     model = models.random_model("tiny-llama")[0].requires_grad_(True)
     torch.manual_seed(1)
     stem = torch.randint(3, 600, (12,)).tolist()
@@ -507,7 +507,7 @@ def test_a_model_that_returns_no_cache_gets_the_plain_forward():
     in train mode with activation checkpointing): the plain forward's logits, no KeyError."""
     import torch
 
-    import models
+    from persuarena import models
     model = models.random_model("tiny-llama")[0].eval()
 
     def no_cache(*args, **kwargs):

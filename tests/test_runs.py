@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-import eval as evaluation
-import models
-import probes
+from persuarena import eval as evaluation
+from persuarena import models
+from persuarena import probes
 from lab import records
-import rollout
-import rpo
+from persuarena import rollout
+from persuarena import rpo
 from lab import cli, presets, runs
-import train
+from persuarena import train
 
 
 def parse_train(argv):
@@ -265,8 +265,8 @@ def test_resume_after_editing_an_ablation_constant_is_refused_naming_it(run_copy
 
 
 def test_editing_a_constant_reaches_a_preset_that_does_not_override_it(monkeypatch, tmp_path):
-    import arena
-    import engine
+    from persuarena import arena
+    from persuarena import engine
     monkeypatch.setattr(arena, "T_MAX_TRAIN", 3)
     monkeypatch.setattr(engine, "MAX_NEW_TOKENS", 77)
     args = parse_train(["--preset", "paper", "--plan", "--out", str(tmp_path)])
@@ -277,14 +277,14 @@ def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch
     """The tiny preset pins turns and tokens: the run says so, naming the constant and its value
     (an edit of arena.T_MAX_TRAIN then shows why it changed nothing); a value the command line
     gives, or one the preset leaves to its constant, is not listed."""
-    import arena
+    from persuarena import arena
     monkeypatch.setattr(arena, "T_MAX_TRAIN", 5)
     tiny = presets.PRESETS["tiny"]
     notes = presets.preset_notes(parse_train(["--preset", "tiny", "--out", str(tmp_path)]))
     assert notes[-3:] == [f"t_max {tiny['t_max']} (tiny preset; arena.T_MAX_TRAIN 5)",
                           f"eval_t_max {tiny['eval_t_max']} (tiny preset; arena.T_MAX_EVAL {arena.T_MAX_EVAL})",
                           f"max_new_tokens {tiny['max_new_tokens']} (tiny preset; engine.MAX_NEW_TOKENS "
-                          f"{__import__('engine').MAX_NEW_TOKENS})"]
+                          f"{__import__("persuarena.engine", fromlist=["engine"]).MAX_NEW_TOKENS})"]
     assert notes[0] == f"steps {tiny['steps']} (tiny preset; train.STEPS 200)"
     owned = [k for k in presets.OWNERS if k in tiny]  # the paper's numbers too (train.py's)
     assert [n.split()[0] for n in notes] == owned
@@ -298,7 +298,7 @@ def test_the_sampling_entry_a_preset_or_eval_picks_is_said(tmp_path):
     """The cpu preset's rollout.SAMPLING["cpu"], and eval.py's pick of it for SmolLM2, are named
     like every other override, with the values that differ from the default entry."""
     import argparse
-    import rollout
+    from persuarena import rollout
     cpu, paper = rollout.SAMPLING["cpu"][0], rollout.SAMPLING["paper"][0]
     line = (f"sampling cpu (cpu preset; rollout.SAMPLING['paper'] by default): persuader "
             f"temperature {cpu.temperature} ({paper.temperature})")
@@ -364,8 +364,8 @@ def test_the_episode_record_has_one_schema(tmp_path):
     """rollout.Episode.record() writes exactly rollout.RECORD_FIELDS less the stamps and labels;
     an evaluation's saved episode holds exactly the record's fields less the training stream;
     what the analyses check is part of the record."""
-    import arena
-    import engine
+    from persuarena import arena
+    from persuarena import engine
     from conftest import tiny_model
     tokenizer = models.tiny_tokenizer()
     engines = [engine.Engine(tiny_model(a), tokenizer, num_blocks=400) for a in ("llama", "qwen3")]
@@ -398,7 +398,7 @@ def test_eval_resume_keeps_the_evaluations_own_settings(tmp_path, monkeypatch, c
 def test_pinned_constants_hold_every_caps_constant_json_can():
     """cli.pinned_constants: the CAPS constants of the method's modules and the entry point's
     own, as JSON holds them; where files are (_PATH, _DIR) and what JSON cannot hold are not."""
-    import arena
+    from persuarena import arena
     pinned = cli.pinned_constants(train)
     assert pinned["train.MAX_SKIPPED_STEPS"] == train.MAX_SKIPPED_STEPS
     assert pinned["arena.T_MAX_TRAIN"] == arena.T_MAX_TRAIN
@@ -417,7 +417,7 @@ def test_pinned_constants_hold_every_caps_constant_json_can():
 
 STALLED_STEP = """
 import sys, time
-import train
+from persuarena import train
 def stalled(*a, **k):  # the update of step 2 never ends on its own: only an interrupt ends the run
     print("in flight", flush=True)
     time.sleep(600)

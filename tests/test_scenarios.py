@@ -5,7 +5,7 @@ from itertools import product
 
 import pytest
 
-import arena
+from persuarena import arena
 
 SCENARIOS = arena.load_scenarios()
 HELDOUT = [s for s in SCENARIOS if s["split"] == "heldout"]

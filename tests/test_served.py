@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from lab import analyses
-import arena
-import engine
-import eval as evaluation
-import models
-import probes
-import rollout
+from persuarena import arena
+from persuarena import engine
+from persuarena import eval as evaluation
+from persuarena import models
+from persuarena import probes
+from persuarena import rollout
 from lab import episode_log, hardening, presets, served
 from conftest import short_scenario, tiny_model
 
@@ -577,7 +577,7 @@ def test_train_scores_each_episode_with_a_served_judge(server, tmp_path, short_s
                                                        monkeypatch):
     """train.py --judge openai:MODEL@URL: every episode of a step is judged through the server
     with its own instance, and its score is the one training uses."""
-    import train
+    from persuarena import train
     calls, original = [], served.judge_scores
 
     def recording(judge, insts, transcripts, seed, group_indices, **kw):
@@ -604,7 +604,7 @@ def test_train_steps_against_a_served_persuadee(server, tmp_path, short_scenario
     stream (every sampled token tagged with its message, as rollout records it); the server's
     persuadee gives no log-probs, so every episode's dense term is excluded and counted, and the
     outcome term still trains; the persuadee is also the default judge."""
-    import train
+    from persuarena import train
     run = ["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
            "--steps", "2", "--persuadee", server, "--save-every", "1000", "--max-new-tokens", "4"]
     history = train.main(run + ["--name", "served"])
@@ -618,7 +618,7 @@ def test_train_steps_against_a_served_persuadee(server, tmp_path, short_scenario
 
 
 def train_against(server, tmp_path, short_scenarios, *extra):
-    import train
+    from persuarena import train
     run = ["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
            "--steps", "1", "--persuadee", server.spec, "--save-every", "1000", "--name", "run",
            *extra]
@@ -630,7 +630,7 @@ def test_training_against_a_served_persuadee_starts_at_ratio_one(tmp_path, short
     samples its whole tempered distribution: its recorded log-probs are pi_old exactly, so the
     first update's ratio_mean is 1 within 1e-3 (it sat near the clip bound, 0.8, when the
     persuadee's top-p truncated the policy too). A served persuadee with log-probs gives beliefs."""
-    import train
+    from persuarena import train
     server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer())
     try:
         [m] = train_against(server, tmp_path, short_scenarios, "--max-new-tokens", "8",
@@ -1199,7 +1199,7 @@ def test_a_served_eval_against_garbage_finishes_and_counts_every_failure(garbage
 
 
 def test_a_training_step_against_a_garbage_persuadee_finishes(garbage, tmp_path, short_scenarios):
-    import train
+    from persuarena import train
     history = train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
                           "--name", "garbage", "--steps", "1", "--persuadee", garbage,
                           "--save-every", "1000", "--max-new-tokens", "4"])
@@ -1233,7 +1233,7 @@ def test_a_served_eval_against_lone_surrogates_finishes_and_counts_them(surrogat
 
 
 def test_a_training_step_against_lone_surrogates_finishes(surrogates, tmp_path, short_scenarios):
-    import train
+    from persuarena import train
     history = train.main(["--preset", "tiny", "--scenarios", short_scenarios, "--out", str(tmp_path),
                           "--name", "halves", "--steps", "1", "--persuadee", surrogates,
                           "--save-every", "1000", "--max-new-tokens", "4"])

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-import engine
+from persuarena import engine
 from conftest import tiny_model
 from lab import env as persuasion_env
 from lab import sessions
@@ -109,7 +109,7 @@ def test_episodes_of_one_instance_admitted_together_share_one_prefill(tokenizer)
     """The hub's persuadee side prefills an instance's prompt once for every episode of it
     admitted in one round, reads b_0 once, and forks each its own sequence: the same b_0 as a
     plain side's own prefill, the prompt's tokens run once, the pool whole once all are freed."""
-    import rollout
+    from persuarena import rollout
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, 2000)
     hub = sessions.Hub(ee, None, t_max=2, max_new_tokens=4)
     side, inst = hub.persuadee_side, instances()[0]

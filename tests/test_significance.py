@@ -16,12 +16,13 @@ def test_importing_significance_loads_no_torch():
 
 
 def test_wilson_interval_by_hand():
-    """k 3 of n 10 at z 1.96: centre (0.3 + 0.19208) / 1.38416, half 1.96 sqrt(0.021 + 0.0096040)
-    / 1.38416; n 0 has no interval."""
-    low, high = significance.wilson_interval(3, 10, z=1.96)
-    centre, half = (0.3 + 1.96 ** 2 / 20) / (1 + 1.96 ** 2 / 10), \
-        1.96 * math.sqrt(0.021 + 1.96 ** 2 / 400) / (1 + 1.96 ** 2 / 10)
-    assert (low, high) == pytest.approx((centre - half, centre + half))
+    """k 3 of n 10 at 95% (z 1.959964): centre (0.3 + z^2 / 20) / (1 + z^2 / 10), half
+    z sqrt(0.021 + z^2 / 400) / (1 + z^2 / 10); n 0 has no interval."""
+    z = 1.959964
+    low, high = significance.wilson_interval(3, 10)
+    centre, half = (0.3 + z ** 2 / 20) / (1 + z ** 2 / 10), \
+        z * math.sqrt(0.021 + z ** 2 / 400) / (1 + z ** 2 / 10)
+    assert (low, high) == pytest.approx((centre - half, centre + half), abs=1e-6)
     assert significance.wilson_interval(0, 0) == (None, None)
 
 
@@ -98,6 +99,20 @@ def test_message_variance_share_recovers_known_components():
         significance.message_variance_share([[[1.0]]])
 
 
+def reference_power(effect, n, alpha=0.05):
+    """A paired t test's power by integration: the statistic is (Z + effect sqrt(n)) / sqrt(V /
+    df), V chi-square with df = n - 1 degrees of freedom; power = E_V[P(|Z + nc| > c sqrt(V /
+    df))], c the t quantile."""
+    from scipy import integrate, stats
+    df, nc = n - 1, effect * math.sqrt(n)
+    c = stats.t.ppf(1 - alpha / 2, df)
+
+    def given(v):
+        edge = c * math.sqrt(v / df)
+        return (stats.norm.sf(edge - nc) + stats.norm.cdf(-edge - nc)) * stats.chi2.pdf(v, df)
+    return integrate.quad(given, 0, math.inf, limit=200)[0]
+
+
 def test_power_episodes_by_hand():
     """p 0.5 -> 0.6: (1.95996 sqrt(2 .55 .45) + 0.84162 sqrt(.25 + .24))^2 / 0.01 = 387.3 -> 388;
     a mean difference of 0.05 with sd 0.1: 2 (2.80158)^2 0.01 / 0.0025 = 62.8 -> 63 (paired 32)."""
@@ -106,8 +121,15 @@ def test_power_episodes_by_hand():
     # (the exact noncentral-t answers, as G*Power gives them; z gave 63 and 32)
     assert significance.episodes_for_mean(0.1, 0.05) == 64
     assert significance.episodes_for_mean(0.1, 0.05, paired=True) == 34
-    assert significance.detectable_mean(1.0, 8, paired=True) == pytest.approx(  # t_.975,7 + t_.8,7
-        math.sqrt(1 / 8) * (2.364624 + 0.896030), rel=1e-5)
+    # exact: 8 pairs detect d = 1.1 with power 80% (the noncentral t against its own integral
+    # over the chi-square of the sd, a reference that shares no code with scipy's nct)
+    d = significance.detectable_mean(1.0, 8, paired=True)
+    assert reference_power(d, 8) == pytest.approx(0.8, abs=1e-6)
+    assert 3 / math.sqrt(8) < d < math.sqrt(1 / 8) * (2.364624 + 0.896030) + 0.05
+    # at 3 seeds the t-sum approximation said 2.6 sd; the exact power there is short of 80%
+    approx3 = math.sqrt(1 / 3) * (4.302653 + 1.060660)
+    assert reference_power(approx3, 3) < 0.8 < reference_power(significance.detectable_mean(
+        1.0, 3, paired=True) + 1e-9, 3) + 1e-6
     assert significance.detectable_mean(1.0, 1, paired=True) is None
     # the inverses: what those sample sizes detect (to the rounding up of the sizes)
     assert significance.detectable_mean(0.1, 64) == pytest.approx(0.05, rel=0.01)

@@ -17,8 +17,8 @@ import urllib.request
 
 import pytest
 
-import engine
-import probes
+from persuarena import engine
+from persuarena import probes
 from conftest import tiny_model, write_short_scenarios
 from lab import jsonl, report, study
 from test_served import instances
@@ -249,7 +249,7 @@ def test_a_killed_server_keeps_every_finished_episode_and_a_restart_continues(tm
     runs.unlock(folder)
     with pytest.raises(SystemExit, match="other settings.*t_max 1 there, 2 now"):
         study.open_folder(study.parse_args(argv + ["--t-max", "2"]))
-    import models
+    from persuarena import models
     from lab.env import load_instances
     ee = engine.Engine(*models.load_model("random:tiny-qwen3"), num_blocks=1000)
     again = study.Study(folder, "persuadee", ee, "random:tiny-qwen3",
@@ -282,10 +282,10 @@ def test_people_beside_a_model_persuadee_in_one_command(tmp_path, tokenizer, cap
     assert result["self_report_vs_readout"]["points"] == 3 * 3
     assert sum(result["people_outcomes"].values()) == 3 and result["people_outcomes"]["REJECT"] == 3  # recorded, the budget ends it
     assert (folder / "model-random_tiny-qwen3" / "report.html").is_file()  # an eval folder
-    import eval as evaluation  # one participant a scenario (the rotation): --compare pairs them
+    from persuarena import eval as evaluation  # one participant a scenario (the rotation): --compare pairs them
     evaluation.main(["--compare", str(folder / "model-random_tiny-qwen3"), str(folder)])
     assert "paired scenarios: 3" in capsys.readouterr().out
-    import models
+    from persuarena import models
     eng = engine.Engine(*models.load_model("random:tiny-qwen3"), num_blocks=2000)
     from lab import records
     people = records.load_episodes(folder)

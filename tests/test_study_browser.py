@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-import probes
+from persuarena import probes
 from lab import jsonl, study
 from test_study import make_study, serving
 

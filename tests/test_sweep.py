@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lab import audit, cli, records, significance, sweep
-import train
+from persuarena import train
 
 
 @pytest.mark.slow
@@ -87,7 +87,7 @@ def test_flags_the_sweep_sets_are_refused_after_the_separator(after, names, caps
 def test_lr_after_the_separator_trains_the_learning_arms_and_the_control_stays_at_lr_0(tmp_path):
     """--lr after -- sets the learning arms' rate; the frozen control's lr 0 comes after it, so
     the control stays frozen (argparse: the last value wins)."""
-    import train
+    from persuarena import train
     args, extra = sweep.parse_args(BASE + ["--out", str(tmp_path), "--frozen-control", "--",
                                            "--lr", "1e-4"])
     assert extra == ["--lr", "1e-4"]
@@ -103,8 +103,8 @@ def test_lr_after_the_separator_trains_the_learning_arms_and_the_control_stays_a
 def test_each_seed_draws_its_own_random_initial_weights(tmp_path, monkeypatch):
     """A random policy's weights are drawn with --seed (train.build_models and the sweep's
     initial evaluation load it so): two seeds differ, one seed repeats; the persuadee keeps 0."""
-    import models
-    import train
+    from persuarena import models
+    from persuarena import train
     weights = lambda seed: models.load_model("random:tiny-llama", seed=seed)[0].model.embed_tokens.weight
     assert torch.equal(weights(3), weights(3)) and not torch.equal(weights(3), weights(4))
     loads = []

@@ -4,8 +4,8 @@ import statistics
 
 import pytest
 
-from lab import sweep_table
-from rollout import Episode
+from lab import significance, sweep_table
+from persuarena.rollout import Episode
 
 
 def test_frozen_rows_pair_training_episodes_of_the_second_half():
@@ -25,7 +25,8 @@ def test_frozen_rows_pair_training_episodes_of_the_second_half():
     assert row["n"] == 4 and row["pairs"] == 8 and row["belief_diff"] == pytest.approx(0.0175)
     assert row["low"] < row["belief_diff"] < row["high"]
     # paired t power over 4 clusters: sqrt(1 / 4) (t_.975,3 3.182446 + t_.8,3 0.978472) sd
-    assert row["detectable"] == pytest.approx(0.5 * 4.160918 * statistics.stdev(clusters), rel=1e-4)
+    exact4 = significance.detectable_mean(1.0, 4, paired=True)  # 4 pairs, exact (test_significance)
+    assert row["detectable"] == pytest.approx(exact4 * statistics.stdev(clusters), rel=1e-4)
 
 
 def test_sweep_power_by_hand():
@@ -38,7 +39,8 @@ def test_sweep_power_by_hand():
     sd = math.sqrt((0.09 + 0.16) / 2)
     assert power["pairs"] == 4 and power["belief_diff_sd"] == pytest.approx(sd)
     assert power["initial_full_accept"] == 0.25
-    assert power["detectable_belief_diff"] == pytest.approx(math.sqrt(1 / 4) * 4.160918 * sd, rel=1e-5)  # t, 3 df
+    assert power["detectable_belief_diff"] == pytest.approx(  # 4 pairs, exact noncentral t
+        significance.detectable_mean(1.0, 4, paired=True) * sd, rel=1e-5)
     assert power["detectable_full_accept"] is None  # 4 pairs cannot detect even 25% -> 100%
 
 

@@ -4,7 +4,7 @@ cursor moves), raw control characters and bidi controls are shown as escapes."""
 import json
 from dataclasses import replace
 
-import eval
+from persuarena import eval
 from lab import html_report, play, terminal
 from test_analyses import RUN_A
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-import arena
-import models
-import rpo
-from rollout import Episode
+from persuarena import arena
+from persuarena import models
+from persuarena import rpo
+from persuarena.rollout import Episode
 from lab import checkpoints, cli, hardening, jsonl, loggers, presets, runs, steps
-import train
+from persuarena import train
 
 
 TINY = ["--preset", "tiny", "--judge", "none", "--save-every", "1000"]
@@ -119,7 +119,7 @@ def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
 
     import torch
 
-    import models
+    from persuarena import models
     model = models.random_model("tiny-llama")[0]
     args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=0.01, clip_low=0.2,
                         clip_high=0.28, dtype="float32")
@@ -179,6 +179,19 @@ def test_wandb_runs_offline(tmp_path, short_scenarios, monkeypatch):
     assert list(offline.glob("*.wandb"))
 
 
+def test_trackio_logs_each_steps_metrics(tmp_path, short_scenarios):
+    """--log trackio: a trackio run named as the run (in the session's TRACKIO_DIR, conftest.py),
+    holding each step's metrics as metrics.jsonl has them."""
+    sqlite = pytest.importorskip("trackio.sqlite_storage")
+    name = f"tk-{tmp_path.name}"
+    tiny_run(tmp_path, short_scenarios, name, "--steps", 1, "--log", "trackio")
+    logs = sqlite.SQLiteStorage.get_logs("persuarena", name)
+    logged = {k: v for row in logs for k, v in row.items()}  # the rows of step 1
+    [step] = metrics(tmp_path / name)
+    assert logged["train/reward_mean"] == pytest.approx(step["reward_mean"])
+    assert logged["train/belief_change"] == pytest.approx(step["belief_change"])
+
+
 def test_a_missing_logger_package_is_a_one_line_exit(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
     with pytest.raises(SystemExit) as e:
@@ -188,6 +201,17 @@ def test_a_missing_logger_package_is_a_one_line_exit(monkeypatch):
 
 # -----------------------------------------------------------------------------
 # arguments, run folders, checkpoints, non-finite values
+
+
+def test_a_smollm2_run_says_once_why_outcomes_stay_still_and_what_next():
+    from lab import steps
+    args = parse_train(["--preset", "cpu", "--out", "/nonexistent-runs", "--name", "r"])
+    note, = steps.small_persuadee_note(args)
+    assert "writes no decision tag" in note and "--plot-run /nonexistent-runs/r" in note
+    assert "--persuader /nonexistent-runs/r/checkpoint-3" in note
+    assert steps.small_persuadee_note(parse_train(["--preset", "tiny", "--out", "/x"])) == []
+    args = parse_train(["--preset", "cpu", "--out", "/x", "--decision", "logit"])
+    assert steps.small_persuadee_note(args) == []
 
 
 def test_rpo_owns_the_defaults(monkeypatch):
@@ -281,8 +305,8 @@ def test_no_preset_repeats_a_constants_own_value(monkeypatch):
 def test_a_truncating_persuader_sampling_is_refused_in_one_line(monkeypatch, tmp_path):
     """top_p or top_k on the persuader's rollout.SAMPLING would change the rollout but not the
     loss (off-policy): refused before any model loads, naming it."""
-    import engine
-    import rollout
+    from persuarena import engine
+    from persuarena import rollout
     paper = rollout.SAMPLING["paper"]
     monkeypatch.setitem(rollout.SAMPLING, "paper", (paper[0]._replace(top_p=0.9), paper[1]))
     with pytest.raises(SystemExit) as e:
@@ -561,7 +585,7 @@ def hashed_decision(text):
 
 HASHED_PERSUADEE = '''
 import sys
-import arena, train
+from persuarena import arena, train
 from test_train import hashed_decision
 arena.parse_decision = hashed_decision
 train.main(sys.argv[1:])
@@ -570,7 +594,7 @@ RESUME_ON_TWO_RANKS = '''
 import os, sys, torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-import arena, train
+from persuarena import arena, train
 from lab import checkpoints
 from test_train import hashed_decision
 arena.parse_decision = hashed_decision  # as the ranks' first three steps and the unbroken run
@@ -716,7 +740,7 @@ def test_a_bf16_step_at_lr_1e6_moves_the_weights_as_fp32_adamw_does(tmp_path, sh
     weights, and (AdamW's first step being ~lr times the gradient's sign) nearly every
     projection weight moved by about lr, as in the same run in float32 (bf16 weights would
     round such a step away: its spacing at |w| ~ 0.1 is ~5e-4)."""
-    import models
+    from persuarena import models
     initial = projections(models.random_model("tiny-llama")[0].state_dict())
     moved = {}
     for dtype in ("bfloat16", "float32"):
@@ -735,7 +759,7 @@ def test_a_bf16_step_at_lr_1e6_moves_the_weights_as_fp32_adamw_does(tmp_path, sh
 TORCH_2_11_RECOMPUTE = '''
 import sys
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, TrainingState
-import train
+from persuarena import train
 from lab import checkpoints
 checkpoints.prune_checkpoints = lambda *a: None  # checkpoint-1 kept, to compare
 cast_in, cast_out = FSDPState._cast_forward_inputs, FSDPState._cast_output_dtype
@@ -915,8 +939,8 @@ def test_an_episode_that_never_started_is_named_and_left_out_of_the_step(capsys)
     metrics raised IndexError on beliefs [] and a micro-batch of such episodes failed)."""
     import argparse as ap
 
-    import engine
-    import rollout
+    from persuarena import engine
+    from persuarena import rollout
     from conftest import short_scenario, tiny_model
     tok = models.tiny_tokenizer()
     short = short_scenario(1)
@@ -962,7 +986,7 @@ def test_a_judge_naming_the_persuadees_model_shares_its_engine(tmp_path, short_s
                                                                monkeypatch):
     """--judge with the persuadee's own model loads no second model: two engines (actor and
     persuadee), as with the default judge; a judge of another model gets its own."""
-    import engine
+    from persuarena import engine
     built = []
     original = engine.Engine.__init__
 
@@ -985,7 +1009,7 @@ def test_a_lora_run_plays_its_adapter_saves_it_and_eval_runs_the_checkpoint(tmp_
     plays the merged weights (the sampled log-probs are the policy's: ratio 1 at step 2); the
     checkpoint is peft's adapter folder (PeftModel.from_pretrained, merge_and_unload) and
     eval.py --persuader runs/NAME/checkpoint-K evaluates it."""
-    import eval as evaluation
+    from persuarena import eval as evaluation
     from peft import PeftModel
     history = tiny_run(tmp_path, short_scenarios, "lora", "--lora", 4, "--steps", 2, "--lr", 3e-2,
                        "--save-every", 1, "--kl-beta", 0.01, "--updates-per-batch", 1)
@@ -1116,7 +1140,7 @@ def test_a_zero_advantage_step_skips_its_passes_and_matches_the_full_update(kl_b
 
     import torch
 
-    import models
+    from persuarena import models
     model = models.random_model("tiny-llama")[0]
     args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=kl_beta, clip_low=0.2,
                         clip_high=0.28, dtype="float32", lr=1e-2)
@@ -1149,7 +1173,7 @@ def test_a_zero_advantage_step_at_the_reference_skips_even_with_a_kl_term():
 
     import torch
 
-    import models
+    from persuarena import models
     model = models.random_model("tiny-llama")[0]
     args = ap.Namespace(micro_batch=2, persuader_temperature=1.0, kl_beta=0.01, clip_low=0.2,
                         clip_high=0.28, dtype="float32", lr=1e-2)
@@ -1163,7 +1187,7 @@ def test_a_zero_advantage_step_at_the_reference_skips_even_with_a_kl_term():
 
 
 def test_prompts_are_shared_in_one_process_without_checkpointing():
-    import models
+    from persuarena import models
     model = models.random_model("tiny-llama")[0]
     assert train.shares_prompts(model, 1) and not train.shares_prompts(model, 2)
     import warnings
@@ -1178,7 +1202,7 @@ def test_flags_are_passed_down_and_the_preset_is_named_before_step_one(tmp_path,
     """--decision reaches every rollout as an argument (rollout.DECISION, its default, is never
     assigned), and the tiny preset names the values it sets over their constants (turns,
     tokens) before step 1."""
-    import rollout
+    from persuarena import rollout
     seen, original = [], rollout.rollout_episodes
 
     def spy(*a, **k):
@@ -1198,8 +1222,8 @@ def test_flags_are_passed_down_and_the_preset_is_named_before_step_one(tmp_path,
 
 def test_periodic_evaluation_plays_a_stratified_subset(monkeypatch, tmp_path):
     """issue 35: --eval-limit 5 evaluates one scenario of each domain, and the summary names it."""
-    import arena
-    import eval as evaluation
+    from persuarena import arena
+    from persuarena import eval as evaluation
     from lab import cli
     played = {}
     monkeypatch.setattr(evaluation, "evaluate", lambda a, p, instances, out, **kw: played.update(

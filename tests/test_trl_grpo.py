@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-import engine
-import models
-import rpo
+from persuarena import engine
+from persuarena import models
+from persuarena import rpo
 from conftest import tiny_model
 from lab import env as persuasion_env
 from lab import trl_grpo
@@ -158,12 +158,13 @@ def test_a_prompt_that_is_no_instance_is_refused_in_one_line(tokenizer):
 
 
 def test_bad_flags_are_one_line_errors(capsys):
-    for flags, says in ((["--num-generations", "1"], "--num-generations must be in 2..64"),
-                        (["--num-generations", "100000"], "--num-generations must be in 2..64"),
-                        (["--steps", "0"], "--steps must be at least 1"),
+    for flags, says in ((["--num-generations", "1"], "GRPO requires at least 2 generations"),
+                        (["--num_generations", "66", "--per_device_train_batch_size", "66"],
+                         "--num_generations must be in 2..64"),
+                        (["--max_steps", "0"], "--max_steps must be at least 1"),
                         (["--lam", "nan"], "--lam must be >= 0"),
                         (["--lam", "inf"], "--lam must be >= 0 and finite"),
-                        (["--learning-rate", "inf"], "--learning-rate must be in (0, 1]"),
+                        (["--learning-rate", "inf"], "--learning_rate must be in (0, 1]"),
                         (["--seed", "-1"], "--seed must be in 0.."),
                         (["--policy", "random:nope"], "--policy random:nope"),
                         (["--server", "127.0.0.1:8000"], "--server takes a URL")):
@@ -176,6 +177,30 @@ def test_bad_flags_are_one_line_errors(capsys):
 TINY = ["--policy", "random:tiny-qwen3", "--persuadee", "random:tiny-qwen3", "--judge", "none",
         "--t-max", "1", "--turn-tokens", "4", "--max-new-tokens", "4", "--num-generations", "2",
         "--instances", "1"]
+
+
+def test_trls_own_parser_reads_a_recipe_and_the_flags_over_it(tmp_path, monkeypatch):
+    """TrlParser over GRPOConfig: --config recipe.yaml sets GRPOConfig's and the arena's fields,
+    a flag overrides the file, TRL's loggers are the user's (--report_to), its progress bar on;
+    --help names every flag with its default."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("max_steps: 7\nlearning_rate: 3.0e-6\nscenarios: heldout\n"
+                      "report_to: tensorboard\noutput_dir: runs/from-recipe\n")
+    args = trl_grpo.parse_args(TINY + ["--config", str(recipe), "--max_steps", "5"])
+    assert (args.steps, args.learning_rate, args.scenarios) == (5, 3e-6, "heldout")
+    assert args.grpo.report_to == ["tensorboard"] and not args.grpo.disable_tqdm
+    assert args.grpo.reward_weights == [1.0, rpo.LAMBDA] and args.out == "runs/from-recipe"
+    assert args.judge == "none"
+    import contextlib
+    import io
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
+        trl_grpo.parse_args(["--help"])
+    text = " ".join(shown.getvalue().split())
+    for flag in ("--output_dir", "--max_steps", "--report_to", "--config", "--persuadee",
+                 "--t_max", "--lam"):
+        assert flag in text
+    assert "(default: smollm2)" in text and "(default: runs/trl-grpo)" in text
 
 
 def test_out_is_a_protected_run_folder(tmp_path, monkeypatch, short_scenarios):
@@ -191,18 +216,19 @@ def test_out_is_a_protected_run_folder(tmp_path, monkeypatch, short_scenarios):
     train_run.mkdir()
     (train_run / runs.MARKER).write_text("a PersuArena run folder, written by train.py\n")
     (train_run / "config.json").write_text(json.dumps({"name": "train-run", "lr": 1e-5}))
-    base = TINY + ["--scenarios", short_scenarios, "--steps", "1"]
+    base = TINY + ["--scenarios", short_scenarios, "--max_steps", "1"]
     for extra, says in (([], "is an existing run"), (["--overwrite"], "another program"),
                         (["--resume"], "another program (train.py)")):
         with pytest.raises(SystemExit) as excinfo:
-            trl_grpo.main(base + ["--out", str(train_run)] + extra)
+            trl_grpo.main(base + ["--output_dir", str(train_run)] + extra)
         assert says in str(excinfo.value) and "\n" not in str(excinfo.value)
     assert json.loads((train_run / "config.json").read_text()) == {"name": "train-run",
                                                                   "lr": 1e-5}
-    for argv, says in ((base + ["--out", str(train_run / "inner")], "is inside the run"),
-                       (TINY + ["--scenarios", str(tmp_path / "no.jsonl"), "--out",
+    for argv, says in ((base + ["--output_dir", str(train_run / "inner")], "is inside the run"),
+                       (TINY + ["--scenarios", str(tmp_path / "no.jsonl"), "--output_dir",
                                 str(tmp_path / "b")], "cannot load scenarios"),
-                       (base + ["--server", "http://127.0.0.1:9", "--out", str(tmp_path / "c")],
+                       (base + ["--server", "http://127.0.0.1:9", "--output_dir",
+                                str(tmp_path / "c")],
                         "cannot reach the arena server")):
         with pytest.raises(SystemExit) as excinfo:
             trl_grpo.main(argv)
@@ -213,18 +239,18 @@ def test_training_is_saved_as_it_goes_and_resumes(tmp_path, short_scenarios):
     """Each step leaves a whole checkpoint named by `latest` (written atomically); --resume
     continues from it to the new --steps; the persuader folder is written at the end."""
     out = tmp_path / "run"
-    argv = TINY + ["--scenarios", short_scenarios, "--out", str(out)]
-    trl_grpo.main(argv + ["--steps", "1"])
+    argv = TINY + ["--scenarios", short_scenarios, "--output_dir", str(out)]
+    trl_grpo.main(argv + ["--max_steps", "1"])
     assert (out / "latest").read_text() == "checkpoint-1" and (out / "persuader").is_dir()
     config = (out / "config.json").read_text()
     for changed in (["--lam", "2"], ["--persuadee", "random:tiny-llama"], ["--t-max", "2"]):
         with pytest.raises(SystemExit) as excinfo:
-            trl_grpo.main(argv + ["--steps", "2", "--resume"] + changed)
+            trl_grpo.main(argv + ["--max_steps", "2", "--resume"] + changed)
         assert "--resume keeps the run's settings" in str(excinfo.value) and changed[0] in \
             str(excinfo.value) and "\n" not in str(excinfo.value)
     assert (out / "config.json").read_text() == config and (out / "latest").read_text() == \
         "checkpoint-1"
-    trl_grpo.main(["--out", str(out), "--steps", "2", "--resume"])  # every other setting pinned
+    trl_grpo.main(["--output_dir", str(out), "--max_steps", "2", "--resume"])  # every other setting pinned
     assert (out / "latest").read_text() == "checkpoint-2"
     assert json.loads((out / "config.json").read_text()) == json.loads(config)
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())

@@ -1,67 +1,118 @@
-"""verifiers_env.py: verifiers' own rollout (evaluate_sync) against a policy served over the
-OpenAI API on loopback (a tiny model behind test_served's Loopback server) plays whole episodes
-on a shared hub; each trajectory step carries that turn's r_t, equal to a replay of the same
-messages on a plain PersuasionEnv; the reward is G + 0.5 s + LAMBDA * sum r_t; the pool comes
-back whole. Skipped where verifiers is not installed (requirements.txt pins it)."""
+"""verifiers_env.py on verifiers' current API (verifiers.v1): the id `persuarena` resolves to this
+package's Taskset and Env (what `eval persuarena` loads); two episodes run at once through
+PersuArenaEnv.run on a shared hub, the persuader a stand-in for verifiers' agent interaction
+(its harness needs uv and a network to start), each trace scored outcome + LAMBDA * sum r_t with
+the per-turn rewards equal to a replay of the same messages on a plain PersuasionEnv; the pool
+comes back whole; nothing imports verifiers.legacy. Skipped where verifiers is not installed."""
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-vf = pytest.importorskip("verifiers")
+vf = pytest.importorskip("verifiers.v1")
 
-import engine  # noqa: E402
-import rpo  # noqa: E402
+from persuarena import engine  # noqa: E402
+from persuarena import rpo  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from lab import env as persuasion_env  # noqa: E402
 from lab import sessions  # noqa: E402
-from test_served import Loopback, instances  # noqa: E402
+from test_served import instances  # noqa: E402
 
 POOL = 2000
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def content(message):
-    return message["content"] if isinstance(message, dict) else message.content
+class Trace:
+    """The part of a verifiers Trace the env writes: info and rewards."""
+
+    def __init__(self):
+        self.info, self.rewards = {}, {}
+
+    def record_reward(self, name, value, weight=1.0):
+        self.rewards[name] = (value, weight)
 
 
-def test_verifiers_rollouts_carry_the_arenas_per_turn_rewards(tokenizer):
-    from openai import AsyncOpenAI
+class Interaction:
+    """A stand-in for verifiers' Interaction: the persuader's scripted messages, one a turn."""
 
-    from lab.verifiers_env import load_environment
-    policy = Loopback(tiny_model("llama", seed=1), tokenizer)
+    def __init__(self, said):
+        self.said, self.heard, self.trace = list(said), [], Trace()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    async def turn(self, message=None):
+        self.heard.append(message)
+        if not self.said:
+            return vf.Segment(messages=[], terminated=True)
+        return vf.Segment(messages=[vf.AssistantMessage(content=self.said.pop(0))])
+
+
+class Persuader:
+    def __init__(self, said):
+        self.said, self.opened = said, []
+
+    def interaction(self, task):
+        self.opened.append(Interaction(self.said))
+        return self.opened[-1]
+
+
+def test_the_id_persuarena_resolves_to_this_packages_taskset_and_env():
+    from verifiers.v1.utils import loaders
+
+    from lab import verifiers_env
+    assert loaders.taskset_class("persuarena") is verifiers_env.PersuArenaTaskset
+    assert loaders.environment_class("persuarena") is verifiers_env.PersuArenaEnv
+    config = vf.resolve_env_config({"taskset": {"id": "persuarena", "scenarios": "heldout",
+                                                "persuadee": "random:tiny-qwen3", "t_max": 2}})
+    assert isinstance(config, verifiers_env.PersuArenaEnvConfig) and config.taskset.t_max == 2
+    tasks = list(loaders.load_taskset(config.taskset).head(2))
+    assert [t.data.name for t in tasks] == ["heldout-001", "heldout-002"]
+    assert tasks[1].data.info == {"instance": "heldout-002", "seed": 1}
+    assert "heldout-001" not in tasks[0].data.prompt_text  # the persuader's opening, no id
+    code = ("import sys, lab.verifiers_env; "
+            "sys.exit(any(m.startswith('verifiers.legacy') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_episodes_carry_the_arenas_per_turn_rewards(tokenizer):
+    from lab.verifiers_env import arena_tasks, load_environment
     ee = engine.Engine(tiny_model("qwen3", seed=2), tokenizer, 8, POOL)
     hub = sessions.Hub(ee, None, t_max=3, max_new_tokens=6)
-    env = load_environment(env=persuasion_env.PersuasionEnv(scenarios=instances(), hub=hub),
-                           seed=7)
-    assert isinstance(env, vf.MultiTurnEnv)
-    client = vf.OpenAIChatCompletionsClient(
-        AsyncOpenAI(base_url=policy.spec.split("@", 1)[1], api_key="none"))
-    try:
-        out = env.evaluate_sync(client=client, model="tiny", num_examples=2,
-                                sampling_args={"max_completion_tokens": 8},
-                                state_columns=["trajectory", "turn_rewards", "beliefs", "arena"])
-    finally:
-        policy.close()
-    rollouts = out["outputs"]
-    assert len(rollouts) == 2 and policy.requests >= 2
-    assert ee.free_blocks == POOL and hub.reserved == 0  # every rollout's episode freed
+    env = load_environment(env=persuasion_env.PersuasionEnv(scenarios=instances(), hub=hub))
+    tasks = list(arena_tasks(instances()[:2], seed=7))
+    said = [[f"Hello {k}.", "Think about it.", "One more thing."] for k in range(2)]
+    persuaders = [Persuader(list(s)) for s in said]
+
+    async def both():
+        await asyncio.gather(*(env.run(task, type("Agents", (), {"persuader": p}))
+                               for task, p in zip(tasks, persuaders)))
+    asyncio.run(both())
+    assert ee.free_blocks == POOL and hub.reserved == 0  # every episode's blocks freed
     replay = persuasion_env.PersuasionEnv(scenarios=instances(), hub=hub)
-    for i, r in enumerate(rollouts):
-        assert r["error"] is None and r["arena"] is not None, r["error"]
-        said = [content(m) for m in r["completion"] if m.role == "assistant"]
-        heard = [content(m) for m in r["completion"] if m.role == "user"]
-        # the same instance, seed and messages on a plain env: the same replies and rewards
+    for i, persuader in enumerate(persuaders):
+        talk, = persuader.opened
+        trace = talk.trace
         _, info = replay.reset(seed=7 + i, options={"instance": instances()[i]["id"]})
         rewards, replies = [], []
-        for text in said:
+        for text in said[i][:len(trace.info["turn_rewards"])]:
             reply, reward, terminated, truncated, info = replay.step(text)
             rewards.append(reward)
             replies += [m["content"] for m in reply]
         assert terminated or truncated
-        assert replies == heard and len(said) == len(r["trajectory"]) == info["turn"]
-        assert r["turn_rewards"] == pytest.approx(rewards, abs=1e-6)
-        assert [t["reward"] for t in r["trajectory"]] == r["turn_rewards"]
-        b = r["beliefs"]
-        assert r["turn_rewards"] == pytest.approx([(b[t] - b[t - 1]) / 2 for t in
-                                                   range(1, len(b))], abs=1e-9)
-        outcome = rpo.GOAL[r["arena"]["outcome"]] + 0.5 * r["arena"]["strategy"]
-        assert r["reward"] == pytest.approx(outcome + rpo.LAMBDA * sum(r["turn_rewards"]))
+        assert talk.heard[0] is None and talk.heard[1:] == replies[:len(talk.heard) - 1]
+        assert trace.info["turn_rewards"] == pytest.approx(rewards, abs=1e-6)
+        b = trace.info["beliefs"]
+        assert trace.info["turn_rewards"] == pytest.approx(
+            [(b[t] - b[t - 1]) / 2 for t in range(1, len(b))], abs=1e-9)
+        end = trace.info["arena"]
+        outcome = rpo.GOAL[end["outcome"]] + 0.5 * end["strategy"]
+        assert trace.rewards["arena_outcome"] == (pytest.approx(outcome), 1.0)
+        assert trace.rewards["arena_dense"] == (pytest.approx(sum(rewards)), rpo.LAMBDA)
     replay.close()
     assert ee.free_blocks == POOL

@@ -1,6 +1,6 @@
 """lab/watch.py: the watch-it-learn command is a sweep whose every arm train.py accepts."""
-import rpo
-import train
+from persuarena import rpo
+from persuarena import train
 from lab import cli, sweep, watch
 
 
@@ -28,7 +28,7 @@ def test_each_seed_starts_from_its_own_weights_and_its_control_from_the_same(tmp
     the same initial weights, seed 0's others (random:NAME is @0); a bad seed is refused."""
     import torch
 
-    import models
+    from persuarena import models
     args, extra = sweep.parse_args(watch.sweep_argv("tiny", out=tmp_path))
     names = {(lam, s): cli.train_args(sweep.arm_argv(args, extra, lam, s, tmp_path), train).persuader
              for lam in (rpo.LAMBDA, sweep.FROZEN) for s in (0, 1)}
