@@ -168,7 +168,7 @@ class OutsidePersuadee:
 
     def ready(self, sids):
         return [s for s in sids if s in self.tickets and self.tickets[s].mailbox
-                and self.tickets[s].mailbox[0] is not None]
+                and self.tickets[s].mailbox[0][0] is not None]  # (answer, None) items
 
     def speak(self, sids, keys):
         raise TypeError("sessions.py: the sessions play the persuadee; a persuader speaks")
@@ -176,7 +176,7 @@ class OutsidePersuadee:
     def reply(self, sids, keys, timings=None):
         replies = []
         for s in sids:
-            answer = self.tickets[s].mailbox.popleft()
+            answer, _ = self.tickets[s].mailbox.popleft()
             replies.append(dict(text=answer["text"], decision=answer["decision"], reason="stop",
                                 probes=list(answer["probes"]),
                                 probe_mass=[1.0] * len(answer["probes"])))
@@ -365,7 +365,7 @@ class SessionLoop(rollout.EpisodeLoop):
             return  # a persuader's stop is its own message (OutsideSide.speak)
         for e in list(self.scheduler.running):
             ticket = self.outside.tickets.get(getattr(e, self.sid_key))
-            if ticket is not None and ticket.mailbox and ticket.mailbox[0] is None:
+            if ticket is not None and ticket.mailbox and ticket.mailbox[0][0] is None:
                 ticket.mailbox.popleft()
                 if e.status is rollout.Status.REPLY:
                     self.cut_off(e, rollout.STOPPED)

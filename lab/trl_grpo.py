@@ -413,12 +413,18 @@ def pin_resumed(args, config, explicit):
     cli.pin_settings(args, recorded, explicit, WHO, RESUME_MAY_CHANGE,
                      ("who", "out", "resume", "overwrite", "grpo"), record=str(config),
                      restart="start a new run (another --output_dir)")
-    grpo = args.grpo  # the trainer's config follows the pinned settings
-    grpo.reward_weights, grpo.learning_rate, grpo.seed = [1.0, args.lam], args.learning_rate, args.seed
-    grpo.num_generations, grpo.max_steps, grpo.save_steps = (args.num_generations, args.steps,
-                                                             args.save_every)
+    args.grpo = resumed_config(recorded["grpo"], args)
     if problem := flag_problem(args):
         raise SystemExit(f"{WHO}: --resume: {problem} (the value read from {config})")
+
+
+def resumed_config(recorded, args):
+    """The GRPOConfig the run recorded, its max_steps and save_steps as this command sets them."""
+    from trl import GRPOConfig
+    fields = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
+    derived = ("generation_batch_size",)  # GRPOConfig sets it from steps_per_generation
+    kept = {k: v for k, v in recorded.items() if k in fields and k not in derived}
+    return GRPOConfig(**{**kept, "max_steps": args.steps, "save_steps": args.save_every})
 
 
 def ours(config):

@@ -511,12 +511,12 @@ def resumable_run(tmp_path, **recorded):
 
 
 @pytest.mark.parametrize("key, value, choices", [
-    ("decision", "bogus", "--decision's choices (tag, logit)"),
+    ("decision", "bogus", "--decision's choices (tag, logit, belief)"),
     ("preset", "bogus", "--preset's choices (paper, cpu, tiny, one-gpu)"),
     ("probe_space", "bogus", "--probe-space's choices (prob, logodds)"),
     ("sampling", "bogus", "--sampling's choices (paper, cpu)"),
     ("activation_checkpointing", "sometimes", "--activation-checkpointing's choices (auto, on, off)"),
-    ("log", ["tensorboard", "bogus"], "--log's choices (tensorboard, wandb)"),
+    ("log", ["tensorboard", "bogus"], "--log's choices (tensorboard, wandb, trackio)"),
 ])
 def test_a_resumed_choice_is_validated_as_a_fresh_flag(key, value, choices, tmp_path, monkeypatch):
     """A choice read back from config.json is held to its flag's choices (argparse's, for a

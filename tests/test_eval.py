@@ -251,7 +251,8 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     """torchrun --nproc_per_node 2 eval.py shards the scenarios over the ranks; rank 0 gathers
     them: episodes.jsonl and summary.json equal one process's (run in this one meanwhile)."""
     common = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
-              "--limit", "4", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600"]
+              "--limit", "4", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600",
+              "--dtype", "float32"]  # the subprocess would take a bf16 CPU's default
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
            str(Path(evaluation.__file__)), *common, "--name", "two"]
     log = tmp_path / "two.log"

@@ -303,12 +303,14 @@ def test_the_judge_fits_any_pool_that_holds_one_transcript(tokenizer, monkeypatc
 
 def test_one_loop_drives_every_episode():
     """arena.Dialogue is constructed in rollout.py alone (lab.bench's Hugging Face baseline
-    aside): served, local and typed episodes all go through rollout_episodes."""
+    aside, and lab.study_pair, which replays a person's recorded decisions to rebuild the
+    contexts a model would have read, playing nothing): served, local and typed episodes all go
+    through rollout_episodes."""
     from pathlib import Path
     here = Path(__file__).resolve().parent.parent
     drivers = {str(p.relative_to(here)) for p in [*here.glob("*.py"), *here.glob("lab/*.py")]
                if "arena.Dialogue(" in p.read_text()}
-    assert drivers == {"rollout.py", "lab/bench_baselines.py"}
+    assert drivers == {"rollout.py", "lab/bench_baselines.py", "lab/study_pair.py"}
     assert "def play_episodes" not in (here / "lab" / "served.py").read_text()
 
 

@@ -260,7 +260,7 @@ def test_resume_after_editing_an_ablation_constant_is_refused_naming_it(run_copy
     with pytest.raises(SystemExit) as e:
         resume(run, "--steps", 2)
     message = str(e.value.code)
-    assert f"{module.__name__}.{name}" in message and "\n" not in message
+    assert f"{module.__name__.rpartition('.')[2]}.{name}" in message and "\n" not in message
     assert message.startswith("train.py: --resume: ")
 
 
@@ -284,7 +284,7 @@ def test_a_preset_names_every_value_it_sets_over_the_owning_constant(monkeypatch
     assert notes[-3:] == [f"t_max {tiny['t_max']} (tiny preset; arena.T_MAX_TRAIN 5)",
                           f"eval_t_max {tiny['eval_t_max']} (tiny preset; arena.T_MAX_EVAL {arena.T_MAX_EVAL})",
                           f"max_new_tokens {tiny['max_new_tokens']} (tiny preset; engine.MAX_NEW_TOKENS "
-                          f"{__import__("persuarena.engine", fromlist=["engine"]).MAX_NEW_TOKENS})"]
+                          f"{__import__('persuarena.engine', fromlist=['engine']).MAX_NEW_TOKENS})"]
     assert notes[0] == f"steps {tiny['steps']} (tiny preset; train.STEPS 200)"
     owned = [k for k in presets.OWNERS if k in tiny]  # the paper's numbers too (train.py's)
     assert [n.split()[0] for n in notes] == owned

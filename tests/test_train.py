@@ -228,7 +228,8 @@ def test_rpo_owns_the_defaults(monkeypatch):
 
 
 SHIPPED = dict(steps=200, instances=16, group_size=8, lr=1e-6, micro_batch=4, eval_every=20,
-               eval_limit=120, save_every=20, t_max=6, eval_t_max=10, max_new_tokens=256)  # as shipped
+               eval_limit=120, save_every=20, t_max=6, eval_t_max=10, max_new_tokens=256,
+               updates_per_batch=4)  # as shipped
 
 
 def test_defaults():
