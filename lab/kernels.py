@@ -51,7 +51,7 @@ FIRST_USE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16:
 # kernel's first output may leave its composite's by this, relative to the largest |value| + 1
 
 
-def decode_attention(q, keys_t, values, key_bias):
+def decode_attention(q, keys_t, values, key_bias, float32_scores=False):
     """softmax(q k^T / sqrt(d) + bias) v for one query per sequence: q [B, H, D], keys_t
     [B, kv_heads, D, K] (keys transposed: the score product then reads rows of K contiguous
     floats, ~25% faster on a CPU than reading keys across), values [B, kv_heads, K, D], key_bias
@@ -63,7 +63,8 @@ def decode_attention(q, keys_t, values, key_bias):
     keys a layer: DECISIONS.md, The CPU's dtype). Not one
     SDPA call: the CPU's flash kernel rounds a row's output differently with the number of
     (masked) keys, which the batch's longest sequence sets, so an episode's numbers would depend
-    on its batch neighbours (DECISIONS.md: Decode fusion)."""
+    on its batch neighbours (DECISIONS.md: Decode fusion). float32_scores: the GPU's float32
+    scores on a CPU too (the reference the Triton kernels are checked against there)."""
     B, H, D = q.shape
     Hkv, K = keys_t.shape[1], keys_t.shape[3]
     q, keys_t = q.reshape(B * Hkv, H // Hkv, D), keys_t.reshape(B * Hkv, D, K)
@@ -71,7 +72,7 @@ def decode_attention(q, keys_t, values, key_bias):
         scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
     elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
         scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
-    elif not q.is_cuda and q.dtype == torch.bfloat16:  # a CPU's bf16 product (float32 sums,
+    elif not q.is_cuda and q.dtype == torch.bfloat16 and not float32_scores:  # a CPU's bf16 product (float32 sums,
         # the scores rounded once to bf16: no float32 copy of the keys a layer), float32 softmax
         scores = torch.add(key_bias, torch.bmm(q, keys_t).float(), alpha=D ** -0.5)
     else:
