@@ -67,7 +67,7 @@ OUTCOMES = ("ACCEPT", "CONDITIONAL_ACCEPT", "PENDING", "REJECT", "WALK_AWAY")
 
 def load_scenarios(path=None, split=None):
     """Every scenario of a JSONL file (or of one split), each line checked against the schema
-    (README, The scenario set; lab/scenario_check.py)."""
+    (DECISIONS.md, The scenario set; lab/scenario_check.py)."""
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be None or one of {SPLITS}, got {split!r}")
     vocabulary = {"split": SPLITS, "domain": DOMAINS, "pronouns": PRONOUNS,

@@ -47,7 +47,7 @@ PRESETS = {  # the models, their dtype and sampling, and what differs from the o
 }
 # one-gpu's evaluation: 16 of the 20 domain x resistance cells (arena.stratified); 20 would
 # leave under 15% of an H200 spare (lab/plan.py)
-PRESETS["one-gpu"] = dict(  # the paper's models and sampling on one H200, LoRA (README: Train with LoRA on one GPU)
+PRESETS["one-gpu"] = dict(  # the paper's models and sampling on one H200, LoRA (README: Train, One GPU)
     PRESETS["paper"], lora=LORA_RANK, lr=1e-5, instances=2, micro_batch=2, eval_limit=16,
     plan_ranks=1)
 # the settings a constant owns (its flag's default): setting -> "module.CONSTANT"

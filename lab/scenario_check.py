@@ -1,7 +1,7 @@
 """
 Scenario validation: every line of a scenario file checked against arena's schema before anything
 uses it, so that a typo in a hand-written scenario is a one-line error naming the file, line and
-field, with the fix (README, The scenario set). arena.load_scenarios calls read_scenarios with its
+field, with the fix (DECISIONS.md, The scenario set). arena.load_scenarios calls read_scenarios with its
 vocabulary (splits, domains, pronouns, resistance types, trust levels, the age range).
 
 Training scenarios may omit TRAIN_OPTIONAL fields (the paper's B.2); held-out ones keep every field.
@@ -94,7 +94,7 @@ def _validate(obj, schema, prefix, optional, where):
         if key not in obj:
             if field in optional:
                 continue
-            raise ValueError(f"{where}: field '{field}' is missing; add it (README, The scenario set, says what it holds)")
+            raise ValueError(f"{where}: field '{field}' is missing; add it (DECISIONS.md, The scenario set, says what it holds)")
         if isinstance(rule, dict):
             _validate(obj[key], rule, field + ".", optional, where)
         elif problem := rule(obj[key]):

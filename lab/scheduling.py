@@ -15,7 +15,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
-ADMISSION = "continuous"  # or "waves": admit only into empty pools (BENCHMARKS.md compares the two)
+ADMISSION = "continuous"  # or "waves": admit only into empty pools (BENCHMARKS.md: Admission)
 ROLES = ("persuader", "persuadee")  # the sides' order; a side's prefill is timed as ROLE_s
 
 

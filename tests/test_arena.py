@@ -1,6 +1,6 @@
 """Tests for arena.py: python -m pytest -q test_arena.py
 
-Every expected value below is derived from the rules the README (The scenario set) and DECISIONS.md state, not read off the code."""
+Every expected value below is derived from the rules DECISIONS.md states (The scenario set and the rest), not read off the code."""
 
 import copy
 import json
@@ -608,7 +608,7 @@ def test_episode_invariants(t_max, decisions):
     assert ep.done
 
 # -----------------------------------------------------------------------------
-# scenario loader (README, The scenario set)
+# scenario loader (DECISIONS.md: The scenario set)
 
 DELETE = object()
 

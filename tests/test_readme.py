@@ -2,7 +2,7 @@
 (each model name a snippet loads, smollm2, replaced by random:tiny-qwen3; the OpenEnv client's
 against a server of a tiny persuadee started here), none holds a shell line, and the ids and
 report filters the README quotes exist (a filter on a value no episode has would silently show
-nothing). Run: python -m pytest -q tests/test_readme.py"""
+nothing); the page stays short, its layout names every module, and its test command is CI's. Run: python -m pytest -q tests/test_readme.py"""
 import ast
 import re
 from pathlib import Path
@@ -37,6 +37,20 @@ def test_the_ids_and_filters_the_readme_quotes_exist():
         vocabulary = {"domain": {s["domain"] for s in arena.load_scenarios()},
                       "outcome": set(arena.OUTCOMES)}[key]
         assert value in vocabulary, (key, value)
+
+
+def test_the_readme_is_short_lists_every_file_and_runs_cis_test_command():
+    """The page a newcomer reads first stays within the project's cap (~320 lines), its layout
+    names every module of the method and of lab/ (a new file without a line fails here), and its
+    test command is the one .ci/run runs."""
+    root = Path(__file__).resolve().parent.parent
+    assert len(README.splitlines()) <= 320, len(README.splitlines())
+    files = [p.name for p in root.glob("*.py")] + [f"lab/{p.name}" for p in (root / "lab").iterdir()
+                                                  if p.suffix in (".py", ".html", ".md")]
+    missing = [f for f in files if not re.search(rf"^{re.escape(f)}[ ,]", README, flags=re.M)]
+    assert not missing, missing
+    assert "python -m pytest -q" in (root / ".ci" / "run").read_text()
+    assert re.search(r"^python -m pytest -q  ", README, flags=re.M)
 
 
 def run(block, **names):
