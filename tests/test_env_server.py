@@ -421,7 +421,9 @@ def soak(url, ee, episodes, idle_every, unused_every, capfd):
     while ee.free_blocks != 2000 and time.time() < deadline:
         time.sleep(0.05)
     assert ee.free_blocks == 2000
-    assert settled_threads(threads) == threads, [t.name for t in threading.enumerate()]
+    # none left behind (the count taken after the warm-up may still hold a closing client's own
+    # thread, so the end may hold fewer: the 500-episode soak once ended at 3 against 4)
+    assert settled_threads(threads) <= threads, [t.name for t in threading.enumerate()]
     assert rss_bytes() - rss < 64 * 2**20
     err = capfd.readouterr().err
     assert "Traceback" not in err and "dropped its connection" in err
