@@ -404,6 +404,57 @@ def read_arm(reader, path):
                              "delete that arm's folder (it trains again) or pass --overwrite") from None
 
 
+QUOTED = 3  # held-out messages quoted an arm and checkpoint in messages.json
+
+
+def heldout_episodes(root, lam, seed, step):
+    """The episodes.jsonl of an arm's held-out evaluation at a step (0: the seed's initial policy)."""
+    if step == 0:
+        return Path(root) / f"initial_s{seed}" / "eval-0" / "episodes.jsonl"
+    return Path(root) / "runs" / arm_name(lam, seed) / f"eval-{step}" / "episodes.jsonl"
+
+
+def message_report(root, lams, seeds, steps):
+    """messages.json: per arm, the held-out persuader messages' scores (audit.score_texts: the
+    degenerate, warm-only and asking shares) at step 0 and at the last checkpoint, and the first
+    QUOTED messages of each, as written; per lambda every seed's together. What a policy learned,
+    read beside the number it raised. Returns it, and the lines appended to table.md."""
+    report, share = {"arms": {}, "all": {}}, (lambda x: "–" if x is None else f"{x:.0%}")
+    lines = ["", "Held-out persuader messages (lab.audit's scores), initial policy -> last checkpoint "
+             "(messages.json quotes them):", "",
+             "| lambda | seed | messages | degenerate | warm only | ask |", "| --- | --- | --- | --- | --- | --- |"]
+    for lam in lams:
+        every = {0: [], steps: []}
+        for seed in seeds:
+            arm = report["arms"][arm_name(lam, seed)] = {}
+            for step in (0, steps):
+                path = heldout_episodes(root, lam, seed, step)
+                texts = audit.persuader_texts(path) if path.is_file() else []
+                every[step] += texts
+                arm[str(step)] = dict(audit.score_texts(texts), quoted=texts[:QUOTED])
+        report["all"][f"lam{lam:g}"] = {str(step): audit.score_texts(t) for step, t in every.items()}
+        for seed, by_step in [*((s, report["arms"][arm_name(lam, s)]) for s in seeds),
+                              ("all", report["all"][f"lam{lam:g}"])]:
+            a, b = by_step["0"], by_step[str(steps)]
+            lines.append(f"| {lam:g} | {seed} | {a['messages']} -> {b['messages']} | "
+                         f"{share(a['degenerate'])} -> {share(b['degenerate'])} | {share(a['warm_only'])}"
+                         f" -> {share(b['warm_only'])} | {share(a['ask'])} -> {share(b['ask'])} |")
+    return report, lines
+
+
+def write_message_report(root, lams, seeds, steps):
+    """messages.json and table.md's section (message_report), a second report replacing the first."""
+    root = Path(root)
+    report, lines = message_report(root, lams, seeds, steps)
+    runs.write_in(root, "messages.json", json.dumps(report, indent=1, ensure_ascii=False) + "\n",
+                  who="lab.sweep")
+    table = (root / "table.md").read_text() if (root / "table.md").is_file() else ""
+    table = table.split("\n" + lines[1])[0].rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+    runs.write_in(root, "table.md", table, who="lab.sweep")
+    print("\n".join(lines[1:]))
+    return report
+
+
 def summarize_sweep(root, args):
     """summary.json, table.md and the figures from the sweep folder's runs."""
     from lab import plots
@@ -443,6 +494,7 @@ def summarize_sweep(root, args):
     plots.plot_sweep(entries, summary["table"], root)
     plots.plot_fig7(summary["fig7"], root)
     print(table)
+    summary["messages"] = write_message_report(root, args.lams, args.seeds, args.steps)
     return summary
 
 

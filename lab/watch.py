@@ -13,7 +13,7 @@ each seed starts from its own initial weights (random:NAME@SEED), its control fr
 Beside the curve, what the policy says (lab/audit.py's message scores): the share of its held-out
 messages that are degenerate (a repeated unit, invalid tokens), warm only, or make an ask, at the
 initial policy and at the last checkpoint, seed by seed, with the first messages quoted; written
-to sweeps/NAME/messages.json and appended to table.md.
+to sweeps/NAME/messages.json and appended to table.md by lab/sweep.py, as for every sweep.
 
     python -m lab.watch                       # tiny random models, three seeds (BENCHMARKS.md: Watch it learn)
     python -m lab.watch --preset cpu          # SmolLM2-135M on both sides (WATCH_CPU: hours on 2 cores)
@@ -21,12 +21,11 @@ to sweeps/NAME/messages.json and appended to table.md.
 The settings are the constants below (WATCH_TINY, WATCH_CPU); the figure is
 sweeps/NAME/training.png, and the run resumes like any sweep (its arms are kept).
 """
-import json
 import sys
 from pathlib import Path
 
 from persuarena import rpo
-from lab import audit, cli, presets, runs, sweep
+from lab import cli, presets, sweep
 
 SEEDS = (0, 1, 2)
 # tiny: the suite's learning configuration (tests/test_train.py): three-turn episodes, 8-token
@@ -52,56 +51,6 @@ def sweep_argv(preset, name=None, out=None, overwrite=False):
             *(["--overwrite"] if overwrite else []), "--", "--judge", "none", *watch["train"], *dtype]
 
 
-QUOTED = 3  # held-out messages quoted a seed and checkpoint in messages.json
-
-
-def heldout_episodes(root, seed, step, lam=None):
-    """The episodes.jsonl of a seed's held-out evaluation at a step (0: the initial policy); lam:
-    the arm's, rpo.LAMBDA unless given."""
-    lam = rpo.LAMBDA if lam is None else lam
-    if step == 0:
-        return root / f"initial_s{seed}" / "eval-0" / "episodes.jsonl"
-    return root / "runs" / sweep.arm_name(lam, seed) / f"eval-{step}" / "episodes.jsonl"
-
-
-def message_report(root, seeds, steps):
-    """messages.json: per seed, the held-out messages' scores (audit.score_texts) at step 0 and
-    at the last checkpoint, and the first QUOTED messages of each, as written; with every seed's
-    together. Returns it, and the lines appended to table.md."""
-    report, every = {"seeds": {}}, {0: [], steps: []}
-    for seed in seeds:
-        report["seeds"][str(seed)] = {}
-        for step in (0, steps):
-            path = heldout_episodes(root, seed, step)
-            texts = audit.persuader_texts(path) if path.is_file() else []
-            every[step] += texts
-            report["seeds"][str(seed)][str(step)] = dict(audit.score_texts(texts), quoted=texts[:QUOTED])
-    report["all"] = {str(step): audit.score_texts(texts) for step, texts in every.items()}
-    share = lambda x: "–" if x is None else f"{x:.0%}"
-    lines = ["", "Held-out persuader messages (lab.audit's scores), initial policy -> last checkpoint:", "",
-             "| seed | messages | degenerate | warm only | ask |", "| --- | --- | --- | --- | --- |"]
-    for seed, by_step in [*report["seeds"].items(), ("all", report["all"])]:
-        a, b = by_step["0"], by_step[str(steps)]
-        lines.append(f"| {seed} | {a['messages']} -> {b['messages']} | {share(a['degenerate'])} -> "
-                     f"{share(b['degenerate'])} | {share(a['warm_only'])} -> {share(b['warm_only'])} | "
-                     f"{share(a['ask'])} -> {share(b['ask'])} |")
-    return report, lines
-
-
-def write_message_report(root, seeds, steps):
-    """messages.json and table.md's section (message_report) in the watch's folder root."""
-    root = Path(root)
-    report, lines = message_report(root, seeds, steps)
-    runs.write_in(root, "messages.json", json.dumps(report, indent=1, ensure_ascii=False) + "\n",
-                  who="lab.watch")
-    table = (root / "table.md").read_text() if (root / "table.md").is_file() else ""
-    marker = "\n" + lines[1]
-    table = table.split(marker)[0].rstrip("\n") + "\n" + "\n".join(lines) + "\n"
-    runs.write_in(root, "table.md", table, who="lab.watch")
-    print("\n".join(lines[1:]))
-    return report
-
-
 def main(argv=None):
     p = cli.new_parser("python -m lab.watch", __doc__)
     p.add_argument("--preset", choices=sorted(WATCHES), default="tiny", help="tiny: random "
@@ -114,7 +63,6 @@ def main(argv=None):
         print(presets.dtype_note(presets.cpu_dtype()[0]))
     summary = sweep.main(sweep_argv(args.preset, args.name, args.out, args.overwrite))
     root = Path(args.out) / (f"watch-{args.preset}" if args.name is None else args.name)
-    summary["messages"] = write_message_report(root, SEEDS, WATCHES[args.preset]["steps"])
     print(f"figure: {root}/training.png (trained against the frozen control)")
     return summary
 

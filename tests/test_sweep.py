@@ -305,3 +305,25 @@ def test_a_running_sweep_is_never_deleted_and_names_follow_the_one_rule(tmp_path
     with pytest.raises(SystemExit):
         watch.main(["--name", ""])
     assert "--name ''" in capsys.readouterr().err
+
+
+def test_message_report_scores_each_arms_heldout_messages(tmp_path):
+    """messages.json and table.md's section from the evaluations' episodes.jsonl (step 0 and the
+    last), the degenerate share counted as lab.audit scores it; a second report replaces the first."""
+    root = tmp_path / "w"
+    texts = {0: ["Would you come on Thursday?", "Hello there."], 60: ["\ufffd" * 8, "ex ex ex ex"]}
+    for seed in (0, 1):
+        for step, said in texts.items():
+            path = sweep.heldout_episodes(root, 0.5, seed, step)
+            path.parent.mkdir(parents=True)
+            path.write_text("".join(json.dumps(dict(transcript=[dict(role="persuader", text=t)])) + "\n"
+                                    for t in said))
+    (root / "table.md").write_text("the sweep's table\n")
+    for _ in range(2):
+        report = sweep.write_message_report(root, [0.5], (0, 1), 60)
+    pooled, arm = report["all"]["lam0.5"], report["arms"]
+    assert pooled["0"]["degenerate"] == 0 and pooled["60"]["degenerate"] == 1
+    assert arm["lam0.5_s1"]["0"]["ask"] == 0.5 and arm["lam0.5_s0"]["60"]["quoted"][1] == "ex ex ex ex"
+    table = (root / "table.md").read_text()
+    assert table.startswith("the sweep's table\n") and table.count("Held-out persuader") == 1
+    assert "| 0.5 | all | 4 -> 4 | 0% -> 100% |" in table

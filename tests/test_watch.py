@@ -39,23 +39,3 @@ def test_each_seed_starts_from_its_own_weights_and_its_control_from_the_same(tmp
     assert cli.model_problem("random:tiny-llama@x") and models.random_spec("random:tiny-llama@2") == ("tiny-llama", 2)
 
 
-def test_message_report_scores_each_seeds_heldout_messages(tmp_path):
-    """messages.json and table.md's section from the evaluations' episodes.jsonl (step 0 and the
-    last), the degenerate share counted as lab.audit scores it; a second report replaces the first."""
-    import json
-    root = tmp_path / "w"
-    texts = {0: ["Would you come on Thursday?", "Hello there."], 60: ["\ufffd" * 8, "ex ex ex ex"]}
-    for seed in (0, 1):
-        for step, said in texts.items():
-            path = watch.heldout_episodes(root, seed, step)
-            path.parent.mkdir(parents=True)
-            path.write_text("".join(json.dumps(dict(transcript=[dict(role="persuader", text=t)])) + "\n"
-                                    for t in said))
-    (root / "table.md").write_text("the sweep's table\n")
-    for _ in range(2):
-        report = watch.write_message_report(root, (0, 1), 60)
-    assert report["all"]["0"]["degenerate"] == 0 and report["all"]["60"]["degenerate"] == 1
-    assert report["seeds"]["1"]["0"]["ask"] == 0.5 and report["seeds"]["0"]["60"]["quoted"][1] == "ex ex ex ex"
-    table = (root / "table.md").read_text()
-    assert table.startswith("the sweep's table\n") and table.count("Held-out persuader") == 1
-    assert "| all | 4 -> 4 | 0% -> 100% |" in table
