@@ -322,9 +322,9 @@ def plot_sweep(entries, rows, folder):
             mean, _ = significance.mean_band(rescued)
             axes[2].plot(steps[:mean.size], mean, ls="--", color=line.get_color(),
                          label=f"lambda {lam:g} rescued")
-    for ax, title in zip(axes, ("held-out mean b_T - b_0 (band: 95% over seeds)",
-                                "held-out full acceptance (band: 95% over seeds)",
-                                "training: dead groups (solid), rescued share of them (dashed)")):
+    for ax, title in zip(axes, ("held-out mean b_T - b_0\n(band: 95% over seeds)",
+                                "held-out full acceptance\n(band: 95% over seeds)",
+                                "training: dead groups (solid),\nthe share of them rescued (dashed)")):
         ax.set(title=title, xlabel="training step (0 = initial policy)")
         ax.grid(alpha=0.3)
         ax.legend()
