@@ -56,7 +56,8 @@ CONFIG_OPTIONAL = ("resumed",)  # config.json keys a run holds only once resumed
 LAM_MAX = 100.0  # --lam at most: the dense term's weight; beyond it lambda * sum_t r_t drowns the
 # outcome reward a million-fold, and at ~1e308 it overflows to inf (NaN advantages)
 PLAN_GIB_MAX = 2.0**20  # --plan-gib at most (a PiB): more is no device, and overflows the byte count
-PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening", "lab.lora")
+PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening", "lab.lora",
+                  "lab.variants")
 # the constants that say what is trained and played, pinned on resume with the entry point's own;
 # the engine's (engine, layers, lab.fastpath: pool sizes, block size, the fast path) set speed and
 # memory, not results, so a resumed run may change them (DECISIONS.md: Resume pins every knob);
