@@ -2,7 +2,8 @@
 PersuArena, the environment half: a persuader tries to get a persuadee, who plays a hidden
 psychological profile, to agree to one concrete request. This file holds everything about that
 world that needs no model: the scenarios and their seeded variants, the three prompts (persuader,
-persuadee, strategy judge), the decision-tag parser and the episode state machine.
+persuadee, strategy judge), the decision-tag parser, the episode state machine and what a
+turn's two messages carry (Message, Reply: what the sides of rollout.py return).
 
 A turn is one persuader message and the persuadee's reply. The decision tag that reply carries,
 if any, drives the Dialogue:
@@ -31,6 +32,7 @@ Tests: python -m pytest -q tests/test_arena.py
 """
 
 import copy
+import dataclasses
 import json
 import os
 import bisect
@@ -559,6 +561,26 @@ def parse_judge(text: str) -> float | None:
 API_ERROR = "api_error"  # end reason of an episode whose served model's request kept failing
 CUT_OFF = ("context", "cache", API_ERROR)  # end reasons of an episode cut off before its outcome:
 # a context or KV pool that cannot take the next message, or a request that failed for good
+
+@dataclasses.dataclass
+class Message:
+    """A persuader's message as the side that plays it returns it (rollout.Side.speak)."""
+    text: str  # as the persuadee will hear it (tags stripped there); "" when nothing was said
+    reason: str  # how it ended: "stop" or "length" keep the episode going, else why it ends
+    ids: list[int] = dataclasses.field(default_factory=list)  # sampled ([] where text crosses)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # their sampling log-probs
+
+@dataclasses.dataclass
+class Reply:
+    """A persuadee's reply as the side that plays it returns it (rollout.Side.reply), its
+    beliefs read after it. A reply cut off (reason in CUT_OFF) has no probe values."""
+    text: str
+    decision: str | None  # one of OUTCOMES, or None: no decision this turn
+    reason: str  # "stop" or "length", or the cut-off reason that ends the episode
+    probes: list[float | None] | None = None  # one value per probe (None: unread)
+    probe_mass: list[float | None] | None = None  # P(Yes) + P(No) of each read-out
+    decision_probs: list[float] | None = None  # --decision logit: what it was drawn from
+    accept_prob: float | None = None  # --decision belief: the P(ACCEPT) it was drawn with
 
 class Dialogue:
     """The decision state machine of one conversation (its outcome bookkeeping); the caller runs the models and calls step()

@@ -213,7 +213,7 @@ def step_instances(instances, args, step, rank, world):
 
 def rollout_options(args):
     """rollout_episodes' settings of a run, beside its instances, seed and clocks."""
-    persuader_sampling, persuadee_sampling = rollout.role_sampling(args)
+    persuader_sampling, persuadee_sampling = cli.role_sampling(args)
     return dict(group_size=args.group_size, persuader_sampling=persuader_sampling,
                 persuadee_sampling=persuadee_sampling, max_new_tokens=args.max_new_tokens,
                 probe_space=args.probe_space, probe_signs=args.probe_signs, decision=args.decision)
@@ -295,7 +295,7 @@ def evaluate_heldout(persuader, persuadee, judge, args, step, rank, run_dir):
     summary = evaluation.evaluate(persuader, persuadee, instances, run_dir / f"eval-{step}",
                             t_max=args.eval_t_max, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, judge=judge, anchor=args.anchor,
-                            sampling=rollout.role_sampling(args), probe_space=args.probe_space,
+                            sampling=cli.role_sampling(args), probe_space=args.probe_space,
                             probe_signs=args.probe_signs, rank=rank, world=world,
                             shaping_lambda=args.lam, decision=args.decision,
                             fidelity=(evaluation.FIDELITY_SAMPLES if args.eval_fidelity is None

@@ -251,6 +251,17 @@ def add_sampling_flags(parser):
     parser.add_argument("--persuadee-top-k", type=int, help="default: the preset's")
 
 
+def role_sampling(args) -> tuple:
+    """(persuader, persuadee) engine.Sampling of a run: its --sampling preset (rollout.SAMPLING),
+    each value a flag names (add_sampling_flags) overriding it."""
+    persuader, persuadee = rollout.SAMPLING[args.sampling]
+    pick = lambda flag, preset: preset if flag is None else flag
+    return (persuader._replace(temperature=pick(args.persuader_temperature, persuader.temperature)),
+            persuadee._replace(temperature=pick(args.persuadee_temperature, persuadee.temperature),
+                               top_p=pick(args.persuadee_top_p, persuadee.top_p),
+                               top_k=pick(args.persuadee_top_k, persuadee.top_k)))
+
+
 def sampling_problem(args):
     """What is wrong with the sampling flags, as (flag, problem, fix), or None. A persuader
     preset that truncates (top_p, top_k) is refused: the loss takes the whole tempered
