@@ -2,7 +2,8 @@
 PersuArena, the environment half: a persuader tries to get a persuadee, who plays a hidden
 psychological profile, to agree to one concrete request. This file holds everything about that
 world that needs no model: the scenarios and their seeded variants, the three prompts (persuader,
-persuadee, strategy judge), the decision-tag parser and the episode state machine.
+persuadee, strategy judge), the decision-tag parser, the episode state machine and what a
+turn's two messages carry (Message, Reply: what the sides of rollout.py return).
 
 A turn is one persuader message and the persuadee's reply. The decision tag that reply carries,
 if any, drives the Dialogue:
@@ -23,13 +24,15 @@ and rejections are counted over the whole episode, whatever came between them.
 Tags are read only in square brackets, on normalised text (DECISIONS.md: Text normalisation),
 and both sides see the other's text with every tag stripped, so a persuader cannot forge a
 decision; a quoted or negated tag is no decision (the decision tags section says exactly what
-counts; lab/hardening.py holds the other text checks, lab/scenario_check.py the scenario schema).
-arena.py uses the standard library only, besides those two.
+counts; lab/hardening.py holds the other text checks, lab/scenario_check.py the scenario schema,
+lab/variants.py the names and text surgery of a training variant). arena.py uses the standard
+library only, besides those three.
 
 Tests: python -m pytest -q tests/test_arena.py
 """
 
 import copy
+import dataclasses
 import json
 import os
 import bisect
@@ -37,7 +40,7 @@ import random
 import re
 import unicodedata
 
-from lab import hardening, scenario_check
+from lab import hardening, scenario_check, variants
 
 # -----------------------------------------------------------------------------
 # knobs an ablation turns
@@ -77,90 +80,13 @@ def load_scenarios(path=None, split=None):
 
 # -----------------------------------------------------------------------------
 # training variants: the same profile under a new name, a nearby age, a neighbouring trust level
-# and another leading concern; the request and everything at stake stay as written
-
-FIRST_NAMES = {  # no name that is also a common English word, so renaming cannot rewrite prose
-    "she/her": ("Amara", "Beatriz", "Chiara", "Daniela", "Elena", "Fatima", "Gabriela", "Hana",
-                "Ingrid", "Jasmine", "Keiko", "Leila", "Marisol", "Nadia", "Olga", "Priya", "Renata",
-                "Sofia", "Tamar", "Valeria", "Wen", "Ximena", "Yasmin", "Zainab", "Aisha", "Camila",
-                "Dalia", "Esther", "Ines", "Lucia"),
-    "he/him": ("Ahmed", "Bruno", "Carlos", "Dmitri", "Emeka", "Farid", "Gustavo", "Hiroshi", "Ivan",
-               "Jamal", "Kwame", "Luca", "Mateo", "Nikhil", "Omar", "Pavel", "Rafael", "Santiago",
-               "Tomasz", "Umar", "Viktor", "Wei", "Yusuf", "Zoran", "Andre", "Diego", "Elias",
-               "Felix", "Hamid", "Kenji"),
-    "they/them": ("Alex", "Avery", "Casey", "Dakota", "Emery", "Finley", "Jordan", "Kai", "Logan",
-                  "Morgan", "Quinn", "Reese", "Riley", "Rowan", "Skyler", "Taylor", "Jules", "Noor",
-                  "Ari", "Remy", "Sasha", "Charlie", "Jessie", "Devon", "Marlowe", "Ellis", "Sam",
-                  "Toby", "Shay", "Blair"),
-}
-SURNAMES = ("Abara", "Bergstrom", "Castillo", "Dubois", "Eriksen", "Fernandes", "Goldberg", "Haddad",
-            "Ibrahim", "Jovanovic", "Kowalski", "Lindqvist", "Mendoza", "Nakamura", "Okafor", "Petrov",
-            "Quintero", "Rahman", "Santos", "Tanaka", "Varga", "Wozniak", "Yilmaz", "Zhang", "Adeyemi",
-            "Bianchi", "Chowdhury", "Delgado", "Fischer", "Horvat", "Iyer", "Jensen", "Reddy", "Laurent",
-            "Moreau", "Novak", "Ortega", "Sato", "Mwangi", "Costa")
-NOT_TEXT = {"id", "split", "domain", "resistance", "trust", "pronouns"}  # enum fields, never renamed
-
-def _texts(obj):
-    if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, (list, dict)):
-        for key, value in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
-            if key not in NOT_TEXT:
-                yield from _texts(value)
-
-def _map_texts(obj, fn):
-    if isinstance(obj, str):
-        return fn(obj)
-    if isinstance(obj, list):
-        return [_map_texts(v, fn) for v in obj]
-    if isinstance(obj, dict):
-        return {k: v if k in NOT_TEXT else _map_texts(v, fn) for k, v in obj.items()}
-    return obj
-
-def _count(word, text):
-    return len(re.findall(r"(?<!\w)" + re.escape(word) + r"(?!\w)", text))
-
-def _variant(scenario, rng):
-    """One coherent redraw of a scenario's persona (not yet named as an instance)."""
-    person = scenario["persuadee"]
-    text = "\n".join(_texts(scenario))
-    words = set(re.findall(r"\w+", text.lower()))
-    old = person["name"].split()
-    # a new name must share no word with the scenario, or the replacement would merge two people;
-    # a persona without pronouns gets a name that fits any
-    firsts = [f for f in FIRST_NAMES[person.get("pronouns", "they/them")] if f.lower() not in words]
-    lasts = [l for l in SURNAMES if l.lower() not in words]
-    new = [rng.choice(firsts)] + ([rng.choice(lasts)] if len(old) > 1 else [])
-    if len(old) > 1 and _count(old[-1], text) > _count(person["name"], text):
-        new[1:] = old[1:]  # the surname is also a relative's ("her brother, Diego Lopez"): keep it
-    names = {person["name"]: " ".join(new), old[0]: new[0]}   # the full name first: it is the longer match
-    pattern = re.compile(r"(?<!\w)(" + "|".join(map(re.escape, names)) + r")(?!\w)")
-    s = _map_texts(scenario, lambda t: pattern.sub(lambda m: names[m.group(1)], t))
-    person, hidden = s["persuadee"], s["hidden"]
-    # an age written out in the prose ("a 34-year-old nurse") would contradict a shifted one
-    if not re.search(rf"(?<!\d){person['age']}(?!\d)", text):
-        person["age"] = max(MIN_AGE, person["age"] + rng.randint(-AGE_SHIFT, AGE_SHIFT))
-    level = TRUST_LEVELS.index(hidden["trust"])
-    hidden["trust"] = rng.choice([t for i, t in enumerate(TRUST_LEVELS) if abs(i - level) <= 1])
-    k = rng.randrange(len(hidden["concerns"]))
-    hidden["concerns"] = hidden["concerns"][k:] + hidden["concerns"][:k]
-    return s
+# and another leading concern (lab/variants.py draws them with the knobs above); the request and
+# everything at stake stay as written
 
 def variant_capacity(scenario):
-    """How many distinct variants _variant can give a scenario at most (variant 0 included): its
-    name, age, trust and leading-concern choices multiplied out."""
-    person, hidden = scenario["persuadee"], scenario["hidden"]
-    text = "\n".join(_texts(scenario))
-    words = set(re.findall(r"\w+", text.lower()))
-    old = person["name"].split()
-    names = sum(f.lower() not in words for f in FIRST_NAMES[person.get("pronouns", "they/them")])
-    if len(old) > 1 and _count(old[-1], text) <= _count(person["name"], text):
-        names *= sum(l.lower() not in words for l in SURNAMES)
-    ages = 1 if re.search(rf"(?<!\d){person['age']}(?!\d)", text) else len(
-        {max(MIN_AGE, person["age"] + d) for d in range(-AGE_SHIFT, AGE_SHIFT + 1)})
-    level = TRUST_LEVELS.index(hidden["trust"])
-    trusts = sum(abs(i - level) <= 1 for i in range(len(TRUST_LEVELS)))
-    return 1 + names * ages * trusts * len(hidden["concerns"])
+    """How many distinct variants a scenario can give at most (variant 0 included): its name,
+    age, trust and leading-concern choices multiplied out (lab/variants.capacity)."""
+    return variants.capacity(scenario, AGE_SHIFT, MIN_AGE, TRUST_LEVELS)
 
 def variants_problem(scenarios, n=None):
     """None when the training scenarios can give n distinct instances as training_instances
@@ -210,7 +136,7 @@ def training_instances(scenarios=None, n=None, seed=0):
                 draws += 1
                 if draws > 1000:
                     raise ValueError(f"scenario {scenario['id']!r} cannot give {count} distinct variants; lower n")
-                body = _variant(scenario, srng)
+                body = variants.draw(scenario, srng, AGE_SHIFT, MIN_AGE, TRUST_LEVELS)
             seen.add(key)
             instances.append(_instance(scenario, v, body))
     rng.shuffle(instances)
@@ -635,6 +561,26 @@ def parse_judge(text: str) -> float | None:
 API_ERROR = "api_error"  # end reason of an episode whose served model's request kept failing
 CUT_OFF = ("context", "cache", API_ERROR)  # end reasons of an episode cut off before its outcome:
 # a context or KV pool that cannot take the next message, or a request that failed for good
+
+@dataclasses.dataclass
+class Message:
+    """A persuader's message as the side that plays it returns it (rollout.Side.speak)."""
+    text: str  # as the persuadee will hear it (tags stripped there); "" when nothing was said
+    reason: str  # how it ended: "stop" or "length" keep the episode going, else why it ends
+    ids: list[int] = dataclasses.field(default_factory=list)  # sampled ([] where text crosses)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # their sampling log-probs
+
+@dataclasses.dataclass
+class Reply:
+    """A persuadee's reply as the side that plays it returns it (rollout.Side.reply), its
+    beliefs read after it. A reply cut off (reason in CUT_OFF) has no probe values."""
+    text: str
+    decision: str | None  # one of OUTCOMES, or None: no decision this turn
+    reason: str  # "stop" or "length", or the cut-off reason that ends the episode
+    probes: list[float | None] | None = None  # one value per probe (None: unread)
+    probe_mass: list[float | None] | None = None  # P(Yes) + P(No) of each read-out
+    decision_probs: list[float] | None = None  # --decision logit: what it was drawn from
+    accept_prob: float | None = None  # --decision belief: the P(ACCEPT) it was drawn with
 
 class Dialogue:
     """The decision state machine of one conversation (its outcome bookkeeping); the caller runs the models and calls step()

@@ -331,12 +331,11 @@ def cell_sampling(args, persuader):
     preset by default "cpu" for CPU_SAMPLING_MODELS (SmolLM2), else "paper"."""
     import types
 
-    from persuarena import rollout
     config = report.run_config(persuader) if args.sampling is None else {}
     values = {k: getattr(args, k) if getattr(args, k) is not None else config.get(k)
               for k in SAMPLING_FLAGS}
     values["sampling"] = values["sampling"] or picked_sampling(persuader)
-    return rollout.role_sampling(types.SimpleNamespace(**values))
+    return cli.role_sampling(types.SimpleNamespace(**values))
 
 
 def picked_sampling(persuader):

@@ -20,7 +20,8 @@ a GPU each question's fork takes all of its tokens, one forward. `read_beliefs_r
 the same values by a plain full forward of each context plus question (read_beliefs_references:
 the answer words' and the whole vocabulary's from the same forwards); the tests hold fork and
 reference within 1e-4 on every path. The logit decision (rollout.DECISION "logit") reuses the fork:
-read_decisions returns the probabilities of arena.DECISION_WORDS after arena.DECISION_QUESTION.
+read_decisions returns the probabilities of arena.DECISION_WORDS after arena.DECISION_QUESTION,
+sample_decisions draws one with the episode's keyed stream.
 The belief decision (rollout.DECISION "belief") reads nothing more: after turn t the persuadee
 accepts with p_t = sigmoid((b_t - BELIEF_THRESHOLD) / BELIEF_TEMPERATURE), drawn with u < p_t
 from the episode's keyed stream (belief_decisions), so its outcome follows its own belief.
@@ -331,6 +332,19 @@ def read_decisions(eng, sids: list[int]) -> "torch.Tensor":
         for s in forks:
             eng.free(s)
     return torch.cat(out).cpu()
+
+
+def sample_decisions(probs: torch.Tensor, keys: list[int],
+                     positions: list[int]) -> list[str | None]:
+    """One choice of arena.DECISION_WORDS per row of probs [n, choices] (read_decisions),
+    Gumbel-max with the noise of engine.sample: a pure function of the row's stream key and its
+    position, so a replayed episode decides the same."""
+    from persuarena import arena
+    keys = torch.tensor([engine.stream_key(k, "decision") for k in keys], dtype=torch.long)
+    noise = engine.uniform_noise(keys, torch.tensor(positions, dtype=torch.long), probs.shape[-1])
+    picks = (probs.clamp_min(1e-30).log() - torch.log(-torch.log(noise))).argmax(-1)
+    choices = list(arena.DECISION_WORDS)
+    return [choices[i] for i in picks.tolist()]
 
 
 @torch.no_grad()

@@ -4,8 +4,9 @@ rollout.py: the one episode loop. Episodes of a persuader and a persuadee, whate
 A role is a *side* (the Protocol Side, below): a local engine.Engine (EngineSide), a model behind
 an OpenAI-compatible API (served.ServedSide) or, as persuader, the person at the terminal
 (lab/play.py). Every side has the same small interface (prompt, room, prefill, start: forks with
-b_0 read, ready, speak, reply: with the probes read after each, hear, free), so one loop drives
-every mix of them. Each episode is one Episode (a dataclass, below): what the loop builds and
+b_0 read, ready, speak: an arena.Message each, reply: an arena.Reply each, the probes read after
+it, hear, free), so one loop drives every mix of them, and a player becomes a side one way
+(side: by its type). Each episode is one Episode (a dataclass, below): what the loop builds and
 plays (its Status says whose message is due), what rpo.py's rewards and loss read and what
 episodes.jsonl holds (Episode.record; Episode.from_record reads one back).
 
@@ -19,24 +20,18 @@ persuadee's decision is read in such a fork too (probes.read_decisions) and samp
 episode's keyed stream, instead of parsed from its tag; with decision "belief" it accepts with a
 probability its probe belief sets (probes.belief_decisions), drawn with the same keyed stream.
 
-Scheduling (lab/scheduling.py), so that any number of episodes completes on any pools that
-hold one of them:
-    admit    groups in order, while every side has room for the group's prompts plus one
-             message per episode; each instance's prompts are prefilled once and forked G times
-    round    the episodes whose next message fits (its worst case: max_new_tokens, the probe
-             forks) run it; the others wait untouched; finished episodes free their blocks and
-             the queue refills (continuous admission)
-    stall    when no episode can move, the youngest is freed and put back in the queue: its
-             random streams are keyed by (seed, instance, group index, side), so its replay is
-             the same episode. An episode ends "cache" only when it cannot fit a pool alone.
+Scheduling (lab/scheduling.py: admit, round, stall) completes any number of episodes on any
+pools that hold one of them; a stalled episode is replayed the same, its streams keyed.
 A persuader message whose reply never came (the episode ended "cache", "context" or "api_error"
 in between) is kept in the transcript but masked out of the loss: its tokens get turn id 0,
 since no belief change and no decision answers it.
 
     python -m pytest -q tests/test_rollout.py
 """
+import contextlib
 import dataclasses
 import enum
+import functools
 from typing import Protocol, runtime_checkable
 
 from persuarena import arena
@@ -64,43 +59,35 @@ DECISION = "tag"  # "logit": the persuadee's decision read in a fork after each 
 # says (DECISIONS.md: Belief decision); --decision's default
 
 
-clock = scheduling.clock  # (timings, key): a block's wall time added to timings[key]
-
-
 @runtime_checkable
 class Side(Protocol):
-    """What plays a role, whatever it is (module docstring). The sides that exist: EngineSide (a
-    local engine.Engine, either role), served.ServedSide (a model behind an OpenAI-compatible
-    API, either role), play.PersonSide (the person at the terminal, persuader) and
-    sessions.OutsideSide (the persuader of every session of a hub: env.py's, a trainer's)."""
+    """What plays a role, whatever it is (module docstring); side() makes one of a player. The
+    sides that exist: EngineSide (a local engine.Engine, either role), served.ServedSide (a model
+    behind an OpenAI-compatible API, either role), play.PersonSide (the person at the terminal,
+    persuader), sessions.OutsideSide and sessions.OutsidePersuadee (the sessions of a hub, as
+    persuader or persuadee; sessions.SharedPrompts wraps a hub's EngineSide), audit.ScriptedSide
+    (the audit's scripted persuader) and bench_baselines.HistorySide (lab.bench's baselines,
+    which run each side's whole history again every turn)."""
     tokenizer: object  # None where text crosses (served or typed)
     max_len: int | None  # the context, None where a server checks its own
+    eng: engine.Engine | None  # the local engine it plays on (None: a server, a person, sessions)
 
     def prompt(self, instance: dict) -> list[int]: ...  # the prompt's ids ([] where text crosses)
     def room(self, instance: dict, n: int) -> bool: ...  # can n episodes of instance open now?
-    def prefill(self, instance: dict) -> int: ...  # the prompt once; its root
-    def start(self, roots: list[int], counts: list[int]) -> tuple[list[list[int]], list]: ...
+    def prefill(self, instance: dict) -> int | None: ...  # the prompt once; its root
+    def start(self, roots: list[int | None],
+              counts: list[int]) -> tuple[list[list[int]], list[tuple | None]]: ...
     # (sids per root, (b_0 probe values, masses) per root or None); the roots are freed
     def ready(self, sids: list[int]) -> list[int]: ...  # those whose next message fits now
-    def speak(self, sids: list[int], keys: list[int]) -> list[dict]: ...
-    # the persuader's messages: dict(text, ids, logprobs, reason) each
-    def reply(self, sids: list[int], keys: list[int], timings: dict | None = None) -> list[dict]: ...
-    # the persuadee's: dict(text, decision, reason, probes, probe_mass), probes read after each
+    def speak(self, sids: list[int], keys: list[int]) -> list[arena.Message]: ...
+    def reply(self, sids: list[int], keys: list[int],
+              timings: dict | None = None) -> list[arena.Reply]: ...  # probes read after each
     def hear(self, sid: int, text: str, final_turn: bool = False,
              shown: tuple | None = None) -> tuple[list[int], str | None]: ...
     # (the ids it added to a persuader's stream, "context" when they did not fit, else None)
     def free(self, sid: int) -> None: ...
 
 
-def role_sampling(args):
-    """(persuader, persuadee) engine.Sampling of a run: its --sampling preset (SAMPLING), each
-    value a flag names (lab.cli.add_sampling_flags) overriding it."""
-    persuader, persuadee = SAMPLING[args.sampling]
-    pick = lambda flag, preset: preset if flag is None else flag
-    return (persuader._replace(temperature=pick(args.persuader_temperature, persuader.temperature)),
-            persuadee._replace(temperature=pick(args.persuadee_temperature, persuadee.temperature),
-                               top_p=pick(args.persuadee_top_p, persuadee.top_p),
-                               top_k=pick(args.persuadee_top_k, persuadee.top_k)))
 
 
 def prompt_ids(persuader_tok, persuadee_tok, instance):
@@ -109,27 +96,25 @@ def prompt_ids(persuader_tok, persuadee_tok, instance):
             models.chat_ids(persuadee_tok, arena.persuadee_messages(instance), False))
 
 
-def prompt_problems(persuader, persuadee, instances, max_new_tokens=None):
+def prompt_problems(persuader, persuadee, instances: list[dict],
+                    max_new_tokens: int | None = None) -> dict[str, str]:
     """{instance id: why it cannot be played}, for prompts that leave less than max_new_tokens
     (default engine.MAX_NEW_TOKENS) // PROMPT_ROOM_SHARE tokens of a local model's context (a
-    server checks its own). Each side is a side or an engine.Engine. An engine's prompt is
-    encoded only when models.chat_length_bound does not already show that it fits."""
+    server checks its own). Each role is what has a tokenizer and a max_len (None: unchecked): a
+    side, an engine.Engine, a served.ServedModel. A prompt is encoded (as prompt_ids encodes it)
+    only when models.chat_length_bound does not already show that it fits."""
     room = (engine.MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens) // PROMPT_ROOM_SHARE
     problems = {}
     for inst in instances:
         for role, eng in (("persuader", persuader), ("persuadee", persuadee)):
-            if getattr(eng, "max_len", None) is None:
+            if eng.max_len is None:
                 continue
-            if hasattr(eng, "prompt"):
-                ids = eng.prompt(inst)
-            else:
-                messages = (arena.persuadee_messages(inst) if role == "persuadee" else
-                            arena.persuader_messages(inst))
-                generation = role == "persuader"  # as prompt_ids encodes each side
-                bound = models.chat_length_bound(eng.tokenizer, messages, generation)
-                if bound + room <= eng.max_len:
-                    continue
-                ids = models.chat_ids(eng.tokenizer, messages, generation)
+            messages = (arena.persuadee_messages(inst) if role == "persuadee" else
+                        arena.persuader_messages(inst))
+            generation = role == "persuader"  # as prompt_ids encodes each side
+            if models.chat_length_bound(eng.tokenizer, messages, generation) + room <= eng.max_len:
+                continue
+            ids = models.chat_ids(eng.tokenizer, messages, generation)
             if len(ids) + room > eng.max_len:
                 problems[inst["id"]] = (f"the {role} prompt of {inst['id']} is {len(ids)} tokens, "
                                         f"the model's context {eng.max_len}")
@@ -152,18 +137,11 @@ def persuader_heard(tokenizer, message_ids, text):
             + models.turn_ids(tokenizer, arena.persuader_sees(text)))
 
 
-def persuadee_turn(persuadee, sids, *, sampling, max_new_tokens, keys=None, timings=None,
-                   probe_space=None, probe_signs=None, decision="tag"):
-    """The persuadee's half of a turn on an engine, for each sequence (the message it heard
-    already pending, persuadee_heard): EngineSide.reply on it."""
-    return EngineSide(persuadee, "persuadee", sampling, max_new_tokens, probe_space, probe_signs,
-                      decision).reply(sids, keys, timings)
-
-
-def close_replies(persuadee, sids, outs):
+def close_replies(persuadee: engine.Engine, sids: list[int],
+                  outs: list[tuple]) -> tuple[list[arena.Reply], list[tuple[int, arena.Reply]]]:
     """The persuadee's replies as generated (outs), each closed in its context where it fits:
-    (per sequence dict(text, decision, reason, probes None, probe_mass None), the closed ones as
-    (sid, reply)). A reply with no room left to close and ask the probes ends "context"."""
+    (an arena.Reply per sequence, no probes read yet; the closed ones as (sid, reply)). A reply
+    with no room left to close and ask the probes ends "context"."""
     tok = persuadee.tokenizer
     replies, closed = [], []
     for sid, (ids, _, reason) in zip(sids, outs):
@@ -172,63 +150,39 @@ def close_replies(persuadee, sids, outs):
         if (reason not in arena.CUT_OFF and persuadee.length(sid) + len(closing)
                 + max(map(len, probes.probe_ids(tok)[0])) > persuadee.max_len):
             reason = "context"  # no room left to close the reply and ask the probes
-        replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
-                            probes=None, probe_mass=None))
+        replies.append(arena.Reply(text, arena.parse_decision(text), reason))
         if reason not in arena.CUT_OFF:
             persuadee.append(sid, closing)
             closed.append((sid, replies[-1]))
     return replies, closed
 
 
-def sample_decisions(probs, keys, positions):
-    """One choice of arena.DECISION_WORDS per row of probs [n, choices], Gumbel-max with the
-    noise of engine.sample: a pure function of the row's stream key and its position, so a
-    replayed episode decides the same."""
-    import torch
-    keys = torch.tensor([engine.stream_key(k, "decision") for k in keys], dtype=torch.long)
-    noise = engine.uniform_noise(keys, torch.tensor(positions, dtype=torch.long), probs.shape[-1])
-    picks = (probs.clamp_min(1e-30).log() - torch.log(-torch.log(noise))).argmax(-1)
-    choices = list(arena.DECISION_WORDS)
-    return [choices[i] for i in picks.tolist()]
-
-
-def read_logit_decisions(persuadee, closed, timings=None):
-    """The decision of each closed reply (sid, reply, key), read in a fork of the persuadee's
-    context (probes.read_decisions) and sampled (sample_decisions); stored in the reply with the
-    probabilities it was drawn from (decision_probs)."""
-    with clock(timings, "probe_s"):
-        probs = probes.read_decisions(persuadee, [sid for sid, _, _ in closed])
-    positions = [persuadee.length(sid) for sid, _, _ in closed]
-    for (_, reply, _), decision, p in zip(closed, sample_decisions(probs, [k for _, _, k in closed],
-                                                                     positions), probs.tolist()):
-        reply["decision"], reply["decision_probs"] = decision, p
-
-
-def message_blocks(eng, max_new_tokens):
+def message_blocks(eng: engine.Engine, max_new_tokens: int) -> int:
     """Blocks one more message of a sequence can take at most (one more for copy-on-write)."""
     return eng.blocks_for(max_new_tokens, copy_on_write=True)
 
 
-def side(player, role, sampling, max_new_tokens, probe_space=None, probe_signs=None, decision=None):
-    """The side that plays `role`: player is a served.ServedModel, already a side (it has
-    `room`; returned as it is), or an engine.Engine (or anything with its interface).
-    decision: how a local persuadee's decision is read (default DECISION)."""
-    if isinstance(player, served.ServedModel):
-        return served.ServedSide(player, role, sampling, max_new_tokens, probe_space, probe_signs)
-    if hasattr(player, "room"):
-        return player
-    return EngineSide(player, role, sampling, max_new_tokens, probe_space, probe_signs, decision)
+@functools.singledispatch
+def judge_scores(model: object, *args, **kwargs):
+    """The judge's scores, chosen as side() chooses a side: by the model's type (each kind's
+    scorer looked up when called)."""
+    raise TypeError(f"rollout.py: a judge is an engine.Engine or a served.ServedModel, not a "
+                    f"{type(model).__name__}; pass one of those, or None for no judge")
 
 
-def judge_all(model, instances, transcripts, seed, group_indices):
-    """(strategy score s, fell back) per transcript, by a local or a served judge under the one
-    retry policy (judge_attempts); s = 0 (not fallen back) for every transcript when there is
-    no judge (model None)."""
+judge_scores.register(engine.Engine, lambda *a, **k: local_judge.judge_scores(*a, **k))
+judge_scores.register(served.ServedModel, lambda *a, **k: served.judge_scores(*a, **k))
+
+
+def judge_all(model, instances: list[dict], transcripts: list[list[dict]], seed: int,
+              group_indices: list[int]) -> tuple[list[float], list[bool]]:
+    """(strategy score s, fell back) per transcript, by a local or a served judge (judge_scores)
+    under the one retry policy (judge_attempts); s = 0 (not fallen back) for every transcript
+    when there is no judge (model None)."""
     if model is None:
         return [0.0] * len(instances), [False] * len(instances)
-    scorer = served.judge_scores if isinstance(model, served.ServedModel) else local_judge.judge_scores
-    return scorer(model, instances, transcripts, seed, group_indices,
-                  max_tokens=JUDGE_MAX_NEW_TOKENS, attempts=judge_attempts)
+    return judge_scores(model, instances, transcripts, seed, group_indices,
+                        max_tokens=JUDGE_MAX_NEW_TOKENS, attempts=judge_attempts)
 
 
 def judge_attempts(answer, n):
@@ -367,62 +321,59 @@ TRAINING_FIELDS = tuple(f.name for f in dataclasses.fields(Episode)
                         if f.metadata.get("kind") == "training")  # of no use once scored
 
 
-def rollout_episodes(persuader, persuadee, instances, t_max, *, group_size=1, seed=0,
-                     persuader_sampling=None, persuadee_sampling=None, max_new_tokens=None,
-                     judge=None, max_active=None, probe_space=None, probe_signs=None,
-                     decision=None, on_record=None, progress=None, timings=None):
-    """Play G = group_size episodes of every instance to the end, scheduled onto the sides.
+def rollout_episodes(persuader, persuadee, instances: list[dict], t_max: int, *,
+                     group_size: int = 1, seed: int = 0, persuader_sampling=None,
+                     persuadee_sampling=None, max_new_tokens: int | None = None, judge=None,
+                     max_active: int | None = None, probe_space: str | None = None,
+                     probe_signs: dict | None = None, decision: str | None = None,
+                     on_record=None, progress=None, timings: dict | None = None,
+                     loop: "EpisodeLoop | None" = None) -> list[Episode]:
+    """Play G = group_size episodes of every instance to the end, scheduled onto the sides, in
+    rounds: admit what fits, then every persuader with room speaks and every persuadee with room
+    replies, its probes read after each reply (Side.reply).
 
-    persuader and persuadee are each an engine.Engine, a served.ServedModel or a Side, sampled
-    with their role's engine.Sampling (default SAMPLING["paper"]), each message at most
+    persuader and persuadee are each an engine.Engine, a served.ServedModel or a Side (side),
+    sampled with their role's engine.Sampling (default SAMPLING["paper"]), each message at most
     max_new_tokens (default engine.MAX_NEW_TOKENS). probe_space and probe_signs are the probe
-    options (probes.py's defaults); decision is how the persuadee decides, "tag" or "logit"
-    (default DECISION). `max_active` caps the episodes in play at once (default: as many as the
-    sides take). `on_record`, when given, receives each episode's record as soon as it ends, its
-    judge field still None. judge: an Engine or a ServedModel scores every transcript once all
+    options (probes.py's defaults); decision is how the persuadee decides, "tag", "logit" or
+    "belief" (default DECISION). `max_active` caps the episodes in play at once (default: as
+    many as the sides take). `on_record`, when given, receives each episode as soon as it ends,
+    its judge still None. judge: an Engine or a ServedModel scores every transcript once all
     have ended (judge_episodes; train.py calls it itself); None leaves s = 0. `timings`, when
     given a dict, accumulates seconds under persuader_s, persuadee_s, probe_s and judge_s.
-    Returns one Episode per episode (instance-major)."""
-    persuader, persuadee = sides(persuader, persuadee, instances, persuader_sampling,
-                                 persuadee_sampling, max_new_tokens, probe_space, probe_signs,
-                                 decision)
-    loop = EpisodeLoop(persuader, persuadee, instances, t_max, seed, group_size, max_active,
-                       on_record, timings)
-    while loop.scheduler.running or loop.scheduler.waiting:
-        if not play_round(loop, persuader, persuadee, timings) and loop.scheduler.running:
-            loop.scheduler.stall()
-        if progress is not None:
-            progress.update(len(loop.scheduler.done) - progress.n)
-    episodes = [loop.scheduler.done[i, g] for i in range(len(instances)) for g in range(group_size)]
-    for e in episodes:
-        e.judge, e.judge_failed = 0.0, False
-    return judge_episodes(judge, instances, episodes, seed, group_size, timings)
+    `loop`: an EpisodeLoop to play instead of one made here (lab/sessions.py's, whose episodes
+    join as sessions open them), its sides persuader and persuadee as given. Returns one
+    Episode per episode (instance-major)."""
+    if loop is None:
+        persuader, persuadee = sides(persuader, persuadee, instances, persuader_sampling,
+                                     persuadee_sampling, max_new_tokens, probe_space, probe_signs,
+                                     decision)
+        loop = EpisodeLoop(persuader, persuadee, instances, t_max, seed, group_size, max_active,
+                           on_record, timings, progress)
+    while loop.more():
+        with loop.round():
+            if groups := loop.admit():  # prompts prefilled where every side has room
+                counts = [len(members) for _, members, _ in groups]
+                persuader_sids, _ = persuader.start([roots[0] for *_, roots in groups], counts)
+                with scheduling.clock(timings, "probe_s"):  # b_0, before the first message
+                    persuadee_sids, b0 = persuadee.start([roots[1] for *_, roots in groups], counts)
+                loop.started(groups, persuader_sids, persuadee_sids, b0)
+            if speakers := loop.ready(persuader, Status.SPEAK):
+                with scheduling.clock(timings, "persuader_s"):
+                    said = persuader.speak([e.persuader_sid for e in speakers],
+                                           [e.persuader_key for e in speakers])
+                loop.said(speakers, said)
+            if repliers := loop.ready(persuadee, Status.REPLY):  # the probes read after each
+                replies = persuadee.reply([e.persuadee_sid for e in repliers],
+                                          [e.persuadee_key for e in repliers], timings)
+                loop.replied(repliers, replies)
+        loop.after_round(bool(speakers or repliers))
+    return judge_episodes(judge, instances, loop.episodes(), seed, group_size, timings)
 
 
-def play_round(loop, persuader, persuadee, timings=None):
-    """One round of the loop: admit what fits, then every persuader with room speaks and every
-    persuadee with room replies. Whether any episode moved. (lab/sessions.py plays its sessions'
-    episodes through the same rounds.)"""
-    groups = loop.admit()  # prompts prefilled where every side has room
-    if groups:
-        counts = [len(members) for _, members, _ in groups]
-        persuader_sids, _ = persuader.start([roots[0] for *_, roots in groups], counts)
-        with clock(timings, "probe_s"):  # b_0 of every new episode, read before its first message
-            persuadee_sids, b0 = persuadee.start([roots[1] for *_, roots in groups], counts)
-        loop.started(groups, persuader_sids, persuadee_sids, b0)
-    if speakers := loop.ready(persuader, Status.SPEAK):
-        with clock(timings, "persuader_s"):
-            said = persuader.speak([e.persuader_sid for e in speakers],
-                                   [e.persuader_key for e in speakers])
-        loop.said(speakers, said)
-    if repliers := loop.ready(persuadee, Status.REPLY):  # the probes read after each reply
-        loop.replied(repliers, persuadee.reply([e.persuadee_sid for e in repliers],
-                                               [e.persuadee_key for e in repliers], timings))
-    return bool(speakers or repliers)
-
-
-def sides(persuader, persuadee, instances, persuader_sampling, persuadee_sampling, max_new_tokens,
-          probe_space, probe_signs, decision):
+def sides(persuader, persuadee, instances: list[dict], persuader_sampling, persuadee_sampling,
+          max_new_tokens: int | None, probe_space: str | None, probe_signs: dict | None,
+          decision: str | None) -> tuple[Side, Side]:
     """The two sides of rollout_episodes (side), their prompts checked against the instances."""
     paper = SAMPLING["paper"]
     max_new_tokens = engine.MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
@@ -430,9 +381,6 @@ def sides(persuader, persuadee, instances, persuader_sampling, persuadee_samplin
     persuader_side = side(persuader, "persuader", persuader_sampling or paper[0], max_new_tokens)
     persuadee_side = side(persuadee, "persuadee", persuadee_sampling or paper[1], max_new_tokens,
                           probe_space, probe_signs, decision)
-    if decision in ("logit", "belief") and not isinstance(persuadee_side, EngineSide):
-        raise ValueError(f"rollout.py: --decision {decision} reads the persuadee's logits in a "
-                         "fork of its cache, which only a local persuadee has; use --decision tag")
     problems = prompt_problems(persuader_side, persuadee_side, instances, max_new_tokens)
     if problems:
         raise ValueError("rollout.py: " + "; ".join(problems.values()) + ". Leave these instances "
@@ -440,12 +388,13 @@ def sides(persuader, persuadee, instances, persuader_sampling, persuadee_samplin
     return persuader_side, persuadee_side
 
 
-def judge_episodes(judge, instances, episodes, seed, group_size, timings=None):
+def judge_episodes(judge, instances: list[dict], episodes: list[Episode], seed: int,
+                   group_size: int, timings: dict | None = None) -> list[Episode]:
     """The strategy judge's score s of each Episode (instance-major, group_size a instance),
     set as its judge and judge_failed (judge_all); an episode with nothing said keeps s = 0, and
     so does every one when judge is None. Returns the episodes."""
     spoken = [i for i, e in enumerate(episodes) if e.transcript] if judge is not None else []
-    with clock(timings, "judge_s"):
+    with scheduling.clock(timings, "judge_s"):
         scores, failed = judge_all(judge, [instances[i // group_size] for i in spoken],
                                    [episodes[i].transcript for i in spoken], seed,
                                    [i % group_size for i in spoken]) if spoken else ([], [])
@@ -454,28 +403,43 @@ def judge_episodes(judge, instances, episodes, seed, group_size, timings=None):
     return episodes
 
 
-
-def numbered(first, counts):
-    """Consecutive sequence ids from `first`, one list a count, and the next free id: how a side
-    with no pool of its own (a person, outside sessions) names the episodes it starts."""
-    sids = []
-    for n in counts:
-        sids.append(list(range(first, first + n)))
-        first += n
-    return sids, first
-
-
 class EpisodeLoop:
     """The episodes' state between the sides' calls in rollout_episodes: which episodes wait
     and run (Scheduler), and what each message and reply does to its episode (its arena state
-    machine, its token stream, transcript and beliefs)."""
+    machine, its token stream, transcript and beliefs). more, round and after_round pace the
+    rounds (lab/sessions.py's SessionLoop paces a hub's its own way)."""
 
-    def __init__(self, persuader, persuadee, instances, t_max, seed, group_size, max_active,
-                 on_record, timings):
+    def __init__(self, persuader: Side, persuadee: Side, instances, t_max: int, seed: int | None,
+                 group_size: int, max_active: int | None, on_record, timings: dict | None,
+                 progress=None):
         self.instances, self.t_max, self.seed = instances, t_max, seed
-        self.on_record = on_record
+        self.group_size, self.on_record, self.progress = group_size, on_record, progress
         self.scheduler = scheduling.Scheduler((persuader, persuadee), instances, group_size,
                                               max_active, timings)
+
+    def more(self) -> bool:
+        """Whether another round is due: episodes in play or waiting."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def round(self) -> contextlib.AbstractContextManager:
+        """What holds around one round's calls to the sides (nothing here)."""
+        return contextlib.nullcontext()
+
+    def after_round(self, moved: bool) -> None:
+        """When no episode could move, the youngest is freed and queued again (Scheduler.stall);
+        the progress bar follows the episodes ended."""
+        if not moved and self.scheduler.running:
+            self.scheduler.stall()
+        if self.progress is not None:
+            self.progress.update(len(self.scheduler.done) - self.progress.n)
+
+    def episodes(self) -> list[Episode]:
+        """Every episode played, instance-major, judged s = 0 until judge_episodes."""
+        episodes = [self.scheduler.done[i, g] for i in range(len(self.instances))
+                    for g in range(self.group_size)]
+        for e in episodes:
+            e.judge, e.judge_failed = 0.0, False
+        return episodes
 
     def admit(self):
         """The groups the scheduler admits now (index, members, roots); those that never start
@@ -532,37 +496,37 @@ class EpisodeLoop:
         fit = set(side_.ready([sid(e) for e in episodes]))
         return [e for e in episodes if sid(e) in fit]
 
-    def said(self, speakers, said):
+    def said(self, speakers: list[Episode], said: list[arena.Message]) -> None:
         """Each persuader's message enters its token stream and transcript; the persuadee hears it."""
         for e, out in zip(speakers, said):
-            self.extend(e, out["ids"], e.dialogue.turn + 1, out["logprobs"])
-            if out["reason"] not in (arena.API_ERROR, STOPPED):  # those said nothing
-                e.transcript.append({"role": "persuader", "text": out["text"], "decision": None})
-            if out["reason"] not in SPOKEN:
-                self.cut_off(e, out["reason"])
+            self.extend(e, out.ids, e.dialogue.turn + 1, out.logprobs)
+            if out.reason not in (arena.API_ERROR, STOPPED):  # those said nothing
+                e.transcript.append({"role": "persuader", "text": out.text, "decision": None})
+            if out.reason not in SPOKEN:
+                self.cut_off(e, out.reason)
                 continue
-            self.scheduler.sides[1].hear(e.persuadee_sid, out["text"], e.dialogue.final_turn)
+            self.scheduler.sides[1].hear(e.persuadee_sid, out.text, e.dialogue.final_turn)
             e.status = Status.REPLY
 
-    def replied(self, repliers, replies):
+    def replied(self, repliers: list[Episode], replies: list[arena.Reply]) -> None:
         """Each reply steps its episode's state machine, adds its belief, and the persuader
         hears it."""
         for e, reply in zip(repliers, replies):
-            if reply["reason"] != arena.API_ERROR:
-                e.transcript.append({"role": "persuadee", "text": reply["text"],
-                                     "decision": reply["decision"]})
-            if reply["reason"] in arena.CUT_OFF:
-                self.cut_off(e, reply["reason"])
+            if reply.reason != arena.API_ERROR:
+                e.transcript.append({"role": "persuadee", "text": reply.text,
+                                     "decision": reply.decision})
+            if reply.reason in arena.CUT_OFF:
+                self.cut_off(e, reply.reason)
                 continue
-            e.dialogue.step(reply["decision"])
-            e.probes.append(reply["probes"])
-            e.probe_mass.append(reply["probe_mass"])
-            e.beliefs.append(probes.belief(reply["probes"]))
+            e.dialogue.step(reply.decision)
+            e.probes.append(reply.probes)
+            e.probe_mass.append(reply.probe_mass)
+            e.beliefs.append(probes.belief(reply.probes))
             if e.dialogue.done:
                 self.finish(e)
                 continue
-            ids, reason = self.scheduler.sides[0].hear(e.persuader_sid, reply["text"],
-                                                       shown=(reply["probes"], e.beliefs))
+            ids, reason = self.scheduler.sides[0].hear(e.persuader_sid, reply.text,
+                                                       shown=(reply.probes, e.beliefs))
             self.extend(e, ids)
             e.status = Status.SPEAK
             if reason:
@@ -620,13 +584,13 @@ class EngineSide:
         counts = [self.eng.length(s) - self.eng.cached(s) + extra for s in sids]
         return self.eng.admit(sids, counts, reserve=self.reserve)
 
-    def speak(self, sids: list[int], keys: list[int]) -> list[dict]:
+    def speak(self, sids: list[int], keys: list[int]) -> list[arena.Message]:
         outs = self.eng.generate(sids, self.max_new_tokens, self.sampling, keys)
         said = []
         for s, (ids, logprobs, reason) in zip(sids, outs):
             self.last[s] = ids
-            said.append(dict(text=self.tokenizer.decode(ids, skip_special_tokens=True).strip(),
-                             ids=ids, logprobs=logprobs, reason=reason))
+            said.append(arena.Message(self.tokenizer.decode(ids, skip_special_tokens=True).strip(),
+                                      reason, ids, logprobs))
         return said
 
     def hear(self, sid: int, text: str, final_turn: bool = False,
@@ -642,34 +606,54 @@ class EngineSide:
         return ids, "context" if self.eng.overflow(sid) == "context" else None
 
     def reply(self, sids: list[int], keys: list[int] | None,
-              timings: dict | None = None) -> list[dict]:
+              timings: dict | None = None) -> list[arena.Reply]:
         """The persuadee's replies (the message it heard pending: persuadee_heard), each closed and
-        its beliefs read in forks (probes.read_engine): per sequence dict(text, decision, reason,
-        probes, probe_mass: the Yes+No mass of each read-out); a reply cut off ("context",
-        "cache") has no probes. decision "logit": read in a fork instead (read_logit_decisions);
+        its beliefs read in forks (probes.read_engine: values and the Yes+No mass of each
+        read-out); a reply cut off ("context", "cache") has no probes. decision "logit": the
+        decision read in a fork too (probes.read_decisions) and sampled (probes.sample_decisions);
         "belief": drawn from the belief just read (probes.belief_decisions)."""
-        with clock(timings, "persuadee_s"):
+        with scheduling.clock(timings, "persuadee_s"):
             outs = self.eng.generate(sids, self.max_new_tokens, self.sampling, keys)
             replies, closed = close_replies(self.eng, sids, outs)
             if closed:
                 self.eng.forward([sid for sid, _ in closed])
-        if closed:
-            with clock(timings, "probe_s"):
-                values, mass = probes.read_engine(self.eng, [sid for sid, _ in closed],
-                                                  with_mass=True, space=self.space, signs=self.signs)
-            for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
-                reply["probes"], reply["probe_mass"] = v, m
-            by_sid = dict(zip(sids, keys or [0] * len(sids)))
-            if self.decision == "logit":
-                read_logit_decisions(self.eng, [(sid, r, by_sid[sid]) for sid, r in closed], timings)
-            if self.decision == "belief":
-                drawn = probes.belief_decisions([probes.belief(r["probes"]) for _, r in closed],
-                                                [by_sid[sid] for sid, _ in closed],
-                                                [self.eng.length(sid) for sid, _ in closed])
-                for (_, reply), decision, p in zip(closed, *drawn):
-                    reply["decision"], reply["accept_prob"] = decision, p
+        if not closed:
+            return replies
+        done = [sid for sid, _ in closed]
+        with scheduling.clock(timings, "probe_s"):
+            values, mass = probes.read_engine(self.eng, done, with_mass=True, space=self.space,
+                                              signs=self.signs)
+            probs = probes.read_decisions(self.eng, done) if self.decision == "logit" else None
+        for (_, reply), v, m in zip(closed, values.tolist(), mass.tolist()):
+            reply.probes, reply.probe_mass = v, m
+        by_sid = dict(zip(sids, keys or [0] * len(sids)))
+        keyed, positions = [by_sid[sid] for sid in done], [self.eng.length(sid) for sid in done]
+        if self.decision == "logit":
+            drawn = probes.sample_decisions(probs, keyed, positions)
+            for (_, reply), decision, p in zip(closed, drawn, probs.tolist()):
+                reply.decision, reply.decision_probs = decision, p
+        if self.decision == "belief":
+            drawn = probes.belief_decisions([probes.belief(r.probes) for _, r in closed], keyed,
+                                            positions)
+            for (_, reply), decision, p in zip(closed, *drawn):
+                reply.decision, reply.accept_prob = decision, p
         return replies
 
     def free(self, sid: int) -> None:
         self.eng.free(sid)
         self.last.pop(sid, None)
+
+
+@functools.singledispatch
+def side(player: object, role: str, sampling: engine.Sampling, max_new_tokens: int,
+         probe_space: str | None = None, probe_signs: dict | None = None,
+         decision: str | None = None) -> Side:
+    """The side that plays `role`, chosen one way: by the player's type, as registered below (an
+    engine.Engine plays as EngineSide, a served.ServedModel as served.ServedSide, each built
+    with these arguments); any other player is a side already (Side), returned as it is.
+    decision: how the persuadee decides (default DECISION; a served one reads only its tag)."""
+    return player
+
+
+side.register(engine.Engine, lambda *a, **k: EngineSide(*a, **k))
+side.register(served.ServedModel, lambda *a, **k: served.ServedSide(*a, **k))

@@ -14,10 +14,11 @@ One step, in the order of the loop at the bottom of this file (rpo.py has the eq
   5. weight refresh: the rollout engine's weights are written from the updated policy;
   6. log, evaluate (eval.py on held-out scenarios, every --eval-every steps), save.
 Groups are sharded across ranks (torchrun). The actor's master weights, gradients and AdamW
-moments are fp32, sharded with FSDP2 under a MixedPrecisionPolicy (bf16 compute, fp32 gradient
-reduction; autocast in one process); its rollout copy in --dtype is the actor engine's own
-weights; the frozen reference is sharded too (or is the persuadee's model when they are the
-same); persuadee and judge are frozen and unsharded. --lora trains adapters on a frozen base.
+moments are fp32, sharded with FSDP2 under a MixedPrecisionPolicy (lab/ranks.shard: bf16
+compute, fp32 gradient reduction; in one process autocast, lab/steps.compute_context); its
+rollout copy in --dtype is the actor engine's own weights; the frozen reference is sharded
+too (or is the persuadee's model when they are the same); persuadee and judge are frozen and
+unsharded. --lora trains adapters on a frozen base.
 Checkpoints (runs/NAME/checkpoint-STEP) are Hugging Face folders of the fp32 master weights plus
 the optimizer, written to a temporary folder and renamed: a killed run resumes from the last one
 (--resume, its settings and constants pinned). metrics.jsonl is the record of truth, one line a
@@ -52,7 +53,6 @@ from tqdm import tqdm
 
 from persuarena import arena
 from persuarena import engine
-from persuarena import layers
 from persuarena import models
 from persuarena import rollout
 from persuarena import rpo
@@ -82,26 +82,6 @@ MAX_SKIPPED_STEPS = 3               # consecutive skipped (non-finite) steps tha
 def load(name, dtype, device, seed=0):  # seed: a random model's weights (the policy's: --seed)
     model, tokenizer = models.load_model(name, dtype=getattr(torch, dtype), device=device, seed=seed)
     return model.requires_grad_(False), tokenizer
-
-
-def shard(model, world, compute_dtype=None):
-    """FSDP2: each decoder layer, then the root, sharded over the ranks. With a compute_dtype
-    (the policy's bf16) the MixedPrecisionPolicy gathers the fp32 master shards cast to it for
-    forward and backward and reduce-scatters the gradients in fp32; AdamW then steps fp32 shards
-    with fp32 moments. A frozen model (the reference) is sharded as it is, without gradients."""
-    if world == 1:
-        return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    policy = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-              if compute_dtype not in (None, torch.float32) else MixedPrecisionPolicy())
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
-
-
-def checkpoint_activations(policy):
-    """Activation (gradient) checkpointing on, by transformers' newer name where it has one."""
-    (getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable)()
 
 
 @dataclass
@@ -151,12 +131,12 @@ def build_models(args, world, device):
                                                                   args.persuader), world)
     reference = {None: lambda: None, "persuadee": lambda: persuadee,
                  "base": lambda: lora.AdapterOff(policy),
-                 "copy": lambda: shard(copy(), world)}[held.reference]()
+                 "copy": lambda: ranks.shard(copy(), world)}[held.reference]()
     if not args.lora:
         policy.requires_grad_(True)
     if plan.checkpointing(args.activation_checkpointing, device.type):
-        checkpoint_activations(policy)
-    policy = policy if args.lora else shard(policy, world, getattr(torch, args.dtype))
+        steps.checkpoint_activations(policy)
+    policy = policy if args.lora else ranks.shard(policy, world, getattr(torch, args.dtype))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
     return Models(held, policy, optimizer, tokenizer, rollout_copy, reference, persuadee,
                   persuadee_tokenizer, served_persuadee, served_judge, args.lora)
@@ -213,35 +193,10 @@ def step_instances(instances, args, step, rank, world):
 
 def rollout_options(args):
     """rollout_episodes' settings of a run, beside its instances, seed and clocks."""
-    persuader_sampling, persuadee_sampling = rollout.role_sampling(args)
+    persuader_sampling, persuadee_sampling = cli.role_sampling(args)
     return dict(group_size=args.group_size, persuader_sampling=persuader_sampling,
                 persuadee_sampling=persuadee_sampling, max_new_tokens=args.max_new_tokens,
                 probe_space=args.probe_space, probe_signs=args.probe_signs, decision=args.decision)
-
-
-def compute_context(model, args, world):
-    """Where the trainer's forwards (policy and reference) run: off cuDNN's SDPA, as the
-    engine's own attention (layers.SDPA_BACKENDS: its per-shape graph builds cost more than
-    the attention at shapes that change every micro-batch), and in one process with a half
-    --dtype under autocast from the fp32 master weights (under FSDP the MixedPrecisionPolicy
-    casts them instead)."""
-    from contextlib import ExitStack
-    from torch.nn.attention import sdpa_kernel
-    stack = ExitStack()
-    stack.enter_context(sdpa_kernel(layers.SDPA_BACKENDS))
-    device = next(model.parameters()).device
-    if world == 1 and args.dtype != "float32":
-        stack.enter_context(torch.autocast(device.type, dtype=getattr(torch, args.dtype)))
-    return stack
-
-
-def shares_prompts(policy, world):
-    """Whether kept_logits may run shared prompts once: in one process (not under FSDP) and
-    without gradient checkpointing, which drops a training cache."""
-    checkpointing = getattr(policy, "is_activation_checkpointing", None)  # transformers' newer name
-    if checkpointing is None:
-        checkpointing = getattr(policy, "is_gradient_checkpointing", False)
-    return world == 1 and not checkpointing
 
 
 def policy_update(policy, reference, optimizer, records, turn_advantages, args, device, world):
@@ -263,8 +218,9 @@ def policy_update(policy, reference, optimizer, records, turn_advantages, args, 
             temperature=args.persuader_temperature or 1.0,  # greedy records log-probs at T = 1
             clip_low=args.clip_low, clip_high=args.clip_high, beta=args.kl_beta,
             logits=lambda model, *a: steps.kept_logits(  # a shared prompt once where it may
-                model, *a, share_stem=shares_prompts(policy, world) if model is policy else world == 1),
-            context=lambda model: compute_context(model, args, world))
+                model, *a, share_stem=steps.shares_prompts(policy, world) if model is policy
+                else world == 1),
+            context=lambda model: steps.compute_context(model, args, world))
         (loss * world).backward()  # FSDP averages gradients over ranks; the loss is a global mean
         bad.update(s.pop("nonfinite"))
         for k, v in s.items():
@@ -295,7 +251,7 @@ def evaluate_heldout(persuader, persuadee, judge, args, step, rank, run_dir):
     summary = evaluation.evaluate(persuader, persuadee, instances, run_dir / f"eval-{step}",
                             t_max=args.eval_t_max, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, judge=judge, anchor=args.anchor,
-                            sampling=rollout.role_sampling(args), probe_space=args.probe_space,
+                            sampling=cli.role_sampling(args), probe_space=args.probe_space,
                             probe_signs=args.probe_signs, rank=rank, world=world,
                             shaping_lambda=args.lam, decision=args.decision,
                             fidelity=(evaluation.FIDELITY_SAMPLES if args.eval_fidelity is None

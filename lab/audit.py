@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from persuarena import arena
-from lab import cli, jsonl, runs, significance
+from lab import cli, jsonl, runs, scheduling, significance
 
 FAMILIES = ("argument", "no_request", "warmth", "word_salad", "repeated_token", "off_topic", "pushy",
             "agreement")
@@ -165,7 +165,7 @@ class ScriptedSide:
     group's members: member g of an instance speaks families[g], known from the stream key the
     loop passes (engine.stream_key(seed, id, g, "persuader")). After `turns` messages the
     episode stops ("stopped"), before the final-turn instruction would reach the persuadee."""
-    tokenizer = max_len = None
+    tokenizer = max_len = eng = None
 
     def __init__(self, instances, families, seed, turns=TURNS):
         from persuarena import engine
@@ -183,8 +183,7 @@ class ScriptedSide:
         return None
 
     def start(self, roots, counts):
-        from persuarena import rollout
-        sids, self.next_sid = rollout.numbered(self.next_sid, counts)
+        sids, self.next_sid = scheduling.numbered(self.next_sid, counts)
         return sids, [None] * len(roots)
 
     def ready(self, sids):
@@ -196,10 +195,10 @@ class ScriptedSide:
         for sid, key in zip(sids, keys):
             turn = self.spoken[sid] = self.spoken.get(sid, 0) + 1
             if turn > self.turns:
-                said.append(dict(text="", ids=[], logprobs=[], reason=rollout.STOPPED))
+                said.append(arena.Message("", rollout.STOPPED))
                 continue
             family, inst = self.family[key]
-            said.append(dict(text=message(family, inst, turn), ids=[], logprobs=[], reason="stop"))
+            said.append(arena.Message(message(family, inst, turn), "stop"))
         return said
 
     def reply(self, sids, keys, timings=None):
@@ -228,11 +227,10 @@ def paired(persuadee_side, instances, n_families, seed):
 
 
 def persuadee_side(persuadee, sampling, max_new_tokens, decision):
-    """The persuadee as a rollout side: a local engine's EngineSide, or a side as given."""
+    """The persuadee as a rollout side (rollout.side: an engine's EngineSide, a served model's
+    ServedSide, or a side as given)."""
     from persuarena import rollout
-    if hasattr(persuadee, "room"):
-        return persuadee
-    return rollout.EngineSide(persuadee, "persuadee", sampling, max_new_tokens, decision=decision)
+    return rollout.side(persuadee, "persuadee", sampling, max_new_tokens, decision=decision)
 
 
 def play_families(persuadee, instances, seeds=SEEDS, families=FAMILIES, turns=TURNS,

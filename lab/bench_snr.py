@@ -38,6 +38,8 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
     persuadee = engine.Engine(persuadee_model, persuadee_tok)
     persuader_sampling, persuadee_sampling = rollout.SAMPLING[cfg["sampling"]]
     max_new, out = cfg["max_new_tokens"], []
+    replier = rollout.EngineSide(persuadee, "persuadee", persuadee_sampling, max_new,
+                                 decision="tag")  # each reply's probes read after it
     for inst in workload.pick_instances(instances):
         persuader_prompt, persuadee_prompt = rollout.prompt_ids(persuader_tok, persuadee_tok, inst)
         root = persuader.new(persuader_prompt[:-1])
@@ -55,11 +57,10 @@ def first_turn_rewards(preset, instances=4, messages=4, resamples=4, seed=0):
         for m, text in enumerate(texts):
             forks = [persuadee.fork(persuadee_root, rollout.persuadee_heard(persuadee_tok, text, False))
                      for _ in range(resamples)]
-            replies = rollout.persuadee_turn(
-                persuadee, forks, sampling=persuadee_sampling, max_new_tokens=max_new,
-                keys=[engine.stream_key(seed, inst["id"], m, r, "persuadee") for r in range(resamples)])
-            per_message.append([(probes.belief(r["probes"]) - b0) / 2 for r in replies
-                                if r["probes"] is not None])
+            replies = replier.reply(forks, [engine.stream_key(seed, inst["id"], m, r, "persuadee")
+                                            for r in range(resamples)])
+            per_message.append([(probes.belief(r.probes) - b0) / 2 for r in replies
+                                if r.probes is not None])
             for sid in forks:
                 persuadee.free(sid)
         persuadee.free(persuadee_root)

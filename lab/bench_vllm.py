@@ -15,11 +15,12 @@ torchcodec are built for another torch and break `import vllm`, so they go):
 The bench starts lab/vllm_worker.py under that Python (ids in, ids out, JSON lines; the engine in
 the worker's own process, VLLM_THREADS_ENV), waits until the model is loaded (start-up is not
 timed), warms it up on one short dialogue, then plays the same dialogues as the engine and the
-Hugging Face baselines (bench_baselines.play_dialogues: the same contexts' ids, never text
-tokenized again): each side's whole history is sent each turn and vLLM's prefix cache finds what
-it already holds; the probes are one request a (dialogue, question) of max_tokens 1 that asks
-for the log-probabilities of the yes and no ids (logprob_token_ids: a prompt_logprobs request
-would skip the prefix cache), greedy throughout, float32 on a CPU as the engine runs.
+Hugging Face baselines (bench_baselines.play_dialogues: sides of the one episode loop, the same
+contexts' ids, never text tokenized again): each side's whole history is sent each turn and
+vLLM's prefix cache finds what it already holds; the probes are one request a (dialogue,
+question) of max_tokens 1 that asks for the log-probabilities of the yes and no ids
+(logprob_token_ids: a prompt_logprobs request would skip the prefix cache), greedy throughout,
+float32 on a CPU as the engine runs.
 
 Each timed run starts from an empty prefix cache (the worker's {"reset": true}): the warm-up plays
 the first dialogue, and an earlier run all of them, whose blocks vLLM would otherwise find. With
@@ -129,33 +130,32 @@ def run_vllm(worker, tok, stop, instances, turns, max_new, sync=lambda: None, wa
     st = baselines.new_stats() | dict(threads=[worker.ready["threads"]], inside=0.0)
     flag = dict(warmup=True) if warmup else {}
 
-    def generate(batch, key):
-        prompts = [d[key] for d in batch]
+    def generate(histories):
+        prompts = [h.ids for h in histories]
         reply = worker.ask(generate=prompts, max_new_tokens=max_new, stop=stop, **flag)
         workload.add(st, inside=reply["seconds"])
-        for d, p, ids, cached in zip(batch, prompts, reply["outputs"], reply["cached"]):
+        for h, p, ids, cached in zip(histories, prompts, reply["outputs"], reply["cached"]):
             workload.add(st, conv=len(p) - cached + len(ids) - 1, gen=len(ids))
-            d["fed"][key] = max(d["fed"][key], len(p) + len(ids) - 1)
+            h.fed = max(h.fed, len(p) + len(ids) - 1)
         return reply["outputs"]
 
-    def read_probes(batch):
+    def read_probes(histories):
         t = time.perf_counter()
-        prompts = [d["persuadee"] + q for d in batch for q in questions]
+        prompts = [h.ids + q for h in histories for q in questions]
         reply = worker.ask(probe=prompts, token_ids=list(yes) + list(no), **flag)
         workload.add(st, inside=reply["seconds"])
         cached = iter(reply["cached"])
-        for d in batch:  # computed tokens: the question's first, then the history's
+        for h in histories:  # computed tokens: the question's first, then the history's
             for q in questions:
-                computed = len(d["persuadee"]) + len(q) - next(cached)
+                computed = len(h.ids) + len(q) - next(cached)
                 workload.add(st, probe_tokens=min(len(q), computed), conv=max(0, computed - len(q)))
-            d["fed"]["persuadee"] = max(d["fed"]["persuadee"], len(d["persuadee"]))
+            h.fed = max(h.fed, len(h.ids))
         logps = torch.tensor(reply["logprobs"])
         values = probes.values_from_logits(
             logps, tok, answers=(range(len(yes)), range(len(yes), len(yes) + len(no))))
-        for d, v in zip(batch, values.view(len(batch), len(questions)).tolist()):
-            d["probes"].append(v)
         workload.add(st, probe=time.perf_counter() - t)
-    return baselines.play_dialogues(tok, instances, turns, st, generate, read_probes, sync)
+        return values.view(len(histories), len(questions)).tolist()
+    return baselines.play_dialogues(tok, instances, turns, st, generate, read_probes, sync, stop)
 
 
 @contextlib.contextmanager

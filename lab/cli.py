@@ -56,7 +56,8 @@ CONFIG_OPTIONAL = ("resumed",)  # config.json keys a run holds only once resumed
 LAM_MAX = 100.0  # --lam at most: the dense term's weight; beyond it lambda * sum_t r_t drowns the
 # outcome reward a million-fold, and at ~1e308 it overflows to inf (NaN advantages)
 PLAN_GIB_MAX = 2.0**20  # --plan-gib at most (a PiB): more is no device, and overflows the byte count
-PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening", "lab.lora")
+PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening", "lab.lora",
+                  "lab.variants")
 # the constants that say what is trained and played, pinned on resume with the entry point's own;
 # the engine's (engine, layers, lab.fastpath: pool sizes, block size, the fast path) set speed and
 # memory, not results, so a resumed run may change them (DECISIONS.md: Resume pins every knob);
@@ -248,6 +249,17 @@ def add_sampling_flags(parser):
     parser.add_argument("--persuadee-temperature", type=float, help="default: the preset's")
     parser.add_argument("--persuadee-top-p", type=float, help="default: the preset's")
     parser.add_argument("--persuadee-top-k", type=int, help="default: the preset's")
+
+
+def role_sampling(args) -> tuple:
+    """(persuader, persuadee) engine.Sampling of a run: its --sampling preset (rollout.SAMPLING),
+    each value a flag names (add_sampling_flags) overriding it."""
+    persuader, persuadee = rollout.SAMPLING[args.sampling]
+    pick = lambda flag, preset: preset if flag is None else flag
+    return (persuader._replace(temperature=pick(args.persuader_temperature, persuader.temperature)),
+            persuadee._replace(temperature=pick(args.persuadee_temperature, persuadee.temperature),
+                               top_p=pick(args.persuadee_top_p, persuadee.top_p),
+                               top_k=pick(args.persuadee_top_k, persuadee.top_k)))
 
 
 def sampling_problem(args):

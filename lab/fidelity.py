@@ -26,7 +26,7 @@ def fidelity_reads(persuadee, instances, episodes, n, probe_space=None, probe_si
     forwards); None when there is nothing to check (n 0, no local persuadee, no episode with a
     belief). Under torchrun every rank calls it: each reads sample[rank::world] on its own
     persuadee, and every rank gets all the reads back, in the sample's order."""
-    if not n or getattr(persuadee, "tokenizer", None) is None or no_fidelity(episodes, rank):
+    if not n or persuadee is None or no_fidelity(episodes, rank):
         return None
     sample = fidelity_sample(episodes, n)
     contexts = fidelity_contexts(persuadee.tokenizer, instances, episodes, sample[rank::world])

@@ -14,7 +14,7 @@ from pathlib import Path
 from persuarena import arena
 from persuarena import probes
 from persuarena import rollout
-from lab import analyses, hardening, pools, report, runs, terminal
+from lab import analyses, hardening, pools, report, runs, scheduling, terminal
 
 TYPING_TRIES = 5  # lines a person may type that are not valid text before the message is ""
 
@@ -89,7 +89,7 @@ class PersonSide:
     from `read`, each reply written with its probe values and the belief change of the turn. An
     empty line (or end of input) ends the episode "stopped"; a line that is not valid text is
     typed again (person_line)."""
-    tokenizer = max_len = None
+    tokenizer = max_len = eng = None
 
     def __init__(self, t_max, read=typed_line, write=print):
         self.t_max, self.read, self.write = t_max, read, write
@@ -111,7 +111,7 @@ class PersonSide:
         return None
 
     def start(self, roots, counts):
-        sids, self.next_sid = rollout.numbered(self.next_sid, counts)
+        sids, self.next_sid = scheduling.numbered(self.next_sid, counts)
         self.turns.update(dict.fromkeys((s for group in sids for s in group), 0))
         return sids, [None] * len(roots)
 
@@ -123,7 +123,7 @@ class PersonSide:
         for s in sids:
             self.turns[s] += 1
             text = person_line(self.read, self.write, f"turn {self.turns[s]}/{self.t_max} you> ")
-            said.append(dict(text=text, ids=[], logprobs=[], reason="stop" if text else rollout.STOPPED))
+            said.append(arena.Message(text, "stop" if text else rollout.STOPPED))
         return said
 
     def reply(self, sids, keys, timings=None):  # (rollout.Side) a person plays only the persuader

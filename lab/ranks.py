@@ -4,7 +4,7 @@ ranks.py: ranks under torchrun: one process per GPU (NCCL), or gloo on a CPU.
 setup_distributed starts the process group (collectives time out after DIST_TIMEOUT_S);
 all_sum and mean_timings reduce numbers over ranks (TIMING_KEYS in one order on every rank);
 agree gives rank 0's verdict (a refusal's line, or None) to every rank; finish_distributed ends
-the group. torch is imported inside each function.
+the group; shard splits a model over the ranks (FSDP2). torch is imported inside each function.
     torchrun --nproc-per-node 2 train.py --preset tiny --name two-ranks
 Tests: python -m pytest -q tests/test_ranks.py
 """
@@ -74,3 +74,19 @@ def agree(message):
     box = [message]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def shard(model, world, compute_dtype=None):
+    """FSDP2: each decoder layer, then the root, sharded over the ranks. With a compute_dtype
+    (the policy's bf16) the MixedPrecisionPolicy gathers the fp32 master shards cast to it for
+    forward and backward and reduce-scatters the gradients in fp32; AdamW then steps fp32 shards
+    with fp32 moments. A frozen model (the reference) is sharded as it is, without gradients."""
+    if world == 1:
+        return model
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+              if compute_dtype not in (None, torch.float32) else MixedPrecisionPolicy())
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)

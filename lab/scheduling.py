@@ -1,10 +1,17 @@
 """
-Scheduling rollout's episodes onto the sides' capacity (rollout.py's docstring, Scheduling):
-which episodes wait and which run. Groups are admitted in order while every side has room for
-their prompts plus one message each; when no episode can move, the youngest is freed and queued
-to be replayed from the start (its random streams are keyed, so the replay is the same episode).
+Scheduling rollout's episodes onto the sides' capacity: which episodes wait and which run, so
+that any number of episodes completes on any pools that hold one of them:
+    admit    groups in order, while every side has room for the group's prompts plus one
+             message per episode; each instance's prompts are prefilled once and forked G times
+    round    the episodes whose next message fits (its worst case: max_new_tokens, the probe
+             forks) run it; the others wait untouched; finished episodes free their blocks and
+             the queue refills (continuous admission)
+    stall    when no episode can move, the youngest is freed and put back in the queue: its
+             random streams are keyed by (seed, instance, group index, side), so its replay is
+             the same episode. An episode ends "cache" only when it cannot fit a pool alone.
 The scheduler asks the sides (rollout.Side: room, prefill, free) and returns what to start;
-the episode loop (rollout.rollout_episodes) starts it.
+the episode loop (rollout.rollout_episodes) starts it. A side with no pool of its own (a person,
+the sessions, a script) names the episodes it starts with numbered.
 
 ADMISSION "continuous" refills the pools as episodes end; "waves" admits only into empty pools
 (BENCHMARKS.md compares the two).
@@ -26,6 +33,15 @@ def clock(timings, key):
     yield
     if timings is not None:
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+def numbered(first: int, counts: list[int]) -> tuple[list[list[int]], int]:
+    """Consecutive sequence ids from `first`, one list a count, and the next free id."""
+    sids = []
+    for n in counts:
+        sids.append(list(range(first, first + n)))
+        first += n
+    return sids, first
 
 
 class Scheduler:

@@ -374,6 +374,7 @@ class ServedModel:
     attempts, requests that failed for good, control strings neutralised, the judge's fallbacks
     and probe answers that came without log-probs; `dropped` names the request parameters this model refused as unsupported (sent
     no more: not applied)."""
+    max_len = None  # the server checks its own context (rollout.prompt_problems leaves it)
 
     def __init__(self, spec, *, max_in_flight=MAX_IN_FLIGHT, timeout=TIMEOUT_S,
                  deadline=DEADLINE_S, retries=RETRIES, backoff=True, http_client=None, key=None,
@@ -525,10 +526,16 @@ class ServedSide:
     capacity is the server's: every ready episode goes, the client keeps max_in_flight requests
     in flight and queues the rest. A served persuader has no token stream (it is evaluated,
     never trained). Probes of a served persuadee need the server's top log-probs (module
-    docstring); without them they are None, as are the beliefs."""
-    tokenizer = max_len = None  # the server checks its own context
+    docstring); without them they are None, as are the beliefs. A served persuadee decides by
+    its tag alone (decision None or "tag"): the others read its logits in a fork of its cache."""
+    tokenizer = max_len = eng = None  # the server checks its own context
 
-    def __init__(self, model, role, sampling, max_new_tokens, probe_space=None, probe_signs=None):
+    def __init__(self, model, role, sampling, max_new_tokens, probe_space=None, probe_signs=None,
+                 decision=None):
+        if decision not in (None, "tag"):
+            raise ValueError(f"served.py: --decision {decision} reads the persuadee's logits in "
+                             "a fork of its cache, which only a local persuadee has; use "
+                             "--decision tag")
         self.model, self.role, self.sampling = model, role, sampling
         self.max_new_tokens, self.space = max_new_tokens, probe_space
         self.signs = probe_signs or probes.probe_signs()
@@ -570,14 +577,14 @@ class ServedSide:
                                for s, k in zip(sids, keys)])
 
     def speak(self, sids, keys):
-        """The persuader's next messages: dict(text, ids, logprobs, reason) each."""
+        """The persuader's next messages, an arena.Message each (no ids: text crosses)."""
         out = []
         for s, r in zip(sids, self._ask(sids, keys)):
             if isinstance(r, ServedError):
-                out.append(dict(text="", ids=[], logprobs=[], reason=arena.API_ERROR))
+                out.append(arena.Message("", arena.API_ERROR))
                 continue
             self.chats[s].append({"role": "assistant", "content": r["text"]})
-            out.append(dict(text=r["text"], ids=[], logprobs=[], reason=r["reason"]))
+            out.append(arena.Message(r["text"], r["reason"]))
         return out
 
     def hear(self, sid, text, final_turn=False, shown=None):
@@ -590,9 +597,9 @@ class ServedSide:
         return [], None
 
     def reply(self, sids, keys, timings=None):
-        """The persuadee's replies, as rollout.persuadee_turn returns them: dict(text, decision,
-        reason, probes, probe_mass); reason "api_error" (no probes) when the reply failed for
-        good. `timings` (a dict) accumulates persuadee_s and probe_s."""
+        """The persuadee's replies, an arena.Reply each with its probes read after it; reason
+        "api_error" (no probes) when the reply failed for good. `timings` (a dict) accumulates
+        persuadee_s and probe_s."""
         start = time.perf_counter()
         answers = self._ask(sids, keys)
         replies, closed = [], []
@@ -600,14 +607,13 @@ class ServedSide:
             failed = isinstance(a, ServedError)
             text = "" if failed else a["text"]
             reason = arena.API_ERROR if failed else a["reason"]
-            replies.append(dict(text=text, decision=arena.parse_decision(text), reason=reason,
-                                probes=None, probe_mass=None))
+            replies.append(arena.Reply(text, arena.parse_decision(text), reason))
             if reason not in arena.CUT_OFF:
                 self.chats[s].append({"role": "assistant", "content": text})
                 closed.append((s, replies[-1]))
         read_start = time.perf_counter()
         for (_, reply), (values, masses) in zip(closed, self.read([s for s, _ in closed])):
-            reply["probes"], reply["probe_mass"] = values, masses
+            reply.probes, reply.probe_mass = values, masses
         if timings is not None:
             timings["persuadee_s"] = timings.get("persuadee_s", 0.0) + read_start - start
             timings["probe_s"] = timings.get("probe_s", 0.0) + time.perf_counter() - read_start

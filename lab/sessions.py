@@ -3,8 +3,9 @@ sessions.py: many sessions' episodes on one persuadee, played by rollout.py's on
 
 A session (a PersuasionEnv, one OpenEnv WebSocket client) opens an episode and feeds it the
 persuader's messages from outside. Every session of a Hub shares one persuadee (and judge): the
-hub runs rollout.EpisodeLoop in one thread (SessionLoop), whose persuader side is the sessions
-themselves (OutsideSide: an episode is ready to speak once its session's message has arrived).
+hub plays rollout.rollout_episodes on an EpisodeLoop of its own in one thread (SessionLoop),
+whose persuader side is the sessions themselves (OutsideSide: an episode is ready to speak
+once its session's message has arrived).
 So what the sessions ask of the persuadee at the same moment, replies with their probe reads and
 decisions, runs in the same engine steps (a round waits a little, SessionLoop.gather, for the
 messages of the sessions answered together in the last round, so that they stay together; an idle
@@ -38,15 +39,17 @@ streams are keyed by its own seed, so it plays the same whoever else is in play.
 
     python -m pytest -q tests/test_sessions.py
 """
+import contextlib
 import queue
 import threading
 import time
 import weakref
 from collections import deque
 
+from persuarena import arena
 from persuarena import probes
 from persuarena import rollout
-from lab import pools
+from lab import pools, scheduling
 
 HUB_IDLE_S = 5.0  # the loop's thread ends after this long without an episode (started again)
 ADMIT_WAIT_S = 30.0  # a session whose episode does not fit the pool waits this long, then is refused
@@ -98,7 +101,7 @@ class OutsideSide:
     """The persuader of every session (rollout.py's side interface): no prompt, no pool; an
     episode is ready once its session's message is in the mailbox; hearing a reply tells the
     session that the episode waits for the next message."""
-    tokenizer = max_len = None
+    tokenizer = max_len = eng = None
 
     def __init__(self, loop):
         self.loop, self.tickets, self.next_sid = loop, {}, 0
@@ -113,7 +116,7 @@ class OutsideSide:
         return None
 
     def start(self, roots, counts):
-        sids, self.next_sid = rollout.numbered(self.next_sid, counts)
+        sids, self.next_sid = scheduling.numbered(self.next_sid, counts)
         return sids, [None] * len(roots)
 
     def ready(self, sids):
@@ -126,8 +129,7 @@ class OutsideSide:
             if prepared is not None:  # built in the session's thread (Hub.prepare): heard as is
                 sid = self.tickets[s].episode.persuadee_sid
                 self.loop.hub.persuadee_side.prepared[sid] = prepared
-            said.append(dict(text=text or "", ids=[], logprobs=[],
-                             reason=rollout.STOPPED if text is None else "stop"))
+            said.append(arena.Message(text or "", rollout.STOPPED if text is None else "stop"))
         return said
 
     def reply(self, sids, keys, timings=None):
@@ -148,7 +150,7 @@ class OutsidePersuadee:
     (text, decision: one of arena.OUTCOMES or None, probes: one value per probe), whose values
     stand where a model's read-out would (probe_mass 1: the whole answer is on the yes/no
     scale); hearing the persuader's message tells the session that the episode waits for it."""
-    tokenizer = max_len = None
+    tokenizer = max_len = eng = None
 
     def __init__(self, loop):
         self.loop, self.tickets, self.next_sid = loop, {}, 0
@@ -163,7 +165,7 @@ class OutsidePersuadee:
         return None
 
     def start(self, roots, counts):  # b_0 is the ticket's, set by SessionLoop.started
-        sids, self.next_sid = rollout.numbered(self.next_sid, counts)
+        sids, self.next_sid = scheduling.numbered(self.next_sid, counts)
         return sids, [(None, None)] * len(roots)
 
     def ready(self, sids):
@@ -177,9 +179,8 @@ class OutsidePersuadee:
         replies = []
         for s in sids:
             answer, _ = self.tickets[s].mailbox.popleft()
-            replies.append(dict(text=answer["text"], decision=answer["decision"], reason="stop",
-                                probes=list(answer["probes"]),
-                                probe_mass=[1.0] * len(answer["probes"])))
+            replies.append(arena.Reply(answer["text"], answer["decision"], "stop",
+                                       list(answer["probes"]), [1.0] * len(answer["probes"])))
         return replies
 
     def hear(self, sid, text, final_turn=False, shown=None):
@@ -230,7 +231,7 @@ class SharedPrompts:
 
 
 class SessionLoop(rollout.EpisodeLoop):
-    """rollout.EpisodeLoop over the sessions of a hub, its rounds rollout.play_round's: episodes
+    """rollout.EpisodeLoop over the sessions of a hub, played by rollout.rollout_episodes: episodes
     join as sessions open them (one "instance" entry each, group size 1, its own seed), the loop
     waits for messages instead of stalling when every episode waits on its session, ended
     episodes are judged a round at a time and handed back, and every round holds the
@@ -251,21 +252,33 @@ class SessionLoop(rollout.EpisodeLoop):
         self.round_s = 0.0  # how long the last round took (gather's wait scales with it)
 
     def run(self):
-        """Rounds while the hub has work (more): new episodes joined, a round played under the
-        engine lock, the ended ones judged and handed back."""
-        while self.more():
-            idle = not self.scheduler.running
-            if self.take_inbox() and idle:
-                self.gather_openings()
-            self.gather()
-            start = time.monotonic()
-            with self.hub.lock:
-                self.stop_left()
-                moved = rollout.play_round(self, self.persuader, self.persuadee)
-            self.round_s = time.monotonic() - start
-            if not moved and self.scheduler.running:
-                self.stuck()
-            self.hand_back()
+        """Rounds while the hub has work (more), played by the one episode loop on this one:
+        before each, new episodes join (round); each holds the engine lock; after each, the
+        ended ones are judged and handed back (after_round)."""
+        rollout.rollout_episodes(self.persuader, self.persuadee, [], self.hub.t_max, loop=self)
+
+    @contextlib.contextmanager
+    def round(self):
+        """New episodes joined and the messages gathered, then the round under the engine lock,
+        the sessions that left stopped first."""
+        idle = not self.scheduler.running
+        if self.take_inbox() and idle:
+            self.gather_openings()
+        self.gather()
+        start = time.monotonic()
+        with self.hub.lock:
+            self.stop_left()
+            yield
+        self.round_s = time.monotonic() - start
+
+    def after_round(self, moved):
+        """No episode moved: wait for the sessions (stuck); then hand back what ended."""
+        if not moved and self.scheduler.running:
+            self.stuck()
+        self.hand_back()
+
+    def episodes(self):
+        return []  # each went back to its session as it ended (hand_back)
 
     def gather(self):
         """Before a round, wait while some episodes' messages have arrived and others' have not
@@ -435,12 +448,12 @@ class Hub:
         model_side = rollout.side(persuadee, role, sampling or
                                   rollout.SAMPLING["paper"][role == "persuadee"],
                                   max_new_tokens, probe_space, probe_signs)
-        if isinstance(model_side, rollout.EngineSide):
+        if model_side.eng is not None:  # a local engine: episodes admitted together share a prefill
             model_side = SharedPrompts(model_side)
         self.persuadee_side = model_side if role == "persuadee" else None
         self.persuader_side = model_side if role == "persuader" else None
         self.lock = engine_lock(persuadee)
-        self.eng = getattr(model_side, "eng", None)
+        self.eng = model_side.eng
         self.wake = threading.Condition()
         self.inbox, self.tickets, self.next_index = [], {}, 0
         self.reserved, self.open_count, self.thread, self.loop = 0, 0, None, None

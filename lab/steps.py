@@ -3,7 +3,8 @@ steps.py: what train.py does around the method's step, kept out of the reader's 
 (the memory and disk plans and banner, served roles, the playable training set), the run
 folder's records (config.json, metrics.jsonl, rollouts.jsonl, samples-STEP.json, evals.jsonl),
 the step's metrics and diagnostics (pooled over ranks: counts and sums are all-reduced before
-each division), the zero-advantage skip and the stop after MAX_SKIPPED_STEPS non-finite steps.
+each division), the zero-advantage skip and the stop after MAX_SKIPPED_STEPS non-finite steps,
+and where the update's forwards run (compute_context, shares_prompts, checkpoint_activations).
 
     python train.py --preset tiny      # every line it prints but the loop's comes from here
 """
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from persuarena import arena
 from persuarena import engine
+from persuarena import layers
 from persuarena import rollout
 from persuarena import rpo
 from lab import cli, jsonl, plan, presets, ranks, runs, served
@@ -173,6 +175,36 @@ def merged_updates(done):
         merged[key] = (sum(v * n for v, n in measured) / weight if weight else
                        measured[0][0] if measured else None)
     return merged
+
+
+def checkpoint_activations(policy):
+    """Activation (gradient) checkpointing on, by transformers' newer name where it has one."""
+    (getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable)()
+
+
+def compute_context(model, args, world):
+    """Where the trainer's forwards (policy and reference) run: off cuDNN's SDPA, as the
+    engine's own attention (layers.SDPA_BACKENDS: its per-shape graph builds cost more than
+    the attention at shapes that change every micro-batch), and in one process with a half
+    --dtype under autocast from the fp32 master weights (under FSDP the MixedPrecisionPolicy
+    casts them instead)."""
+    from contextlib import ExitStack
+    from torch.nn.attention import sdpa_kernel
+    stack = ExitStack()
+    stack.enter_context(sdpa_kernel(layers.SDPA_BACKENDS))
+    device = next(model.parameters()).device
+    if world == 1 and args.dtype != "float32":
+        stack.enter_context(torch.autocast(device.type, dtype=getattr(torch, args.dtype)))
+    return stack
+
+
+def shares_prompts(policy, world):
+    """Whether kept_logits may run shared prompts once: in one process (not under FSDP) and
+    without gradient checkpointing, which drops a training cache."""
+    checkpointing = getattr(policy, "is_activation_checkpointing", None)  # transformers' newer name
+    if checkpointing is None:
+        checkpointing = getattr(policy, "is_gradient_checkpointing", False)
+    return world == 1 and not checkpointing
 
 
 def kept_logits(model, ids, keep, rows=None, share_stem=False):

@@ -25,7 +25,7 @@ from persuarena import arena
 from persuarena import engine
 from persuarena import models
 from persuarena import rollout
-from lab import pools, presets
+from lab import judge as local_judge, pools, presets
 from conftest import control_ids, short_scenario, template_tokenizer
 
 ACCEPT_ORDER = "You have decided to accept."
@@ -47,7 +47,8 @@ spell = models.text_ids  # what the scripted speakers write: ordinary tokens, "<
 
 
 class Scripted:
-    """An Engine that records every sequence's ids and answers generate() from a script."""
+    """An Engine that records every sequence's ids and answers generate() from a script (it
+    plays as an engine does: registered below as one, rollout's one way of choosing a side)."""
 
     def __init__(self, eng, answer):
         self.eng, self.answer, self.seq, self.spoke, self.turn = eng, answer, {}, [], {}
@@ -80,6 +81,10 @@ class Scripted:
             self.spoke.append(sid)
             outs.append((ids, [0.0] * len(ids), "stop"))
         return outs
+
+
+rollout.side.register(Scripted, lambda *a, **k: rollout.EngineSide(*a, **k))
+rollout.judge_scores.register(Scripted, lambda *a, **k: local_judge.judge_scores(*a, **k))
 
 
 def contains(ids, part):

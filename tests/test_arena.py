@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from persuarena import arena
-from lab import hardening
+from lab import hardening, variants
 from persuarena.arena import Dialogue, parse_decision, parse_judge, strip_decision_tags
 
 def fuzz(n):
@@ -752,7 +752,7 @@ def test_loader_raises_only_value_error(tmp_path, line):
 # training instances
 
 def words_in(s):
-    return "\n".join(arena._texts(s))
+    return "\n".join(variants.texts(s))
 
 def count_word(text, word):
     return len(re.findall(rf"(?<!\w){re.escape(word)}(?!\w)", text))
@@ -787,7 +787,7 @@ def test_training_instances_keep_profiles_coherent():
         # the surname changes too, unless a relative carries it
         if len(old_name.split()) > 1:
             assert (new_name.split()[1:] == old_name.split()[1:]) == (inst["scenario_id"] == "train-0001")
-        assert new_first in arena.FIRST_NAMES[orig["persuadee"].get("pronouns", "they/them")]
+        assert new_first in variants.FIRST_NAMES[orig["persuadee"].get("pronouns", "they/them")]
         before, after = words_in(orig), words_in(inst)
         assert count_word(after, old_first) == 0 and count_word(after, old_name) == 0
         assert count_word(after, new_first) == count_word(before, old_first)

@@ -7,9 +7,8 @@ import pytest
 
 from persuarena import arena
 from persuarena import engine
-from persuarena import rollout
 from conftest import short_scenario, tiny_model
-from lab import audit
+from lab import audit, scheduling
 
 
 def noise(key):
@@ -21,7 +20,7 @@ def noise(key):
 class Planted:
     """A persuadee side (rollout.Side) whose read-out is known: after each reply every probe reads
     BASE + the weight of each PAID word group found in the message it heard + noise(stream)."""
-    tokenizer = max_len = None
+    tokenizer = max_len = eng = None
     BASE = -0.1
 
     def __init__(self, paid):
@@ -37,7 +36,7 @@ class Planted:
         return instance["id"]
 
     def start(self, roots, counts):
-        sids, self.next_sid = rollout.numbered(self.next_sid, counts)
+        sids, self.next_sid = scheduling.numbered(self.next_sid, counts)
         return sids, [([self.BASE] * 3, [1.0] * 3) for _ in roots]
 
     def ready(self, sids):
@@ -54,8 +53,7 @@ class Planted:
         for sid, key in zip(sids, keys):
             value = self.BASE + noise(key) + sum(w for words, w in self.paid
                                                  if any(x in self.heard[sid] for x in words))
-            out.append(dict(text="I hear you.", decision=None, reason="stop",
-                            probes=[value] * 3, probe_mass=[1.0] * 3))
+            out.append(arena.Reply("I hear you.", None, "stop", [value] * 3, [1.0] * 3))
         return out
 
     def free(self, sid):

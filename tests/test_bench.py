@@ -45,6 +45,32 @@ class ModelWorker:
         self.closed = True
 
 
+def test_the_hf_baseline_plays_the_engines_dialogues_through_the_one_loop(tokenizer,
+                                                                         monkeypatch):
+    """run_hf's HistorySides, played by rollout.rollout_episodes as the engine is, give the
+    engine's dialogues: the same greedy messages, probe values within 1e-4 (a full forward of
+    history + question against a fork of the cached context), an episode ended by a decision
+    ended at the same turn; the baseline feeds each history again every turn (twice > 0), the
+    engine prefills every conversation token once (twice 0)."""
+    from persuarena import arena, rollout
+    played = []
+    original = rollout.rollout_episodes
+    monkeypatch.setattr(rollout, "rollout_episodes", lambda *a, **k: played.append(
+        type(a[0]).__name__) or original(*a, **k))
+    monkeypatch.setattr(arena, "parse_decision", lambda text: "ACCEPT" if len(text) % 3 == 0
+                        else None)  # some dialogues end early, as the decision says
+    model = tiny_model("llama", max_position_embeddings=8192)
+    instances = bench_workload.pick_instances(3)
+    ours = bench_workload.run_engine(model, tokenizer, instances, 3, 6, lambda: None)
+    hf = bench_baselines.run_hf(model, tokenizer, instances, 3, 6, lambda: None)
+    assert played == ["Engine", "HistorySide"]
+    assert hf["dialogues"] == ours["dialogues"] and hf["gen"] == ours["gen"]
+    assert sorted({len(d) for d in hf["dialogues"]}) != [6]  # not every dialogue ran to its end
+    for a, b in zip(hf["probes"], ours["probes"], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    assert hf["twice"] > 0 and ours["twice"] == 0
+
+
 def test_vllms_client_plays_the_same_dialogues_as_the_hf_baseline(tokenizer):
     """run_vllm over a stand-in worker backed by the same model: token ids only cross (every
     prompt is one of the dialogue's histories, never text tokenized again), the messages equal

@@ -302,31 +302,164 @@ def test_the_judge_fits_any_pool_that_holds_one_transcript(tokenizer, monkeypatc
 
 
 def test_one_loop_drives_every_episode():
-    """arena.Dialogue is constructed in rollout.py alone (lab.bench's Hugging Face baseline
-    aside, and lab.study_pair, which replays a person's recorded decisions to rebuild the
-    contexts a model would have read, playing nothing): served, local and typed episodes all go
-    through rollout_episodes."""
+    """arena.Dialogue is constructed in rollout.py alone (lab.study_pair aside, which replays a
+    person's recorded decisions to rebuild the contexts a model would have read, playing
+    nothing): served, local, typed and the bench's Hugging Face baselines' episodes all go
+    through rollout_episodes, and so do a hub's sessions (its SessionLoop, no rounds of its own)."""
     from pathlib import Path
+
+    from lab import bench_baselines, sessions
     here = Path(__file__).resolve().parent.parent
     drivers = {str(p.relative_to(here)) for p in [*here.glob("*.py"), *here.glob("lab/*.py")]
                if "arena.Dialogue(" in p.read_text()}
-    assert drivers == {"rollout.py", "lab/bench_baselines.py", "lab/study_pair.py"}
+    assert drivers == {"rollout.py", "lab/study_pair.py"}
     assert "def play_episodes" not in (here / "lab" / "served.py").read_text()
+    assert "rollout.rollout_episodes" in calls_in(bench_baselines.play_dialogues)
+    assert "rollout.rollout_episodes" in calls_in(sessions.SessionLoop.run)
+    assert not hasattr(rollout, "play_round")
+
+
+SIDES = ("rollout.EngineSide", "served.ServedSide", "play.PersonSide", "sessions.OutsideSide",
+         "sessions.OutsidePersuadee", "sessions.SharedPrompts", "audit.ScriptedSide",
+         "bench_baselines.HistorySide")  # every side there is, as Side's docstring names them
 
 
 def test_every_side_conforms_to_the_one_side_protocol():
-    """rollout.Side is declared once; the engine's, the server's, the person's, the trainer's and
-    the sessions' side each have all of its methods (a method dropped from one fails here)."""
+    """rollout.Side is declared once, each method annotated, and its docstring names every side
+    there is; each of those has all of its methods and attributes (one dropped fails here)."""
+    import importlib
     import inspect
+    import typing
 
-    from lab import play, served, sessions
     methods = [name for name, v in vars(rollout.Side).items() if inspect.isfunction(v) and name[0] != "_"]
     assert methods == ["prompt", "room", "prefill", "start", "ready", "speak", "reply", "hear", "free"]
-    for cls in (rollout.EngineSide, served.ServedSide, play.PersonSide, sessions.OutsideSide):
-        assert [m for m in methods if not callable(getattr(cls, m, None))] == [], cls.__name__
-    side = play.PersonSide(2, read=lambda prompt: "", write=lambda *a: None)
-    assert isinstance(side, rollout.Side) and isinstance(sessions.OutsideSide(None), rollout.Side)
+    for name in methods:
+        hints = typing.get_type_hints(getattr(rollout.Side, name))
+        params = set(inspect.signature(getattr(rollout.Side, name)).parameters) - {"self"}
+        assert set(hints) == params | {"return"}, name
+    assert typing.get_type_hints(rollout.Side.speak)["return"] == list[arena.Message]
+    assert typing.get_type_hints(rollout.Side.reply)["return"] == list[arena.Reply]
+    attributes = set(rollout.Side.__annotations__)
+    assert attributes == {"tokenizer", "max_len", "eng"}
+    from lab import play, sessions
+    person = play.PersonSide(2, read=lambda prompt: "", write=lambda *a: None)
+    doc = " ".join(rollout.Side.__doc__.split())
+    for dotted in SIDES:
+        module, name = dotted.split(".")
+        assert (name if module == "rollout" else dotted) in doc, dotted
+        owner = rollout if module == "rollout" else importlib.import_module(f"lab.{module}")
+        cls = getattr(owner, name)
+        side = sessions.SharedPrompts(person) if cls is sessions.SharedPrompts else cls  # wraps one
+        assert [m for m in methods if not callable(getattr(side, m, None))] == [], name
+        if "self.tokenizer" not in inspect.getsource(cls):  # else set per instance, from a model
+            assert [a for a in attributes if not hasattr(side, a)] == [], name
+    assert isinstance(person, rollout.Side) and isinstance(sessions.OutsideSide(None), rollout.Side)
     assert not isinstance(object(), rollout.Side)
+
+
+def test_a_player_becomes_a_side_one_way_by_its_type(tokenizer, monkeypatch):
+    """rollout.side: an engine (or a subclass of engine.Engine) plays as EngineSide, a
+    served.ServedModel as ServedSide, anything else is taken as a side already; the judge is
+    chosen the same way, and a judge of no registered type is refused in one line."""
+    from lab import play, served
+
+    class Recording(engine.Engine):
+        pass
+    model = tiny_model("llama")
+    for eng in (engine.Engine(model, tokenizer, num_blocks=64),
+                Recording(model, tokenizer, num_blocks=64)):
+        made = rollout.side(eng, "persuadee", engine.GREEDY, 4, decision="logit")
+        assert type(made) is rollout.EngineSide and made.eng is eng and made.decision == "logit"
+    model_spec = served.ServedModel("openai:m@http://127.0.0.1:9/v1", key="k")
+    made = rollout.side(model_spec, "persuader", engine.GREEDY, 4)
+    assert type(made) is served.ServedSide and made.model is model_spec and made.eng is None
+    person = play.PersonSide(2, read=lambda prompt: "", write=lambda *a: None)
+    assert rollout.side(person, "persuader", engine.GREEDY, 4) is person
+    asked = []
+    for module in (local_judge, served):
+        monkeypatch.setattr(module, "judge_scores", lambda judge, instances, *a, **k: asked.append(
+            type(judge)) or ([1.0] * len(instances), [False] * len(instances)))
+    for judge in (Recording(model, tokenizer, num_blocks=64), model_spec):
+        assert rollout.judge_all(judge, [{}], [[]], 0, [0]) == ([1.0], [False])
+    assert asked == [Recording, served.ServedModel]
+    with pytest.raises(TypeError, match="a judge is an engine.Engine or a served.ServedModel"):
+        rollout.judge_all(object(), [{}], [[]], 0, [0])
+    with pytest.raises(ValueError, match="only a local persuadee has; use --decision tag"):
+        rollout.side(model_spec, "persuadee", engine.GREEDY, 4, decision="belief")
+
+
+SIDE_MEMBERS = {"prompt", "room", "prefill", "start", "ready", "speak", "reply", "hear", "free",
+                "tokenizer", "max_len", "eng"}
+
+
+def test_no_isinstance_or_hasattr_chooses_a_side():
+    """No file of the method or lab/ asks what a side is: no isinstance against a side's class,
+    no hasattr (or getattr with a default) of a Side member; rollout.py asks no isinstance or
+    hasattr at all (side() and judge_scores choose by type, functools.singledispatch)."""
+    import ast
+    from pathlib import Path
+    here = Path(__file__).resolve().parent.parent
+    side_classes = {dotted.split(".")[1] for dotted in SIDES} | {"Side"}
+    found = []
+    for path in [*here.glob("*.py"), *here.glob("lab/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            where = f"{path.relative_to(here)}:{node.lineno}"
+            if path.name == "rollout.py" and node.func.id in ("isinstance", "hasattr"):
+                found.append(where)
+            if node.func.id == "isinstance" and len(node.args) == 2:
+                names = {getattr(n, "attr", getattr(n, "id", None)) for n in ast.walk(node.args[1])}
+                found += [where] if names & side_classes else []
+            if node.func.id == "hasattr" or node.func.id == "getattr" and len(node.args) == 3:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and name.value in SIDE_MEMBERS:
+                    found.append(where)
+    assert found == []
+
+
+def test_an_engine_side_speaks_and_replies_in_typed_records(tokenizer):
+    """EngineSide.speak returns an arena.Message a sequence (the engine's ids, log-probs and end
+    reason, the text decoded), EngineSide.reply an arena.Reply whose probe values are those a
+    second read of the closed context gives (probes.read_engine) and whose decision is the
+    tag's; a served side answers in the same records, text only."""
+    from lab import served
+    inst = arena.load_scenarios(split="heldout")[0]
+    eng = engine.Engine(tiny_model("llama", max_position_embeddings=8192), tokenizer,
+                        num_blocks=1000)
+    speaker = rollout.EngineSide(eng, "persuader", engine.GREEDY, 5)
+    root = speaker.prefill(inst)
+    [[sid]], _ = speaker.start([root], [1])
+    [message] = speaker.speak([sid], [7])
+    assert type(message) is arena.Message and 1 <= len(message.ids) <= 5
+    assert message.text == tokenizer.decode(message.ids, skip_special_tokens=True).strip()
+    assert len(message.logprobs) == len(message.ids) and message.reason in rollout.SPOKEN
+    speaker.free(sid)
+    replier = rollout.EngineSide(eng, "persuadee", engine.GREEDY, 5, decision="tag")
+    [[sid]], [(b0, m0)] = replier.start([replier.prefill(inst)], [1])
+    assert len(b0) == len(m0) == len(probes.PROBES)
+    replier.hear(sid, "Hello [ACCEPT]")
+    [reply] = replier.reply([sid], [3])
+    assert type(reply) is arena.Reply and reply.decision == arena.parse_decision(reply.text)
+    assert reply.decision_probs is None and reply.accept_prob is None
+    again, mass = probes.read_engine(eng, [sid], with_mass=True)
+    assert reply.probes == again[0].tolist() and reply.probe_mass == mass[0].tolist()
+    replier.free(sid)
+    assert eng.free_blocks == eng.cache.num_blocks
+
+    class Answers:  # a served model's stand-in: one answer, no log-probs (no probe values)
+        dropped = {"logprobs"}
+
+        def map(self, requests):
+            return [dict(text="Fine. [ACCEPT]", reason="stop")] * len(requests)
+    persuader, persuadee = (served.ServedSide(Answers(), role, engine.GREEDY, 5)
+                            for role in ("persuader", "persuadee"))
+    [[sid]], _ = persuader.start([persuader.prefill(inst)], [1])
+    assert persuader.speak([sid], [0]) == [arena.Message("Fine. [ACCEPT]", "stop")]
+    [[sid]], _ = persuadee.start([persuadee.prefill(inst)], [1])
+    persuadee.hear(sid, "Hello")
+    assert persuadee.reply([sid], [0]) == [arena.Reply("Fine. [ACCEPT]", "ACCEPT", "stop",
+                                                       [None] * 3, [None] * 3)]
 
 
 def calls_in(function):
@@ -343,17 +476,17 @@ def calls_in(function):
     return names
 
 
-def test_the_probe_reads_are_three_calls_from_the_training_loop():
-    """train.train calls rollout_episodes, which calls the persuadee side's start (b_0) and reply
-    (b_t), which call probes.read_engine: three hops, the judge a line of the loop of its own."""
+def test_the_probes_are_read_three_calls_deep_from_rollout_episodes():
+    """rollout_episodes -> the persuadee side's start (b_0) or reply (b_t) -> probes.read_engine
+    (and, deciding by logits, probes.read_decisions): three functions from the loop to a read,
+    no round function between; train.train calls rollout_episodes itself, the judge a line of
+    the step of its own."""
     from persuarena import train
-    loop = calls_in(train.train)
     assert {"rollout.rollout_episodes", "rollout.judge_episodes", "rpo.rewards",
-            "rpo.advantages", "policy_update"} <= loop
-    assert "play_round" in calls_in(rollout.rollout_episodes)  # its rounds (lab/sessions.py's too)
-    assert {"persuadee.start", "persuadee.reply"} <= calls_in(rollout.play_round)
+            "rpo.advantages", "policy_update"} <= calls_in(train.train)
+    assert {"persuadee.start", "persuadee.reply"} <= calls_in(rollout.rollout_episodes)
     assert "probes.read_engine" in calls_in(rollout.EngineSide.start)
-    assert "probes.read_engine" in calls_in(rollout.EngineSide.reply)
+    assert {"probes.read_engine", "probes.read_decisions"} <= calls_in(rollout.EngineSide.reply)
     assert "judge_all" not in calls_in(rollout.EpisodeLoop.__init__)
 
 

@@ -355,7 +355,7 @@ def test_the_sampling_flags_name_rollouts_presets():
     cli.add_sampling_flags(parser)
     assert next(a for a in parser._actions if a.dest == "sampling").choices == tuple(rollout.SAMPLING)
     args = parser.parse_args(["--sampling", "cpu", "--persuadee-top-k", "5"])
-    persuader, persuadee = rollout.role_sampling(args)
+    persuader, persuadee = cli.role_sampling(args)
     assert persuader == rollout.SAMPLING["cpu"][0]
     assert persuadee == rollout.SAMPLING["cpu"][1]._replace(top_k=5)
 

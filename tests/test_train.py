@@ -1036,8 +1036,8 @@ def test_activation_checkpointing_on_a_cpu_trains_as_without_it(tmp_path, short_
     through the shared prompt, the policy's recomputed layers): checkpointing is turned on, and
     loss, gradient norm and KL equal a run without it (recomputation changes no number)."""
     calls = []
-    original = train.checkpoint_activations
-    monkeypatch.setattr(train, "checkpoint_activations",
+    original = steps.checkpoint_activations
+    monkeypatch.setattr(steps, "checkpoint_activations",
                         lambda policy: calls.append(original(policy)))
     runs_ = {}
     for mode in ("on", "off"):
@@ -1190,12 +1190,12 @@ def test_a_zero_advantage_step_at_the_reference_skips_even_with_a_kl_term():
 def test_prompts_are_shared_in_one_process_without_checkpointing():
     from persuarena import models
     model = models.random_model("tiny-llama")[0]
-    assert train.shares_prompts(model, 1) and not train.shares_prompts(model, 2)
+    assert steps.shares_prompts(model, 1) and not steps.shares_prompts(model, 2)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no deprecated name
-        train.checkpoint_activations(model)
-    assert not train.shares_prompts(model, 1)
+        steps.checkpoint_activations(model)
+    assert not steps.shares_prompts(model, 1)
 
 
 def test_flags_are_passed_down_and_the_preset_is_named_before_step_one(tmp_path, short_scenarios,
