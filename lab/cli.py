@@ -62,6 +62,10 @@ PINNED_MODULES = ("arena", "probes", "rollout", "rpo", "models", "lab.hardening"
 # the engine's (engine, layers, lab.fastpath: pool sizes, block size, the fast path) set speed and
 # memory, not results, so a resumed run may change them (DECISIONS.md: Resume pins every knob);
 # names ending in _PATH or _DIR say where files are on this machine and are not pinned
+MOVED_CONSTANTS = {"arena.FIRST_NAMES": "lab.variants.FIRST_NAMES",
+                   "arena.SURNAMES": "lab.variants.SURNAMES", "arena.NOT_TEXT": "lab.variants.NOT_TEXT"}
+# pinned constants that moved to another module: a run recorded before the move reads its value
+# under the new name (same value, same meaning), so it still resumes
 
 # -----------------------------------------------------------------------------
 # resume pinning
@@ -107,11 +111,20 @@ def read_config(run_dir, who):
     return recorded
 
 
+def recorded_constants(recorded):
+    """A record's pinned constants under today's names (MOVED_CONSTANTS: a constant that moved
+    between modules keeps its recorded value); {} when it holds none."""
+    then = recorded.get("constants")
+    if not isinstance(then, dict):
+        return {}
+    return {MOVED_CONSTANTS.get(k, k): v for k, v in then.items()}
+
+
 def changed_constants(recorded, own=None):
     """The pinned constants that differ from those a run recorded (config.json "constants"),
     each as 'module.NAME VALUE here, VALUE in the run'."""
     now = pinned_constants(own)
-    then = recorded.get("constants", {})
+    then = recorded_constants(recorded)
     return [f"{k} is {json.dumps(now.get(k))} here and {json.dumps(then.get(k))} in the run"
             for k in sorted(set(then) | set(now)) if k in then and then.get(k) != now.get(k)]
 
@@ -170,9 +183,9 @@ def record_problem(recorded, keys, optional=(), own=None):
     missing = set(keys) - recorded.keys()
     extra = recorded.keys() - set(keys) - set(optional)
     if "constants" in keys and isinstance(recorded.get("constants"), dict):
-        now = pinned_constants(own)
-        missing |= {f"constants.{k}" for k in now.keys() - recorded["constants"].keys()}
-        extra |= {f"constants.{k}" for k in recorded["constants"].keys() - now.keys()}
+        now, then = pinned_constants(own), recorded_constants(recorded)
+        missing |= {f"constants.{k}" for k in now.keys() - then.keys()}
+        extra |= {f"constants.{k}" for k in then.keys() - now.keys()}
     elif "constants" in keys and "constants" in recorded:
         extra.add("constants (not an object)")
     parts = ([f"lacks {_listed(missing)}"] if missing else []) + \

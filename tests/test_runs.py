@@ -244,6 +244,24 @@ def test_resume_refuses_a_config_with_missing_or_foreign_keys_in_one_line(run_co
                            "new run (another --name)")
 
 
+def test_a_run_recorded_before_a_constant_moved_passes_the_pin_check(run_copy, no_model_loads):
+    """cli.MOVED_CONSTANTS: a config.json holding a moved constant under its old name (the training
+    variants' names were arena's) is read under the new one, so the resume gets past every check
+    to the model load (no_model_loads); the same old name with another value is refused naming it."""
+    run, _ = run_copy
+    config = json.loads((run / "config.json").read_text())
+    for old, new in cli.MOVED_CONSTANTS.items():
+        config["constants"][old] = config["constants"].pop(new)
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        resume(run, "--steps", 2)
+    config["constants"]["arena.SURNAMES"] = ["Other"]
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        resume(run, "--steps", 2)
+    assert "lab.variants.SURNAMES" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
 @pytest.mark.parametrize("module, name, value", [
     (rpo, "STRATEGY_WEIGHT", 0.25),
     (rpo, "GOAL", {**rpo.GOAL, "ACCEPT": 5.0}),
