@@ -160,31 +160,17 @@ def message(family, inst, turn=1):
     return rng.choice(templates[family]).format(**fields).replace("..", ".")
 
 
-class ScriptedSide:
+class ScriptedSide(scheduling.NoModelSide):
     """The persuader side (rollout.Side) that speaks the scripted messages. The families are a
     group's members: member g of an instance speaks families[g], known from the stream key the
     loop passes (engine.stream_key(seed, id, g, "persuader")). After `turns` messages the
     episode stops ("stopped"), before the final-turn instruction would reach the persuadee."""
-    tokenizer = max_len = eng = None
 
     def __init__(self, instances, families, seed, turns=TURNS):
         from persuarena import engine
-        self.turns, self.next_sid, self.spoken = turns, 0, {}
+        self.turns, self.spoken = turns, {}
         self.family = {engine.stream_key(seed, inst["id"], g, "persuader"): (family, inst)
                        for inst in instances for g, family in enumerate(families)}
-
-    def prompt(self, instance):
-        return []
-
-    def room(self, instance, n):
-        return True
-
-    def prefill(self, instance):
-        return None
-
-    def start(self, roots, counts):
-        sids, self.next_sid = scheduling.numbered(self.next_sid, counts)
-        return sids, [None] * len(roots)
 
     def ready(self, sids):
         return list(sids)

@@ -44,6 +44,29 @@ def numbered(first: int, counts: list[int]) -> tuple[list[list[int]], int]:
     return sids, first
 
 
+class NoModelSide:
+    """What every side without a model of its own shares (rollout.Side: the sessions' outside
+    players, the audit's scripted persuader): no prompt, no KV pool, nothing to prefill, its
+    episodes numbered as they start. FIRST: what start gives each root (a persuadee's b_0 and
+    probes where it has them; None here, set elsewhere)."""
+    tokenizer = max_len = eng = None
+    FIRST = None
+    next_sid = 0
+
+    def prompt(self, instance) -> list[int]:
+        return []
+
+    def room(self, instance, n: int) -> bool:
+        return True
+
+    def prefill(self, instance) -> None:
+        return None
+
+    def start(self, roots, counts: list[int]) -> tuple[list[list[int]], list]:
+        sids, self.next_sid = numbered(self.next_sid, counts)
+        return sids, [self.FIRST] * len(roots)
+
+
 class Scheduler:
     """Which episodes wait and which run, over the sides' capacity (module docstring): waiting
     holds (instance index, group members) in order, running the episodes in play, done the

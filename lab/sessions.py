@@ -97,27 +97,13 @@ def snapshot(e):
                 probes=e.probes[-1], probe_mass=e.probe_mass[-1])
 
 
-class OutsideSide:
+class OutsideSide(scheduling.NoModelSide):
     """The persuader of every session (rollout.py's side interface): no prompt, no pool; an
     episode is ready once its session's message is in the mailbox; hearing a reply tells the
     session that the episode waits for the next message."""
-    tokenizer = max_len = eng = None
 
     def __init__(self, loop):
-        self.loop, self.tickets, self.next_sid = loop, {}, 0
-
-    def prompt(self, instance):
-        return []
-
-    def room(self, instance, n):
-        return True
-
-    def prefill(self, instance):
-        return None
-
-    def start(self, roots, counts):
-        sids, self.next_sid = scheduling.numbered(self.next_sid, counts)
-        return sids, [None] * len(roots)
+        self.loop, self.tickets = loop, {}
 
     def ready(self, sids):
         return [s for s in sids if s in self.tickets and self.tickets[s].mailbox]
@@ -144,29 +130,16 @@ class OutsideSide:
         self.tickets.pop(sid, None)
 
 
-class OutsidePersuadee:
+class OutsidePersuadee(scheduling.NoModelSide):
     """The persuadee of every session when the sessions play that role (Hub(outside="persuadee")):
     no prompt, no pool; an episode is ready once its session's answer is in the mailbox, a dict
     (text, decision: one of arena.OUTCOMES or None, probes: one value per probe), whose values
     stand where a model's read-out would (probe_mass 1: the whole answer is on the yes/no
     scale); hearing the persuader's message tells the session that the episode waits for it."""
-    tokenizer = max_len = eng = None
+    FIRST = (None, None)  # b_0 is the ticket's, set by SessionLoop.started
 
     def __init__(self, loop):
-        self.loop, self.tickets, self.next_sid = loop, {}, 0
-
-    def prompt(self, instance):
-        return []
-
-    def room(self, instance, n):
-        return True
-
-    def prefill(self, instance):
-        return None
-
-    def start(self, roots, counts):  # b_0 is the ticket's, set by SessionLoop.started
-        sids, self.next_sid = scheduling.numbered(self.next_sid, counts)
-        return sids, [(None, None)] * len(roots)
+        self.loop, self.tickets = loop, {}
 
     def ready(self, sids):
         return [s for s in sids if s in self.tickets and self.tickets[s].mailbox
