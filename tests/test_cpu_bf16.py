@@ -55,3 +55,12 @@ def test_the_trainers_log_probs_are_a_log_softmax_at_the_sampled_ids():
         logits = policy(torch.tensor([prompt + ids])).logits[0]
     want = [torch.log_softmax(logits[len(prompt) - 1 + j] / 0.7, -1)[t] for j, t in enumerate(ids)]
     torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=0)
+
+
+def test_bad_counts_are_refused_in_one_line(capsys):
+    """python -m lab.cpu_bf16 refuses a non-positive count or temperature before any model loads."""
+    for argv in (["--openings", "0"], ["--max-new-tokens", "-1"], ["--temperature", "0"]):
+        with pytest.raises(SystemExit):
+            cpu_bf16.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("lab.cpu_bf16: ") and "\n" not in err
