@@ -18,6 +18,7 @@ The same in float32 is the control: the engine against the fp32 forward, kernels
 import argparse
 import copy
 import json
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -114,7 +115,8 @@ def main(argv=None):
                   "pass e.g. --openings 4 --max-new-tokens 16 --temperature 0.7\n")
     policy, tok = models.load_model(args.model, dtype=torch.float32)
     prompts = opening_prompts(tok, args.openings)
-    out = dict(bf16_units=presets.bf16_units(), onednn_bf16=cpu_products.onednn_bf16(),
+    out = dict(load_before=os.getloadavg()[0], bf16_units=presets.bf16_units(),
+               onednn_bf16=cpu_products.onednn_bf16(),
                default_dtype=presets.cpu_dtype()[0], model=args.model, openings=args.openings,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     for dtype in (torch.float32, torch.bfloat16):
@@ -124,6 +126,7 @@ def main(argv=None):
             print(f"{stats.dtype}: {stats.tokens} tokens, |log rho| max {stats.max_abs_log_ratio:.4f} "
                   f"mean {stats.mean_abs_log_ratio:.4f}, mean rho {stats.mean_ratio:.4f}, outside "
                   f"the clip {stats.outside_clip_share:.2%}")
+    out["load_after"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(out))
     return out
