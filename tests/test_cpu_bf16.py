@@ -64,3 +64,17 @@ def test_bad_counts_are_refused_in_one_line(capsys):
             cpu_bf16.main(argv)
         err = capsys.readouterr().err.strip()
         assert err.startswith("lab.cpu_bf16: ") and "\n" not in err
+
+
+def test_product_rates_name_every_layout_this_cpu_runs(monkeypatch):
+    """product_rates times float32 plain and bf16 plain always, each packed layout where
+    cpu_products packs it (bf16 packed only with oneDNN's bf16 kernels), and leaves the
+    thread count as it found it."""
+    monkeypatch.setattr(cpu_bf16.cpu_products, "onednn_bf16", lambda: False)
+    threads = torch.get_num_threads()
+    rates = cpu_bf16.product_rates(rows=(2,), repeats=1)
+    assert torch.get_num_threads() == threads
+    want = {"float32 plain, 2 rows", "bf16 plain, 2 rows"}
+    if cpu_bf16.cpu_products.packs("cpu", torch.float32):
+        want.add("float32 packed, 2 rows")
+    assert set(rates) == want and all(v > 0 for v in rates.values())
