@@ -59,7 +59,7 @@ def fuse(params):
 def fused_weights(model):
     """The decoder's weights, with q/k/v and gate/up fused so a layer is four matrix products.
     The fused tensors are the model's own storage (fuse); every other entry is a parameter
-    itself (lab.fastpath.pack_weights may give a CPU's products a layout of their own)."""
+    itself (lab.cpu_products.pack_weights may give a CPU's products a layout of their own)."""
     m, cfg = model.model, model.config
     layers = []
     with torch.no_grad():

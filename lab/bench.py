@@ -58,7 +58,8 @@ from persuarena import layers
 from persuarena import models
 from persuarena import rollout
 from lab import (bench_baselines as baselines, bench_gpu as gpu_bench, bench_load as load_runs,
-                 bench_snr as snr, bench_vllm as vllm, bench_workload as workload, cli)
+                 bench_snr as snr, bench_vllm as vllm, bench_workload as workload, cli,
+                 cpu_products, presets)
 
 def parse_args(argv=None):
     p = cli.new_parser("python -m lab.bench", __doc__)
@@ -222,7 +223,8 @@ def comparison_figures(args, model, tok, dtype, res, bandwidth, flops, instances
         engine_threads_mean=sum(e["threads"]) / max(len(e["threads"]), 1),
         load_before=e["load_before"], load_after=e["load_after"],
         begin_ms=1e3 * e["begin_s"] / max(e["begin_n"], 1), begin_calls=e["begin_n"],
-        sample_ms=1e3 * e["sample_s"] / max(e["sample_n"], 1), sample_calls=e["sample_n"])
+        sample_ms=1e3 * e["sample_s"] / max(e["sample_n"], 1), sample_calls=e["sample_n"],
+        cpu_bf16_units=presets.bf16_units(), onednn_bf16=cpu_products.onednn_bf16())
     return out | vllm.figures(tok, e, res.get("vllm"), pairs)
 
 
@@ -280,6 +282,9 @@ def main():
     gpu = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+    if not gpu and dtype == torch.bfloat16 and not presets.bf16_units():
+        print("lab.bench: this CPU lists no bf16 product units (lab.presets.bf16_units): its bf16 "
+              "products run several times slower than float32 (BENCHMARKS.md: The CPU in bf16)")
     model, tok = workload.load(args, dtype)
     instances = workload.pick_instances(args.dialogues)
     if args.probe_vs_judge:

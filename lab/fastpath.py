@@ -8,7 +8,7 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
                        FLASH_BLOCK_SIZE): they read the pool through the block tables
                padded  PyTorch SDPA elsewhere on a GPU: whole blocks gathered, queries padded on
                        the left, grouped query heads folded into the query rows, in calls of at
-                       most ATTENTION_CALL_MB (padded_calls, call_mask, call_bytes)
+                       most ATTENTION_CALL_MB (lab/padded.py)
                split   on a compute-bound device (a CPU): one SDPA call a sequence, no padding
                decode  ... and one query a sequence: two batched products (kernels.decode_attention)
     decode   DecodeBatch: a fixed shape per batch bucket (BATCH_BUCKETS, then multiples of
@@ -23,7 +23,7 @@ the same tokens faster, and engine.FAST_PATH (or Engine(fast_path=False)) turns 
              the copy's write, the attention and silu * up are lab.kernels' operators (one
              Triton kernel each on CUDA, the same composites elsewhere).
              On a CPU a window runs on the cores other processes leave free (engine.cpu_threads).
-    weights  on a CPU the products' weights in oneDNN's prepacked layout (PACK_CPU_WEIGHTS).
+    weights  on a CPU the products' weights in oneDNN's prepacked layout (lab/cpu_products.py).
 
 It never imports engine.py: an Engine hands itself over (duck-typed: its cache, weights,
 pending tokens, admit_step, take, decode_loop) with its sampling function.
@@ -32,19 +32,18 @@ pending tokens, admit_step, take, decode_loop) with its sampling function.
     python -m lab.bench                           # the rollout workload (the fast path)
 """
 import functools
-import itertools
 import math
 import sys
 import time
 import weakref
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from persuarena import layers
-from lab import kernels
+from lab import cpu_products, kernels
+from lab.padded import call_bytes, call_mask, padded_calls, round_up  # noqa: F401 (fastpath.round_up)
 
 FLASH_BLOCK_SIZE = 256    # tokens per KV block with flash-attn's paged kernels (divisible by 256)
 DECODE_COPY_GB = 1.0      # the decode memory (every decode batch's dense copy) on a CPU
@@ -64,8 +63,6 @@ DECODE_PAD = 16           # columns after a row's capacity: its scratch column, 
 # starts every transposed key row 32-byte aligned (cuBLAS reads aligned rows; capacity + 1 did not)
 ATTENTION_CALL_MB = 256   # the padded path's largest SDPA call (mask, gathered keys, queries; call_bytes):
 # a forward past it runs in several calls (whole sequences, or windows of one's queries)
-PACK_CPU_WEIGHTS = True   # oneDNN-prepacked weights on a CPU: decode products ~1.7x MKL's here
-PACKED_DTYPES = (torch.float32, torch.bfloat16)  # ... in these dtypes (bf16: oneDNN's bf16 kernels)
 FUSED_KERNELS = True      # a decode step's RoPE + store, attention and silu * up as lab.kernels'
 # custom ops (one Triton kernel each on CUDA; the same composites elsewhere), else the composites
 
@@ -84,10 +81,6 @@ def flash_usable(device, dtype):
 def flash_block_size(device, dtype):
     """FLASH_BLOCK_SIZE where flash-attn's kernels can run on `device` in `dtype`, else None."""
     return FLASH_BLOCK_SIZE if flash_usable(device, dtype) else None
-
-
-def round_up(n, multiple):
-    return -(-n // multiple) * multiple
 
 
 def attention_transient_bytes(heads, decode_columns, itemsize):
@@ -116,113 +109,8 @@ def batch_bucket(n):
     return next((b for b in BATCH_BUCKETS if n <= b), -(-n // BATCH_STEP) * BATCH_STEP)
 
 
-def pack_weights(w):
-    """The engine's weights with each matrix product's weight oneDNN-prepacked on a CPU (a
-    copy in a layout of its own, PACK_CPU_WEIGHTS), else w itself. layers.linear calls a packed
-    weight (Packed) in place of F.linear."""
-    usable = (PACK_CPU_WEIGHTS and w["embed"].device.type == "cpu"
-              and w["embed"].dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
-              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-    if not usable:
-        return w
-    products = ("qkv", "o", "gate_up", "down")
-    return {**w, "lm_head": Packed(w["lm_head"]),
-            "layers": [{k: Packed(v) if k in products else v for k, v in lw.items()}
-                       for lw in w["layers"]]}
-
-
-def call_bytes(rows, width, keys, heads, kv_heads, head_dim, itemsize):
-    """What one padded attention call holds beside the pool, in bytes: the additive mask
-    [rows, 1, width * G, keys] (G = heads / kv_heads query heads a kv head, folded into the
-    query rows), the gathered keys and values, and the folded queries and their output. SDPA's
-    memory-efficient kernel itself keeps one float32 log-sum-exp a query row (counted too)."""
-    group = heads // kv_heads
-    return rows * (itemsize * (width * group * keys + 2 * keys * kv_heads * head_dim
-                               + 2 * width * heads * head_dim) + 4 * width * heads)
-
-
-def padded_calls(q_lens, kv_lens, tables, block_size, cost, budget):
-    """The padded path's SDPA calls: runs of whole sequences whose call stays within `budget`
-    bytes (cost(rows, width, keys)), and a sequence too large alone in windows of its queries
-    (each window reads only the keys its last query sees). Every transient is so bounded."""
-    q, kv = q_lens.tolist(), kv_lens.tolist()
-    starts = [0] + list(itertools.accumulate(q))
-    spans, b = [], 0  # (first, end, window start, window end) with windows counted per sequence
-    while b < len(q):
-        e = b + 1
-        while e < len(q) and cost(e + 1 - b, max(q[b:e + 1]),
-                                  round_up(max(kv[b:e + 1]), block_size)) <= budget:
-            e += 1
-        if e - b > 1 or cost(1, q[b], round_up(kv[b], block_size)) <= budget:
-            spans.append((b, e, 0, max(q[b:e])))
-        else:  # the keys fixed, the queries in windows that fit (one row at the least)
-            keys = round_up(kv[b], block_size)
-            per_row = cost(1, 2, keys) - cost(1, 1, keys)
-            width = max(1, (budget - cost(1, 0, keys)) // per_row)
-            spans += [(b, b + 1, w, min(w + width, q[b])) for w in range(0, q[b], width)]
-        b = e
-    calls = []
-    for first, end, w0, w1 in spans:
-        width, whole = w1 - w0, max(q[first:end])  # whole: the sequences' padded query rows
-        lens = torch.tensor(kv[first:end]) - (whole - w1)  # keys the window's last row sees
-        rows = torch.arange(end - first)
-        pos = torch.tensor(kv[first:end])[:, None] - whole + torch.arange(w0, w1)
-        lo = starts[first] + (w0 if end - first == 1 else 0)
-        hi = starts[end] - (q[first] - w1 if end - first == 1 else 0)
-        pad = torch.repeat_interleave(rows, torch.tensor(q[first:end]))  # packed -> sequence
-        if end - first == 1:
-            index = torch.arange(hi - lo)
-        else:  # token t of sequence i sits in padded row whole - q_i + t
-            offset = torch.tensor(starts[first:end]) - (whole - torch.tensor(q[first:end]))
-            index = pad * width + torch.arange(lo, hi) - offset[pad]
-        n_blocks = round_up(int(lens.max()), block_size) // block_size
-        calls.append(Call(lo, hi, index, pos.clamp(min=0), lens, tables[first:end, :n_blocks]))
-    return calls
-
-
-def call_mask(call, keys, group, dtype):
-    """The additive mask [rows, 1, width * group, keys] of a Call: 0 where padded query row r of
-    a sequence sees key j (j <= its position and j < the sequence's visible keys), else -inf,
-    each row repeated for the `group` query heads that the call folds into its query rows
-    (padding rows see key 0, so no row is all -inf)."""
-    kv_pos = torch.arange(keys, device=call.q_pos.device)
-    visible = (kv_pos <= call.q_pos[:, :, None]) & (kv_pos < call.kv_lens[:, None, None])
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, -math.inf).repeat_interleave(group, 1)[:, None]
-
-
 # -----------------------------------------------------------------------------
 # an engine's fast path: its weights' layout, its ragged forward, its decode batches
-
-
-class Packed:
-    """A weight in oneDNN's prepacked layout, for CPU matrix products of a few rows (decode);
-    called as layers.linear would call F.linear. A single row is multiplied as two (itself
-    twice): oneDNN's one-row kernel rounds a row unlike the same row among others once the inner
-    dimension passes ~1k (SmolLM2's down projection), so a sequence decoding alone would round
-    unlike itself in a batch; from two rows on the rows agree (DECISIONS.md: Decode fusion)."""
-
-    def __init__(self, weight):
-        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-
-    def __call__(self, x, bias=None):
-        if x.shape[0] == 1:
-            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.data,
-                                                      bias, "none", [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
-
-
-class Call(NamedTuple):
-    """One SDPA call of the padded path: sequences first..first + rows - 1 of a Batch, packed
-    query tokens lo..hi - 1 of it, padded to `width` query rows a sequence (left-padded: row r
-    of sequence b sits at position q_pos[b, r]); keys of each sequence up to kv_lens[b] (the
-    table columns its queries can see)."""
-    lo: int
-    hi: int
-    index: torch.Tensor    # packed token lo + i -> row of the padded [rows * width] queries
-    q_pos: torch.Tensor    # [rows, width] position of each padded query row (clamped at 0)
-    kv_lens: torch.Tensor  # [rows] keys visible to the call's last query of each sequence
-    tables: torch.Tensor   # [rows, blocks] block table columns read
 
 
 class FastPath:
@@ -259,13 +147,14 @@ class FastPath:
         return round_up(self.capacity_asked or self.engine.max_len + SYNC_EVERY, CAPACITY_BUCKET)
 
     def refresh(self, w, addresses):
-        """The engine's weights as the fast path reads them (pack_weights); storage that moved
-        (a model moved or reloaded) drops the decode batches, whose graphs hold the old addresses."""
+        """The engine's weights as the fast path reads them (cpu_products.pack_weights); storage
+        that moved (a model moved or reloaded) drops the decode batches, whose graphs hold the old
+        addresses."""
         if addresses != self.addresses:
             self.decode_batches = {}
         self.addresses = addresses
         self.copy_rows = (None, [])
-        return pack_weights(w)
+        return cpu_products.pack_weights(w)
 
     def attention(self, sids, q_lens, kv_lens, positions, slots, compute_bound):
         """The ragged forward's attention over these sequences (Batch.attention)."""

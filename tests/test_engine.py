@@ -9,7 +9,7 @@ import torch
 from persuarena import engine
 from persuarena import rpo
 from conftest import tiny_model, token_logprobs
-from lab import fastpath
+from lab import cpu_products, fastpath
 
 ARCHS = ["llama", "qwen3", "qwen2"]
 PROMPTS = [[5, 9, 14, 3, 77, 120, 8, 41, 19, 66, 7, 301, 45, 12, 99, 4, 18, 250, 33, 61, 5, 88],
@@ -306,7 +306,7 @@ def test_a_fused_model_holds_no_parameter_bytes_twice(arch, monkeypatch):
     storage), a second engine on the same model adds nothing, and the Hugging Face forward
     still gives the logits it gave before. (A CPU's oneDNN-packed layout, PACK_CPU_WEIGHTS, is
     a copy of its own: off here, as on a GPU.)"""
-    monkeypatch.setattr(fastpath, "PACK_CPU_WEIGHTS", False)
+    monkeypatch.setattr(cpu_products, "PACK_CPU_WEIGHTS", False)
     model = tiny_model(arch)
     ids = torch.tensor([PROMPTS[0]])
     before = model(ids).logits
@@ -325,7 +325,7 @@ def test_a_refresh_keeps_the_fused_storage_and_reads_the_new_weights(monkeypatch
     another model (refresh(other)) are read at the same addresses: every fused tensor keeps its
     data_ptr, the decode batches (and on CUDA their graphs) are kept, and greedy decoding
     follows the new weights token for token."""
-    monkeypatch.setattr(fastpath, "PACK_CPU_WEIGHTS", False)
+    monkeypatch.setattr(cpu_products, "PACK_CPU_WEIGHTS", False)
     model, other = tiny_model("qwen3"), tiny_model("qwen3", seed=5)
     eng = engine.Engine(model, block_size=4, num_blocks=200)
     eng.generate([eng.new(p) for p in PROMPTS], 12)

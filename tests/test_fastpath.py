@@ -452,26 +452,6 @@ def test_a_row_decodes_bit_equal_in_batches_of_any_size(arch, dtype):
     assert [k for k in range(2, 9) if first_row(k) != alone] == []
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available()
-                    or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"),
-                    reason="no oneDNN weight packing in this PyTorch")
-@pytest.mark.parametrize("out_features,in_features", [(576, 1536), (1536, 576), (128, 4096)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_product_gives_a_row_its_bits_alone_and_among_others(out_features, in_features,
-                                                                     dtype):
-    """A prepacked CPU product of one row equals that row inside products of 2 to 23 rows (a
-    lone row took oneDNN's one-row kernel, which rounds differently past ~1k inputs: SmolLM2's
-    down projection)."""
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
-    x = torch.randn(24, in_features, generator=g).to(dtype)
-    packed = fastpath.Packed(weight)
-    full = packed(x)
-    assert [m for m in range(1, 24) if not torch.equal(packed(x[:m]), full[:m])] == []
-    assert torch.equal(packed(x[:1], bias := torch.randn(out_features, generator=g).to(dtype)),
-                       packed(x, bias)[:1])
-
-
 def test_the_bench_refuses_bad_arguments_in_one_line(capsys):
     """lab.bench's counts (--dialogues, --turns, --max-new-tokens, --load) and --snr's (preset,
     --instances, --messages, --resamples) are refused before any model loads, in one line."""

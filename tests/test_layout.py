@@ -244,6 +244,7 @@ ENTRY_POINTS = {  # each command's parser, built as its command line builds it
     "lab.sweep": lambda: __import__("lab.sweep", fromlist=["x"]).main([]),
     "lab.bench_sessions": lambda: __import__("lab.bench_sessions", fromlist=["x"]).main([]),
     "lab.vllm_worker": lambda: __import__("lab.vllm_worker", fromlist=["x"]).main([]),
+    "lab.cpu_bf16": lambda: __import__("lab.cpu_bf16", fromlist=["x"]).main([]),
 }
 
 

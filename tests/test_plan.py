@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from persuarena import engine
-from lab import fastpath, lora, plan, shapes
+from lab import fastpath, lora, padded, plan, shapes
 from persuarena import train
 from lab import presets
 from test_train import TINY, no_model_loads, parse_train  # noqa: F401 (a fixture)
@@ -77,11 +77,11 @@ def test_the_largest_prefill_runs_in_attention_calls_within_their_budget():
     into padded-path SDPA calls each within ATTENTION_CALL_MB, with every query in exactly one
     call, and a single 32k-token prefill into windows of its queries."""
     import functools
-    cost = functools.partial(fastpath.call_bytes, heads=40, kv_heads=8, head_dim=128, itemsize=2)
+    cost = functools.partial(padded.call_bytes, heads=40, kv_heads=8, head_dim=128, itemsize=2)
     budget = fastpath.ATTENTION_CALL_MB * 2**20
     for q_lens in (torch.tensor([4096 - 37 * i for i in range(16)]), torch.tensor([32768])):
         tables = torch.zeros(len(q_lens), 32768 // 16, dtype=torch.long)
-        calls = fastpath.padded_calls(q_lens, q_lens, tables, 16, cost, budget)
+        calls = padded.padded_calls(q_lens, q_lens, tables, 16, cost, budget)
         assert max(cost(*c.q_pos.shape, c.tables.shape[1] * 16) for c in calls) <= budget
         covered = torch.cat([torch.arange(c.lo, c.hi) for c in calls])
         assert covered.tolist() == list(range(int(q_lens.sum())))
