@@ -2,7 +2,7 @@
 lab/cpu_bf16.py: the pi_old gap of a bf16 run. A bf16 rollout records log pi_old from the
 engine on the bf16 rollout copy (bf16 weights, bf16 residual stream, the engine's kernels); the
 trainer's first update recomputes the same tokens' log-probs from the fp32 master weights under
-torch.autocast (train.compute_context: bf16 products, float32 residual stream and norms, Hugging
+torch.autocast (steps.compute_context: bf16 products, float32 residual stream and norms, Hugging
 Face's kernels). Where both were exact the importance ratio would be 1; what it is instead:
 
     rho_t = exp(log pi_trainer(a_t | s_t) - log pi_old(a_t | s_t))      a_t a sampled token
@@ -79,9 +79,9 @@ def rollout_logprobs(rollout_copy, prompts, max_new_tokens, temperature, seed=0)
 
 def trainer_logprobs(policy, prompt, ids, temperature, dtype):
     """The trainer's log-probs of `ids` after `prompt`: a full forward of the fp32 policy, under
-    autocast to `dtype` unless it is float32 (train.compute_context), log softmax(logits / T)."""
-    from persuarena import train
-    context = train.compute_context(policy, argparse.Namespace(dtype=str(dtype).removeprefix(
+    autocast to `dtype` unless it is float32 (steps.compute_context), log softmax(logits / T)."""
+    from lab import steps
+    context = steps.compute_context(policy, argparse.Namespace(dtype=str(dtype).removeprefix(
         "torch.")), world=1)
     full = torch.tensor([prompt + ids])
     with torch.no_grad(), context:
