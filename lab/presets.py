@@ -14,13 +14,14 @@ eval.py on a CPU takes the cpu preset's message length and judge (laptop_setting
 and evaluation on a laptop agree.
 
 The cpu preset's dtype follows the machine (cpu_dtype): bfloat16 where the CPU has bf16 product
-units (AVX512_BF16 or AMX on x86, bf16 on Arm, read from /proc/cpuinfo's flags; CPU_BF16
-overrides the detection), else float32; train.py and eval.py print which and why, and
+units (AVX512_BF16 or AMX on x86, bf16 on Arm, read from /proc/cpuinfo's flags; CPU_BF16, or
+else the environment's PERSUARENA_CPU_BF16=0/1, overrides the detection), else float32; train.py and eval.py print which and why, and
 `--dtype float32` runs the float32 path (DECISIONS.md: The CPU's dtype).
 
     python train.py --preset tiny      # tiny random models, seconds a step
 """
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,8 @@ CPU_BF16 = None                     # None: detect the CPU's bf16 units; True / 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # /proc/cpuinfo flags of bf16 product units:
 # x86's AVX512_BF16 and AMX, Arm's FEAT_BF16 (its "Features" line); a name is no evidence
 CPUINFO_PATH = "/proc/cpuinfo"
+CPU_BF16_ENV = "PERSUARENA_CPU_BF16"  # 0 / 1 in the environment: as CPU_BF16 False / True, for a
+# run and every process it starts (the test suite sets 0: the float32 path on any machine)
 DEFAULT_SAMPLING = "paper"  # the rollout.SAMPLING entry a run samples with unless one is picked
 LORA_RANK = 64                      # --preset one-gpu's adapter rank (train.py --lora)
 PRESETS = {  # the models, their dtype and sampling, and what differs from the owning constants
@@ -76,6 +79,11 @@ def cpu_dtype():
     (bf16_units, or CPU_BF16 True), else float32."""
     if CPU_BF16 is not None:
         return ("bfloat16" if CPU_BF16 else "float32"), f"lab.presets.CPU_BF16 {CPU_BF16}"
+    if (said := os.environ.get(CPU_BF16_ENV)) is not None:
+        if said not in ("0", "1"):
+            raise SystemExit(f"lab.presets: {CPU_BF16_ENV}={said!r} in the environment; set it "
+                             "to 0 (float32) or 1 (bfloat16), or unset it to detect the CPU's units")
+        return ("bfloat16" if said == "1" else "float32"), f"{CPU_BF16_ENV}={said}"
     units = bf16_units()
     if units:
         return "bfloat16", f"this CPU has bf16 product units: {', '.join(units)}"

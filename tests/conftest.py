@@ -1,8 +1,11 @@
 """Shared test fixtures: tiny random models and a tokenizer built in code, nothing downloaded."""
+import contextlib
 import importlib.util
 import os
+import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trackio-"))  # not ~/.cache
@@ -23,8 +26,30 @@ from persuarena import engine
 from persuarena import models
 from lab import fastpath, presets
 
-presets.CPU_BF16 = False  # the suite runs the cpu preset's float32 path on any machine, with or
-# without bf16 units; tests of the machine's dtype set CPU_BF16 or CPUINFO_PATH themselves
+os.environ[presets.CPU_BF16_ENV] = "0"  # the suite, and every process it starts, runs the cpu
+# preset's float32 path on any machine, with or without bf16 units; tests of the machine's dtype
+# set CPU_BF16, CPUINFO_PATH or the variable themselves (monkeypatch)
+
+
+@contextlib.contextmanager
+def served_app(app, **config):
+    """An ASGI app under uvicorn on 127.0.0.1 (a free port) in a thread: yields its http URL and
+    stops the server after (config: more uvicorn.Config settings)."""
+    import uvicorn
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        thread.join(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def token_logprobs(logits, ids, temperature=1.0):

@@ -15,7 +15,7 @@ from persuarena import arena
 from persuarena import engine
 from lab import env as persuasion_env
 from lab import env_server, sessions
-from conftest import tiny_model
+from conftest import served_app, tiny_model
 from test_env import BAD_INSTANCES, MESSAGES, play_env
 from test_served import instances  # noqa: F401
 
@@ -23,23 +23,9 @@ from test_served import instances  # noqa: F401
 @contextlib.contextmanager
 def serving(make_env, **app_kw):
     """env.py's OpenEnv app on 127.0.0.1 (a free port) in a thread: yields its http URL."""
-    import uvicorn
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     http = app_kw.pop("http", "auto")
-    server = uvicorn.Server(uvicorn.Config(env_server.openenv_app(make_env, **app_kw),
-                                           host="127.0.0.1", port=port, log_level="warning",
-                                           http=http))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started and thread.is_alive():
-        thread.join(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with served_app(env_server.openenv_app(make_env, **app_kw), http=http) as url:
+        yield url
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 
 from persuarena import engine
 from persuarena import probes
-from conftest import tiny_model, write_short_scenarios
+from conftest import served_app, tiny_model, write_short_scenarios
 from lab import jsonl, report, study
 from test_served import instances
 
@@ -29,22 +29,8 @@ CLIENTS = 16
 @contextlib.contextmanager
 def serving(the_study):
     """study_app on 127.0.0.1 (a free port) in a thread: yields its URL."""
-    import uvicorn
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(study.study_app(the_study), host="127.0.0.1",
-                                           port=port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started and thread.is_alive():
-        thread.join(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with served_app(study.study_app(the_study), timeout_graceful_shutdown=1) as url:
+        yield url
 
 
 def post(url, path, body, raw=None):

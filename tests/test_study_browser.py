@@ -95,6 +95,13 @@ def answer_probes(browser, prefix, values):
         browser.click(f'input[name="{prefix}-{i}"][value="{v:g}"]')
 
 
+def past_consent(browser):
+    """The consent screen shown, agreed to, and the brief that follows it shown."""
+    browser.until(visible("#consent"))
+    browser.click("#agree")
+    browser.until(visible("#brief"))
+
+
 @needs_chromium
 def test_a_participant_consents_answers_two_turns_and_decides_in_chromium(tmp_path, tokenizer):
     """Consent, the persona, b_0, two turns (probe answers, a reply, keep talking then accept);
@@ -106,9 +113,7 @@ def test_a_participant_consents_answers_two_turns_and_decides_in_chromium(tmp_pa
     with serving(the_study) as url:
         browser = Chromium(url + "/", tmp_path / "profile")
         try:
-            browser.until(visible("#consent"))
-            browser.click("#agree")
-            browser.until(visible("#brief"))
+            past_consent(browser)
             assert browser.js("[...document.querySelectorAll('#b0-probes legend')].map(e => "
                               "e.textContent)") == probes.questions()
             assert browser.js("document.querySelector('#begin').disabled")  # b_0 first
@@ -147,9 +152,7 @@ def test_a_person_persuades_the_model_and_sees_its_belief_in_chromium(tmp_path, 
     with serving(the_study) as url:
         browser = Chromium(url + "/", tmp_path / "profile")
         try:
-            browser.until(visible("#consent"))
-            browser.click("#agree")
-            browser.until(visible("#brief"))
+            past_consent(browser)
             browser.click("#begin")
             browser.until(visible("#compose"))
             b0 = browser.js("document.querySelector('#belief').textContent")
@@ -160,9 +163,7 @@ def test_a_person_persuades_the_model_and_sees_its_belief_in_chromium(tmp_path, 
                               ".textContent).concat([...document.querySelectorAll('#readout .num')]"
                               ".map(e => e.textContent))")
             browser.call("Page.navigate", url=url + "/")  # a second visit, left mid-episode
-            browser.until(visible("#consent"))
-            browser.click("#agree")
-            browser.until(visible("#brief"))
+            past_consent(browser)
             browser.click("#begin")
             browser.until(visible("#compose"))
             assert the_study.hub.reserved > 0

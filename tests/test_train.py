@@ -264,8 +264,10 @@ def test_the_paper_numbers_are_train_constants_and_their_flags_defaults(monkeypa
 def test_the_cpu_preset_takes_bf16_where_the_cpu_has_its_units(tmp_path, monkeypatch, capsys):
     """The cpu preset's dtype follows the CPU's flags (/proc/cpuinfo): bfloat16 with x86's
     avx512_bf16 or amx_bf16 or Arm's bf16, float32 without (a name is no evidence), printed with
-    why; --dtype float32 is the user's and prints nothing; CPU_BF16 overrides the detection."""
+    why; --dtype float32 is the user's and prints nothing; CPU_BF16, or else PERSUARENA_CPU_BF16,
+    overrides the detection (a bad value refused in one line)."""
     monkeypatch.setattr(presets, "CPU_BF16", None)
+    monkeypatch.delenv(presets.CPU_BF16_ENV, raising=False)
     info = tmp_path / "cpuinfo"
     monkeypatch.setattr(presets, "CPUINFO_PATH", str(info))
     for text, dtype in (("flags\t: fpu avx512f avx512_bf16 avx512_vnni\n", "bfloat16"),
@@ -283,6 +285,13 @@ def test_the_cpu_preset_takes_bf16_where_the_cpu_has_its_units(tmp_path, monkeyp
     assert "dtype" not in capsys.readouterr().out
     monkeypatch.setattr(presets, "CPUINFO_PATH", str(tmp_path / "missing"))
     assert presets.cpu_dtype()[0] == "float32" and presets.bf16_units() == ()
+    monkeypatch.setenv(presets.CPU_BF16_ENV, "1")
+    assert presets.cpu_dtype() == ("bfloat16", "PERSUARENA_CPU_BF16=1")
+    monkeypatch.setenv(presets.CPU_BF16_ENV, "yes")
+    with pytest.raises(SystemExit, match="PERSUARENA_CPU_BF16='yes'"):
+        presets.cpu_dtype()
+    monkeypatch.setattr(presets, "CPU_BF16", False)  # the constant over the environment
+    assert presets.cpu_dtype()[0] == "float32"
     monkeypatch.setattr(presets, "CPU_BF16", True)
     assert presets.cpu_dtype()[0] == "bfloat16"
     assert parse_train(["--preset", "tiny", "--out", str(tmp_path)]).dtype == "float32"
