@@ -72,8 +72,9 @@ def decode_attention(q, keys_t, values, key_bias, float32_scores=False):
         scores = torch.baddbmm(key_bias, q, keys_t, alpha=D ** -0.5)
     elif q.is_cuda and fp32_products():  # half inputs, float32 out (cuBLAS accumulates in it)
         scores = torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(D ** -0.5).add_(key_bias)
-    elif not q.is_cuda and q.dtype == torch.bfloat16 and not float32_scores:  # a CPU's bf16 product (float32 sums,
-        # the scores rounded once to bf16: no float32 copy of the keys a layer), float32 softmax
+    elif not q.is_cuda and q.dtype == torch.bfloat16 and not float32_scores:
+        # a CPU's bf16 product (float32 sums, the scores rounded once to bf16: no float32 copy
+        # of the keys a layer), float32 softmax
         scores = torch.add(key_bias, torch.bmm(q, keys_t).float(), alpha=D ** -0.5)
     else:
         scores = torch.baddbmm(key_bias, q.float(), keys_t.float(), alpha=D ** -0.5)
