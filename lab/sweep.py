@@ -35,7 +35,10 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
     effect.png     each lambda's last checkpoint minus the initial policy, 95% intervals
     training.png   with --frozen-control, every arm's training episodes against its control
 
-Arms already trained are reused; a killed arm resumes from its checkpoint (train.py --resume).
+Seed by seed: its initial evaluation, then its arms. Arms already trained are reused; a killed
+arm resumes from its checkpoint (train.py --resume). A finished arm's records (not its
+checkpoints: .gitignore) and the initial evaluations can be committed, so a sweep longer than
+a sitting goes on from another machine's clone with the same command.
 A re-run keeps the settings sweep.json recorded (cli.pin_settings, as train.py --resume keeps
 config.json): a changed one is refused in one line, --overwrite starts the sweep again. Arguments
 sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4), except the
@@ -339,17 +342,17 @@ def main(argv=None):
                              "pass --overwrite") from None
     start_folder(root, args)
     bar = tqdm(total=len(arms) + len(args.seeds), desc="sweep arms")
-    for seed in args.seeds:  # the initial policy first: it is what every arm is tested against
-        folder = root / f"initial_s{seed}"
+    for seed in args.seeds:  # seed by seed, so that a sitting cut short leaves whole pairs
+        folder = root / f"initial_s{seed}"  # the initial policy first: every arm is tested against it
         if 0 not in _steps_in(folder / "evals.jsonl"):
             evaluate_initial(arm_argv(args, extra, args.lams[0], seed, runs_dir, True), folder)
         bar.update()
-    for lam, seed in arms:
-        run_dir = runs_dir / arm_name(lam, seed)
-        bar.set_postfix_str(arm_name(lam, seed))
-        if not arm_finished(run_dir, args, lam == FROZEN):
-            train_arm(arm_argv(args, extra, lam, seed, runs_dir), run_dir)
-        bar.update()
+        for lam in [lam for lam, s in arms if s == seed]:
+            run_dir = runs_dir / arm_name(lam, seed)
+            bar.set_postfix_str(arm_name(lam, seed))
+            if not arm_finished(run_dir, args, lam == FROZEN):
+                train_arm(arm_argv(args, extra, lam, seed, runs_dir), run_dir)
+            bar.update()
     bar.close()
     return summarize_sweep(root, args)
 

@@ -327,3 +327,16 @@ def test_message_report_scores_each_arms_heldout_messages(tmp_path):
     table = (root / "table.md").read_text()
     assert table.startswith("the sweep's table\n") and table.count("Held-out persuader") == 1
     assert "| 0.5 | all | 4 -> 4 | 0% -> 100% |" in table
+
+
+def test_the_sweep_runs_seed_by_seed(tmp_path, monkeypatch):
+    """Each seed's initial evaluation, then that seed's arms, then the next seed: a sitting cut
+    short leaves whole pairs (the initial policy and every lambda of a seed), not initial
+    evaluations alone."""
+    order = []
+    monkeypatch.setattr(sweep, "evaluate_initial", lambda argv, folder: order.append(folder.name))
+    monkeypatch.setattr(sweep, "train_arm", lambda argv, run_dir: order.append(run_dir.name))
+    monkeypatch.setattr(sweep, "summarize_sweep", lambda root, args: None)
+    sweep.main(BASE + ["--lams", "0", "0.5", "--seeds", "3", "4", "--out", str(tmp_path),
+                       "--", "--judge", "none"])
+    assert order == ["initial_s3", "lam0_s3", "lam0.5_s3", "initial_s4", "lam0_s4", "lam0.5_s4"]
