@@ -15,9 +15,14 @@ the figures lab/plots.py's.
     python eval.py --runs runs/A runs/B                         # Table 9, Fig. 3, Fig. 7: checkpoint selection
     python eval.py --plot-run runs/NAME                         # training curves -> curves.png
     python -m pytest -q tests/test_eval.py
+
+An evaluation draws its PNGs each time it is written; PERSUARENA_FIGURES=0 in the environment
+leaves them out (summary.json, report.html and the episodes are written all the same), for the
+many small evaluations of a sweep or a test suite: eval.py --analyze FOLDER draws them later.
 """
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -26,6 +31,7 @@ from persuarena import arena
 from persuarena import rpo
 from lab import analyses, comparisons, html_report, jsonl, moves, plots, records, run_selection, runs, served
 
+FIGURES_ENV = "PERSUARENA_FIGURES"  # 0 in the environment: no PNGs when a folder is written
 RUN_KEYS = ("roles", "settings", "requests", "subset")  # summary.json's record of how the run was played
 
 
@@ -48,12 +54,16 @@ def save_run(out_dir, episodes, summary, fidelity=None):
 
 def save_plots(out_dir, episodes, summary):
     """beliefs.png and probes.png (when some episode has beliefs), moves.png (when labelled), and
-    report.html (lab/html_report.py: every episode and its transcript, readable in a browser)."""
-    believed = analyses.with_beliefs(episodes)
+    report.html (lab/html_report.py: every episode and its transcript, readable in a browser).
+    With PERSUARENA_FIGURES=0 in the environment, report.html alone."""
+    if (said := os.environ.get(FIGURES_ENV, "1")) not in ("0", "1"):
+        raise SystemExit(f"lab.report: {FIGURES_ENV}={said!r} in the environment; set it to 0 (no "
+                         "PNGs) or 1 (the default), or unset it")
+    believed = analyses.with_beliefs(episodes) if said == "1" else []
     if believed:  # a persuadee served without log-probs has no belief to plot
         plots.plot_beliefs(believed, out_dir / "beliefs.png")
         plots.plot_probes(believed, out_dir / "probes.png")
-    if "moves" in summary:
+    if "moves" in summary and said == "1":
         plots.plot_moves(summary, out_dir / "moves.png")
     html_report.write_report(out_dir, episodes, summary)
 

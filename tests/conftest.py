@@ -24,11 +24,19 @@ import torch
 
 from persuarena import engine
 from persuarena import models
-from lab import fastpath, presets
+from lab import fastpath, presets, report
 
 os.environ[presets.CPU_BF16_ENV] = "0"  # the suite, and every process it starts, runs the cpu
 # preset's float32 path on any machine, with or without bf16 units; tests of the machine's dtype
 # set CPU_BF16, CPUINFO_PATH or the variable themselves (monkeypatch)
+os.environ[report.FIGURES_ENV] = "0"  # evaluations write no PNGs (a third of a tiny one's time);
+# a test that reads them asks for the figures fixture
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Evaluations written in this test (and the processes it starts) draw their PNGs."""
+    monkeypatch.setenv(report.FIGURES_ENV, "1")
 
 
 @contextlib.contextmanager

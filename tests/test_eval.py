@@ -26,7 +26,7 @@ from test_plots import png_size
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 
-def test_save_load_and_compare_cli(tmp_path, capsys):
+def test_save_load_and_compare_cli(tmp_path, capsys, figures):
     report.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
     report.save_run(tmp_path / "B", RUN_B, an.summarize(RUN_B))
     assert sorted(p.name for p in (tmp_path / "A").iterdir()) == \
@@ -124,7 +124,21 @@ def test_analyze_runs_on_a_folder_without_beliefs_labels_or_known_scenarios(tmp_
     assert not (tmp_path / "served" / "beliefs.png").exists()
 
 
-def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys, monkeypatch):
+def test_without_figures_a_folder_holds_its_records_and_page_and_a_bad_value_is_one_line(
+        tmp_path, monkeypatch):
+    """PERSUARENA_FIGURES=0 (the suite's setting, conftest.py): save_run writes the episodes,
+    the summary and report.html, no PNG; any value but 0 or 1 stops in one line naming it."""
+    monkeypatch.setenv(report.FIGURES_ENV, "0")
+    report.save_run(tmp_path / "A", RUN_A, an.summarize(RUN_A))
+    assert sorted(p.name for p in (tmp_path / "A").iterdir()) == \
+        ["episodes.jsonl", "report.html", "summary.json"]
+    monkeypatch.setenv(report.FIGURES_ENV, "no")
+    with pytest.raises(SystemExit) as e:
+        report.save_run(tmp_path / "B", RUN_A, an.summarize(RUN_A))
+    assert "PERSUARENA_FIGURES='no'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys, monkeypatch, figures):
     """A tiny-model run stores labels per persuader turn and the probe mass; --analyze recomputes
     its summary.json exactly from episodes.jsonl and fidelity.json, with no model."""
     from persuarena import arena
@@ -237,7 +251,7 @@ def test_all_120_heldout_scenarios_complete_on_a_pool_that_holds_a_few(tmp_path)
     instances = arena.heldout_instances()
     assert len(instances) == 120
     engines = [engine.Engine(model, tok, num_blocks=400) for _ in range(2)]
-    summary = evaluation.evaluate(*engines, instances, tmp_path / "run", t_max=2, fidelity=0,
+    summary = evaluation.evaluate(*engines, instances, tmp_path / "run", t_max=1, fidelity=0,
                             max_new_tokens=4, judge=None)
     episodes = records.load_episodes(tmp_path / "run")
     assert summary["n"] == 120 and [e.id for e in episodes] == [i["id"] for i in instances]

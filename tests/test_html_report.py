@@ -105,7 +105,7 @@ def test_save_run_writes_a_page_naming_every_episode(tmp_path):
     assert "b_2 +0.900, r_2 " in text and "b_0 +0.000; CA" in text and "CA +1.000" in text and "strategy score s = +1.50" in text
 
 
-def test_the_page_shows_each_scenario_its_scale_and_its_figures(tmp_path):
+def test_the_page_shows_each_scenario_its_scale_and_its_figures(tmp_path, figures):
     from persuarena import arena
     held = [episode(s["id"], "PENDING", [0.0, 0.2], domain=s["domain"])
             for s in arena.load_scenarios(split="heldout")[:2]]

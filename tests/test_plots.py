@@ -40,7 +40,7 @@ def test_plot_run(tmp_path):
     assert png_size(path) == (round(w * plots.RUN_COLS * plots.DPI), round(h * 2 * plots.DPI))
 
 
-def test_overlay_and_moves_plots(tmp_path, monkeypatch):
+def test_overlay_and_moves_plots(tmp_path, monkeypatch, figures):
     monkeypatch.chdir(tmp_path)
     report.save_run(tmp_path / "A", LAB, analyses.summarize(LAB))
     report.save_run(tmp_path / "B", SIX, analyses.summarize(SIX))

@@ -210,7 +210,8 @@ def test_decision_fork_read_matches_reference(arch, tokenizer, paths):
     assert all(not set(a) & set(b) for a in own for b in own if a is not b)
 
 
-def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios, monkeypatch):
+def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios, monkeypatch,
+                                                      figures):
     """A probe added to probes.PROBES alone: a tiny training run (with its held-out evaluation)
     and a tiny evaluation complete, and every read-out of every episode holds four values, the
     fourth signed by the new probe's own sign; the records, summaries and figures follow."""

@@ -97,13 +97,13 @@ def fake_generate(text):
 
 @pytest.mark.slow
 def test_smollm2_plays_two_dialogues_end_to_end():
-    """Integration: the real CPU default model, two short dialogues of one scenario (a group:
+    """Integration: the real CPU default model, two one-turn dialogues of one scenario (a group:
     its prompts prefilled once), probes and all; the probe values the rollout read at b_0 equal
     full forwards of the persuadee's prompt."""
     model, tokenizer = models.load_model("smollm2")
     scenarios = arena.load_scenarios(split="heldout")[:1]
-    er, ee = engine.Engine(model, tokenizer), engine.Engine(model, tokenizer)
-    records = rollout.rollout_episodes(er, ee, scenarios, 2, group_size=2, max_new_tokens=8,
+    er, ee = (engine.Engine(model, tokenizer, num_blocks=256) for _ in range(2))  # ~2,000 tokens
+    records = rollout.rollout_episodes(er, ee, scenarios, 1, group_size=2, max_new_tokens=8,
                                        seed=0)
     assert len(records) == 2 and records[0].transcript != records[1].transcript
     for r in records:

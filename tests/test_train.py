@@ -49,7 +49,8 @@ def test_learning_raises_the_persuadees_belief(tmp_path, short_scenarios, monkey
             "--instances", 2, "--t-max", 3, "--max-new-tokens", 8, "--persuadee-temperature", 0,
             "--save-every", 12)
     last = lambda history, key="belief_change": [m[key] for m in history[-6:]]
-    frozen = last(tiny_run(tmp_path, short_scenarios, "frozen", *args, "--lr", 0))
+    frozen = last(tiny_run(tmp_path, short_scenarios, "frozen", *args, "--lr", 0,
+                           "--updates-per-batch", 1))  # its weights never move: one pass will do
     history = tiny_run(tmp_path, short_scenarios, "trained", *args, "--lr", 1.5e-2)
     trained, collapsed = last(history), last(history, "collapsed_group_share")
     gain = sum(t - f for t, f in zip(trained, frozen)) / len(frozen)
