@@ -88,8 +88,8 @@ def metrics(run_dir):
 
 @pytest.mark.slow
 def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
-    """kill -9 after the step-2 checkpoint, --resume: step 4 equals an uninterrupted run's."""
-    common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "4",
+    """kill -9 after the step-2 checkpoint, --resume: step 3 equals an uninterrupted run's."""
+    common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3",
                      "--save-every", "2", "--instances", "2", "--group-size", "2",
                      "--max-new-tokens", "6"]
     killed = run_script(["train.py", *common, "--name", "killed"])
@@ -105,11 +105,11 @@ def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
     out = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0 and "resumed from step 2" in out, out[-3000:]
     a, b = metrics(tmp_path / "whole"), metrics(tmp_path / "killed")
-    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert [m["step"] for m in b] == [1, 2, 3]
     for key in COMPARED:
-        assert abs(a[3][key] - b[3][key]) <= 1e-6 * max(1.0, abs(a[3][key])), key
+        assert abs(a[2][key] - b[2][key]) <= 1e-6 * max(1.0, abs(a[2][key])), key
     from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_pretrained(tmp_path / "killed" / "checkpoint-4")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "killed" / "checkpoint-3")
 
 
 def test_update_gradient_ignores_everything_but_the_persuaders_tokens(tmp_path):
@@ -608,7 +608,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from persuarena import arena, train
 from lab import checkpoints
 from test_train import hashed_decision
-arena.parse_decision = hashed_decision  # as the ranks' first three steps and the unbroken run
+arena.parse_decision = hashed_decision  # as the ranks' first two steps and the unbroken run
 real = torch.load
 def load(path, *a, **k):
     print(f"rank {os.environ['RANK']} read {os.path.basename(str(path))}", flush=True)
@@ -668,34 +668,33 @@ def pooled_by_hand(rows, lam):
 def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_scenarios):
     """torchrun with 2 CPU ranks (gloo, FSDP) and one process, same global batch, both sides
     sampling (the tiny preset's persuader at T 1, persuadee at T 0.7): the same rollouts, and the
-    same loss, gradient norm, KL and rewards at step 1 and, after sharded AdamW steps, at steps 2
-    and 3: each episode's random streams are keyed by (seed, instance, group index, side), never
+    same loss, gradient norm, KL and rewards at step 1 and, after sharded AdamW steps, at step 2: each episode's random streams are keyed by (seed, instance, group index, side), never
     by the rank or the batch it shares. Dead groups, rescued share, dense share (and the rest) are
     pooled over ranks, numerators and denominators summed before the division: the ranks log one
     process's figures, which equal a numpy computation from rollouts.jsonl, and differ from the
     mean of the two ranks' own ratios in some step (so a rank-averaged figure would fail this).
     The persuader ties its input and output embeddings (one matrix, as Qwen3-4B's). The ranks'
-    step-3 checkpoint then resumes on two ranks, only rank 0 reading trainer.pt: the resumed
+    step-2 checkpoint then resumes on two ranks, only rank 0 reading trainer.pt: the resumed
     weights and AdamW state, gathered, equal the saved ones bit for bit, the embeddings still
-    tied, and step 4 and its checkpoint equal the unbroken run's (the one process, to step 4)."""
+    tied, and step 3 and its checkpoint equal the unbroken run's (the one process, to step 3)."""
     script = tmp_path / "hashed_persuadee.py"
     script.write_text(HASHED_PERSUADEE)
     env = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).parent.parent), str(Path(__file__).parent)))}
-    common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3", "--instances", "4",
+    common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2", "--instances", "4",
                      "--group-size", "2", "--lam", "0.5", "--max-new-tokens", "3",
                      "--persuader", "random:tiny-qwen3-tied", "--updates-per-batch", "2"]
-    def hashed(argv):  # what the script does, in this process, on to step 4 (the unbroken run)
+    def hashed(argv):  # what the script does, in this process, on to step 3 (the unbroken run)
         with pytest.MonkeyPatch.context() as m:
             m.setattr(arena, "parse_decision", hashed_decision)
-            train.main(argv + ["--steps", "4"])
+            train.main(argv + ["--steps", "3"])
     one_and_two_ranks(str(script), common, env, timeout=600, one=hashed)
     rollouts = {k: [json.loads(line) for line in (tmp_path / k / "rollouts.jsonl").read_text().splitlines()]
                 for k in ("one", "two")}
-    rollouts["one"] = [r for r in rollouts["one"] if r["step"] <= 3]  # the ranks' three steps
-    assert rollouts["one"] == rollouts["two"] and len(rollouts["one"]) == 3 * 4 * 2
+    rollouts["one"] = [r for r in rollouts["one"] if r["step"] <= 2]  # the ranks' two steps
+    assert rollouts["one"] == rollouts["two"] and len(rollouts["one"]) == 2 * 4 * 2
     assert all(r["b_0"] == r["beliefs"][0] and r["b_T"] == r["beliefs"][-1] for r in rollouts["one"])
     discriminating = False
-    for a, b in zip(metrics(tmp_path / "one")[:3], metrics(tmp_path / "two"), strict=True):
+    for a, b in zip(metrics(tmp_path / "one")[:2], metrics(tmp_path / "two"), strict=True):
         for key in COMPARED:
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
         assert a["grad_norm"] > 0
@@ -717,17 +716,17 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
     # (the weights and optimizer state are broadcast from it)
     (tmp_path / "resume_two.py").write_text(RESUME_ON_TWO_RANKS)
     resumed = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                          str(tmp_path / "resume_two.py"), *common, "--steps", "4", "--name", "two",
+                          str(tmp_path / "resume_two.py"), *common, "--steps", "3", "--name", "two",
                           "--resume"], env)
     out = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, out[-3000:]
     reads = sorted(line for line in out.splitlines() if line.endswith("trainer.pt"))
-    assert reads == ["rank 0 read trainer.pt"] and "resumed from step 3" in out
+    assert reads == ["rank 0 read trainer.pt"] and "resumed from step 2" in out
     assert "resumed state bit-equal: weights True optimizer True tied True" in out, out[-3000:]
     rows, whole = metrics(tmp_path / "two"), metrics(tmp_path / "one")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[3]["grad_norm"] > 0
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["grad_norm"] > 0
     for key in COMPARED:
-        assert abs(whole[3][key] - rows[3][key]) <= 1e-5 * max(1.0, abs(whole[3][key])), key
+        assert abs(whole[2][key] - rows[2][key]) <= 1e-5 * max(1.0, abs(whole[2][key])), key
     wa, wb = checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two")
     assert wa.keys() == wb.keys() and "lm_head.weight" not in wb  # one matrix, saved once
     diff = torch.cat([(wa[k] - wb[k]).flatten() for k in wa]).abs()  # lost AdamW moments: ~lr
