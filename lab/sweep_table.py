@@ -11,16 +11,26 @@ seeds' means: the seed is what replicates a training effect). Power at both leve
 same-seed frozen control (lr 0) on the training episodes: a t test over the seeds' mean
 differences, and a group as one cluster beside it.
 
+Sweeps of the same settings on different seeds pool at the seed level (a sweep longer than a
+sitting, or more seeds added later): each lambda against lambda 0 at one step, over the union of
+their seeds, from their summary.json's per-arm entries alone (pooled_seed_level).
+
+    python -m lab.sweep_table --step 25 sweeps/smollm2-logit-50 sweeps/smollm2-logit-25
     python -m pytest -q tests/test_sweep_table.py
 """
+import argparse
+import json
 import math
 import statistics
+import sys
+from pathlib import Path
 
 from lab import analyses
 from lab import significance
 
 SEED_LEVEL_MIN = 3  # seeds from which the comparisons carry a paired t test over seeds (seed_level)
 PAPER_DENSE_SHARE = 0.15  # the paper's dense share of |A| at lambda 0.5 (its Fig. 7), beside ours
+POOL_FREE = ("seeds", "steps", "name", "out", "save_every")  # sweep.json keys pooled sweeps may differ in
 
 
 def belief_changes(episodes):
@@ -361,3 +371,65 @@ def frozen_lines(frozen):
                      f"{r['n']} ({r['pairs']}) | {_f(r['belief_diff'])} [{_f(r['low'])}, {_f(r['high'])}] | "
                      f"{_p(r['wilcoxon_p'])} | {_f(r['detectable'], '.4f')} |")
     return lines
+
+
+def pooled_seed_level(summaries, step):
+    """{lambda: seed_level(lambda, lambda 0)} at one step over the seeds of several sweeps, from
+    each summary.json's per-arm entries (per seed: full acceptance and mean b_T - b_0, as per_seed
+    gives them); the sweeps must share every setting but POOL_FREE's and no seed. A problem is a
+    ValueError in one line, naming the sweep."""
+    first, by_lam = summaries[0][1]["settings"], {}
+    same = lambda settings: {k: v for k, v in settings.items() if k not in POOL_FREE}
+    for name, summary in summaries:
+        if same(summary["settings"]) != same(first):
+            differ = sorted(k for k in set(same(first)) | set(same(summary["settings"]))
+                            if first.get(k) != summary["settings"].get(k))
+            raise ValueError(f"{name}: its settings differ from {summaries[0][0]}'s in {differ}; "
+                             "pool only sweeps of the same settings")
+        for e in summary["arms"]:
+            if e["step"] == step:
+                seeds = by_lam.setdefault(e["lam"], {})
+                if e["seed"] in seeds:
+                    raise ValueError(f"{name}: seed {e['seed']} is in two of the pooled sweeps; "
+                                     "pool sweeps of different seeds")
+                seeds[e["seed"]] = (e["full_accept"], e["mean_belief_change"])
+    if 0.0 not in by_lam:
+        raise ValueError(f"no lambda 0 arm at step {step} in the pooled sweeps; pass a step they "
+                         "evaluated (--step)")
+    return {lam: seed_level(by_lam[lam], by_lam[0.0]) for lam in sorted(by_lam) if lam != 0.0}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Pool sweeps of the same settings at the seed "
+                                     "level: each lambda against lambda 0 at one step.")
+    parser.add_argument("sweeps", nargs="+", type=Path, help="sweep folders (their summary.json)")
+    parser.add_argument("--step", type=int, required=True, help="the checkpoint to compare")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = parser.parse_args(argv)
+    summaries = []
+    for folder in args.sweeps:
+        path = folder / "summary.json"
+        try:
+            summaries.append((str(folder), json.loads(path.read_text())))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"lab.sweep_table: cannot read {path} ({e}); pass sweep folders "
+                             "that lab.sweep has summarised") from None
+    try:
+        pooled = pooled_seed_level(summaries, args.step)
+    except ValueError as e:
+        raise SystemExit(f"lab.sweep_table: {e}") from None
+    if args.json:
+        print(json.dumps({f"{lam:g}": level for lam, level in pooled.items()}))
+        return pooled
+    for lam, level in pooled.items():
+        if level is None:
+            print(f"lambda {lam:g} - 0 at step {args.step}: fewer than {SEED_LEVEL_MIN} seeds")
+            continue
+        print(f"lambda {lam:g} - 0 at step {args.step}, {level['seeds']} seeds (paired t over the "
+              f"seeds' means): b_T - b_0 {_diff(level['belief_change'])}; full accept pts "
+              f"{_diff(level['full_accept'], 100, '+.1f')}")
+    return pooled
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

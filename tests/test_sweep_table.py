@@ -1,4 +1,5 @@
 """lab/sweep_table.py: the sweep's statistics by hand (frozen controls, power, seed level)."""
+import json
 import math
 import statistics
 
@@ -110,3 +111,54 @@ def test_fig7_rows_by_hand(tmp_path):
     from lab import plots
     plots.plot_fig7([row], tmp_path)
     assert (tmp_path / "fig7.png").stat().st_size > 0
+
+
+def pool_summary(seeds, settings_extra=None, shift=0.0):
+    """A summary.json as lab.sweep writes it, reduced to what pooling reads: per (lambda, seed) at
+    steps 0 and 25, full acceptance and mean b_T - b_0."""
+    settings = dict(preset="cpu", lams=[0.0, 0.5], seeds=seeds, steps=25, decision="logit",
+                    train_args=["--lr", "3e-5"]) | (settings_extra or {})
+    arms = [dict(lam=lam, seed=s, step=step, full_accept=0.1 * s + lam * (s % 3) / 10,
+                 mean_belief_change=0.2 + 0.01 * s + lam * (0.03 * (s % 4) + shift))
+            for lam in (0.0, 0.5) for s in seeds for step in (0, 25)]
+    return dict(settings=settings, arms=arms)
+
+
+def test_pooled_sweeps_give_the_seed_level_test_of_all_their_seeds(tmp_path, capsys):
+    """Two sweeps of the same settings on seeds 0-2 and 3-6 pool to a paired t test over 7 seeds,
+    equal to scipy's on the differences written out here; the CLI prints it and --json holds it."""
+    from scipy import stats
+    a, b = pool_summary([0, 1, 2]), pool_summary([3, 4, 5, 6], dict(steps=50, name="longer"))
+    pooled = sweep_table.pooled_seed_level([("a", a), ("b", b)], 25)
+    diffs = [0.5 * (0.03 * (s % 4)) for s in range(7)]
+    level = pooled[0.5]["belief_change"]
+    assert pooled[0.5]["seeds"] == 7 and level["n"] == 7
+    assert level["diff"] == pytest.approx(statistics.mean(diffs))
+    assert level["p"] == pytest.approx(stats.ttest_1samp(diffs, 0.0).pvalue)
+    accept = pooled[0.5]["full_accept"]
+    assert accept["diff"] == pytest.approx(statistics.mean(0.5 * (s % 3) / 10 for s in range(7)))
+    for name, summary in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    sweep_table.main([str(tmp_path / "a"), str(tmp_path / "b"), "--step", "25"])
+    assert "lambda 0.5 - 0 at step 25, 7 seeds" in capsys.readouterr().out
+    sweep_table.main([str(tmp_path / "a"), str(tmp_path / "b"), "--step", "25", "--json"])
+    assert json.loads(capsys.readouterr().out)["0.5"]["belief_change"]["n"] == 7
+
+
+@pytest.mark.parametrize("second, says", [
+    (dict(seeds=[2, 3, 4]), "seed 2 is in two of the pooled sweeps"),
+    (dict(seeds=[3, 4], settings_extra=dict(decision="tag")), "differ from a's in ['decision']"),
+    (dict(seeds=[3, 4], step=10), "no lambda 0 arm at step 10")])
+def test_pooling_refuses_shared_seeds_other_settings_and_a_missing_step_in_one_line(second, says):
+    step = second.pop("step", 25)
+    b = pool_summary(**second)
+    with pytest.raises(ValueError) as e:
+        sweep_table.pooled_seed_level([("a", pool_summary([0, 1, 2])), ("b", b)], step)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_cli_names_an_unreadable_sweep_in_one_line(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        sweep_table.main([str(tmp_path / "missing"), "--step", "25"])
+    assert "missing/summary.json" in str(e.value) and "\n" not in str(e.value)
