@@ -35,10 +35,10 @@ initial policy of each seed is evaluated the same way (step 0). Then, from the r
     effect.png     each lambda's last checkpoint minus the initial policy, 95% intervals
     training.png   with --frozen-control, every arm's training episodes against its control
 
-Seed by seed: its initial evaluation, then its arms. Arms already trained are reused; a killed
-arm resumes from its checkpoint (train.py --resume). A finished arm's records (not its
-checkpoints: .gitignore) and the initial evaluations can be committed, so a sweep longer than
-a sitting goes on from another machine's clone with the same command.
+Seed by seed (a sitting cut short leaves whole pairs): its initial evaluation, then its arms.
+Arms already trained are reused; a killed arm resumes from its checkpoint (train.py --resume).
+The arms' run folders are run outputs, ignored by git; the sweep's summary, table and figures
+are what is committed.
 A re-run keeps the settings sweep.json recorded (cli.pin_settings, as train.py --resume keeps
 config.json): a changed one is refused in one line, --overwrite starts the sweep again. Arguments
 sweep.py does not know go to every arm's train.py (e.g. --judge none --group-size 4), except the
