@@ -14,14 +14,12 @@ Tests: python -m pytest -q tests/test_comparisons.py
 """
 import sys
 
-from scipy import stats
-
 from persuarena import arena
 from persuarena import rpo
 from lab import moves
 from lab import analyses
 from lab.analyses import corr, mean, num, pct, summarize, with_beliefs
-from lab.significance import mcnemar, spearman, t_interval, wilcoxon, wilson_interval
+from lab.significance import mcnemar, scipy_stats, spearman, t_interval, wilcoxon, wilson_interval
 
 CLOSED = "ACCEPT"  # the outcome that counts as closing a scenario in --compare-many
 POLICY = "(policy)"  # the trained persuader's name among --compare-many's systems
@@ -168,7 +166,7 @@ def belief_ranking(systems):
                      "full_accept": mean(ep.outcome == CLOSED for ep in episodes)})
     ranked = [r for r in rows if r["mean_final_belief"] is not None]
     for key, rank_key in (("mean_final_belief", "belief_rank"), ("full_accept", "accept_rank")):
-        ranks = stats.rankdata([-r[key] for r in ranked])
+        ranks = scipy_stats().rankdata([-r[key] for r in ranked])
         for r, k in zip(ranked, ranks):
             r[rank_key] = float(k)
     ranked.sort(key=lambda r: r["belief_rank"])

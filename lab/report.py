@@ -29,7 +29,7 @@ from pathlib import Path
 
 from persuarena import arena
 from persuarena import rpo
-from lab import analyses, comparisons, html_report, jsonl, moves, plots, records, run_selection, runs, served
+from lab import analyses, comparisons, html_report, jsonl, moves, records, run_selection, runs, served
 
 FIGURES_ENV = "PERSUARENA_FIGURES"  # 0 in the environment: no PNGs when a folder is written
 RUN_KEYS = ("roles", "settings", "requests", "subset")  # summary.json's record of how the run was played
@@ -59,12 +59,14 @@ def save_plots(out_dir, episodes, summary):
     if (said := os.environ.get(FIGURES_ENV, "1")) not in ("0", "1"):
         raise SystemExit(f"lab.report: {FIGURES_ENV}={said!r} in the environment; set it to 0 (no "
                          "PNGs) or 1 (the default), or unset it")
-    believed = analyses.with_beliefs(episodes) if said == "1" else []
-    if believed:  # a persuadee served without log-probs has no belief to plot
-        plots.plot_beliefs(believed, out_dir / "beliefs.png")
-        plots.plot_probes(believed, out_dir / "probes.png")
-    if "moves" in summary and said == "1":
-        plots.plot_moves(summary, out_dir / "moves.png")
+    if said == "1":
+        from lab import plots  # matplotlib loads where a figure is drawn, not with every evaluation
+        believed = analyses.with_beliefs(episodes)
+        if believed:  # a persuadee served without log-probs has no belief to plot
+            plots.plot_beliefs(believed, out_dir / "beliefs.png")
+            plots.plot_probes(believed, out_dir / "probes.png")
+        if "moves" in summary:
+            plots.plot_moves(summary, out_dir / "moves.png")
     html_report.write_report(out_dir, episodes, summary)
 
 
@@ -225,6 +227,7 @@ def output_dir(args, evals_dir, default):
 
 def analysis_mode(args, evals_dir):
     """The model-free modes; returns what they print. New folders go under evals_dir (eval.EVALS_DIR)."""
+    from lab import plots  # matplotlib loads for the modes that draw, not with every evaluation
     if args.compare:
         a, b = args.compare
         episodes_a, episodes_b = records.load_episodes(a), records.load_episodes(b)

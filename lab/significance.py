@@ -21,13 +21,19 @@ Tests: python -m pytest -q test_significance.py
 import math
 
 import numpy as np
-from scipy import stats
 
 from lab.jsonl import finite
 
 Z95 = 1.959964  # two-sided 95% normal quantile for the confidence bands and Wald intervals
 CONFIDENCE = 0.95  # level of the Welch intervals of the move effects
 EXACT_WILCOXON_MAX_N = 50  # exact signed-rank null up to this many nonzero differences (as scipy)
+
+
+def scipy_stats():
+    """scipy.stats, imported at the first test that needs it: a second of start-up that a process
+    which only plays (a rank, a server, a CLI's --help) never pays."""
+    from scipy import stats
+    return stats
 
 
 def finite_or_none(x):
@@ -40,7 +46,7 @@ def wilson_interval(k, n, level=CONFIDENCE):
     binomtest(k, n).proportion_ci(method="wilson")."""
     if n == 0:
         return None, None
-    ci = stats.binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="wilson")
+    ci = scipy_stats().binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="wilson")
     return float(ci.low), float(ci.high)
 
 
@@ -49,7 +55,7 @@ def t_interval(values, level=CONFIDENCE):
     x = np.asarray(values, dtype=float)
     if x.size < 2:
         return (float(x.mean()) if x.size else None), None, None
-    half = stats.t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
+    half = scipy_stats().t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
     return float(x.mean()), float(x.mean() - half), float(x.mean() + half)
 
 
@@ -62,7 +68,7 @@ def mean_band(rows):
     for t in range(length):
         v = np.array([r[t] for r in rows if len(r) > t], dtype=float)
         mean[t] = v.mean()
-        quantile = stats.t.ppf((1 + CONFIDENCE) / 2, v.size - 1) if v.size > 1 else 0.0
+        quantile = scipy_stats().t.ppf((1 + CONFIDENCE) / 2, v.size - 1) if v.size > 1 else 0.0
         half[t] = quantile * v.std(ddof=1) / math.sqrt(v.size) if v.size > 1 else 0.0
     return mean, half
 
@@ -72,7 +78,7 @@ def welch_difference(with_label, without_label):
     if len(with_label) < 2 or len(without_label) < 2:
         return None
     diff = float(np.mean(with_label) - np.mean(without_label))
-    test = stats.ttest_ind(with_label, without_label, equal_var=False)
+    test = scipy_stats().ttest_ind(with_label, without_label, equal_var=False)
     low, high = test.confidence_interval(CONFIDENCE)
     return {"diff": diff, "low": finite_or_none(low), "high": finite_or_none(high), "n_with": len(with_label),
             "n_without": len(without_label)}
@@ -96,7 +102,7 @@ def mcnemar(a, b):
     only_b = sum(bool(y) and not bool(x) for x, y in zip(a, b))
     if only_a + only_b == 0:
         return 1.0
-    return float(stats.binomtest(only_a, only_a + only_b, 0.5).pvalue)
+    return float(scipy_stats().binomtest(only_a, only_a + only_b, 0.5).pvalue)
 
 
 def wilcoxon(x, y):
@@ -109,7 +115,7 @@ def wilcoxon(x, y):
         return 1.0
     ties = np.unique(np.abs(d)).size < d.size
     method = "exact" if d.size <= EXACT_WILCOXON_MAX_N and not ties else "asymptotic"
-    return float(stats.wilcoxon(d, zero_method="wilcox", correction=False, alternative="two-sided",
+    return float(scipy_stats().wilcoxon(d, zero_method="wilcox", correction=False, alternative="two-sided",
                                 method=method).pvalue)
 
 
@@ -119,7 +125,7 @@ def paired_t(x, y, level=CONFIDENCE):
     d = np.asarray(x, dtype=float) - np.asarray(y, dtype=float)
     mean, low, high = t_interval(d, level)
     sd = float(d.std(ddof=1)) if d.size > 1 else None
-    p = (finite_or_none(stats.ttest_1samp(d, 0.0).pvalue) if d.size > 1 and sd else
+    p = (finite_or_none(scipy_stats().ttest_1samp(d, 0.0).pvalue) if d.size > 1 and sd else
          (1.0 if d.size > 1 and mean == 0 else None))
     return dict(n=int(d.size), diff=mean, low=low, high=high, p=p, sd=sd)
 
@@ -128,7 +134,7 @@ def spearman(x, y):
     """{rho, p} of scipy's Spearman rank correlation; None where undefined (n < 3 or a constant)."""
     if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
         return None
-    r = stats.spearmanr(x, y)
+    r = scipy_stats().spearmanr(x, y)
     return {"rho": finite_or_none(r.statistic), "p": finite_or_none(r.pvalue), "n": len(x)}
 
 
@@ -136,7 +142,7 @@ def pearson(x, y):
     """{r, p} of scipy's Pearson correlation; None where undefined (n < 3 or a constant)."""
     if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
         return None
-    r = stats.pearsonr(x, y)
+    r = scipy_stats().pearsonr(x, y)
     return {"r": finite_or_none(r.statistic), "p": finite_or_none(r.pvalue), "n": len(x)}
 
 
@@ -173,7 +179,7 @@ def message_variance_share(rewards):
 def episodes_for_proportions(p0, p1, alpha=0.05, power=0.8):
     """Episodes per arm for a two-sided test of two independent proportions p0, p1 (normal
     approximation): (z_a sqrt(2 pbar qbar) + z_b sqrt(p0 q0 + p1 q1))^2 / (p1 - p0)^2."""
-    za, zb = stats.norm.ppf(1 - alpha / 2), stats.norm.ppf(power)
+    za, zb = scipy_stats().norm.ppf(1 - alpha / 2), scipy_stats().norm.ppf(power)
     pbar = (p0 + p1) / 2
     n = (za * math.sqrt(2 * pbar * (1 - pbar)) + zb * math.sqrt(p0 * (1 - p0) + p1 * (1 - p1))) ** 2
     return math.ceil(n / (p1 - p0) ** 2)
@@ -185,8 +191,8 @@ def t_test_power(effect, n, alpha=0.05, paired=False):
     alternative the statistic is noncentral t with nc = effect sqrt(n / k), k 1 paired, 2 not,
     and the power is P(T > t_{1-alpha/2}) + P(T < -t_{1-alpha/2}) (scipy's nct)."""
     df, k = (n - 1) * (1 if paired else 2), 1 if paired else 2
-    nc, critical = effect * math.sqrt(n / k), stats.t.ppf(1 - alpha / 2, df)
-    power = float(stats.nct.sf(critical, df, nc) + stats.nct.cdf(-critical, df, nc))
+    nc, critical = effect * math.sqrt(n / k), scipy_stats().t.ppf(1 - alpha / 2, df)
+    power = float(scipy_stats().nct.sf(critical, df, nc) + scipy_stats().nct.cdf(-critical, df, nc))
     return power if math.isfinite(power) else float(abs(nc) > critical)  # far tails: 0 or 1
 
 
@@ -218,8 +224,8 @@ def paired_t_power(diff, sd, n, alpha=0.05):
     and sd: P(|T| > t_{1-alpha/2, n-1}) with T noncentral t (df n - 1, noncentrality
     diff sqrt(n) / sd). What a pre-registration states for seeds as the unit."""
     df, nc = n - 1, diff * math.sqrt(n) / sd
-    t = stats.t.ppf(1 - alpha / 2, df)
-    power = float(stats.nct.sf(t, df, nc) + stats.nct.cdf(-t, df, nc))
+    t = scipy_stats().t.ppf(1 - alpha / 2, df)
+    power = float(scipy_stats().nct.sf(t, df, nc) + scipy_stats().nct.cdf(-t, df, nc))
     return power if math.isfinite(power) else 1.0  # scipy's nct gives NaN far out (|nc| > ~37)
 
 

@@ -478,7 +478,7 @@ def test_overwrite_and_resume_refuse_another_programs_folder(tmp_path, short_sce
                         str(tmp_path / "f"), "--name", "an-eval", flag])
         assert "another program (eval.py), not of train.py" in str(e.value.code)
     monkeypatch.setattr(evaluation, "EVALS_DIR", str(tmp_path / "f"))
-    with pytest.raises(SystemExit, match="another program \(train.py\), not of eval.py"):
+    with pytest.raises(SystemExit, match=r"another program \(train.py\), not of eval.py"):
         evaluation.main(["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
                          "--limit", "1", "--name", "a-run", "--overwrite"])
     assert (evals / "summary.json").is_file() and (trained / "metrics.jsonl").is_file()

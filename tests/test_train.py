@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from persuarena import rpo
 from persuarena.rollout import Episode
 from lab import checkpoints, cli, hardening, jsonl, loggers, presets, runs, steps
 from persuarena import train
+from rank_helpers import hashed_decision
 
 
 TINY = ["--preset", "tiny", "--judge", "none", "--save-every", "1000"]
@@ -74,12 +74,13 @@ def one_and_two_ranks(script, args, env=None, timeout=300, one=None):
     """Run `script args` under torchrun with 2 gloo ranks (--name two, on a free port:
     --standalone) and as one process (--name one), both to a zero exit. The one process is this
     one (its imports are paid already), running one(argv), train.main by default, while the
-    ranks start; `script` must then do what one does."""
+    ranks start; `script` must then do what one does. Returns what the ranks printed."""
     two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                       script, *args, "--name", "two"], env)
     (one or train.main)([str(a) for a in args] + ["--name", "one"])
     out = two.communicate(timeout=timeout)[0]
     assert two.returncode == 0, out[-3000:]
+    return out
 
 
 def metrics(run_dir):
@@ -87,8 +88,9 @@ def metrics(run_dir):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
-    """kill -9 after the step-2 checkpoint, --resume: step 3 equals an uninterrupted run's."""
+def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios, capsys):
+    """kill -9 after the step-2 checkpoint, --resume (here, from the run's files alone): step 3
+    equals an uninterrupted run's."""
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "3",
                      "--save-every", "2", "--instances", "2", "--group-size", "2",
                      "--max-new-tokens", "6"]
@@ -100,10 +102,10 @@ def test_kill_and_resume_reaches_the_same_metrics(tmp_path, short_scenarios):
         time.sleep(0.02)
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait()
-    resumed = run_script(["train.py", *common, "--name", "killed", "--resume"])
-    train.main([str(a) for a in common] + ["--name", "whole"])  # the uninterrupted run, meanwhile
-    out = resumed.communicate(timeout=300)[0]
-    assert resumed.returncode == 0 and "resumed from step 2" in out, out[-3000:]
+    train.main([str(a) for a in common] + ["--name", "killed", "--resume"])
+    out = capsys.readouterr().out
+    assert "resumed from step 2" in out, out[-3000:]
+    train.main([str(a) for a in common] + ["--name", "whole"])  # the uninterrupted run
     a, b = metrics(tmp_path / "whole"), metrics(tmp_path / "killed")
     assert [m["step"] for m in b] == [1, 2, 3]
     for key in COMPARED:
@@ -588,27 +590,16 @@ def test_a_non_finite_log_prob_skips_the_step(tmp_path, short_scenarios, monkeyp
     assert all(torch.equal(initial[k], v) for k, v in saved.items())  # no step was taken
 
 
-def hashed_decision(text):
-    """The persuadee decides by a hash of its reply text (rank-free: the texts are), so groups
-    differ."""
-    return (None, "ACCEPT", "REJECT", "WALK_AWAY", "PENDING")[zlib.crc32(text.encode()) % 5]
-
-
-HASHED_PERSUADEE = '''
-import sys
-from persuarena import arena, train
-from test_train import hashed_decision
-arena.parse_decision = hashed_decision
-train.main(sys.argv[1:])
-'''
-RESUME_ON_TWO_RANKS = '''
+TRAIN_THEN_RESUME_ON_TWO_RANKS = '''
 import os, sys, torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from persuarena import arena, train
 from lab import checkpoints
-from test_train import hashed_decision
-arena.parse_decision = hashed_decision  # as the ranks' first two steps and the unbroken run
+from rank_helpers import hashed_decision
+arena.parse_decision = hashed_decision  # as the unbroken run
+train.main(sys.argv[1:])  # two steps; the process group ends with the run
+print("the ranks' run ended", flush=True)  # then the same ranks resume it from its files
 real = torch.load
 def load(path, *a, **k):
     print(f"rank {os.environ['RANK']} read {os.path.basename(str(path))}", flush=True)
@@ -632,7 +623,7 @@ def load_checkpoint(run_dir, policy, optimizer, *a, **k):  # then the state gath
               f"optimizer {same(trainer['optimizer'], optim)} tied {tied}", flush=True)
     return step
 checkpoints.load_checkpoint = load_checkpoint
-train.main(sys.argv[1:])
+train.main(sys.argv[1:] + ["--steps", "3", "--resume"])
 '''
 DIAGNOSTICS = ("dead_group_share", "dead_goal_share", "dead_rescued_share", "dense_share", "outcome_term_abs",
                "dense_term_abs", "negative_process_share")
@@ -674,11 +665,12 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
     process's figures, which equal a numpy computation from rollouts.jsonl, and differ from the
     mean of the two ranks' own ratios in some step (so a rank-averaged figure would fail this).
     The persuader ties its input and output embeddings (one matrix, as Qwen3-4B's). The ranks'
-    step-2 checkpoint then resumes on two ranks, only rank 0 reading trainer.pt: the resumed
-    weights and AdamW state, gathered, equal the saved ones bit for bit, the embeddings still
-    tied, and step 3 and its checkpoint equal the unbroken run's (the one process, to step 3)."""
-    script = tmp_path / "hashed_persuadee.py"
-    script.write_text(HASHED_PERSUADEE)
+    step-2 checkpoint then resumes on the same two ranks (their process group started again),
+    only rank 0 reading trainer.pt: the resumed weights and AdamW state, gathered, equal the saved
+    ones bit for bit, the embeddings still tied, and step 3 and its checkpoint equal the unbroken
+    run's (the one process, to step 3). A resume in fresh processes: the kill-and-resume test."""
+    script = tmp_path / "train_then_resume.py"
+    script.write_text(TRAIN_THEN_RESUME_ON_TWO_RANKS)
     env = {"PYTHONPATH": os.pathsep.join((str(Path(__file__).parent.parent), str(Path(__file__).parent)))}
     common = TINY + ["--scenarios", short_scenarios, "--out", str(tmp_path), "--steps", "2", "--instances", "4",
                      "--group-size", "2", "--lam", "0.5", "--max-new-tokens", "3",
@@ -687,14 +679,14 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
         with pytest.MonkeyPatch.context() as m:
             m.setattr(arena, "parse_decision", hashed_decision)
             train.main(argv + ["--steps", "3"])
-    one_and_two_ranks(str(script), common, env, timeout=600, one=hashed)
-    rollouts = {k: [json.loads(line) for line in (tmp_path / k / "rollouts.jsonl").read_text().splitlines()]
+    out = one_and_two_ranks(str(script), common, env, timeout=600, one=hashed)
+    rollouts = {k: [r for line in (tmp_path / k / "rollouts.jsonl").read_text().splitlines()
+                    if (r := json.loads(line))["step"] <= 2]  # the ranks' two steps, then resumed
                 for k in ("one", "two")}
-    rollouts["one"] = [r for r in rollouts["one"] if r["step"] <= 2]  # the ranks' two steps
     assert rollouts["one"] == rollouts["two"] and len(rollouts["one"]) == 2 * 4 * 2
     assert all(r["b_0"] == r["beliefs"][0] and r["b_T"] == r["beliefs"][-1] for r in rollouts["one"])
     discriminating = False
-    for a, b in zip(metrics(tmp_path / "one")[:2], metrics(tmp_path / "two"), strict=True):
+    for a, b in zip(metrics(tmp_path / "one")[:2], metrics(tmp_path / "two")[:2], strict=True):
         for key in COMPARED:
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
         assert a["grad_norm"] > 0
@@ -714,12 +706,7 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
     assert b["kl"] > 0  # the last step runs on the updated, sharded weights
     # the two ranks' last checkpoint resumes on two ranks, rank 0 alone reading the trainer state
     # (the weights and optimizer state are broadcast from it)
-    (tmp_path / "resume_two.py").write_text(RESUME_ON_TWO_RANKS)
-    resumed = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                          str(tmp_path / "resume_two.py"), *common, "--steps", "3", "--name", "two",
-                          "--resume"], env)
-    out = resumed.communicate(timeout=600)[0]
-    assert resumed.returncode == 0, out[-3000:]
+    assert "the ranks' run ended" in out
     reads = sorted(line for line in out.splitlines() if line.endswith("trainer.pt"))
     assert reads == ["rank 0 read trainer.pt"] and "resumed from step 2" in out
     assert "resumed state bit-equal: weights True optimizer True tied True" in out, out[-3000:]
