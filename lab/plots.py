@@ -405,11 +405,10 @@ FIG7_KEYS = (("dead_group_share", "dead groups (all R equal)"),
              ("grad_clipped_share", "clipped: steps by grad norm (solid),\ntokens by ratio (dashed)"))
 
 
-def plot_fig7(fig7, folder, window=TRAINING_WINDOW):
+def plot_fig7(fig7, folder, paper_dense_share, window=TRAINING_WINDOW):
     """fig7.png: the paper's Fig. 7 quantities by training step (sweep_table.fig7_rows), one line
     per lambda, each a running mean over `window` steps of the seeds' pooled step values; the
-    paper's dense share (about 15% at lambda 0.5) dotted."""
-    from lab import sweep_table
+    paper's dense share (sweep_table.PAPER_DENSE_SHARE, about 15% at lambda 0.5) dotted."""
     fig, axes = plt.subplots(1, 4, figsize=(SWEEP_FIGSIZE[0] * 4 / 3, SWEEP_FIGSIZE[1]))
     for r in fig7:
         steps = sorted(r["by_step"], key=int)
@@ -425,9 +424,38 @@ def plot_fig7(fig7, folder, window=TRAINING_WINDOW):
                         if r["by_step"][s]["clip_frac"] is not None]
                 ax.plot([s for s, _ in clip], running_mean([v for _, v in clip], window), ls="--",
                         color=line.get_color())
-    axes[2].axhline(sweep_table.PAPER_DENSE_SHARE, color="black", ls=":", lw=1, label="paper, lambda 0.5")
+    axes[2].axhline(paper_dense_share, color="black", ls=":", lw=1, label="paper, lambda 0.5")
     for ax, (_, title) in zip(axes, FIG7_KEYS):
         ax.set(title=title, xlabel=f"training step ({window}-step running mean)", ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     _save_fig(fig, Path(folder) / "fig7.png")
+
+
+def plot_pooled(by_lam, seed_level, step, path):
+    """sweep_table's pooled figure: per lambda, each seed's difference from lambda 0 at one step
+    (a dot a seed, left to right in seed order), in b_T - b_0 and in full acceptance points, beside the mean and its 95% t
+    interval over the seeds (seed_level's paired t)."""
+    fig, axes = plt.subplots(1, 2, figsize=OVERLAY_FIGSIZE)
+    lams = sorted(seed_level)
+    for ax, (i, key, scale, label) in zip(axes, ((1, "belief_change", 1.0, "b_T - b_0"),
+                                                 (0, "full_accept", 100.0, "full acceptance, points"))):
+        for x, lam in enumerate(lams):
+            seeds = sorted(s for s in by_lam[lam] if s in by_lam[0.0])
+            diffs = [scale * (by_lam[lam][s][i] - by_lam[0.0][s][i]) for s in seeds]
+            spread = [x - 0.35 + 0.3 * j / max(len(diffs) - 1, 1) for j in range(len(diffs))]
+            ax.scatter(spread, diffs, s=14, color="grey", label="a seed (seed order)" if x == 0 else None)
+            level = seed_level[lam][key] if seed_level[lam] else None
+            if level:
+                mean = scale * level["diff"]
+                ax.errorbar([x + 0.15], [mean], yerr=[[mean - scale * level["low"]], [scale * level["high"] - mean]],
+                             fmt="s", color="tab:red", capsize=5,
+                             label=f"mean, 95% t over {level['n']} seeds" if x == 0 else None)
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.set_xticks(range(len(lams)), [f"lambda {lam:g} - 0" for lam in lams])
+        ax.set(title=f"held-out {label}, step {step}", xlim=(-0.6, len(lams) - 0.4))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize="small")
+    _save_fig(fig, path)
+    return path
+

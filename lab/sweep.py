@@ -65,6 +65,7 @@ from lab import cli
 from lab import jsonl
 from lab import records
 from lab import runs
+from lab import sweep_table
 from lab.sweep_table import (belief_changes, count_tests, fig7_rows, format_table, frozen_rows,
                               sweep_power, table_rows)
 from lab.jsonl import read_jsonl
@@ -495,7 +496,7 @@ def summarize_sweep(root, args):
                          summary["fig7"])
     write_table(root, table)
     plots.plot_sweep(entries, summary["table"], root)
-    plots.plot_fig7(summary["fig7"], root)
+    plots.plot_fig7(summary["fig7"], root, sweep_table.PAPER_DENSE_SHARE)
     print(table)
     summary["messages"] = write_message_report(root, args.lams, args.seeds, args.steps)
     return summary

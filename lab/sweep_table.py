@@ -15,7 +15,8 @@ Sweeps of the same settings on different seeds pool at the seed level (a sweep l
 sitting, or more seeds added later): each lambda against lambda 0 at one step, over the union of
 their seeds, from their summary.json's per-arm entries alone (pooled_seed_level).
 
-    python -m lab.sweep_table --step 25 sweeps/smollm2-logit-50 sweeps/smollm2-logit-25
+    python -m lab.sweep_table --step 25 sweeps/smollm2-logit-50 sweeps/smollm2-logit-25 \
+        --out sweeps/smollm2-logit-25       # also pooled-step25.json and pooled-step25.png
     python -m pytest -q tests/test_sweep_table.py
 """
 import argparse
@@ -373,11 +374,11 @@ def frozen_lines(frozen):
     return lines
 
 
-def pooled_seed_level(summaries, step):
-    """{lambda: seed_level(lambda, lambda 0)} at one step over the seeds of several sweeps, from
-    each summary.json's per-arm entries (per seed: full acceptance and mean b_T - b_0, as per_seed
-    gives them); the sweeps must share every setting but POOL_FREE's and no seed. A problem is a
-    ValueError in one line, naming the sweep."""
+def pooled_arms(summaries, step):
+    """{lambda: {seed: (full acceptance share, mean b_T - b_0)}} at one step over the seeds of
+    several sweeps, from each summary.json's per-arm entries (as per_seed gives them); the sweeps
+    must share every setting but POOL_FREE's and no seed. A problem is a ValueError in one line,
+    naming the sweep."""
     first, by_lam = summaries[0][1]["settings"], {}
     same = lambda settings: {k: v for k, v in settings.items() if k not in POOL_FREE}
     for name, summary in summaries:
@@ -396,7 +397,32 @@ def pooled_seed_level(summaries, step):
     if 0.0 not in by_lam:
         raise ValueError(f"no lambda 0 arm at step {step} in the pooled sweeps; pass a step they "
                          "evaluated (--step)")
+    return by_lam
+
+
+def pooled_seed_level(summaries, step):
+    """{lambda: seed_level(lambda, lambda 0)} at one step over the pooled sweeps' seeds
+    (pooled_arms)."""
+    by_lam = pooled_arms(summaries, step)
     return {lam: seed_level(by_lam[lam], by_lam[0.0]) for lam in sorted(by_lam) if lam != 0.0}
+
+
+def write_pooled(folder, summaries, step, argv):
+    """pooled-stepN.json (the command, each seed's arms and the seed-level result) and
+    pooled-stepN.png (each seed's lambda - 0 difference with the t interval over seeds) in folder."""
+    from lab import plots  # matplotlib loads where the figure is drawn
+    from lab.runs import write_atomic
+    by_lam, result = pooled_arms(summaries, step), pooled_seed_level(summaries, step)
+    record = dict(command="python -m lab.sweep_table " + " ".join(argv), step=step,
+                  sweeps=[name for name, _ in summaries],
+                  seeds={f"{lam:g}": {str(s): dict(full_accept=fa, belief_change=b)
+                                      for s, (fa, b) in sorted(arms.items())}
+                         for lam, arms in sorted(by_lam.items())},
+                  seed_level={f"{lam:g}": level for lam, level in result.items()})
+    folder = Path(folder)
+    write_atomic(folder / f"pooled-step{step}.json", json.dumps(record, indent=1) + "\n")
+    plots.plot_pooled(by_lam, result, step, folder / f"pooled-step{step}.png")
+    return folder / f"pooled-step{step}.json"
 
 
 def main(argv=None):
@@ -405,6 +431,8 @@ def main(argv=None):
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep folders (their summary.json)")
     parser.add_argument("--step", type=int, required=True, help="the checkpoint to compare")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--out", type=Path, help="write pooled-stepN.json and pooled-stepN.png here")
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
     summaries = []
     for folder in args.sweeps:
@@ -418,6 +446,8 @@ def main(argv=None):
         pooled = pooled_seed_level(summaries, args.step)
     except ValueError as e:
         raise SystemExit(f"lab.sweep_table: {e}") from None
+    if args.out:
+        print(f"wrote {write_pooled(args.out, summaries, args.step, argv)} and its figure")
     if args.json:
         print(json.dumps({f"{lam:g}": level for lam, level in pooled.items()}))
         return pooled

@@ -262,16 +262,16 @@ def test_the_typed_client_plays_an_episode(openenv_server):
 
 
 def test_the_repository_is_an_openenv_package_that_validates():
-    """`openenv validate .` at the repository root: openenv.yaml naming server/app.py, whose
+    """`openenv validate .` at the repository root (openenv's command-line app, run in this
+    process, whose imports the server's tests have paid): openenv.yaml naming server/app.py, whose
     app builds lab/env_server.py's on its first event (importing it loads no model)."""
     import pathlib
-    import subprocess
-    import sys
+
+    from openenv.cli.__main__ import app
+    from typer.testing import CliRunner
     root = pathlib.Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-m", "openenv.cli", "validate", ".", "--level",
-                           "static"], cwd=root,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "PASS  static.manifest" in done.stdout, done.stdout + done.stderr
+    done = CliRunner().invoke(app, ["validate", str(root), "--level", "static"])
+    assert done.exit_code == 0 and "PASS  static.manifest" in done.output, done.output
     for name in ("Dockerfile", "server/__init__.py", "server/app.py"):
         assert (root / name).is_file()
     from server import app as package_app

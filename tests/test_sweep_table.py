@@ -109,7 +109,7 @@ def test_fig7_rows_by_hand(tmp_path):
     assert row["by_step"]["2"]["grad_clipped_share"] == 0.0
     assert "| 0.5 | 2 | 50.0 | 66.7 | 30.0 | 33.3 | 13.3 |" in sweep_table.fig7_lines([row])
     from lab import plots
-    plots.plot_fig7([row], tmp_path)
+    plots.plot_fig7([row], tmp_path, sweep_table.PAPER_DENSE_SHARE)
     assert (tmp_path / "fig7.png").stat().st_size > 0
 
 
@@ -126,7 +126,8 @@ def pool_summary(seeds, settings_extra=None, shift=0.0):
 
 def test_pooled_sweeps_give_the_seed_level_test_of_all_their_seeds(tmp_path, capsys):
     """Two sweeps of the same settings on seeds 0-2 and 3-6 pool to a paired t test over 7 seeds,
-    equal to scipy's on the differences written out here; the CLI prints it and --json holds it."""
+    equal to scipy's on the differences written out here; the CLI prints it, --json holds it and
+    --out writes each seed's arms, the result and the figure."""
     from scipy import stats
     a, b = pool_summary([0, 1, 2]), pool_summary([3, 4, 5, 6], dict(steps=50, name="longer"))
     pooled = sweep_table.pooled_seed_level([("a", a), ("b", b)], 25)
@@ -144,6 +145,14 @@ def test_pooled_sweeps_give_the_seed_level_test_of_all_their_seeds(tmp_path, cap
     assert "lambda 0.5 - 0 at step 25, 7 seeds" in capsys.readouterr().out
     sweep_table.main([str(tmp_path / "a"), str(tmp_path / "b"), "--step", "25", "--json"])
     assert json.loads(capsys.readouterr().out)["0.5"]["belief_change"]["n"] == 7
+    sweep_table.main([str(tmp_path / "a"), str(tmp_path / "b"), "--step", "25", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "pooled-step25.json").read_text())
+    assert record["command"].endswith(f"--step 25 --out {tmp_path}") and record["step"] == 25
+    assert sorted(record["seeds"]["0.5"], key=int) == [str(s) for s in range(7)]
+    assert [record["seeds"]["0.5"][str(s)]["belief_change"] - record["seeds"]["0"][str(s)]["belief_change"]
+            for s in range(7)] == pytest.approx(diffs)
+    assert record["seed_level"]["0.5"] == json.loads(json.dumps(pooled[0.5]))
+    assert (tmp_path / "pooled-step25.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("second, says", [
