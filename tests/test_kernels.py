@@ -163,6 +163,19 @@ def assert_within_rounding(actual, expected, dtype):
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2 ** -7, atol=2 ** -9)
 
 
+def assert_attention_within_rounding(actual, q, keys_t, values, bias, dtype):
+    """The Triton attention against gpu_composite's, a rounding apart measured against the scale
+    of the terms summed, sum_j p_j |v_j| (the composite over |values|), not of their sum: where
+    the terms cancel, a bf16 rounding of each p_j moves the output by up to 2^-8 of that scale,
+    however small the output (so a relative tolerance on the output alone fails by chance)."""
+    expected = gpu_composite(q, keys_t, values, bias)
+    if dtype == torch.float32:
+        return assert_within_rounding(actual, expected, dtype)
+    scale = gpu_composite(q, keys_t, values.abs(), bias).float()
+    excess = (actual.float() - expected.float()).abs() - (2 ** -7 * scale + 2 ** -9)
+    assert excess.max() <= 0, f"{excess.max():.3g} past a rounding at {divmod(int(excess.argmax()), actual.shape[-1])}"
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -177,12 +190,14 @@ def test_each_triton_kernel_is_within_a_rounding_of_its_composite(shape, dtype):
         assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
     for lengths in ([5, 40, 17], [1, 1, 1], [33, 64, 65]):  # a chunk's edge, a row of one key
         columns = 80
-        keys_t, values = (torch.randn(3, c.Hkv, *s).to(dtype) for s in ((c.D, columns),
-                                                                      (columns, c.D)))
+        g = torch.Generator().manual_seed(sum(lengths))  # the same inputs whatever ran before
+        keys_t, values = (torch.randn(3, c.Hkv, *s, generator=g).to(dtype)
+                          for s in ((c.D, columns), (columns, c.D)))
         bias = bias_for(lengths, c.Hkv, columns)
-        assert_within_rounding(kernels.decode_attention_triton(c.q, keys_t, values, bias),
-                               gpu_composite(c.q, keys_t, values, bias), dtype)
-    gate_up = torch.randn(3, 2 * 1100).to(dtype)  # two programs a row, the second masked
+        assert_attention_within_rounding(kernels.decode_attention_triton(c.q, keys_t, values, bias),
+                                         c.q, keys_t, values, bias, dtype)
+    gate_up = torch.randn(3, 2 * 1100, generator=torch.Generator().manual_seed(1)).to(dtype)  # two
+    # programs a row, the second masked
     fused, plain = kernels.silu_mul_triton(gate_up), layers.silu_mul(gate_up)
     assert_within_rounding(fused, plain, dtype)
 
@@ -204,7 +219,7 @@ def test_the_split_triton_attention_is_within_a_rounding_of_its_composite(dtype,
         keys_t[row, ..., n:], values[row, :, n:] = 0, 0
     bias = bias_for(lengths, Hkv, 320)
     batch = kernels.decode_attention_triton(q, keys_t, values, bias)
-    assert_within_rounding(batch, gpu_composite(q, keys_t, values, bias), dtype)
+    assert_attention_within_rounding(batch, q, keys_t, values, bias, dtype)
     for row, n in enumerate(lengths):
         extent = -(-n // 16) * 16
         alone = kernels.decode_attention_triton(
@@ -228,8 +243,7 @@ def test_the_triton_attention_gives_a_row_its_bits_alone_and_beside_a_longer_row
                                             bias_for([100], Hkv, 112))
     beside = kernels.decode_attention_triton(q, keys_t, values, bias_for([100, 300], Hkv, 320))
     assert torch.equal(alone[0], beside[0])
-    assert_within_rounding(beside, gpu_composite(q, keys_t, values, bias_for([100, 300], Hkv, 320)),
-                           dtype)
+    assert_attention_within_rounding(beside, q, keys_t, values, bias_for([100, 300], Hkv, 320), dtype)
 
 
 @needs_triton
