@@ -420,6 +420,7 @@ def write_pooled(folder, summaries, step, argv):
                          for lam, arms in sorted(by_lam.items())},
                   seed_level={f"{lam:g}": level for lam, level in result.items()})
     folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / f"pooled-step{step}.json", json.dumps(record, indent=1) + "\n")
     plots.plot_pooled(by_lam, result, step, folder / f"pooled-step{step}.png")
     return folder / f"pooled-step{step}.json"

@@ -145,14 +145,15 @@ def test_pooled_sweeps_give_the_seed_level_test_of_all_their_seeds(tmp_path, cap
     assert "lambda 0.5 - 0 at step 25, 7 seeds" in capsys.readouterr().out
     sweep_table.main([str(tmp_path / "a"), str(tmp_path / "b"), "--step", "25", "--json"])
     assert json.loads(capsys.readouterr().out)["0.5"]["belief_change"]["n"] == 7
-    sweep_table.main([str(tmp_path / "a"), str(tmp_path / "b"), "--step", "25", "--out", str(tmp_path)])
-    record = json.loads((tmp_path / "pooled-step25.json").read_text())
-    assert record["command"].endswith(f"--step 25 --out {tmp_path}") and record["step"] == 25
+    out = tmp_path / "new" / "folder"  # made where missing
+    sweep_table.main([str(tmp_path / "a"), str(tmp_path / "b"), "--step", "25", "--out", str(out)])
+    record = json.loads((out / "pooled-step25.json").read_text())
+    assert record["command"].endswith(f"--step 25 --out {out}") and record["step"] == 25
     assert sorted(record["seeds"]["0.5"], key=int) == [str(s) for s in range(7)]
     assert [record["seeds"]["0.5"][str(s)]["belief_change"] - record["seeds"]["0"][str(s)]["belief_change"]
             for s in range(7)] == pytest.approx(diffs)
     assert record["seed_level"]["0.5"] == json.loads(json.dumps(pooled[0.5]))
-    assert (tmp_path / "pooled-step25.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "pooled-step25.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("second, says", [
