@@ -434,8 +434,8 @@ def plot_fig7(fig7, folder, paper_dense_share, window=TRAINING_WINDOW):
 
 def plot_pooled(by_lam, seed_level, step, path):
     """sweep_table's pooled figure: per lambda, each seed's difference from lambda 0 at one step
-    (a dot a seed, left to right in seed order), in b_T - b_0 and in full acceptance points, beside the mean and its 95% t
-    interval over the seeds (seed_level's paired t)."""
+    (a dot a seed, left to right in seed order), in b_T - b_0 and in full acceptance points,
+    beside the mean and its 95% t interval over the seeds (seed_level's paired t)."""
     fig, axes = plt.subplots(1, 2, figsize=OVERLAY_FIGSIZE)
     lams = sorted(seed_level)
     for ax, (i, key, scale, label) in zip(axes, ((1, "belief_change", 1.0, "b_T - b_0"),
@@ -443,19 +443,17 @@ def plot_pooled(by_lam, seed_level, step, path):
         for x, lam in enumerate(lams):
             seeds = sorted(s for s in by_lam[lam] if s in by_lam[0.0])
             diffs = [scale * (by_lam[lam][s][i] - by_lam[0.0][s][i]) for s in seeds]
-            spread = [x - 0.35 + 0.3 * j / max(len(diffs) - 1, 1) for j in range(len(diffs))]
+            spread = np.linspace(x - 0.35, x - 0.05, len(diffs))
             ax.scatter(spread, diffs, s=14, color="grey", label="a seed (seed order)" if x == 0 else None)
             level = seed_level[lam][key] if seed_level[lam] else None
             if level:
-                mean = scale * level["diff"]
-                ax.errorbar([x + 0.15], [mean], yerr=[[mean - scale * level["low"]], [scale * level["high"] - mean]],
-                             fmt="s", color="tab:red", capsize=5,
-                             label=f"mean, 95% t over {level['n']} seeds" if x == 0 else None)
+                mean, low, high = (scale * level[k] for k in ("diff", "low", "high"))
+                ax.errorbar([x + 0.15], [mean], yerr=[[mean - low], [high - mean]], fmt="s",
+                            color="tab:red", capsize=5,
+                            label=f"mean, 95% t over {level['n']} seeds" if x == 0 else None)
         ax.axhline(0.0, color="black", lw=0.8)
         ax.set_xticks(range(len(lams)), [f"lambda {lam:g} - 0" for lam in lams])
         ax.set(title=f"held-out {label}, step {step}", xlim=(-0.6, len(lams) - 0.4))
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize="small")
     _save_fig(fig, path)
-    return path
-

@@ -115,8 +115,8 @@ def wilcoxon(x, y):
         return 1.0
     ties = np.unique(np.abs(d)).size < d.size
     method = "exact" if d.size <= EXACT_WILCOXON_MAX_N and not ties else "asymptotic"
-    return float(scipy_stats().wilcoxon(d, zero_method="wilcox", correction=False, alternative="two-sided",
-                                method=method).pvalue)
+    return float(scipy_stats().wilcoxon(d, zero_method="wilcox", correction=False,
+                                        alternative="two-sided", method=method).pvalue)
 
 
 def paired_t(x, y, level=CONFIDENCE):
@@ -179,7 +179,7 @@ def message_variance_share(rewards):
 def episodes_for_proportions(p0, p1, alpha=0.05, power=0.8):
     """Episodes per arm for a two-sided test of two independent proportions p0, p1 (normal
     approximation): (z_a sqrt(2 pbar qbar) + z_b sqrt(p0 q0 + p1 q1))^2 / (p1 - p0)^2."""
-    za, zb = scipy_stats().norm.ppf(1 - alpha / 2), scipy_stats().norm.ppf(power)
+    za, zb = scipy_stats().norm.ppf([1 - alpha / 2, power])
     pbar = (p0 + p1) / 2
     n = (za * math.sqrt(2 * pbar * (1 - pbar)) + zb * math.sqrt(p0 * (1 - p0) + p1 * (1 - p1))) ** 2
     return math.ceil(n / (p1 - p0) ** 2)
@@ -191,8 +191,9 @@ def t_test_power(effect, n, alpha=0.05, paired=False):
     alternative the statistic is noncentral t with nc = effect sqrt(n / k), k 1 paired, 2 not,
     and the power is P(T > t_{1-alpha/2}) + P(T < -t_{1-alpha/2}) (scipy's nct)."""
     df, k = (n - 1) * (1 if paired else 2), 1 if paired else 2
-    nc, critical = effect * math.sqrt(n / k), scipy_stats().t.ppf(1 - alpha / 2, df)
-    power = float(scipy_stats().nct.sf(critical, df, nc) + scipy_stats().nct.cdf(-critical, df, nc))
+    stats = scipy_stats()
+    nc, critical = effect * math.sqrt(n / k), stats.t.ppf(1 - alpha / 2, df)
+    power = float(stats.nct.sf(critical, df, nc) + stats.nct.cdf(-critical, df, nc))
     return power if math.isfinite(power) else float(abs(nc) > critical)  # far tails: 0 or 1
 
 
@@ -224,8 +225,9 @@ def paired_t_power(diff, sd, n, alpha=0.05):
     and sd: P(|T| > t_{1-alpha/2, n-1}) with T noncentral t (df n - 1, noncentrality
     diff sqrt(n) / sd). What a pre-registration states for seeds as the unit."""
     df, nc = n - 1, diff * math.sqrt(n) / sd
-    t = scipy_stats().t.ppf(1 - alpha / 2, df)
-    power = float(scipy_stats().nct.sf(t, df, nc) + scipy_stats().nct.cdf(-t, df, nc))
+    stats = scipy_stats()
+    t = stats.t.ppf(1 - alpha / 2, df)
+    power = float(stats.nct.sf(t, df, nc) + stats.nct.cdf(-t, df, nc))
     return power if math.isfinite(power) else 1.0  # scipy's nct gives NaN far out (|nc| > ~37)
 
 

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from lab import analyses
+from lab import runs
 from lab import significance
 
 SEED_LEVEL_MIN = 3  # seeds from which the comparisons carry a paired t test over seeds (seed_level)
@@ -400,28 +401,28 @@ def pooled_arms(summaries, step):
     return by_lam
 
 
-def pooled_seed_level(summaries, step):
-    """{lambda: seed_level(lambda, lambda 0)} at one step over the pooled sweeps' seeds
-    (pooled_arms)."""
-    by_lam = pooled_arms(summaries, step)
+def seed_levels(by_lam):
+    """{lambda: seed_level(lambda, lambda 0)} over pooled_arms' seeds."""
     return {lam: seed_level(by_lam[lam], by_lam[0.0]) for lam in sorted(by_lam) if lam != 0.0}
 
 
-def write_pooled(folder, summaries, step, argv):
-    """pooled-stepN.json (the command, each seed's arms and the seed-level result) and
+def pooled_seed_level(summaries, step):
+    """seed_levels at one step over the pooled sweeps' seeds (pooled_arms)."""
+    return seed_levels(pooled_arms(summaries, step))
+
+
+def write_pooled(folder, sweeps, by_lam, result, step, argv):
+    """pooled-stepN.json (the command, each seed's arms, result: the seed-level comparison) and
     pooled-stepN.png (each seed's lambda - 0 difference with the t interval over seeds) in folder."""
     from lab import plots  # matplotlib loads where the figure is drawn
-    from lab.runs import write_atomic
-    by_lam, result = pooled_arms(summaries, step), pooled_seed_level(summaries, step)
-    record = dict(command="python -m lab.sweep_table " + " ".join(argv), step=step,
-                  sweeps=[name for name, _ in summaries],
+    record = dict(command="python -m lab.sweep_table " + " ".join(argv), step=step, sweeps=sweeps,
                   seeds={f"{lam:g}": {str(s): dict(full_accept=fa, belief_change=b)
                                       for s, (fa, b) in sorted(arms.items())}
                          for lam, arms in sorted(by_lam.items())},
                   seed_level={f"{lam:g}": level for lam, level in result.items()})
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / f"pooled-step{step}.json", json.dumps(record, indent=1) + "\n")
+    runs.write_atomic(folder / f"pooled-step{step}.json", json.dumps(record, indent=1) + "\n")
     plots.plot_pooled(by_lam, result, step, folder / f"pooled-step{step}.png")
     return folder / f"pooled-step{step}.json"
 
@@ -444,11 +445,13 @@ def main(argv=None):
             raise SystemExit(f"lab.sweep_table: cannot read {path} ({e}); pass sweep folders "
                              "that lab.sweep has summarised") from None
     try:
-        pooled = pooled_seed_level(summaries, args.step)
+        by_lam = pooled_arms(summaries, args.step)
     except ValueError as e:
         raise SystemExit(f"lab.sweep_table: {e}") from None
+    pooled = seed_levels(by_lam)
     if args.out:
-        print(f"wrote {write_pooled(args.out, summaries, args.step, argv)} and its figure")
+        written = write_pooled(args.out, [name for name, _ in summaries], by_lam, pooled, args.step, argv)
+        print(f"wrote {written} and its figure")
     if args.json:
         print(json.dumps({f"{lam:g}": level for lam, level in pooled.items()}))
         return pooled

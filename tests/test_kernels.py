@@ -173,7 +173,8 @@ def assert_attention_within_rounding(actual, q, keys_t, values, bias, dtype):
         return assert_within_rounding(actual, expected, dtype)
     scale = gpu_composite(q, keys_t, values.abs(), bias).float()
     excess = (actual.float() - expected.float()).abs() - (2 ** -7 * scale + 2 ** -9)
-    assert excess.max() <= 0, f"{excess.max():.3g} past a rounding at {divmod(int(excess.argmax()), actual.shape[-1])}"
+    where = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+    assert excess.max() <= 0, f"{excess.max():.3g} past a rounding at {where}"
 
 
 @needs_triton
