@@ -341,7 +341,7 @@ TAG_PIECES = ["[", "]", "*", "**", "_", "-", " ", "\t", "\n", ".", "!", "x", "ac
               "\u201c", "\u201d", "\u2019", "\u00a0", "\u3000", "\ufb01"]
 hostile_text = st.one_of(st.text(), st.lists(st.sampled_from(TAG_PIECES), max_size=40).map("".join))
 
-@fuzz(3000)
+@fuzz(1500)
 @given(hostile_text)
 def test_parse_and_strip_on_hostile_text(text):
     """Whatever the parser could read, the stripper removes: nothing in the stripped text, even
@@ -355,7 +355,7 @@ def test_parse_and_strip_on_hostile_text(text):
     if arena.TAG_RE.search(arena.normalise(text)) is None:
         assert stripped == text
 
-@fuzz(2000)
+@fuzz(1000)
 @given(st.text(alphabet=st.characters(codec="utf-8")))
 def test_normalise_is_idempotent_and_keeps_tags_readable(text):
     """normalise is a fixed point after one pass, so parsing normalised text changes nothing."""
@@ -404,7 +404,7 @@ def test_parse_judge_rejects(text):
 JUDGE_PIECES = ["PROBING", "FIT", "ADAPTATION", "probing", ":", "=", " ", "\n", "*", "-", "/", ".", "#",
                 "0", "1", "3", "5", "6", "9", "12", "4.5"]
 
-@fuzz(1000)
+@fuzz(500)
 @given(st.one_of(st.text(), st.lists(st.sampled_from(JUDGE_PIECES), max_size=40).map("".join)))
 def test_parse_judge_on_hostile_text(text):
     s = parse_judge(text)

@@ -119,15 +119,15 @@ def test_sigterm_stops_the_server_with_a_client_mid_episode(short_scenarios):
     SIGTERM ends the process, with no traceback."""
     import signal
     import subprocess
-    import sys
-    from pathlib import Path
+
+    import warm
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "lab.env_server", "--serve", "--port", str(port), "--persuadee",
+    server = warm.popen(  # started warm: tests/warm.py
+        ["-m", "lab.env_server", "--serve", "--port", str(port), "--persuadee",
          "random:tiny-qwen3", "--judge", "none", "--scenarios", short_scenarios, "--t-max", "3",
-         "--max-new-tokens", "4"], cwd=Path(__file__).parent.parent,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+         "--max-new-tokens", "4"], {**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL)
     try:
         for _ in range(1200):  # start-up: imports and a random model
             with contextlib.suppress(OSError):

@@ -20,6 +20,7 @@ from lab import plots
 from lab import records
 from lab import report
 from persuarena import rpo
+import warm
 from test_analyses import LAB, RUN_B, RUN_A, check_compare, episode, many_runs
 from test_plots import png_size
 
@@ -88,10 +89,10 @@ def test_bad_arguments_exit_with_one_line(tmp_path, argv, needle, capsys):
 
 
 def test_cli_subprocess_no_traceback():
-    p = subprocess.run([sys.executable, str(HERE / "eval.py"), "--compare", "/nonexistent", "x"],
-                       capture_output=True, text=True, cwd=HERE, timeout=60)
+    p = warm.popen([str(HERE / "eval.py"), "--compare", "/nonexistent", "x"], cwd=HERE)
+    stderr = p.communicate(timeout=60)[1]  # (started warm: tests/warm.py)
     assert p.returncode != 0
-    assert p.stderr.strip().splitlines() == [
+    assert stderr.strip().splitlines() == [
         "eval.py: /nonexistent does not exist; pass an eval directory such as evals/NAME"]
 
 

@@ -176,7 +176,7 @@ def test_forged_role_markers_stay_text(kind):
     assert len(framing(tok, live)) > 0
 
 
-@settings(max_examples=600, deadline=None, database=None,
+@settings(max_examples=300, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(["chatml", "qwen3", "llama3"]), hostile)
 def test_text_ids_are_inert_and_lossless(kind, text):

@@ -22,6 +22,7 @@ from persuarena import rollout
 from persuarena import rpo
 from lab import cli, presets, runs
 from persuarena import train
+import warm
 
 
 def parse_train(argv):
@@ -446,11 +447,10 @@ train.main(sys.argv[1:])
 
 def test_ctrl_c_with_a_step_in_flight_ends_the_run_at_once_in_one_line(tmp_path, short_scenarios):
     import signal
-    proc = subprocess.Popen(
-        [sys.executable, "-c", STALLED_STEP, "--preset", "tiny", "--judge", "none", "--scenarios",
+    proc = warm.popen(  # started warm: tests/warm.py
+        ["-c", STALLED_STEP, "--preset", "tiny", "--judge", "none", "--scenarios",
          short_scenarios, "--out", str(tmp_path), "--name", "r", "--steps", "3", "--max-new-tokens", "3"],
-        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(HERE)})
+        {**os.environ, "PYTHONPATH": str(HERE)}, HERE)
     for line in proc.stdout:  # the step is in its update
         if line.startswith("in flight"):
             break

@@ -26,6 +26,7 @@ from persuarena import probes
 from persuarena import rollout
 from lab import episode_log, hardening, presets, served
 from conftest import short_scenario, tiny_model
+import warm
 
 try:
     import httpx2 as httpx  # the HTTP library of the installed openai client
@@ -504,11 +505,10 @@ def server(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve",
+    cmd = ["-c", "from transformers.cli.transformers import main; main()", "serve",
            str(folder), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    log = open(folder.parent / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = warm.popen(cmd, dict(os.environ, OMP_NUM_THREADS="1"),  # started warm: tests/warm.py
+                      stdout=folder.parent / "serve.log", stderr=subprocess.STDOUT)
     deadline = time.time() + SERVE_START_S
     while True:
         try:
@@ -522,7 +522,6 @@ def server(tmp_path_factory):
     yield f"openai:{folder}@http://127.0.0.1:{port}/v1"
     proc.terminate()
     proc.wait(timeout=30)
-    log.close()
 
 
 @pytest.mark.xdist_group("transformers-serve")  # one server, on one worker
@@ -1283,7 +1282,7 @@ def test_every_served_side_receives_role_markers_as_text(chat_tokenizer):
 @pytest.mark.xdist_group("ranks")  # one 2-rank run at a time: three processes each
 @pytest.mark.slow
 def test_two_ranks_train_on_when_one_ranks_episodes_are_left_out(tmp_path, short_scenarios):
-    """torchrun, 2 ranks, against a served persuadee whose replies fail for good in one of the
+    """torchrun's 2 ranks (warm.ranks), against a served persuadee whose replies fail for good in one of the
     four training scenarios (drawn on one rank in step 1 at seed 0): the ranks whose groups are
     left out still run the update's micro-batches (no FSDP collective waits forever), step 2
     follows, and each step counts what it left out."""
@@ -1291,20 +1290,15 @@ def test_two_ranks_train_on_when_one_ranks_episodes_are_left_out(tmp_path, short
                          and any(f"on day {d}" in body["messages"][0]["content"] for d in (3,))
                          else None)
     server = Loopback(tiny_model("qwen3", seed=2), models.tiny_tokenizer(), fail=fail)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--standalone", str(Path(__file__).parent.parent / "train.py"), "--preset", "tiny",
-           "--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "two",
-           "--steps", "2", "--persuadee", server.spec, "--judge", "none", "--save-every", "1000"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    argv = [str(Path(__file__).parent.parent / "train.py"), "--preset", "tiny",
+            "--scenarios", short_scenarios, "--out", str(tmp_path), "--name", "two",
+            "--steps", "2", "--persuadee", server.spec, "--judge", "none", "--save-every", "1000"]
+    p = warm.ranks(argv)  # torchrun's 2 ranks, started warm; a timeout kills both
     try:
-        out, err = p.communicate(timeout=600)
-    except subprocess.TimeoutExpired:  # a rank stuck in a collective: stop every worker
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
+        out = p.communicate(timeout=600)[0]
     finally:
         server.close()
-    assert p.returncode == 0, out[-2000:] + err[-3000:]
+    assert p.returncode == 0, out[-5000:]
     metrics = [json.loads(l) for l in lines(tmp_path / "two" / "metrics.jsonl")]
     assert len(metrics) == 2
     for m in metrics:

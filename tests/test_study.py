@@ -21,6 +21,7 @@ from persuarena import engine
 from persuarena import probes
 from conftest import served_app, tiny_model, write_short_scenarios
 from lab import jsonl, report, study
+import warm
 from test_served import instances
 
 CLIENTS = 16
@@ -207,9 +208,8 @@ def test_a_killed_server_keeps_every_finished_episode_and_a_restart_continues(tm
     argv = ["--persuader", "random:tiny-qwen3", "--scenarios", scenarios, "--limit", "2",
             "--t-max", "1", "--max-new-tokens", "4", "--out", str(tmp_path), "--name", "s",
             "--kv-blocks", "1000"]
-    server = subprocess.Popen([sys.executable, "-m", "lab.study", *argv, "--port", str(port)],
-                              stderr=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    server = warm.popen(["-m", "lab.study", *argv, "--port", str(port)],  # tests/warm.py
+                        stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         server.stderr.readline()  # "open http://..." once it is about to listen

@@ -20,6 +20,7 @@ from persuarena.rollout import Episode
 from lab import checkpoints, cli, hardening, jsonl, loggers, presets, runs, steps
 from persuarena import train
 from rank_helpers import hashed_decision
+import warm
 
 
 TINY = ["--preset", "tiny", "--judge", "none", "--save-every", "1000"]
@@ -64,19 +65,24 @@ def test_learning_raises_the_persuadees_belief(tmp_path, short_scenarios, monkey
     assert loss < -0.005, (flipped, frozen)
 
 
-def run_script(argv, env_extra=None, **kw):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.Popen([sys.executable, *argv], cwd=Path(__file__).parent.parent, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+def run_script(argv, env_extra=None):
+    """`python *argv` from the repository root, one thread, stderr into stdout: started warm
+    (tests/warm.py: the imports paid once per worker)."""
+    return warm.popen(argv, dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {})),
+                      stderr=subprocess.STDOUT)
+
+
+def run_ranks(argv, env_extra=None):
+    """torchrun --nproc_per_node 2 --standalone *argv, its ranks started warm (tests/warm.py)."""
+    return warm.ranks(argv, dict(os.environ, **(env_extra or {})))
 
 
 def one_and_two_ranks(script, args, env=None, timeout=300, one=None):
-    """Run `script args` under torchrun with 2 gloo ranks (--name two, on a free port:
-    --standalone) and as one process (--name one), both to a zero exit. The one process is this
+    """Run `script args` as torchrun's 2 gloo ranks (--name two, on a free port; warm.ranks)
+    and as one process (--name one), both to a zero exit. The one process is this
     one (its imports are paid already), running one(argv), train.main by default, while the
     ranks start; `script` must then do what one does. Returns what the ranks printed."""
-    two = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                      script, *args, "--name", "two"], env)
+    two = run_ranks([script, *args, "--name", "two"], env)
     (one or train.main)([str(a) for a in args] + ["--name", "one"])
     out = two.communicate(timeout=timeout)[0]
     assert two.returncode == 0, out[-3000:]
@@ -712,9 +718,8 @@ def test_two_ranks_match_one_process_and_pool_its_diagnostics(tmp_path, short_sc
     # the two ranks' last checkpoint resumes on two ranks, rank 0 alone reading the trainer state
     # (the weights and optimizer state are broadcast from it)
     (tmp_path / "resume_two.py").write_text(RESUME_ON_TWO_RANKS)
-    resumed = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                          str(tmp_path / "resume_two.py"), *common, "--steps", "3", "--name", "two",
-                          "--resume"], env)
+    resumed = run_ranks([str(tmp_path / "resume_two.py"), *common, "--steps", "3", "--name", "two",
+                         "--resume"], env)
     out = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, out[-3000:]
     reads = sorted(line for line in out.splitlines() if line.endswith("trainer.pt"))

@@ -5,20 +5,26 @@ PersuArenaEnv.run on a shared hub, the persuader a stand-in for verifiers' agent
 the per-turn rewards equal to a replay of the same messages on a plain PersuasionEnv; the pool
 comes back whole; nothing imports verifiers.legacy. Skipped where verifiers is not installed."""
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-vf = pytest.importorskip("verifiers.v1")
+from persuarena import engine
+from persuarena import rpo
+from conftest import tiny_model
+from lab import env as persuasion_env
+from lab import sessions
+from test_served import instances
+import warm
 
-from persuarena import engine  # noqa: E402
-from persuarena import rpo  # noqa: E402
-from conftest import tiny_model  # noqa: E402
-from lab import env as persuasion_env  # noqa: E402
-from lab import sessions  # noqa: E402
-from test_served import instances  # noqa: E402
+pytestmark = pytest.mark.xdist_group("verifiers")  # one worker imports verifiers (~6 CPU-s)
+vf = None  # verifiers.v1, imported when the first test here runs, not at collection
+
+
+@pytest.fixture(autouse=True)
+def verifiers_v1():
+    global vf
+    vf = pytest.importorskip("verifiers.v1")
 
 POOL = 2000
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +83,8 @@ def test_the_id_persuarena_resolves_to_this_packages_taskset_and_env():
     assert "heldout-001" not in tasks[0].data.prompt_text  # the persuader's opening, no id
     code = ("import sys, lab.verifiers_env; "
             "sys.exit(any(m.startswith('verifiers.legacy') for m in sys.modules))")
-    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+    assert warm.popen(["-c", code], cwd=ROOT).wait(120) == 0  # a fresh interpreter's imports
+    # (warm: tests/warm.py, whose preload holds no verifiers)
 
 
 def test_episodes_carry_the_arenas_per_turn_rewards(tokenizer):
