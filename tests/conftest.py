@@ -2,7 +2,6 @@
 import contextlib
 import importlib.util
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -44,9 +43,9 @@ def served_app(app, **config):
     """An ASGI app under uvicorn on 127.0.0.1 (a free port) in a thread: yields its http URL and
     stops the server after (config: more uvicorn.Config settings)."""
     import uvicorn
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+    import warm
+    port = warm.free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            **config))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -18,6 +18,7 @@ from lab import env_server, sessions
 from conftest import served_app, tiny_model
 from test_env import BAD_INSTANCES, MESSAGES, play_env
 from test_served import instances  # noqa: F401
+import warm
 
 
 @contextlib.contextmanager
@@ -108,20 +109,13 @@ def test_the_server_cli_refuses_bad_flags_before_loading(capsys, monkeypatch, sh
         assert "\n" not in message and words in message, message
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_stops_the_server_with_a_client_mid_episode(short_scenarios):
     """python -m lab.env_server --serve with a client mid-episode (and one more connecting):
     SIGTERM ends the process, with no traceback."""
     import signal
     import subprocess
 
-    import warm
-    port = free_port()
+    port = warm.free_port()
     url = f"http://127.0.0.1:{port}"
     server = warm.popen(  # started warm: tests/warm.py
         ["-m", "lab.env_server", "--serve", "--port", str(port), "--persuadee",

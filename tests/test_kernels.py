@@ -197,8 +197,8 @@ def test_each_triton_kernel_is_within_a_rounding_of_its_composite(shape, dtype):
         bias = bias_for(lengths, c.Hkv, columns)
         assert_attention_within_rounding(kernels.decode_attention_triton(c.q, keys_t, values, bias),
                                          c.q, keys_t, values, bias, dtype)
-    gate_up = torch.randn(3, 2 * 1100, generator=torch.Generator().manual_seed(1)).to(dtype)  # two
-    # programs a row, the second masked
+    # two programs a row, the second masked
+    gate_up = torch.randn(3, 2 * 1100, generator=torch.Generator().manual_seed(1)).to(dtype)
     fused, plain = kernels.silu_mul_triton(gate_up), layers.silu_mul(gate_up)
     assert_within_rounding(fused, plain, dtype)
 

@@ -4,10 +4,7 @@ loopback HTTP server wrapping a tiny local model, and a real `transformers serve
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -502,9 +499,7 @@ def server(tmp_path_factory):
     model, tok = models.random_model("tiny-llama", seed=1, max_position_embeddings=2048)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = warm.free_port()
     cmd = ["-c", "from transformers.cli.transformers import main; main()", "serve",
            str(folder), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
     proc = warm.popen(cmd, dict(os.environ, OMP_NUM_THREADS="1"),  # started warm: tests/warm.py

@@ -5,11 +5,8 @@ frees its slot and keeps nothing; a kill leaves whole records and a restart cont
 probes.PROBES is the page's list of questions."""
 import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -202,9 +199,7 @@ def test_a_killed_server_keeps_every_finished_episode_and_a_restart_continues(tm
     started again on the same folder it says so, refuses other settings in one line, and gives
     the next participant the scenario not yet played."""
     scenarios = write_short_scenarios(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = warm.free_port()
     argv = ["--persuader", "random:tiny-qwen3", "--scenarios", scenarios, "--limit", "2",
             "--t-max", "1", "--max-new-tokens", "4", "--out", str(tmp_path), "--name", "s",
             "--kv-blocks", "1000"]

@@ -17,7 +17,7 @@ from persuarena import arena
 from persuarena import models
 from persuarena import rpo
 from persuarena.rollout import Episode
-from lab import checkpoints, cli, hardening, jsonl, loggers, presets, runs, steps
+from lab import checkpoints, cli, jsonl, loggers, presets, runs, steps
 from persuarena import train
 from rank_helpers import hashed_decision
 import warm

@@ -83,8 +83,9 @@ def test_the_id_persuarena_resolves_to_this_packages_taskset_and_env():
     assert "heldout-001" not in tasks[0].data.prompt_text  # the persuader's opening, no id
     code = ("import sys, lab.verifiers_env; "
             "sys.exit(any(m.startswith('verifiers.legacy') for m in sys.modules))")
-    assert warm.popen(["-c", code], cwd=ROOT).wait(120) == 0  # a fresh interpreter's imports
-    # (warm: tests/warm.py, whose preload holds no verifiers)
+    fresh = warm.popen(["-c", code], cwd=ROOT)  # a fresh interpreter's imports (tests/warm.py:
+    err = fresh.communicate(timeout=120)[1]  # its preload holds no verifiers)
+    assert fresh.returncode == 0, err[-2000:]
 
 
 def test_episodes_carry_the_arenas_per_turn_rewards(tokenizer):

@@ -1,11 +1,12 @@
-"""Warm processes for tests: `python SCRIPT ARGS`, `python -m MODULE ARGS` and torchrun-style ranks
-started by a multiprocessing forkserver that has imported torch, transformers' tiny model classes
-and the method already (one forkserver per pytest worker, started on first use). A process then
-starts in ~0.3 CPU-s instead of the ~8 a fresh interpreter pays for those imports, which was the
-largest share of the suite's time. Each process gets the environment, folder, argv and stdio a
-fresh one would (its stdout and stderr are one pipe), runs its atexit handlers and exits with the
-code a fresh one would. Not for tests of what a fresh interpreter imports, or of torchrun itself
-(tests/test_eval.py's 2-rank test launches the real torchrun).
+"""Warm processes for tests: `python SCRIPT ARGS`, `python -m MODULE ARGS`, `python -c CODE ARGS`
+and torchrun-style ranks, started by a multiprocessing forkserver that has imported torch,
+transformers' tiny model classes and the method already (one forkserver per pytest worker, started
+on first use). A process then starts in ~0.3 CPU-s instead of the ~8 a fresh interpreter pays for
+those imports, which was the largest share of the suite's time. Each process gets the argv,
+environment, folder and import path a fresh one would (not the pytest worker's), its own stdout
+and stderr, runs its atexit handlers and exits with the code a fresh one would. Not for tests of
+what a fresh interpreter imports, or of torchrun itself (tests/test_eval.py's 2-rank test
+launches the real torchrun). Tests: tests/test_warm.py.
 
     proc = warm.popen(["train.py", "--preset", "tiny"], env)   # a subprocess.Popen's interface
     out = warm.ranks(["train.py", ...], env).communicate(timeout=600)[0]
@@ -22,6 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PYTEST_PATHS = {str(ROOT), str(ROOT / "tests")}  # on the worker's import path (pytest.ini's
+# pythonpath, the rootdir conftest), not on a fresh interpreter's: the package is installed
 PRELOAD = ["torch", "torch.distributed", "transformers.models.llama.modeling_llama",
            "transformers.models.qwen3.modeling_qwen3", "persuarena.train", "persuarena.eval"]
 _context = None
@@ -49,7 +52,8 @@ def _run(argv, env, cwd, out, err):
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = ([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] +
+                   [p for p in sys.path if p not in PYTEST_PATHS])
     try:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
@@ -120,10 +124,10 @@ class WarmProcess:
 
     def communicate(self, timeout=None):
         """(stdout, stderr) it printed, once it has exited (TimeoutExpired after timeout s)."""
-        streams = [s for s in (self.stdout, self.stderr) if s is not None]
-        texts = [[] for _ in streams]  # (stdout, stderr), or the one of them there is
-        readers = [threading.Thread(target=lambda s=s, t=t: t.append(s.read()), daemon=True)
-                   for s, t in zip(streams, texts)]
+        streams = {name: getattr(self, name) for name in ("stdout", "stderr") if getattr(self, name)}
+        texts = {}
+        readers = [threading.Thread(target=lambda n=n, f=f: texts.update({n: f.read()}), daemon=True)
+                   for n, f in streams.items()]
         deadline = None if timeout is None else time.time() + timeout
         for reader in readers:
             reader.start()
@@ -132,11 +136,9 @@ class WarmProcess:
             if reader.is_alive():
                 raise subprocess.TimeoutExpired("warm process", timeout)
         self.wait(None if deadline is None else max(1.0, deadline - time.time()))
-        for stream in streams:
+        for stream in streams.values():
             stream.close()
-        got = dict(zip([n for n in ("stdout", "stderr") if getattr(self, n) is not None],
-                       (t[0] for t in texts)))
-        return got.get("stdout"), got.get("stderr")
+        return texts.get("stdout"), texts.get("stderr")
 
 
 def popen(argv, env=None, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
@@ -146,6 +148,7 @@ def popen(argv, env=None, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PI
 
 
 def free_port():
+    """A port free on 127.0.0.1 now (the OS's pick)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -162,6 +165,7 @@ class Ranks:
                     OMP_NUM_THREADS="1")
         self.procs = [WarmProcess(argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)), cwd,
                                   stderr=subprocess.STDOUT) for r in range(n)]
+        self.failed = None  # the first failing rank's exit code, once one has failed
         self.outputs = [[] for _ in self.procs]
         self.readers = [threading.Thread(target=lambda p=p, o=o: o.append(p.stdout.read()),
                                          daemon=True) for p, o in zip(self.procs, self.outputs)]
@@ -170,10 +174,14 @@ class Ranks:
 
     @property
     def returncode(self):
-        codes = [p.poll() for p in self.procs]
-        if any(c not in (None, 0) for c in codes):
-            return next(c for c in codes if c not in (None, 0))
-        return None if None in codes else 0
+        """The first failing rank's code (as torchrun reports it; fixed once seen, so the
+        others' kill does not replace it), 0 when all exited 0, None while any runs."""
+        if self.failed is None:
+            codes = [p.poll() for p in self.procs]
+            self.failed = next((c for c in codes if c not in (None, 0)), None)
+            if self.failed is None:
+                return None if None in codes else 0
+        return self.failed
 
     def communicate(self, timeout=None):
         deadline = None if timeout is None else time.time() + timeout
