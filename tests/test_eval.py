@@ -5,9 +5,6 @@ Run: python -m pytest -q test_eval.py"""
 import json
 from dataclasses import replace
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -267,16 +264,12 @@ def test_two_ranks_write_the_summary_of_one_process(tmp_path, monkeypatch):
     them: episodes.jsonl and summary.json equal one process's (run in this one meanwhile)."""
     common = ["--persuader", "random:tiny-llama", "--persuadee", "random:tiny-qwen3",
               "--limit", "4", "--t-max", "2", "--max-new-tokens", "4", "--kv-blocks", "600",
-              "--dtype", "float32"]  # the subprocess would take a bf16 CPU's default
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(Path(evaluation.__file__)), *common, "--name", "two"]
-    log = tmp_path / "two.log"
-    with open(log, "w") as out:
-        p = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-        monkeypatch.chdir(tmp_path)
-        evaluation.main(common + ["--name", "one"])
-        assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
+              "--dtype", "float32"]  # the ranks would take a bf16 CPU's default
+    two = warm.ranks([str(Path(evaluation.__file__)), *common, "--name", "two"], cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # torchrun's 2 ranks, started warm (tests/warm.py)
+    evaluation.main(common + ["--name", "one"])
+    out = two.communicate(timeout=600)[0]
+    assert two.returncode == 0, out[-3000:]
     runs = {name: tmp_path / evaluation.EVALS_DIR / name for name in ("one", "two")}
     one, two = (records.load_episodes(runs[k]) for k in ("one", "two"))
     assert len(one) == 4 == len(two)

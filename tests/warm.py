@@ -5,8 +5,8 @@ on first use). A process then starts in ~0.3 CPU-s instead of the ~8 a fresh int
 those imports, which was the largest share of the suite's time. Each process gets the argv,
 environment, folder and import path a fresh one would (not the pytest worker's), its own stdout
 and stderr, runs its atexit handlers and exits with the code a fresh one would. Not for tests of
-what a fresh interpreter imports, or of torchrun itself (tests/test_eval.py's 2-rank test
-launches the real torchrun). Tests: tests/test_warm.py.
+what a fresh interpreter imports; ranks get torchrun's environment, not torchrun itself
+(DECISIONS.md: Test workers). Tests: tests/test_warm.py.
 
     proc = warm.popen(["train.py", "--preset", "tiny"], env)   # a subprocess.Popen's interface
     out = warm.ranks(["train.py", ...], env).communicate(timeout=600)[0]
