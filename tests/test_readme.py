@@ -68,6 +68,7 @@ def test_the_in_process_snippets_run(which, capsys):
         assert "[assistant] Hello, I'm calling about next week." in said
 
 
+@pytest.mark.xdist_group("openenv")  # with test_env_server's: one worker imports openenv
 def test_the_openenv_client_snippet_runs_against_a_server(tokenizer):
     from persuarena import engine
     from conftest import tiny_model

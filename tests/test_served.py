@@ -513,7 +513,7 @@ def server(tmp_path_factory):
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
                 pytest.fail(f"transformers serve did not start: {(folder.parent / 'serve.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+            time.sleep(0.1)
     yield f"openai:{folder}@http://127.0.0.1:{port}/v1"
     proc.terminate()
     proc.wait(timeout=30)

@@ -73,6 +73,7 @@ def run(tokenizer, with_bad):
     return records, max(batches), ee.free_blocks, hub.reserved
 
 
+@pytest.mark.xdist_group("openenv")  # with test_env_server's: one worker imports openenv
 def test_sixteen_clients_play_at_once_and_a_bad_one_changes_nothing(tokenizer):
     """16 clients at once: all finish, the pool and the hub's reservations come back whole, the
     persuadee replied to several episodes in one engine step; with a bad client among them

@@ -15,6 +15,10 @@ from lab import trl_grpo
 from test_env_server import openenv_server  # noqa: F401
 from test_served import instances
 
+# on the worker that runs test_env_server's tests: importing trl (~1.5 CPU-s) and the OpenEnv
+# server (openenv and gradio, ~5) is then paid once
+pytestmark = pytest.mark.xdist_group("openenv")
+
 TURN_TOKENS = 6
 GROUP = 2  # episodes per instance (GRPO's group)
 
