@@ -17,7 +17,8 @@ sum P(no ids), how much of the model's first-token distribution the two answers 
 The fork shares the conversation's KV blocks (engine.PagedCache), so a read costs the probe's own
 tokens only. On a CPU the questions' shared opening is prefilled once and forked per question; on
 a GPU each question's fork takes all of its tokens, one forward. `read_beliefs_reference` computes
-the same values by a plain full forward of each context plus question (read_beliefs_references:
+the same values by a plain full forward of each context plus question (cache=True: the context
+once through transformers' own KV cache, each question on a copy; read_beliefs_references:
 the answer words' and the whole vocabulary's from the same forwards); the tests hold fork and
 reference within 1e-4 on every path. The logit decision (rollout.DECISION "logit") reuses the fork:
 read_decisions returns the probabilities of arena.DECISION_WORDS after arena.DECISION_QUESTION,
@@ -255,12 +256,14 @@ def read_beliefs(eng, contexts, with_mass=False, space=None, signs=None):
 
 @torch.no_grad()
 def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabulary=False,
-                           space=None, signs=None):
+                           space=None, signs=None, cache=False):
     """The same read-out by one plain full forward of each context plus question, no cache;
     with vocabulary=True over every answer token of the vocabulary (vocabulary_answer_ids), the
-    reference for where the four spellings depart from the model's own first-token answer."""
+    reference for where the four spellings depart from the model's own first-token answer.
+    cache=True: each context's forward once, through transformers' own KV cache, and each
+    question on a copy of it (still not the engine's pool; a third of the cost at k = 3)."""
     answers = vocabulary_answer_ids(tokenizer) if vocabulary else None
-    logits = _reference_logits(model, tokenizer, contexts)
+    logits = _reference_logits(model, tokenizer, contexts, cache)
     values, mass = _readout(logits, tokenizer, len(contexts), answers, space, signs)
     return (values.cpu(), mass.cpu()) if with_mass else values.cpu()
 
@@ -274,13 +277,25 @@ def read_beliefs_references(model, tokenizer, contexts, space=None, signs=None):
                  for answers in (None, vocabulary_answer_ids(tokenizer)))
 
 
-def _reference_logits(model, tokenizer, contexts):
-    """[n * k, V] next-token logits of each context plus each question, plain forwards."""
+def _reference_logits(model, tokenizer, contexts, cache=False):
+    """[n * k, V] next-token logits of each context plus each question: plain forwards, or
+    (cache) the context once into transformers' KV cache and each question on a copy of it."""
+    import copy
+    import inspect
     turns, _ = probe_ids(tokenizer)
     device = next(model.parameters()).device
-    return torch.stack([model(torch.tensor([context + t], device=device),
-                              logits_to_keep=1).logits[0, -1]
-                        for context in contexts for t in turns])
+    ids = lambda tokens: torch.tensor([tokens], device=device)  # noqa: E731
+    if not cache:
+        return torch.stack([model(ids(context + t), logits_to_keep=1).logits[0, -1]
+                            for context in contexts for t in turns])
+    name = ("cache" if "cache" in inspect.signature(model.forward).parameters  # newer transformers
+            else "past_key_values")
+    logits = []
+    for context in contexts:
+        kv = model(ids(context), use_cache=True).past_key_values
+        logits += [model(ids(t), logits_to_keep=1, **{name: copy.deepcopy(kv)}).logits[0, -1]
+                   for t in turns]
+    return torch.stack(logits)
 
 
 # -----------------------------------------------------------------------------

@@ -932,7 +932,7 @@ def test_a_proxy_page_fails_the_start_up_check_in_one_line():
 
 
 def test_a_dripping_server_is_bounded_by_the_deadline():
-    """A byte a second never trips the per-read timeout; the whole-call deadline ends it."""
+    """A byte every 0.4 s never trips the 2 s per-read timeout; the 1.2 s deadline ends it."""
     server = FakeServer(lambda body, n: ok("Fine."), drip=0.4)
     try:
         model = server.model(timeout=2.0, deadline=1.2)
