@@ -129,14 +129,14 @@ def training_instances(scenarios=None, n=None, seed=0):
     instances = []
     for scenario, count in zip(scenarios, counts):
         srng = random.Random(f"{seed}/{scenario['id']}")  # a scenario's variants ignore the others
-        seen, body = set(), copy.deepcopy(scenario)
+        seen, body, facts = set(), copy.deepcopy(scenario), variants.persona(scenario)
         for v in range(count):
             draws = 0
             while (key := json.dumps(body, sort_keys=True)) in seen:
                 draws += 1
                 if draws > 1000:
                     raise ValueError(f"scenario {scenario['id']!r} cannot give {count} distinct variants; lower n")
-                body = variants.draw(scenario, srng, AGE_SHIFT, MIN_AGE, TRUST_LEVELS)
+                body = variants.draw(scenario, srng, AGE_SHIFT, MIN_AGE, TRUST_LEVELS, facts)
             seen.add(key)
             instances.append(_instance(scenario, v, body))
     rng.shuffle(instances)

@@ -115,9 +115,13 @@ def process_cores():
 def free_cores(samples=3):
     """The cores other processes leave free now, at least one and at most process_cores: its
     cores less the fewest tasks running elsewhere over a few instant samples (a task that keeps
-    a core busy is in every sample, a passing one in few)."""
+    a core busy is in every sample, a passing one in few). A process held to one thread
+    (OMP_NUM_THREADS=1) has nothing to read: one."""
+    most = process_cores()
+    if most == 1:
+        return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(process_cores(), cores - min(running_elsewhere() for _ in range(samples))))
+    return max(1, min(most, cores - min(running_elsewhere() for _ in range(samples))))
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from persuarena import arena
 from lab import hardening, variants
@@ -756,6 +756,17 @@ def words_in(s):
 
 def count_word(text, word):
     return len(re.findall(rf"(?<!\w){re.escape(word)}(?!\w)", text))
+
+@settings(max_examples=300, deadline=None)
+@example(word="--", text="---")  # matches do not overlap
+@given(word=st.text("aAé_1'- ", min_size=1, max_size=4),
+       text=st.text("aAé_1'- .\n٣ß", max_size=40))
+def test_whole_word_count_is_the_regex_count(word, text):
+    """variants.count (a scan) counts what the lookaround regexes count: whole words (\\w) and,
+    with str.isdecimal, a number no digit touches (\\d: the written-age check), Unicode included."""
+    assert variants.count(word, text) == count_word(text, word)
+    assert variants.count(word, text, str.isdecimal) == len(
+        re.findall(rf"(?<!\d){re.escape(word)}(?!\d)", text))
 
 def test_training_instances_are_deterministic_and_seeded():
     a = arena.training_instances(train_scenarios(), n=60, seed=0)

@@ -428,6 +428,10 @@ def test_a_cpu_forward_takes_the_cores_other_processes_leave(monkeypatch):
         monkeypatch.setattr(engine, "running_elsewhere", lambda: 0)
         with engine.cpu_threads("cpu", "free"):
             assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # held to one thread: no /proc read at all
+        monkeypatch.setattr(engine, "running_elsewhere", lambda: pytest.fail("read /proc"))
+        with engine.cpu_threads("cpu", "free"):
+            assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     monkeypatch.undo()

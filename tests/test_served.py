@@ -1,6 +1,7 @@
 """served.py: episodes over the OpenAI-compatible API through rollout.py's one loop, against an
 in-process scripted server (the official client over a mock transport), a fault-injecting one, a
 loopback HTTP server wrapping a tiny local model, and a real `transformers serve`."""
+import functools
 import json
 import math
 import os
@@ -333,11 +334,12 @@ def answer_tokenizer():
 
 class Loopback:
     """An OpenAI-compatible server on 127.0.0.1 (http.server) that wraps a local model, greedy,
-    with no cache: every request is a plain full forward per token. A context is built from the
-    message texts through the chat edge as a local side builds it, the server's own earlier
-    messages as the ids it generated for them (a server keeps no ids; this one does, so that the
-    comparison is the loop's and not a tokenizer's round trip). A probe gets the first token's
-    log-probs over the whole vocabulary. fail(body) -> a status to answer instead."""
+    through transformers' own KV cache (none of the engine's pool): the context once, then a
+    forward per new token. A context is built from the message texts through the chat edge as a
+    local side builds it, the server's own earlier messages as the ids it generated for them (a
+    server keeps no ids; this one does, so that the comparison is the loop's and not a
+    tokenizer's round trip). A probe gets the first token's log-probs over the whole vocabulary.
+    fail(body) -> a status to answer instead."""
 
     def __init__(self, model, tokenizer, fail=lambda body: None):
         self.model, self.tok, self.fail, self.said = model, tokenizer, fail, {}
@@ -381,11 +383,15 @@ class Loopback:
     @torch.no_grad()
     def answer(self, body):
         ids, new, top = self.context(body["messages"]), [], None
+        out = self.model(torch.tensor([ids]), use_cache=True)
         for _ in range(body["max_completion_tokens"]):
-            logp = torch.log_softmax(self.model(torch.tensor([ids + new])).logits[0, -1].float(), -1)
+            if new:
+                out = self.model(torch.tensor([new[-1:]]), past_key_values=out.past_key_values,
+                                 use_cache=True)
+            logp = torch.log_softmax(out.logits[0, -1].float(), -1)
             if top is None and body.get("logprobs"):
-                top = [{"token": self.tok.decode([i]), "logprob": lp, "bytes": None}
-                       for i, lp in enumerate(logp.tolist())]
+                top = [{"token": piece, "logprob": lp, "bytes": None}
+                       for piece, lp in zip(self.pieces(), logp.tolist())]
             new.append(int(logp.argmax()))
             if new[-1] in self.stop:
                 break
@@ -400,6 +406,11 @@ class Loopback:
             choice["logprobs"] = {"content": [{**top[new[0]], "top_logprobs": top}]}
         return {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
                 "choices": [choice]}
+
+    @functools.cache
+    def pieces(self):
+        """Each token id's text, decoded once."""
+        return [self.tok.decode([i]) for i in range(self.model.config.vocab_size)]
 
     def close(self):
         self.httpd.shutdown()
@@ -739,6 +750,11 @@ class FakeServer:
 
     def model(self, **kw):
         return served.ServedModel(f"openai:scripted@{self.url}", **{"backoff": False, **kw})
+
+    @functools.cache
+    def pieces(self):
+        """Each token id's text, decoded once."""
+        return [self.tok.decode([i]) for i in range(self.model.config.vocab_size)]
 
     def close(self):
         self.httpd.shutdown()
