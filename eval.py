@@ -37,7 +37,7 @@ from lab import analyses, cli, comparisons, episode_log, jsonl, moves, pools, pr
 EVALS_DIR = "evals"
 DEFAULT_MODEL = "smollm2"
 SAME_AS_PERSUADEE = "persuadee"  # the judge by default (the paper's frozen judge): the persuadee's model, fresh context
-FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checked against a full forward
+FIDELITY_SAMPLES = 24  # read-outs, spread over every turn, whose fork is checked against transformers' forward
 CPU_SAMPLING_MODELS = (DEFAULT_MODEL,)  # persuaders whose default --sampling is "cpu" (DECISIONS.md: CPU sampling preset)
 SAMPLING_FLAGS = ("sampling", "persuader_temperature", "persuadee_temperature", "persuadee_top_p",
                   "persuadee_top_k")  # cli.add_sampling_flags: a training run's, by default

@@ -17,6 +17,7 @@ template's own framing yields control ids, whatever special-token strings a mess
 
     python -m pytest -q tests/test_models.py
 """
+import functools
 import os
 import re
 import weakref
@@ -72,9 +73,19 @@ def tiny_tokenizer(template=None, special=("<|endoftext|>", "<|im_start|>", "<|i
                    plain=(), eos="<|im_end|>", pad="<|endoftext|>", bos=None):
     """A byte-level BPE trained in milliseconds from text here: ChatML tokens and template by
     default; other templates (Qwen3's think block, Llama-3's headers) pass their own special
-    tokens and `plain` added tokens that are not special (Qwen3's <think>)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokens and `plain` added tokens that are not special (Qwen3's <think>). Each call returns a
+    tokenizer of its own; the training runs once per process for each set of tokens."""
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer.from_str(_tiny_bpe(tuple(special), tuple(plain)))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
+                                   bos_token=bos, chat_template=template or TINY_CHAT_TEMPLATE)
+
+
+@functools.cache
+def _tiny_bpe(special, plain):
+    """The tiny BPE's serialized form, trained on TINY_CORPUS (deterministic)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -82,8 +93,7 @@ def tiny_tokenizer(template=None, special=("<|endoftext|>", "<|im_start|>", "<|i
                                   special_tokens=list(special), show_progress=False)
     tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
-                                   bos_token=bos, chat_template=template or TINY_CHAT_TEMPLATE)
+    return tok.to_str()
 
 
 def random_config(name, tokenizer=None, **overrides):

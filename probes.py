@@ -18,8 +18,9 @@ The fork shares the conversation's KV blocks (engine.PagedCache), so a read cost
 tokens only. On a CPU the questions' shared opening is prefilled once and forked per question; on
 a GPU each question's fork takes all of its tokens, one forward. `read_beliefs_reference` computes
 the same values by a plain full forward of each context plus question (cache=True: the context
-once through transformers' own KV cache, each question on a copy; read_beliefs_references:
-the answer words' and the whole vocabulary's from the same forwards); the tests hold fork and
+once through transformers' own KV cache, each question on a copy; read_beliefs_references, the
+evaluation's fidelity check: the answer words' and the whole vocabulary's from the same cached
+forwards); the tests hold fork and
 reference within 1e-4 on every path. The logit decision (rollout.DECISION "logit") reuses the fork:
 read_decisions returns the probabilities of arena.DECISION_WORDS after arena.DECISION_QUESTION,
 sample_decisions draws one with the episode's keyed stream.
@@ -271,8 +272,9 @@ def read_beliefs_reference(model, tokenizer, contexts, with_mass=False, vocabula
 @torch.no_grad()
 def read_beliefs_references(model, tokenizer, contexts, space=None, signs=None):
     """(the answer words' values, the whole vocabulary's) [n, k] each, as read_beliefs_reference
-    with vocabulary False and True, from the same forwards (the evaluation's fidelity check)."""
-    logits, n = _reference_logits(model, tokenizer, contexts), len(contexts)
+    with cache=True and vocabulary False and True, from the same forwards (the evaluation's
+    fidelity check: each context once through transformers' own cache, not k times)."""
+    logits, n = _reference_logits(model, tokenizer, contexts, cache=True), len(contexts)
     return tuple(_readout(logits, tokenizer, n, answers, space, signs)[0].cpu()
                  for answers in (None, vocabulary_answer_ids(tokenizer)))
 
@@ -292,7 +294,7 @@ def _reference_logits(model, tokenizer, contexts, cache=False):
             else "past_key_values")
     logits = []
     for context in contexts:
-        kv = model(ids(context), use_cache=True).past_key_values
+        kv = model(ids(context), use_cache=True, logits_to_keep=1).past_key_values
         logits += [model(ids(t), logits_to_keep=1, **{name: copy.deepcopy(kv)}).logits[0, -1]
                    for t in turns]
     return torch.stack(logits)

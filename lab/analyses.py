@@ -349,7 +349,7 @@ def format_analyses(summary):
             f"{probe_names()[i]}-{probe_names()[j]} {num(b[key][i][j], '+.2f')}"
             for i in range(len(probe_names())) for j in range(i + 1, len(probe_names()))))
     if "probe_fidelity" in summary:
-        for title, f in (("fork vs full forward", summary["probe_fidelity"]),
+        for title, f in (("fork vs transformers' forward", summary["probe_fidelity"]),
                          ("four spellings vs every answer token", summary["probe_fidelity"].get("vocabulary"))):
             if f is None:
                 continue

@@ -433,7 +433,7 @@ def train_parser(own):
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, default=presets.owned(key),
                        type=float if key == "lr" else int, help=f"default {presets.OWNERS[key]}")
     p.add_argument("--eval-fidelity", type=int, help="read-outs of each held-out evaluation checked "
-                   "against a full forward (default eval.FIDELITY_SAMPLES; 0 skips the check, "
+                   "against transformers' forward (default eval.FIDELITY_SAMPLES; 0 skips the check, "
                    "which changes no result: the persuadee is frozen, one check covers the run)")
     p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"),
                    default=plan.ACTIVATION_CHECKPOINTING, help="recompute the update's "

@@ -1,9 +1,11 @@
 """
 The probe fidelity check of an evaluation (DECISIONS.md: Probe fidelity sample): at FIDELITY
 read-outs spread over every turn of every episode, the probe values read in a fork of the
-persuadee's paged cache (probes.read_beliefs, what rollout records) against a plain full forward
-(probes.read_beliefs_references) on the same ids, with the answer words and with the whole
-vocabulary, both from the same forwards. Under torchrun the ranks share the sample. analyses.summarize_run reports their agreement; fidelity.json keeps them.
+persuadee's paged cache (probes.read_beliefs, what rollout records) against transformers' own
+forward of the same ids (probes.read_beliefs_references: each context once through its KV cache,
+each probe question on a copy), with the answer words and with the whole vocabulary, both from
+the same forwards. Under torchrun the ranks share the sample. analyses.summarize_run reports
+their agreement; fidelity.json keeps them.
 
     python -m pytest -q tests/test_eval.py -k fidelity
 """
@@ -36,8 +38,9 @@ def fidelity_reads(persuadee, instances, episodes, n, probe_space=None, probe_si
     mine = []
     if contexts and rank == 0:
         print(f"eval.py: probe fidelity check: {len(sample)} read-outs, each probe read in a fork "
-              "of the persuadee's cache (what the episodes recorded) against a plain full forward "
-              f"of the same ids ({len(sample) * len(probes.PROBES)} forwards)", file=sys.stderr)
+              "of the persuadee's cache (what the episodes recorded) against transformers' own "
+              f"forward of the same ids ({len(sample)} contexts, "
+              f"{len(sample) * len(probes.PROBES)} questions on copies of their cache)", file=sys.stderr)
     for start in tqdm(range(0, len(contexts), CHUNK), desc="probe fidelity", unit="chunk",
                       disable=rank != 0 or not contexts, file=sys.stderr):
         chunk = contexts[start:start + CHUNK]

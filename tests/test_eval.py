@@ -152,7 +152,7 @@ def test_evaluate_writes_a_run_and_analyze_reproduces_it(tmp_path, capsys, monke
     said = capsys.readouterr().err  # progress: the episodes as they end, then the fidelity check
     assert "turn 1 played, 0/2 episode(s) ended" in said
     assert "episode 1/2" in said and "episode 2/2" in said and said.index("episode 2/2") < said.index(
-        "probe fidelity check: 2 read-outs") and "full forward" in said
+        "probe fidelity check: 2 read-outs") and "transformers' own forward" in said
     # the fidelity sample spans the conversation: the first read-out (b_0) and the last one
     sample = json.loads((tmp_path / "run" / "fidelity.json").read_text())["sample"]
     saved = records.load_episodes(tmp_path / "run")
@@ -529,7 +529,7 @@ def test_every_new_table_and_figure_from_tiny_model_evaluations(tmp_path, monkey
     assert "of the net sum r_t" in capsys.readouterr().out
     evaluation.main(["--analyze", dirs["A"]])
     out = capsys.readouterr().out
-    assert "probe fidelity, fork vs full forward" in out and "by |v|" in out
+    assert "probe fidelity, fork vs transformers' forward" in out and "by |v|" in out
     summary = json.loads((tmp_path / "evals" / "A" / "summary.json").read_text())
     assert summary["probe_fidelity"]["n"] == 6 * 3 and summary["shaping_lambda"] == rpo.LAMBDA
     assert sum(b["n"] for b in summary["probe_fidelity"]["by_decidedness"]) == 18

@@ -254,10 +254,10 @@ def test_a_fourth_probe_is_one_edit_in_the_probes_dict(tmp_path, short_scenarios
 
 
 def test_reference_and_vocabulary_read_outs_come_from_one_forward_each(tokenizer):
-    """probes.read_beliefs_references: one plain forward per context and question (counted) gives
-    both the answer words' values and the whole vocabulary's, each equal to its own
-    read_beliefs_reference; with cache=True, one forward per context plus one per question on a
-    copy of its KV cache gives the same values."""
+    """probes.read_beliefs_references: one forward per context plus one per question on a copy
+    of its KV cache (counted) gives both the answer words' values and the whole vocabulary's,
+    each equal to its own read_beliefs_reference with cache=True, and within 1e-5 of the plain
+    forwards of each context and question (counted too)."""
     model = tiny_model("llama")
     contexts = [models.encode(tokenizer, models.render(tokenizer, msgs, False)) for msgs in [
         [{"role": "system", "content": "You are Ana, a nurse."}],
@@ -265,16 +265,18 @@ def test_reference_and_vocabulary_read_outs_come_from_one_forward_each(tokenizer
     calls = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
     words, vocabulary = probes.read_beliefs_references(model, tokenizer, contexts)
-    assert len(calls) == len(contexts) * len(probes.PROBES)
-    torch.testing.assert_close(words, probes.read_beliefs_reference(model, tokenizer, contexts),
-                               atol=0, rtol=0)
-    torch.testing.assert_close(vocabulary, probes.read_beliefs_reference(
-        model, tokenizer, contexts, vocabulary=True), atol=0, rtol=0)
-    assert not torch.equal(words, vocabulary)  # the two read-outs differ: both were computed
-    calls.clear()  # cache=True: a forward per context, then one per question on a copy of its cache
-    cached = probes.read_beliefs_reference(model, tokenizer, contexts, cache=True)
     assert len(calls) == len(contexts) * (1 + len(probes.PROBES))
-    torch.testing.assert_close(cached, words, atol=1e-5, rtol=0)
+    torch.testing.assert_close(words, probes.read_beliefs_reference(model, tokenizer, contexts,
+                                                                    cache=True), atol=0, rtol=0)
+    torch.testing.assert_close(vocabulary, probes.read_beliefs_reference(
+        model, tokenizer, contexts, vocabulary=True, cache=True), atol=0, rtol=0)
+    assert not torch.equal(words, vocabulary)  # the two read-outs differ: both were computed
+    calls.clear()  # the plain forwards: one per context and question
+    plain = probes.read_beliefs_reference(model, tokenizer, contexts)
+    assert len(calls) == len(contexts) * len(probes.PROBES)
+    torch.testing.assert_close(words, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(vocabulary, probes.read_beliefs_reference(
+        model, tokenizer, contexts, vocabulary=True), atol=1e-5, rtol=0)
 
 
 def test_belief_acceptance_probability_against_hand_computed_values():
