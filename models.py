@@ -77,21 +77,21 @@ def tiny_tokenizer(template=None, special=("<|endoftext|>", "<|im_start|>", "<|i
     tokenizer of its own; the training runs once per process for each set of tokens."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer.from_str(_tiny_bpe(tuple(special), tuple(plain)))
+    tok = Tokenizer.from_str(_tiny_bpe(TINY_CORPUS, tuple(special), tuple(plain)))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
                                    bos_token=bos, chat_template=template or TINY_CHAT_TEMPLATE)
 
 
 @functools.cache
-def _tiny_bpe(special, plain):
-    """The tiny BPE's serialized form, trained on TINY_CORPUS (deterministic)."""
+def _tiny_bpe(corpus, special, plain):
+    """The tiny BPE's serialized form, trained on corpus (deterministic)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=list(special), show_progress=False)
-    tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
+    tok.train_from_iterator([corpus] * 4, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     return tok.to_str()
 
@@ -206,6 +206,13 @@ def copied(model, dtype):
     clone = copy.deepcopy(model, cast)  # the memo hands each parameter its cast copy
     clone.config.dtype = dtype
     return clone.eval()
+
+
+def cache_argument(model):
+    """The name a transformers model's forward takes a KV cache by: `cache` where transformers
+    has renamed it, past_key_values before."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def check_supported(config, name="the model"):

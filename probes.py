@@ -283,15 +283,13 @@ def _reference_logits(model, tokenizer, contexts, cache=False):
     """[n * k, V] next-token logits of each context plus each question: plain forwards, or
     (cache) the context once into transformers' KV cache and each question on a copy of it."""
     import copy
-    import inspect
     turns, _ = probe_ids(tokenizer)
     device = next(model.parameters()).device
     ids = lambda tokens: torch.tensor([tokens], device=device)  # noqa: E731
     if not cache:
         return torch.stack([model(ids(context + t), logits_to_keep=1).logits[0, -1]
                             for context in contexts for t in turns])
-    name = ("cache" if "cache" in inspect.signature(model.forward).parameters  # newer transformers
-            else "past_key_values")
+    name = models.cache_argument(model)
     logits = []
     for context in contexts:
         kv = model(ids(context), use_cache=True, logits_to_keep=1).past_key_values

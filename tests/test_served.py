@@ -386,8 +386,8 @@ class Loopback:
         out = self.model(torch.tensor([ids]), use_cache=True)
         for _ in range(body["max_completion_tokens"]):
             if new:
-                out = self.model(torch.tensor([new[-1:]]), past_key_values=out.past_key_values,
-                                 use_cache=True)
+                out = self.model(torch.tensor([new[-1:]]), use_cache=True,
+                                 **{models.cache_argument(self.model): out.past_key_values})
             logp = torch.log_softmax(out.logits[0, -1].float(), -1)
             if top is None and body.get("logprobs"):
                 top = [{"token": piece, "logprob": lp, "bytes": None}
