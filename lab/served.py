@@ -36,6 +36,7 @@ broken by a space (inert), so a server that templates and tokenizes reads them a
     python eval.py --persuader openai:gpt-4o-mini@https://api.openai.com/v1 --name gpt-4o-mini
     python -m pytest -q test_served.py
 """
+import functools
 import hashlib
 import ipaddress
 import json
@@ -368,6 +369,20 @@ class DeadlineExceeded(Exception):
     """A chat call that ran past its whole-request deadline."""
 
 
+@functools.cache
+def tls_context():
+    """The process's one TLS context, the default of the HTTP library the openai client is built
+    on (certifi's roots, or SSL_CERT_FILE or SSL_CERT_DIR), made at first use: each client would
+    otherwise load the roots again (~25 ms a client)."""
+    return http_library().create_ssl_context()
+
+
+def http_library():
+    """The module the openai client's HTTP client comes from: httpx, or httpx2 under openai 3."""
+    import openai
+    return sys.modules[openai.DefaultHttpxClient.__mro__[1].__module__.partition(".")[0]]
+
+
 class ServedModel:
     """One model behind an OpenAI-compatible server: chat requests with bounded concurrency, a
     deadline on each whole call, validated answers and retries. `stats` counts requests, failed
@@ -385,7 +400,8 @@ class ServedModel:
         insecure = ALLOW_INSECURE_KEY if allow_insecure_key is None else allow_insecure_key
         # requests stay where they were sent: a redirect (3xx) is a failed request, never followed
         # with the system prompt (the hidden profile) and the key to wherever it points
-        http_client = http_client or openai.DefaultHttpxClient(follow_redirects=False)
+        http_client = http_client or openai.DefaultHttpxClient(follow_redirects=False,
+                                                               verify=tls_context())
         self.client = openai.OpenAI(base_url=self.url, api_key=api_key(self.url, key, insecure),
                                     timeout=timeout, max_retries=0, http_client=http_client)
         self.timeout, self.deadline = timeout, deadline

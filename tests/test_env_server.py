@@ -398,14 +398,14 @@ def soak(url, ee, episodes, idle_every, unused_every, capfd):
     polite = session(url)
     final = play_through(polite, 99, instances()[2]["id"])
     polite.close()
+    assert final["observation"]["info"]["record"]["id"] == instances()[2]["id"]
+    deadline = time.time() + 10  # the idle clients, still connected, are released by their idle
+    while ee.free_blocks != 2000 and time.time() < deadline:  # timeout (however fast the soak)
+        time.sleep(0.05)
+    assert ee.free_blocks == 2000
     for raw in held:
         with contextlib.suppress(Exception):
             raw.ws.close()
-    assert final["observation"]["info"]["record"]["id"] == instances()[2]["id"]
-    deadline = time.time() + 10  # the last idle client's episode is released by its idle timeout
-    while ee.free_blocks != 2000 and time.time() < deadline:
-        time.sleep(0.05)
-    assert ee.free_blocks == 2000
     # none left behind (the count taken after the warm-up may still hold a closing client's own
     # thread, so the end may hold fewer: the 500-episode soak once ended at 3 against 4)
     assert settled_threads(threads) <= threads, [t.name for t in threading.enumerate()]

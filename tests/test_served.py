@@ -140,6 +140,22 @@ def play(persuader, persuadee, insts, t_max, **kw):
     return rollout.rollout_episodes(persuader, persuadee, insts, t_max, **kw)
 
 
+def test_served_models_share_one_default_tls_context(monkeypatch):
+    """Every client of the process verifies with one TLS context, the HTTP library's default
+    (made once: each client loading the roots again cost ~25 ms)."""
+    import ssl
+    made = []
+    monkeypatch.setattr(served.http_library(), "create_ssl_context",
+                        lambda: made.append(1) or ssl.create_default_context())
+    served.tls_context.cache_clear()
+    a, b = (served.ServedModel("openai:m@http://127.0.0.1:9/v1") for _ in range(2))
+    context = served.tls_context()
+    assert made == [1] and context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    for model in (a, b):
+        assert model.client._client._transport._pool._ssl_context is context
+    served.tls_context.cache_clear()
+
+
 def test_probe_value_renormalises_over_the_yes_and_no_found():
     v, mass = served.probe_value([("Yes", math.log(0.3)), (" yes", math.log(0.1)),
                                   ("No", math.log(0.2)), ("Maybe", math.log(0.4))])
