@@ -38,6 +38,14 @@ def figures(monkeypatch):
     monkeypatch.setenv(report.FIGURES_ENV, "1")
 
 
+@pytest.fixture
+def small_engine_memory(monkeypatch):
+    """Engines made in this test get a 64 MiB KV pool and a 16 MiB decode memory: the bench's
+    touch_memory zeroes both whole, and the defaults (2 GiB and 1 GiB) cost seconds a test."""
+    monkeypatch.setattr(engine, "CACHE_GB_CPU", 1 / 16)
+    monkeypatch.setattr(fastpath, "DECODE_COPY_GB", 1 / 64)
+
+
 @contextlib.contextmanager
 def served_app(app, **config):
     """An ASGI app under uvicorn on 127.0.0.1 (a free port) in a thread: yields its http URL and

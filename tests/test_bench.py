@@ -16,15 +16,7 @@ from persuarena import engine
 from persuarena import models
 from persuarena import probes
 from conftest import tiny_model
-from lab import (bench, bench_baselines, bench_gpu, bench_vllm, bench_workload, fastpath, kernels,
-                 vllm_worker)
-
-
-def small_engine_memory(monkeypatch):
-    """Engines with a 64 MiB pool and a 16 MiB decode memory, which run_engine's touch_memory
-    zeroes whole (the defaults, 2 GiB and 1 GiB, would cost seconds of page-zeroing a test)."""
-    monkeypatch.setattr(engine, "CACHE_GB_CPU", 1 / 16)
-    monkeypatch.setattr(fastpath, "DECODE_COPY_GB", 1 / 64)
+from lab import bench, bench_baselines, bench_gpu, bench_vllm, bench_workload, kernels, vllm_worker
 
 
 class ModelWorker:
@@ -53,8 +45,8 @@ class ModelWorker:
         self.closed = True
 
 
-def test_the_hf_baseline_plays_the_engines_dialogues_through_the_one_loop(tokenizer,
-                                                                         monkeypatch):
+def test_the_hf_baseline_plays_the_engines_dialogues_through_the_one_loop(tokenizer, monkeypatch,
+                                                                         small_engine_memory):
     """run_hf's HistorySides, played by rollout.rollout_episodes as the engine is, give the
     engine's dialogues: the same greedy messages, probe values within 1e-4 (a full forward of
     history + question against a fork of the cached context), an episode ended by a decision
@@ -67,7 +59,6 @@ def test_the_hf_baseline_plays_the_engines_dialogues_through_the_one_loop(tokeni
         type(a[0]).__name__) or original(*a, **k))
     monkeypatch.setattr(arena, "parse_decision", lambda text: "ACCEPT" if len(text) % 3 == 0
                         else None)  # some dialogues end early, as the decision says
-    small_engine_memory(monkeypatch)
     model = tiny_model("llama", max_position_embeddings=8192)
     instances = bench_workload.pick_instances(3)
     ours = bench_workload.run_engine(model, tokenizer, instances, 2, 6, lambda: None)

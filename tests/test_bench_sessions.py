@@ -3,11 +3,9 @@ every episode played whole) and refuses bad counts in one line; no speed is asse
 import pytest
 
 from lab import bench_sessions
-from test_bench import small_engine_memory
 
 
-def test_the_table_has_a_row_per_count_with_every_episode(capsys, monkeypatch):
-    small_engine_memory(monkeypatch)  # (touch_memory zeroes the decode memory whole)
+def test_the_table_has_a_row_per_count_with_every_episode(capsys, small_engine_memory):
     bench_sessions.main(["--persuadee", "random:tiny-qwen3", "--sessions", "1,3", "--repeats",
                          "1", "--t-max", "1", "--max-new-tokens", "2", "--kv-blocks", "256"])
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()

@@ -399,8 +399,10 @@ def soak(url, ee, episodes, idle_every, unused_every, capfd):
     final = play_through(polite, 99, instances()[2]["id"])
     polite.close()
     assert final["observation"]["info"]["record"]["id"] == instances()[2]["id"]
-    deadline = time.time() + 10  # the idle clients, still connected, are released by their idle
-    while ee.free_blocks != 2000 and time.time() < deadline:  # timeout (however fast the soak)
+    # the idle clients, still connected, are released by their idle timeout, however fast the
+    # soak was: waited for, before the held clients close
+    deadline = time.time() + 10
+    while ee.free_blocks != 2000 and time.time() < deadline:
         time.sleep(0.05)
     assert ee.free_blocks == 2000
     for raw in held:

@@ -26,10 +26,7 @@ from lab import episode_log, hardening, presets, served
 from conftest import short_scenario, tiny_model
 import warm
 
-try:
-    import httpx2 as httpx  # the HTTP library of the installed openai client
-except ImportError:
-    import httpx
+httpx = served.http_library()  # httpx, or httpx2 under openai 3
 
 YES_P, NO_P, OTHER_P = 0.3, 0.1, 0.4  # the scripted server's first-token probabilities of a probe
 JUDGE_ANSWER = "PROBING: 4\nFIT: 3\nADAPTATION: 5"  # s = 4 - 3 = 1
